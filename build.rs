@@ -1,0 +1,17 @@
+//! Generates the gRPC code and the reflection descriptor set from `proto/`.
+//! protox compiles the .proto files in Rust, so no `protoc` binary is needed.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = ["proto/narsil/v1/predict.proto"];
+    for proto in protos {
+        println!("cargo:rerun-if-changed={proto}");
+    }
+    let descriptors = protox::compile(protos, ["proto"])?;
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(
+        out_dir.join("narsil_descriptor.bin"),
+        prost::Message::encode_to_vec(&descriptors),
+    )?;
+    tonic_prost_build::configure().compile_fds(descriptors)?;
+    Ok(())
+}

@@ -1,0 +1,42 @@
+//! Criterion benches for the pure pieces of the data path: reorder/assemble
+//! of 16 requests x 100 samples x 26 features, and the split of scores.
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use narsil_core::{assemble, SampleBatch};
+
+const DENSE: usize = 13;
+const SPARSE: usize = 26;
+
+fn request(seed: usize, samples: usize, ids_per_bag: u32) -> SampleBatch {
+    let bags = samples * SPARSE;
+    SampleBatch {
+        batch_size: samples,
+        dense: (0..samples * DENSE).map(|i| (i + seed) as f32 * 1e-3).collect(),
+        lengths: vec![ids_per_bag; bags],
+        ids: (0..bags * ids_per_bag as usize).map(|i| ((i * 31 + seed) % 100_000) as i64).collect(),
+    }
+}
+
+fn bench_assemble(c: &mut Criterion) {
+    let mut group = c.benchmark_group("assemble_16x100x26");
+    for ids_per_bag in [1u32, 4] {
+        let requests: Vec<_> = (0..16).map(|s| request(s, 100, ids_per_bag)).collect();
+        group.throughput(Throughput::Elements(1600));
+        group.bench_with_input(BenchmarkId::new("ids_per_bag", ids_per_bag), &requests, |b, reqs| {
+            b.iter(|| assemble(DENSE, SPARSE, reqs))
+        });
+    }
+    group.finish();
+}
+
+fn bench_split(c: &mut Criterion) {
+    let requests: Vec<_> = (0..16).map(|s| request(s, 100, 1)).collect();
+    let batch = assemble(DENSE, SPARSE, &requests);
+    let scores = vec![0.5f32; batch.rows];
+    c.bench_function("split_16x100", |b| {
+        b.iter(|| batch.split(&scores).map(|part| part.to_vec()).collect::<Vec<_>>())
+    });
+}
+
+criterion_group!(benches, bench_assemble, bench_split);
+criterion_main!(benches);

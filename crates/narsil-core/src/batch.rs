@@ -1,0 +1,288 @@
+//! The fused batch a backend runs, and the reorder that builds it.
+//!
+//! Requests arrive sample-major (sample 0's bags for every feature, then
+//! sample 1's). Models built with TorchRec take sparse input key-major, as a
+//! `KeyedJaggedTensor`: every bag of feature 0 for all rows, then feature 1,
+//! and so on. [`BatchBuilder`] does that reorder one request at a time, so the
+//! engine can assemble the next batch while the current one runs; `finish`
+//! then lays the per-feature buffers end to end.
+//!
+//! [`KeyedBatch::split`] hands each request back its own rows of the scores.
+
+use crate::request::SampleBatch;
+
+/// A fused batch in the layout backends consume.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct KeyedBatch {
+    /// Total rows (samples) across all fused requests.
+    pub rows: usize,
+    /// Dense features per row.
+    pub num_dense: usize,
+    /// Sparse features.
+    pub num_sparse: usize,
+    /// `[rows x num_dense]`, row-major.
+    pub dense: Vec<f32>,
+    /// Key-major bag lengths: `lengths[f * rows + row]`.
+    pub lengths: Vec<i32>,
+    /// Key-major ids: feature 0's bags for rows `0..rows`, then feature 1's.
+    pub ids: Vec<i64>,
+    /// `num_sparse + 1` offsets: feature `f`'s ids are
+    /// `ids[feature_offsets[f]..feature_offsets[f + 1]]`.
+    pub feature_offsets: Vec<usize>,
+    /// Rows contributed by each fused request, in order.
+    pub request_rows: Vec<usize>,
+}
+
+impl KeyedBatch {
+    /// Feature `f`'s bag lengths for every row.
+    pub fn feature_lengths(&self, f: usize) -> &[i32] {
+        &self.lengths[f * self.rows..(f + 1) * self.rows]
+    }
+
+    /// Feature `f`'s ids for every row, bags end to end.
+    pub fn feature_ids(&self, f: usize) -> &[i64] {
+        &self.ids[self.feature_offsets[f]..self.feature_offsets[f + 1]]
+    }
+
+    /// Splits a batch's scores (one per row) back into per-request slices,
+    /// in the order requests were fused. `scores.len()` must equal `rows`.
+    pub fn split<'a>(&'a self, scores: &'a [f32]) -> impl Iterator<Item = &'a [f32]> + 'a {
+        debug_assert_eq!(scores.len(), self.rows);
+        let mut start = 0;
+        self.request_rows.iter().map(move |&n| {
+            let part = &scores[start..start + n];
+            start += n;
+            part
+        })
+    }
+}
+
+/// Builds a [`KeyedBatch`] request by request, reordering each one into
+/// per-feature buffers as it is pushed.
+#[derive(Debug)]
+pub struct BatchBuilder {
+    num_dense: usize,
+    rows: usize,
+    dense: Vec<f32>,
+    lengths: Vec<Vec<i32>>,
+    ids: Vec<Vec<i64>>,
+    request_rows: Vec<usize>,
+}
+
+impl BatchBuilder {
+    /// An empty builder for a model with the given feature counts.
+    pub fn new(num_dense: usize, num_sparse: usize) -> Self {
+        Self {
+            num_dense,
+            rows: 0,
+            dense: Vec::new(),
+            lengths: vec![Vec::new(); num_sparse],
+            ids: vec![Vec::new(); num_sparse],
+            request_rows: Vec::new(),
+        }
+    }
+
+    /// Rows pushed so far.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Requests pushed so far.
+    pub fn requests(&self) -> usize {
+        self.request_rows.len()
+    }
+
+    /// True when nothing has been pushed.
+    pub fn is_empty(&self) -> bool {
+        self.request_rows.is_empty()
+    }
+
+    /// Appends a validated request: its dense rows as they are, its bags
+    /// scattered to their features' buffers.
+    pub fn push(&mut self, request: &SampleBatch) {
+        let num_sparse = self.lengths.len();
+        debug_assert_eq!(request.dense.len(), request.batch_size * self.num_dense);
+        debug_assert_eq!(request.lengths.len(), request.batch_size * num_sparse);
+        self.dense.extend_from_slice(&request.dense);
+        let mut cursor = 0usize;
+        for sample_lengths in request.lengths.chunks_exact(num_sparse.max(1)) {
+            for (f, &len) in sample_lengths.iter().enumerate() {
+                let len = len as usize;
+                self.lengths[f].push(len as i32);
+                self.ids[f].extend_from_slice(&request.ids[cursor..cursor + len]);
+                cursor += len;
+            }
+        }
+        self.rows += request.batch_size;
+        self.request_rows.push(request.batch_size);
+    }
+
+    /// Lays the per-feature buffers end to end into the key-major batch.
+    pub fn finish(self) -> KeyedBatch {
+        let num_sparse = self.lengths.len();
+        let total_ids: usize = self.ids.iter().map(Vec::len).sum();
+        let mut ids = Vec::with_capacity(total_ids);
+        let mut feature_offsets = Vec::with_capacity(num_sparse + 1);
+        feature_offsets.push(0);
+        for feature_ids in &self.ids {
+            ids.extend_from_slice(feature_ids);
+            feature_offsets.push(ids.len());
+        }
+        KeyedBatch {
+            rows: self.rows,
+            num_dense: self.num_dense,
+            num_sparse,
+            dense: self.dense,
+            lengths: self.lengths.concat(),
+            ids,
+            feature_offsets,
+            request_rows: self.request_rows,
+        }
+    }
+}
+
+/// Fuses validated requests, in order, into one key-major batch.
+pub fn assemble<'a>(
+    num_dense: usize,
+    num_sparse: usize,
+    requests: impl IntoIterator<Item = &'a SampleBatch>,
+) -> KeyedBatch {
+    let mut builder = BatchBuilder::new(num_dense, num_sparse);
+    for request in requests {
+        builder.push(request);
+    }
+    builder.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sample-major request with explicit lengths; ids encode their origin
+    /// (request tag, sample, feature, position) so misplacement is visible.
+    fn request(tag: i64, lengths: Vec<Vec<u32>>, num_dense: usize) -> SampleBatch {
+        let b = lengths.len();
+        let mut ids = Vec::new();
+        for (s, per_feature) in lengths.iter().enumerate() {
+            for (f, &len) in per_feature.iter().enumerate() {
+                for k in 0..len as i64 {
+                    ids.push(tag * 10_000 + s as i64 * 100 + f as i64 * 10 + k);
+                }
+            }
+        }
+        SampleBatch {
+            batch_size: b,
+            dense: (0..b * num_dense).map(|i| (tag * 1000) as f32 + i as f32).collect(),
+            lengths: lengths.concat(),
+            ids,
+        }
+    }
+
+    /// Straightforward reference: for each feature, for each request, for
+    /// each sample, find the bag by scanning the sample-major layout.
+    fn reference(num_sparse: usize, requests: &[SampleBatch]) -> (Vec<i32>, Vec<i64>) {
+        let mut lengths = Vec::new();
+        let mut ids = Vec::new();
+        for f in 0..num_sparse {
+            for r in requests {
+                for s in 0..r.batch_size {
+                    let bag = s * num_sparse + f;
+                    let start: u32 = r.lengths[..bag].iter().sum();
+                    let len = r.lengths[bag];
+                    lengths.push(len as i32);
+                    ids.extend_from_slice(&r.ids[start as usize..(start + len) as usize]);
+                }
+            }
+        }
+        (lengths, ids)
+    }
+
+    fn check(num_dense: usize, num_sparse: usize, requests: &[SampleBatch]) -> KeyedBatch {
+        let batch = assemble(num_dense, num_sparse, requests);
+        let (lengths, ids) = reference(num_sparse, requests);
+        assert_eq!(batch.lengths, lengths);
+        assert_eq!(batch.ids, ids);
+        let dense: Vec<f32> = requests.iter().flat_map(|r| r.dense.clone()).collect();
+        assert_eq!(batch.dense, dense);
+        assert_eq!(batch.rows, requests.iter().map(|r| r.batch_size).sum::<usize>());
+        for f in 0..num_sparse {
+            let sum: i32 = batch.feature_lengths(f).iter().sum();
+            assert_eq!(batch.feature_ids(f).len(), sum as usize);
+        }
+        batch
+    }
+
+    #[test]
+    fn single_sample_single_request_keeps_feature_order() {
+        let r = request(1, vec![vec![1, 1, 1]], 2);
+        let batch = check(2, 3, std::slice::from_ref(&r));
+        assert_eq!(batch.ids, vec![10_000, 10_010, 10_020]);
+        assert_eq!(batch.feature_offsets, vec![0, 1, 2, 3]);
+        assert_eq!(batch.request_rows, vec![1]);
+    }
+
+    #[test]
+    fn two_samples_are_transposed_to_key_major() {
+        // sample 0: f0=[a], f1=[b, c]; sample 1: f0=[d, e, f], f1=[]
+        let r = request(0, vec![vec![1, 2], vec![3, 0]], 1);
+        let batch = check(1, 2, &[r]);
+        assert_eq!(batch.lengths, vec![1, 3, 2, 0]);
+        assert_eq!(batch.ids, vec![0, 100, 101, 102, 10, 11]);
+        assert_eq!(batch.feature_offsets, vec![0, 4, 6]);
+    }
+
+    #[test]
+    fn multi_hot_and_zero_length_bags_across_mixed_request_sizes() {
+        let requests = vec![
+            request(1, vec![vec![0, 3, 1]], 4),
+            request(2, vec![vec![2, 0, 0], vec![1, 1, 5], vec![0, 0, 0]], 4),
+            request(3, vec![vec![1, 1, 1], vec![4, 0, 2]], 4),
+        ];
+        let batch = check(4, 3, &requests);
+        assert_eq!(batch.request_rows, vec![1, 3, 2]);
+    }
+
+    #[test]
+    fn all_bags_empty_gives_empty_ids() {
+        let requests = vec![request(1, vec![vec![0, 0]; 3], 1)];
+        let batch = check(1, 2, &requests);
+        assert!(batch.ids.is_empty());
+        assert_eq!(batch.feature_offsets, vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn sixteen_requests_of_many_shapes_match_reference() {
+        let requests: Vec<_> = (0..16)
+            .map(|t| {
+                let b = 1 + (t as usize * 7) % 13;
+                let lengths = (0..b)
+                    .map(|s| (0..5).map(|f| ((t as usize + s * 3 + f) % 4) as u32).collect())
+                    .collect();
+                request(t, lengths, 3)
+            })
+            .collect();
+        check(3, 5, &requests);
+    }
+
+    #[test]
+    fn builder_counts_rows_and_requests_as_it_goes() {
+        let mut builder = BatchBuilder::new(1, 1);
+        assert!(builder.is_empty());
+        builder.push(&request(1, vec![vec![1]; 4], 1));
+        builder.push(&request(2, vec![vec![2]; 2], 1));
+        assert_eq!((builder.rows(), builder.requests()), (6, 2));
+    }
+
+    #[test]
+    fn split_returns_each_requests_rows_in_order() {
+        let requests = vec![
+            request(1, vec![vec![1]; 2], 1),
+            request(2, vec![vec![1]; 1], 1),
+            request(3, vec![vec![1]; 3], 1),
+        ];
+        let batch = assemble(1, 1, &requests);
+        let scores = [0.0, 0.1, 1.0, 2.0, 2.1, 2.2];
+        let parts: Vec<_> = batch.split(&scores).collect();
+        assert_eq!(parts, vec![&[0.0, 0.1][..], &[1.0][..], &[2.0, 2.1, 2.2][..]]);
+    }
+}

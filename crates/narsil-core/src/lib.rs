@@ -1,0 +1,23 @@
+//! Narsil's core: the data that flows through the engine and the contract
+//! every model backend implements.
+//!
+//! * [`schema`]: what a served model expects (dense count, sparse features).
+//! * [`request`]: one client request, sample-major, and its validation.
+//! * [`batch`]: the fused, key-major batch a backend runs, and how requests
+//!   are reordered into it and scores split back out.
+//! * [`backend`]: the synchronous `ModelBackend` trait that lanes own.
+//! * [`mock`]: a fixed-latency backend with deterministic scores, for
+//!   measuring the engine itself.
+//!
+//! No async runtime, no RPC, no tensor library: those live in other crates.
+
+pub mod backend;
+pub mod batch;
+pub mod mock;
+pub mod request;
+pub mod schema;
+
+pub use backend::{BackendError, BackendFactory, ModelBackend};
+pub use batch::{assemble, BatchBuilder, KeyedBatch};
+pub use request::{InvalidInput, SampleBatch};
+pub use schema::{ModelSchema, SparseFeature};

@@ -1,0 +1,267 @@
+//! One client request as it arrives: `B` samples laid out sample-major, and
+//! the checks that make it safe to hand to a model.
+//!
+//! Validation runs before a request is queued. A validated [`SampleBatch`]
+//! has explicit lengths, finite dense values and in-range ids, so nothing
+//! downstream (reorder, backends, FBGEMM's unchecked lookups) re-checks.
+
+use crate::schema::ModelSchema;
+
+/// A request's samples, sample-major.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SampleBatch {
+    /// Number of samples `B`.
+    pub batch_size: usize,
+    /// `[B x num_dense]`, sample-major.
+    pub dense: Vec<f32>,
+    /// `[B x num_sparse]` ids per (sample, feature), sample-major. Empty on
+    /// the wire means one id per bag; validation fills it in.
+    pub lengths: Vec<u32>,
+    /// All ids, sample-major: sample 0's bags for feature 0, 1, ..., then
+    /// sample 1's.
+    pub ids: Vec<i64>,
+}
+
+/// What to do with an id outside `[0, num_rows)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IdPolicy {
+    /// Reject the request with INVALID_ARGUMENT (default).
+    #[default]
+    Reject,
+    /// Map the id into range with `id.rem_euclid(num_rows)`.
+    Modulo,
+}
+
+/// A request that cannot be served as sent. `field` names the wire field;
+/// the message names the sample and feature where one applies.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {field}: {message}")]
+pub struct InvalidInput {
+    /// Wire field at fault, e.g. `sparse_ids`.
+    pub field: &'static str,
+    /// Human-readable explanation.
+    pub message: String,
+}
+
+fn invalid(field: &'static str, message: String) -> InvalidInput {
+    InvalidInput { field, message }
+}
+
+/// Limits applied to every request, from the server's configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    /// Most samples one request may carry.
+    pub max_batch_size: usize,
+    /// Out-of-range id handling.
+    pub id_policy: IdPolicy,
+}
+
+impl SampleBatch {
+    /// Checks the request against the model's schema and fills in implicit
+    /// lengths. On success the batch is safe to reorder and run.
+    pub fn validate(
+        &mut self,
+        schema: &ModelSchema,
+        limits: RequestLimits,
+    ) -> Result<(), InvalidInput> {
+        let b = self.batch_size;
+        let num_sparse = schema.num_sparse();
+        if b == 0 {
+            return Err(invalid("batch_size", "must be at least 1".into()));
+        }
+        if b > limits.max_batch_size {
+            return Err(invalid(
+                "batch_size",
+                format!("{b} exceeds the server's limit of {}", limits.max_batch_size),
+            ));
+        }
+        self.check_dense(schema.num_dense)?;
+        if self.lengths.is_empty() {
+            self.lengths = vec![1; b * num_sparse];
+        } else if self.lengths.len() != b * num_sparse {
+            return Err(invalid(
+                "sparse_lengths",
+                format!(
+                    "has {} entries, expected batch_size x num_sparse = {b} x {num_sparse} = {} (or none for one id per bag)",
+                    self.lengths.len(),
+                    b * num_sparse
+                ),
+            ));
+        }
+        let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
+        if total != self.ids.len() as u64 {
+            return Err(invalid(
+                "sparse_ids",
+                format!(
+                    "has {} ids but sparse_lengths sum to {total}",
+                    self.ids.len()
+                ),
+            ));
+        }
+        self.check_ids(schema, limits.id_policy)
+    }
+
+    fn check_dense(&self, num_dense: usize) -> Result<(), InvalidInput> {
+        let expected = self.batch_size * num_dense;
+        if self.dense.len() != expected {
+            return Err(invalid(
+                "dense",
+                format!(
+                    "has {} values, expected batch_size x num_dense = {} x {num_dense} = {expected}",
+                    self.dense.len(),
+                    self.batch_size
+                ),
+            ));
+        }
+        if let Some(pos) = self.dense.iter().position(|v| !v.is_finite()) {
+            return Err(invalid(
+                "dense",
+                format!(
+                    "sample {} feature {} is {} (values must be finite)",
+                    pos / num_dense,
+                    pos % num_dense,
+                    self.dense[pos]
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_ids(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
+        let num_sparse = schema.num_sparse();
+        let mut cursor = 0usize;
+        for (bag, &len) in self.lengths.iter().enumerate() {
+            let feature = &schema.sparse[bag % num_sparse];
+            let rows = feature.num_rows as i64;
+            let end = cursor + len as usize;
+            for id in &mut self.ids[cursor..end] {
+                if (0..rows).contains(id) {
+                    continue;
+                }
+                match policy {
+                    IdPolicy::Modulo => *id = id.rem_euclid(rows),
+                    IdPolicy::Reject => {
+                        return Err(invalid(
+                            "sparse_ids",
+                            format!(
+                                "sample {} feature {} ({}) has id {} outside [0, {rows})",
+                                bag / num_sparse,
+                                bag % num_sparse,
+                                feature.name,
+                                *id
+                            ),
+                        ))
+                    }
+                }
+            }
+            cursor = end;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schema() -> ModelSchema {
+        let mut s = ModelSchema::dlrm("mock", "cpu", 10);
+        s.num_dense = 2;
+        s.sparse.truncate(3);
+        s
+    }
+
+    const LIMITS: RequestLimits = RequestLimits {
+        max_batch_size: 8,
+        id_policy: IdPolicy::Reject,
+    };
+
+    fn valid(b: usize) -> SampleBatch {
+        SampleBatch {
+            batch_size: b,
+            dense: vec![0.5; b * 2],
+            lengths: vec![],
+            ids: vec![1; b * 3],
+        }
+    }
+
+    fn err(mut r: SampleBatch) -> InvalidInput {
+        r.validate(&schema(), LIMITS).unwrap_err()
+    }
+
+    #[test]
+    fn omitted_lengths_become_one_id_per_bag() {
+        let mut r = valid(2);
+        r.validate(&schema(), LIMITS).unwrap();
+        assert_eq!(r.lengths, vec![1; 6]);
+    }
+
+    #[test]
+    fn zero_and_oversized_batches_name_batch_size() {
+        assert_eq!(err(valid(0)).field, "batch_size");
+        let e = err(valid(9));
+        assert_eq!(e.field, "batch_size");
+        assert!(e.message.contains("limit of 8"), "{e}");
+    }
+
+    #[test]
+    fn wrong_dense_length_names_dense() {
+        let mut r = valid(2);
+        r.dense.pop();
+        assert_eq!(err(r).field, "dense");
+    }
+
+    #[test]
+    fn non_finite_dense_names_sample_and_feature() {
+        let mut r = valid(2);
+        r.dense[3] = f32::NAN;
+        let e = err(r);
+        assert_eq!(e.field, "dense");
+        assert!(e.message.contains("sample 1 feature 1"), "{e}");
+    }
+
+    #[test]
+    fn wrong_lengths_count_names_sparse_lengths() {
+        let mut r = valid(2);
+        r.lengths = vec![1; 5];
+        assert_eq!(err(r).field, "sparse_lengths");
+    }
+
+    #[test]
+    fn lengths_not_matching_ids_name_sparse_ids() {
+        let mut r = valid(2);
+        r.lengths = vec![1, 1, 1, 1, 1, 2];
+        let e = err(r);
+        assert_eq!(e.field, "sparse_ids");
+        assert!(e.message.contains("sum to 7"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_id_names_sample_feature_and_id() {
+        let mut r = valid(2);
+        r.lengths = vec![1, 0, 2, 1, 1, 1];
+        r.ids = vec![0, 1, 2, 3, 10, 5];
+        let e = err(r);
+        assert_eq!(e.field, "sparse_ids");
+        assert!(e.message.contains("sample 1 feature 1 (cat_1) has id 10"), "{e}");
+    }
+
+    #[test]
+    fn negative_id_is_rejected() {
+        let mut r = valid(1);
+        r.ids[0] = -1;
+        assert!(err(r).message.contains("id -1"));
+    }
+
+    #[test]
+    fn modulo_policy_maps_ids_into_range() {
+        let mut r = valid(1);
+        r.ids = vec![-1, 10, 23];
+        let limits = RequestLimits {
+            id_policy: IdPolicy::Modulo,
+            ..LIMITS
+        };
+        r.validate(&schema(), limits).unwrap();
+        assert_eq!(r.ids, vec![9, 0, 3]);
+    }
+}

@@ -1,0 +1,53 @@
+//! The served model's input schema: what a valid request looks like.
+
+/// One sparse (categorical) feature and its embedding table size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SparseFeature {
+    /// Feature name, e.g. `cat_0`.
+    pub name: String,
+    /// Rows in the feature's table; valid ids are `[0, num_rows)`.
+    pub num_rows: u64,
+}
+
+/// Everything a client needs to build valid requests, and everything the
+/// engine needs to validate and reorder them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelSchema {
+    /// Model name.
+    pub name: String,
+    /// Model version string.
+    pub version: String,
+    /// Backend name: `torch`, `burn` or `mock`.
+    pub backend: String,
+    /// Device the forward runs on, e.g. `cpu`.
+    pub device: String,
+    /// Dense features per sample.
+    pub num_dense: usize,
+    /// Sparse features in wire order.
+    pub sparse: Vec<SparseFeature>,
+}
+
+impl ModelSchema {
+    /// Number of sparse features.
+    pub fn num_sparse(&self) -> usize {
+        self.sparse.len()
+    }
+
+    /// The benchmark DLRM's shape: 13 dense features, 26 sparse features
+    /// `cat_0..cat_25` with `rows` ids each.
+    pub fn dlrm(backend: &str, device: &str, rows: u64) -> Self {
+        Self {
+            name: "dlrm".into(),
+            version: "1".into(),
+            backend: backend.into(),
+            device: device.into(),
+            num_dense: 13,
+            sparse: (0..26)
+                .map(|i| SparseFeature {
+                    name: format!("cat_{i}"),
+                    num_rows: rows,
+                })
+                .collect(),
+        }
+    }
+}

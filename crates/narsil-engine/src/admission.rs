@@ -1,0 +1,120 @@
+//! Admission control: a request enters the queue only while both the queued
+//! request count and the queued row count are under their limits; otherwise
+//! it is rejected at once, never parked. A [`Permit`] holds the request's
+//! place until its forward starts.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// Queue limits and the current occupancy.
+#[derive(Debug)]
+pub struct Admission {
+    max_requests: usize,
+    max_rows: usize,
+    requests: AtomicUsize,
+    rows: AtomicUsize,
+}
+
+/// A request's place in the queue; dropping it frees the place.
+#[derive(Debug)]
+pub struct Permit {
+    admission: Arc<Admission>,
+    rows: usize,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.admission.requests.fetch_sub(1, Ordering::AcqRel);
+        self.admission.rows.fetch_sub(self.rows, Ordering::AcqRel);
+    }
+}
+
+fn reserve(counter: &AtomicUsize, amount: usize, limit: usize) -> bool {
+    counter
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |current| {
+            (current + amount <= limit).then_some(current + amount)
+        })
+        .is_ok()
+}
+
+impl Admission {
+    /// An empty queue with the given limits.
+    pub fn new(max_requests: usize, max_rows: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max_requests,
+            max_rows,
+            requests: AtomicUsize::new(0),
+            rows: AtomicUsize::new(0),
+        })
+    }
+
+    /// Takes a place for a request of `rows` rows, or says which limit is full.
+    pub fn try_admit(self: &Arc<Self>, rows: usize) -> Result<Permit, String> {
+        if !reserve(&self.requests, 1, self.max_requests) {
+            return Err(format!(
+                "queue holds {} requests (--max-queue-requests)",
+                self.max_requests
+            ));
+        }
+        if !reserve(&self.rows, rows, self.max_rows) {
+            self.requests.fetch_sub(1, Ordering::AcqRel);
+            return Err(format!(
+                "queue holds {} of at most {} rows (--max-queue-rows); request has {rows}",
+                self.rows.load(Ordering::Acquire),
+                self.max_rows
+            ));
+        }
+        Ok(Permit {
+            admission: Arc::clone(self),
+            rows,
+        })
+    }
+
+    /// Requests currently queued.
+    pub fn queued_requests(&self) -> usize {
+        self.requests.load(Ordering::Acquire)
+    }
+
+    /// Rows currently queued.
+    pub fn queued_rows(&self) -> usize {
+        self.rows.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_limit_rejects_and_frees_on_drop() {
+        let admission = Admission::new(2, 100);
+        let a = admission.try_admit(1).unwrap();
+        let _b = admission.try_admit(1).unwrap();
+        let err = admission.try_admit(1).unwrap_err();
+        assert!(err.contains("--max-queue-requests"), "{err}");
+        drop(a);
+        assert!(admission.try_admit(1).is_ok());
+    }
+
+    #[test]
+    fn row_limit_rejects_without_leaking_a_request_slot() {
+        let admission = Admission::new(10, 100);
+        let _a = admission.try_admit(60).unwrap();
+        let err = admission.try_admit(50).unwrap_err();
+        assert!(err.contains("--max-queue-rows"), "{err}");
+        assert_eq!(admission.queued_requests(), 1);
+        assert_eq!(admission.queued_rows(), 60);
+        assert!(admission.try_admit(40).is_ok());
+    }
+
+    #[test]
+    fn concurrent_admission_never_exceeds_the_limit() {
+        let admission = Admission::new(8, 1000);
+        let held: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..32).map(|_| s.spawn(|| admission.try_admit(1).ok())).collect();
+            handles.into_iter().filter_map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(held.len(), 8);
+        assert_eq!(admission.queued_requests(), 8);
+    }
+}

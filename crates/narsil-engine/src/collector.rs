@@ -1,0 +1,404 @@
+//! The collector: one task that owns the queue. It reorders each admitted
+//! request into the open batch as it arrives (so the next batch is assembled
+//! while lanes compute), seals a batch when it is full, and hands batches to
+//! free lanes.
+//!
+//! Flush rule: a sealed (full) batch goes to the next free lane; the open
+//! batch goes when a lane is free and its oldest request has waited
+//! `batch_timeout` (zero: at once). A lone request on an idle server is
+//! therefore sent immediately, and requests that arrive while every lane is
+//! busy form the next batch. Worker mode is the same loop with one request
+//! per batch.
+//!
+//! Requests whose client went away, or whose deadline passed, are removed
+//! before their batch is sent and never computed.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use narsil_core::BatchBuilder;
+use tokio::sync::{mpsc, Notify};
+
+use crate::error::EngineError;
+use crate::job::{Entry, Job, Waiter};
+use crate::lanes::IdleLanes;
+use crate::stats::Stats;
+
+/// Batch limits the collector applies.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchLimits {
+    /// Most requests per batch.
+    pub max_requests: usize,
+    /// Most rows per batch.
+    pub max_rows: usize,
+    /// Longest the oldest request waits for company once a lane is free.
+    pub timeout: Duration,
+}
+
+/// Requests being fused into one batch, reordered as they were added.
+#[derive(Debug)]
+pub struct OpenBatch {
+    builder: BatchBuilder,
+    entries: Vec<Entry>,
+}
+
+impl OpenBatch {
+    fn new(num_dense: usize, num_sparse: usize) -> Self {
+        Self {
+            builder: BatchBuilder::new(num_dense, num_sparse),
+            entries: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, entry: Entry) {
+        self.builder.push(&entry.request);
+        self.entries.push(entry);
+    }
+
+    /// Rows so far.
+    pub fn rows(&self) -> usize {
+        self.builder.rows()
+    }
+
+    /// Requests so far.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no request was added.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    fn oldest(&self) -> Option<Instant> {
+        self.entries.first().map(|e| e.admitted)
+    }
+
+    /// Removes abandoned entries (answering expired ones), re-fusing the rest
+    /// if any were removed. Returns how many were removed.
+    fn prune(&mut self, now: Instant, num_dense: usize, num_sparse: usize) -> usize {
+        if !self.entries.iter().any(|e| e.is_abandoned(now)) {
+            return 0;
+        }
+        let before = self.entries.len();
+        let entries = std::mem::take(&mut self.entries);
+        *self = Self::new(num_dense, num_sparse);
+        for entry in entries {
+            if entry.is_abandoned(now) {
+                let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
+            } else {
+                self.push(entry);
+            }
+        }
+        before - self.entries.len()
+    }
+
+    /// Finishes the reorder and releases the requests' queue places.
+    fn into_job(self) -> Job {
+        Job {
+            batch: self.builder.finish(),
+            waiters: self
+                .entries
+                .into_iter()
+                .map(|e| Waiter {
+                    reply: e.reply,
+                    admitted: e.admitted,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Sealed batches waiting for a lane, plus the one still accepting requests.
+#[derive(Debug)]
+pub struct BatchQueue {
+    limits: BatchLimits,
+    num_dense: usize,
+    num_sparse: usize,
+    sealed: VecDeque<OpenBatch>,
+    open: OpenBatch,
+}
+
+impl BatchQueue {
+    /// An empty queue for a model with the given feature counts.
+    pub fn new(limits: BatchLimits, num_dense: usize, num_sparse: usize) -> Self {
+        Self {
+            limits,
+            num_dense,
+            num_sparse,
+            sealed: VecDeque::new(),
+            open: OpenBatch::new(num_dense, num_sparse),
+        }
+    }
+
+    /// Adds a request to the open batch, sealing batches at their limits.
+    pub fn add(&mut self, entry: Entry) {
+        let rows = entry.request.batch_size;
+        if !self.open.is_empty() && self.open.rows() + rows > self.limits.max_rows {
+            self.seal();
+        }
+        self.open.push(entry);
+        if self.open.len() >= self.limits.max_requests || self.open.rows() >= self.limits.max_rows {
+            self.seal();
+        }
+    }
+
+    fn seal(&mut self) {
+        let open = std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse));
+        self.sealed.push_back(open);
+    }
+
+    /// True when no request is queued.
+    pub fn is_empty(&self) -> bool {
+        self.sealed.is_empty() && self.open.is_empty()
+    }
+
+    /// Sealed batches waiting, and requests in the open batch.
+    pub fn depth(&self) -> (usize, usize) {
+        (self.sealed.len(), self.open.len())
+    }
+
+    /// When the open batch may go out even though it is not full, if there
+    /// is one and nothing sealed is ahead of it.
+    pub fn open_flush_at(&self) -> Option<Instant> {
+        if !self.sealed.is_empty() {
+            return None;
+        }
+        self.open.oldest().map(|t| t + self.limits.timeout)
+    }
+
+    /// The next batch a free lane should run, if one is due at `now`
+    /// (`drain`: send the open batch regardless of its timeout). Abandoned
+    /// requests are removed first; the count removed is returned alongside.
+    pub fn next_due(&mut self, now: Instant, drain: bool) -> (Option<Job>, usize) {
+        let mut removed = 0;
+        loop {
+            let mut batch = if let Some(batch) = self.sealed.pop_front() {
+                batch
+            } else if !self.open.is_empty()
+                && (drain || self.open_flush_at().is_some_and(|t| t <= now))
+            {
+                std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse))
+            } else {
+                return (None, removed);
+            };
+            removed += batch.prune(now, self.num_dense, self.num_sparse);
+            if !batch.is_empty() {
+                return (Some(batch.into_job()), removed);
+            }
+        }
+    }
+}
+
+/// The collector task's inputs and outputs.
+pub struct Collector {
+    /// Admitted requests.
+    pub intake: mpsc::Receiver<Entry>,
+    /// Queued batches.
+    pub queue: BatchQueue,
+    /// Where batches go.
+    pub jobs: crossbeam_channel::Sender<Job>,
+    /// Free lanes.
+    pub idle: Arc<IdleLanes>,
+    /// Shared counters.
+    pub stats: Arc<Stats>,
+    /// Signalled once at shutdown: stop taking requests, finish the queue.
+    pub shutdown: Arc<Notify>,
+}
+
+enum Event {
+    Admitted(Entry),
+    IntakeClosed,
+    Woken,
+}
+
+impl Collector {
+    /// Runs until shutdown is signalled (or every sender is gone) and every
+    /// queued request has been handed to a lane.
+    pub async fn run(mut self) {
+        let mut draining = false;
+        let mut shutdown_seen = false;
+        loop {
+            self.dispatch(Instant::now(), draining);
+            if draining && self.queue.is_empty() {
+                break;
+            }
+            let flush_at = self
+                .queue
+                .open_flush_at()
+                .filter(|_| self.idle.count() > 0)
+                .map(tokio::time::Instant::from_std);
+            let event = tokio::select! {
+                biased;
+                entry = self.intake.recv(), if !draining => {
+                    entry.map_or(Event::IntakeClosed, Event::Admitted)
+                }
+                _ = self.idle.freed() => Event::Woken,
+                _ = self.shutdown.notified(), if !shutdown_seen => {
+                    shutdown_seen = true;
+                    self.intake.close();
+                    Event::Woken
+                }
+                _ = sleep_until_some(flush_at) => Event::Woken,
+            };
+            match event {
+                Event::Admitted(entry) => {
+                    self.admit(entry);
+                    while let Ok(entry) = self.intake.try_recv() {
+                        self.admit(entry);
+                    }
+                }
+                Event::IntakeClosed => draining = true,
+                Event::Woken => {}
+            }
+        }
+        tracing::debug!("collector drained");
+    }
+
+    fn admit(&mut self, entry: Entry) {
+        if entry.reply.is_closed() {
+            self.stats.requests_abandoned.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        self.queue.add(entry);
+    }
+
+    fn dispatch(&mut self, now: Instant, drain: bool) {
+        while self.idle.count() > 0 {
+            let (job, removed) = self.queue.next_due(now, drain);
+            self.stats.requests_abandoned.fetch_add(removed as u64, Ordering::Relaxed);
+            let Some(job) = job else { return };
+            let claimed = self.idle.try_claim();
+            debug_assert!(claimed, "only the collector claims lanes");
+            if self.jobs.try_send(job).is_err() {
+                tracing::error!("lane channel refused a batch; lanes have stopped");
+                return;
+            }
+        }
+    }
+}
+
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admission::Admission;
+    use narsil_core::{assemble, SampleBatch};
+    use tokio::sync::oneshot;
+
+    type Rx = oneshot::Receiver<Result<crate::job::Prediction, EngineError>>;
+
+    fn entry(admission: &Arc<Admission>, b: usize, tag: i64, at: Instant) -> (Entry, Rx) {
+        let (reply, rx) = oneshot::channel();
+        let request = SampleBatch {
+            batch_size: b,
+            dense: vec![tag as f32; b],
+            lengths: vec![1; b * 2],
+            ids: (0..b as i64 * 2).map(|i| tag * 100 + i).collect(),
+        };
+        let permit = admission.try_admit(b).unwrap();
+        (Entry { request, reply, admitted: at, deadline: None, permit }, rx)
+    }
+
+    fn queue(max_requests: usize, max_rows: usize, timeout_ms: u64) -> BatchQueue {
+        BatchQueue::new(
+            BatchLimits { max_requests, max_rows, timeout: Duration::from_millis(timeout_ms) },
+            1,
+            2,
+        )
+    }
+
+    #[test]
+    fn full_batch_is_sealed_and_due_at_once() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(2, 100, 1000);
+        let _rx: Vec<_> = (0..3)
+            .map(|t| {
+                let (e, rx) = entry(&admission, 1, t, now);
+                q.add(e);
+                rx
+            })
+            .collect();
+        assert_eq!(q.depth(), (1, 1));
+        let (job, _) = q.next_due(now, false);
+        assert_eq!(job.unwrap().waiters.len(), 2);
+        assert!(q.next_due(now, false).0.is_none(), "open batch waits for its timeout");
+        assert_eq!(q.next_due(now + Duration::from_secs(1), false).0.unwrap().waiters.len(), 1);
+    }
+
+    #[test]
+    fn batch_is_sealed_before_it_would_exceed_max_rows() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(16, 10, 0);
+        let (a, _ra) = entry(&admission, 6, 1, now);
+        let (b, _rb) = entry(&admission, 6, 2, now);
+        q.add(a);
+        q.add(b);
+        assert_eq!(q.depth(), (1, 1));
+        assert_eq!(q.next_due(now, false).0.unwrap().batch.rows, 6);
+    }
+
+    #[test]
+    fn zero_timeout_sends_a_lone_request_at_once() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(16, 100, 0);
+        let (a, _ra) = entry(&admission, 3, 1, now);
+        q.add(a);
+        let job = q.next_due(now, false).0.unwrap();
+        assert_eq!((job.batch.rows, job.waiters.len()), (3, 1));
+    }
+
+    #[test]
+    fn one_request_per_batch_in_worker_mode() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(1, 100, 0);
+        let _rx: Vec<_> = (0..3).map(|t| { let (e, rx) = entry(&admission, 2, t, now); q.add(e); rx }).collect();
+        assert_eq!(q.depth(), (3, 0));
+    }
+
+    #[test]
+    fn cancelled_request_is_removed_and_the_rest_refused() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(16, 100, 0);
+        let (a, _ra) = entry(&admission, 2, 1, now);
+        let (b, rb) = entry(&admission, 1, 2, now);
+        let (c, _rc) = entry(&admission, 3, 3, now);
+        let kept = [a.request.clone(), c.request.clone()];
+        q.add(a);
+        q.add(b);
+        q.add(c);
+        drop(rb);
+        let (job, removed) = q.next_due(now, false);
+        let job = job.unwrap();
+        assert_eq!(removed, 1);
+        assert_eq!(job.batch, assemble(1, 2, &kept));
+        assert_eq!(admission.queued_requests(), 0, "dispatch releases queue places");
+    }
+
+    #[test]
+    fn expired_request_is_answered_with_deadline_exceeded_and_not_sent() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(16, 100, 0);
+        let (mut a, mut ra) = entry(&admission, 2, 1, now);
+        a.deadline = Some(now);
+        q.add(a);
+        let (job, removed) = q.next_due(now, false);
+        assert!(job.is_none());
+        assert_eq!(removed, 1);
+        assert_eq!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded));
+    }
+}

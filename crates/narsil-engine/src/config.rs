@@ -1,0 +1,73 @@
+//! Engine settings, checked once at startup.
+
+use std::time::Duration;
+
+use narsil_core::request::RequestLimits;
+
+/// How queued requests become forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecutionMode {
+    /// Fuse queued requests into one forward (continuous batching).
+    Batch,
+    /// One request per forward, on the next free lane.
+    Worker,
+}
+
+/// Everything the engine needs to know besides the model.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Batch or worker execution.
+    pub mode: ExecutionMode,
+    /// Most requests fused into one forward (batch mode).
+    pub max_batch_requests: usize,
+    /// Most rows fused into one forward.
+    pub max_batch_rows: usize,
+    /// How long the oldest queued request may wait for company once a lane
+    /// is free; zero sends at once.
+    pub batch_timeout: Duration,
+    /// Executor lanes (threads each owning a model instance).
+    pub lanes: usize,
+    /// Most requests admitted but not yet started.
+    pub max_queue_requests: usize,
+    /// Most rows admitted but not yet started.
+    pub max_queue_rows: usize,
+    /// Per-request limits checked before queueing.
+    pub limits: RequestLimits,
+}
+
+impl EngineConfig {
+    /// Requests one forward may carry in this mode.
+    pub fn requests_per_batch(&self) -> usize {
+        match self.mode {
+            ExecutionMode::Batch => self.max_batch_requests,
+            ExecutionMode::Worker => 1,
+        }
+    }
+
+    /// Checks the settings against each other.
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("lanes", self.lanes),
+            ("batch-size", self.max_batch_requests),
+            ("max-batch-rows", self.max_batch_rows),
+            ("max-queue-requests", self.max_queue_requests),
+            ("max-queue-rows", self.max_queue_rows),
+        ];
+        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("--{name} must be at least 1"));
+        }
+        if self.limits.max_batch_size > self.max_batch_rows {
+            return Err(format!(
+                "--max-request-samples ({}) must not exceed --max-batch-rows ({})",
+                self.limits.max_batch_size, self.max_batch_rows
+            ));
+        }
+        if self.limits.max_batch_size > self.max_queue_rows {
+            return Err(format!(
+                "--max-request-samples ({}) must not exceed --max-queue-rows ({})",
+                self.limits.max_batch_size, self.max_queue_rows
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,188 @@
+//! Executor lanes: OS threads that each own one model instance. A lane loads
+//! its instance on its own thread, warms it up, reports ready, then runs the
+//! fused batches the collector hands it and answers every request in them.
+//!
+//! A failing forward fails only its own batch; a panicking backend is caught
+//! and the lane keeps serving.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use narsil_core::backend::warmup_batch;
+use narsil_core::{BackendFactory, ModelBackend};
+use tokio::sync::{watch, Notify};
+
+use crate::error::EngineError;
+use crate::job::{Job, Prediction};
+use crate::stats::Stats;
+
+/// How many lanes are free, and a signal each time one frees up.
+#[derive(Debug, Default)]
+pub struct IdleLanes {
+    count: AtomicUsize,
+    freed: Notify,
+}
+
+impl IdleLanes {
+    /// Lanes waiting for work.
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Claims a free lane for a job about to be sent; false if none is free.
+    pub fn try_claim(&self) -> bool {
+        self.count
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
+    /// Waits until a lane frees up (returns at once if one freed since the
+    /// last call).
+    pub async fn freed(&self) {
+        self.freed.notified().await
+    }
+
+    fn release(&self) {
+        self.count.fetch_add(1, Ordering::AcqRel);
+        self.freed.notify_one();
+    }
+}
+
+/// Startup progress of the lanes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Readiness {
+    /// Lanes loaded and warmed up.
+    pub ready: usize,
+    /// The first lane failure, if any.
+    pub failed: Option<String>,
+}
+
+/// The running lanes.
+pub struct Lanes {
+    /// Where fused batches go; any free lane takes the next one.
+    pub jobs: crossbeam_channel::Sender<Job>,
+    /// Free lanes.
+    pub idle: Arc<IdleLanes>,
+    /// Lane threads, joined at shutdown.
+    pub threads: Vec<JoinHandle<()>>,
+}
+
+/// Starts `count` lanes. Each reports into `readiness` once warmed up.
+pub fn spawn(
+    factory: Arc<dyn BackendFactory>,
+    count: usize,
+    stats: Arc<Stats>,
+    readiness: watch::Sender<Readiness>,
+) -> std::io::Result<Lanes> {
+    // At most `count` jobs are ever outstanding: the collector claims an
+    // idle lane before sending.
+    let (jobs, receiver) = crossbeam_channel::bounded::<Job>(count);
+    let idle = Arc::new(IdleLanes::default());
+    let mut threads = Vec::with_capacity(count);
+    for lane in 0..count {
+        let lane_ctx = LaneContext {
+            lane,
+            factory: Arc::clone(&factory),
+            jobs: receiver.clone(),
+            idle: Arc::clone(&idle),
+            stats: Arc::clone(&stats),
+            readiness: readiness.clone(),
+        };
+        threads.push(
+            std::thread::Builder::new()
+                .name(format!("narsil-lane-{lane}"))
+                .spawn(move || lane_ctx.run())?,
+        );
+    }
+    Ok(Lanes { jobs, idle, threads })
+}
+
+struct LaneContext {
+    lane: usize,
+    factory: Arc<dyn BackendFactory>,
+    jobs: crossbeam_channel::Receiver<Job>,
+    idle: Arc<IdleLanes>,
+    stats: Arc<Stats>,
+    readiness: watch::Sender<Readiness>,
+}
+
+impl LaneContext {
+    fn run(self) {
+        let started = Instant::now();
+        let mut backend = match self.load_and_warm_up() {
+            Ok(backend) => backend,
+            Err(message) => {
+                tracing::error!(lane = self.lane, %message, "lane failed to start");
+                self.readiness.send_modify(|r| {
+                    r.failed.get_or_insert(format!("lane {}: {message}", self.lane));
+                });
+                return;
+            }
+        };
+        tracing::info!(lane = self.lane, elapsed_ms = started.elapsed().as_millis() as u64, "lane ready");
+        self.readiness.send_modify(|r| r.ready += 1);
+        self.idle.release();
+        while let Ok(job) = self.jobs.recv() {
+            self.stats.busy_lanes.fetch_add(1, Ordering::Relaxed);
+            self.run_job(backend.as_mut(), job);
+            self.stats.busy_lanes.fetch_sub(1, Ordering::Relaxed);
+            self.idle.release();
+        }
+    }
+
+    fn load_and_warm_up(&self) -> Result<Box<dyn ModelBackend>, String> {
+        let mut backend = catch_unwind(AssertUnwindSafe(|| self.factory.create_lane(self.lane)))
+            .map_err(|_| "backend panicked while loading".to_string())?
+            .map_err(|e| e.to_string())?;
+        for rows in self.factory.warmup_rows() {
+            let batch = warmup_batch(self.factory.schema(), rows);
+            let scores = catch_unwind(AssertUnwindSafe(|| backend.forward(&batch)))
+                .map_err(|_| format!("backend panicked during warm-up ({rows} rows)"))?
+                .map_err(|e| format!("warm-up forward of {rows} rows failed: {e}"))?;
+            if scores.len() != rows {
+                return Err(format!("warm-up forward of {rows} rows returned {} scores", scores.len()));
+            }
+        }
+        Ok(backend)
+    }
+
+    fn run_job(&self, backend: &mut dyn ModelBackend, job: Job) {
+        let start = Instant::now();
+        let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward(&job.batch)));
+        let compute_time = start.elapsed();
+        let rows = job.batch.rows;
+        let scores = match outcome {
+            Ok(Ok(scores)) if scores.len() == rows => Ok(scores),
+            Ok(Ok(scores)) => Err(format!("backend returned {} scores for {rows} rows", scores.len())),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err("backend panicked during forward".to_string()),
+        };
+        self.stats.forwards.fetch_add(1, Ordering::Relaxed);
+        self.stats.rows_computed.fetch_add(rows as u64, Ordering::Relaxed);
+        self.stats.requests_computed.fetch_add(job.waiters.len() as u64, Ordering::Relaxed);
+        let scores = match scores {
+            Ok(scores) => scores,
+            Err(message) => {
+                tracing::error!(lane = self.lane, rows, %message, "forward failed");
+                self.stats.backend_errors.fetch_add(1, Ordering::Relaxed);
+                for waiter in job.waiters {
+                    let _ = waiter.reply.send(Err(EngineError::Backend(message.clone())));
+                }
+                return;
+            }
+        };
+        let fused_requests = job.waiters.len();
+        for (waiter, part) in job.waiters.into_iter().zip(job.batch.split(&scores)) {
+            let _ = waiter.reply.send(Ok(Prediction {
+                scores: part.to_vec(),
+                fused_rows: rows,
+                fused_requests,
+                queue_time: start.saturating_duration_since(waiter.admitted),
+                compute_time,
+            }));
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! Narsil's engine: everything between a validated request and its scores.
+//!
+//! ```text
+//! predict() ──▶ admission ──▶ collector (tokio task) ──▶ lanes (OS threads) ──▶ backend
+//!   ◀── oneshot reply per request, split from the fused scores ◀──┘
+//! ```
+//!
+//! * [`admission`]: bounded by queued requests and rows; rejects at once.
+//! * [`collector`]: fuses queued requests into key-major batches while lanes
+//!   run, and hands a batch to a lane as soon as one is free.
+//! * [`lanes`]: one thread per model instance; loads, warms up, runs, replies.
+//! * [`engine`]: the handle the RPC layer calls, and startup/shutdown.
+//! * [`stats`]: counters the engine keeps about itself.
+
+pub mod admission;
+pub mod collector;
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod job;
+pub mod lanes;
+pub mod stats;
+
+pub use config::{EngineConfig, ExecutionMode};
+pub use engine::{Engine, EngineHandle};
+pub use job::Prediction;
+pub use error::EngineError;
+pub use stats::StatsSnapshot;

@@ -1,0 +1,285 @@
+//! Command-line interface: `narsil serve` and `narsil load`. Every flag has
+//! a long name, an environment variable (`NARSIL_…`) and a documented default;
+//! rules between flags are checked right after parsing.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_engine::{EngineConfig, ExecutionMode};
+
+use crate::load::LoadArgs;
+
+/// Narsil: gRPC serving for recommendation models, with continuous batching.
+#[derive(Debug, Parser)]
+#[command(name = "narsil", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log filter (tracing syntax), e.g. `info` or `narsil_engine=debug`.
+    #[arg(long, env = "NARSIL_LOG", default_value = "info", global = true)]
+    log_level: String,
+    /// Log format.
+    #[arg(long, env = "NARSIL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve a model over gRPC.
+    Serve(Box<ServeArgs>),
+    /// Drive load against a running server and report latency and throughput.
+    Load(Box<LoadArgs>),
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Which model backend serves requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Fixed-latency mock with deterministic scores (measures the engine).
+    Mock,
+    /// TorchScript DLRM through libtorch (Cargo feature `torch`).
+    Torch,
+    /// Pure-Rust DLRM through Burn (Cargo feature `burn`).
+    Burn,
+}
+
+impl BackendKind {
+    /// The flag value naming this backend.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mock => "mock",
+            Self::Torch => "torch",
+            Self::Burn => "burn",
+        }
+    }
+}
+
+/// How requests become forward passes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ModeArg {
+    /// Fuse queued requests into one forward (continuous batching).
+    Batch,
+    /// One forward per request on the next free lane.
+    Worker,
+}
+
+/// Out-of-range sparse id handling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum IdPolicyArg {
+    /// INVALID_ARGUMENT naming feature, sample and id.
+    Reject,
+    /// Hash into range: id mod rows.
+    Modulo,
+}
+
+/// `narsil serve` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "NARSIL_ADDR", default_value = "127.0.0.1:50051")]
+    pub addr: SocketAddr,
+    /// Model backend.
+    #[arg(long, env = "NARSIL_BACKEND", value_enum, default_value_t = BackendKind::Mock)]
+    pub backend: BackendKind,
+    /// Model file (TorchScript for torch, safetensors for burn).
+    #[arg(long, env = "NARSIL_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Device for forward passes: `cpu` or `cuda:N`.
+    #[arg(long, env = "NARSIL_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Execution mode.
+    #[arg(long, env = "NARSIL_EXECUTION_MODE", value_enum, default_value_t = ModeArg::Batch)]
+    pub execution_mode: ModeArg,
+    /// Most requests fused into one forward (batch mode).
+    #[arg(long, env = "NARSIL_BATCH_SIZE", default_value_t = 16)]
+    pub batch_size: usize,
+    /// Once a lane is free, how long the oldest queued request may wait for
+    /// more to fuse with; 0 sends at once.
+    #[arg(long, env = "NARSIL_BATCH_TIMEOUT_MS", default_value_t = 0.0)]
+    pub batch_timeout_ms: f64,
+    /// Most rows (samples) fused into one forward.
+    #[arg(long, env = "NARSIL_MAX_BATCH_ROWS", default_value_t = 4096)]
+    pub max_batch_rows: usize,
+    /// Most samples one request may carry.
+    #[arg(long, env = "NARSIL_MAX_REQUEST_SAMPLES", default_value_t = 4096)]
+    pub max_request_samples: usize,
+    /// Executor lanes: threads each owning a model instance.
+    #[arg(long, env = "NARSIL_LANES", default_value_t = 1)]
+    pub lanes: usize,
+    /// Threads each forward may use inside the backend (torch/burn).
+    #[arg(long, env = "NARSIL_INTRA_OP_THREADS", default_value_t = 1)]
+    pub intra_op_threads: usize,
+    /// Most requests admitted and waiting for a forward; more are rejected
+    /// with RESOURCE_EXHAUSTED.
+    #[arg(long, env = "NARSIL_MAX_QUEUE_REQUESTS", default_value_t = 1024)]
+    pub max_queue_requests: usize,
+    /// Most rows admitted and waiting for a forward.
+    #[arg(long, env = "NARSIL_MAX_QUEUE_ROWS", default_value_t = 131_072)]
+    pub max_queue_rows: usize,
+    /// Largest gRPC message accepted, bytes.
+    #[arg(long, env = "NARSIL_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
+    pub max_message_bytes: usize,
+    /// What to do with sparse ids outside a table.
+    #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
+    pub id_policy: IdPolicyArg,
+    /// Mock backend: fixed latency of one forward, milliseconds.
+    #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
+    pub mock_latency_ms: f64,
+    /// Mock backend: extra latency per row, microseconds.
+    #[arg(long, env = "NARSIL_MOCK_LATENCY_PER_ROW_US", default_value_t = 0.0)]
+    pub mock_latency_per_row_us: f64,
+    /// Mock backend: rows of each of its 26 tables (valid ids).
+    #[arg(long, env = "NARSIL_MOCK_TABLE_ROWS", default_value_t = 100_000)]
+    pub mock_table_rows: u64,
+}
+
+impl ServeArgs {
+    /// Checks rules between flags and returns the engine's configuration.
+    pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
+        let finite_non_negative = [
+            ("batch-timeout-ms", self.batch_timeout_ms),
+            ("mock-latency-ms", self.mock_latency_ms),
+            ("mock-latency-per-row-us", self.mock_latency_per_row_us),
+        ];
+        for (name, value) in finite_non_negative {
+            if !value.is_finite() || value < 0.0 {
+                anyhow::bail!("--{name} must be a non-negative number, got {value}");
+            }
+        }
+        if self.intra_op_threads == 0 {
+            anyhow::bail!("--intra-op-threads must be at least 1");
+        }
+        if self.device != "cpu" && !self.device.starts_with("cuda") {
+            anyhow::bail!("--device must be `cpu` or `cuda:N`, got `{}`", self.device);
+        }
+        let config = EngineConfig {
+            mode: match self.execution_mode {
+                ModeArg::Batch => ExecutionMode::Batch,
+                ModeArg::Worker => ExecutionMode::Worker,
+            },
+            max_batch_requests: self.batch_size,
+            max_batch_rows: self.max_batch_rows,
+            batch_timeout: Duration::from_secs_f64(self.batch_timeout_ms / 1e3),
+            lanes: self.lanes,
+            max_queue_requests: self.max_queue_requests,
+            max_queue_rows: self.max_queue_rows,
+            limits: RequestLimits {
+                max_batch_size: self.max_request_samples,
+                id_policy: match self.id_policy {
+                    IdPolicyArg::Reject => IdPolicy::Reject,
+                    IdPolicyArg::Modulo => IdPolicy::Modulo,
+                },
+            },
+        };
+        config.validate().map_err(anyhow::Error::msg)?;
+        Ok(config)
+    }
+}
+
+impl ServeArgs {
+    /// The defaults, as if no flag were given (for tests and embedding).
+    pub fn defaults() -> Self {
+        Cli::parse_from(["narsil", "serve"]).serve_args().expect("serve")
+    }
+}
+
+impl Cli {
+    fn serve_args(self) -> Option<ServeArgs> {
+        match self.command {
+            Command::Serve(args) => Some(*args),
+            Command::Load(_) => None,
+        }
+    }
+}
+
+fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .map_err(|e| anyhow::anyhow!("--log-level `{filter}`: {e}"))?;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+    Ok(())
+}
+
+/// Entry point of the `narsil` binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Err(e) = init_logging(&cli.log_level, cli.log_format) {
+        eprintln!("error: {e:#}");
+        return ExitCode::from(2);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => crate::server::serve_until_signal(*args).await,
+            Command::Load(args) => crate::load::run(*args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve(args: &[&str]) -> ServeArgs {
+        let mut argv = vec!["narsil", "serve"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).unwrap().serve_args().unwrap()
+    }
+
+    #[test]
+    fn defaults_give_a_valid_batch_mode_config() {
+        let config = ServeArgs::defaults().engine_config().unwrap();
+        assert_eq!(config.mode, ExecutionMode::Batch);
+        assert_eq!(config.max_batch_requests, 16);
+        assert_eq!(config.batch_timeout, Duration::ZERO);
+    }
+
+    #[test]
+    fn zero_lanes_is_rejected_with_the_flag_name() {
+        let err = serve(&["--lanes", "0"]).engine_config().unwrap_err();
+        assert!(err.to_string().contains("--lanes"), "{err}");
+    }
+
+    #[test]
+    fn request_limit_above_batch_rows_is_rejected() {
+        let err = serve(&["--max-batch-rows", "100", "--max-request-samples", "200"])
+            .engine_config()
+            .unwrap_err();
+        assert!(err.to_string().contains("--max-request-samples"), "{err}");
+    }
+
+    #[test]
+    fn negative_timeout_is_rejected() {
+        let err = serve(&["--batch-timeout-ms=-1"]).engine_config().unwrap_err();
+        assert!(err.to_string().contains("--batch-timeout-ms"), "{err}");
+    }
+}

@@ -1,0 +1,50 @@
+//! Conversions between the wire messages of `narsil.v1` and the engine's
+//! types. Shape checks live in `SampleBatch::validate`, so every protocol
+//! shares them.
+
+use narsil_core::{ModelSchema, SampleBatch};
+use narsil_engine::Prediction;
+
+use crate::proto;
+
+/// A wire request as the engine's sample-major batch (not yet validated).
+pub fn sample_batch(request: proto::PredictRequest) -> SampleBatch {
+    SampleBatch {
+        batch_size: request.batch_size as usize,
+        dense: request.dense,
+        lengths: request.sparse_lengths,
+        ids: request.sparse_ids,
+    }
+}
+
+/// The engine's answer as a wire response.
+pub fn predict_response(prediction: Prediction, request_id: String) -> proto::PredictResponse {
+    proto::PredictResponse {
+        scores: prediction.scores,
+        request_id,
+        fused_rows: prediction.fused_rows as u32,
+        fused_requests: prediction.fused_requests as u32,
+        queue_time_us: prediction.queue_time.as_micros() as u64,
+        compute_time_us: prediction.compute_time.as_micros() as u64,
+    }
+}
+
+/// The model's schema as a wire response.
+pub fn model_info(schema: &ModelSchema, max_batch_size: usize) -> proto::ModelInfoResponse {
+    proto::ModelInfoResponse {
+        name: schema.name.clone(),
+        version: schema.version.clone(),
+        backend: schema.backend.clone(),
+        device: schema.device.clone(),
+        num_dense: schema.num_dense as u32,
+        sparse_features: schema
+            .sparse
+            .iter()
+            .map(|f| proto::SparseFeature {
+                name: f.name.clone(),
+                num_rows: f.num_rows,
+            })
+            .collect(),
+        max_batch_size: max_batch_size as u32,
+    }
+}

@@ -1,0 +1,9 @@
+//! The gRPC front of the data path: decode a request, turn it into the
+//! engine's types, submit it, and map the outcome to a response or a status.
+
+pub mod convert;
+pub mod deadline;
+pub mod service;
+pub mod status;
+
+pub use service::PredictorService;

@@ -1,0 +1,25 @@
+//! Narsil: a gRPC serving engine for recommendation models with continuous
+//! batching. This crate is the front of the data path and the tooling:
+//!
+//! * [`cli`]: `narsil serve` and `narsil load` (clap; every flag has an env var).
+//! * [`grpc`]: the `narsil.v1.Predictor` service: decode, convert, map errors.
+//! * [`server`]: binds, starts the engine, reports health, serves, drains.
+//! * [`backends`]: builds the configured model backend.
+//! * [`load`]: the load generator used by tests and benchmarks.
+//! * [`shutdown`]: SIGINT/SIGTERM handling.
+
+pub mod backends;
+pub mod cli;
+pub mod grpc;
+pub mod load;
+pub mod server;
+pub mod shutdown;
+
+/// Generated protocol code for `narsil.v1`.
+pub mod proto {
+    tonic::include_proto!("narsil.v1");
+
+    /// Encoded descriptors of every served protocol, for server reflection.
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        include_bytes!(concat!(env!("OUT_DIR"), "/narsil_descriptor.bin"));
+}

@@ -1,0 +1,248 @@
+//! `narsil load`: a low-overhead load generator for Narsil's Predict.
+//!
+//! Closed loop (`--concurrency N`): N callers, each sending its next request
+//! when the previous one is answered. Open loop (`--rate R`): requests start
+//! on a fixed schedule whatever the server does, and latency is measured
+//! from each request's scheduled start, so a stalled server cannot hide its
+//! queueing (no coordinated omission).
+//!
+//! Requests are built once, before the run, from the server's ModelInfo
+//! (random valid ids), so the client spends its CPU on sending, not building.
+
+pub mod report;
+pub mod workload;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::proto::predictor_client::PredictorClient;
+use crate::proto::{ModelInfoRequest, PredictRequest};
+use report::{Recorder, Report};
+
+/// `narsil load` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LoadArgs {
+    /// Server address.
+    #[arg(long, env = "NARSIL_LOAD_ADDR", default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    /// Closed loop: callers each keeping one request in flight.
+    #[arg(long, env = "NARSIL_LOAD_CONCURRENCY", default_value_t = 1)]
+    pub concurrency: usize,
+    /// Open loop: requests started per second (overrides --concurrency).
+    #[arg(long, env = "NARSIL_LOAD_RATE")]
+    pub rate: Option<f64>,
+    /// Measured requests (after warm-up). Ignored when --duration is set.
+    #[arg(long, env = "NARSIL_LOAD_REQUESTS", default_value_t = 1000)]
+    pub requests: u64,
+    /// Measure for this many seconds instead of a request count.
+    #[arg(long, env = "NARSIL_LOAD_DURATION")]
+    pub duration: Option<f64>,
+    /// Requests sent before measuring (not counted).
+    #[arg(long, env = "NARSIL_LOAD_WARMUP", default_value_t = 100)]
+    pub warmup: u64,
+    /// Samples per request.
+    #[arg(long, env = "NARSIL_LOAD_BATCH_SIZE", default_value_t = 100)]
+    pub batch_size: usize,
+    /// Ids per (sample, feature) bag; above 1, bag sizes vary in [0, 2N-1] (multi-hot).
+    #[arg(long, env = "NARSIL_LOAD_IDS_PER_FEATURE", default_value_t = 1)]
+    pub ids_per_feature: u32,
+    /// Distinct prebuilt requests cycled through.
+    #[arg(long, env = "NARSIL_LOAD_DISTINCT_REQUESTS", default_value_t = 64)]
+    pub distinct_requests: usize,
+    /// HTTP/2 connections shared round-robin by the callers.
+    #[arg(long, env = "NARSIL_LOAD_CONNECTIONS", default_value_t = 1)]
+    pub connections: usize,
+    /// Per-request deadline sent as grpc-timeout, milliseconds.
+    #[arg(long, env = "NARSIL_LOAD_TIMEOUT_MS")]
+    pub timeout_ms: Option<u64>,
+    /// Open loop: most requests in flight; beyond it a scheduled request is
+    /// counted as `client_overflow` and not sent.
+    #[arg(long, env = "NARSIL_LOAD_MAX_IN_FLIGHT", default_value_t = 10_000)]
+    pub max_in_flight: usize,
+    /// Seed for the generated requests.
+    #[arg(long, env = "NARSIL_LOAD_SEED", default_value_t = 7)]
+    pub seed: u64,
+    /// Print one JSON object instead of the text report.
+    #[arg(long, env = "NARSIL_LOAD_JSON")]
+    pub json: bool,
+}
+
+/// Runs the load described by `args` and prints the report.
+pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
+    let report = drive(&args).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print!("{}", report.text());
+    }
+    Ok(())
+}
+
+/// Runs the load and returns the report (used by `run` and by tests).
+pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
+    if args.concurrency == 0 || args.connections == 0 || args.batch_size == 0 {
+        anyhow::bail!("--concurrency, --connections and --batch-size must be at least 1");
+    }
+    if let Some(rate) = args.rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            anyhow::bail!("--rate must be a positive number, got {rate}");
+        }
+    }
+    let clients = connect(args).await?;
+    let info = clients[0]
+        .clone()
+        .model_info(ModelInfoRequest {})
+        .await
+        .context("ModelInfo failed")?
+        .into_inner();
+    let pool = Arc::new(workload::build_pool(&info, args)?);
+    let warmup = Phase { requests: Some(args.warmup), duration: None };
+    let measured = Phase {
+        requests: if args.duration.is_some() { None } else { Some(args.requests) },
+        duration: args.duration.map(Duration::from_secs_f64),
+    };
+    if args.warmup > 0 {
+        run_phase(args, &clients, &pool, warmup).await;
+    }
+    let (recorder, elapsed) = run_phase(args, &clients, &pool, measured).await;
+    Ok(Report::new(args, &info, recorder, elapsed))
+}
+
+async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<PredictorClient<Channel>>> {
+    let mut clients = Vec::with_capacity(args.connections);
+    for _ in 0..args.connections {
+        let channel = Endpoint::from_shared(args.addr.clone())
+            .with_context(|| format!("bad --addr {}", args.addr))?
+            .tcp_nodelay(true)
+            .connect()
+            .await
+            .with_context(|| format!("cannot connect to {}", args.addr))?;
+        clients.push(
+            PredictorClient::new(channel)
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(usize::MAX),
+        );
+    }
+    Ok(clients)
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Phase {
+    requests: Option<u64>,
+    duration: Option<Duration>,
+}
+
+/// Issues request numbers until the phase's count or time is used up.
+struct Ticket {
+    phase: Phase,
+    issued: AtomicU64,
+    start: Instant,
+}
+
+impl Ticket {
+    fn next(&self) -> Option<u64> {
+        if self.phase.duration.is_some_and(|d| self.start.elapsed() >= d) {
+            return None;
+        }
+        let n = self.issued.fetch_add(1, Ordering::Relaxed);
+        self.phase.requests.is_none_or(|limit| n < limit).then_some(n)
+    }
+}
+
+async fn run_phase(
+    args: &LoadArgs,
+    clients: &[PredictorClient<Channel>],
+    pool: &Arc<Vec<PredictRequest>>,
+    phase: Phase,
+) -> (Recorder, Duration) {
+    let ticket = Arc::new(Ticket { phase, issued: AtomicU64::new(0), start: Instant::now() });
+    let recorder = match args.rate {
+        None => closed_loop(args, clients, pool, &ticket).await,
+        Some(rate) => open_loop(args, clients, pool, &ticket, rate).await,
+    };
+    (recorder, ticket.start.elapsed())
+}
+
+fn with_timeout(message: PredictRequest, timeout_ms: Option<u64>) -> tonic::Request<PredictRequest> {
+    let mut request = tonic::Request::new(message);
+    if let Some(ms) = timeout_ms {
+        request.set_timeout(Duration::from_millis(ms));
+    }
+    request
+}
+
+async fn closed_loop(
+    args: &LoadArgs,
+    clients: &[PredictorClient<Channel>],
+    pool: &Arc<Vec<PredictRequest>>,
+    ticket: &Arc<Ticket>,
+) -> Recorder {
+    let callers: Vec<_> = (0..args.concurrency)
+        .map(|caller| {
+            let mut client = clients[caller % clients.len()].clone();
+            let pool = Arc::clone(pool);
+            let ticket = Arc::clone(ticket);
+            let timeout_ms = args.timeout_ms;
+            tokio::spawn(async move {
+                let mut recorder = Recorder::default();
+                while let Some(n) = ticket.next() {
+                    let message = pool[n as usize % pool.len()].clone();
+                    let start = Instant::now();
+                    let result = client.predict(with_timeout(message, timeout_ms)).await;
+                    recorder.record(start.elapsed(), result.map(|r| r.into_inner()));
+                }
+                recorder
+            })
+        })
+        .collect();
+    let mut total = Recorder::default();
+    for caller in callers {
+        if let Ok(recorder) = caller.await {
+            total.merge(recorder);
+        }
+    }
+    total
+}
+
+async fn open_loop(
+    args: &LoadArgs,
+    clients: &[PredictorClient<Channel>],
+    pool: &Arc<Vec<PredictRequest>>,
+    ticket: &Arc<Ticket>,
+    rate: f64,
+) -> Recorder {
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight));
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Recorder>();
+    let mut overflow = 0u64;
+    while let Some(n) = ticket.next() {
+        let scheduled = ticket.start + interval.mul_f64(n as f64);
+        tokio::time::sleep_until(scheduled.into()).await;
+        let Ok(permit) = Arc::clone(&in_flight).try_acquire_owned() else {
+            overflow += 1;
+            continue;
+        };
+        let mut client = clients[n as usize % clients.len()].clone();
+        let message = pool[n as usize % pool.len()].clone();
+        let done = done_tx.clone();
+        let timeout_ms = args.timeout_ms;
+        tokio::spawn(async move {
+            let result = client.predict(with_timeout(message, timeout_ms)).await;
+            let mut recorder = Recorder::default();
+            recorder.record(scheduled.elapsed(), result.map(|r| r.into_inner()));
+            let _ = done.send(recorder);
+            drop(permit);
+        });
+    }
+    drop(done_tx);
+    let mut total = Recorder::default();
+    while let Some(recorder) = done_rx.recv().await {
+        total.merge(recorder);
+    }
+    total.client_overflow = overflow;
+    total
+}

@@ -1,0 +1,178 @@
+//! Latency and throughput accounting for `narsil load`.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use super::LoadArgs;
+use crate::proto::{ModelInfoResponse, PredictResponse};
+
+/// Outcomes of one caller (merged at the end of a phase).
+#[derive(Debug)]
+pub struct Recorder {
+    ok_latency_us: Histogram<u64>,
+    by_code: BTreeMap<String, u64>,
+    fused_rows_sum: u64,
+    queue_us_sum: u64,
+    compute_us_sum: u64,
+    /// Open loop: scheduled requests not sent because too many were in flight.
+    pub client_overflow: u64,
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Self {
+            ok_latency_us: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
+            by_code: BTreeMap::new(),
+            fused_rows_sum: 0,
+            queue_us_sum: 0,
+            compute_us_sum: 0,
+            client_overflow: 0,
+        }
+    }
+}
+
+impl Recorder {
+    /// Records one answered call.
+    pub fn record(&mut self, latency: Duration, result: Result<PredictResponse, tonic::Status>) {
+        let code = match result {
+            Ok(response) => {
+                self.ok_latency_us.saturating_record(latency.as_micros().max(1) as u64);
+                self.fused_rows_sum += u64::from(response.fused_rows);
+                self.queue_us_sum += response.queue_time_us;
+                self.compute_us_sum += response.compute_time_us;
+                "OK".to_string()
+            }
+            Err(status) => format!("{:?}", status.code()),
+        };
+        *self.by_code.entry(code).or_default() += 1;
+    }
+
+    /// Adds another recorder's outcomes to this one.
+    pub fn merge(&mut self, other: Recorder) {
+        self.ok_latency_us.add(&other.ok_latency_us).expect("same bounds");
+        for (code, n) in other.by_code {
+            *self.by_code.entry(code).or_default() += n;
+        }
+        self.fused_rows_sum += other.fused_rows_sum;
+        self.queue_us_sum += other.queue_us_sum;
+        self.compute_us_sum += other.compute_us_sum;
+        self.client_overflow += other.client_overflow;
+    }
+}
+
+/// The result of a load run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// `closed` or `open`.
+    pub mode: String,
+    /// Closed loop callers.
+    pub concurrency: usize,
+    /// Open loop target rate.
+    pub rate: Option<f64>,
+    /// Samples per request.
+    pub batch_size: usize,
+    /// Backend the server reported.
+    pub backend: String,
+    /// Measured phase length, seconds.
+    pub elapsed_s: f64,
+    /// Calls answered, any status.
+    pub requests: u64,
+    /// Calls answered OK.
+    pub ok: u64,
+    /// Answered calls per status code.
+    pub by_code: BTreeMap<String, u64>,
+    /// Open loop requests not sent (client in-flight cap).
+    pub client_overflow: u64,
+    /// OK calls per second.
+    pub req_per_s: f64,
+    /// OK samples per second.
+    pub samples_per_s: f64,
+    /// Latency of OK calls, milliseconds.
+    pub p50_ms: f64,
+    /// 90th percentile, ms.
+    pub p90_ms: f64,
+    /// 99th percentile, ms.
+    pub p99_ms: f64,
+    /// Maximum, ms.
+    pub max_ms: f64,
+    /// Mean, ms.
+    pub mean_ms: f64,
+    /// Mean rows of the fused forward each OK call was part of.
+    pub mean_fused_rows: f64,
+    /// Mean server-side queue time, ms.
+    pub mean_queue_ms: f64,
+    /// Mean server-side forward time, ms.
+    pub mean_compute_ms: f64,
+}
+
+impl Report {
+    /// Summarises a measured phase.
+    pub fn new(args: &LoadArgs, info: &ModelInfoResponse, r: Recorder, elapsed: Duration) -> Self {
+        let ok = r.by_code.get("OK").copied().unwrap_or(0);
+        let secs = elapsed.as_secs_f64().max(1e-9);
+        let h = &r.ok_latency_us;
+        let ms = |us: u64| us as f64 / 1e3;
+        let per_ok = |sum: u64| if ok == 0 { 0.0 } else { sum as f64 / ok as f64 };
+        Self {
+            mode: if args.rate.is_some() { "open" } else { "closed" }.into(),
+            concurrency: args.concurrency,
+            rate: args.rate,
+            batch_size: args.batch_size,
+            backend: info.backend.clone(),
+            elapsed_s: secs,
+            requests: r.by_code.values().sum(),
+            ok,
+            by_code: r.by_code.clone(),
+            client_overflow: r.client_overflow,
+            req_per_s: ok as f64 / secs,
+            samples_per_s: (ok as f64 * args.batch_size as f64) / secs,
+            p50_ms: ms(h.value_at_quantile(0.50)),
+            p90_ms: ms(h.value_at_quantile(0.90)),
+            p99_ms: ms(h.value_at_quantile(0.99)),
+            max_ms: ms(h.max()),
+            mean_ms: h.mean() / 1e3,
+            mean_fused_rows: per_ok(r.fused_rows_sum),
+            mean_queue_ms: per_ok(r.queue_us_sum) / 1e3,
+            mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,
+        }
+    }
+
+    /// The human-readable report.
+    pub fn text(&self) -> String {
+        let load = match self.rate {
+            Some(rate) => format!("open loop at {rate} req/s"),
+            None => format!("closed loop, concurrency {}", self.concurrency),
+        };
+        let codes: Vec<String> = self.by_code.iter().map(|(c, n)| format!("{c}={n}")).collect();
+        format!(
+            "narsil load: {load}, {} samples/request, backend {}\n\
+             requests    {} in {:.2} s ({})\n\
+             throughput  {:.1} req/s, {:.0} samples/s\n\
+             latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
+             server      mean fused rows {:.1}, queue {:.3} ms, forward {:.3} ms\n{}",
+            self.batch_size,
+            self.backend,
+            self.requests,
+            self.elapsed_s,
+            codes.join(" "),
+            self.req_per_s,
+            self.samples_per_s,
+            self.p50_ms,
+            self.p90_ms,
+            self.p99_ms,
+            self.max_ms,
+            self.mean_ms,
+            self.mean_fused_rows,
+            self.mean_queue_ms,
+            self.mean_compute_ms,
+            if self.client_overflow > 0 {
+                format!("client      {} scheduled requests not sent (in-flight cap)\n", self.client_overflow)
+            } else {
+                String::new()
+            }
+        )
+    }
+}

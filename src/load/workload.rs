@@ -1,0 +1,61 @@
+//! Builds the load generator's requests: random valid samples for the
+//! schema the server reports.
+
+use rand::{Rng, SeedableRng};
+
+use super::LoadArgs;
+use crate::proto::{ModelInfoResponse, PredictRequest};
+
+/// `args.distinct_requests` requests of `args.batch_size` samples each, with
+/// dense values in [0, 1) and ids uniform over each table.
+pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<Vec<PredictRequest>> {
+    if info.max_batch_size != 0 && args.batch_size > info.max_batch_size as usize {
+        anyhow::bail!(
+            "--batch-size {} exceeds the server's limit of {} samples per request",
+            args.batch_size,
+            info.max_batch_size
+        );
+    }
+    if info.sparse_features.iter().any(|f| f.num_rows == 0) {
+        anyhow::bail!("the server reports a sparse feature with an empty table");
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    Ok((0..args.distinct_requests.max(1))
+        .map(|i| random_request(info, args.batch_size, args.ids_per_feature, &mut rng, i))
+        .collect())
+}
+
+/// One request of `batch_size` random samples. With `ids_per_feature` above
+/// 1, bag sizes are uniform in `[0, 2 * ids_per_feature - 1]`.
+pub fn random_request(
+    info: &ModelInfoResponse,
+    batch_size: usize,
+    ids_per_feature: u32,
+    rng: &mut impl Rng,
+    index: usize,
+) -> PredictRequest {
+    let dense = (0..batch_size * info.num_dense as usize).map(|_| rng.random::<f32>()).collect();
+    let mut sparse_lengths = Vec::new();
+    let mut sparse_ids = Vec::with_capacity(batch_size * info.sparse_features.len());
+    for _ in 0..batch_size {
+        for feature in &info.sparse_features {
+            let len = if ids_per_feature <= 1 {
+                ids_per_feature
+            } else {
+                rng.random_range(0..2 * ids_per_feature)
+            };
+            sparse_lengths.push(len);
+            for _ in 0..len {
+                sparse_ids.push(rng.random_range(0..feature.num_rows) as i64);
+            }
+        }
+    }
+    PredictRequest {
+        batch_size: batch_size as u32,
+        dense,
+        // One id per bag is the wire default: send no lengths at all.
+        sparse_lengths: if ids_per_feature == 1 { Vec::new() } else { sparse_lengths },
+        sparse_ids,
+        request_id: format!("load-{index}"),
+    }
+}
