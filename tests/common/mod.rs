@@ -1,0 +1,123 @@
+//! Shared helpers for the end-to-end tests: a real server on 127.0.0.1:0 with
+//! the mock backend, gRPC clients, and request builders.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use narsil::cli::ServeArgs;
+use narsil::proto::predictor_client::PredictorClient;
+use narsil::proto::PredictRequest;
+use narsil::server::Server;
+use narsil_core::mock::{MockConfig, MockFactory};
+use narsil_core::ModelSchema;
+use narsil_engine::{EngineConfig, EngineHandle, ExecutionMode};
+use tokio::sync::oneshot;
+use tonic::transport::Channel;
+
+/// A server running in the test's runtime.
+pub struct TestServer {
+    pub url: String,
+    pub engine: EngineHandle,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl TestServer {
+    /// Stops accepting, drains, and returns the server's result.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap()
+    }
+
+    pub async fn client(&self) -> PredictorClient<Channel> {
+        PredictorClient::connect(self.url.clone()).await.unwrap()
+    }
+
+    pub async fn channel(&self) -> Channel {
+        Channel::from_shared(self.url.clone()).unwrap().connect().await.unwrap()
+    }
+
+    /// Waits until every lane is warm.
+    pub async fn ready(self) -> Self {
+        self.engine.wait_ready().await.unwrap();
+        self
+    }
+}
+
+/// Engine settings from the CLI defaults, adjusted by `edit`.
+pub fn config(edit: impl FnOnce(&mut EngineConfig)) -> EngineConfig {
+    let mut config = ServeArgs::defaults().engine_config().unwrap();
+    edit(&mut config);
+    config
+}
+
+pub fn batch_mode(lanes: usize, batch_size: usize) -> EngineConfig {
+    config(|c| {
+        c.mode = ExecutionMode::Batch;
+        c.lanes = lanes;
+        c.max_batch_requests = batch_size;
+    })
+}
+
+pub fn worker_mode(lanes: usize) -> EngineConfig {
+    config(|c| {
+        c.mode = ExecutionMode::Worker;
+        c.lanes = lanes;
+    })
+}
+
+/// The mock's schema used by the tests: the DLRM shape with small tables.
+pub fn schema() -> ModelSchema {
+    ModelSchema::dlrm("mock", "cpu", 1000)
+}
+
+/// Starts a mock server with `latency_ms` per forward.
+pub async fn start(config: EngineConfig, latency_ms: u64) -> TestServer {
+    let factory = Arc::new(MockFactory::new(
+        schema(),
+        MockConfig { latency: Duration::from_millis(latency_ms), per_row: Duration::ZERO },
+    ));
+    let server = Server::start("127.0.0.1:0".parse().unwrap(), factory, config, 64 << 20)
+        .await
+        .unwrap();
+    let url = format!("http://{}", server.local_addr());
+    let engine = server.engine();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async {
+        let _ = stopped.await;
+    }));
+    TestServer { url, engine, stop: Some(stop), task }
+}
+
+/// A deterministic request of `b` samples; `tag` varies its content. Bag
+/// sizes cycle through 0..=3 (multi-hot, empty bags included).
+pub fn request(tag: u64, b: usize) -> PredictRequest {
+    let schema = schema();
+    let num_sparse = schema.num_sparse();
+    let mut lengths = Vec::with_capacity(b * num_sparse);
+    let mut ids = Vec::new();
+    for s in 0..b {
+        for f in 0..num_sparse {
+            let len = ((tag as usize + s * 7 + f * 3) % 4) as u32;
+            lengths.push(len);
+            for k in 0..len as u64 {
+                ids.push(((tag * 7919 + s as u64 * 104_729 + f as u64 * 31 + k * 17) % 1000) as i64);
+            }
+        }
+    }
+    PredictRequest {
+        batch_size: b as u32,
+        dense: (0..b * schema.num_dense)
+            .map(|i| ((tag as usize * 131 + i * 17) % 1000) as f32 / 1000.0)
+            .collect(),
+        sparse_lengths: lengths,
+        sparse_ids: ids,
+        request_id: format!("req-{tag}"),
+    }
+}
+
+/// Bit patterns of scores, for exact comparison.
+pub fn bits(scores: &[f32]) -> Vec<u32> {
+    scores.iter().map(|s| s.to_bits()).collect()
+}
