@@ -101,11 +101,33 @@ impl BatchBuilder {
     /// scattered to their features' buffers.
     pub fn push(&mut self, request: &SampleBatch) {
         let num_sparse = self.lengths.len();
-        debug_assert_eq!(request.dense.len(), request.batch_size * self.num_dense);
-        debug_assert_eq!(request.lengths.len(), request.batch_size * num_sparse);
+        let b = request.batch_size;
+        debug_assert_eq!(request.dense.len(), b * self.num_dense);
+        debug_assert_eq!(request.lengths.len(), b * num_sparse);
         self.dense.extend_from_slice(&request.dense);
+        self.rows += b;
+        self.request_rows.push(b);
+        if num_sparse == 0 {
+            return;
+        }
+        for lengths in &mut self.lengths {
+            lengths.reserve(b);
+        }
+        if request.ids.len() == request.lengths.len() && request.lengths.iter().all(|&l| l == 1) {
+            // One id per bag (the common case): ids are a [B x F] matrix.
+            for ids in &mut self.ids {
+                ids.reserve(b);
+            }
+            for sample_ids in request.ids.chunks_exact(num_sparse) {
+                for (f, &id) in sample_ids.iter().enumerate() {
+                    self.lengths[f].push(1);
+                    self.ids[f].push(id);
+                }
+            }
+            return;
+        }
         let mut cursor = 0usize;
-        for sample_lengths in request.lengths.chunks_exact(num_sparse.max(1)) {
+        for sample_lengths in request.lengths.chunks_exact(num_sparse) {
             for (f, &len) in sample_lengths.iter().enumerate() {
                 let len = len as usize;
                 self.lengths[f].push(len as i32);
@@ -113,8 +135,6 @@ impl BatchBuilder {
                 cursor += len;
             }
         }
-        self.rows += request.batch_size;
-        self.request_rows.push(request.batch_size);
     }
 
     /// Lays the per-feature buffers end to end into the key-major batch.

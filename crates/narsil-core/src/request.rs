@@ -129,6 +129,18 @@ impl SampleBatch {
 
     fn check_ids(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
         let num_sparse = schema.num_sparse();
+        if num_sparse > 0 && self.lengths.iter().all(|&l| l == 1) {
+            // One id per bag: a quick scan usually finds nothing to report.
+            let in_range = self.ids.chunks_exact(num_sparse).all(|sample| {
+                sample
+                    .iter()
+                    .zip(&schema.sparse)
+                    .all(|(&id, f)| (id as u64) < f.num_rows)
+            });
+            if in_range {
+                return Ok(());
+            }
+        }
         let mut cursor = 0usize;
         for (bag, &len) in self.lengths.iter().enumerate() {
             let feature = &schema.sparse[bag % num_sparse];
@@ -244,6 +256,19 @@ mod tests {
         let e = err(r);
         assert_eq!(e.field, "sparse_ids");
         assert!(e.message.contains("sample 1 feature 1 (cat_1) has id 10"), "{e}");
+    }
+
+    #[test]
+    fn ids_are_checked_against_their_own_features_table() {
+        let mut schema = schema();
+        schema.sparse[0].num_rows = 100;
+        // Feature 0 (100 rows) gets 50 and 60, feature 2 (10 rows) gets 5.
+        let mut r = SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![2, 0, 1], ids: vec![50, 60, 5] };
+        r.validate(&schema, LIMITS).unwrap();
+        // Same count of ids as bags, but the 2nd id lands in feature 2 (10 rows).
+        let mut r = SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![1, 0, 2], ids: vec![50, 5, 60] };
+        let e = r.validate(&schema, LIMITS).unwrap_err();
+        assert!(e.message.contains("feature 2 (cat_2) has id 60"), "{e}");
     }
 
     #[test]

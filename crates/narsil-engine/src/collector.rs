@@ -1,7 +1,7 @@
-//! The collector: one task that owns the queue. It reorders each admitted
-//! request into the open batch as it arrives (so the next batch is assembled
-//! while lanes compute), seals a batch when it is full, and hands batches to
-//! free lanes.
+//! The collector: the queue between admission and the lanes. Each admitted
+//! request is reordered into the open batch as it arrives (so the next batch
+//! is assembled while lanes compute); a batch is sealed when it is full; a
+//! free lane takes the next due batch.
 //!
 //! Flush rule: a sealed (full) batch goes to the next free lane; the open
 //! batch goes when a lane is free and its oldest request has waited
@@ -15,15 +15,13 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use narsil_core::BatchBuilder;
-use tokio::sync::{mpsc, Notify};
 
 use crate::error::EngineError;
 use crate::job::{Entry, Job, Waiter};
-use crate::lanes::IdleLanes;
 use crate::stats::Stats;
 
 /// Batch limits the collector applies.
@@ -192,98 +190,94 @@ impl BatchQueue {
     }
 }
 
-/// The collector task's inputs and outputs.
+/// The shared queue: request handlers add to it, lanes take batches from it.
+///
+/// Lanes pull their next batch themselves as soon as they finish one, on
+/// their own OS thread, so a freed lane never waits for an async task to be
+/// scheduled behind request decoding. Handlers do the reorder while holding
+/// the lock (microseconds per request), which is what keeps the next batch
+/// ready while the current one runs.
 pub struct Collector {
-    /// Admitted requests.
-    pub intake: mpsc::Receiver<Entry>,
-    /// Queued batches.
-    pub queue: BatchQueue,
-    /// Where batches go.
-    pub jobs: crossbeam_channel::Sender<Job>,
-    /// Free lanes.
-    pub idle: Arc<IdleLanes>,
-    /// Shared counters.
-    pub stats: Arc<Stats>,
-    /// Signalled once at shutdown: stop taking requests, finish the queue.
-    pub shutdown: Arc<Notify>,
+    state: Mutex<CollectorState>,
+    work: Condvar,
+    stats: Arc<Stats>,
 }
 
-enum Event {
-    Admitted(Entry),
-    IntakeClosed,
-    Woken,
+struct CollectorState {
+    queue: BatchQueue,
+    idle_lanes: usize,
+    closed: bool,
 }
 
 impl Collector {
-    /// Runs until shutdown is signalled (or every sender is gone) and every
-    /// queued request has been handed to a lane.
-    pub async fn run(mut self) {
-        let mut draining = false;
-        let mut shutdown_seen = false;
-        loop {
-            self.dispatch(Instant::now(), draining);
-            if draining && self.queue.is_empty() {
-                break;
-            }
-            let flush_at = self
-                .queue
-                .open_flush_at()
-                .filter(|_| self.idle.count() > 0)
-                .map(tokio::time::Instant::from_std);
-            let event = tokio::select! {
-                biased;
-                entry = self.intake.recv(), if !draining => {
-                    entry.map_or(Event::IntakeClosed, Event::Admitted)
-                }
-                _ = self.idle.freed() => Event::Woken,
-                _ = self.shutdown.notified(), if !shutdown_seen => {
-                    shutdown_seen = true;
-                    self.intake.close();
-                    Event::Woken
-                }
-                _ = sleep_until_some(flush_at) => Event::Woken,
-            };
-            match event {
-                Event::Admitted(entry) => {
-                    self.admit(entry);
-                    while let Ok(entry) = self.intake.try_recv() {
-                        self.admit(entry);
-                    }
-                }
-                Event::IntakeClosed => draining = true,
-                Event::Woken => {}
-            }
+    /// An empty collector feeding lanes with batches within `limits`.
+    pub fn new(queue: BatchQueue, stats: Arc<Stats>) -> Self {
+        Self {
+            state: Mutex::new(CollectorState { queue, idle_lanes: 0, closed: false }),
+            work: Condvar::new(),
+            stats,
         }
-        tracing::debug!("collector drained");
     }
 
-    fn admit(&mut self, entry: Entry) {
+    fn lock(&self) -> MutexGuard<'_, CollectorState> {
+        // Nothing panics while holding the lock; recover the data if it did.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Queues a request (reordering it into the open batch) and wakes an idle
+    /// lane. Gives the entry back if the collector no longer takes requests.
+    pub fn submit(&self, entry: Entry) -> Result<(), Entry> {
+        let mut state = self.lock();
+        if state.closed {
+            return Err(entry);
+        }
         if entry.reply.is_closed() {
             self.stats.requests_abandoned.fetch_add(1, Ordering::Relaxed);
-            return;
+            return Ok(());
         }
-        self.queue.add(entry);
+        state.queue.add(entry);
+        let wake = state.idle_lanes > 0;
+        drop(state);
+        if wake {
+            self.work.notify_one();
+        }
+        Ok(())
     }
 
-    fn dispatch(&mut self, now: Instant, drain: bool) {
-        while self.idle.count() > 0 {
-            let (job, removed) = self.queue.next_due(now, drain);
-            self.stats.requests_abandoned.fetch_add(removed as u64, Ordering::Relaxed);
-            let Some(job) = job else { return };
-            let claimed = self.idle.try_claim();
-            debug_assert!(claimed, "only the collector claims lanes");
-            if self.jobs.try_send(job).is_err() {
-                tracing::error!("lane channel refused a batch; lanes have stopped");
-                return;
+    /// Stops taking requests; lanes finish what is queued, then stop.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.work.notify_all();
+    }
+
+    /// Blocks the calling lane until a batch is due, and returns it; `None`
+    /// once the collector is closed and empty.
+    pub fn next_job(&self) -> Option<Job> {
+        let mut state = self.lock();
+        loop {
+            let now = Instant::now();
+            let drain = state.closed;
+            let (job, removed) = state.queue.next_due(now, drain);
+            if removed > 0 {
+                self.stats.requests_abandoned.fetch_add(removed as u64, Ordering::Relaxed);
             }
+            if job.is_some() {
+                return job;
+            }
+            if state.closed && state.queue.is_empty() {
+                return None;
+            }
+            let flush_at = state.queue.open_flush_at();
+            state.idle_lanes += 1;
+            state = match flush_at {
+                Some(at) => {
+                    let wait = at.saturating_duration_since(now);
+                    self.work.wait_timeout(state, wait).unwrap_or_else(|p| p.into_inner()).0
+                }
+                None => self.work.wait(state).unwrap_or_else(|p| p.into_inner()),
+            };
+            state.idle_lanes -= 1;
         }
-    }
-}
-
-async fn sleep_until_some(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 

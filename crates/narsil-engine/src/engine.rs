@@ -1,7 +1,7 @@
 //! Startup, the request path, and shutdown of the engine.
 //!
-//! [`Engine::start`] spawns the lanes (which load and warm up their models in
-//! the background) and the collector. [`EngineHandle::predict`] validates a
+//! [`Engine::start`] creates the collector and spawns the lanes (which load
+//! and warm up their models in the background). [`EngineHandle::predict`] validates a
 //! request, admits it, queues it and waits for its answer or its deadline.
 //! [`Engine::shutdown`] stops intake, lets every queued request finish and
 //! joins the lanes.
@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use narsil_core::request::RequestLimits;
 use narsil_core::{BackendFactory, ModelSchema, SampleBatch};
-use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio::sync::{oneshot, watch};
 
 use crate::admission::Admission;
 use crate::collector::{BatchLimits, BatchQueue, Collector};
@@ -24,8 +24,6 @@ use crate::stats::{Stats, StatsSnapshot};
 /// The running engine: owns the collector task and the lane threads.
 pub struct Engine {
     handle: EngineHandle,
-    shutdown: Arc<Notify>,
-    collector: tokio::task::JoinHandle<()>,
     lane_threads: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -36,7 +34,7 @@ pub struct EngineHandle {
 }
 
 struct Shared {
-    intake: mpsc::Sender<Entry>,
+    collector: Arc<Collector>,
     admission: Arc<Admission>,
     schema: ModelSchema,
     limits: RequestLimits,
@@ -54,15 +52,8 @@ impl Engine {
         let schema = factory.schema().clone();
         let stats = Arc::new(Stats::default());
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
-        let lanes = lanes::spawn(factory, config.lanes, Arc::clone(&stats), readiness_tx)
-            .map_err(|e| format!("cannot start lane threads: {e}"))?;
-        // Every queued entry holds an admission permit, so the intake never
-        // holds more than max_queue_requests entries.
-        let (intake, intake_rx) = mpsc::channel(config.max_queue_requests);
-        let shutdown = Arc::new(Notify::new());
-        let collector = Collector {
-            intake: intake_rx,
-            queue: BatchQueue::new(
+        let collector = Arc::new(Collector::new(
+            BatchQueue::new(
                 BatchLimits {
                     max_requests: config.requests_per_batch(),
                     max_rows: config.max_batch_rows,
@@ -71,16 +62,20 @@ impl Engine {
                 schema.num_dense,
                 schema.num_sparse(),
             ),
-            jobs: lanes.jobs,
-            idle: lanes.idle,
-            stats: Arc::clone(&stats),
-            shutdown: Arc::clone(&shutdown),
-        };
-        let collector = tokio::spawn(collector.run());
+            Arc::clone(&stats),
+        ));
+        let lane_threads = lanes::spawn(
+            factory,
+            config.lanes,
+            Arc::clone(&collector),
+            Arc::clone(&stats),
+            readiness_tx,
+        )
+        .map_err(|e| format!("cannot start lane threads: {e}"))?;
         Ok(Self {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
-                    intake,
+                    collector,
                     admission: Admission::new(config.max_queue_requests, config.max_queue_rows),
                     schema,
                     limits: config.limits,
@@ -89,9 +84,7 @@ impl Engine {
                     readiness,
                 }),
             },
-            shutdown,
-            collector,
-            lane_threads: lanes.threads,
+            lane_threads,
         })
     }
 
@@ -103,10 +96,7 @@ impl Engine {
     /// Stops taking requests, runs every queued one to completion, and joins
     /// the lanes.
     pub async fn shutdown(self) {
-        self.shutdown.notify_one();
-        if let Err(e) = self.collector.await {
-            tracing::error!(error = %e, "collector task failed");
-        }
+        self.handle.shared.collector.close();
         let threads = self.lane_threads;
         let joined = tokio::task::spawn_blocking(move || {
             threads.into_iter().map(|t| t.join()).filter(Result::is_err).count()
@@ -176,10 +166,7 @@ impl EngineHandle {
             .map_err(EngineError::Overloaded)?;
         let (reply, answer) = oneshot::channel();
         let entry = Entry { request, reply, admitted, deadline, permit };
-        shared.intake.try_send(entry).map_err(|e| match e {
-            mpsc::error::TrySendError::Full(_) => EngineError::Overloaded("intake full".into()),
-            mpsc::error::TrySendError::Closed(_) => EngineError::ShuttingDown,
-        })?;
+        shared.collector.submit(entry).map_err(|_| EngineError::ShuttingDown)?;
         let answer = match deadline {
             Some(d) => tokio::time::timeout_at(d.into(), answer)
                 .await

@@ -1,55 +1,24 @@
 //! Executor lanes: OS threads that each own one model instance. A lane loads
-//! its instance on its own thread, warms it up, reports ready, then runs the
-//! fused batches the collector hands it and answers every request in them.
+//! its instance on its own thread, warms it up, reports ready, then takes
+//! the collector's next due batch, runs it and answers every request in it.
 //!
 //! A failing forward fails only its own batch; a panicking backend is caught
 //! and the lane keeps serving.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
 use narsil_core::backend::warmup_batch;
 use narsil_core::{BackendFactory, ModelBackend};
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 
+use crate::collector::Collector;
 use crate::error::EngineError;
 use crate::job::{Job, Prediction};
 use crate::stats::Stats;
-
-/// How many lanes are free, and a signal each time one frees up.
-#[derive(Debug, Default)]
-pub struct IdleLanes {
-    count: AtomicUsize,
-    freed: Notify,
-}
-
-impl IdleLanes {
-    /// Lanes waiting for work.
-    pub fn count(&self) -> usize {
-        self.count.load(Ordering::Acquire)
-    }
-
-    /// Claims a free lane for a job about to be sent; false if none is free.
-    pub fn try_claim(&self) -> bool {
-        self.count
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
-            .is_ok()
-    }
-
-    /// Waits until a lane frees up (returns at once if one freed since the
-    /// last call).
-    pub async fn freed(&self) {
-        self.freed.notified().await
-    }
-
-    fn release(&self) {
-        self.count.fetch_add(1, Ordering::AcqRel);
-        self.freed.notify_one();
-    }
-}
 
 /// Startup progress of the lanes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -60,51 +29,36 @@ pub struct Readiness {
     pub failed: Option<String>,
 }
 
-/// The running lanes.
-pub struct Lanes {
-    /// Where fused batches go; any free lane takes the next one.
-    pub jobs: crossbeam_channel::Sender<Job>,
-    /// Free lanes.
-    pub idle: Arc<IdleLanes>,
-    /// Lane threads, joined at shutdown.
-    pub threads: Vec<JoinHandle<()>>,
-}
-
-/// Starts `count` lanes. Each reports into `readiness` once warmed up.
+/// Starts `count` lanes taking batches from `collector`. Each reports into
+/// `readiness` once warmed up; all return when the collector is closed and
+/// empty.
 pub fn spawn(
     factory: Arc<dyn BackendFactory>,
     count: usize,
+    collector: Arc<Collector>,
     stats: Arc<Stats>,
     readiness: watch::Sender<Readiness>,
-) -> std::io::Result<Lanes> {
-    // At most `count` jobs are ever outstanding: the collector claims an
-    // idle lane before sending.
-    let (jobs, receiver) = crossbeam_channel::bounded::<Job>(count);
-    let idle = Arc::new(IdleLanes::default());
-    let mut threads = Vec::with_capacity(count);
-    for lane in 0..count {
-        let lane_ctx = LaneContext {
-            lane,
-            factory: Arc::clone(&factory),
-            jobs: receiver.clone(),
-            idle: Arc::clone(&idle),
-            stats: Arc::clone(&stats),
-            readiness: readiness.clone(),
-        };
-        threads.push(
+) -> std::io::Result<Vec<JoinHandle<()>>> {
+    (0..count)
+        .map(|lane| {
+            let lane_ctx = LaneContext {
+                lane,
+                factory: Arc::clone(&factory),
+                collector: Arc::clone(&collector),
+                stats: Arc::clone(&stats),
+                readiness: readiness.clone(),
+            };
             std::thread::Builder::new()
                 .name(format!("narsil-lane-{lane}"))
-                .spawn(move || lane_ctx.run())?,
-        );
-    }
-    Ok(Lanes { jobs, idle, threads })
+                .spawn(move || lane_ctx.run())
+        })
+        .collect()
 }
 
 struct LaneContext {
     lane: usize,
     factory: Arc<dyn BackendFactory>,
-    jobs: crossbeam_channel::Receiver<Job>,
-    idle: Arc<IdleLanes>,
+    collector: Arc<Collector>,
     stats: Arc<Stats>,
     readiness: watch::Sender<Readiness>,
 }
@@ -124,12 +78,10 @@ impl LaneContext {
         };
         tracing::info!(lane = self.lane, elapsed_ms = started.elapsed().as_millis() as u64, "lane ready");
         self.readiness.send_modify(|r| r.ready += 1);
-        self.idle.release();
-        while let Ok(job) = self.jobs.recv() {
+        while let Some(job) = self.collector.next_job() {
             self.stats.busy_lanes.fetch_add(1, Ordering::Relaxed);
             self.run_job(backend.as_mut(), job);
             self.stats.busy_lanes.fetch_sub(1, Ordering::Relaxed);
-            self.idle.release();
         }
     }
 

@@ -1,13 +1,13 @@
 //! Narsil's engine: everything between a validated request and its scores.
 //!
 //! ```text
-//! predict() ──▶ admission ──▶ collector (tokio task) ──▶ lanes (OS threads) ──▶ backend
+//! predict() ──▶ admission ──▶ collector (shared queue) ◀── lanes (OS threads) ──▶ backend
 //!   ◀── oneshot reply per request, split from the fused scores ◀──┘
 //! ```
 //!
 //! * [`admission`]: bounded by queued requests and rows; rejects at once.
-//! * [`collector`]: fuses queued requests into key-major batches while lanes
-//!   run, and hands a batch to a lane as soon as one is free.
+//! * [`collector`]: reorders each request into the open key-major batch as
+//!   it is submitted; a lane that frees up takes the next due batch itself.
 //! * [`lanes`]: one thread per model instance; loads, warms up, runs, replies.
 //! * [`engine`]: the handle the RPC layer calls, and startup/shutdown.
 //! * [`stats`]: counters the engine keeps about itself.

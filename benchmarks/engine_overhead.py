@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Engine overhead with the fixed-latency mock backend.
+
+Starts `narsil serve --backend mock` and drives it with `narsil load` (closed
+loop) at several concurrencies, for worker mode (many lanes) and batch mode
+(one lane). Reports observed latency and the engine's added latency
+(observed minus the mock's forward latency), and for batch mode the
+throughput against the ideal (requests per fused batch / forward latency).
+
+Server and load generator are pinned to separate cores when there are two or
+more. Standard library only; needs a release build (`cargo build --release`).
+"""
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(cmd, core):
+    if core is not None and os.cpu_count() and os.cpu_count() > 1:
+        return ["taskset", "-c", str(core)] + cmd
+    return cmd
+
+
+def wait_serving(binary, addr, timeout=30):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        probe = subprocess.run(
+            [binary, "load", "--addr", f"http://{addr}", "--requests", "1", "--warmup", "0",
+             "--batch-size", "1", "--json"],
+            capture_output=True, text=True)
+        if probe.returncode == 0 and '"OK"' in probe.stdout:
+            return
+        time.sleep(0.1)
+    raise SystemExit(f"server at {addr} never answered")
+
+
+def run_case(args, mode, lanes, concurrency):
+    port = free_port()
+    addr = f"127.0.0.1:{port}"
+    serve = [args.binary, "serve", "--addr", addr, "--backend", "mock",
+             "--mock-latency-ms", str(args.latency_ms), "--execution-mode", mode,
+             "--lanes", str(lanes), "--batch-size", str(args.batch_size),
+             "--batch-timeout-ms", "0", "--log-level", "warn"]
+    server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_serving(args.binary, addr)
+        load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
+                "--warmup", str(args.warmup), "--batch-size", str(args.samples), "--json"]
+        if args.duration:
+            load += ["--duration", str(args.duration)]
+        else:
+            load += ["--requests", str(args.requests)]
+        out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "narsil"))
+    p.add_argument("--latency-ms", type=float, default=5.0)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--worker-lanes", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=16, help="requests per fused batch (batch mode)")
+    p.add_argument("--samples", type=int, default=100, help="samples per request")
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--duration", type=float, help="seconds per case instead of --requests")
+    p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--json-out", help="write all results to this file")
+    args = p.parse_args()
+    if not os.path.exists(args.binary):
+        raise SystemExit(f"{args.binary} not found: run `cargo build --release` first")
+
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+               platform.processor())
+    print(f"# engine overhead: mock {args.latency_ms} ms/forward, {args.samples} samples/request, "
+          f"git {sha}, {cpu}, {os.cpu_count()} cores")
+    rows = []
+    cases = [("worker", args.worker_lanes), ("batch", 1)]
+    print("| mode | lanes | conc | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | mean fused reqs | ideal req/s | vs ideal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, lanes in cases:
+        for c in args.concurrency:
+            r = run_case(args, mode, lanes, c)
+            added50 = r["p50_ms"] - args.latency_ms
+            added99 = r["p99_ms"] - args.latency_ms
+            fused_reqs = r["mean_fused_rows"] / args.samples if r["mean_fused_rows"] else 0
+            if mode == "batch":
+                per_batch = min(c, args.batch_size)
+                ideal = per_batch / (args.latency_ms / 1e3)
+            else:
+                ideal = min(c, lanes) / (args.latency_ms / 1e3)
+            ratio = r["req_per_s"] / ideal
+            rows.append({"mode": mode, "lanes": lanes, "concurrency": c, "ideal_req_per_s": ideal,
+                         "added_p50_ms": added50, "added_p99_ms": added99, **r})
+            print(f"| {mode} | {lanes} | {c} | {r['req_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+                  f"| {added50:.3f} | {added99:.3f} | {fused_reqs:.1f} | {ideal:.0f} | {ratio:.3f} |",
+                  flush=True)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"git_sha": sha, "cpu": cpu, "cores": os.cpu_count(), "args": vars(args),
+                       "results": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+//! The real `narsil serve` process: SIGTERM under load answers every accepted
+//! request and exits 0.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use narsil::proto::predictor_client::PredictorClient;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+mod common;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_answers_everything_and_exits_zero() {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--mock-latency-ms", "100",
+               "--mock-table-rows", "1000", "--batch-size", "8"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let url = format!("http://127.0.0.1:{port}");
+    let started = Instant::now();
+    let channel = loop {
+        if let Ok(channel) = tonic::transport::Channel::from_shared(url.clone()).unwrap().connect().await {
+            let status = HealthClient::new(channel.clone())
+                .check(HealthCheckRequest { service: String::new() })
+                .await
+                .map(|r| r.into_inner().status);
+            if matches!(status, Ok(1)) {
+                break channel;
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "server never became SERVING");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // 32 requests, 8 per 100 ms forward: ~400 ms of work queued at SIGTERM.
+    let calls = tokio::spawn(join_all((0..32).map(|tag| {
+        let mut client = PredictorClient::new(channel.clone());
+        async move { client.predict(common::request(tag, 3)).await }
+    })));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let results = calls.await.unwrap();
+    let status = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap()).await.unwrap();
+    let failed: Vec<_> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert!(failed.is_empty(), "requests lost at SIGTERM: {failed:?}");
+    assert!(status.status.success(), "exit {:?}: {}", status.status, String::from_utf8_lossy(&status.stderr));
+    let log = String::from_utf8_lossy(&status.stderr);
+    assert!(log.contains("SIGTERM received") && log.contains("drained"), "{log}");
+}
