@@ -4,6 +4,10 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use narsil_core::{assemble, SampleBatch};
 
+// The same allocator as the server binary.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const DENSE: usize = 13;
 const SPARSE: usize = 26;
 
