@@ -225,11 +225,11 @@ impl Collector {
     }
 
     /// Queues a request (reordering it into the open batch) and wakes an idle
-    /// lane. Gives the entry back if the collector no longer takes requests.
-    pub fn submit(&self, entry: Entry) -> Result<(), Entry> {
+    /// lane. Fails once the collector no longer takes requests (shutdown).
+    pub fn submit(&self, entry: Entry) -> Result<(), EngineError> {
         let mut state = self.lock();
         if state.closed {
-            return Err(entry);
+            return Err(EngineError::ShuttingDown);
         }
         if entry.reply.is_closed() {
             self.stats.requests_abandoned.fetch_add(1, Ordering::Relaxed);

@@ -166,7 +166,7 @@ impl EngineHandle {
             .map_err(EngineError::Overloaded)?;
         let (reply, answer) = oneshot::channel();
         let entry = Entry { request, reply, admitted, deadline, permit };
-        shared.collector.submit(entry).map_err(|_| EngineError::ShuttingDown)?;
+        shared.collector.submit(entry)?;
         let answer = match deadline {
             Some(d) => tokio::time::timeout_at(d.into(), answer)
                 .await
