@@ -210,7 +210,7 @@ struct CollectorState {
 }
 
 impl Collector {
-    /// An empty collector feeding lanes with batches within `limits`.
+    /// A collector over an empty `queue`.
     pub fn new(queue: BatchQueue, stats: Arc<Stats>) -> Self {
         Self {
             state: Mutex::new(CollectorState { queue, idle_lanes: 0, closed: false }),
