@@ -113,8 +113,7 @@ impl BatchBuilder {
         for lengths in &mut self.lengths {
             lengths.reserve(b);
         }
-        if request.ids.len() == request.lengths.len() && request.lengths.iter().all(|&l| l == 1) {
-            // One id per bag (the common case): ids are a [B x F] matrix.
+        if request.is_one_id_per_bag() {
             for ids in &mut self.ids {
                 ids.reserve(b);
             }

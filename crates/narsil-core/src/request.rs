@@ -57,6 +57,12 @@ pub struct RequestLimits {
 }
 
 impl SampleBatch {
+    /// True when every (sample, feature) bag holds exactly one id, so `ids`
+    /// is a `[B x num_sparse]` matrix (the common single-hot case).
+    pub fn is_one_id_per_bag(&self) -> bool {
+        self.ids.len() == self.lengths.len() && self.lengths.iter().all(|&l| l == 1)
+    }
+
     /// Checks the request against the model's schema and fills in implicit
     /// lengths. On success the batch is safe to reorder and run.
     pub fn validate(
@@ -129,7 +135,7 @@ impl SampleBatch {
 
     fn check_ids(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
         let num_sparse = schema.num_sparse();
-        if num_sparse > 0 && self.lengths.iter().all(|&l| l == 1) {
+        if num_sparse > 0 && self.is_one_id_per_bag() {
             // One id per bag: a quick scan usually finds nothing to report.
             let in_range = self.ids.chunks_exact(num_sparse).all(|sample| {
                 sample

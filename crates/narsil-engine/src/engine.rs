@@ -21,7 +21,7 @@ use crate::job::{Entry, Prediction};
 use crate::lanes::{self, Readiness};
 use crate::stats::{Stats, StatsSnapshot};
 
-/// The running engine: owns the collector task and the lane threads.
+/// The running engine: owns the collector and the lane threads.
 pub struct Engine {
     handle: EngineHandle,
     lane_threads: Vec<std::thread::JoinHandle<()>>,
