@@ -2,6 +2,12 @@
 //! protox compiles the .proto files in Rust, so no `protoc` binary is needed.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // With the `torch` feature: an rpath to the libtorch that torch-sys
+    // linked, so `narsil` and its tests start without LD_LIBRARY_PATH.
+    // (`rustc-link-arg`, not `-bins`: test binaries need it too.)
+    if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
     let protos = ["proto/narsil/v1/predict.proto"];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");

@@ -13,3 +13,22 @@ require_rust() {
   fi
   command -v cargo >/dev/null 2>&1 || die "cargo not found: install Rust with https://rustup.rs"
 }
+
+# Builds against the project venv's libtorch (see scripts/setup_python.sh):
+# torch-sys asks the `python` on PATH where torch lives.
+use_project_torch() {
+  bash scripts/setup_python.sh
+  export PATH="$PWD/.venv/bin:$PATH"
+  export LIBTORCH_USE_PYTORCH=1
+}
+
+# Exports a DLRM into models/generated/$1 unless one is there already.
+# Extra arguments go to models/export_dlrm.py.
+export_model() {
+  local name="$1"
+  shift
+  if [ ! -f "models/generated/$name/manifest.json" ]; then
+    step "exporting the $name DLRM into models/generated/$name"
+    .venv/bin/python models/export_dlrm.py --out "models/generated/$name" "$@"
+  fi
+}

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Runs Narsil's whole test suite: unit tests, end-to-end gRPC tests over
-# loopback, and the benches compiled and run once in test mode.
+# loopback (mock and libtorch backends), and the benches compiled and run once
+# in test mode. Sets up the Python venv (libtorch, FBGEMM, TorchRec) and a
+# small exported test model first if they are missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 require_rust
-step "cargo test (workspace, all targets)"
-cargo test --workspace --all-targets -j "${NARSIL_BUILD_JOBS}" --locked
+use_project_torch
+export_model test-small --num-rows 1000
+step "cargo test (workspace, all targets, --features torch)"
+cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked
 step "all tests passed"

@@ -1,30 +1,135 @@
-//! Builds the model backend named on the command line.
+//! The model backend flags (shared by `narsil serve` and
+//! `narsil bench-forward`) and how they build a [`BackendFactory`].
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use clap::ValueEnum;
 use narsil_core::mock::{MockConfig, MockFactory};
 use narsil_core::{BackendFactory, ModelSchema};
 
-use crate::cli::{BackendKind, ServeArgs};
+/// Which model backend serves requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Fixed-latency mock with deterministic scores (measures the engine).
+    Mock,
+    /// TorchScript DLRM through libtorch (Cargo feature `torch`).
+    Torch,
+    /// Pure-Rust DLRM through Burn (Cargo feature `burn`).
+    Burn,
+}
 
-/// Loads (or, for the mock, configures) the backend the flags ask for.
-pub fn build(args: &ServeArgs) -> anyhow::Result<Arc<dyn BackendFactory>> {
-    match args.backend {
-        BackendKind::Mock => {
-            if args.model.is_some() {
-                anyhow::bail!("--model is not used by --backend mock; remove it");
-            }
-            let schema = ModelSchema::dlrm("mock", "cpu", args.mock_table_rows);
-            let config = MockConfig {
-                latency: Duration::from_secs_f64(args.mock_latency_ms / 1e3),
-                per_row: Duration::from_secs_f64(args.mock_latency_per_row_us / 1e6),
-            };
-            Ok(Arc::new(MockFactory::new(schema, config)))
+impl BackendKind {
+    /// The flag value naming this backend.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mock => "mock",
+            Self::Torch => "torch",
+            Self::Burn => "burn",
         }
-        BackendKind::Torch | BackendKind::Burn => anyhow::bail!(
-            "--backend {0} is not compiled into this binary; rebuild with `cargo build --release --features {0}`",
-            args.backend.name()
-        ),
     }
+}
+
+/// Which model to load, where to run it, and the mock's settings.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BackendArgs {
+    /// Model backend.
+    #[arg(long = "backend", env = "NARSIL_BACKEND", value_enum, default_value_t = BackendKind::Mock)]
+    pub kind: BackendKind,
+    /// Model file: TorchScript (`model_default.pt` from
+    /// models/export_dlrm.py) for torch, safetensors for burn.
+    #[arg(long, env = "NARSIL_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Device for forward passes: `cpu`, `cuda` or `cuda:N`.
+    #[arg(long, env = "NARSIL_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Threads each forward may use inside the backend (torch/burn).
+    #[arg(long, env = "NARSIL_INTRA_OP_THREADS", default_value_t = 1)]
+    pub intra_op_threads: usize,
+    /// torch: directory of fbgemm_gpu's shared libraries (default: the
+    /// fbgemm_gpu package next to the libtorch Narsil was built with).
+    #[arg(long, env = "NARSIL_FBGEMM_DIR")]
+    pub fbgemm_dir: Option<PathBuf>,
+    /// Mock backend: fixed latency of one forward, milliseconds.
+    #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
+    pub mock_latency_ms: f64,
+    /// Mock backend: extra latency per row, microseconds.
+    #[arg(long, env = "NARSIL_MOCK_LATENCY_PER_ROW_US", default_value_t = 0.0)]
+    pub mock_latency_per_row_us: f64,
+    /// Mock backend: rows of each of its 26 tables (valid ids).
+    #[arg(long, env = "NARSIL_MOCK_TABLE_ROWS", default_value_t = 100_000)]
+    pub mock_table_rows: u64,
+}
+
+impl BackendArgs {
+    /// Checks the rules between these flags.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        for (name, value) in [
+            ("mock-latency-ms", self.mock_latency_ms),
+            ("mock-latency-per-row-us", self.mock_latency_per_row_us),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                anyhow::bail!("--{name} must be a non-negative number, got {value}");
+            }
+        }
+        if self.intra_op_threads == 0 {
+            anyhow::bail!("--intra-op-threads must be at least 1");
+        }
+        if self.device != "cpu" && self.device != "cuda" && !self.device.starts_with("cuda:") {
+            anyhow::bail!("--device must be `cpu`, `cuda` or `cuda:N`, got `{}`", self.device);
+        }
+        match self.kind {
+            BackendKind::Mock if self.model.is_some() => {
+                anyhow::bail!("--model is not used by --backend mock; remove it")
+            }
+            BackendKind::Mock if self.device != "cpu" => {
+                anyhow::bail!("--backend mock runs on the CPU only; remove --device")
+            }
+            BackendKind::Torch if self.model.is_none() => anyhow::bail!(
+                "--backend torch needs --model (a TorchScript file from models/export_dlrm.py; \
+                 scripts/serve.sh exports and serves the default one)"
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// Loads (or, for the mock, configures) the backend these flags ask for.
+    pub fn build(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        self.validate()?;
+        match self.kind {
+            BackendKind::Mock => {
+                let schema = ModelSchema::dlrm("mock", "cpu", self.mock_table_rows);
+                let config = MockConfig {
+                    latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
+                    per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),
+                };
+                Ok(Arc::new(MockFactory::new(schema, config)))
+            }
+            BackendKind::Torch => self.build_torch(),
+            BackendKind::Burn => Err(not_compiled(self.kind)),
+        }
+    }
+
+    #[cfg(feature = "torch")]
+    fn build_torch(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        let mut config = narsil_torch::TorchConfig::new(self.model.clone().expect("validated"));
+        config.device = self.device.clone();
+        config.intra_op_threads = self.intra_op_threads;
+        config.fbgemm_dir = self.fbgemm_dir.clone();
+        Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
+    }
+
+    #[cfg(not(feature = "torch"))]
+    fn build_torch(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        Err(not_compiled(self.kind))
+    }
+}
+
+fn not_compiled(kind: BackendKind) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--backend {0} is not compiled into this binary; rebuild with `cargo build --release --features {0}` \
+         (scripts/serve.sh does this for torch)",
+        kind.name()
+    )
 }

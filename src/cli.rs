@@ -1,9 +1,9 @@
-//! Command-line interface: `narsil serve` and `narsil load`. Every flag has
+//! Command-line interface: `narsil serve`, `narsil load` and
+//! `narsil bench-forward`. Every flag has
 //! a long name, an environment variable (`NARSIL_…`) and a documented default;
 //! rules between flags are checked right after parsing.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -11,6 +11,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_engine::{EngineConfig, ExecutionMode};
 
+use crate::backends::BackendArgs;
+use crate::forward_bench::ForwardBenchArgs;
 use crate::load::LoadArgs;
 
 /// Narsil: gRPC serving for recommendation models, with continuous batching.
@@ -33,6 +35,8 @@ enum Command {
     Serve(Box<ServeArgs>),
     /// Drive load against a running server and report latency and throughput.
     Load(Box<LoadArgs>),
+    /// Time a backend's forward alone, in process, at fixed fused batch sizes.
+    BenchForward(Box<ForwardBenchArgs>),
 }
 
 /// Log output format.
@@ -42,28 +46,6 @@ enum LogFormat {
     Text,
     /// One JSON object per line.
     Json,
-}
-
-/// Which model backend serves requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    /// Fixed-latency mock with deterministic scores (measures the engine).
-    Mock,
-    /// TorchScript DLRM through libtorch (Cargo feature `torch`).
-    Torch,
-    /// Pure-Rust DLRM through Burn (Cargo feature `burn`).
-    Burn,
-}
-
-impl BackendKind {
-    /// The flag value naming this backend.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Mock => "mock",
-            Self::Torch => "torch",
-            Self::Burn => "burn",
-        }
-    }
 }
 
 /// How requests become forward passes.
@@ -90,15 +72,9 @@ pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, env = "NARSIL_ADDR", default_value = "127.0.0.1:50051")]
     pub addr: SocketAddr,
-    /// Model backend.
-    #[arg(long, env = "NARSIL_BACKEND", value_enum, default_value_t = BackendKind::Mock)]
-    pub backend: BackendKind,
-    /// Model file (TorchScript for torch, safetensors for burn).
-    #[arg(long, env = "NARSIL_MODEL")]
-    pub model: Option<PathBuf>,
-    /// Device for forward passes: `cpu` or `cuda:N`.
-    #[arg(long, env = "NARSIL_DEVICE", default_value = "cpu")]
-    pub device: String,
+    /// The model and where it runs.
+    #[command(flatten)]
+    pub backend: BackendArgs,
     /// Execution mode.
     #[arg(long, env = "NARSIL_EXECUTION_MODE", value_enum, default_value_t = ModeArg::Batch)]
     pub execution_mode: ModeArg,
@@ -118,9 +94,6 @@ pub struct ServeArgs {
     /// Executor lanes: threads each owning a model instance.
     #[arg(long, env = "NARSIL_LANES", default_value_t = 1)]
     pub lanes: usize,
-    /// Threads each forward may use inside the backend (torch/burn).
-    #[arg(long, env = "NARSIL_INTRA_OP_THREADS", default_value_t = 1)]
-    pub intra_op_threads: usize,
     /// Most requests admitted and waiting for a forward; more are rejected
     /// with RESOURCE_EXHAUSTED.
     #[arg(long, env = "NARSIL_MAX_QUEUE_REQUESTS", default_value_t = 1024)]
@@ -134,36 +107,18 @@ pub struct ServeArgs {
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
-    /// Mock backend: fixed latency of one forward, milliseconds.
-    #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
-    pub mock_latency_ms: f64,
-    /// Mock backend: extra latency per row, microseconds.
-    #[arg(long, env = "NARSIL_MOCK_LATENCY_PER_ROW_US", default_value_t = 0.0)]
-    pub mock_latency_per_row_us: f64,
-    /// Mock backend: rows of each of its 26 tables (valid ids).
-    #[arg(long, env = "NARSIL_MOCK_TABLE_ROWS", default_value_t = 100_000)]
-    pub mock_table_rows: u64,
 }
 
 impl ServeArgs {
     /// Checks rules between flags and returns the engine's configuration.
     pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
-        let finite_non_negative = [
-            ("batch-timeout-ms", self.batch_timeout_ms),
-            ("mock-latency-ms", self.mock_latency_ms),
-            ("mock-latency-per-row-us", self.mock_latency_per_row_us),
-        ];
-        for (name, value) in finite_non_negative {
-            if !value.is_finite() || value < 0.0 {
-                anyhow::bail!("--{name} must be a non-negative number, got {value}");
-            }
+        if !self.batch_timeout_ms.is_finite() || self.batch_timeout_ms < 0.0 {
+            anyhow::bail!(
+                "--batch-timeout-ms must be a non-negative number, got {}",
+                self.batch_timeout_ms
+            );
         }
-        if self.intra_op_threads == 0 {
-            anyhow::bail!("--intra-op-threads must be at least 1");
-        }
-        if self.device != "cpu" && !self.device.starts_with("cuda") {
-            anyhow::bail!("--device must be `cpu` or `cuda:N`, got `{}`", self.device);
-        }
+        self.backend.validate()?;
         let config = EngineConfig {
             mode: match self.execution_mode {
                 ModeArg::Batch => ExecutionMode::Batch,
@@ -199,7 +154,7 @@ impl Cli {
     fn serve_args(self) -> Option<ServeArgs> {
         match self.command {
             Command::Serve(args) => Some(*args),
-            Command::Load(_) => None,
+            _ => None,
         }
     }
 }
@@ -207,7 +162,10 @@ impl Cli {
 fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .map_err(|e| anyhow::anyhow!("--log-level `{filter}`: {e}"))?;
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -233,6 +191,7 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => crate::server::serve_until_signal(*args).await,
             Command::Load(args) => crate::load::run(*args).await,
+            Command::BenchForward(args) => tokio::task::block_in_place(|| crate::forward_bench::run(*args)),
         }
     });
     match result {

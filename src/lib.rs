@@ -1,15 +1,17 @@
 //! Narsil: a gRPC serving engine for recommendation models with continuous
 //! batching. This crate is the front of the data path and the tooling:
 //!
-//! * [`cli`]: `narsil serve` and `narsil load` (clap; every flag has an env var).
+//! * [`cli`]: `narsil serve`, `narsil load`, `narsil bench-forward` (clap).
 //! * [`grpc`]: the `narsil.v1.Predictor` service: decode, convert, map errors.
 //! * [`server`]: binds, starts the engine, reports health, serves, drains.
-//! * [`backends`]: builds the configured model backend.
+//! * [`backends`]: the backend flags; builds the configured model backend.
+//! * [`forward_bench`]: `narsil bench-forward`, a backend's raw forward speed.
 //! * [`load`]: the load generator used by tests and benchmarks.
 //! * [`shutdown`]: SIGINT/SIGTERM handling.
 
 pub mod backends;
 pub mod cli;
+pub mod forward_bench;
 pub mod grpc;
 pub mod load;
 pub mod server;

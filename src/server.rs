@@ -139,9 +139,9 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
 /// `narsil serve`: build the backend, serve, drain on SIGINT/SIGTERM.
 pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine_config()?;
-    tracing::info!(backend = args.backend.name(), mode = ?config.mode, lanes = config.lanes,
+    tracing::info!(backend = args.backend.kind.name(), mode = ?config.mode, lanes = config.lanes,
         batch_size = config.max_batch_requests, "starting");
-    let factory = crate::backends::build(&args)?;
+    let factory = args.backend.build()?;
     let server = Server::start(args.addr, factory, config, args.max_message_bytes).await?;
     server.run(crate::shutdown::signal()).await
 }

@@ -10,7 +10,7 @@ use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::PredictRequest;
 use narsil::server::Server;
 use narsil_core::mock::{MockConfig, MockFactory};
-use narsil_core::ModelSchema;
+use narsil_core::{BackendFactory, ModelSchema};
 use narsil_engine::{EngineConfig, EngineHandle, ExecutionMode};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
@@ -78,6 +78,11 @@ pub async fn start(config: EngineConfig, latency_ms: u64) -> TestServer {
         schema(),
         MockConfig { latency: Duration::from_millis(latency_ms), per_row: Duration::ZERO },
     ));
+    start_with(factory, config).await
+}
+
+/// Starts a server over any backend.
+pub async fn start_with(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> TestServer {
     let server = Server::start("127.0.0.1:0".parse().unwrap(), factory, config, 64 << 20)
         .await
         .unwrap();

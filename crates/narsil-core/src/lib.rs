@@ -6,6 +6,8 @@
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own.
+//! * [`golden`]: reference requests and scores written by the model export,
+//!   for backends' parity tests.
 //! * [`mock`]: a fixed-latency backend with deterministic scores, for
 //!   measuring the engine itself.
 //!
@@ -13,6 +15,7 @@
 
 pub mod backend;
 pub mod batch;
+pub mod golden;
 pub mod mock;
 pub mod request;
 pub mod schema;

@@ -1,0 +1,80 @@
+//! The golden file `models/export_dlrm.py` writes next to a model: fixed
+//! random requests (sample-major, as on the wire) and the scores Python
+//! computed for each, alone, with the exported TorchScript files. Backends'
+//! parity tests compare against it.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::request::SampleBatch;
+
+/// A whole golden file.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Golden {
+    /// The requests, in file order.
+    pub requests: Vec<GoldenRequest>,
+}
+
+/// One request and its reference scores.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GoldenRequest {
+    /// Samples in the request.
+    pub batch_size: usize,
+    /// `[batch_size x num_dense]`, sample-major.
+    pub dense: Vec<f32>,
+    /// `[batch_size x num_sparse]` bag lengths, sample-major.
+    pub lengths: Vec<u32>,
+    /// Ids, bag after bag in sample-major order.
+    pub ids: Vec<i64>,
+    /// Scores of the INT8 TorchScript model (`model_default.pt`).
+    pub scores_int8: Vec<f32>,
+    /// Scores of the FP32 TorchScript model (`model_fp32.pt`).
+    pub scores_fp32: Vec<f32>,
+}
+
+impl Golden {
+    /// Reads `golden.json` from a model directory.
+    pub fn read(dir: &Path) -> Result<Self, String> {
+        let path = dir.join("golden.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+}
+
+impl GoldenRequest {
+    /// The request as the engine receives it (not yet validated).
+    pub fn sample_batch(&self) -> SampleBatch {
+        SampleBatch {
+            batch_size: self.batch_size,
+            dense: self.dense.clone(),
+            lengths: self.lengths.clone(),
+            ids: self.ids.clone(),
+        }
+    }
+}
+
+/// The largest `|got - want|`, or `None` when the lengths differ.
+pub fn max_abs_diff(got: &[f32], want: &[f32]) -> Option<f32> {
+    (got.len() == want.len()).then(|| got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_abs_diff_finds_the_largest_gap_and_rejects_length_mismatch() {
+        assert_eq!(max_abs_diff(&[1.0, 2.0], &[1.5, 2.0]), Some(0.5));
+        assert_eq!(max_abs_diff(&[1.0], &[1.0, 2.0]), None);
+    }
+
+    #[test]
+    fn a_golden_file_parses_into_sample_batches() {
+        let json = r#"{"schema": {}, "requests": [{"batch_size": 1, "dense": [0.5],
+            "lengths": [2], "ids": [3, 4], "scores_int8": [0.25], "scores_fp32": [0.26]}]}"#;
+        let golden: Golden = serde_json::from_str(json).unwrap();
+        let batch = golden.requests[0].sample_batch();
+        assert_eq!((batch.batch_size, batch.lengths, batch.ids), (1, vec![2], vec![3, 4]));
+    }
+}

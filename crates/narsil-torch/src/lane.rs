@@ -1,0 +1,146 @@
+//! One lane's forward: the key-major batch becomes the model's three input
+//! tensors, the scores come back as `f32`s.
+//!
+//! On CPU the inputs are copied into fresh tensors (a few hundred KiB at the
+//! largest batches, small next to the forward). On CUDA they are written into
+//! pinned host buffers owned by the lane and copied to the GPU
+//! asynchronously; the buffers are reused, which is safe because each
+//! forward ends with a synchronous copy of the scores back to the host.
+
+use std::sync::Arc;
+
+use narsil_core::{BackendError, KeyedBatch, ModelBackend};
+use tch::{Device, Kind, Tensor};
+
+use crate::model::TorchModel;
+
+extern "C" {
+    fn narsil_enter_inference_mode();
+}
+
+/// Puts the calling thread in libtorch's inference mode for good (no
+/// autograd bookkeeping on any tensor it creates).
+pub fn enter_inference_mode() {
+    // SAFETY: the shim only constructs a c10::InferenceMode guard.
+    unsafe { narsil_enter_inference_mode() }
+}
+
+/// A lane's model instance: the shared module plus the lane's staging.
+pub struct TorchLane {
+    model: Arc<TorchModel>,
+    staging: Option<PinnedStaging>,
+}
+
+impl TorchLane {
+    /// A lane for `model`; pinned staging is set up for CUDA models.
+    pub fn new(model: Arc<TorchModel>) -> Self {
+        let staging = match model.device() {
+            Device::Cpu => None,
+            device => Some(PinnedStaging::new(device)),
+        };
+        Self { model, staging }
+    }
+
+    fn inputs(&mut self, batch: &KeyedBatch) -> Result<[Tensor; 3], BackendError> {
+        let rows = batch.rows as i64;
+        let dense_shape = [rows, batch.num_dense as i64];
+        Ok(match &mut self.staging {
+            None => [
+                Tensor::f_from_slice(&batch.dense)
+                    .and_then(|t| t.f_reshape(dense_shape))
+                    .map_err(torch_error)?,
+                Tensor::f_from_slice(&batch.lengths).map_err(torch_error)?,
+                Tensor::f_from_slice(&batch.ids).map_err(torch_error)?,
+            ],
+            Some(staging) => [
+                staging.dense.upload(&batch.dense)?.f_reshape(dense_shape).map_err(torch_error)?,
+                staging.lengths.upload(&batch.lengths)?,
+                staging.ids.upload(&batch.ids)?,
+            ],
+        })
+    }
+}
+
+impl ModelBackend for TorchLane {
+    fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        let inputs = self.inputs(batch)?;
+        let output = self.model.module.forward_ts(&inputs).map_err(torch_error)?;
+        let output = output
+            .f_to_device(Device::Cpu)
+            .and_then(|t| t.f_to_kind(Kind::Float))
+            .and_then(|t| t.f_reshape([-1]))
+            .map_err(torch_error)?;
+        let scores = Vec::<f32>::try_from(&output).map_err(torch_error)?;
+        if scores.len() != batch.rows {
+            return Err(BackendError(format!(
+                "model returned {} scores for {} rows",
+                scores.len(),
+                batch.rows
+            )));
+        }
+        Ok(scores)
+    }
+}
+
+fn torch_error(e: tch::TchError) -> BackendError {
+    BackendError(format!("libtorch: {e}"))
+}
+
+/// Reusable pinned host buffers for one lane's three inputs.
+struct PinnedStaging {
+    dense: PinnedBuffer,
+    lengths: PinnedBuffer,
+    ids: PinnedBuffer,
+}
+
+impl PinnedStaging {
+    fn new(device: Device) -> Self {
+        Self {
+            dense: PinnedBuffer::new(Kind::Float, device),
+            lengths: PinnedBuffer::new(Kind::Int, device),
+            ids: PinnedBuffer::new(Kind::Int64, device),
+        }
+    }
+}
+
+/// A pinned host tensor that grows to the largest batch seen.
+struct PinnedBuffer {
+    host: Option<Tensor>,
+    kind: Kind,
+    device: Device,
+}
+
+impl PinnedBuffer {
+    fn new(kind: Kind, device: Device) -> Self {
+        Self {
+            host: None,
+            kind,
+            device,
+        }
+    }
+
+    /// Copies `data` into the pinned buffer and starts its asynchronous copy
+    /// to the device.
+    fn upload<T: tch::kind::Element>(&mut self, data: &[T]) -> Result<Tensor, BackendError> {
+        debug_assert_eq!(T::KIND, self.kind);
+        let len = data.len();
+        let capacity = self.host.as_ref().map_or(0, Tensor::numel);
+        if capacity < len.max(1) {
+            let size = len.max(1).next_power_of_two() as i64;
+            let host = Tensor::f_empty([size], (self.kind, Device::Cpu))
+                .and_then(|t| t.f_pin_memory(self.device))
+                .map_err(torch_error)?;
+            self.host = Some(host);
+        }
+        let host = self.host.as_ref().expect("allocated above");
+        // SAFETY: `host` is a contiguous pinned tensor of `kind` with at
+        // least `len` elements; `data` has exactly `len` elements of the
+        // same element type.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), host.data_ptr() as *mut T, data.len());
+        }
+        host.f_narrow(0, 0, len as i64)
+            .and_then(|t| t.f_to_device_(self.device, self.kind, true, false))
+            .map_err(torch_error)
+    }
+}

@@ -1,0 +1,26 @@
+//! Narsil's libtorch backend: a TorchScript DLRM exported by
+//! `models/export_dlrm.py`, with TorchRec's INT8 FBGEMM embedding tables, run
+//! through `tch` on CPU or CUDA.
+//!
+//! * [`fbgemm`]: registers FBGEMM's operators in the process before a model
+//!   that calls them is loaded.
+//! * [`model`]: loads the TorchScript module once and reads its schema.
+//! * [`lane`]: one lane's forward: key-major batch in, scores out (pinned
+//!   host staging and asynchronous copies on CUDA).
+//! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
+//! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
+
+pub mod device;
+pub mod factory;
+pub mod fbgemm;
+pub mod lane;
+pub mod model;
+
+pub use factory::{TorchConfig, TorchFactory};
+pub use model::TorchModel;
+
+/// The libtorch `lib` directory this crate was built against (also the rpath
+/// the binaries carry).
+pub fn libtorch_lib_dir() -> std::path::PathBuf {
+    env!("NARSIL_LIBTORCH_LIB").into()
+}

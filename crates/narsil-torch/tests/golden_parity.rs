@@ -1,0 +1,99 @@
+//! The libtorch backend in process against the scores `models/export_dlrm.py`
+//! computed in Python with the same TorchScript files: each golden request
+//! alone, then all of them fused into one batch.
+//!
+//! Needs an exported model: `scripts/test.sh` writes a small one to
+//! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
+
+use std::path::PathBuf;
+
+use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{assemble, BackendFactory, SampleBatch};
+use narsil_torch::{TorchConfig, TorchFactory};
+
+/// Same libtorch and kernels as the Python side.
+const TOLERANCE: f32 = 1e-6;
+
+fn model_dir() -> PathBuf {
+    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/generated/test-small")
+    });
+    assert!(
+        dir.join("golden.json").is_file(),
+        "no exported test model in {0}: run scripts/test.sh, or models/export_dlrm.py --num-rows 1000 --out {0}",
+        dir.display()
+    );
+    dir
+}
+
+fn factory(file: &str) -> TorchFactory {
+    TorchFactory::load(TorchConfig::new(model_dir().join(file))).unwrap()
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    let diff = max_abs_diff(got, want).unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}\n got {got:?}\nwant {want:?}");
+}
+
+fn check_model(file: &str, want: impl Fn(&GoldenRequest) -> &[f32]) {
+    let factory = factory(file);
+    let schema = factory.schema().clone();
+    let mut lane = factory.create_lane(0).unwrap();
+    let golden = Golden::read(&model_dir()).unwrap();
+    let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject };
+    let requests: Vec<SampleBatch> = golden
+        .requests
+        .iter()
+        .map(|g| {
+            let mut batch = g.sample_batch();
+            batch.validate(&schema, limits).unwrap();
+            batch
+        })
+        .collect();
+    for (i, (request, g)) in requests.iter().zip(&golden.requests).enumerate() {
+        let alone = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
+        assert_close(&alone, want(g), &format!("{file} golden request {i} alone"));
+    }
+    let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
+    let scores = lane.forward(&fused).unwrap();
+    for (i, (part, g)) in fused.split(&scores).zip(&golden.requests).enumerate() {
+        assert_close(part, want(g), &format!("{file} golden request {i} fused"));
+    }
+}
+
+#[test]
+fn int8_model_matches_python_alone_and_fused() {
+    check_model("model_default.pt", |g| &g.scores_int8);
+}
+
+#[test]
+fn fp32_model_matches_python_alone_and_fused() {
+    check_model("model_fp32.pt", |g| &g.scores_fp32);
+}
+
+#[test]
+fn schema_is_read_from_the_model() {
+    let factory = factory("model_default.pt");
+    let schema = factory.schema();
+    assert_eq!(schema.backend, "torch");
+    assert_eq!(schema.num_dense, 13);
+    assert_eq!(schema.num_sparse(), 26);
+    assert_eq!(schema.sparse[25].name, "cat_25");
+    assert_eq!(schema.sparse[0].num_rows, 1000);
+}
+
+#[test]
+fn a_missing_model_file_is_a_clear_error() {
+    let err = TorchFactory::load(TorchConfig::new("/nonexistent/model.pt")).err().unwrap();
+    assert!(err.0.contains("/nonexistent/model.pt") && err.0.contains("export_dlrm.py"), "{err}");
+}
+
+#[test]
+fn a_file_that_is_not_torchscript_is_a_clear_error() {
+    let path = std::env::temp_dir().join(format!("narsil-not-a-model-{}.pt", std::process::id()));
+    std::fs::write(&path, b"not a model").unwrap();
+    let err = TorchFactory::load(TorchConfig::new(&path)).err().unwrap();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.0.contains("cannot load TorchScript model"), "{err}");
+}

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the project venv at .venv with libtorch, FBGEMM and
+# TorchRec: the torch backend links against this venv's libtorch and the model
+# export scripts run in it. Idempotent: a venv that already has the pinned
+# versions is left alone (delete .venv to start over).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib.sh
+
+TORCH_VERSION=2.13.0
+FBGEMM_VERSION=1.8.0
+TORCHREC_VERSION=1.8.0
+VENV="${NARSIL_VENV:-.venv}"
+STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-fbgemm-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-v1"
+
+if [ -f "$STAMP" ]; then
+  step "python venv ready ($VENV)"
+  exit 0
+fi
+
+PYTHON="${PYTHON:-python3}"
+command -v "$PYTHON" >/dev/null 2>&1 || die "python3 not found"
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating python venv at $VENV"
+  "$PYTHON" -m venv "$VENV" || die "python3 -m venv failed (on Debian: apt-get install python3-venv)"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+step "installing torch==$TORCH_VERSION and fbgemm-gpu-cpu==$FBGEMM_VERSION (about 4 GB the first time)"
+"${PIP[@]}" install --progress-bar off \
+  "torch==$TORCH_VERSION" "fbgemm-gpu-cpu==$FBGEMM_VERSION" \
+  numpy safetensors grpcio grpcio-health-checking protobuf \
+  iopath pyre-extensions tensordict torchmetrics tqdm
+
+# torchrec's own requirements pull the CUDA fbgemm-gpu, which would replace the
+# CPU build above: install it alone and let the line above provide its deps.
+step "installing torchrec==$TORCHREC_VERSION (no deps)"
+"${PIP[@]}" install --progress-bar off --no-deps "torchrec==$TORCHREC_VERSION"
+
+step "checking that torchrec imports with FBGEMM's CPU ops"
+"$VENV/bin/python" - <<'PY'
+import torch, fbgemm_gpu, torchrec  # noqa: F401
+from torchrec.models.dlrm import DLRM  # noqa: F401
+print(f"torch {torch.__version__}, torchrec {torchrec.__version__ if hasattr(torchrec, '__version__') else '?'}")
+PY
+touch "$STAMP"
+step "python venv ready ($VENV)"

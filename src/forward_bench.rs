@@ -1,0 +1,162 @@
+//! `narsil bench-forward`: a backend alone, in process, on one lane thread,
+//! at fixed fused batch sizes. No gRPC, no queue: the "raw forward" samples/s
+//! that serving efficiency is measured against (served samples/s divided by
+//! raw samples/s at the same mean fused rows).
+
+use std::time::{Duration, Instant};
+
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{assemble, BackendFactory, SampleBatch};
+use rand::SeedableRng;
+use serde::Serialize;
+
+use crate::backends::BackendArgs;
+use crate::grpc::convert::{model_info, sample_batch};
+use crate::load::workload::random_request;
+
+/// `narsil bench-forward` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ForwardBenchArgs {
+    /// The model and where it runs.
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    /// Fused batch sizes (rows per forward) to measure, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100,400,1600,3200")]
+    pub rows: Vec<usize>,
+    /// Samples per request the fused batch is assembled from (as served).
+    #[arg(long, default_value_t = 100)]
+    pub request_samples: usize,
+    /// Ids per bag: 1 is one-hot; above 1, bag sizes are uniform in [0, 2n-1].
+    #[arg(long, default_value_t = 1)]
+    pub ids_per_feature: u32,
+    /// Measuring time per batch size, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    pub seconds: f64,
+    /// Untimed forwards per batch size before measuring.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Different random batches cycled through per size.
+    #[arg(long, default_value_t = 4)]
+    pub distinct_batches: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One batch size's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardResult {
+    pub rows: usize,
+    pub forwards: usize,
+    pub samples_per_s: f64,
+    pub mean_ms: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardReport {
+    pub backend: String,
+    pub model: Option<String>,
+    pub device: String,
+    pub intra_op_threads: usize,
+    pub ids_per_feature: u32,
+    pub load_ms: f64,
+    pub results: Vec<ForwardResult>,
+}
+
+/// Runs the benchmark and prints its report.
+pub fn run(args: ForwardBenchArgs) -> anyhow::Result<()> {
+    if args.rows.is_empty() || args.rows.contains(&0) {
+        anyhow::bail!("--rows needs positive batch sizes");
+    }
+    if args.request_samples == 0 || !(args.seconds.is_finite() && args.seconds > 0.0) {
+        anyhow::bail!("--request-samples and --seconds must be positive");
+    }
+    let started = Instant::now();
+    let factory = args.backend.build()?;
+    // A lane thread, as in the server: per-thread settings apply to it.
+    let report = std::thread::scope(|scope| {
+        scope
+            .spawn(|| measure(&args, factory.as_ref(), started))
+            .join()
+            .map_err(|_| anyhow::anyhow!("the benchmark lane panicked"))?
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "backend {} on {}, {} intra-op thread(s), {} id(s) per bag; loaded in {:.0} ms",
+            report.backend, report.device, report.intra_op_threads, report.ids_per_feature, report.load_ms
+        );
+        println!("{:>6} {:>9} {:>12} {:>9} {:>9} {:>9}", "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms");
+        for r in &report.results {
+            println!(
+                "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3}",
+                r.rows, r.forwards, r.samples_per_s, r.mean_ms, r.p50_ms, r.p99_ms
+            );
+        }
+    }
+    Ok(())
+}
+
+fn measure(args: &ForwardBenchArgs, factory: &dyn BackendFactory, started: Instant) -> anyhow::Result<ForwardReport> {
+    let schema = factory.schema().clone();
+    let mut lane = factory.create_lane(0)?;
+    let load_ms = started.elapsed().as_secs_f64() * 1e3;
+    let info = model_info(&schema, usize::MAX);
+    let limits = RequestLimits { max_batch_size: usize::MAX, id_policy: IdPolicy::Reject };
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut results = Vec::new();
+    for &rows in &args.rows {
+        let batches: Vec<_> = (0..args.distinct_batches.max(1))
+            .map(|_| {
+                let requests = (0..rows.div_ceil(args.request_samples))
+                    .map(|i| {
+                        let samples = args.request_samples.min(rows - i * args.request_samples);
+                        let mut request =
+                            sample_batch(random_request(&info, samples, args.ids_per_feature, &mut rng, i));
+                        request.validate(&schema, limits)?;
+                        Ok(request)
+                    })
+                    .collect::<anyhow::Result<Vec<SampleBatch>>>()?;
+                Ok(assemble(schema.num_dense, schema.num_sparse(), requests.iter()))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        for batch in batches.iter().cycle().take(args.warmup) {
+            lane.forward(batch)?;
+        }
+        let budget = Duration::from_secs_f64(args.seconds);
+        let mut times = Vec::new();
+        let begin = Instant::now();
+        for batch in batches.iter().cycle() {
+            let t = Instant::now();
+            lane.forward(batch)?;
+            times.push(t.elapsed());
+            if begin.elapsed() >= budget {
+                break;
+            }
+        }
+        let total: Duration = times.iter().sum();
+        times.sort();
+        let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3;
+        results.push(ForwardResult {
+            rows,
+            forwards: times.len(),
+            samples_per_s: (rows * times.len()) as f64 / total.as_secs_f64(),
+            mean_ms: total.as_secs_f64() * 1e3 / times.len() as f64,
+            p50_ms: pct(0.5),
+            p99_ms: pct(0.99),
+        });
+    }
+    Ok(ForwardReport {
+        backend: schema.backend.clone(),
+        model: args.backend.model.as_ref().map(|p| p.display().to_string()),
+        device: schema.device.clone(),
+        intra_op_threads: args.backend.intra_op_threads,
+        ids_per_feature: args.ids_per_feature,
+        load_ms,
+        results,
+    })
+}

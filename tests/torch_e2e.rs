@@ -1,0 +1,137 @@
+//! The libtorch backend end to end over real gRPC on loopback, with the small
+//! model `scripts/test.sh` exports to `models/generated/test-small`: Python's
+//! golden scores in both execution modes, fused == alone with 16 concurrent
+//! clients, and ids checked before the (unchecked) FBGEMM lookup.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use common::{batch_mode, start_with, worker_mode, TestServer};
+use futures_util::future::join_all;
+use narsil::proto::predictor_client::PredictorClient;
+use narsil::proto::{ModelInfoRequest, PredictRequest};
+use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil_engine::EngineConfig;
+use narsil_torch::{TorchConfig, TorchFactory};
+
+/// Same libtorch and kernels as Python, and as the request alone.
+const TOLERANCE: f32 = 1e-6;
+
+fn model_dir() -> PathBuf {
+    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-small"));
+    assert!(dir.join("golden.json").is_file(), "no exported test model in {}: run scripts/test.sh", dir.display());
+    dir
+}
+
+async fn start_torch(config: EngineConfig) -> TestServer {
+    let factory = TorchFactory::load(TorchConfig::new(model_dir().join("model_default.pt"))).unwrap();
+    start_with(Arc::new(factory), config).await.ready().await
+}
+
+fn wire(g: &GoldenRequest, id: &str) -> PredictRequest {
+    PredictRequest {
+        batch_size: g.batch_size as u32,
+        dense: g.dense.clone(),
+        sparse_lengths: g.lengths.clone(),
+        sparse_ids: g.ids.clone(),
+        request_id: id.into(),
+    }
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    let diff = max_abs_diff(got, want).unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
+}
+
+async fn golden_requests_match_python_one_by_one(config: EngineConfig) {
+    let server = start_torch(config).await;
+    let golden = Golden::read(&model_dir()).unwrap();
+    let mut client = server.client().await;
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = client.predict(wire(g, &format!("golden-{i}"))).await.unwrap().into_inner();
+        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}"));
+        assert_eq!(response.request_id, format!("golden-{i}"));
+    }
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_mode_serves_python_golden_scores() {
+    golden_requests_match_python_one_by_one(batch_mode(1, 16)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_mode_serves_python_golden_scores() {
+    golden_requests_match_python_one_by_one(worker_mode(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fused_scores_equal_alone_with_16_concurrent_clients() {
+    let server = start_torch(batch_mode(1, 16)).await;
+    let golden = Golden::read(&model_dir()).unwrap();
+    // 16 clients: every golden request, twice, all at once.
+    let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+    let channel = server.channel().await;
+    let mut rounds_fused = 0;
+    for round in 0..5 {
+        let responses = join_all(requests.iter().enumerate().map(|(i, g)| {
+            let mut client = PredictorClient::new(channel.clone());
+            let request = wire(g, &format!("c{i}"));
+            async move { client.predict(request).await.unwrap().into_inner() }
+        }))
+        .await;
+        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+            assert_close(&response.scores, &g.scores_int8, &format!("round {round} client {i}"));
+        }
+        if responses.iter().any(|r| r.fused_requests > 1) {
+            rounds_fused += 1;
+        }
+    }
+    assert!(rounds_fused > 0, "16 concurrent requests on one lane never shared a forward");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_info_reports_the_exported_schema() {
+    let server = start_torch(batch_mode(1, 16)).await;
+    let info = server.client().await.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.backend, "torch");
+    assert_eq!(info.device, "cpu");
+    assert_eq!(info.num_dense, 13);
+    assert_eq!(info.sparse_features.len(), 26);
+    assert!(info.sparse_features.iter().all(|f| f.num_rows == 1000));
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_range_ids_are_rejected_before_the_model() {
+    let server = start_torch(batch_mode(1, 16)).await;
+    let golden = Golden::read(&model_dir()).unwrap();
+    let mut request = wire(&golden.requests[0], "bad");
+    request.sparse_ids[3] = 1000; // table rows are [0, 1000)
+    let forwards_before = server.engine.stats().forwards;
+    let status = server.client().await.predict(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(status.message().contains("cat_3") && status.message().contains("1000"), "{}", status.message());
+    assert_eq!(server.engine.stats().forwards, forwards_before, "never reached the model");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn modulo_policy_hashes_ids_into_range() {
+    let server = start_torch(common::config(|c| c.limits.id_policy = narsil_core::request::IdPolicy::Modulo)).await;
+    let golden = Golden::read(&model_dir()).unwrap();
+    let g = &golden.requests[0]; // one sample, one id per bag
+    let mut shifted = wire(g, "shifted");
+    for id in &mut shifted.sparse_ids {
+        *id += 1000 * 7;
+    }
+    let response = server.client().await.predict(shifted).await.unwrap().into_inner();
+    assert_close(&response.scores, &g.scores_int8, "ids shifted by 7 x rows");
+    server.stop().await.unwrap();
+}
