@@ -13,39 +13,10 @@ more. Standard library only; needs a release build (`cargo build --release`).
 
 import argparse
 import json
-import os
-import platform
-import socket
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def pinned(cmd, core):
-    if core is not None and os.cpu_count() and os.cpu_count() > 1:
-        return ["taskset", "-c", str(core)] + cmd
-    return cmd
-
-
-def wait_serving(binary, addr, timeout=30):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        probe = subprocess.run(
-            [binary, "load", "--addr", f"http://{addr}", "--requests", "1", "--warmup", "0",
-             "--batch-size", "1", "--json"],
-            capture_output=True, text=True)
-        if probe.returncode == 0 and '"OK"' in probe.stdout:
-            return
-        time.sleep(0.1)
-    raise SystemExit(f"server at {addr} never answered")
+from benchlib import DEFAULT_BINARY, free_port, machine, pinned, require_binary, wait_serving
 
 
 def run_case(args, mode, lanes, concurrency):
@@ -57,7 +28,7 @@ def run_case(args, mode, lanes, concurrency):
              "--batch-timeout-ms", "0", "--log-level", "warn"]
     server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_serving(args.binary, addr)
+        wait_serving(args.binary, addr, server)
         load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
                 "--warmup", str(args.warmup), "--batch-size", str(args.samples), "--json"]
         if args.duration:
@@ -73,7 +44,7 @@ def run_case(args, mode, lanes, concurrency):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--binary", default=os.path.join(ROOT, "target", "release", "narsil"))
+    p.add_argument("--binary", default=DEFAULT_BINARY)
     p.add_argument("--latency-ms", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--worker-lanes", type=int, default=32)
@@ -84,15 +55,10 @@ def main():
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--json-out", help="write all results to this file")
     args = p.parse_args()
-    if not os.path.exists(args.binary):
-        raise SystemExit(f"{args.binary} not found: run `cargo build --release` first")
-
-    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-               platform.processor())
+    require_binary(args.binary)
+    host = machine()
     print(f"# engine overhead: mock {args.latency_ms} ms/forward, {args.samples} samples/request, "
-          f"git {sha}, {cpu}, {os.cpu_count()} cores")
+          f"git {host['git_sha']}, {host['cpu']}, {host['cores']} cores")
     rows = []
     cases = [("worker", args.worker_lanes), ("batch", 1)]
     print("| mode | lanes | conc | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | mean fused reqs | ideal req/s | vs ideal |")
@@ -115,8 +81,7 @@ def main():
                   flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"git_sha": sha, "cpu": cpu, "cores": os.cpu_count(), "args": vars(args),
-                       "results": rows}, f, indent=2)
+            json.dump({**host, "args": vars(args), "results": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

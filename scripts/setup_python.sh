@@ -3,15 +3,19 @@
 # TorchRec: the torch backend links against this venv's libtorch and the model
 # export scripts run in it. Idempotent: a venv that already has the pinned
 # versions is left alone (delete .venv to start over).
+#
+# NARSIL_FBGEMM_PACKAGE=fbgemm-gpu installs FBGEMM's CUDA build instead of the
+# CPU one, for INT8 models exported and served on an NVIDIA GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 TORCH_VERSION=2.13.0
 FBGEMM_VERSION=1.8.0
+FBGEMM_PACKAGE="${NARSIL_FBGEMM_PACKAGE:-fbgemm-gpu-cpu}"
 TORCHREC_VERSION=1.8.0
 VENV="${NARSIL_VENV:-.venv}"
-STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-fbgemm-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-v1"
+STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-v1"
 
 if [ -f "$STAMP" ]; then
   step "python venv ready ($VENV)"
@@ -26,18 +30,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
-step "installing torch==$TORCH_VERSION and fbgemm-gpu-cpu==$FBGEMM_VERSION (about 4 GB the first time)"
+step "installing torch==$TORCH_VERSION and $FBGEMM_PACKAGE==$FBGEMM_VERSION (about 4 GB the first time)"
 "${PIP[@]}" install --progress-bar off \
-  "torch==$TORCH_VERSION" "fbgemm-gpu-cpu==$FBGEMM_VERSION" \
+  "torch==$TORCH_VERSION" "$FBGEMM_PACKAGE==$FBGEMM_VERSION" \
   numpy safetensors grpcio grpcio-health-checking protobuf \
   iopath pyre-extensions tensordict torchmetrics tqdm
 
-# torchrec's own requirements pull the CUDA fbgemm-gpu, which would replace the
-# CPU build above: install it alone and let the line above provide its deps.
+# torchrec's own requirements pull the CUDA fbgemm-gpu, which would sit beside
+# the CPU build above: install it alone and let the line above provide its deps.
 step "installing torchrec==$TORCHREC_VERSION (no deps)"
 "${PIP[@]}" install --progress-bar off --no-deps "torchrec==$TORCHREC_VERSION"
 
-step "checking that torchrec imports with FBGEMM's CPU ops"
+step "checking that torchrec and FBGEMM import"
 "$VENV/bin/python" - <<'PY'
 import torch, fbgemm_gpu, torchrec  # noqa: F401
 from torchrec.models.dlrm import DLRM  # noqa: F401

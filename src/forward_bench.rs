@@ -63,7 +63,19 @@ pub struct ForwardReport {
     pub intra_op_threads: usize,
     pub ids_per_feature: u32,
     pub load_ms: f64,
+    /// Resident memory once the model is loaded and one lane created, MiB.
+    pub rss_after_load_mib: Option<f64>,
+    /// Peak resident memory of the whole run, MiB.
+    pub peak_rss_mib: Option<f64>,
     pub results: Vec<ForwardResult>,
+}
+
+/// A `/proc/self/status` field in MiB (Linux only).
+fn proc_status_mib(field: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
 }
 
 /// Runs the benchmark and prints its report.
@@ -87,8 +99,14 @@ pub fn run(args: ForwardBenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "backend {} on {}, {} intra-op thread(s), {} id(s) per bag; loaded in {:.0} ms",
-            report.backend, report.device, report.intra_op_threads, report.ids_per_feature, report.load_ms
+            "backend {} on {}, {} intra-op thread(s), {} id(s) per bag; loaded in {:.0} ms; RSS {:.0} MiB after load, peak {:.0} MiB",
+            report.backend,
+            report.device,
+            report.intra_op_threads,
+            report.ids_per_feature,
+            report.load_ms,
+            report.rss_after_load_mib.unwrap_or(f64::NAN),
+            report.peak_rss_mib.unwrap_or(f64::NAN)
         );
         println!("{:>6} {:>9} {:>12} {:>9} {:>9} {:>9}", "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms");
         for r in &report.results {
@@ -105,6 +123,7 @@ fn measure(args: &ForwardBenchArgs, factory: &dyn BackendFactory, started: Insta
     let schema = factory.schema().clone();
     let mut lane = factory.create_lane(0)?;
     let load_ms = started.elapsed().as_secs_f64() * 1e3;
+    let rss_after_load_mib = proc_status_mib("VmRSS:");
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_batch_size: usize::MAX, id_policy: IdPolicy::Reject };
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -157,6 +176,38 @@ fn measure(args: &ForwardBenchArgs, factory: &dyn BackendFactory, started: Insta
         intra_op_threads: args.backend.intra_op_threads,
         ids_per_feature: args.ids_per_feature,
         load_ms,
+        rss_after_load_mib,
+        peak_rss_mib: proc_status_mib("VmHWM:"),
         results,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: ForwardBenchArgs,
+    }
+
+    #[test]
+    fn measures_every_size_with_full_batches_on_the_mock() {
+        let cli = Cli::parse_from([
+            "bench", "--backend", "mock", "--mock-latency-ms", "0", "--mock-latency-per-row-us", "10",
+            "--rows", "1,250", "--seconds", "0.05", "--warmup", "1", "--ids-per-feature", "2",
+        ]);
+        let factory = cli.args.backend.build().unwrap();
+        let report = measure(&cli.args, factory.as_ref(), Instant::now()).unwrap();
+        assert_eq!(report.backend, "mock");
+        let rows: Vec<usize> = report.results.iter().map(|r| r.rows).collect();
+        assert_eq!(rows, [1, 250]);
+        let big = &report.results[1];
+        assert!(big.forwards >= 1);
+        // 10 us per row: a 250-row forward takes at least 2.5 ms.
+        assert!(big.mean_ms >= 2.5, "{big:?}");
+        assert!(big.samples_per_s <= 250.0 / 2.5e-3 * 1.001, "{big:?}");
+    }
 }

@@ -15,6 +15,11 @@ pub struct Recorder {
     ok_latency_us: Histogram<u64>,
     by_code: BTreeMap<String, u64>,
     fused_rows_sum: u64,
+    /// Sum over OK calls of 1 / (requests in the call's forward): the number
+    /// of forwards these calls took part in.
+    forwards_seen: f64,
+    /// Sum over OK calls of fused rows / requests in that forward.
+    forward_rows_share: f64,
     queue_us_sum: u64,
     compute_us_sum: u64,
     /// Open loop: scheduled requests not sent because too many were in flight.
@@ -27,6 +32,8 @@ impl Default for Recorder {
             ok_latency_us: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
             by_code: BTreeMap::new(),
             fused_rows_sum: 0,
+            forwards_seen: 0.0,
+            forward_rows_share: 0.0,
             queue_us_sum: 0,
             compute_us_sum: 0,
             client_overflow: 0,
@@ -41,6 +48,9 @@ impl Recorder {
             Ok(response) => {
                 self.ok_latency_us.saturating_record(latency.as_micros().max(1) as u64);
                 self.fused_rows_sum += u64::from(response.fused_rows);
+                let share = 1.0 / f64::from(response.fused_requests.max(1));
+                self.forwards_seen += share;
+                self.forward_rows_share += f64::from(response.fused_rows) * share;
                 self.queue_us_sum += response.queue_time_us;
                 self.compute_us_sum += response.compute_time_us;
                 "OK".to_string()
@@ -57,6 +67,8 @@ impl Recorder {
             *self.by_code.entry(code).or_default() += n;
         }
         self.fused_rows_sum += other.fused_rows_sum;
+        self.forwards_seen += other.forwards_seen;
+        self.forward_rows_share += other.forward_rows_share;
         self.queue_us_sum += other.queue_us_sum;
         self.compute_us_sum += other.compute_us_sum;
         self.client_overflow += other.client_overflow;
@@ -100,8 +112,12 @@ pub struct Report {
     pub max_ms: f64,
     /// Mean, ms.
     pub mean_ms: f64,
-    /// Mean rows of the fused forward each OK call was part of.
+    /// Mean rows of the fused forward each OK call was part of (weighted by
+    /// calls: a forward of 16 requests counts 16 times).
     pub mean_fused_rows: f64,
+    /// Mean rows per forward (weighted by forwards): the batch size to
+    /// compare with `narsil bench-forward`.
+    pub mean_forward_rows: f64,
     /// Mean server-side queue time, ms.
     pub mean_queue_ms: f64,
     /// Mean server-side forward time, ms.
@@ -135,6 +151,7 @@ impl Report {
             max_ms: ms(h.max()),
             mean_ms: h.mean() / 1e3,
             mean_fused_rows: per_ok(r.fused_rows_sum),
+            mean_forward_rows: if r.forwards_seen > 0.0 { r.forward_rows_share / r.forwards_seen } else { 0.0 },
             mean_queue_ms: per_ok(r.queue_us_sum) / 1e3,
             mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,
         }
@@ -152,7 +169,7 @@ impl Report {
              requests    {} in {:.2} s ({})\n\
              throughput  {:.1} req/s, {:.0} samples/s\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
-             server      mean fused rows {:.1}, queue {:.3} ms, forward {:.3} ms\n{}",
+             server      mean fused rows {:.1} (per forward {:.1}), queue {:.3} ms, forward {:.3} ms\n{}",
             self.batch_size,
             self.backend,
             self.requests,
@@ -166,6 +183,7 @@ impl Report {
             self.max_ms,
             self.mean_ms,
             self.mean_fused_rows,
+            self.mean_forward_rows,
             self.mean_queue_ms,
             self.mean_compute_ms,
             if self.client_overflow > 0 {
@@ -174,5 +192,28 @@ impl Report {
                 String::new()
             }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(fused_rows: u32, fused_requests: u32) -> Result<PredictResponse, tonic::Status> {
+        Ok(PredictResponse { fused_rows, fused_requests, ..Default::default() })
+    }
+
+    #[test]
+    fn rows_per_forward_weights_each_forward_once() {
+        let mut r = Recorder::default();
+        // Two calls shared one forward of 200 rows; one call ran alone with 100.
+        r.record(Duration::from_millis(1), ok(200, 2));
+        r.record(Duration::from_millis(1), ok(200, 2));
+        r.record(Duration::from_millis(1), ok(100, 1));
+        r.record(Duration::from_millis(1), Err(tonic::Status::resource_exhausted("full")));
+        assert_eq!(r.by_code["OK"], 3);
+        assert!((r.forwards_seen - 2.0).abs() < 1e-9);
+        assert!((r.forward_rows_share / r.forwards_seen - 150.0).abs() < 1e-9);
+        assert_eq!(r.fused_rows_sum, 500, "call-weighted sum");
     }
 }

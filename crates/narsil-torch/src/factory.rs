@@ -58,10 +58,11 @@ impl TorchFactory {
         if config.intra_op_threads == 0 {
             return Err(BackendError("intra-op threads must be at least 1".into()));
         }
-        let device = parse_device(&config.device)?;
         let fbgemm_dir = config.fbgemm_dir.clone().unwrap_or_else(default_fbgemm_dir);
         let libs = load_fbgemm_ops(&fbgemm_dir)?;
         tracing::debug!(dir = %fbgemm_dir.display(), libraries = libs.len(), "FBGEMM operators registered");
+        // After the libraries: opening libtorch.so is what registers CUDA.
+        let device = parse_device(&config.device)?;
         tch::set_num_threads(config.intra_op_threads as i32);
         let model = TorchModel::load(&config.model, device, &config.device)?;
         tracing::info!(

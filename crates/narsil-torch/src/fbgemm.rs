@@ -1,11 +1,17 @@
-//! Registers FBGEMM's operators in this process.
+//! Registers libtorch's CUDA support and FBGEMM's operators in this process.
 //!
 //! TorchRec's INT8 embedding tables run FBGEMM's table-batched-embedding ops
 //! (`fbgemm::int_nbit_split_embedding_codegen_lookup_function` and friends).
 //! A TorchScript model resolves every operator its graph names when it is
 //! loaded, so the fbgemm_gpu libraries must be in the process first. They
-//! need libtorch's symbols globally visible, so libtorch itself is opened
-//! again with `RTLD_GLOBAL` before them.
+//! need libtorch's symbols globally visible, so `libtorch.so` itself is
+//! opened again with `RTLD_GLOBAL` before them.
+//!
+//! Opening `libtorch.so` also loads `libtorch_cuda.so` (one of its `NEEDED`
+//! entries), which registers CUDA with libtorch: the Rust binary links
+//! libtorch with `--as-needed` and references no CUDA symbol, so without this
+//! step libtorch would see no CUDA device even on a GPU machine. Devices are
+//! therefore checked after [`load_fbgemm_ops`].
 
 use std::ffi::{CStr, CString};
 use std::path::{Path, PathBuf};
