@@ -35,13 +35,18 @@ pub struct ForwardBenchArgs {
     /// Untimed forwards per batch size before measuring.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
-    /// Different random batches cycled through per size.
-    #[arg(long, default_value_t = 4)]
-    pub distinct_batches: usize,
+    /// Distinct random requests the batches are fused from (as `narsil load`
+    /// sends: its default is also 64). Fewer would keep the embedding rows
+    /// touched warm in cache and flatter the backend.
+    #[arg(long, default_value_t = 64)]
+    pub distinct_requests: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
 }
+
+/// Batches prepared per size (each from different pool requests).
+const BATCHES_PER_SIZE: usize = 16;
 
 /// One batch size's result.
 #[derive(Debug, Clone, Serialize)]
@@ -127,22 +132,29 @@ fn measure(args: &ForwardBenchArgs, factory: &dyn BackendFactory, started: Insta
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_batch_size: usize::MAX, id_policy: IdPolicy::Reject };
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut random = |samples: usize, index: usize| -> anyhow::Result<SampleBatch> {
+        let mut request = sample_batch(random_request(&info, samples, args.ids_per_feature, &mut rng, index));
+        request.validate(&schema, limits)?;
+        Ok(request)
+    };
+    let pool: Vec<SampleBatch> = (0..args.distinct_requests.max(1))
+        .map(|i| random(args.request_samples, i))
+        .collect::<anyhow::Result<_>>()?;
     let mut results = Vec::new();
     for &rows in &args.rows {
-        let batches: Vec<_> = (0..args.distinct_batches.max(1))
-            .map(|_| {
-                let requests = (0..rows.div_ceil(args.request_samples))
-                    .map(|i| {
-                        let samples = args.request_samples.min(rows - i * args.request_samples);
-                        let mut request =
-                            sample_batch(random_request(&info, samples, args.ids_per_feature, &mut rng, i));
-                        request.validate(&schema, limits)?;
-                        Ok(request)
-                    })
-                    .collect::<anyhow::Result<Vec<SampleBatch>>>()?;
-                Ok(assemble(schema.num_dense, schema.num_sparse(), requests.iter()))
+        // Whole requests from the pool, cycling, plus one smaller request for
+        // a remainder; each batch starts further along the pool.
+        let whole = rows / args.request_samples;
+        let remainder = match rows % args.request_samples {
+            0 => None,
+            r => Some(random(r, pool.len())?),
+        };
+        let batches: Vec<_> = (0..BATCHES_PER_SIZE)
+            .map(|k| {
+                let requests = (0..whole).map(|j| &pool[(k * whole + j) % pool.len()]).chain(remainder.as_ref());
+                assemble(schema.num_dense, schema.num_sparse(), requests)
             })
-            .collect::<anyhow::Result<_>>()?;
+            .collect();
         for batch in batches.iter().cycle().take(args.warmup) {
             lane.forward(batch)?;
         }

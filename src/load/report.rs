@@ -20,6 +20,8 @@ pub struct Recorder {
     forwards_seen: f64,
     /// Sum over OK calls of fused rows / requests in that forward.
     forward_rows_share: f64,
+    /// Sum over OK calls of forward time (us) / requests in that forward.
+    forward_us_share: f64,
     queue_us_sum: u64,
     compute_us_sum: u64,
     /// Open loop: scheduled requests not sent because too many were in flight.
@@ -34,6 +36,7 @@ impl Default for Recorder {
             fused_rows_sum: 0,
             forwards_seen: 0.0,
             forward_rows_share: 0.0,
+            forward_us_share: 0.0,
             queue_us_sum: 0,
             compute_us_sum: 0,
             client_overflow: 0,
@@ -51,6 +54,7 @@ impl Recorder {
                 let share = 1.0 / f64::from(response.fused_requests.max(1));
                 self.forwards_seen += share;
                 self.forward_rows_share += f64::from(response.fused_rows) * share;
+                self.forward_us_share += response.compute_time_us as f64 * share;
                 self.queue_us_sum += response.queue_time_us;
                 self.compute_us_sum += response.compute_time_us;
                 "OK".to_string()
@@ -69,6 +73,7 @@ impl Recorder {
         self.fused_rows_sum += other.fused_rows_sum;
         self.forwards_seen += other.forwards_seen;
         self.forward_rows_share += other.forward_rows_share;
+        self.forward_us_share += other.forward_us_share;
         self.queue_us_sum += other.queue_us_sum;
         self.compute_us_sum += other.compute_us_sum;
         self.client_overflow += other.client_overflow;
@@ -118,6 +123,12 @@ pub struct Report {
     /// Mean rows per forward (weighted by forwards): the batch size to
     /// compare with `narsil bench-forward`.
     pub mean_forward_rows: f64,
+    /// Mean forward time, ms, weighted by forwards.
+    pub mean_forward_ms: f64,
+    /// Seconds of forward per second of the run: with one lane, the share of
+    /// time the backend was busy (forwards holding warm-up or other
+    /// clients' requests only are not seen).
+    pub forward_busy: f64,
     /// Mean server-side queue time, ms.
     pub mean_queue_ms: f64,
     /// Mean server-side forward time, ms.
@@ -152,6 +163,8 @@ impl Report {
             mean_ms: h.mean() / 1e3,
             mean_fused_rows: per_ok(r.fused_rows_sum),
             mean_forward_rows: if r.forwards_seen > 0.0 { r.forward_rows_share / r.forwards_seen } else { 0.0 },
+            mean_forward_ms: if r.forwards_seen > 0.0 { r.forward_us_share / r.forwards_seen / 1e3 } else { 0.0 },
+            forward_busy: r.forward_us_share / 1e6 / secs,
             mean_queue_ms: per_ok(r.queue_us_sum) / 1e3,
             mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,
         }
@@ -169,7 +182,8 @@ impl Report {
              requests    {} in {:.2} s ({})\n\
              throughput  {:.1} req/s, {:.0} samples/s\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
-             server      mean fused rows {:.1} (per forward {:.1}), queue {:.3} ms, forward {:.3} ms\n{}",
+             server      mean fused rows {:.1} (per forward {:.1}), queue {:.3} ms, forward {:.3} ms \
+             (per forward {:.3}), forward busy {:.2}\n{}",
             self.batch_size,
             self.backend,
             self.requests,
@@ -186,6 +200,8 @@ impl Report {
             self.mean_forward_rows,
             self.mean_queue_ms,
             self.mean_compute_ms,
+            self.mean_forward_ms,
+            self.forward_busy,
             if self.client_overflow > 0 {
                 format!("client      {} scheduled requests not sent (in-flight cap)\n", self.client_overflow)
             } else {
@@ -200,7 +216,8 @@ mod tests {
     use super::*;
 
     fn ok(fused_rows: u32, fused_requests: u32) -> Result<PredictResponse, tonic::Status> {
-        Ok(PredictResponse { fused_rows, fused_requests, ..Default::default() })
+        let compute_time_us = u64::from(fused_rows) * 10;
+        Ok(PredictResponse { fused_rows, fused_requests, compute_time_us, ..Default::default() })
     }
 
     #[test]
@@ -215,5 +232,7 @@ mod tests {
         assert!((r.forwards_seen - 2.0).abs() < 1e-9);
         assert!((r.forward_rows_share / r.forwards_seen - 150.0).abs() < 1e-9);
         assert_eq!(r.fused_rows_sum, 500, "call-weighted sum");
+        // Forwards of 2 ms and 1 ms: 3 ms of forward in all.
+        assert!((r.forward_us_share - 3000.0).abs() < 1e-6);
     }
 }
