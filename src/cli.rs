@@ -113,10 +113,7 @@ impl ServeArgs {
     /// Checks rules between flags and returns the engine's configuration.
     pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
         if !self.batch_timeout_ms.is_finite() || self.batch_timeout_ms < 0.0 {
-            anyhow::bail!(
-                "--batch-timeout-ms must be a non-negative number, got {}",
-                self.batch_timeout_ms
-            );
+            anyhow::bail!("--batch-timeout-ms must be a non-negative number, got {}", self.batch_timeout_ms);
         }
         self.backend.validate()?;
         let config = EngineConfig {
@@ -230,9 +227,8 @@ mod tests {
 
     #[test]
     fn request_limit_above_batch_rows_is_rejected() {
-        let err = serve(&["--max-batch-rows", "100", "--max-request-samples", "200"])
-            .engine_config()
-            .unwrap_err();
+        let err =
+            serve(&["--max-batch-rows", "100", "--max-request-samples", "200"]).engine_config().unwrap_err();
         assert!(err.to_string().contains("--max-request-samples"), "{err}");
     }
 

@@ -3,6 +3,7 @@
 //! that serving efficiency is measured against (served samples/s divided by
 //! raw samples/s at the same mean fused rows).
 
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use narsil_core::request::{IdPolicy, RequestLimits};
@@ -100,31 +101,51 @@ pub fn run(args: ForwardBenchArgs) -> anyhow::Result<()> {
             .join()
             .map_err(|_| anyhow::anyhow!("the benchmark lane panicked"))?
     })?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!(
-            "backend {} on {}, {} intra-op thread(s), {} id(s) per bag; loaded in {:.0} ms; RSS {:.0} MiB after load, peak {:.0} MiB",
-            report.backend,
-            report.device,
-            report.intra_op_threads,
-            report.ids_per_feature,
-            report.load_ms,
-            report.rss_after_load_mib.unwrap_or(f64::NAN),
-            report.peak_rss_mib.unwrap_or(f64::NAN)
-        );
-        println!("{:>6} {:>9} {:>12} {:>9} {:>9} {:>9}", "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms");
-        for r in &report.results {
-            println!(
-                "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3}",
-                r.rows, r.forwards, r.samples_per_s, r.mean_ms, r.p50_ms, r.p99_ms
-            );
-        }
+    match print_report(&report, args.json) {
+        // A closed pipe (`| head`) is not an error worth a panic.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}
+
+fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", serde_json::to_string(report)?)?;
+        return Ok(());
+    }
+    writeln!(
+        out,
+        "backend {} on {}, {} intra-op thread(s), {} id(s) per bag; loaded in {:.0} ms; \
+         RSS {:.0} MiB after load, peak {:.0} MiB",
+        report.backend,
+        report.device,
+        report.intra_op_threads,
+        report.ids_per_feature,
+        report.load_ms,
+        report.rss_after_load_mib.unwrap_or(f64::NAN),
+        report.peak_rss_mib.unwrap_or(f64::NAN)
+    )?;
+    writeln!(
+        out,
+        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9}",
+        "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms"
+    )?;
+    for r in &report.results {
+        writeln!(
+            out,
+            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3}",
+            r.rows, r.forwards, r.samples_per_s, r.mean_ms, r.p50_ms, r.p99_ms
+        )?;
     }
     Ok(())
 }
 
-fn measure(args: &ForwardBenchArgs, factory: &dyn BackendFactory, started: Instant) -> anyhow::Result<ForwardReport> {
+fn measure(
+    args: &ForwardBenchArgs,
+    factory: &dyn BackendFactory,
+    started: Instant,
+) -> anyhow::Result<ForwardReport> {
     let schema = factory.schema().clone();
     let mut lane = factory.create_lane(0)?;
     let load_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -151,7 +172,8 @@ fn measure(args: &ForwardBenchArgs, factory: &dyn BackendFactory, started: Insta
         };
         let batches: Vec<_> = (0..BATCHES_PER_SIZE)
             .map(|k| {
-                let requests = (0..whole).map(|j| &pool[(k * whole + j) % pool.len()]).chain(remainder.as_ref());
+                let requests =
+                    (0..whole).map(|j| &pool[(k * whole + j) % pool.len()]).chain(remainder.as_ref());
                 assemble(schema.num_dense, schema.num_sparse(), requests)
             })
             .collect();
@@ -208,8 +230,21 @@ mod tests {
     #[test]
     fn measures_every_size_with_full_batches_on_the_mock() {
         let cli = Cli::parse_from([
-            "bench", "--backend", "mock", "--mock-latency-ms", "0", "--mock-latency-per-row-us", "10",
-            "--rows", "1,250", "--seconds", "0.05", "--warmup", "1", "--ids-per-feature", "2",
+            "bench",
+            "--backend",
+            "mock",
+            "--mock-latency-ms",
+            "0",
+            "--mock-latency-per-row-us",
+            "10",
+            "--rows",
+            "1,250",
+            "--seconds",
+            "0.05",
+            "--warmup",
+            "1",
+            "--ids-per-feature",
+            "2",
         ]);
         let factory = cli.args.backend.build().unwrap();
         let report = measure(&cli.args, factory.as_ref(), Instant::now()).unwrap();

@@ -22,6 +22,5 @@ pub mod proto {
     tonic::include_proto!("narsil.v1");
 
     /// Encoded descriptors of every served protocol, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        include_bytes!(concat!(env!("OUT_DIR"), "/narsil_descriptor.bin"));
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/narsil_descriptor.bin"));
 }

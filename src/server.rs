@@ -37,15 +37,9 @@ impl Server {
         config: EngineConfig,
         max_message_bytes: usize,
     ) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("cannot listen on {addr}"))?;
+        let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         let engine = Engine::start(factory, config).map_err(anyhow::Error::msg)?;
-        Ok(Self {
-            listener,
-            engine,
-            max_message_bytes,
-        })
+        Ok(Self { listener, engine, max_message_bytes })
     }
 
     /// The address actually bound (useful with port 0).
@@ -129,10 +123,7 @@ impl Server {
 async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
     health.set_service_status("", status).await;
     health
-        .set_service_status(
-            <PredictorServer<PredictorService> as tonic::server::NamedService>::NAME,
-            status,
-        )
+        .set_service_status(<PredictorServer<PredictorService> as tonic::server::NamedService>::NAME, status)
         .await;
 }
 

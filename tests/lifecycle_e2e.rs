@@ -66,13 +66,68 @@ async fn bad_inputs_get_invalid_argument_naming_the_field() {
     let server = start(batch_mode(1, 16), 1).await.ready().await;
     let mut client = server.client().await;
     let cases: Vec<(&str, narsil::proto::PredictRequest, &str)> = vec![
-        ("zero batch", narsil::proto::PredictRequest { batch_size: 0, ..request(1, 1) }, "invalid batch_size"),
-        ("short dense", { let mut r = request(1, 2); r.dense.pop(); r }, "invalid dense"),
-        ("nan dense", { let mut r = request(1, 2); r.dense[14] = f32::NAN; r }, "sample 1 feature 1"),
-        ("lengths count", { let mut r = request(1, 2); r.sparse_lengths.pop(); r }, "invalid sparse_lengths"),
-        ("ids count", { let mut r = request(1, 2); r.sparse_ids.push(1); r }, "invalid sparse_ids"),
-        ("id range", { let mut r = request(1, 1); r.sparse_lengths = vec![1; 26]; r.sparse_ids = vec![0; 26]; r.sparse_ids[3] = 1000; r }, "sample 0 feature 3 (cat_3) has id 1000"),
-        ("negative id", { let mut r = request(1, 1); r.sparse_lengths = vec![]; r.sparse_ids = vec![-5; 26]; r }, "id -5"),
+        (
+            "zero batch",
+            narsil::proto::PredictRequest { batch_size: 0, ..request(1, 1) },
+            "invalid batch_size",
+        ),
+        (
+            "short dense",
+            {
+                let mut r = request(1, 2);
+                r.dense.pop();
+                r
+            },
+            "invalid dense",
+        ),
+        (
+            "nan dense",
+            {
+                let mut r = request(1, 2);
+                r.dense[14] = f32::NAN;
+                r
+            },
+            "sample 1 feature 1",
+        ),
+        (
+            "lengths count",
+            {
+                let mut r = request(1, 2);
+                r.sparse_lengths.pop();
+                r
+            },
+            "invalid sparse_lengths",
+        ),
+        (
+            "ids count",
+            {
+                let mut r = request(1, 2);
+                r.sparse_ids.push(1);
+                r
+            },
+            "invalid sparse_ids",
+        ),
+        (
+            "id range",
+            {
+                let mut r = request(1, 1);
+                r.sparse_lengths = vec![1; 26];
+                r.sparse_ids = vec![0; 26];
+                r.sparse_ids[3] = 1000;
+                r
+            },
+            "sample 0 feature 3 (cat_3) has id 1000",
+        ),
+        (
+            "negative id",
+            {
+                let mut r = request(1, 1);
+                r.sparse_lengths = vec![];
+                r.sparse_ids = vec![-5; 26];
+                r
+            },
+            "id -5",
+        ),
         ("too many samples", request(1, 5000), "exceeds the server's limit"),
     ];
     for (name, message, expected) in cases {
@@ -98,10 +153,7 @@ async fn full_queue_rejects_at_once_with_resource_exhausted() {
         async move { (client.predict(request(tag, 1)).await, Instant::now()) }
     }))
     .await;
-    let rejected: Vec<_> = results
-        .iter()
-        .filter_map(|(r, at)| r.as_ref().err().map(|s| (s, *at)))
-        .collect();
+    let rejected: Vec<_> = results.iter().filter_map(|(r, at)| r.as_ref().err().map(|s| (s, *at))).collect();
     assert!(rejected.len() >= 6, "at most 1 running + 2 queued (+ one racing): {rejected:?}");
     for (status, at) in rejected {
         assert_eq!(status.code(), Code::ResourceExhausted);
@@ -161,11 +213,8 @@ async fn reflection_lists_the_predictor_and_health_services() {
         host: String::new(),
         message_request: Some(MessageRequest::ListServices(String::new())),
     };
-    let mut responses = client
-        .server_reflection_info(tokio_stream::iter([request]))
-        .await
-        .unwrap()
-        .into_inner();
+    let mut responses =
+        client.server_reflection_info(tokio_stream::iter([request])).await.unwrap().into_inner();
     let response = responses.message().await.unwrap().unwrap();
     let Some(MessageResponse::ListServicesResponse(list)) = response.message_response else {
         panic!("unexpected reflection answer: {response:?}");

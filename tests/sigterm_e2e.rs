@@ -19,8 +19,17 @@ fn free_port() -> u16 {
 async fn sigterm_under_load_answers_everything_and_exits_zero() {
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--mock-latency-ms", "100",
-               "--mock-table-rows", "1000", "--batch-size", "8"])
+        .args([
+            "serve",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--mock-latency-ms",
+            "100",
+            "--mock-table-rows",
+            "1000",
+            "--batch-size",
+            "8",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()

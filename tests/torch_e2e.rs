@@ -24,7 +24,11 @@ fn model_dir() -> PathBuf {
     let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-small"));
-    assert!(dir.join("golden.json").is_file(), "no exported test model in {}: run scripts/test.sh", dir.display());
+    assert!(
+        dir.join("golden.json").is_file(),
+        "no exported test model in {}: run scripts/test.sh",
+        dir.display()
+    );
     dir
 }
 
@@ -44,7 +48,8 @@ fn wire(g: &GoldenRequest, id: &str) -> PredictRequest {
 }
 
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want).unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    let diff = max_abs_diff(got, want)
+        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
     assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
 }
 
@@ -124,7 +129,8 @@ async fn out_of_range_ids_are_rejected_before_the_model() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn modulo_policy_hashes_ids_into_range() {
-    let server = start_torch(common::config(|c| c.limits.id_policy = narsil_core::request::IdPolicy::Modulo)).await;
+    let server =
+        start_torch(common::config(|c| c.limits.id_policy = narsil_core::request::IdPolicy::Modulo)).await;
     let golden = Golden::read(&model_dir()).unwrap();
     let g = &golden.requests[0]; // one sample, one id per bag
     let mut shifted = wire(g, "shifted");

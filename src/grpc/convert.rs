@@ -40,10 +40,7 @@ pub fn model_info(schema: &ModelSchema, max_batch_size: usize) -> proto::ModelIn
         sparse_features: schema
             .sparse
             .iter()
-            .map(|f| proto::SparseFeature {
-                name: f.name.clone(),
-                num_rows: f.num_rows,
-            })
+            .map(|f| proto::SparseFeature { name: f.name.clone(), num_rows: f.num_rows })
             .collect(),
         max_batch_size: max_batch_size as u32,
     }

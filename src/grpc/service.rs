@@ -30,11 +30,8 @@ impl Predictor for PredictorService {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let mut message = request.into_inner();
         let request_id = std::mem::take(&mut message.request_id);
-        let prediction = self
-            .engine
-            .predict(convert::sample_batch(message), deadline)
-            .await
-            .map_err(|e| {
+        let prediction =
+            self.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {
                 tracing::debug!(%request_id, error = %e, "predict failed");
                 status::to_status(e)
             })?;
@@ -45,9 +42,6 @@ impl Predictor for PredictorService {
         &self,
         _request: Request<proto::ModelInfoRequest>,
     ) -> Result<Response<proto::ModelInfoResponse>, Status> {
-        Ok(Response::new(convert::model_info(
-            self.engine.schema(),
-            self.engine.limits().max_batch_size,
-        )))
+        Ok(Response::new(convert::model_info(self.engine.schema(), self.engine.limits().max_batch_size)))
     }
 }

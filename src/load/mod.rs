@@ -93,12 +93,8 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
         }
     }
     let clients = connect(args).await?;
-    let info = clients[0]
-        .clone()
-        .model_info(ModelInfoRequest {})
-        .await
-        .context("ModelInfo failed")?
-        .into_inner();
+    let info =
+        clients[0].clone().model_info(ModelInfoRequest {}).await.context("ModelInfo failed")?.into_inner();
     let pool = Arc::new(workload::build_pool(&info, args)?);
     let warmup = Phase { requests: Some(args.warmup), duration: None };
     let measured = Phase {

@@ -162,8 +162,16 @@ impl Report {
             max_ms: ms(h.max()),
             mean_ms: h.mean() / 1e3,
             mean_fused_rows: per_ok(r.fused_rows_sum),
-            mean_forward_rows: if r.forwards_seen > 0.0 { r.forward_rows_share / r.forwards_seen } else { 0.0 },
-            mean_forward_ms: if r.forwards_seen > 0.0 { r.forward_us_share / r.forwards_seen / 1e3 } else { 0.0 },
+            mean_forward_rows: if r.forwards_seen > 0.0 {
+                r.forward_rows_share / r.forwards_seen
+            } else {
+                0.0
+            },
+            mean_forward_ms: if r.forwards_seen > 0.0 {
+                r.forward_us_share / r.forwards_seen / 1e3
+            } else {
+                0.0
+            },
             forward_busy: r.forward_us_share / 1e6 / secs,
             mean_queue_ms: per_ok(r.queue_us_sum) / 1e3,
             mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,

@@ -39,11 +39,8 @@ pub fn random_request(
     let mut sparse_ids = Vec::with_capacity(batch_size * info.sparse_features.len());
     for _ in 0..batch_size {
         for feature in &info.sparse_features {
-            let len = if ids_per_feature <= 1 {
-                ids_per_feature
-            } else {
-                rng.random_range(0..2 * ids_per_feature)
-            };
+            let len =
+                if ids_per_feature <= 1 { ids_per_feature } else { rng.random_range(0..2 * ids_per_feature) };
             sparse_lengths.push(len);
             for _ in 0..len {
                 sparse_ids.push(rng.random_range(0..feature.num_rows) as i64);

@@ -83,9 +83,7 @@ pub async fn start(config: EngineConfig, latency_ms: u64) -> TestServer {
 
 /// Starts a server over any backend.
 pub async fn start_with(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> TestServer {
-    let server = Server::start("127.0.0.1:0".parse().unwrap(), factory, config, 64 << 20)
-        .await
-        .unwrap();
+    let server = Server::start("127.0.0.1:0".parse().unwrap(), factory, config, 64 << 20).await.unwrap();
     let url = format!("http://{}", server.local_addr());
     let engine = server.engine();
     let (stop, stopped) = oneshot::channel::<()>();

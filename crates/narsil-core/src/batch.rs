@@ -274,9 +274,8 @@ mod tests {
         let requests: Vec<_> = (0..16)
             .map(|t| {
                 let b = 1 + (t as usize * 7) % 13;
-                let lengths = (0..b)
-                    .map(|s| (0..5).map(|f| ((t as usize + s * 3 + f) % 4) as u32).collect())
-                    .collect();
+                let lengths =
+                    (0..b).map(|s| (0..5).map(|f| ((t as usize + s * 3 + f) % 4) as u32).collect()).collect();
                 request(t, lengths, 3)
             })
             .collect();

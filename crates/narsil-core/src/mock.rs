@@ -41,9 +41,7 @@ impl BackendFactory for MockFactory {
 
     fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
         tighten_timer_slack();
-        Ok(Box::new(MockBackend {
-            config: self.config,
-        }))
+        Ok(Box::new(MockBackend { config: self.config }))
     }
 }
 
@@ -132,8 +130,10 @@ mod tests {
         let scores = mock_scores(&fused);
         for (request, part) in requests.iter().zip(fused.split(&scores)) {
             let alone = mock_scores(&assemble(2, 3, [request]));
-            assert_eq!(alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                       part.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            assert_eq!(
+                alone.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                part.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 

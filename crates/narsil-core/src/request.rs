@@ -65,11 +65,7 @@ impl SampleBatch {
 
     /// Checks the request against the model's schema and fills in implicit
     /// lengths. On success the batch is safe to reorder and run.
-    pub fn validate(
-        &mut self,
-        schema: &ModelSchema,
-        limits: RequestLimits,
-    ) -> Result<(), InvalidInput> {
+    pub fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<(), InvalidInput> {
         let b = self.batch_size;
         let num_sparse = schema.num_sparse();
         if b == 0 {
@@ -98,10 +94,7 @@ impl SampleBatch {
         if total != self.ids.len() as u64 {
             return Err(invalid(
                 "sparse_ids",
-                format!(
-                    "has {} ids but sparse_lengths sum to {total}",
-                    self.ids.len()
-                ),
+                format!("has {} ids but sparse_lengths sum to {total}", self.ids.len()),
             ));
         }
         self.check_ids(schema, limits.id_policy)
@@ -137,12 +130,10 @@ impl SampleBatch {
         let num_sparse = schema.num_sparse();
         if num_sparse > 0 && self.is_one_id_per_bag() {
             // One id per bag: a quick scan usually finds nothing to report.
-            let in_range = self.ids.chunks_exact(num_sparse).all(|sample| {
-                sample
-                    .iter()
-                    .zip(&schema.sparse)
-                    .all(|(&id, f)| (id as u64) < f.num_rows)
-            });
+            let in_range = self
+                .ids
+                .chunks_exact(num_sparse)
+                .all(|sample| sample.iter().zip(&schema.sparse).all(|(&id, f)| (id as u64) < f.num_rows));
             if in_range {
                 return Ok(());
             }
@@ -189,18 +180,10 @@ mod tests {
         s
     }
 
-    const LIMITS: RequestLimits = RequestLimits {
-        max_batch_size: 8,
-        id_policy: IdPolicy::Reject,
-    };
+    const LIMITS: RequestLimits = RequestLimits { max_batch_size: 8, id_policy: IdPolicy::Reject };
 
     fn valid(b: usize) -> SampleBatch {
-        SampleBatch {
-            batch_size: b,
-            dense: vec![0.5; b * 2],
-            lengths: vec![],
-            ids: vec![1; b * 3],
-        }
+        SampleBatch { batch_size: b, dense: vec![0.5; b * 2], lengths: vec![], ids: vec![1; b * 3] }
     }
 
     fn err(mut r: SampleBatch) -> InvalidInput {
@@ -269,10 +252,12 @@ mod tests {
         let mut schema = schema();
         schema.sparse[0].num_rows = 100;
         // Feature 0 (100 rows) gets 50 and 60, feature 2 (10 rows) gets 5.
-        let mut r = SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![2, 0, 1], ids: vec![50, 60, 5] };
+        let mut r =
+            SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![2, 0, 1], ids: vec![50, 60, 5] };
         r.validate(&schema, LIMITS).unwrap();
         // Same count of ids as bags, but the 2nd id lands in feature 2 (10 rows).
-        let mut r = SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![1, 0, 2], ids: vec![50, 5, 60] };
+        let mut r =
+            SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![1, 0, 2], ids: vec![50, 5, 60] };
         let e = r.validate(&schema, LIMITS).unwrap_err();
         assert!(e.message.contains("feature 2 (cat_2) has id 60"), "{e}");
     }
@@ -288,10 +273,7 @@ mod tests {
     fn modulo_policy_maps_ids_into_range() {
         let mut r = valid(1);
         r.ids = vec![-1, 10, 23];
-        let limits = RequestLimits {
-            id_policy: IdPolicy::Modulo,
-            ..LIMITS
-        };
+        let limits = RequestLimits { id_policy: IdPolicy::Modulo, ..LIMITS };
         r.validate(&schema(), limits).unwrap();
         assert_eq!(r.ids, vec![9, 0, 3]);
     }

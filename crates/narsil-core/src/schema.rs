@@ -42,12 +42,7 @@ impl ModelSchema {
             backend: backend.into(),
             device: device.into(),
             num_dense: 13,
-            sparse: (0..26)
-                .map(|i| SparseFeature {
-                    name: format!("cat_{i}"),
-                    num_rows: rows,
-                })
-                .collect(),
+            sparse: (0..26).map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: rows }).collect(),
         }
     }
 }

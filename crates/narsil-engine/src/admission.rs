@@ -40,21 +40,13 @@ fn reserve(counter: &AtomicUsize, amount: usize, limit: usize) -> bool {
 impl Admission {
     /// An empty queue with the given limits.
     pub fn new(max_requests: usize, max_rows: usize) -> Arc<Self> {
-        Arc::new(Self {
-            max_requests,
-            max_rows,
-            requests: AtomicUsize::new(0),
-            rows: AtomicUsize::new(0),
-        })
+        Arc::new(Self { max_requests, max_rows, requests: AtomicUsize::new(0), rows: AtomicUsize::new(0) })
     }
 
     /// Takes a place for a request of `rows` rows, or says which limit is full.
     pub fn try_admit(self: &Arc<Self>, rows: usize) -> Result<Permit, String> {
         if !reserve(&self.requests, 1, self.max_requests) {
-            return Err(format!(
-                "queue holds {} requests (--max-queue-requests)",
-                self.max_requests
-            ));
+            return Err(format!("queue holds {} requests (--max-queue-requests)", self.max_requests));
         }
         if !reserve(&self.rows, rows, self.max_rows) {
             self.requests.fetch_sub(1, Ordering::AcqRel);
@@ -64,10 +56,7 @@ impl Admission {
                 self.max_rows
             ));
         }
-        Ok(Permit {
-            admission: Arc::clone(self),
-            rows,
-        })
+        Ok(Permit { admission: Arc::clone(self), rows })
     }
 
     /// Requests currently queued.

@@ -44,10 +44,7 @@ pub struct OpenBatch {
 
 impl OpenBatch {
     fn new(num_dense: usize, num_sparse: usize) -> Self {
-        Self {
-            builder: BatchBuilder::new(num_dense, num_sparse),
-            entries: Vec::new(),
-        }
+        Self { builder: BatchBuilder::new(num_dense, num_sparse), entries: Vec::new() }
     }
 
     fn push(&mut self, entry: Entry) {
@@ -100,10 +97,7 @@ impl OpenBatch {
             waiters: self
                 .entries
                 .into_iter()
-                .map(|e| Waiter {
-                    reply: e.reply,
-                    admitted: e.admitted,
-                })
+                .map(|e| Waiter { reply: e.reply, admitted: e.admitted })
                 .collect(),
         }
     }
@@ -175,9 +169,7 @@ impl BatchQueue {
         loop {
             let mut batch = if let Some(batch) = self.sealed.pop_front() {
                 batch
-            } else if !self.open.is_empty()
-                && (drain || self.open_flush_at().is_some_and(|t| t <= now))
-            {
+            } else if !self.open.is_empty() && (drain || self.open_flush_at().is_some_and(|t| t <= now)) {
                 std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse))
             } else {
                 return (None, removed);
@@ -358,7 +350,13 @@ mod tests {
         let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(1, 100, 0);
-        let _rx: Vec<_> = (0..3).map(|t| { let (e, rx) = entry(&admission, 2, t, now); q.add(e); rx }).collect();
+        let _rx: Vec<_> = (0..3)
+            .map(|t| {
+                let (e, rx) = entry(&admission, 2, t, now);
+                q.add(e);
+                rx
+            })
+            .collect();
         assert_eq!(q.depth(), (3, 0));
     }
 

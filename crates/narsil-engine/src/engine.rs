@@ -64,14 +64,9 @@ impl Engine {
             ),
             Arc::clone(&stats),
         ));
-        let lane_threads = lanes::spawn(
-            factory,
-            config.lanes,
-            Arc::clone(&collector),
-            Arc::clone(&stats),
-            readiness_tx,
-        )
-        .map_err(|e| format!("cannot start lane threads: {e}"))?;
+        let lane_threads =
+            lanes::spawn(factory, config.lanes, Arc::clone(&collector), Arc::clone(&stats), readiness_tx)
+                .map_err(|e| format!("cannot start lane threads: {e}"))?;
         Ok(Self {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
@@ -160,17 +155,14 @@ impl EngineHandle {
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
-        let permit = shared
-            .admission
-            .try_admit(request.batch_size)
-            .map_err(EngineError::Overloaded)?;
+        let permit = shared.admission.try_admit(request.batch_size).map_err(EngineError::Overloaded)?;
         let (reply, answer) = oneshot::channel();
         let entry = Entry { request, reply, admitted, deadline, permit };
         shared.collector.submit(entry)?;
         let answer = match deadline {
-            Some(d) => tokio::time::timeout_at(d.into(), answer)
-                .await
-                .map_err(|_| EngineError::DeadlineExceeded)?,
+            Some(d) => {
+                tokio::time::timeout_at(d.into(), answer).await.map_err(|_| EngineError::DeadlineExceeded)?
+            }
             None => answer.await,
         };
         answer.unwrap_or(Err(EngineError::ShuttingDown))

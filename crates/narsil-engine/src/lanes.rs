@@ -48,9 +48,7 @@ pub fn spawn(
                 stats: Arc::clone(&stats),
                 readiness: readiness.clone(),
             };
-            std::thread::Builder::new()
-                .name(format!("narsil-lane-{lane}"))
-                .spawn(move || lane_ctx.run())
+            std::thread::Builder::new().name(format!("narsil-lane-{lane}")).spawn(move || lane_ctx.run())
         })
         .collect()
 }

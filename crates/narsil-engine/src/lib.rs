@@ -23,6 +23,6 @@ pub mod stats;
 
 pub use config::{EngineConfig, ExecutionMode};
 pub use engine::{Engine, EngineHandle};
-pub use job::Prediction;
 pub use error::EngineError;
+pub use job::Prediction;
 pub use stats::StatsSnapshot;

@@ -10,11 +10,7 @@ pub fn parse_device(name: &str) -> Result<Device, BackendError> {
         "cuda" => Device::Cuda(0),
         _ => match name.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(index)) => Device::Cuda(index),
-            _ => {
-                return Err(BackendError(format!(
-                    "device `{name}` is not `cpu`, `cuda` or `cuda:N`"
-                )))
-            }
+            _ => return Err(BackendError(format!("device `{name}` is not `cpu`, `cuda` or `cuda:N`"))),
         },
     };
     let visible = tch::Cuda::device_count();

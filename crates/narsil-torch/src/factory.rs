@@ -72,10 +72,7 @@ impl TorchFactory {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "TorchScript model loaded"
         );
-        Ok(Self {
-            model: Arc::new(model),
-            config,
-        })
+        Ok(Self { model: Arc::new(model), config })
     }
 }
 

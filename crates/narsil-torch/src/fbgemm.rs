@@ -33,10 +33,7 @@ static LOADED: OnceLock<Result<Vec<PathBuf>, String>> = OnceLock::new();
 /// Loads every fbgemm_gpu shared library in `dir` once per process. Returns
 /// the libraries loaded. A second call returns the first call's outcome.
 pub fn load_fbgemm_ops(dir: &Path) -> Result<Vec<PathBuf>, BackendError> {
-    LOADED
-        .get_or_init(|| load_all(dir))
-        .clone()
-        .map_err(BackendError)
+    LOADED.get_or_init(|| load_all(dir)).clone().map_err(BackendError)
 }
 
 fn load_all(dir: &Path) -> Result<Vec<PathBuf>, String> {
@@ -64,8 +61,9 @@ fn load_all(dir: &Path) -> Result<Vec<PathBuf>, String> {
             return Ok(loaded);
         }
         if loaded.len() == before {
-            let reasons: Vec<String> = failed.into_iter().map(|(_, e)| e).collect();
-            return Err(format!("cannot load fbgemm_gpu: {}", reasons.join("; ")));
+            let count = failed.len();
+            let first = failed.swap_remove(0).1;
+            return Err(format!("cannot load fbgemm_gpu ({count} libraries failed); first: {first}"));
         }
         pending = failed.into_iter().map(|(path, _)| path).collect();
     }

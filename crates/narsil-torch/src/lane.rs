@@ -112,11 +112,7 @@ struct PinnedBuffer {
 
 impl PinnedBuffer {
     fn new(kind: Kind, device: Device) -> Self {
-        Self {
-            host: None,
-            kind,
-            device,
-        }
+        Self { host: None, kind, device }
     }
 
     /// Copies `data` into the pinned buffer and starts its asynchronous copy

@@ -45,16 +45,11 @@ impl TorchModel {
                 path.display()
             )));
         }
-        let mut module = CModule::load_on_device(path, device).map_err(|e| {
-            BackendError(format!("cannot load TorchScript model {}: {e}", path.display()))
-        })?;
+        let mut module = CModule::load_on_device(path, device)
+            .map_err(|e| BackendError(format!("cannot load TorchScript model {}: {e}", path.display())))?;
         module.set_eval();
         let schema = read_schema(&module, path, device_name)?;
-        Ok(Self {
-            module,
-            schema,
-            device,
-        })
+        Ok(Self { module, schema, device })
     }
 
     /// The model's input schema.
@@ -84,9 +79,8 @@ fn read_schema(module: &CModule, path: &Path, device: &str) -> Result<ModelSchem
             )))
         }
     };
-    let parsed: SchemaJson = serde_json::from_str(&json).map_err(|e| {
-        BackendError(format!("{}: narsil_schema() is not valid: {e}", path.display()))
-    })?;
+    let parsed: SchemaJson = serde_json::from_str(&json)
+        .map_err(|e| BackendError(format!("{}: narsil_schema() is not valid: {e}", path.display())))?;
     if parsed.sparse.is_empty() || parsed.sparse.iter().any(|f| f.num_rows == 0) {
         return Err(BackendError(format!(
             "{}: the schema needs at least one sparse feature, each with rows",
@@ -102,10 +96,7 @@ fn read_schema(module: &CModule, path: &Path, device: &str) -> Result<ModelSchem
         sparse: parsed
             .sparse
             .into_iter()
-            .map(|f| SparseFeature {
-                name: f.name,
-                num_rows: f.num_rows,
-            })
+            .map(|f| SparseFeature { name: f.name, num_rows: f.num_rows })
             .collect(),
     })
 }

@@ -32,7 +32,8 @@ fn factory(file: &str) -> TorchFactory {
 }
 
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want).unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    let diff = max_abs_diff(got, want)
+        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
     assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}\n got {got:?}\nwant {want:?}");
 }
 
@@ -117,8 +118,11 @@ fn cuda_device_is_selectable_and_errors_clearly_without_a_gpu() {
             let golden = Golden::read(&model_dir()).unwrap();
             for g in &golden.requests {
                 let mut batch = g.sample_batch();
-                batch.validate(&schema, RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject }).unwrap();
-                let scores = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [&batch])).unwrap();
+                batch
+                    .validate(&schema, RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject })
+                    .unwrap();
+                let scores =
+                    lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [&batch])).unwrap();
                 let diff = max_abs_diff(&scores, &g.scores_fp32).unwrap();
                 assert!(diff <= 1e-5, "CUDA vs Python CPU: {diff}");
             }
