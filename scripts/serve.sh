@@ -38,5 +38,5 @@ if [ "$backend" = torch ]; then
 fi
 step "building narsil (release, --features torch)"
 cargo build --release --features torch -j "${NARSIL_BUILD_JOBS}" --locked
-step "serving: narsil serve --backend $backend ${extra[*]} $*"
+step "serving ($backend): narsil serve ${extra[*]} $*"
 exec target/release/narsil serve "${extra[@]}" "$@"
