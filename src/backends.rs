@@ -38,13 +38,16 @@ pub struct BackendArgs {
     #[arg(long = "backend", env = "NARSIL_BACKEND", value_enum, default_value_t = BackendKind::Mock)]
     pub kind: BackendKind,
     /// Model file: TorchScript (`model_default.pt` from
-    /// models/export_dlrm.py) for torch, safetensors for burn.
+    /// models/export_dlrm.py) for torch; FP32 safetensors
+    /// (`weights_fp32.safetensors`) for burn, which without one serves a
+    /// seeded random DLRM of the default shape.
     #[arg(long, env = "NARSIL_MODEL")]
     pub model: Option<PathBuf>,
     /// Device for forward passes: `cpu`, `cuda` or `cuda:N`.
     #[arg(long, env = "NARSIL_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Threads each forward may use inside the backend (torch/burn).
+    /// Threads each forward may use inside the backend (torch; burn lanes
+    /// are single-threaded: add lanes instead).
     #[arg(long, env = "NARSIL_INTRA_OP_THREADS", default_value_t = 1)]
     pub intra_op_threads: usize,
     /// torch: directory of fbgemm_gpu's shared libraries (default: the
@@ -107,8 +110,30 @@ impl BackendArgs {
                 Ok(Arc::new(MockFactory::new(schema, config)))
             }
             BackendKind::Torch => self.build_torch(),
-            BackendKind::Burn => Err(not_compiled(self.kind)),
+            BackendKind::Burn => self.build_burn(),
         }
+    }
+
+    #[cfg(feature = "burn")]
+    fn build_burn(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        if self.device != "cpu" {
+            anyhow::bail!("--backend burn runs on the CPU in this build; remove --device");
+        }
+        let factory = match &self.model {
+            Some(path) => narsil_burn::BurnFactory::load(path)?,
+            None => {
+                tracing::info!(
+                    "no --model: generating a seeded random DLRM (26 x 100,000 x 64, seed 0) for --backend burn"
+                );
+                narsil_burn::BurnFactory::random(&narsil_burn::DlrmShape::default(), 0)?
+            }
+        };
+        Ok(Arc::new(factory))
+    }
+
+    #[cfg(not(feature = "burn"))]
+    fn build_burn(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        Err(not_compiled(self.kind))
     }
 
     #[cfg(feature = "torch")]
@@ -126,6 +151,7 @@ impl BackendArgs {
     }
 }
 
+#[cfg(not(all(feature = "torch", feature = "burn")))]
 fn not_compiled(kind: BackendKind) -> anyhow::Error {
     anyhow::anyhow!(
         "--backend {0} is not compiled into this binary; rebuild with `cargo build --release --features {0}` \

@@ -1,0 +1,167 @@
+//! The Burn backend against the FP32 TorchScript model's scores that
+//! `models/export_dlrm.py` computed in Python (same weights, from
+//! `weights_fp32.safetensors`), alone and fused; and the load errors.
+//!
+//! Needs an exported model: `scripts/test.sh` writes a small one to
+//! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
+
+use std::path::{Path, PathBuf};
+
+use narsil_burn::{BurnFactory, DlrmShape, DlrmWeights};
+use narsil_core::golden::{max_abs_diff, Golden};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{assemble, BackendFactory, SampleBatch};
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+
+/// Burn vs libtorch FP32: different GEMM kernels, same math.
+const VS_PYTHON: f32 = 1e-5;
+/// Fused vs alone in the same backend.
+const FUSED_VS_ALONE: f32 = 1e-6;
+
+fn model_dir() -> PathBuf {
+    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/generated/test-small")
+    });
+    assert!(
+        dir.join("golden.json").is_file(),
+        "no exported test model in {0}: run scripts/test.sh, or models/export_dlrm.py --num-rows 1000 --out {0}",
+        dir.display()
+    );
+    dir
+}
+
+fn validated(batches: impl Iterator<Item = SampleBatch>, factory: &BurnFactory) -> Vec<SampleBatch> {
+    let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject };
+    batches
+        .map(|mut b| {
+            b.validate(factory.schema(), limits).unwrap();
+            b
+        })
+        .collect()
+}
+
+#[test]
+fn scores_match_python_fp32_alone_and_fused_equals_alone() {
+    let dir = model_dir();
+    let factory = BurnFactory::load(&dir.join("weights_fp32.safetensors")).unwrap();
+    let schema = factory.schema().clone();
+    let mut lane = factory.create_lane(0).unwrap();
+    let golden = Golden::read(&dir).unwrap();
+    let requests = validated(golden.requests.iter().map(|g| g.sample_batch()), &factory);
+    let mut alone = Vec::new();
+    for (i, (request, g)) in requests.iter().zip(&golden.requests).enumerate() {
+        let scores = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
+        let diff = max_abs_diff(&scores, &g.scores_fp32).unwrap();
+        assert!(diff <= VS_PYTHON, "golden request {i}: max |burn - python| = {diff}");
+        alone.push(scores);
+    }
+    let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
+    let scores = lane.forward(&fused).unwrap();
+    for (i, (part, alone)) in fused.split(&scores).zip(&alone).enumerate() {
+        let diff = max_abs_diff(part, alone).unwrap();
+        assert!(diff <= FUSED_VS_ALONE, "golden request {i}: fused vs alone {diff}");
+    }
+}
+
+#[test]
+fn schema_is_read_from_the_tensors() {
+    let factory = BurnFactory::load(&model_dir().join("weights_fp32.safetensors")).unwrap();
+    let schema = factory.schema();
+    assert_eq!((schema.backend.as_str(), schema.num_dense, schema.num_sparse()), ("burn", 13, 26));
+    assert_eq!(schema.sparse[25].name, "cat_25");
+    assert!(schema.sparse.iter().all(|f| f.num_rows == 1000));
+}
+
+/// Rewrites the exported file with `edit` applied to its tensor list.
+fn rewritten(edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<u8>)>)) -> PathBuf {
+    let bytes = std::fs::read(model_dir().join("weights_fp32.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| (name, view.shape().to_vec(), view.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            (name.clone(), TensorView::new(safetensors::Dtype::F32, shape.clone(), data).unwrap())
+        })
+        .collect();
+    let path = std::env::temp_dir().join(format!(
+        "narsil-burn-{}-{}.safetensors",
+        std::process::id(),
+        rand_suffix()
+    ));
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    path
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+fn load_error(path: &Path) -> String {
+    let err = DlrmWeights::load(path).err().expect("must not load").0;
+    std::fs::remove_file(path).ok();
+    err
+}
+
+#[test]
+fn a_missing_tensor_is_named() {
+    let path = rewritten(|t| t.retain(|(name, _, _)| name != "over.1.bias"));
+    let err = load_error(&path);
+    assert!(err.contains("missing tensor `over.1.bias`"), "{err}");
+}
+
+#[test]
+fn a_mis_shaped_tensor_is_named() {
+    let path = rewritten(|t| {
+        let layer = t.iter_mut().find(|(name, _, _)| name == "over.0.weight").unwrap();
+        // [512, 415] -> [1024, 415 / 2]: same bytes, wrong shape.
+        layer.1 = vec![layer.1[0] * 2, layer.1[1] / 2];
+        layer.2.truncate(layer.1[0] * layer.1[1] * 4);
+    });
+    let err = load_error(&path);
+    assert!(err.contains("over.0.weight"), "{err}");
+}
+
+#[test]
+fn a_missing_file_says_how_to_make_one() {
+    let err = DlrmWeights::load(Path::new("/nonexistent/weights.safetensors")).err().unwrap().0;
+    assert!(err.contains("/nonexistent/weights.safetensors") && err.contains("export_dlrm.py"), "{err}");
+}
+
+#[test]
+fn random_models_are_deterministic_and_fused_equals_alone() {
+    let shape = DlrmShape { num_rows: 50, ..DlrmShape::default() };
+    let a = BurnFactory::random(&shape, 3).unwrap();
+    let b = BurnFactory::random(&shape, 3).unwrap();
+    let schema = a.schema().clone();
+    let golden = Golden::read(&model_dir()).unwrap();
+    // Golden requests' ids are < 1000; fold them into this model's 50 rows.
+    let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Modulo };
+    let requests: Vec<SampleBatch> = golden
+        .requests
+        .iter()
+        .map(|g| {
+            let mut r = g.sample_batch();
+            r.validate(&schema, limits).unwrap();
+            r
+        })
+        .collect();
+    let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
+    let (mut lane_a, mut lane_b) = (a.create_lane(0).unwrap(), b.create_lane(0).unwrap());
+    let scores = lane_a.forward(&fused).unwrap();
+    assert_eq!(scores, lane_b.forward(&fused).unwrap(), "same seed, same model");
+    for (part, request) in fused.split(&scores).zip(&requests) {
+        let alone = lane_a.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
+        assert!(max_abs_diff(part, &alone).unwrap() <= FUSED_VS_ALONE);
+    }
+    let spread =
+        scores.iter().cloned().fold(f32::MIN, f32::max) - scores.iter().cloned().fold(f32::MAX, f32::min);
+    assert!(spread > 1e-4, "scores must depend on the inputs (spread {spread})");
+}
