@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Serving efficiency of the libtorch backend.
+"""Serving efficiency of a model backend (libtorch by default, or Burn).
 
-1. Starts `narsil serve --backend torch` (pinned to core 0) and times its cold
+1. Starts `narsil serve --backend B` (pinned to core 0) and times its cold
    start to the first successful Predict.
 2. Drives it with `narsil load` (pinned to core 1): closed loop at
    --concurrency, --samples per request. Reads served samples/s, latency and
@@ -35,7 +35,7 @@ from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, peak_rss_mib, pin
 
 def serve_and_load(args):
     addr = f"127.0.0.1:{free_port()}"
-    serve = [args.binary, "serve", "--addr", addr, "--backend", "torch", "--model", args.model,
+    serve = [args.binary, "serve", "--addr", addr, "--backend", args.backend, "--model", args.model,
              "--execution-mode", args.execution_mode, "--lanes", str(args.lanes),
              "--batch-size", str(args.batch_size), "--batch-timeout-ms", str(args.batch_timeout_ms),
              "--intra-op-threads", str(args.intra_op_threads), "--log-level", "warn"]
@@ -56,7 +56,7 @@ def serve_and_load(args):
 
 
 def bench_forward(args, rows):
-    cmd = [args.binary, "bench-forward", "--backend", "torch", "--model", args.model,
+    cmd = [args.binary, "bench-forward", "--backend", args.backend, "--model", args.model,
            "--intra-op-threads", str(args.intra_op_threads), "--rows", ",".join(map(str, rows)),
            "--request-samples", str(args.samples), "--seconds", str(args.bench_seconds),
            "--log-level", "warn", "--json"]
@@ -67,7 +67,9 @@ def bench_forward(args, rows):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--binary", default=DEFAULT_BINARY)
-    p.add_argument("--model", default=os.path.join(ROOT, "models", "generated", "default", "model_default.pt"))
+    p.add_argument("--backend", default="torch", choices=["torch", "burn"])
+    p.add_argument("--model", help="default: the exported default DLRM's model_default.pt (torch) "
+                   "or weights_fp32.safetensors (burn)")
     p.add_argument("--execution-mode", default="batch", choices=["batch", "worker"])
     p.add_argument("--lanes", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16, help="most requests per fused forward")
@@ -82,6 +84,9 @@ def main():
     p.add_argument("--json-out", help="write the results to this file")
     args = p.parse_args()
     require_binary(args.binary, "--features torch")
+    if args.model is None:
+        name = "model_default.pt" if args.backend == "torch" else "weights_fp32.safetensors"
+        args.model = os.path.join(ROOT, "models", "generated", "default", name)
     if not os.path.exists(args.model):
         raise SystemExit(f"{args.model} not found: run scripts/serve.sh or models/export_dlrm.py")
 
@@ -101,7 +106,7 @@ def main():
     efficiencies = sorted(r["efficiency"] for r in runs)
     median = efficiencies[len(efficiencies) // 2]
 
-    print(f"# serving efficiency: {os.path.basename(args.model)}, {args.execution_mode} mode, "
+    print(f"# serving efficiency: {args.backend} {os.path.basename(args.model)}, {args.execution_mode} mode, "
           f"{args.lanes} lane(s), {args.intra_op_threads} intra-op thread(s), concurrency {args.concurrency}, "
           f"{args.samples} samples/request; git {host['git_sha']}, {host['cpu']}, {host['cores']} cores")
     print("\nraw forward (narsil bench-forward, in process, one lane thread), samples/s per run:\n")
