@@ -14,6 +14,7 @@ pub fn sample_batch(request: proto::PredictRequest) -> SampleBatch {
         dense: request.dense,
         lengths: request.sparse_lengths,
         ids: request.sparse_ids,
+        ..Default::default()
     }
 }
 

@@ -67,6 +67,7 @@ mod tests {
             dense: vec![0.0; 2],
             lengths: vec![2, 0, 1, 3, 1, 0],
             ids: vec![1, 9, 4, 0, 0, 7, 2],
+            ..Default::default()
         };
         let batch = assemble(1, 3, [&request]);
         let mut out = Vec::new();
@@ -81,12 +82,19 @@ mod tests {
         let dim = 3;
         let tables: Vec<Vec<f32>> =
             (0..2).map(|f| (0..5 * dim).map(|i| (i * 7 + f) as f32).collect()).collect();
-        let a = SampleBatch { batch_size: 1, dense: vec![0.0], lengths: vec![1, 2], ids: vec![4, 1, 1] };
+        let a = SampleBatch {
+            batch_size: 1,
+            dense: vec![0.0],
+            lengths: vec![1, 2],
+            ids: vec![4, 1, 1],
+            ..Default::default()
+        };
         let b = SampleBatch {
             batch_size: 2,
             dense: vec![0.0; 2],
             lengths: vec![0, 1, 3, 0],
             ids: vec![2, 0, 3, 4],
+            ..Default::default()
         };
         let mut fused = Vec::new();
         sum_pool(&assemble(1, 2, [&a, &b]), &tables, dim, &mut fused);

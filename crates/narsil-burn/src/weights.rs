@@ -120,8 +120,9 @@ impl DlrmWeights {
     /// Loads `weights_fp32.safetensors`. Errors name the missing or
     /// mis-shaped tensor.
     pub fn load(path: &Path) -> Result<Self, BackendError> {
-        let cannot_read =
-            |e: std::io::Error| err(format!("cannot read {}: {e}; export one with models/export_dlrm.py", path.display()));
+        let cannot_read = |e: std::io::Error| {
+            err(format!("cannot read {}: {e}; export one with models/export_dlrm.py", path.display()))
+        };
         let handle = std::fs::File::open(path).map_err(cannot_read)?;
         // Mapped rather than read: the tensors are copied out once, and the
         // file's pages stay in the page cache instead of doubling the heap.

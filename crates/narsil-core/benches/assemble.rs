@@ -18,6 +18,7 @@ fn request(seed: usize, samples: usize, ids_per_bag: u32) -> SampleBatch {
         dense: (0..samples * DENSE).map(|i| (i + seed) as f32 * 1e-3).collect(),
         lengths: vec![ids_per_bag; bags],
         ids: (0..bags * ids_per_bag as usize).map(|i| ((i * 31 + seed) % 100_000) as i64).collect(),
+        ..Default::default()
     }
 }
 

@@ -42,6 +42,7 @@ pub fn warmup_batch(schema: &ModelSchema, rows: usize) -> KeyedBatch {
         dense: vec![0.0; rows * schema.num_dense],
         lengths: vec![1; rows * schema.num_sparse()],
         ids: vec![0; rows * schema.num_sparse()],
+        ..Default::default()
     };
     assemble(schema.num_dense, schema.num_sparse(), [&request])
 }

@@ -9,7 +9,7 @@
 //!
 //! [`KeyedBatch::split`] hands each request back its own rows of the scores.
 
-use crate::request::SampleBatch;
+use crate::request::{SampleBatch, SparseLayout};
 
 /// A fused batch in the layout backends consume.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -98,7 +98,8 @@ impl BatchBuilder {
     }
 
     /// Appends a validated request: its dense rows as they are, its bags
-    /// scattered to their features' buffers.
+    /// scattered to their features' buffers (or, for a key-major request,
+    /// each feature's run appended whole).
     pub fn push(&mut self, request: &SampleBatch) {
         let num_sparse = self.lengths.len();
         let b = request.batch_size;
@@ -108,6 +109,17 @@ impl BatchBuilder {
         self.rows += b;
         self.request_rows.push(b);
         if num_sparse == 0 {
+            return;
+        }
+        if request.layout == SparseLayout::KeyMajor {
+            // Already key-major: append each feature's run as it is.
+            let mut cursor = 0usize;
+            for (f, feature_lengths) in request.lengths.chunks_exact(b).enumerate() {
+                let count: usize = feature_lengths.iter().map(|&l| l as usize).sum();
+                self.lengths[f].extend(feature_lengths.iter().map(|&l| l as i32));
+                self.ids[f].extend_from_slice(&request.ids[cursor..cursor + count]);
+                cursor += count;
+            }
             return;
         }
         for lengths in &mut self.lengths {
@@ -194,6 +206,7 @@ mod tests {
             dense: (0..b * num_dense).map(|i| (tag * 1000) as f32 + i as f32).collect(),
             lengths: lengths.concat(),
             ids,
+            ..Default::default()
         }
     }
 
@@ -229,6 +242,36 @@ mod tests {
             assert_eq!(batch.feature_ids(f).len(), sum as usize);
         }
         batch
+    }
+
+    /// The same request, key-major (as TorchRec's protocol sends it).
+    fn to_key_major(r: &SampleBatch, num_sparse: usize) -> SampleBatch {
+        let b = r.batch_size;
+        let mut bags = Vec::new();
+        let mut cursor = 0;
+        for &len in &r.lengths {
+            bags.push(&r.ids[cursor..cursor + len as usize]);
+            cursor += len as usize;
+        }
+        let order: Vec<usize> =
+            (0..num_sparse).flat_map(|f| (0..b).map(move |s| s * num_sparse + f)).collect();
+        SampleBatch {
+            batch_size: b,
+            dense: r.dense.clone(),
+            lengths: order.iter().map(|&i| r.lengths[i]).collect(),
+            ids: order.iter().flat_map(|&i| bags[i].iter().copied()).collect(),
+            layout: SparseLayout::KeyMajor,
+        }
+    }
+
+    #[test]
+    fn key_major_requests_merge_per_feature_like_their_sample_major_twins() {
+        let a = request(1, vec![vec![1, 2, 0], vec![3, 0, 1]], 2);
+        let b = request(2, vec![vec![0, 1, 1]], 2);
+        let c = request(3, vec![vec![2, 2, 2], vec![1, 0, 0], vec![0, 0, 3]], 2);
+        let sample_major = assemble(2, 3, [&a, &b, &c]);
+        let mixed = assemble(2, 3, [&to_key_major(&a, 3), &b, &to_key_major(&c, 3)]);
+        assert_eq!(mixed, sample_major);
     }
 
     #[test]

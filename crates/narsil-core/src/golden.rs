@@ -50,6 +50,7 @@ impl GoldenRequest {
             dense: self.dense.clone(),
             lengths: self.lengths.clone(),
             ids: self.ids.clone(),
+            ..Default::default()
         }
     }
 }

@@ -22,5 +22,5 @@ pub mod schema;
 
 pub use backend::{BackendError, BackendFactory, ModelBackend};
 pub use batch::{assemble, BatchBuilder, KeyedBatch};
-pub use request::{InvalidInput, SampleBatch};
+pub use request::{InvalidInput, SampleBatch, SparseLayout};
 pub use schema::{ModelSchema, SparseFeature};

@@ -120,6 +120,7 @@ mod tests {
             dense: (0..b * 2).map(|i| (i as f32 + seed as f32) * 0.25).collect(),
             lengths,
             ids: (0..n as i64).map(|i| (i * 7 + seed) % 50).collect(),
+            ..Default::default()
         }
     }
 
@@ -139,7 +140,13 @@ mod tests {
 
     #[test]
     fn moving_an_id_to_another_feature_changes_the_score() {
-        let a = SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![1, 0, 0], ids: vec![5] };
+        let a = SampleBatch {
+            batch_size: 1,
+            dense: vec![0.0; 2],
+            lengths: vec![1, 0, 0],
+            ids: vec![5],
+            ..Default::default()
+        };
         let b = SampleBatch { lengths: vec![0, 1, 0], ..a.clone() };
         let sa = mock_scores(&assemble(2, 3, [&a]));
         let sb = mock_scores(&assemble(2, 3, [&b]));

@@ -7,19 +7,32 @@
 
 use crate::schema::ModelSchema;
 
-/// A request's samples, sample-major.
+/// How a request lays out its sparse lengths and ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SparseLayout {
+    /// Sample 0's bags for every feature, then sample 1's (Narsil's
+    /// protocol).
+    #[default]
+    SampleMajor,
+    /// Every bag of feature 0 for all samples, then feature 1 (TorchRec's
+    /// `KeyedJaggedTensor` and inference protocol).
+    KeyMajor,
+}
+
+/// A request's samples.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct SampleBatch {
     /// Number of samples `B`.
     pub batch_size: usize,
     /// `[B x num_dense]`, sample-major.
     pub dense: Vec<f32>,
-    /// `[B x num_sparse]` ids per (sample, feature), sample-major. Empty on
-    /// the wire means one id per bag; validation fills it in.
+    /// Ids per (sample, feature) bag, `B x num_sparse` of them in `layout`
+    /// order. Empty on the wire means one id per bag; validation fills it in.
     pub lengths: Vec<u32>,
-    /// All ids, sample-major: sample 0's bags for feature 0, 1, ..., then
-    /// sample 1's.
+    /// All ids, bag after bag in `layout` order.
     pub ids: Vec<i64>,
+    /// Order of `lengths` and `ids`; dense values are always sample-major.
+    pub layout: SparseLayout,
 }
 
 /// What to do with an id outside `[0, num_rows)`.
@@ -47,6 +60,41 @@ fn invalid(field: &'static str, message: String) -> InvalidInput {
     InvalidInput { field, message }
 }
 
+/// Wire names of the fields, per protocol.
+struct Fields {
+    batch_size: &'static str,
+    dense: &'static str,
+    lengths: &'static str,
+    ids: &'static str,
+}
+
+impl SparseLayout {
+    fn fields(self) -> Fields {
+        match self {
+            Self::SampleMajor => Fields {
+                batch_size: "batch_size",
+                dense: "dense",
+                lengths: "sparse_lengths",
+                ids: "sparse_ids",
+            },
+            Self::KeyMajor => Fields {
+                batch_size: "batch_size",
+                dense: "float_features.values",
+                lengths: "id_list_features.lengths",
+                ids: "id_list_features.values",
+            },
+        }
+    }
+
+    /// (sample, feature) of bag number `bag` in this layout.
+    fn bag_position(self, bag: usize, batch_size: usize, num_sparse: usize) -> (usize, usize) {
+        match self {
+            Self::SampleMajor => (bag / num_sparse, bag % num_sparse),
+            Self::KeyMajor => (bag % batch_size, bag / batch_size),
+        }
+    }
+}
+
 /// Limits applied to every request, from the server's configuration.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestLimits {
@@ -58,7 +106,7 @@ pub struct RequestLimits {
 
 impl SampleBatch {
     /// True when every (sample, feature) bag holds exactly one id, so `ids`
-    /// is a `[B x num_sparse]` matrix (the common single-hot case).
+    /// is a `[B x num_sparse]` matrix (`[num_sparse x B]` when key-major).
     pub fn is_one_id_per_bag(&self) -> bool {
         self.ids.len() == self.lengths.len() && self.lengths.iter().all(|&l| l == 1)
     }
@@ -68,21 +116,22 @@ impl SampleBatch {
     pub fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<(), InvalidInput> {
         let b = self.batch_size;
         let num_sparse = schema.num_sparse();
+        let fields = self.layout.fields();
         if b == 0 {
-            return Err(invalid("batch_size", "must be at least 1".into()));
+            return Err(invalid(fields.batch_size, "must be at least 1".into()));
         }
         if b > limits.max_batch_size {
             return Err(invalid(
-                "batch_size",
+                fields.batch_size,
                 format!("{b} exceeds the server's limit of {}", limits.max_batch_size),
             ));
         }
-        self.check_dense(schema.num_dense)?;
+        self.check_dense(schema.num_dense, fields.dense)?;
         if self.lengths.is_empty() {
             self.lengths = vec![1; b * num_sparse];
         } else if self.lengths.len() != b * num_sparse {
             return Err(invalid(
-                "sparse_lengths",
+                fields.lengths,
                 format!(
                     "has {} entries, expected batch_size x num_sparse = {b} x {num_sparse} = {} (or none for one id per bag)",
                     self.lengths.len(),
@@ -93,18 +142,18 @@ impl SampleBatch {
         let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
         if total != self.ids.len() as u64 {
             return Err(invalid(
-                "sparse_ids",
-                format!("has {} ids but sparse_lengths sum to {total}", self.ids.len()),
+                fields.ids,
+                format!("has {} ids but {} sum to {total}", self.ids.len(), fields.lengths),
             ));
         }
-        self.check_ids(schema, limits.id_policy)
+        self.check_ids(schema, limits.id_policy, fields.ids)
     }
 
-    fn check_dense(&self, num_dense: usize) -> Result<(), InvalidInput> {
+    fn check_dense(&self, num_dense: usize, field: &'static str) -> Result<(), InvalidInput> {
         let expected = self.batch_size * num_dense;
         if self.dense.len() != expected {
             return Err(invalid(
-                "dense",
+                field,
                 format!(
                     "has {} values, expected batch_size x num_dense = {} x {num_dense} = {expected}",
                     self.dense.len(),
@@ -114,7 +163,7 @@ impl SampleBatch {
         }
         if let Some(pos) = self.dense.iter().position(|v| !v.is_finite()) {
             return Err(invalid(
-                "dense",
+                field,
                 format!(
                     "sample {} feature {} is {} (values must be finite)",
                     pos / num_dense,
@@ -126,21 +175,35 @@ impl SampleBatch {
         Ok(())
     }
 
-    fn check_ids(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
+    fn check_ids(
+        &mut self,
+        schema: &ModelSchema,
+        policy: IdPolicy,
+        field: &'static str,
+    ) -> Result<(), InvalidInput> {
         let num_sparse = schema.num_sparse();
+        let b = self.batch_size;
         if num_sparse > 0 && self.is_one_id_per_bag() {
             // One id per bag: a quick scan usually finds nothing to report.
-            let in_range = self
-                .ids
-                .chunks_exact(num_sparse)
-                .all(|sample| sample.iter().zip(&schema.sparse).all(|(&id, f)| (id as u64) < f.num_rows));
+            let in_range = match self.layout {
+                SparseLayout::SampleMajor => self
+                    .ids
+                    .chunks_exact(num_sparse)
+                    .all(|sample| sample.iter().zip(&schema.sparse).all(|(&id, f)| (id as u64) < f.num_rows)),
+                SparseLayout::KeyMajor => self
+                    .ids
+                    .chunks_exact(b)
+                    .zip(&schema.sparse)
+                    .all(|(ids, f)| ids.iter().all(|&id| (id as u64) < f.num_rows)),
+            };
             if in_range {
                 return Ok(());
             }
         }
         let mut cursor = 0usize;
         for (bag, &len) in self.lengths.iter().enumerate() {
-            let feature = &schema.sparse[bag % num_sparse];
+            let (sample, f) = self.layout.bag_position(bag, b, num_sparse);
+            let feature = &schema.sparse[f];
             let rows = feature.num_rows as i64;
             let end = cursor + len as usize;
             for id in &mut self.ids[cursor..end] {
@@ -151,13 +214,10 @@ impl SampleBatch {
                     IdPolicy::Modulo => *id = id.rem_euclid(rows),
                     IdPolicy::Reject => {
                         return Err(invalid(
-                            "sparse_ids",
+                            field,
                             format!(
-                                "sample {} feature {} ({}) has id {} outside [0, {rows})",
-                                bag / num_sparse,
-                                bag % num_sparse,
-                                feature.name,
-                                *id
+                                "sample {sample} feature {f} ({}) has id {} outside [0, {rows})",
+                                feature.name, *id
                             ),
                         ))
                     }
@@ -183,11 +243,56 @@ mod tests {
     const LIMITS: RequestLimits = RequestLimits { max_batch_size: 8, id_policy: IdPolicy::Reject };
 
     fn valid(b: usize) -> SampleBatch {
-        SampleBatch { batch_size: b, dense: vec![0.5; b * 2], lengths: vec![], ids: vec![1; b * 3] }
+        SampleBatch {
+            batch_size: b,
+            dense: vec![0.5; b * 2],
+            lengths: vec![],
+            ids: vec![1; b * 3],
+            ..Default::default()
+        }
     }
 
     fn err(mut r: SampleBatch) -> InvalidInput {
         r.validate(&schema(), LIMITS).unwrap_err()
+    }
+
+    #[test]
+    fn key_major_errors_use_torchrec_field_names_and_positions() {
+        // 2 samples x 3 features, key-major: f0 = [1], [2]; f1 = [], [3, 4]; f2 = [5], [99].
+        let mut r = SampleBatch {
+            batch_size: 2,
+            dense: vec![0.5; 4],
+            lengths: vec![1, 1, 0, 2, 1, 1],
+            ids: vec![1, 2, 3, 4, 5, 99],
+            layout: SparseLayout::KeyMajor,
+        };
+        let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
+        assert_eq!(e.field, "id_list_features.values");
+        assert!(e.message.contains("sample 1 feature 2 (cat_2) has id 99"), "{e}");
+        let mut short = r.clone();
+        short.lengths.pop();
+        assert_eq!(short.validate(&schema(), LIMITS).unwrap_err().field, "id_list_features.lengths");
+        let mut nan = r.clone();
+        nan.dense[3] = f32::NAN;
+        assert_eq!(nan.validate(&schema(), LIMITS).unwrap_err().field, "float_features.values");
+        r.ids[5] = 9;
+        r.validate(&schema(), LIMITS).unwrap();
+    }
+
+    #[test]
+    fn key_major_one_hot_range_check_reads_features_by_run() {
+        // 3 samples, one id per bag, key-major: feature f's run is ids[3f..3f+3].
+        let mut r = SampleBatch {
+            batch_size: 3,
+            dense: vec![0.0; 6],
+            lengths: vec![1; 9],
+            ids: vec![0, 1, 2, 3, 4, 5, 6, 7, 10],
+            layout: SparseLayout::KeyMajor,
+        };
+        let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
+        assert!(e.message.contains("sample 2 feature 2"), "{e}");
+        r.ids[8] = 8;
+        r.validate(&schema(), LIMITS).unwrap();
     }
 
     #[test]
@@ -252,12 +357,22 @@ mod tests {
         let mut schema = schema();
         schema.sparse[0].num_rows = 100;
         // Feature 0 (100 rows) gets 50 and 60, feature 2 (10 rows) gets 5.
-        let mut r =
-            SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![2, 0, 1], ids: vec![50, 60, 5] };
+        let mut r = SampleBatch {
+            batch_size: 1,
+            dense: vec![0.0; 2],
+            lengths: vec![2, 0, 1],
+            ids: vec![50, 60, 5],
+            ..Default::default()
+        };
         r.validate(&schema, LIMITS).unwrap();
         // Same count of ids as bags, but the 2nd id lands in feature 2 (10 rows).
-        let mut r =
-            SampleBatch { batch_size: 1, dense: vec![0.0; 2], lengths: vec![1, 0, 2], ids: vec![50, 5, 60] };
+        let mut r = SampleBatch {
+            batch_size: 1,
+            dense: vec![0.0; 2],
+            lengths: vec![1, 0, 2],
+            ids: vec![50, 5, 60],
+            ..Default::default()
+        };
         let e = r.validate(&schema, LIMITS).unwrap_err();
         assert!(e.message.contains("feature 2 (cat_2) has id 60"), "{e}");
     }

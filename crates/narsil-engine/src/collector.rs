@@ -289,6 +289,7 @@ mod tests {
             dense: vec![tag as f32; b],
             lengths: vec![1; b * 2],
             ids: (0..b as i64 * 2).map(|i| tag * 100 + i).collect(),
+            ..Default::default()
         };
         let permit = admission.try_admit(b).unwrap();
         (Entry { request, reply, admitted: at, deadline: None, permit }, rx)
