@@ -8,7 +8,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
     }
-    let protos = ["proto/narsil/v1/predict.proto"];
+    let protos = ["proto/narsil/v1/predict.proto", "proto/predictor/predictor.proto"];
     for proto in protos {
         println!("cargo:rerun-if-changed={proto}");
     }

@@ -17,6 +17,11 @@ pub mod load;
 pub mod server;
 pub mod shutdown;
 
+/// Generated protocol code for TorchRec's inference protocol (`predictor`).
+pub mod torchrec_proto {
+    tonic::include_proto!("predictor");
+}
+
 /// Generated protocol code for `narsil.v1`.
 pub mod proto {
     tonic::include_proto!("narsil.v1");

@@ -18,8 +18,10 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::cli::ServeArgs;
+use crate::grpc::torchrec::TorchRecService;
 use crate::grpc::PredictorService;
 use crate::proto::predictor_server::PredictorServer;
+use crate::torchrec_proto::predictor_server::PredictorServer as TorchRecPredictorServer;
 
 /// A bound listener and a started engine, ready to serve.
 pub struct Server {
@@ -66,6 +68,9 @@ impl Server {
         let predictor = PredictorServer::new(PredictorService::new(handle.clone()))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
+        let torchrec = TorchRecPredictorServer::new(TorchRecService::new(handle.clone()))
+            .max_decoding_message_size(self.max_message_bytes)
+            .max_encoding_message_size(self.max_message_bytes);
 
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
         let readiness = {
@@ -104,6 +109,7 @@ impl Server {
             .add_service(health_service)
             .add_service(reflection)
             .add_service(predictor)
+            .add_service(torchrec)
             .serve_with_incoming_shutdown(incoming, stop)
             .await;
         readiness.abort();
@@ -124,6 +130,12 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
     health.set_service_status("", status).await;
     health
         .set_service_status(<PredictorServer<PredictorService> as tonic::server::NamedService>::NAME, status)
+        .await;
+    health
+        .set_service_status(
+            <TorchRecPredictorServer<TorchRecService> as tonic::server::NamedService>::NAME,
+            status,
+        )
         .await;
 }
 

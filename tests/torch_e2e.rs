@@ -102,6 +102,20 @@ async fn fused_scores_equal_alone_with_16_concurrent_clients() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torchrec_protocol_serves_python_golden_scores() {
+    let server = start_torch(batch_mode(1, 16)).await;
+    let golden = Golden::read(&model_dir()).unwrap();
+    let mut client = narsil::torchrec_proto::predictor_client::PredictorClient::new(server.channel().await);
+    for (i, g) in golden.requests.iter().enumerate() {
+        let request = narsil::grpc::torchrec::encode(&wire(g, ""), 26);
+        let mut response = client.predict(request).await.unwrap().into_inner();
+        let scores = response.predictions.remove(narsil::grpc::torchrec::SCORES_KEY).unwrap().data;
+        assert_close(&scores, &g.scores_int8, &format!("golden request {i} over TorchRec's protocol"));
+    }
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_info_reports_the_exported_schema() {
     let server = start_torch(batch_mode(1, 16)).await;
     let info = server.client().await.model_info(ModelInfoRequest {}).await.unwrap().into_inner();

@@ -5,5 +5,6 @@ pub mod convert;
 pub mod deadline;
 pub mod service;
 pub mod status;
+pub mod torchrec;
 
 pub use service::PredictorService;

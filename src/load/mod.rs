@@ -8,6 +8,10 @@
 //!
 //! Requests are built once, before the run, from the server's ModelInfo
 //! (random valid ids), so the client spends its CPU on sending, not building.
+//! `--protocol torchrec` speaks TorchRec's inference protocol instead (to
+//! Narsil or to TorchRec's own servers); that protocol has no ModelInfo, so
+//! the model's shape comes from `--num-dense`, `--num-sparse` and
+//! `--table-rows`.
 
 pub mod report;
 pub mod workload;
@@ -20,8 +24,19 @@ use anyhow::Context;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::proto::predictor_client::PredictorClient;
-use crate::proto::{ModelInfoRequest, PredictRequest};
+use crate::proto::{ModelInfoRequest, ModelInfoResponse, PredictRequest, PredictResponse, SparseFeature};
+use crate::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use crate::torchrec_proto::PredictionRequest;
 use report::{Recorder, Report};
+
+/// Which wire protocol the load speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Protocol {
+    /// `narsil.v1.Predictor` (sample-major, with server-side timings).
+    Narsil,
+    /// TorchRec's `predictor.Predictor` (key-major bytes).
+    Torchrec,
+}
 
 /// `narsil load` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -69,6 +84,59 @@ pub struct LoadArgs {
     /// Print one JSON object instead of the text report.
     #[arg(long, env = "NARSIL_LOAD_JSON")]
     pub json: bool,
+    /// Wire protocol.
+    #[arg(long, env = "NARSIL_LOAD_PROTOCOL", value_enum, default_value_t = Protocol::Narsil)]
+    pub protocol: Protocol,
+    /// `--protocol torchrec`: dense features per sample.
+    #[arg(long, default_value_t = 13)]
+    pub num_dense: u32,
+    /// `--protocol torchrec`: sparse features per sample.
+    #[arg(long, default_value_t = 26)]
+    pub num_sparse: u32,
+    /// `--protocol torchrec`: rows of every table (ids are drawn below it).
+    #[arg(long, default_value_t = 100_000)]
+    pub table_rows: u64,
+}
+
+/// One connection, in the protocol of the run.
+#[derive(Clone)]
+enum Client {
+    Narsil(PredictorClient<Channel>),
+    TorchRec(TorchRecClient<Channel>),
+}
+
+/// One prebuilt request, in the protocol of the run.
+enum Message {
+    Narsil(PredictRequest),
+    TorchRec(Box<PredictionRequest>),
+}
+
+impl Client {
+    /// Sends `message`; TorchRec answers become a `PredictResponse` with
+    /// the scores only (that protocol reports no server-side timings).
+    async fn call(
+        &mut self,
+        message: &Message,
+        timeout_ms: Option<u64>,
+    ) -> Result<PredictResponse, tonic::Status> {
+        match (self, message) {
+            (Client::Narsil(client), Message::Narsil(m)) => {
+                Ok(client.predict(with_timeout(m.clone(), timeout_ms)).await?.into_inner())
+            }
+            (Client::TorchRec(client), Message::TorchRec(m)) => {
+                let mut response =
+                    client.predict(with_timeout(m.as_ref().clone(), timeout_ms)).await?.into_inner();
+                let scores =
+                    response
+                        .predictions
+                        .remove(crate::grpc::torchrec::SCORES_KEY)
+                        .map(|v| v.data)
+                        .ok_or_else(|| tonic::Status::internal("response has no `default` predictions"))?;
+                Ok(PredictResponse { scores, ..Default::default() })
+            }
+            _ => unreachable!("clients and messages are built for one protocol"),
+        }
+    }
 }
 
 /// Runs the load described by `args` and prints the report.
@@ -93,9 +161,31 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
         }
     }
     let clients = connect(args).await?;
-    let info =
-        clients[0].clone().model_info(ModelInfoRequest {}).await.context("ModelInfo failed")?.into_inner();
-    let pool = Arc::new(workload::build_pool(&info, args)?);
+    let info = match &clients[0] {
+        Client::Narsil(client) => {
+            client.clone().model_info(ModelInfoRequest {}).await.context("ModelInfo failed")?.into_inner()
+        }
+        Client::TorchRec(_) => ModelInfoResponse {
+            name: "torchrec".into(),
+            backend: "torchrec-protocol".into(),
+            num_dense: args.num_dense,
+            sparse_features: (0..args.num_sparse)
+                .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: args.table_rows })
+                .collect(),
+            ..Default::default()
+        },
+    };
+    let requests = workload::build_pool(&info, args)?;
+    let pool: Vec<Message> = match args.protocol {
+        Protocol::Narsil => requests.into_iter().map(Message::Narsil).collect(),
+        Protocol::Torchrec => requests
+            .iter()
+            .map(|r| {
+                Message::TorchRec(Box::new(crate::grpc::torchrec::encode(r, info.sparse_features.len())))
+            })
+            .collect(),
+    };
+    let pool = Arc::new(pool);
     let warmup = Phase { requests: Some(args.warmup), duration: None };
     let measured = Phase {
         requests: if args.duration.is_some() { None } else { Some(args.requests) },
@@ -108,7 +198,7 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
     Ok(Report::new(args, &info, recorder, elapsed))
 }
 
-async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<PredictorClient<Channel>>> {
+async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<Client>> {
     let mut clients = Vec::with_capacity(args.connections);
     for _ in 0..args.connections {
         let channel = Endpoint::from_shared(args.addr.clone())
@@ -117,11 +207,18 @@ async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<PredictorClient<Channel>
             .connect()
             .await
             .with_context(|| format!("cannot connect to {}", args.addr))?;
-        clients.push(
-            PredictorClient::new(channel)
-                .max_decoding_message_size(usize::MAX)
-                .max_encoding_message_size(usize::MAX),
-        );
+        clients.push(match args.protocol {
+            Protocol::Narsil => Client::Narsil(
+                PredictorClient::new(channel)
+                    .max_decoding_message_size(usize::MAX)
+                    .max_encoding_message_size(usize::MAX),
+            ),
+            Protocol::Torchrec => Client::TorchRec(
+                TorchRecClient::new(channel)
+                    .max_decoding_message_size(usize::MAX)
+                    .max_encoding_message_size(usize::MAX),
+            ),
+        });
     }
     Ok(clients)
 }
@@ -151,8 +248,8 @@ impl Ticket {
 
 async fn run_phase(
     args: &LoadArgs,
-    clients: &[PredictorClient<Channel>],
-    pool: &Arc<Vec<PredictRequest>>,
+    clients: &[Client],
+    pool: &Arc<Vec<Message>>,
     phase: Phase,
 ) -> (Recorder, Duration) {
     let ticket = Arc::new(Ticket { phase, issued: AtomicU64::new(0), start: Instant::now() });
@@ -163,7 +260,7 @@ async fn run_phase(
     (recorder, ticket.start.elapsed())
 }
 
-fn with_timeout(message: PredictRequest, timeout_ms: Option<u64>) -> tonic::Request<PredictRequest> {
+fn with_timeout<T>(message: T, timeout_ms: Option<u64>) -> tonic::Request<T> {
     let mut request = tonic::Request::new(message);
     if let Some(ms) = timeout_ms {
         request.set_timeout(Duration::from_millis(ms));
@@ -173,8 +270,8 @@ fn with_timeout(message: PredictRequest, timeout_ms: Option<u64>) -> tonic::Requ
 
 async fn closed_loop(
     args: &LoadArgs,
-    clients: &[PredictorClient<Channel>],
-    pool: &Arc<Vec<PredictRequest>>,
+    clients: &[Client],
+    pool: &Arc<Vec<Message>>,
     ticket: &Arc<Ticket>,
 ) -> Recorder {
     let callers: Vec<_> = (0..args.concurrency)
@@ -186,10 +283,10 @@ async fn closed_loop(
             tokio::spawn(async move {
                 let mut recorder = Recorder::default();
                 while let Some(n) = ticket.next() {
-                    let message = pool[n as usize % pool.len()].clone();
+                    let message = &pool[n as usize % pool.len()];
                     let start = Instant::now();
-                    let result = client.predict(with_timeout(message, timeout_ms)).await;
-                    recorder.record(start.elapsed(), result.map(|r| r.into_inner()));
+                    let result = client.call(message, timeout_ms).await;
+                    recorder.record(start.elapsed(), result);
                 }
                 recorder
             })
@@ -206,8 +303,8 @@ async fn closed_loop(
 
 async fn open_loop(
     args: &LoadArgs,
-    clients: &[PredictorClient<Channel>],
-    pool: &Arc<Vec<PredictRequest>>,
+    clients: &[Client],
+    pool: &Arc<Vec<Message>>,
     ticket: &Arc<Ticket>,
     rate: f64,
 ) -> Recorder {
@@ -223,13 +320,13 @@ async fn open_loop(
             continue;
         };
         let mut client = clients[n as usize % clients.len()].clone();
-        let message = pool[n as usize % pool.len()].clone();
+        let pool = Arc::clone(pool);
         let done = done_tx.clone();
         let timeout_ms = args.timeout_ms;
         tokio::spawn(async move {
-            let result = client.predict(with_timeout(message, timeout_ms)).await;
+            let result = client.call(&pool[n as usize % pool.len()], timeout_ms).await;
             let mut recorder = Recorder::default();
-            recorder.record(scheduled.elapsed(), result.map(|r| r.into_inner()));
+            recorder.record(scheduled.elapsed(), result);
             let _ = done.send(recorder);
             drop(permit);
         });

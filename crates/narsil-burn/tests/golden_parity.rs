@@ -105,7 +105,7 @@ fn rand_suffix() -> u64 {
 }
 
 fn load_error(path: &Path) -> String {
-    let err = DlrmWeights::load(path).err().expect("must not load").0;
+    let err = DlrmWeights::load(path).expect_err("must not load").0;
     std::fs::remove_file(path).ok();
     err
 }

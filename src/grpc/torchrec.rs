@@ -1,0 +1,262 @@
+//! TorchRec's inference protocol (`predictor.Predictor/Predict`) over the same
+//! admission, collector and lanes as `narsil.v1`. Its requests are already
+//! key-major, so they are decoded as [`SparseLayout::KeyMajor`] and merged
+//! into a fused batch feature by feature, without a transpose.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use narsil_core::{InvalidInput, SampleBatch, SparseLayout};
+use narsil_engine::EngineHandle;
+use tonic::{Request, Response, Status};
+
+use super::{deadline, status};
+use crate::torchrec_proto as pb;
+use crate::torchrec_proto::predictor_server::Predictor;
+
+/// The key TorchRec clients read scores from.
+pub const SCORES_KEY: &str = "default";
+
+/// `predictor.Predictor` over the engine.
+pub struct TorchRecService {
+    engine: EngineHandle,
+}
+
+impl TorchRecService {
+    /// A service submitting to `engine`.
+    pub fn new(engine: EngineHandle) -> Self {
+        Self { engine }
+    }
+}
+
+#[tonic::async_trait]
+impl Predictor for TorchRecService {
+    async fn predict(
+        &self,
+        request: Request<pb::PredictionRequest>,
+    ) -> Result<Response<pb::PredictionResponse>, Status> {
+        let deadline = deadline::deadline_of(&request, Instant::now());
+        let schema = self.engine.schema();
+        let batch = decode(request.into_inner(), schema.num_dense, schema.num_sparse())
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let prediction = self.engine.predict(batch, deadline).await.map_err(status::to_status)?;
+        let predictions = HashMap::from([(SCORES_KEY.to_string(), pb::FloatVec { data: prediction.scores })]);
+        Ok(Response::new(pb::PredictionResponse { predictions }))
+    }
+}
+
+fn invalid(field: &'static str, message: String) -> InvalidInput {
+    InvalidInput { field, message }
+}
+
+fn words<'a>(
+    bytes: &'a [u8],
+    field: &'static str,
+) -> Result<impl Iterator<Item = [u8; 4]> + 'a, InvalidInput> {
+    if !bytes.len().is_multiple_of(4) {
+        return Err(invalid(
+            field,
+            format!("has {} bytes, not a whole number of 4-byte values", bytes.len()),
+        ));
+    }
+    Ok(bytes.chunks_exact(4).map(|w| [w[0], w[1], w[2], w[3]]))
+}
+
+/// A TorchRec request as the engine's key-major batch (shapes against the
+/// schema are checked later by `SampleBatch::validate`, like every protocol).
+pub fn decode(
+    request: pb::PredictionRequest,
+    num_dense: usize,
+    num_sparse: usize,
+) -> Result<SampleBatch, InvalidInput> {
+    let float = request.float_features.unwrap_or_default();
+    if float.num_features as usize != num_dense {
+        return Err(invalid(
+            "float_features.num_features",
+            format!("is {}, the model takes {num_dense} dense features", float.num_features),
+        ));
+    }
+    let dense: Vec<f32> = words(&float.values, "float_features.values")?.map(f32::from_le_bytes).collect();
+    // TorchRec's server derives B from the float bytes; batch_size, when
+    // set, must agree.
+    let derived = dense.len().checked_div(num_dense).unwrap_or(request.batch_size.max(0) as usize);
+    if request.batch_size != 0 && request.batch_size as usize != derived {
+        return Err(invalid(
+            "batch_size",
+            format!("is {} but float_features.values holds {derived} samples", request.batch_size),
+        ));
+    }
+    let sparse = request.id_list_features.unwrap_or_default();
+    if sparse.num_features as usize != num_sparse {
+        return Err(invalid(
+            "id_list_features.num_features",
+            format!("is {}, the model takes {num_sparse} sparse features", sparse.num_features),
+        ));
+    }
+    if !sparse.weights.is_empty() {
+        return Err(invalid("id_list_features.weights", "weighted ids are not used by this model".into()));
+    }
+    for (field, unused) in [
+        ("id_score_list_features", request.id_score_list_features.is_some_and(|f| !f.values.is_empty())),
+        ("embedding_features", request.embedding_features.is_some_and(|f| !f.values.is_empty())),
+        ("unary_features", request.unary_features.is_some_and(|f| !f.values.is_empty())),
+    ] {
+        if unused {
+            return Err(invalid(field, "is not used by this model; send it empty".into()));
+        }
+    }
+    let lengths = words(&sparse.lengths, "id_list_features.lengths")?
+        .map(i32::from_le_bytes)
+        .enumerate()
+        .map(|(i, l)| {
+            u32::try_from(l).map_err(|_| {
+                let (sample, feature) = if derived == 0 { (0, 0) } else { (i % derived, i / derived) };
+                invalid(
+                    "id_list_features.lengths",
+                    format!("sample {sample} feature {feature} has length {l}"),
+                )
+            })
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let ids =
+        words(&sparse.values, "id_list_features.values")?.map(|w| i64::from(i32::from_le_bytes(w))).collect();
+    if lengths.is_empty() && num_sparse > 0 {
+        return Err(invalid(
+            "id_list_features.lengths",
+            "is empty; TorchRec requests carry every bag's length".into(),
+        ));
+    }
+    Ok(SampleBatch { batch_size: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
+}
+
+/// The same samples as a TorchRec request: dense bytes as they are, bags
+/// reordered key-major, ids as int32 (the protocol's width). Used by
+/// `narsil load --protocol torchrec` and the tests.
+pub fn encode(request: &crate::proto::PredictRequest, num_sparse: usize) -> pb::PredictionRequest {
+    let b = request.batch_size as usize;
+    let lengths: Vec<u32> = if request.sparse_lengths.is_empty() {
+        vec![1; b * num_sparse]
+    } else {
+        request.sparse_lengths.clone()
+    };
+    let mut starts = Vec::with_capacity(lengths.len());
+    let mut cursor = 0usize;
+    for &len in &lengths {
+        starts.push(cursor);
+        cursor += len as usize;
+    }
+    let mut key_lengths = Vec::with_capacity(lengths.len() * 4);
+    let mut key_ids = Vec::with_capacity(request.sparse_ids.len() * 4);
+    for f in 0..num_sparse {
+        for s in 0..b {
+            let bag = s * num_sparse + f;
+            key_lengths.extend_from_slice(&(lengths[bag] as i32).to_le_bytes());
+            for &id in &request.sparse_ids[starts[bag]..starts[bag] + lengths[bag] as usize] {
+                key_ids.extend_from_slice(&(id as i32).to_le_bytes());
+            }
+        }
+    }
+    let num_dense = request.dense.len().checked_div(b).unwrap_or(0);
+    pb::PredictionRequest {
+        batch_size: b as i32,
+        float_features: Some(pb::FloatFeatures {
+            num_features: num_dense as i32,
+            values: request.dense.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }),
+        id_list_features: Some(pb::SparseFeatures {
+            num_features: num_sparse as i32,
+            lengths: key_lengths,
+            values: key_ids,
+            weights: Vec::new(),
+        }),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes<T: Copy>(values: &[T], to: impl Fn(T) -> [u8; 4]) -> Vec<u8> {
+        values.iter().flat_map(|&v| to(v)).collect()
+    }
+
+    fn request(b: i32, dense: &[f32], lengths: &[i32], ids: &[i32]) -> pb::PredictionRequest {
+        pb::PredictionRequest {
+            batch_size: b,
+            float_features: Some(pb::FloatFeatures {
+                num_features: 2,
+                values: bytes(dense, f32::to_le_bytes),
+            }),
+            id_list_features: Some(pb::SparseFeatures {
+                num_features: 3,
+                lengths: bytes(lengths, i32::to_le_bytes),
+                values: bytes(ids, i32::to_le_bytes),
+                weights: vec![],
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn decodes_little_endian_key_major_and_derives_b_from_the_floats() {
+        let r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
+        let batch = decode(r, 2, 3).unwrap();
+        assert_eq!(batch.batch_size, 2);
+        assert_eq!(batch.dense, [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(batch.lengths, [1, 0, 2, 1, 1, 0]);
+        assert_eq!(batch.ids, [7, 8, 9, 10, 11]);
+        assert_eq!(batch.layout, SparseLayout::KeyMajor);
+    }
+
+    #[test]
+    fn encode_then_decode_is_the_key_major_twin() {
+        let sample_major = crate::proto::PredictRequest {
+            batch_size: 2,
+            dense: vec![1.0, 2.0, 3.0, 4.0],
+            sparse_lengths: vec![1, 0, 2, 1, 1, 0], // s0: f0=[a] f1=[] f2=[b,c]; s1: f0=[d] f1=[e] f2=[]
+            sparse_ids: vec![10, 20, 21, 30, 40],
+            request_id: String::new(),
+        };
+        let batch = decode(encode(&sample_major, 3), 2, 3).unwrap();
+        assert_eq!(batch.lengths, [1, 1, 0, 1, 2, 0]);
+        assert_eq!(batch.ids, [10, 30, 40, 20, 21]);
+        assert_eq!(batch.dense, sample_major.dense);
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let cases: Vec<(pb::PredictionRequest, &str)> = vec![
+            (request(3, &[1.0, 2.0, 3.0, 4.0], &[1; 6], &[0; 6]), "batch_size"),
+            (request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 1, 1, 1, 1, -1], &[0; 5]), "id_list_features.lengths"),
+            (
+                pb::PredictionRequest {
+                    float_features: Some(pb::FloatFeatures { num_features: 2, values: vec![0; 7] }),
+                    ..request(0, &[], &[], &[])
+                },
+                "float_features.values",
+            ),
+            (
+                pb::PredictionRequest {
+                    float_features: Some(pb::FloatFeatures { num_features: 5, values: vec![] }),
+                    ..request(0, &[], &[], &[])
+                },
+                "float_features.num_features",
+            ),
+            (
+                pb::PredictionRequest {
+                    unary_features: Some(pb::SparseFeatures {
+                        num_features: 1,
+                        values: vec![0; 4],
+                        ..Default::default()
+                    }),
+                    ..request(0, &[1.0, 2.0], &[1, 1, 1], &[0, 0, 0])
+                },
+                "unary_features",
+            ),
+        ];
+        for (r, field) in cases {
+            assert_eq!(decode(r, 2, 3).unwrap_err().field, field);
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! TorchRec's inference protocol (`predictor.Predictor`) end to end over real
+//! gRPC on loopback: the same scores as Narsil's own protocol, fused with it
+//! in one forward, and bad input named by TorchRec's field names.
+
+mod common;
+
+use common::{batch_mode, bits, request, start};
+use futures_util::future::join_all;
+use narsil::grpc::torchrec::{encode, SCORES_KEY};
+use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil::torchrec_proto::PredictionRequest;
+
+const NUM_SPARSE: usize = 26;
+
+async fn torchrec_scores(
+    client: &mut TorchRecClient<tonic::transport::Channel>,
+    r: PredictionRequest,
+) -> Vec<f32> {
+    let mut response = client.predict(r).await.unwrap().into_inner();
+    response.predictions.remove(SCORES_KEY).expect("scores under `default`").data
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torchrec_requests_score_like_narsil_requests_alone_and_fused_together() {
+    let server = start(batch_mode(1, 16), 20).await.ready().await;
+    let channel = server.channel().await;
+    let mut narsil = server.client().await;
+    let mut torchrec = TorchRecClient::new(channel.clone());
+    let tags: Vec<u64> = (0..32).collect();
+    let mut alone = Vec::new();
+    for &tag in &tags {
+        let r = request(tag, 1 + tag as usize % 9);
+        let native = narsil.predict(r.clone()).await.unwrap().into_inner().scores;
+        let via_torchrec = torchrec_scores(&mut torchrec, encode(&r, NUM_SPARSE)).await;
+        assert_eq!(bits(&via_torchrec), bits(&native), "request {tag}: both protocols, alone");
+        alone.push(bits(&native));
+    }
+    let forwards_before = server.engine.stats().forwards;
+    // All at once, even tags over TorchRec's protocol and odd ones over Narsil's.
+    let results = join_all(tags.iter().map(|&tag| {
+        let channel = channel.clone();
+        async move {
+            let r = request(tag, 1 + tag as usize % 9);
+            if tag % 2 == 0 {
+                torchrec_scores(&mut TorchRecClient::new(channel), encode(&r, NUM_SPARSE)).await
+            } else {
+                let mut client = narsil::proto::predictor_client::PredictorClient::new(channel);
+                client.predict(r).await.unwrap().into_inner().scores
+            }
+        }
+    }))
+    .await;
+    for ((tag, scores), alone) in tags.iter().zip(&results).zip(&alone) {
+        assert_eq!(&bits(scores), alone, "request {tag}: fused with the other protocol");
+    }
+    let forwards = server.engine.stats().forwards - forwards_before;
+    assert!(forwards < 32, "32 concurrent requests took {forwards} forwards: nothing was fused");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
+    let server = start(batch_mode(1, 16), 1).await.ready().await;
+    let mut client = TorchRecClient::new(server.channel().await);
+    let good = encode(&request(1, 3), NUM_SPARSE);
+    let mut out_of_range = good.clone();
+    let ids = &mut out_of_range.id_list_features.as_mut().unwrap().values;
+    ids[4..8].copy_from_slice(&5000i32.to_le_bytes()); // second id of cat_0 (bags vary in size)
+    let mut short_lengths = good.clone();
+    short_lengths.id_list_features.as_mut().unwrap().lengths.truncate(4 * 10);
+    let mut ragged_floats = good.clone();
+    ragged_floats.float_features.as_mut().unwrap().values.pop();
+    let mut wrong_b = good.clone();
+    wrong_b.batch_size = 4;
+    let cases = [
+        (out_of_range, "id_list_features.values", "feature 0 (cat_0) has id 5000"),
+        (short_lengths, "id_list_features.lengths", "has 10 entries"),
+        (ragged_floats, "float_features.values", "4-byte"),
+        (wrong_b, "batch_size", "holds 3 samples"),
+    ];
+    let forwards = server.engine.stats().forwards;
+    for (r, field, detail) in cases {
+        let status = client.predict(r).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}");
+        assert!(
+            status.message().contains(field) && status.message().contains(detail),
+            "{}",
+            status.message()
+        );
+    }
+    assert_eq!(server.engine.stats().forwards, forwards, "no bad request reached the model");
+    assert_eq!(torchrec_scores(&mut client, good).await.len(), 3);
+    server.stop().await.unwrap();
+}
