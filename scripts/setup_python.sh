@@ -15,7 +15,7 @@ FBGEMM_VERSION=1.8.0
 FBGEMM_PACKAGE="${NARSIL_FBGEMM_PACKAGE:-fbgemm-gpu-cpu}"
 TORCHREC_VERSION=1.8.0
 VENV="${NARSIL_VENV:-.venv}"
-STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-v1"
+STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-v2"
 
 if [ -f "$STAMP" ]; then
   step "python venv ready ($VENV)"
@@ -33,7 +33,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 step "installing torch==$TORCH_VERSION and $FBGEMM_PACKAGE==$FBGEMM_VERSION (about 4 GB the first time)"
 "${PIP[@]}" install --progress-bar off \
   "torch==$TORCH_VERSION" "$FBGEMM_PACKAGE==$FBGEMM_VERSION" \
-  numpy safetensors grpcio grpcio-health-checking protobuf \
+  numpy safetensors grpcio grpcio-tools grpcio-health-checking protobuf matplotlib \
   iopath pyre-extensions tensordict torchmetrics tqdm
 
 # torchrec's own requirements pull the CUDA fbgemm-gpu, which would sit beside
