@@ -24,16 +24,17 @@ def pinned(cmd, core):
     return cmd
 
 
-def wait_serving(binary, addr, process=None, timeout=120):
-    """Waits until a Predict of one sample succeeds; returns the seconds it took."""
+def wait_serving(binary, addr, process=None, timeout=120, protocol="narsil"):
+    """Waits until a Predict of one sample (in `protocol`: narsil or
+    torchrec) succeeds; returns the seconds it took."""
     started = time.time()
     while time.time() - started < timeout:
         if process is not None and process.poll() is not None:
             err = process.stderr.read().decode(errors="replace") if process.stderr else ""
             raise SystemExit(f"server exited with {process.returncode} before serving:\n{err[-2000:]}")
         probe = subprocess.run(
-            [binary, "load", "--addr", f"http://{addr}", "--requests", "1", "--warmup", "0",
-             "--batch-size", "1", "--json"],
+            [binary, "load", "--addr", f"http://{addr}", "--protocol", protocol, "--requests", "1",
+             "--warmup", "0", "--batch-size", "1", "--json"],
             capture_output=True, text=True)
         if probe.returncode == 0 and '"OK"' in probe.stdout:
             return time.time() - started

@@ -29,28 +29,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 
-from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, peak_rss_mib, pinned, require_binary
+from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, peak_rss_mib, pinned, require_binary, wait_serving
 
 VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 MODELS = os.path.join(ROOT, "models", "generated", "default")
 
-
-def wait_serving(binary, addr, process, timeout):
-    """Until one TorchRec-protocol Predict succeeds."""
-    started = time.time()
-    while time.time() - started < timeout:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode} before serving:\n"
-                             f"{process.stderr.read().decode(errors='replace')[-2000:]}")
-        probe = subprocess.run([binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
-                                "--requests", "1", "--warmup", "0", "--batch-size", "1", "--json"],
-                               capture_output=True, text=True)
-        if probe.returncode == 0 and '"OK"' in probe.stdout:
-            return time.time() - started
-        time.sleep(0.2)
-    raise SystemExit(f"server at {addr} never answered")
 
 
 def servers(args):
@@ -85,7 +69,7 @@ def measure(args, name, command):
     process = subprocess.Popen(pinned(command(addr), 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     rows = []
     try:
-        ready_s = wait_serving(args.binary, addr, process, args.start_timeout)
+        ready_s = wait_serving(args.binary, addr, process, args.start_timeout, protocol="torchrec")
         for concurrency in args.concurrency:
             load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
                     "--concurrency", str(concurrency), "--requests", str(args.requests),

@@ -6,47 +6,23 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{batch_mode, start_with, worker_mode, TestServer};
+use common::{batch_mode, start_with, wire, worker_mode, TestServer};
 use futures_util::future::join_all;
 use narsil::proto::predictor_client::PredictorClient;
-use narsil::proto::PredictRequest;
 use narsil_burn::BurnFactory;
-use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_engine::EngineConfig;
 
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-small"));
-    assert!(
-        dir.join("golden.json").is_file(),
-        "no exported test model in {}: run scripts/test.sh",
-        dir.display()
-    );
-    dir
-}
-
 async fn start_burn(config: EngineConfig) -> TestServer {
-    let factory = BurnFactory::load(&model_dir().join("weights_fp32.safetensors")).unwrap();
+    let factory = BurnFactory::load(&test_model_dir().join("weights_fp32.safetensors")).unwrap();
     start_with(Arc::new(factory), config).await.ready().await
-}
-
-fn wire(g: &GoldenRequest, id: &str) -> PredictRequest {
-    PredictRequest {
-        batch_size: g.batch_size as u32,
-        dense: g.dense.clone(),
-        sparse_lengths: g.lengths.clone(),
-        sparse_ids: g.ids.clone(),
-        request_id: id.into(),
-    }
 }
 
 async fn golden_requests_match_python_fp32(config: EngineConfig) {
     let server = start_burn(config).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = server.client().await;
     for (i, g) in golden.requests.iter().enumerate() {
         let response = client.predict(wire(g, "g")).await.unwrap().into_inner();
@@ -69,7 +45,7 @@ async fn worker_mode_serves_python_fp32_scores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fused_scores_equal_alone_with_16_concurrent_clients() {
     let server = start_burn(batch_mode(1, 16)).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
     let mut client = server.client().await;
     let mut alone = Vec::new();

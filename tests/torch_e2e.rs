@@ -6,45 +6,22 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
-use common::{batch_mode, start_with, worker_mode, TestServer};
+use common::{batch_mode, start_with, wire, worker_mode, TestServer};
 use futures_util::future::join_all;
 use narsil::proto::predictor_client::PredictorClient;
-use narsil::proto::{ModelInfoRequest, PredictRequest};
-use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil::proto::ModelInfoRequest;
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_engine::EngineConfig;
 use narsil_torch::{TorchConfig, TorchFactory};
 
 /// Same libtorch and kernels as Python, and as the request alone.
 const TOLERANCE: f32 = 1e-6;
 
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-small"));
-    assert!(
-        dir.join("golden.json").is_file(),
-        "no exported test model in {}: run scripts/test.sh",
-        dir.display()
-    );
-    dir
-}
-
 async fn start_torch(config: EngineConfig) -> TestServer {
-    let factory = TorchFactory::load(TorchConfig::new(model_dir().join("model_default.pt"))).unwrap();
+    let factory = TorchFactory::load(TorchConfig::new(test_model_dir().join("model_default.pt"))).unwrap();
     start_with(Arc::new(factory), config).await.ready().await
-}
-
-fn wire(g: &GoldenRequest, id: &str) -> PredictRequest {
-    PredictRequest {
-        batch_size: g.batch_size as u32,
-        dense: g.dense.clone(),
-        sparse_lengths: g.lengths.clone(),
-        sparse_ids: g.ids.clone(),
-        request_id: id.into(),
-    }
 }
 
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
@@ -55,7 +32,7 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
 
 async fn golden_requests_match_python_one_by_one(config: EngineConfig) {
     let server = start_torch(config).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = server.client().await;
     for (i, g) in golden.requests.iter().enumerate() {
         let response = client.predict(wire(g, &format!("golden-{i}"))).await.unwrap().into_inner();
@@ -78,7 +55,7 @@ async fn worker_mode_serves_python_golden_scores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fused_scores_equal_alone_with_16_concurrent_clients() {
     let server = start_torch(batch_mode(1, 16)).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     // 16 clients: every golden request, twice, all at once.
     let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
     let channel = server.channel().await;
@@ -104,7 +81,7 @@ async fn fused_scores_equal_alone_with_16_concurrent_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn torchrec_protocol_serves_python_golden_scores() {
     let server = start_torch(batch_mode(1, 16)).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = narsil::torchrec_proto::predictor_client::PredictorClient::new(server.channel().await);
     for (i, g) in golden.requests.iter().enumerate() {
         let request = narsil::grpc::torchrec::encode(&wire(g, ""), 26);
@@ -130,7 +107,7 @@ async fn model_info_reports_the_exported_schema() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_range_ids_are_rejected_before_the_model() {
     let server = start_torch(batch_mode(1, 16)).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let mut request = wire(&golden.requests[0], "bad");
     request.sparse_ids[3] = 1000; // table rows are [0, 1000)
     let forwards_before = server.engine.stats().forwards;
@@ -145,7 +122,7 @@ async fn out_of_range_ids_are_rejected_before_the_model() {
 async fn modulo_policy_hashes_ids_into_range() {
     let server =
         start_torch(common::config(|c| c.limits.id_policy = narsil_core::request::IdPolicy::Modulo)).await;
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let g = &golden.requests[0]; // one sample, one id per bag
     let mut shifted = wire(g, "shifted");
     for id in &mut shifted.sparse_ids {

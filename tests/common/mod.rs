@@ -124,3 +124,14 @@ pub fn request(tag: u64, b: usize) -> PredictRequest {
 pub fn bits(scores: &[f32]) -> Vec<u32> {
     scores.iter().map(|s| s.to_bits()).collect()
 }
+
+/// A golden request (from the exported test model) as a `narsil.v1` request.
+pub fn wire(g: &narsil_core::golden::GoldenRequest, id: &str) -> PredictRequest {
+    PredictRequest {
+        batch_size: g.batch_size as u32,
+        dense: g.dense.clone(),
+        sparse_lengths: g.lengths.clone(),
+        sparse_ids: g.ids.clone(),
+        request_id: id.into(),
+    }
+}

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use narsil_burn::{BurnFactory, DlrmShape, DlrmWeights};
-use narsil_core::golden::{max_abs_diff, Golden};
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_core::{assemble, BackendFactory, SampleBatch};
 use safetensors::tensor::TensorView;
@@ -18,18 +18,6 @@ use safetensors::SafeTensors;
 const VS_PYTHON: f32 = 1e-5;
 /// Fused vs alone in the same backend.
 const FUSED_VS_ALONE: f32 = 1e-6;
-
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/generated/test-small")
-    });
-    assert!(
-        dir.join("golden.json").is_file(),
-        "no exported test model in {0}: run scripts/test.sh, or models/export_dlrm.py --num-rows 1000 --out {0}",
-        dir.display()
-    );
-    dir
-}
 
 fn validated(batches: impl Iterator<Item = SampleBatch>, factory: &BurnFactory) -> Vec<SampleBatch> {
     let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject };
@@ -43,7 +31,7 @@ fn validated(batches: impl Iterator<Item = SampleBatch>, factory: &BurnFactory) 
 
 #[test]
 fn scores_match_python_fp32_alone_and_fused_equals_alone() {
-    let dir = model_dir();
+    let dir = test_model_dir();
     let factory = BurnFactory::load(&dir.join("weights_fp32.safetensors")).unwrap();
     let schema = factory.schema().clone();
     let mut lane = factory.create_lane(0).unwrap();
@@ -66,7 +54,7 @@ fn scores_match_python_fp32_alone_and_fused_equals_alone() {
 
 #[test]
 fn schema_is_read_from_the_tensors() {
-    let factory = BurnFactory::load(&model_dir().join("weights_fp32.safetensors")).unwrap();
+    let factory = BurnFactory::load(&test_model_dir().join("weights_fp32.safetensors")).unwrap();
     let schema = factory.schema();
     assert_eq!((schema.backend.as_str(), schema.num_dense, schema.num_sparse()), ("burn", 13, 26));
     assert_eq!(schema.sparse[25].name, "cat_25");
@@ -75,7 +63,7 @@ fn schema_is_read_from_the_tensors() {
 
 /// Rewrites the exported file with `edit` applied to its tensor list.
 fn rewritten(edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<u8>)>)) -> PathBuf {
-    let bytes = std::fs::read(model_dir().join("weights_fp32.safetensors")).unwrap();
+    let bytes = std::fs::read(test_model_dir().join("weights_fp32.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = file
         .tensors()
@@ -141,7 +129,7 @@ fn random_models_are_deterministic_and_fused_equals_alone() {
     let a = BurnFactory::random(&shape, 3).unwrap();
     let b = BurnFactory::random(&shape, 3).unwrap();
     let schema = a.schema().clone();
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     // Golden requests' ids are < 1000; fold them into this model's 50 rows.
     let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Modulo };
     let requests: Vec<SampleBatch> = golden

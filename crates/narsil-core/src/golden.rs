@@ -3,7 +3,7 @@
 //! computed for each, alone, with the exported TorchScript files. Backends'
 //! parity tests compare against it.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -53,6 +53,23 @@ impl GoldenRequest {
             ..Default::default()
         }
     }
+}
+
+/// Where `scripts/test.sh` exports the small test model
+/// (`models/generated/test-small`), or `NARSIL_TEST_MODEL_DIR`. Panics with
+/// the command that makes one when it holds no golden file, so a test that
+/// needs it fails rather than passes vacuously.
+pub fn test_model_dir() -> PathBuf {
+    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/generated/test-small"));
+    assert!(
+        dir.join("golden.json").is_file(),
+        "no exported test model in {0}: run scripts/test.sh, or \
+         .venv/bin/python models/export_dlrm.py --num-rows 1000 --out {0}",
+        dir.display()
+    );
+    dir
 }
 
 /// The largest `|got - want|`, or `None` when the lengths differ.

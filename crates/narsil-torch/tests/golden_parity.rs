@@ -5,9 +5,8 @@
 //! Needs an exported model: `scripts/test.sh` writes a small one to
 //! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
 
-use std::path::PathBuf;
 
-use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_core::{assemble, BackendFactory, SampleBatch};
 use narsil_torch::{TorchConfig, TorchFactory};
@@ -15,20 +14,8 @@ use narsil_torch::{TorchConfig, TorchFactory};
 /// Same libtorch and kernels as the Python side.
 const TOLERANCE: f32 = 1e-6;
 
-fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("NARSIL_TEST_MODEL_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/generated/test-small")
-    });
-    assert!(
-        dir.join("golden.json").is_file(),
-        "no exported test model in {0}: run scripts/test.sh, or models/export_dlrm.py --num-rows 1000 --out {0}",
-        dir.display()
-    );
-    dir
-}
-
 fn factory(file: &str) -> TorchFactory {
-    TorchFactory::load(TorchConfig::new(model_dir().join(file))).unwrap()
+    TorchFactory::load(TorchConfig::new(test_model_dir().join(file))).unwrap()
 }
 
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
@@ -41,7 +28,7 @@ fn check_model(file: &str, want: impl Fn(&GoldenRequest) -> &[f32]) {
     let factory = factory(file);
     let schema = factory.schema().clone();
     let mut lane = factory.create_lane(0).unwrap();
-    let golden = Golden::read(&model_dir()).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
     let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject };
     let requests: Vec<SampleBatch> = golden
         .requests
@@ -104,7 +91,7 @@ fn a_file_that_is_not_torchscript_is_a_clear_error() {
 /// stays within 1e-5 of Python's CPU scores (different kernels).
 #[test]
 fn cuda_device_is_selectable_and_errors_clearly_without_a_gpu() {
-    let mut config = TorchConfig::new(model_dir().join("model_fp32.pt"));
+    let mut config = TorchConfig::new(test_model_dir().join("model_fp32.pt"));
     config.device = "cuda:0".into();
     match TorchFactory::load(config) {
         Err(err) => {
@@ -115,7 +102,7 @@ fn cuda_device_is_selectable_and_errors_clearly_without_a_gpu() {
             let schema = factory.schema().clone();
             assert_eq!(schema.device, "cuda:0");
             let mut lane = factory.create_lane(0).unwrap();
-            let golden = Golden::read(&model_dir()).unwrap();
+            let golden = Golden::read(&test_model_dir()).unwrap();
             for g in &golden.requests {
                 let mut batch = g.sample_batch();
                 batch
