@@ -159,3 +159,37 @@ fn not_compiled(kind: BackendKind) -> anyhow::Error {
         kind.name()
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        backend: BackendArgs,
+    }
+
+    fn error(args: &[&str]) -> String {
+        let mut argv = vec!["narsil"];
+        argv.extend_from_slice(args);
+        Cli::parse_from(argv).backend.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn flag_rules_name_the_flag() {
+        assert!(error(&["--backend", "torch"]).contains("--model"));
+        assert!(error(&["--backend", "mock", "--model", "m.pt"]).contains("--model"));
+        assert!(error(&["--backend", "mock", "--device", "cuda:0"]).contains("--device"));
+        assert!(error(&["--device", "gpu"]).contains("--device"));
+        assert!(error(&["--intra-op-threads", "0"]).contains("--intra-op-threads"));
+        assert!(error(&["--mock-latency-ms=-1"]).contains("--mock-latency-ms"));
+    }
+
+    #[test]
+    fn burn_without_a_model_is_a_valid_no_setup_default() {
+        Cli::parse_from(["narsil", "--backend", "burn"]).backend.validate().unwrap();
+    }
+}

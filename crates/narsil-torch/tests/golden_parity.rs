@@ -5,7 +5,6 @@
 //! Needs an exported model: `scripts/test.sh` writes a small one to
 //! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
 
-
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_core::{assemble, BackendFactory, SampleBatch};
