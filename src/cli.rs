@@ -177,6 +177,11 @@ pub fn main() -> ExitCode {
         eprintln!("error: {e:#}");
         return ExitCode::from(2);
     }
+    let command = match cli.command {
+        // Synchronous, and measured: no async runtime threads beside it.
+        Command::BenchForward(args) => return exit_code(crate::forward_bench::run(*args)),
+        command => command,
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -184,13 +189,16 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = runtime.block_on(async move {
-        match cli.command {
+    exit_code(runtime.block_on(async move {
+        match command {
             Command::Serve(args) => crate::server::serve_until_signal(*args).await,
             Command::Load(args) => crate::load::run(*args).await,
-            Command::BenchForward(args) => tokio::task::block_in_place(|| crate::forward_bench::run(*args)),
+            Command::BenchForward(_) => unreachable!("run above, without the runtime"),
         }
-    });
+    }))
+}
+
+fn exit_code(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -185,7 +185,7 @@ impl DlrmWeights {
         let load_layers =
             |prefix: &str, mut inputs: Option<usize>| -> Result<Vec<LinearWeights>, BackendError> {
                 let mut layers = Vec::new();
-                while file.names().contains(&format!("{prefix}.{}.weight", layers.len()).as_str()) {
+                while file.tensor(&format!("{prefix}.{}.weight", layers.len())).is_ok() {
                     let i = layers.len();
                     let (w_shape, weight) = tensor(&format!("{prefix}.{i}.weight"), 2)?;
                     let (b_shape, bias) = tensor(&format!("{prefix}.{i}.bias"), 1)?;

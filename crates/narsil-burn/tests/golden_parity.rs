@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use narsil_burn::{BurnFactory, DlrmShape, DlrmWeights};
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
-use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::request::IdPolicy;
 use narsil_core::{assemble, BackendFactory, SampleBatch};
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
@@ -19,16 +19,6 @@ const VS_PYTHON: f32 = 1e-5;
 /// Fused vs alone in the same backend.
 const FUSED_VS_ALONE: f32 = 1e-6;
 
-fn validated(batches: impl Iterator<Item = SampleBatch>, factory: &BurnFactory) -> Vec<SampleBatch> {
-    let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject };
-    batches
-        .map(|mut b| {
-            b.validate(factory.schema(), limits).unwrap();
-            b
-        })
-        .collect()
-}
-
 #[test]
 fn scores_match_python_fp32_alone_and_fused_equals_alone() {
     let dir = test_model_dir();
@@ -36,7 +26,8 @@ fn scores_match_python_fp32_alone_and_fused_equals_alone() {
     let schema = factory.schema().clone();
     let mut lane = factory.create_lane(0).unwrap();
     let golden = Golden::read(&dir).unwrap();
-    let requests = validated(golden.requests.iter().map(|g| g.sample_batch()), &factory);
+    let requests: Vec<SampleBatch> =
+        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Reject).unwrap()).collect();
     let mut alone = Vec::new();
     for (i, (request, g)) in requests.iter().zip(&golden.requests).enumerate() {
         let scores = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
@@ -131,16 +122,8 @@ fn random_models_are_deterministic_and_fused_equals_alone() {
     let schema = a.schema().clone();
     let golden = Golden::read(&test_model_dir()).unwrap();
     // Golden requests' ids are < 1000; fold them into this model's 50 rows.
-    let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Modulo };
-    let requests: Vec<SampleBatch> = golden
-        .requests
-        .iter()
-        .map(|g| {
-            let mut r = g.sample_batch();
-            r.validate(&schema, limits).unwrap();
-            r
-        })
-        .collect();
+    let requests: Vec<SampleBatch> =
+        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Modulo).unwrap()).collect();
     let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
     let (mut lane_a, mut lane_b) = (a.create_lane(0).unwrap(), b.create_lane(0).unwrap());
     let scores = lane_a.forward(&fused).unwrap();

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::request::SampleBatch;
+use crate::request::{IdPolicy, InvalidInput, RequestLimits, SampleBatch};
+use crate::schema::ModelSchema;
 
 /// A whole golden file.
 #[derive(Debug, Clone, Deserialize)]
@@ -52,6 +53,14 @@ impl GoldenRequest {
             ids: self.ids.clone(),
             ..Default::default()
         }
+    }
+
+    /// The request validated against `schema` (ids handled by `policy`), as
+    /// the engine would queue it.
+    pub fn validated(&self, schema: &ModelSchema, policy: IdPolicy) -> Result<SampleBatch, InvalidInput> {
+        let mut batch = self.sample_batch();
+        batch.validate(schema, RequestLimits { max_batch_size: usize::MAX, id_policy: policy })?;
+        Ok(batch)
     }
 }
 

@@ -6,7 +6,7 @@
 //! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
 
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
-use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::request::IdPolicy;
 use narsil_core::{assemble, BackendFactory, SampleBatch};
 use narsil_torch::{TorchConfig, TorchFactory};
 
@@ -28,16 +28,8 @@ fn check_model(file: &str, want: impl Fn(&GoldenRequest) -> &[f32]) {
     let schema = factory.schema().clone();
     let mut lane = factory.create_lane(0).unwrap();
     let golden = Golden::read(&test_model_dir()).unwrap();
-    let limits = RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject };
-    let requests: Vec<SampleBatch> = golden
-        .requests
-        .iter()
-        .map(|g| {
-            let mut batch = g.sample_batch();
-            batch.validate(&schema, limits).unwrap();
-            batch
-        })
-        .collect();
+    let requests: Vec<SampleBatch> =
+        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Reject).unwrap()).collect();
     for (i, (request, g)) in requests.iter().zip(&golden.requests).enumerate() {
         let alone = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
         assert_close(&alone, want(g), &format!("{file} golden request {i} alone"));
@@ -103,10 +95,7 @@ fn cuda_device_is_selectable_and_errors_clearly_without_a_gpu() {
             let mut lane = factory.create_lane(0).unwrap();
             let golden = Golden::read(&test_model_dir()).unwrap();
             for g in &golden.requests {
-                let mut batch = g.sample_batch();
-                batch
-                    .validate(&schema, RequestLimits { max_batch_size: 4096, id_policy: IdPolicy::Reject })
-                    .unwrap();
+                let batch = g.validated(&schema, IdPolicy::Reject).unwrap();
                 let scores =
                     lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [&batch])).unwrap();
                 let diff = max_abs_diff(&scores, &g.scores_fp32).unwrap();
