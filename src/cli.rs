@@ -88,8 +88,9 @@ pub struct ServeArgs {
     /// Most rows (samples) fused into one forward.
     #[arg(long, env = "NARSIL_MAX_BATCH_ROWS", default_value_t = 4096)]
     pub max_batch_rows: usize,
-    /// Most samples one request may carry.
-    #[arg(long, env = "NARSIL_MAX_REQUEST_SAMPLES", default_value_t = 4096)]
+    /// Most samples one request may carry. Requests with more samples than
+    /// --max-batch-rows are split across forwards and reassembled in order.
+    #[arg(long, env = "NARSIL_MAX_REQUEST_SAMPLES", default_value_t = 65_536)]
     pub max_request_samples: usize,
     /// Executor lanes: threads each owning a model instance.
     #[arg(long, env = "NARSIL_LANES", default_value_t = 1)]
@@ -101,9 +102,18 @@ pub struct ServeArgs {
     /// Most rows admitted and waiting for a forward.
     #[arg(long, env = "NARSIL_MAX_QUEUE_ROWS", default_value_t = 131_072)]
     pub max_queue_rows: usize,
-    /// Largest gRPC message accepted, bytes.
+    /// Longest a request may wait for its forward to start, ms; past it the
+    /// request gets DEADLINE_EXCEEDED and is never computed. Unset: only the
+    /// caller's gRPC deadline applies.
+    #[arg(long, env = "NARSIL_QUEUE_TIMEOUT_MS")]
+    pub queue_timeout_ms: Option<f64>,
+    /// Largest gRPC message accepted, bytes; larger ones get INVALID_ARGUMENT.
     #[arg(long, env = "NARSIL_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
+    /// Address to serve Prometheus metrics on (`GET /metrics`); unset: no
+    /// metrics endpoint.
+    #[arg(long, env = "NARSIL_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
@@ -115,6 +125,12 @@ impl ServeArgs {
         if !self.batch_timeout_ms.is_finite() || self.batch_timeout_ms < 0.0 {
             anyhow::bail!("--batch-timeout-ms must be a non-negative number, got {}", self.batch_timeout_ms);
         }
+        let queue_timeout = match self.queue_timeout_ms {
+            Some(ms) if !ms.is_finite() || ms <= 0.0 => {
+                anyhow::bail!("--queue-timeout-ms must be a positive number, got {ms}")
+            }
+            ms => ms.map(|ms| Duration::from_secs_f64(ms / 1e3)),
+        };
         self.backend.validate()?;
         let config = EngineConfig {
             mode: match self.execution_mode {
@@ -127,6 +143,7 @@ impl ServeArgs {
             lanes: self.lanes,
             max_queue_requests: self.max_queue_requests,
             max_queue_rows: self.max_queue_rows,
+            queue_timeout,
             limits: RequestLimits {
                 max_batch_size: self.max_request_samples,
                 id_policy: match self.id_policy {
@@ -234,10 +251,19 @@ mod tests {
     }
 
     #[test]
-    fn request_limit_above_batch_rows_is_rejected() {
+    fn request_limit_above_queue_rows_is_rejected() {
         let err =
-            serve(&["--max-batch-rows", "100", "--max-request-samples", "200"]).engine_config().unwrap_err();
+            serve(&["--max-queue-rows", "100", "--max-request-samples", "200"]).engine_config().unwrap_err();
         assert!(err.to_string().contains("--max-request-samples"), "{err}");
+    }
+
+    #[test]
+    fn queue_timeout_is_optional_and_must_be_positive() {
+        assert_eq!(ServeArgs::defaults().engine_config().unwrap().queue_timeout, None);
+        let config = serve(&["--queue-timeout-ms", "2.5"]).engine_config().unwrap();
+        assert_eq!(config.queue_timeout, Some(Duration::from_micros(2500)));
+        let err = serve(&["--queue-timeout-ms", "0"]).engine_config().unwrap_err();
+        assert!(err.to_string().contains("--queue-timeout-ms"), "{err}");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! * [`cli`]: `narsil serve`, `narsil load`, `narsil bench-forward` (clap).
 //! * [`grpc`]: the `narsil.v1.Predictor` service: decode, convert, map errors.
 //! * [`server`]: binds, starts the engine, reports health, serves, drains.
+//! * [`metrics_http`]: Prometheus text on `--metrics-addr`.
 //! * [`backends`]: the backend flags; builds the configured model backend.
 //! * [`forward_bench`]: `narsil bench-forward`, a backend's raw forward speed.
 //! * [`load`]: the load generator used by tests and benchmarks.
@@ -14,6 +15,7 @@ pub mod cli;
 pub mod forward_bench;
 pub mod grpc;
 pub mod load;
+pub mod metrics_http;
 pub mod server;
 pub mod shutdown;
 

@@ -1,6 +1,9 @@
 //! The serving process: bind, start the engine, report health, serve until
 //! asked to stop, then drain.
 //!
+//! Metrics, when `--metrics-addr` is set, are served over HTTP until the
+//! drain is over.
+//!
 //! Health (`grpc.health.v1`) says NOT_SERVING until every lane has loaded and
 //! warmed up its model, then SERVING; at shutdown it turns NOT_SERVING again
 //! before the listener closes. Shutdown stops accepting connections, waits
@@ -18,35 +21,60 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::cli::ServeArgs;
+use crate::grpc::message_limit;
 use crate::grpc::torchrec::TorchRecService;
 use crate::grpc::PredictorService;
 use crate::proto::predictor_server::PredictorServer;
 use crate::torchrec_proto::predictor_server::PredictorServer as TorchRecPredictorServer;
 
-/// A bound listener and a started engine, ready to serve.
+/// Where and how the server listens.
+#[derive(Debug, Clone, Copy)]
+pub struct Listen {
+    /// gRPC address.
+    pub addr: SocketAddr,
+    /// Prometheus address, if any.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Largest gRPC message accepted, bytes.
+    pub max_message_bytes: usize,
+}
+
+/// Bound listeners and a started engine, ready to serve.
 pub struct Server {
     listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
     engine: Engine,
     max_message_bytes: usize,
 }
 
+async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} ({what})"))
+}
+
 impl Server {
-    /// Binds `addr` and starts the engine over `factory`. Lanes load in the
-    /// background; health turns SERVING once they are warm.
+    /// Binds the addresses and starts the engine over `factory`. Lanes load
+    /// in the background; health turns SERVING once they are warm.
     pub async fn start(
-        addr: SocketAddr,
+        listen: Listen,
         factory: Arc<dyn BackendFactory>,
         config: EngineConfig,
-        max_message_bytes: usize,
     ) -> anyhow::Result<Self> {
-        let listener = TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        let listener = bind(listen.addr, "--addr").await?;
+        let metrics_listener = match listen.metrics_addr {
+            Some(addr) => Some(bind(addr, "--metrics-addr").await?),
+            None => None,
+        };
         let engine = Engine::start(factory, config).map_err(anyhow::Error::msg)?;
-        Ok(Self { listener, engine, max_message_bytes })
+        Ok(Self { listener, metrics_listener, engine, max_message_bytes: listen.max_message_bytes })
     }
 
-    /// The address actually bound (useful with port 0).
+    /// The gRPC address actually bound (useful with port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.listener.local_addr().expect("bound listener has an address")
+    }
+
+    /// The metrics address actually bound, if metrics are served.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener.as_ref().map(|l| l.local_addr().expect("bound listener has an address"))
     }
 
     /// A handle to the engine (schema, readiness, counters).
@@ -104,8 +132,16 @@ impl Server {
         };
         let addr = self.local_addr();
         tracing::info!(%addr, "listening");
+        let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
+        let metrics = self.metrics_listener.map(|listener| {
+            tracing::info!(addr = %listener.local_addr().expect("bound"), "serving metrics at /metrics");
+            tokio::spawn(crate::metrics_http::serve(listener, handle.clone(), async {
+                let _ = metrics_stopped.await;
+            }))
+        });
         let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
         let served = tonic::transport::Server::builder()
+            .layer(message_limit::layer(handle.clone()))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(predictor)
@@ -114,6 +150,14 @@ impl Server {
             .await;
         readiness.abort();
         self.engine.shutdown().await;
+        let _ = metrics_stop.send(());
+        if let Some(metrics) = metrics {
+            match metrics.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %e, "metrics endpoint failed"),
+                Err(e) => tracing::error!(error = %e, "metrics endpoint ended abnormally"),
+            }
+        }
         served.context("gRPC server failed")?;
         let failure = failure.lock().expect("failure lock").take();
         match failure {
@@ -145,6 +189,11 @@ pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     tracing::info!(backend = args.backend.kind.name(), mode = ?config.mode, lanes = config.lanes,
         batch_size = config.max_batch_requests, "starting");
     let factory = args.backend.build()?;
-    let server = Server::start(args.addr, factory, config, args.max_message_bytes).await?;
+    let listen = Listen {
+        addr: args.addr,
+        metrics_addr: args.metrics_addr,
+        max_message_bytes: args.max_message_bytes,
+    };
+    let server = Server::start(listen, factory, config).await?;
     server.run(crate::shutdown::signal()).await
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::{batch_mode, request, start};
 use futures_util::future::join_all;
-use narsil::proto::ModelInfoRequest;
+use narsil::proto::{ModelInfoRequest, PredictRequest};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -61,81 +61,102 @@ async fn shutdown_under_load_answers_every_accepted_request() {
     assert_eq!(engine.stats().requests_computed, 64);
 }
 
+/// `request(1, 2)` edited by `edit`.
+fn edited(edit: impl FnOnce(&mut PredictRequest)) -> PredictRequest {
+    let mut r = request(1, 2);
+    edit(&mut r);
+    r
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bad_inputs_get_invalid_argument_naming_the_field() {
+async fn bad_inputs_get_invalid_argument_naming_field_sample_and_feature() {
     let server = start(batch_mode(1, 16), 1).await.ready().await;
     let mut client = server.client().await;
-    let cases: Vec<(&str, narsil::proto::PredictRequest, &str)> = vec![
+    let ids_of_request_1_2 = request(1, 2).sparse_ids.len();
+    let oversized = edited(|r| r.dense = vec![0.5; common::MAX_MESSAGE_BYTES / 4]);
+    let cases: Vec<(&str, PredictRequest, String)> = vec![
+        ("zero samples", edited(|r| r.batch_size = 0), "invalid batch_size: must be at least 1".into()),
         (
-            "zero batch",
-            narsil::proto::PredictRequest { batch_size: 0, ..request(1, 1) },
-            "invalid batch_size",
+            "too many samples",
+            edited(|r| r.batch_size = 70_000),
+            "invalid batch_size: 70000 exceeds the server's limit of 65536".into(),
         ),
         (
             "short dense",
-            {
-                let mut r = request(1, 2);
+            edited(|r| {
                 r.dense.pop();
-                r
-            },
-            "invalid dense",
+            }),
+            "invalid dense: has 25 values, expected batch_size x num_dense = 2 x 13 = 26".into(),
         ),
         (
-            "nan dense",
-            {
-                let mut r = request(1, 2);
-                r.dense[14] = f32::NAN;
-                r
-            },
-            "sample 1 feature 1",
+            "NaN dense",
+            edited(|r| r.dense[14] = f32::NAN),
+            "invalid dense: sample 1 feature 1 is NaN (values must be finite)".into(),
+        ),
+        (
+            "infinite dense",
+            edited(|r| r.dense[2] = f32::NEG_INFINITY),
+            "invalid dense: sample 0 feature 2 is -inf (values must be finite)".into(),
         ),
         (
             "lengths count",
-            {
-                let mut r = request(1, 2);
+            edited(|r| {
                 r.sparse_lengths.pop();
-                r
-            },
-            "invalid sparse_lengths",
+            }),
+            "invalid sparse_lengths: has 51 entries, expected batch_size x num_sparse = 2 x 26 = 52 (or none for one id per bag)".into(),
         ),
         (
             "ids count",
-            {
-                let mut r = request(1, 2);
-                r.sparse_ids.push(1);
-                r
-            },
-            "invalid sparse_ids",
+            edited(|r| r.sparse_ids.push(1)),
+            format!(
+                "invalid sparse_ids: has {} ids but sparse_lengths sum to {ids_of_request_1_2}",
+                ids_of_request_1_2 + 1
+            ),
         ),
         (
-            "id range",
-            {
-                let mut r = request(1, 1);
-                r.sparse_lengths = vec![1; 26];
-                r.sparse_ids = vec![0; 26];
-                r.sparse_ids[3] = 1000;
-                r
-            },
-            "sample 0 feature 3 (cat_3) has id 1000",
+            "id out of range",
+            edited(|r| {
+                r.sparse_lengths = vec![1; 52];
+                r.sparse_ids = vec![0; 52];
+                r.sparse_ids[26 + 3] = 1000;
+            }),
+            "invalid sparse_ids: sample 1 feature 3 (cat_3) has id 1000 outside [0, 1000)".into(),
         ),
         (
             "negative id",
-            {
-                let mut r = request(1, 1);
+            edited(|r| {
                 r.sparse_lengths = vec![];
-                r.sparse_ids = vec![-5; 26];
-                r
-            },
-            "id -5",
+                r.sparse_ids = vec![-5; 52];
+            }),
+            "invalid sparse_ids: sample 0 feature 0 (cat_0) has id -5 outside [0, 1000)".into(),
         ),
-        ("too many samples", request(1, 5000), "exceeds the server's limit"),
+        (
+            "unknown model",
+            edited(|r| r.model = "ranker-v9".into()),
+            r#"invalid model: unknown model "ranker-v9"; this server serves "dlrm""#.into(),
+        ),
+        (
+            "message over --max-message-bytes",
+            oversized.clone(),
+            format!(
+                "invalid message: {} bytes exceeds the server's limit of {} bytes (--max-message-bytes)",
+                prost::Message::encoded_len(&oversized),
+                common::MAX_MESSAGE_BYTES
+            ),
+        ),
     ];
+    let count = cases.len();
     for (name, message, expected) in cases {
         let status = client.predict(message).await.unwrap_err();
         assert_eq!(status.code(), Code::InvalidArgument, "{name}: {status:?}");
-        assert!(status.message().contains(expected), "{name}: {}", status.message());
+        assert_eq!(status.message(), expected, "{name}");
     }
     assert_eq!(server.engine.stats().forwards, 0, "invalid requests never reach the model");
+    let metrics = server.scrape().await;
+    assert_eq!(common::metric(&metrics, r#"narsil_requests_total{outcome="invalid"}"#), count as f64);
+    assert_eq!(common::metric(&metrics, "narsil_forwards_total"), 0.0);
+    // The server still serves.
+    assert_eq!(client.predict(request(1, 2)).await.unwrap().into_inner().scores.len(), 2);
     server.stop().await.unwrap();
 }
 
@@ -196,7 +217,7 @@ async fn model_info_describes_the_served_schema() {
     assert_eq!(info.sparse_features.len(), 26);
     assert_eq!(info.sparse_features[25].name, "cat_25");
     assert_eq!(info.sparse_features[0].num_rows, 1000);
-    assert_eq!(info.max_batch_size, 4096);
+    assert_eq!(info.max_batch_size, 65_536);
     server.stop().await.unwrap();
 }
 

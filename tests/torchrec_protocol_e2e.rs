@@ -72,12 +72,29 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
     ragged_floats.float_features.as_mut().unwrap().values.pop();
     let mut wrong_b = good.clone();
     wrong_b.batch_size = 4;
+    let mut nan = good.clone();
+    nan.float_features.as_mut().unwrap().values[4 * 15..4 * 16].copy_from_slice(&f32::NAN.to_le_bytes());
+    let mut negative_length = good.clone();
+    negative_length.id_list_features.as_mut().unwrap().lengths[4 * 4..4 * 5]
+        .copy_from_slice(&(-2i32).to_le_bytes());
+    let mut weighted = good.clone();
+    weighted.id_list_features.as_mut().unwrap().weights = vec![0; 8];
+    let mut wrong_dense_count = good.clone();
+    wrong_dense_count.float_features.as_mut().unwrap().num_features = 12;
+    let mut oversized = good.clone();
+    oversized.float_features.as_mut().unwrap().values = vec![0; common::MAX_MESSAGE_BYTES];
     let cases = [
         (out_of_range, "id_list_features.values", "feature 0 (cat_0) has id 5000"),
         (short_lengths, "id_list_features.lengths", "has 10 entries"),
         (ragged_floats, "float_features.values", "4-byte"),
         (wrong_b, "batch_size", "holds 3 samples"),
+        (nan, "float_features.values", "sample 1 feature 2 is NaN"),
+        (negative_length, "id_list_features.lengths", "sample 1 feature 1 has length -2"),
+        (weighted, "id_list_features.weights", "not used"),
+        (wrong_dense_count, "float_features.num_features", "is 12, the model takes 13"),
+        (oversized, "message", "(--max-message-bytes)"),
     ];
+    let count = cases.len();
     let forwards = server.engine.stats().forwards;
     for (r, field, detail) in cases {
         let status = client.predict(r).await.unwrap_err();
@@ -89,6 +106,8 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
         );
     }
     assert_eq!(server.engine.stats().forwards, forwards, "no bad request reached the model");
+    let invalid = common::metric(&server.scrape().await, r#"narsil_requests_total{outcome="invalid"}"#);
+    assert_eq!(invalid, count as f64);
     assert_eq!(torchrec_scores(&mut client, good).await.len(), 3);
     server.stop().await.unwrap();
 }

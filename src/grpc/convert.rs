@@ -24,6 +24,7 @@ pub fn predict_response(prediction: Prediction, request_id: String) -> proto::Pr
         scores: prediction.scores,
         request_id,
         fused_rows: prediction.fused_rows as u32,
+        forwards: prediction.forwards as u32,
         fused_requests: prediction.fused_requests as u32,
         queue_time_us: prediction.queue_time.as_micros() as u64,
         compute_time_us: prediction.compute_time.as_micros() as u64,

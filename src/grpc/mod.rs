@@ -3,6 +3,7 @@
 
 pub mod convert;
 pub mod deadline;
+pub mod message_limit;
 pub mod service;
 pub mod status;
 pub mod torchrec;

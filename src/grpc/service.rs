@@ -2,6 +2,7 @@
 
 use std::time::Instant;
 
+use narsil_core::InvalidInput;
 use narsil_engine::EngineHandle;
 use tonic::{Request, Response, Status};
 
@@ -30,6 +31,17 @@ impl Predictor for PredictorService {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let mut message = request.into_inner();
         let request_id = std::mem::take(&mut message.request_id);
+        if !message.model.is_empty() && message.model != self.engine.schema().name {
+            let invalid = InvalidInput {
+                field: "model",
+                message: format!(
+                    "unknown model {:?}; this server serves {:?}",
+                    message.model,
+                    self.engine.schema().name
+                ),
+            };
+            return Err(status::to_status(self.engine.reject(invalid)));
+        }
         let prediction =
             self.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {
                 tracing::debug!(%request_id, error = %e, "predict failed");

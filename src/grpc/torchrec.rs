@@ -38,7 +38,7 @@ impl Predictor for TorchRecService {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let schema = self.engine.schema();
         let batch = decode(request.into_inner(), schema.num_dense, schema.num_sparse())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            .map_err(|e| status::to_status(self.engine.reject(e)))?;
         let prediction = self.engine.predict(batch, deadline).await.map_err(status::to_status)?;
         let predictions = HashMap::from([(SCORES_KEY.to_string(), pb::FloatVec { data: prediction.scores })]);
         Ok(Response::new(pb::PredictionResponse { predictions }))
@@ -216,7 +216,7 @@ mod tests {
             dense: vec![1.0, 2.0, 3.0, 4.0],
             sparse_lengths: vec![1, 0, 2, 1, 1, 0], // s0: f0=[a] f1=[] f2=[b,c]; s1: f0=[d] f1=[e] f2=[]
             sparse_ids: vec![10, 20, 21, 30, 40],
-            request_id: String::new(),
+            ..Default::default()
         };
         let batch = decode(encode(&sample_major, 3), 2, 3).unwrap();
         assert_eq!(batch.lengths, [1, 1, 0, 1, 2, 0]);

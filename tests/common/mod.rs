@@ -8,16 +8,21 @@ use std::time::Duration;
 use narsil::cli::ServeArgs;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::PredictRequest;
-use narsil::server::Server;
+use narsil::server::{Listen, Server};
 use narsil_core::mock::{MockConfig, MockFactory};
 use narsil_core::{BackendFactory, ModelSchema};
 use narsil_engine::{EngineConfig, EngineHandle, ExecutionMode};
 use tokio::sync::oneshot;
 use tonic::transport::Channel;
 
+/// `--max-message-bytes` of test servers.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
 /// A server running in the test's runtime.
 pub struct TestServer {
     pub url: String,
+    /// Address of the Prometheus endpoint.
+    pub metrics_addr: std::net::SocketAddr,
     pub engine: EngineHandle,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<anyhow::Result<()>>,
@@ -36,6 +41,22 @@ impl TestServer {
 
     pub async fn channel(&self) -> Channel {
         Channel::from_shared(self.url.clone()).unwrap().connect().await.unwrap()
+    }
+
+    /// The Prometheus text from `GET /metrics`, over real HTTP.
+    pub async fn scrape(&self) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(self.metrics_addr).await.unwrap();
+        stream
+            .write_all(b"GET /metrics HTTP/1.1\r\nHost: narsil\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        let (head, body) = response.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+        assert!(head.contains("application/openmetrics-text"), "{head}");
+        body.to_string()
     }
 
     /// Waits until every lane is warm.
@@ -83,14 +104,20 @@ pub async fn start(config: EngineConfig, latency_ms: u64) -> TestServer {
 
 /// Starts a server over any backend.
 pub async fn start_with(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> TestServer {
-    let server = Server::start("127.0.0.1:0".parse().unwrap(), factory, config, 64 << 20).await.unwrap();
+    let listen = Listen {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+        max_message_bytes: MAX_MESSAGE_BYTES,
+    };
+    let server = Server::start(listen, factory, config).await.unwrap();
     let url = format!("http://{}", server.local_addr());
+    let metrics_addr = server.metrics_addr().unwrap();
     let engine = server.engine();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(server.run(async {
         let _ = stopped.await;
     }));
-    TestServer { url, engine, stop: Some(stop), task }
+    TestServer { url, metrics_addr, engine, stop: Some(stop), task }
 }
 
 /// A deterministic request of `b` samples; `tag` varies its content. Bag
@@ -117,6 +144,7 @@ pub fn request(tag: u64, b: usize) -> PredictRequest {
         sparse_lengths: lengths,
         sparse_ids: ids,
         request_id: format!("req-{tag}"),
+        model: String::new(),
     }
 }
 
@@ -133,5 +161,13 @@ pub fn wire(g: &narsil_core::golden::GoldenRequest, id: &str) -> PredictRequest 
         sparse_lengths: g.lengths.clone(),
         sparse_ids: g.ids.clone(),
         request_id: id.into(),
+        model: String::new(),
     }
+}
+
+/// The value of one sample line (`name{labels} value`) in Prometheus text.
+pub fn metric(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no sample {sample} in:\n{text}"))
 }

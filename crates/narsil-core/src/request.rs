@@ -149,6 +149,50 @@ impl SampleBatch {
         self.check_ids(schema, limits.id_policy, fields.ids)
     }
 
+    /// Cuts a validated batch into consecutive parts of at most `max_rows`
+    /// samples each, in order, keeping the layout. A batch that fits is
+    /// returned whole. Scores of the parts, concatenated, are the scores of
+    /// the whole.
+    pub fn split_rows(self, max_rows: usize, num_sparse: usize) -> Vec<SampleBatch> {
+        let b = self.batch_size;
+        if b <= max_rows || max_rows == 0 {
+            return vec![self];
+        }
+        let num_dense = self.dense.len() / b;
+        // Where each bag's ids start, in `layout` order.
+        let mut starts = Vec::with_capacity(self.lengths.len() + 1);
+        let mut cursor = 0usize;
+        starts.push(0);
+        for &len in &self.lengths {
+            cursor += len as usize;
+            starts.push(cursor);
+        }
+        (0..b)
+            .step_by(max_rows)
+            .map(|first| {
+                let end = (first + max_rows).min(b);
+                let mut part = SampleBatch {
+                    batch_size: end - first,
+                    dense: self.dense[first * num_dense..end * num_dense].to_vec(),
+                    lengths: Vec::with_capacity((end - first) * num_sparse),
+                    ids: Vec::new(),
+                    layout: self.layout,
+                };
+                // Runs of consecutive bags that belong to this part: one run
+                // sample-major, one per feature key-major.
+                let runs: Vec<(usize, usize)> = match self.layout {
+                    SparseLayout::SampleMajor => vec![(first * num_sparse, end * num_sparse)],
+                    SparseLayout::KeyMajor => (0..num_sparse).map(|f| (f * b + first, f * b + end)).collect(),
+                };
+                for (from, to) in runs {
+                    part.lengths.extend_from_slice(&self.lengths[from..to]);
+                    part.ids.extend_from_slice(&self.ids[starts[from]..starts[to]]);
+                }
+                part
+            })
+            .collect()
+    }
+
     fn check_dense(&self, num_dense: usize, field: &'static str) -> Result<(), InvalidInput> {
         let expected = self.batch_size * num_dense;
         if self.dense.len() != expected {
@@ -382,6 +426,47 @@ mod tests {
         let mut r = valid(1);
         r.ids[0] = -1;
         assert!(err(r).message.contains("id -1"));
+    }
+
+    #[test]
+    fn split_parts_score_like_the_whole_in_both_layouts() {
+        use crate::batch::assemble;
+        use crate::mock::mock_scores;
+        // 7 samples x 3 features, bag sizes 0..=2, parts of at most 3 samples.
+        let lengths: Vec<u32> = (0..21).map(|i| (i * 5 % 3) as u32).collect();
+        let total: u32 = lengths.iter().sum();
+        let sample_major = SampleBatch {
+            batch_size: 7,
+            dense: (0..14).map(|i| i as f32 / 10.0).collect(),
+            lengths,
+            ids: (0..total as i64).map(|i| i % 10).collect(),
+            ..Default::default()
+        };
+        let key_major = assemble(2, 3, [&sample_major]);
+        let key_major = SampleBatch {
+            batch_size: 7,
+            dense: key_major.dense.clone(),
+            lengths: key_major.lengths.iter().map(|&l| l as u32).collect(),
+            ids: key_major.ids.clone(),
+            layout: SparseLayout::KeyMajor,
+        };
+        for whole in [sample_major, key_major] {
+            let expected = mock_scores(&assemble(2, 3, [&whole]));
+            let parts = whole.clone().split_rows(3, 3);
+            assert_eq!(parts.iter().map(|p| p.batch_size).collect::<Vec<_>>(), [3, 3, 1]);
+            let mut scores = Vec::new();
+            for mut part in parts {
+                part.validate(&schema(), LIMITS).unwrap();
+                scores.extend(mock_scores(&assemble(2, 3, [&part])));
+            }
+            assert_eq!(scores, expected, "{:?}", whole.layout);
+        }
+    }
+
+    #[test]
+    fn a_batch_that_fits_is_not_split() {
+        let parts = valid(3).split_rows(3, 3);
+        assert_eq!(parts, [valid(3)]);
     }
 
     #[test]

@@ -19,12 +19,23 @@ pub struct Admission {
 #[derive(Debug)]
 pub struct Permit {
     admission: Arc<Admission>,
+    requests: usize,
     rows: usize,
+}
+
+impl Permit {
+    /// Splits off `rows` of this permit's rows into a permit of their own
+    /// (for one part of a split request); the request count stays here.
+    pub fn split_off(&mut self, rows: usize) -> Permit {
+        let rows = rows.min(self.rows);
+        self.rows -= rows;
+        Permit { admission: Arc::clone(&self.admission), requests: 0, rows }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.admission.requests.fetch_sub(1, Ordering::AcqRel);
+        self.admission.requests.fetch_sub(self.requests, Ordering::AcqRel);
         self.admission.rows.fetch_sub(self.rows, Ordering::AcqRel);
     }
 }
@@ -56,7 +67,7 @@ impl Admission {
                 self.max_rows
             ));
         }
-        Ok(Permit { admission: Arc::clone(self), rows })
+        Ok(Permit { admission: Arc::clone(self), requests: 1, rows })
     }
 
     /// Requests currently queued.
@@ -94,6 +105,17 @@ mod tests {
         assert_eq!(admission.queued_requests(), 1);
         assert_eq!(admission.queued_rows(), 60);
         assert!(admission.try_admit(40).is_ok());
+    }
+
+    #[test]
+    fn split_permits_free_their_own_rows_and_the_last_frees_the_request() {
+        let admission = Admission::new(10, 100);
+        let mut whole = admission.try_admit(70).unwrap();
+        let first = whole.split_off(30);
+        drop(first);
+        assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 40));
+        drop(whole);
+        assert_eq!((admission.queued_requests(), admission.queued_rows()), (0, 0));
     }
 
     #[test]

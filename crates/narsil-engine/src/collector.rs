@@ -14,14 +14,13 @@
 //! before their batch is sent and never computed.
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use narsil_core::BatchBuilder;
 
 use crate::error::EngineError;
-use crate::job::{Entry, Job, Waiter};
+use crate::job::{Entry, Fate, Job, Waiter};
 use crate::stats::Stats;
 
 /// Batch limits the collector applies.
@@ -71,20 +70,24 @@ impl OpenBatch {
         self.entries.first().map(|e| e.admitted)
     }
 
-    /// Removes abandoned entries (answering expired ones), re-fusing the rest
-    /// if any were removed. Returns how many were removed.
-    fn prune(&mut self, now: Instant, num_dense: usize, num_sparse: usize) -> usize {
-        if !self.entries.iter().any(|e| e.is_abandoned(now)) {
+    /// Applies [`Entry::fate`] to every entry: drops abandoned ones,
+    /// answers expired ones, and re-fuses the rest if any were removed.
+    /// Returns how many were removed.
+    fn retain(&mut self, now: Instant, start: bool, num_dense: usize, num_sparse: usize) -> usize {
+        let fates: Vec<Fate> = self.entries.iter().map(|e| e.fate(now, start)).collect();
+        if fates.iter().all(|&f| f == Fate::Keep) {
             return 0;
         }
-        let before = self.entries.len();
+        let before = fates.len();
         let entries = std::mem::take(&mut self.entries);
         *self = Self::new(num_dense, num_sparse);
-        for entry in entries {
-            if entry.is_abandoned(now) {
-                let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
-            } else {
-                self.push(entry);
+        for (entry, fate) in entries.into_iter().zip(fates) {
+            match fate {
+                Fate::Keep => self.push(entry),
+                Fate::Expire => {
+                    let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
+                }
+                Fate::Drop => {}
             }
         }
         before - self.entries.len()
@@ -174,11 +177,26 @@ impl BatchQueue {
             } else {
                 return (None, removed);
             };
-            removed += batch.prune(now, self.num_dense, self.num_sparse);
+            removed += batch.retain(now, true, self.num_dense, self.num_sparse);
             if !batch.is_empty() {
                 return (Some(batch.into_job()), removed);
             }
         }
+    }
+}
+
+impl BatchQueue {
+    /// Removes every entry whose caller went away or whose time ran out,
+    /// from every queued batch, without starting anything: frees their
+    /// queue places for new requests. Returns how many were removed.
+    pub fn sweep(&mut self, now: Instant) -> usize {
+        let (num_dense, num_sparse) = (self.num_dense, self.num_sparse);
+        let mut removed = self.open.retain(now, false, num_dense, num_sparse);
+        for batch in &mut self.sealed {
+            removed += batch.retain(now, false, num_dense, num_sparse);
+        }
+        self.sealed.retain(|b| !b.is_empty());
+        removed
     }
 }
 
@@ -216,24 +234,34 @@ impl Collector {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Queues a request (reordering it into the open batch) and wakes an idle
-    /// lane. Fails once the collector no longer takes requests (shutdown).
-    pub fn submit(&self, entry: Entry) -> Result<(), EngineError> {
+    /// Queues a request's parts, in order (reordering each into the open
+    /// batch), and wakes idle lanes. Fails once the collector no longer takes
+    /// requests (shutdown).
+    pub fn submit(&self, parts: Vec<Entry>) -> Result<(), EngineError> {
         let mut state = self.lock();
         if state.closed {
             return Err(EngineError::ShuttingDown);
         }
-        if entry.reply.is_closed() {
-            self.stats.requests_abandoned.fetch_add(1, Ordering::Relaxed);
-            return Ok(());
+        let count = parts.len();
+        for part in parts {
+            state.queue.add(part);
         }
-        state.queue.add(entry);
         let wake = state.idle_lanes > 0;
         drop(state);
-        if wake {
+        if wake && count > 1 {
+            self.work.notify_all();
+        } else if wake {
             self.work.notify_one();
         }
         Ok(())
+    }
+
+    /// Frees the queue places of requests whose caller went away or whose
+    /// time ran out (see [`BatchQueue::sweep`]); returns how many.
+    pub fn sweep(&self) -> usize {
+        let removed = self.lock().queue.sweep(Instant::now());
+        self.stats.requests_abandoned.inc_by(removed as u64);
+        removed
     }
 
     /// Stops taking requests; lanes finish what is queued, then stop.
@@ -251,7 +279,7 @@ impl Collector {
             let drain = state.closed;
             let (job, removed) = state.queue.next_due(now, drain);
             if removed > 0 {
-                self.stats.requests_abandoned.fetch_add(removed as u64, Ordering::Relaxed);
+                self.stats.requests_abandoned.inc_by(removed as u64);
             }
             if job.is_some() {
                 return job;
@@ -277,6 +305,7 @@ impl Collector {
 mod tests {
     use super::*;
     use crate::admission::Admission;
+    use crate::job::Ticket;
     use narsil_core::{assemble, SampleBatch};
     use tokio::sync::oneshot;
 
@@ -292,7 +321,7 @@ mod tests {
             ..Default::default()
         };
         let permit = admission.try_admit(b).unwrap();
-        (Entry { request, reply, admitted: at, deadline: None, permit }, rx)
+        (Entry { request, reply, admitted: at, expires: None, ticket: Ticket::new(), permit }, rx)
     }
 
     fn queue(max_requests: usize, max_rows: usize, timeout_ms: u64) -> BatchQueue {
@@ -387,11 +416,64 @@ mod tests {
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
         let (mut a, mut ra) = entry(&admission, 2, 1, now);
-        a.deadline = Some(now);
+        a.expires = Some(now);
         q.add(a);
         let (job, removed) = q.next_due(now, false);
         assert!(job.is_none());
         assert_eq!(removed, 1);
         assert_eq!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded));
+    }
+
+    #[test]
+    fn request_abandoned_by_its_callers_timer_is_never_sent() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(16, 100, 0);
+        let (a, _ra) = entry(&admission, 2, 1, now);
+        let (b, _rb) = entry(&admission, 1, 2, now);
+        let ticket = Arc::clone(&a.ticket);
+        q.add(a);
+        q.add(b);
+        assert!(ticket.abandon(), "nothing started yet");
+        let (job, removed) = q.next_due(now, false);
+        assert_eq!((job.unwrap().waiters.len(), removed), (1, 1));
+    }
+
+    #[test]
+    fn started_request_is_not_expired_by_its_queue_timeout() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(1, 100, 0);
+        let (mut first, _r1) = entry(&admission, 1, 1, now);
+        let (mut second, _r2) = entry(&admission, 1, 1, now);
+        // Two parts of one request; the second expires after the first started.
+        second.ticket = Arc::clone(&first.ticket);
+        first.expires = Some(now + Duration::from_millis(5));
+        second.expires = first.expires;
+        q.add(first);
+        q.add(second);
+        assert!(q.next_due(now, false).0.is_some());
+        let later = now + Duration::from_millis(10);
+        let (job, removed) = q.next_due(later, false);
+        assert_eq!((job.is_some(), removed), (true, 0));
+    }
+
+    #[test]
+    fn sweep_frees_places_of_gone_callers_without_starting_the_rest() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(2, 100, 1000);
+        let (a, ra) = entry(&admission, 2, 1, now);
+        let (b, _rb) = entry(&admission, 3, 2, now);
+        let (c, rc) = entry(&admission, 4, 3, now);
+        let kept = Arc::clone(&b.ticket);
+        q.add(a);
+        q.add(b);
+        q.add(c);
+        drop((ra, rc));
+        assert_eq!(q.sweep(now), 2);
+        assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 3));
+        assert_eq!(q.depth(), (1, 0));
+        assert!(kept.abandon(), "sweeping must not start a request");
     }
 }

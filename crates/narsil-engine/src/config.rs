@@ -31,6 +31,10 @@ pub struct EngineConfig {
     pub max_queue_requests: usize,
     /// Most rows admitted but not yet started.
     pub max_queue_rows: usize,
+    /// Longest a request may wait for its forward to start; past it the
+    /// request gets DEADLINE_EXCEEDED and is never computed. `None`: only
+    /// the caller's deadline applies.
+    pub queue_timeout: Option<Duration>,
     /// Per-request limits checked before queueing.
     pub limits: RequestLimits,
 }
@@ -56,17 +60,14 @@ impl EngineConfig {
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("--{name} must be at least 1"));
         }
-        if self.limits.max_batch_size > self.max_batch_rows {
-            return Err(format!(
-                "--max-request-samples ({}) must not exceed --max-batch-rows ({})",
-                self.limits.max_batch_size, self.max_batch_rows
-            ));
-        }
         if self.limits.max_batch_size > self.max_queue_rows {
             return Err(format!(
                 "--max-request-samples ({}) must not exceed --max-queue-rows ({})",
                 self.limits.max_batch_size, self.max_queue_rows
             ));
+        }
+        if self.queue_timeout.is_some_and(|t| t.is_zero()) {
+            return Err("--queue-timeout-ms must be positive when set".into());
         }
         Ok(())
     }

@@ -1,25 +1,35 @@
 //! Startup, the request path, and shutdown of the engine.
 //!
 //! [`Engine::start`] creates the collector and spawns the lanes (which load
-//! and warm up their models in the background). [`EngineHandle::predict`] validates a
-//! request, admits it, queues it and waits for its answer or its deadline.
+//! and warm up their models in the background). [`EngineHandle::predict`]
+//! validates a request, admits it, splits it into parts when it has more
+//! rows than one forward may carry, queues the parts and waits for their
+//! answers, its deadline or its queue timeout, whichever comes first.
 //! [`Engine::shutdown`] stops intake, lets every queued request finish and
 //! joins the lanes.
+//!
+//! Timers live with the caller: when the queue timeout or the deadline
+//! fires, the caller abandons the request's [`Ticket`] and answers
+//! DEADLINE_EXCEEDED at once; the lane that later meets the request drops
+//! it uncomputed. A caller that goes away (client cancelled) drops its reply
+//! channels, which lanes see the same way. When admission is full, queued
+//! requests nobody waits for any more are swept out before refusing.
 
+use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use narsil_core::request::RequestLimits;
-use narsil_core::{BackendFactory, ModelSchema, SampleBatch};
+use narsil_core::{BackendFactory, InvalidInput, ModelSchema, SampleBatch};
 use tokio::sync::{oneshot, watch};
 
 use crate::admission::Admission;
 use crate::collector::{BatchLimits, BatchQueue, Collector};
 use crate::config::EngineConfig;
 use crate::error::EngineError;
-use crate::job::{Entry, Prediction};
+use crate::job::{Entry, Prediction, Ticket};
 use crate::lanes::{self, Readiness};
-use crate::stats::{Stats, StatsSnapshot};
+use crate::stats::{Outcome, Stats, StatsSnapshot};
 
 /// The running engine: owns the collector and the lane threads.
 pub struct Engine {
@@ -38,6 +48,8 @@ struct Shared {
     admission: Arc<Admission>,
     schema: ModelSchema,
     limits: RequestLimits,
+    max_batch_rows: usize,
+    queue_timeout: Option<Duration>,
     lanes: usize,
     stats: Arc<Stats>,
     readiness: watch::Receiver<Readiness>,
@@ -74,6 +86,8 @@ impl Engine {
                     admission: Admission::new(config.max_queue_requests, config.max_queue_rows),
                     schema,
                     limits: config.limits,
+                    max_batch_rows: config.max_batch_rows,
+                    queue_timeout: config.queue_timeout,
                     lanes: config.lanes,
                     stats,
                     readiness,
@@ -138,10 +152,53 @@ impl EngineHandle {
         self.shared.stats.snapshot(self.shared.admission.queued_requests())
     }
 
+    /// Requests that ended with `outcome` so far.
+    pub fn outcome_count(&self, outcome: Outcome) -> u64 {
+        self.shared.stats.outcome_count(outcome)
+    }
+
+    /// Every metric as Prometheus text.
+    pub fn metrics_text(&self) -> String {
+        let admission = &self.shared.admission;
+        self.shared.stats.encode(admission.queued_requests(), admission.queued_rows())
+    }
+
+    /// Counts a request refused by the RPC layer before it reached the
+    /// engine (undecodable, wrong model, too large) and returns the error.
+    pub fn reject(&self, invalid: InvalidInput) -> EngineError {
+        self.shared.stats.record(Outcome::Invalid);
+        EngineError::Invalid(invalid)
+    }
+
     /// Validates, admits and queues a request, then waits for its scores.
-    /// Past `deadline` the caller gets DeadlineExceeded at once, and the
-    /// request is dropped before it reaches a forward.
+    /// Past `deadline` (or the queue timeout, while it has not started) the
+    /// caller gets DeadlineExceeded at once, and a request that had not
+    /// started is never computed. Every call is counted by outcome; a call
+    /// dropped before its answer counts as cancelled.
     pub async fn predict(
+        &self,
+        request: SampleBatch,
+        deadline: Option<Instant>,
+    ) -> Result<Prediction, EngineError> {
+        let received = Instant::now();
+        let mut tally = Tally { stats: &self.shared.stats, recorded: false };
+        let result = self.run(request, deadline).await;
+        let outcome = match &result {
+            Ok(_) => {
+                self.shared.stats.request_seconds.observe(received.elapsed().as_secs_f64());
+                Outcome::Ok
+            }
+            Err(EngineError::Invalid(_)) => Outcome::Invalid,
+            Err(EngineError::Overloaded(_)) => Outcome::Rejected,
+            Err(EngineError::DeadlineExceeded) => Outcome::Deadline,
+            Err(EngineError::NotReady | EngineError::ShuttingDown) => Outcome::Unavailable,
+            Err(EngineError::Backend(_)) => Outcome::BackendError,
+        };
+        tally.record(outcome);
+        result
+    }
+
+    async fn run(
         &self,
         mut request: SampleBatch,
         deadline: Option<Instant>,
@@ -155,16 +212,97 @@ impl EngineHandle {
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
-        let permit = shared.admission.try_admit(request.batch_size).map_err(EngineError::Overloaded)?;
-        let (reply, answer) = oneshot::channel();
-        let entry = Entry { request, reply, admitted, deadline, permit };
-        shared.collector.submit(entry)?;
-        let answer = match deadline {
-            Some(d) => {
-                tokio::time::timeout_at(d.into(), answer).await.map_err(|_| EngineError::DeadlineExceeded)?
+        let mut permit = match shared.admission.try_admit(request.batch_size) {
+            Ok(permit) => permit,
+            // Full: free the places of requests nobody waits for, then retry once.
+            Err(_) if shared.collector.sweep() > 0 => {
+                shared.admission.try_admit(request.batch_size).map_err(EngineError::Overloaded)?
             }
-            None => answer.await,
+            Err(full) => return Err(EngineError::Overloaded(full)),
         };
-        answer.unwrap_or(Err(EngineError::ShuttingDown))
+        let queue_deadline = shared.queue_timeout.map(|t| admitted + t);
+        let expires = match (deadline, queue_deadline) {
+            (Some(d), Some(q)) => Some(d.min(q)),
+            (d, q) => d.or(q),
+        };
+        let ticket = Ticket::new();
+        let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
+        // Each part frees its rows when it starts; the last also frees the request's place.
+        let mut permits: Vec<_> =
+            parts[..parts.len() - 1].iter().map(|p| permit.split_off(p.batch_size)).collect();
+        permits.push(permit);
+        let (entries, answers): (Vec<_>, Vec<_>) = parts
+            .into_iter()
+            .zip(permits)
+            .map(|(part, permit)| {
+                let (reply, answer) = oneshot::channel();
+                let ticket = Arc::clone(&ticket);
+                (Entry { request: part, reply, admitted, expires, ticket, permit }, answer)
+            })
+            .unzip();
+        shared.collector.submit(entries)?;
+        let answers = async move {
+            let mut parts = Vec::with_capacity(answers.len());
+            for answer in answers {
+                parts.push(answer.await.unwrap_or(Err(EngineError::ShuttingDown))?);
+            }
+            Ok(Prediction::merge(parts))
+        };
+        wait(answers, &ticket, queue_deadline, deadline).await
+    }
+}
+
+/// Counts a call's outcome exactly once; a call dropped before recording one
+/// (its client went away) counts as cancelled.
+struct Tally<'a> {
+    stats: &'a Stats,
+    recorded: bool,
+}
+
+impl Tally<'_> {
+    fn record(&mut self, outcome: Outcome) {
+        self.stats.record(outcome);
+        self.recorded = true;
+    }
+}
+
+impl Drop for Tally<'_> {
+    fn drop(&mut self) {
+        if !self.recorded {
+            self.stats.record(Outcome::Cancelled);
+        }
+    }
+}
+
+/// Waits for a request's answers. At the queue deadline it gives up if no
+/// part has started; at the caller's deadline it gives up regardless, and
+/// parts not yet started are never computed.
+async fn wait(
+    answers: impl Future<Output = Result<Prediction, EngineError>>,
+    ticket: &Ticket,
+    queue_deadline: Option<Instant>,
+    deadline: Option<Instant>,
+) -> Result<Prediction, EngineError> {
+    tokio::pin!(answers);
+    if let Some(queue_deadline) = queue_deadline.filter(|&q| deadline.is_none_or(|d| q < d)) {
+        tokio::select! {
+            biased;
+            answer = &mut answers => return answer,
+            () = tokio::time::sleep_until(queue_deadline.into()) => {
+                if ticket.abandon() {
+                    return Err(EngineError::DeadlineExceeded);
+                }
+            }
+        }
+    }
+    match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline.into(), answers).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                ticket.abandon();
+                Err(EngineError::DeadlineExceeded)
+            }
+        },
+        None => answers.await,
     }
 }

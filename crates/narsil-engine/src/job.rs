@@ -1,7 +1,9 @@
-//! The units that travel between stages: a queued request ([`Entry`]), a
-//! fused batch on its way to a lane ([`Job`]), and a request's answer
-//! ([`Prediction`]).
+//! The units that travel between stages: a queued request ([`Entry`]), the
+//! [`Ticket`] that decides once whether it starts or expires, a fused batch
+//! on its way to a lane ([`Job`]), and a request's answer ([`Prediction`]).
 
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use narsil_core::{KeyedBatch, SampleBatch};
@@ -15,39 +17,122 @@ use crate::error::EngineError;
 pub struct Prediction {
     /// One probability per sample, in request order.
     pub scores: Vec<f32>,
-    /// Rows in the fused forward.
+    /// Forwards the request's samples took part in: more than one when it
+    /// had more samples than a forward may carry.
+    pub forwards: usize,
+    /// Rows in those forwards, all told.
     pub fused_rows: usize,
-    /// Requests in the fused forward.
+    /// Most requests fused into one of those forwards (this one included).
     pub fused_requests: usize,
-    /// Admission to forward start.
+    /// Admission to the start of the request's first forward.
     pub queue_time: Duration,
-    /// Forward duration.
+    /// Time spent in those forwards.
     pub compute_time: Duration,
+}
+
+impl Prediction {
+    /// One answer from the answers of a split request's parts, in order.
+    pub fn merge(parts: Vec<Prediction>) -> Prediction {
+        let mut parts = parts.into_iter();
+        let mut whole = parts.next().expect("a request has at least one part");
+        for part in parts {
+            whole.scores.extend(part.scores);
+            whole.forwards += part.forwards;
+            whole.fused_rows += part.fused_rows;
+            whole.fused_requests = whole.fused_requests.max(part.fused_requests);
+            whole.compute_time += part.compute_time;
+        }
+        whole
+    }
+}
+
+const QUEUED: u8 = 0;
+const STARTED: u8 = 1;
+const ABANDONED: u8 = 2;
+
+/// Decides, exactly once, whether a queued request reaches a forward or
+/// expires: a lane starting it and its caller's timer race on one atomic,
+/// so a request answered DEADLINE_EXCEEDED is never computed, and a request
+/// that started is never expired by its queue timeout. Shared by every part
+/// of a split request.
+#[derive(Debug, Default)]
+pub struct Ticket(AtomicU8);
+
+impl Ticket {
+    /// A ticket for a request that has not started.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self(AtomicU8::new(QUEUED)))
+    }
+
+    /// Marks the request started; false when it was abandoned first.
+    pub fn start(&self) -> bool {
+        match self.0.compare_exchange(QUEUED, STARTED, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => true,
+            Err(state) => state == STARTED,
+        }
+    }
+
+    /// Abandons the request if no part of it has started; true if it did so
+    /// (the request will never be computed).
+    pub fn abandon(&self) -> bool {
+        self.0.compare_exchange(QUEUED, ABANDONED, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// True once abandoned.
+    pub fn is_abandoned(&self) -> bool {
+        self.0.load(Ordering::Acquire) == ABANDONED
+    }
 }
 
 /// Where a request's answer goes.
 pub type ReplySender = oneshot::Sender<Result<Prediction, EngineError>>;
 
-/// A validated request waiting in the collector.
+/// A validated request (or one part of a split request) waiting in the
+/// collector.
 #[derive(Debug)]
 pub struct Entry {
     /// The request's samples.
     pub request: SampleBatch,
-    /// Its reply channel; closed when the client went away.
+    /// Its reply channel; closed when the caller went away.
     pub reply: ReplySender,
     /// When it was admitted.
     pub admitted: Instant,
-    /// When its caller stops waiting, if ever.
-    pub deadline: Option<Instant>,
+    /// When it may no longer start: the earlier of the caller's deadline and
+    /// the queue timeout.
+    pub expires: Option<Instant>,
+    /// Shared with the caller and the request's other parts.
+    pub ticket: Arc<Ticket>,
     /// Its place in the admission queue.
     pub permit: Permit,
 }
 
+/// What the collector does with a queued entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// Keep it (and, when dispatching, it has been started).
+    Keep,
+    /// Drop it: its caller went away or already gave up.
+    Drop,
+    /// Drop it and answer DEADLINE_EXCEEDED: it expired while queued.
+    Expire,
+}
+
 impl Entry {
-    /// True when nobody will read the answer: the client cancelled or its
-    /// deadline passed (the caller's timer has already answered it).
-    pub fn is_abandoned(&self, now: Instant) -> bool {
-        self.reply.is_closed() || self.deadline.is_some_and(|d| d <= now)
+    /// Decides the entry's fate at `now`. With `start`, a kept entry's
+    /// request is marked started (it is about to be computed).
+    pub fn fate(&self, now: Instant, start: bool) -> Fate {
+        if self.reply.is_closed() {
+            return Fate::Drop;
+        }
+        if self.expires.is_some_and(|e| e <= now) && self.ticket.abandon() {
+            return Fate::Expire;
+        }
+        let alive = if start { self.ticket.start() } else { !self.ticket.is_abandoned() };
+        if alive {
+            Fate::Keep
+        } else {
+            Fate::Drop
+        }
     }
 }
 

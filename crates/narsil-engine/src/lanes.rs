@@ -6,7 +6,6 @@
 //! and the lane keeps serving.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -77,9 +76,9 @@ impl LaneContext {
         tracing::info!(lane = self.lane, elapsed_ms = started.elapsed().as_millis() as u64, "lane ready");
         self.readiness.send_modify(|r| r.ready += 1);
         while let Some(job) = self.collector.next_job() {
-            self.stats.busy_lanes.fetch_add(1, Ordering::Relaxed);
+            self.stats.busy_lanes.inc();
             self.run_job(backend.as_mut(), job);
-            self.stats.busy_lanes.fetch_sub(1, Ordering::Relaxed);
+            self.stats.busy_lanes.dec();
         }
     }
 
@@ -101,6 +100,9 @@ impl LaneContext {
 
     fn run_job(&self, backend: &mut dyn ModelBackend, job: Job) {
         let start = Instant::now();
+        for waiter in &job.waiters {
+            self.stats.queue_seconds.observe(start.saturating_duration_since(waiter.admitted).as_secs_f64());
+        }
         let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward(&job.batch)));
         let compute_time = start.elapsed();
         let rows = job.batch.rows;
@@ -110,14 +112,17 @@ impl LaneContext {
             Ok(Err(e)) => Err(e.to_string()),
             Err(_) => Err("backend panicked during forward".to_string()),
         };
-        self.stats.forwards.fetch_add(1, Ordering::Relaxed);
-        self.stats.rows_computed.fetch_add(rows as u64, Ordering::Relaxed);
-        self.stats.requests_computed.fetch_add(job.waiters.len() as u64, Ordering::Relaxed);
+        self.stats.forwards.inc();
+        self.stats.rows_computed.inc_by(rows as u64);
+        self.stats.requests_computed.inc_by(job.waiters.len() as u64);
+        self.stats.compute_seconds.observe(compute_time.as_secs_f64());
+        self.stats.batch_rows.observe(rows as f64);
+        self.stats.batch_requests.observe(job.waiters.len() as f64);
         let scores = match scores {
             Ok(scores) => scores,
             Err(message) => {
                 tracing::error!(lane = self.lane, rows, %message, "forward failed");
-                self.stats.backend_errors.fetch_add(1, Ordering::Relaxed);
+                self.stats.backend_errors.inc();
                 for waiter in job.waiters {
                     let _ = waiter.reply.send(Err(EngineError::Backend(message.clone())));
                 }
@@ -128,6 +133,7 @@ impl LaneContext {
         for (waiter, part) in job.waiters.into_iter().zip(job.batch.split(&scores)) {
             let _ = waiter.reply.send(Ok(Prediction {
                 scores: part.to_vec(),
+                forwards: 1,
                 fused_rows: rows,
                 fused_requests,
                 queue_time: start.saturating_duration_since(waiter.admitted),

@@ -1,16 +1,97 @@
-//! Counters the engine keeps about its own work, readable at any time.
+//! What the engine records about its own work: counters, histograms and
+//! gauges, readable in process ([`StatsSnapshot`]) and as Prometheus text
+//! ([`Stats::encode`]), through `prometheus-client`.
+//!
+//! Per request: end-to-end time of answered requests, queue time (admission
+//! to forward start) and the outcome. Per forward: compute time, fused rows
+//! and fused requests. Gauges: queued requests and rows, busy lanes.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::fmt::Write;
 
-/// Live counters, shared by the collector and the lanes.
-#[derive(Debug, Default)]
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+/// How a request ended, as counted in `narsil_requests_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// Answered with scores.
+    Ok,
+    /// Refused by admission (RESOURCE_EXHAUSTED).
+    Rejected,
+    /// Its deadline or queue timeout passed (DEADLINE_EXCEEDED).
+    Deadline,
+    /// Its caller went away before the answer.
+    Cancelled,
+    /// Failed validation (INVALID_ARGUMENT).
+    Invalid,
+    /// Its forward failed (INTERNAL).
+    BackendError,
+    /// Still loading or shutting down (UNAVAILABLE).
+    Unavailable,
+}
+
+impl Outcome {
+    /// Every outcome, in exposition order.
+    pub const ALL: [Outcome; 7] = [
+        Outcome::Ok,
+        Outcome::Rejected,
+        Outcome::Deadline,
+        Outcome::Cancelled,
+        Outcome::Invalid,
+        Outcome::BackendError,
+        Outcome::Unavailable,
+    ];
+
+    /// The label value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Rejected => "rejected",
+            Outcome::Deadline => "deadline",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Invalid => "invalid",
+            Outcome::BackendError => "backend_error",
+            Outcome::Unavailable => "unavailable",
+        }
+    }
+}
+
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.name())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct OutcomeLabel {
+    outcome: Outcome,
+}
+
+/// Live metrics, shared by the request path, the collector and the lanes.
+#[derive(Debug)]
 pub struct Stats {
-    pub(crate) forwards: AtomicU64,
-    pub(crate) rows_computed: AtomicU64,
-    pub(crate) requests_computed: AtomicU64,
-    pub(crate) requests_abandoned: AtomicU64,
-    pub(crate) backend_errors: AtomicU64,
-    pub(crate) busy_lanes: AtomicUsize,
+    pub(crate) forwards: Counter,
+    pub(crate) rows_computed: Counter,
+    pub(crate) requests_computed: Counter,
+    pub(crate) requests_abandoned: Counter,
+    pub(crate) backend_errors: Counter,
+    pub(crate) busy_lanes: Gauge,
+    pub(crate) queue_seconds: Histogram,
+    pub(crate) compute_seconds: Histogram,
+    pub(crate) request_seconds: Histogram,
+    pub(crate) batch_rows: Histogram,
+    pub(crate) batch_requests: Histogram,
+    outcomes: Family<OutcomeLabel, Counter>,
+    /// The family's counters, indexed like [`Outcome::ALL`], so counting
+    /// takes no lock.
+    by_outcome: Vec<Counter>,
+    queued_requests: Gauge,
+    queued_rows: Gauge,
+    registry: Registry,
 }
 
 /// A copy of the counters at one instant.
@@ -20,9 +101,9 @@ pub struct StatsSnapshot {
     pub forwards: u64,
     /// Rows those forwards computed.
     pub rows_computed: u64,
-    /// Requests those forwards computed.
+    /// Requests (or parts of split requests) those forwards computed.
     pub requests_computed: u64,
-    /// Requests dropped before assembly: cancelled or past their deadline.
+    /// Queued requests dropped before assembly: cancelled or expired.
     pub requests_abandoned: u64,
     /// Forwards that failed or panicked.
     pub backend_errors: u64,
@@ -32,16 +113,134 @@ pub struct StatsSnapshot {
     pub queued_requests: usize,
 }
 
+fn seconds_buckets() -> Histogram {
+    // 50 µs to ~1.6 s.
+    Histogram::new(exponential_buckets(50e-6, 2.0, 16))
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        let outcomes = Family::<OutcomeLabel, Counter>::default();
+        let by_outcome =
+            Outcome::ALL.map(|outcome| outcomes.get_or_create(&OutcomeLabel { outcome }).clone());
+        let stats = Stats {
+            forwards: Counter::default(),
+            rows_computed: Counter::default(),
+            requests_computed: Counter::default(),
+            requests_abandoned: Counter::default(),
+            backend_errors: Counter::default(),
+            busy_lanes: Gauge::default(),
+            queue_seconds: seconds_buckets(),
+            compute_seconds: seconds_buckets(),
+            request_seconds: seconds_buckets(),
+            batch_rows: Histogram::new(exponential_buckets(1.0, 2.0, 15)),
+            batch_requests: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
+            outcomes,
+            by_outcome: by_outcome.to_vec(),
+            queued_requests: Gauge::default(),
+            queued_rows: Gauge::default(),
+            registry: Registry::with_prefix("narsil"),
+        };
+        stats.register()
+    }
+}
+
 impl Stats {
+    fn register(mut self) -> Self {
+        let r = &mut self.registry;
+        r.register("requests", "Requests by outcome", self.outcomes.clone());
+        r.register_with_unit(
+            "request",
+            "End-to-end time of requests answered with scores",
+            Unit::Seconds,
+            self.request_seconds.clone(),
+        );
+        r.register_with_unit(
+            "queue",
+            "Time from admission to the start of a request's forward",
+            Unit::Seconds,
+            self.queue_seconds.clone(),
+        );
+        r.register_with_unit(
+            "compute",
+            "Duration of one forward",
+            Unit::Seconds,
+            self.compute_seconds.clone(),
+        );
+        r.register("batch_rows", "Rows fused into one forward", self.batch_rows.clone());
+        r.register("batch_requests", "Requests fused into one forward", self.batch_requests.clone());
+        r.register("forwards", "Forward passes run", self.forwards.clone());
+        r.register("forward_errors", "Forwards that failed or panicked", self.backend_errors.clone());
+        r.register(
+            "abandoned",
+            "Queued requests dropped before a forward (cancelled or expired)",
+            self.requests_abandoned.clone(),
+        );
+        r.register(
+            "queue_depth",
+            "Requests admitted and waiting for a forward",
+            self.queued_requests.clone(),
+        );
+        r.register("queue_rows", "Rows admitted and waiting for a forward", self.queued_rows.clone());
+        r.register("busy_lanes", "Lanes running a forward", self.busy_lanes.clone());
+        self
+    }
+
+    /// Counts one request's outcome.
+    pub fn record(&self, outcome: Outcome) {
+        self.by_outcome[outcome as usize].inc();
+    }
+
+    /// Requests that ended with `outcome` so far.
+    pub fn outcome_count(&self, outcome: Outcome) -> u64 {
+        self.by_outcome[outcome as usize].get()
+    }
+
+    /// Prometheus text exposition, with the queue gauges set to the given
+    /// occupancy.
+    pub fn encode(&self, queued_requests: usize, queued_rows: usize) -> String {
+        self.queued_requests.set(queued_requests as i64);
+        self.queued_rows.set(queued_rows as i64);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &self.registry)
+            .expect("writing to a String cannot fail");
+        text
+    }
+
     pub(crate) fn snapshot(&self, queued_requests: usize) -> StatsSnapshot {
         StatsSnapshot {
-            forwards: self.forwards.load(Ordering::Relaxed),
-            rows_computed: self.rows_computed.load(Ordering::Relaxed),
-            requests_computed: self.requests_computed.load(Ordering::Relaxed),
-            requests_abandoned: self.requests_abandoned.load(Ordering::Relaxed),
-            backend_errors: self.backend_errors.load(Ordering::Relaxed),
-            busy_lanes: self.busy_lanes.load(Ordering::Relaxed),
+            forwards: self.forwards.get(),
+            rows_computed: self.rows_computed.get(),
+            requests_computed: self.requests_computed.get(),
+            requests_abandoned: self.requests_abandoned.get(),
+            backend_errors: self.backend_errors.get(),
+            busy_lanes: self.busy_lanes.get().max(0) as usize,
             queued_requests,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_every_outcome_and_the_histograms() {
+        let stats = Stats::default();
+        stats.record(Outcome::Deadline);
+        stats.batch_rows.observe(100.0);
+        let text = stats.encode(3, 300);
+        for outcome in Outcome::ALL {
+            assert!(
+                text.contains(&format!("narsil_requests_total{{outcome=\"{}\"}}", outcome.name())),
+                "{text}"
+            );
+        }
+        assert!(text.contains("narsil_requests_total{outcome=\"deadline\"} 1"), "{text}");
+        assert!(text.contains("narsil_batch_rows_count 1"), "{text}");
+        assert!(text.contains("narsil_queue_seconds_bucket"), "{text}");
+        assert!(text.contains("narsil_queue_depth 3"), "{text}");
+        assert!(text.contains("narsil_queue_rows 300"), "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }
