@@ -173,13 +173,66 @@ impl BatchQueue {
             let mut batch = if let Some(batch) = self.sealed.pop_front() {
                 batch
             } else if !self.open.is_empty() && (drain || self.open_flush_at().is_some_and(|t| t <= now)) {
-                std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse))
+                self.take_open()
             } else {
                 return (None, removed);
             };
-            removed += batch.retain(now, true, self.num_dense, self.num_sparse);
-            if !batch.is_empty() {
-                return (Some(batch.into_job()), removed);
+            let lost = batch.retain(now, true, self.num_dense, self.num_sparse);
+            removed += lost;
+            if batch.is_empty() {
+                continue;
+            }
+            if lost > 0 {
+                removed += self.top_up(&mut batch, now);
+            }
+            return (Some(batch.into_job()), removed);
+        }
+    }
+
+    fn take_open(&mut self) -> OpenBatch {
+        std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse))
+    }
+
+    /// Fills a batch that lost cancelled or expired requests with the
+    /// requests queued right behind it, in order, so that under overload
+    /// forwards stay full. Returns how many abandoned entries it met (and
+    /// removed) on the way.
+    fn top_up(&mut self, batch: &mut OpenBatch, now: Instant) -> usize {
+        let limits = self.limits;
+        let fits = |batch: &OpenBatch, entry: &Entry| {
+            batch.len() < limits.max_requests && batch.rows() + entry.request.batch_size <= limits.max_rows
+        };
+        let mut removed = 0;
+        loop {
+            let from_open = self.sealed.is_empty();
+            let source = if from_open { &mut self.open } else { &mut self.sealed[0] };
+            match source.entries.first() {
+                Some(first) if fits(batch, first) => {}
+                _ => return removed,
+            }
+            let source = if from_open { self.take_open() } else { self.sealed.pop_front().expect("checked") };
+            let mut rest = OpenBatch::new(self.num_dense, self.num_sparse);
+            for entry in source.entries {
+                if !rest.is_empty() || !fits(batch, &entry) {
+                    rest.push(entry);
+                    continue;
+                }
+                match entry.fate(now, true) {
+                    Fate::Keep => batch.push(entry),
+                    Fate::Expire => {
+                        removed += 1;
+                        let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
+                    }
+                    Fate::Drop => removed += 1,
+                }
+            }
+            if !rest.is_empty() {
+                if from_open {
+                    self.open = rest;
+                } else {
+                    self.sealed.push_front(rest);
+                }
+                return removed;
             }
         }
     }
@@ -475,5 +528,36 @@ mod tests {
         assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 3));
         assert_eq!(q.depth(), (1, 0));
         assert!(kept.abandon(), "sweeping must not start a request");
+    }
+
+    #[test]
+    fn batch_that_lost_requests_is_topped_up_from_the_queue_behind_it() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut q = queue(2, 100, 0);
+        let mut receivers = Vec::new();
+        for tag in 0..5 {
+            let (e, rx) = entry(&admission, 1, tag, now);
+            q.add(e);
+            receivers.push(rx);
+        }
+        assert_eq!(q.depth(), (2, 1));
+        drop(receivers.remove(0)); // the first batch loses request 0
+        let (job, removed) = q.next_due(now, false);
+        let job = job.unwrap();
+        assert_eq!((job.waiters.len(), removed), (2, 1));
+        let first_two: Vec<SampleBatch> = (1..3)
+            .map(|tag| SampleBatch {
+                batch_size: 1,
+                dense: vec![tag as f32],
+                lengths: vec![1; 2],
+                ids: vec![tag * 100, tag * 100 + 1],
+                ..Default::default()
+            })
+            .collect();
+        assert_eq!(job.batch, assemble(1, 2, &first_two), "requests 1 and 2, in order");
+        assert_eq!(q.depth(), (1, 1), "request 3 alone in a sealed batch, request 4 open");
+        assert_eq!(q.next_due(now, false).0.unwrap().waiters.len(), 1);
+        assert_eq!(q.next_due(now, false).0.unwrap().waiters.len(), 1);
     }
 }

@@ -1,0 +1,169 @@
+//! End to end over real gRPC on loopback: what happens when things go
+//! wrong. Queue timeouts fire by timer, cancelled and expired requests are
+//! never computed (checked on the server's own counters and metrics), large
+//! requests are split and reassembled, backend faults stay inside their
+//! batch, and the metrics endpoint reports all of it.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{batch_mode, bits, metric, request, start, start_with};
+use narsil::grpc::torchrec::{encode, SCORES_KEY};
+use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil_core::mock::{MockConfig, MockFactory};
+use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
+use tonic::Code;
+
+/// Polls the metrics until `sample` reads `value` (the server may count a
+/// cancellation a moment after the client sent it).
+async fn wait_for_metric(server: &common::TestServer, sample: &str, value: f64) -> String {
+    let started = Instant::now();
+    loop {
+        let text = server.scrape().await;
+        if metric(&text, sample) == value {
+            return text;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{sample} never reached {value}:\n{text}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_timeout_fires_by_timer_while_the_lane_is_busy_and_the_request_is_never_computed() {
+    let config = common::config(|c| {
+        c.max_batch_requests = 1;
+        c.queue_timeout = Some(Duration::from_millis(50));
+    });
+    let server = start(config, 400).await.ready().await;
+    let mut busy = server.client().await;
+    let first = tokio::spawn(async move { busy.predict(request(1, 1)).await });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let sent = Instant::now();
+    let status = server.client().await.predict(request(2, 1)).await.unwrap_err();
+    let waited = sent.elapsed();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    // Answered by its own timer, not when the lane freed up (~370 ms later).
+    assert!(waited < Duration::from_millis(300), "answered after {waited:?}");
+    // The request that started is not expired by the queue timeout, though
+    // its forward takes 8 times as long.
+    assert_eq!(first.await.unwrap().unwrap().into_inner().scores.len(), 1);
+    let text = wait_for_metric(&server, "narsil_abandoned_total", 1.0).await;
+    assert_eq!(metric(&text, r#"narsil_requests_total{outcome="deadline"}"#), 1.0);
+    assert_eq!(metric(&text, r#"narsil_requests_total{outcome="ok"}"#), 1.0);
+    assert_eq!(server.engine.stats().requests_computed, 1, "the expired request must not be computed");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_request_is_dropped_before_assembly_and_never_computed() {
+    let server = start(common::config(|c| c.max_batch_requests = 1), 300).await.ready().await;
+    let mut busy = server.client().await;
+    let first = tokio::spawn(async move { busy.predict(request(1, 1)).await });
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let mut doomed = server.client().await;
+    let cancelled = tokio::spawn(async move { doomed.predict(request(2, 1)).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(server.engine.stats().queued_requests, 1, "the second request waits behind the first");
+    // The client goes away: its call is reset on the wire.
+    cancelled.abort();
+    wait_for_metric(&server, r#"narsil_requests_total{outcome="cancelled"}"#, 1.0).await;
+    first.await.unwrap().unwrap();
+    let text = wait_for_metric(&server, "narsil_abandoned_total", 1.0).await;
+    assert_eq!(metric(&text, "narsil_forwards_total"), 1.0);
+    assert_eq!(server.engine.stats().requests_computed, 1, "the cancelled request must not be computed");
+    assert_eq!(metric(&text, "narsil_queue_depth"), 0.0, "its queue place was freed");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_larger_than_max_batch_rows_is_split_and_reassembled_in_order() {
+    let small = start(common::config(|c| c.max_batch_rows = 64), 1).await.ready().await;
+    let whole = start(batch_mode(1, 16), 1).await.ready().await;
+    let large = request(7, 200);
+    let expected = whole.client().await.predict(large.clone()).await.unwrap().into_inner();
+    assert_eq!(expected.forwards, 1);
+    let split = small.client().await.predict(large.clone()).await.unwrap().into_inner();
+    assert_eq!((split.forwards, split.fused_rows), (4, 200), "64 + 64 + 64 + 8 rows");
+    assert_eq!(bits(&split.scores), bits(&expected.scores));
+    // TorchRec's key-major requests are split by feature runs.
+    let mut torchrec = TorchRecClient::new(small.channel().await);
+    let response = torchrec.predict(encode(&large, 26)).await.unwrap().into_inner();
+    assert_eq!(bits(&response.predictions[SCORES_KEY].data), bits(&expected.scores));
+    assert_eq!(small.engine.stats().forwards, 8);
+    small.stop().await.unwrap();
+    whole.stop().await.unwrap();
+}
+
+/// The mock, made to fail on purpose: a forward whose first dense value is
+/// -1 returns an error, one whose first dense value is -2 panics.
+struct FaultyFactory(MockFactory);
+
+struct FaultyBackend(Box<dyn ModelBackend>);
+
+impl BackendFactory for FaultyFactory {
+    fn schema(&self) -> &ModelSchema {
+        self.0.schema()
+    }
+
+    fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+        Ok(Box::new(FaultyBackend(self.0.create_lane(lane)?)))
+    }
+}
+
+impl ModelBackend for FaultyBackend {
+    fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        match batch.dense.first() {
+            Some(&v) if v == -1.0 => Err(BackendError("injected failure".into())),
+            Some(&v) if v == -2.0 => panic!("injected panic"),
+            _ => self.0.forward(batch),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_or_panicking_forward_fails_only_its_batch_and_the_lane_keeps_serving() {
+    let mock =
+        MockFactory::new(common::schema(), MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO });
+    let server = start_with(Arc::new(FaultyFactory(mock)), common::worker_mode(1)).await.ready().await;
+    let mut client = server.client().await;
+    for (poison, cause) in [(-1.0, "injected failure"), (-2.0, "backend panicked during forward")] {
+        let mut bad = request(1, 2);
+        bad.dense[0] = poison;
+        let status = client.predict(bad).await.unwrap_err();
+        assert_eq!(status.code(), Code::Internal, "{status:?}");
+        assert!(status.message().contains(cause), "{status:?}");
+        let fine = client.predict(request(2, 2)).await.unwrap().into_inner();
+        assert_eq!(fine.scores.len(), 2, "the lane serves on after the fault");
+    }
+    let text = server.scrape().await;
+    assert_eq!(metric(&text, r#"narsil_requests_total{outcome="backend_error"}"#), 2.0);
+    assert_eq!(metric(&text, r#"narsil_requests_total{outcome="ok"}"#), 2.0);
+    assert_eq!(metric(&text, "narsil_forward_errors_total"), 2.0);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_report_latency_histograms_batch_shapes_and_gauges() {
+    let server = start(batch_mode(1, 16), 5).await.ready().await;
+    let channel = server.channel().await;
+    let calls = (0..12).map(|tag| {
+        let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
+        async move { client.predict(request(tag, 3)).await.unwrap() }
+    });
+    futures_util::future::join_all(calls).await;
+    let text = server.scrape().await;
+    let forwards = metric(&text, "narsil_forwards_total");
+    assert_eq!(metric(&text, r#"narsil_requests_total{outcome="ok"}"#), 12.0);
+    assert_eq!(metric(&text, "narsil_request_seconds_count"), 12.0);
+    assert_eq!(metric(&text, "narsil_queue_seconds_count"), 12.0);
+    assert_eq!(metric(&text, "narsil_compute_seconds_count"), forwards);
+    assert_eq!(metric(&text, "narsil_batch_rows_count"), forwards);
+    assert_eq!(metric(&text, "narsil_batch_rows_sum"), 36.0);
+    assert_eq!(metric(&text, "narsil_batch_requests_sum"), 12.0);
+    assert!(metric(&text, "narsil_compute_seconds_sum") >= forwards * 0.005, "mock forwards take 5 ms");
+    assert_eq!(metric(&text, "narsil_queue_depth"), 0.0);
+    assert_eq!(metric(&text, "narsil_busy_lanes"), 0.0);
+    server.stop().await.unwrap();
+}
