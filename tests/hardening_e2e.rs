@@ -115,8 +115,8 @@ impl BackendFactory for FaultyFactory {
 impl ModelBackend for FaultyBackend {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         match batch.dense.first() {
-            Some(&v) if v == -1.0 => Err(BackendError("injected failure".into())),
-            Some(&v) if v == -2.0 => panic!("injected panic"),
+            Some(-1.0) => Err(BackendError("injected failure".into())),
+            Some(-2.0) => panic!("injected panic"),
             _ => self.0.forward(batch),
         }
     }
