@@ -20,16 +20,20 @@ async fn start_burn(config: EngineConfig) -> TestServer {
     start_with(Arc::new(factory), config).await.ready().await
 }
 
-async fn golden_requests_match_python_fp32(config: EngineConfig) {
+/// Returns how many forwards the requests took, all told.
+async fn golden_requests_match_python_fp32(config: EngineConfig) -> u32 {
     let server = start_burn(config).await;
     let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = server.client().await;
+    let mut forwards = 0;
     for (i, g) in golden.requests.iter().enumerate() {
         let response = client.predict(wire(g, "g")).await.unwrap().into_inner();
+        forwards += response.forwards;
         let diff = max_abs_diff(&response.scores, &g.scores_fp32).unwrap();
         assert!(diff <= 1e-5, "golden request {i}: max |burn - python fp32| = {diff}");
     }
     server.stop().await.unwrap();
+    forwards
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -40,6 +44,13 @@ async fn batch_mode_serves_python_fp32_scores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_mode_serves_python_fp32_scores() {
     golden_requests_match_python_fp32(worker_mode(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_split_across_forwards_serve_the_same_scores() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let forwards = golden_requests_match_python_fp32(common::config(|c| c.max_batch_rows = 2)).await;
+    assert!(forwards as usize > golden.requests.len(), "no golden request was split ({forwards} forwards)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,16 +30,20 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
 }
 
-async fn golden_requests_match_python_one_by_one(config: EngineConfig) {
+/// Returns how many forwards the requests took, all told.
+async fn golden_requests_match_python_one_by_one(config: EngineConfig) -> u32 {
     let server = start_torch(config).await;
     let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = server.client().await;
+    let mut forwards = 0;
     for (i, g) in golden.requests.iter().enumerate() {
         let response = client.predict(wire(g, &format!("golden-{i}"))).await.unwrap().into_inner();
+        forwards += response.forwards;
         assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}"));
         assert_eq!(response.request_id, format!("golden-{i}"));
     }
     server.stop().await.unwrap();
+    forwards
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,6 +54,13 @@ async fn batch_mode_serves_python_golden_scores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_mode_serves_python_golden_scores() {
     golden_requests_match_python_one_by_one(worker_mode(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_split_across_forwards_serve_the_same_scores() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let forwards = golden_requests_match_python_one_by_one(common::config(|c| c.max_batch_rows = 2)).await;
+    assert!(forwards as usize > golden.requests.len(), "no golden request was split ({forwards} forwards)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -310,7 +310,10 @@ async fn open_loop(
 ) -> Recorder {
     let interval = Duration::from_secs_f64(1.0 / rate);
     let in_flight = Arc::new(tokio::sync::Semaphore::new(args.max_in_flight));
-    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Recorder>();
+    // Each call reports its latency and outcome; one recorder (one
+    // histogram) collects them all.
+    let (done_tx, mut done_rx) =
+        tokio::sync::mpsc::unbounded_channel::<(Duration, Result<PredictResponse, tonic::Status>)>();
     let mut overflow = 0u64;
     while let Some(n) = ticket.next() {
         let scheduled = ticket.start + interval.mul_f64(n as f64);
@@ -325,16 +328,14 @@ async fn open_loop(
         let timeout_ms = args.timeout_ms;
         tokio::spawn(async move {
             let result = client.call(&pool[n as usize % pool.len()], timeout_ms).await;
-            let mut recorder = Recorder::default();
-            recorder.record(scheduled.elapsed(), result);
-            let _ = done.send(recorder);
+            let _ = done.send((scheduled.elapsed(), result));
             drop(permit);
         });
     }
     drop(done_tx);
     let mut total = Recorder::default();
-    while let Some(recorder) = done_rx.recv().await {
-        total.merge(recorder);
+    while let Some((latency, result)) = done_rx.recv().await {
+        total.record(latency, result);
     }
     total.client_overflow = overflow;
     total
