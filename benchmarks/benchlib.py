@@ -42,16 +42,21 @@ def wait_serving(binary, addr, process=None, timeout=120, protocol="narsil"):
     raise SystemExit(f"server at {addr} never answered")
 
 
-def peak_rss_mib(pid):
-    """The process's peak resident set (VmHWM), MiB; None if unreadable."""
+def status_mib(pid, field):
+    """A memory field of /proc/PID/status (VmRSS, VmHWM, ...), MiB; None if unreadable."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
+
+
+def peak_rss_mib(pid):
+    """The process's peak resident set (VmHWM), MiB; None if unreadable."""
+    return status_mib(pid, "VmHWM")
 
 
 def machine():

@@ -23,18 +23,8 @@ import threading
 import time
 import urllib.request
 
-from benchlib import DEFAULT_BINARY, free_port, machine, peak_rss_mib, pinned, require_binary, wait_serving
-
-
-def rss_mib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
+from benchlib import (DEFAULT_BINARY, free_port, machine, peak_rss_mib, pinned, require_binary, status_mib,
+                      wait_serving)
 
 
 def outcomes(metrics_addr):
@@ -79,7 +69,7 @@ def main():
         def sample():
             started = time.time()
             while not done.is_set():
-                rss.append((time.time() - started, rss_mib(server.pid)))
+                rss.append((time.time() - started, status_mib(server.pid, "VmRSS")))
                 time.sleep(0.25)
 
         sampler = threading.Thread(target=sample)

@@ -152,11 +152,6 @@ impl EngineHandle {
         self.shared.stats.snapshot(self.shared.admission.queued_requests())
     }
 
-    /// Requests that ended with `outcome` so far.
-    pub fn outcome_count(&self, outcome: Outcome) -> u64 {
-        self.shared.stats.outcome_count(outcome)
-    }
-
     /// Every metric as Prometheus text.
     pub fn metrics_text(&self) -> String {
         let admission = &self.shared.admission;

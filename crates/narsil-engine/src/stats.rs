@@ -88,7 +88,7 @@ pub struct Stats {
     outcomes: Family<OutcomeLabel, Counter>,
     /// The family's counters, indexed like [`Outcome::ALL`], so counting
     /// takes no lock.
-    by_outcome: Vec<Counter>,
+    by_outcome: [Counter; Outcome::ALL.len()],
     queued_requests: Gauge,
     queued_rows: Gauge,
     registry: Registry,
@@ -136,7 +136,7 @@ impl Default for Stats {
             batch_rows: Histogram::new(exponential_buckets(1.0, 2.0, 15)),
             batch_requests: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
             outcomes,
-            by_outcome: by_outcome.to_vec(),
+            by_outcome,
             queued_requests: Gauge::default(),
             queued_rows: Gauge::default(),
             registry: Registry::with_prefix("narsil"),
@@ -189,11 +189,6 @@ impl Stats {
     /// Counts one request's outcome.
     pub fn record(&self, outcome: Outcome) {
         self.by_outcome[outcome as usize].inc();
-    }
-
-    /// Requests that ended with `outcome` so far.
-    pub fn outcome_count(&self, outcome: Outcome) -> u64 {
-        self.by_outcome[outcome as usize].get()
     }
 
     /// Prometheus text exposition, with the queue gauges set to the given
