@@ -21,10 +21,10 @@ fn oversized(status: &Status) -> Option<InvalidInput> {
     }
     let (found, rest) = rest.split_once(" bytes, the limit is: ")?;
     let limit = rest.strip_suffix(" bytes")?;
-    Some(InvalidInput {
-        field: "message",
-        message: format!("{found} bytes exceeds the server's limit of {limit} bytes (--max-message-bytes)"),
-    })
+    Some(InvalidInput::new(
+        "message",
+        format!("{found} bytes exceeds the server's limit of {limit} bytes (--max-message-bytes)"),
+    ))
 }
 
 /// Rewrites one response if it is tonic's message-size refusal.

@@ -32,14 +32,11 @@ impl Predictor for PredictorService {
         let mut message = request.into_inner();
         let request_id = std::mem::take(&mut message.request_id);
         if !message.model.is_empty() && message.model != self.engine.schema().name {
-            let invalid = InvalidInput {
-                field: "model",
-                message: format!(
-                    "unknown model {:?}; this server serves {:?}",
-                    message.model,
-                    self.engine.schema().name
-                ),
-            };
+            let served = &self.engine.schema().name;
+            let invalid = InvalidInput::new(
+                "model",
+                format!("unknown model {:?}; this server serves {served:?}", message.model),
+            );
             return Err(status::to_status(self.engine.reject(invalid)));
         }
         let prediction =

@@ -45,16 +45,12 @@ impl Predictor for TorchRecService {
     }
 }
 
-fn invalid(field: &'static str, message: String) -> InvalidInput {
-    InvalidInput { field, message }
-}
-
 fn words<'a>(
     bytes: &'a [u8],
     field: &'static str,
 ) -> Result<impl Iterator<Item = [u8; 4]> + 'a, InvalidInput> {
     if !bytes.len().is_multiple_of(4) {
-        return Err(invalid(
+        return Err(InvalidInput::new(
             field,
             format!("has {} bytes, not a whole number of 4-byte values", bytes.len()),
         ));
@@ -71,7 +67,7 @@ pub fn decode(
 ) -> Result<SampleBatch, InvalidInput> {
     let float = request.float_features.unwrap_or_default();
     if float.num_features as usize != num_dense {
-        return Err(invalid(
+        return Err(InvalidInput::new(
             "float_features.num_features",
             format!("is {}, the model takes {num_dense} dense features", float.num_features),
         ));
@@ -81,20 +77,20 @@ pub fn decode(
     // set, must agree.
     let derived = dense.len().checked_div(num_dense).unwrap_or(request.batch_size.max(0) as usize);
     if request.batch_size != 0 && request.batch_size as usize != derived {
-        return Err(invalid(
+        return Err(InvalidInput::new(
             "batch_size",
             format!("is {} but float_features.values holds {derived} samples", request.batch_size),
         ));
     }
     let sparse = request.id_list_features.unwrap_or_default();
     if sparse.num_features as usize != num_sparse {
-        return Err(invalid(
+        return Err(InvalidInput::new(
             "id_list_features.num_features",
             format!("is {}, the model takes {num_sparse} sparse features", sparse.num_features),
         ));
     }
     if !sparse.weights.is_empty() {
-        return Err(invalid("id_list_features.weights", "weighted ids are not used by this model".into()));
+        return Err(InvalidInput::new("id_list_features.weights", "weighted ids are not used by this model"));
     }
     for (field, unused) in [
         ("id_score_list_features", request.id_score_list_features.is_some_and(|f| !f.values.is_empty())),
@@ -102,7 +98,7 @@ pub fn decode(
         ("unary_features", request.unary_features.is_some_and(|f| !f.values.is_empty())),
     ] {
         if unused {
-            return Err(invalid(field, "is not used by this model; send it empty".into()));
+            return Err(InvalidInput::new(field, "is not used by this model; send it empty"));
         }
     }
     let lengths = words(&sparse.lengths, "id_list_features.lengths")?
@@ -111,7 +107,7 @@ pub fn decode(
         .map(|(i, l)| {
             u32::try_from(l).map_err(|_| {
                 let (sample, feature) = if derived == 0 { (0, 0) } else { (i % derived, i / derived) };
-                invalid(
+                InvalidInput::new(
                     "id_list_features.lengths",
                     format!("sample {sample} feature {feature} has length {l}"),
                 )
@@ -121,9 +117,9 @@ pub fn decode(
     let ids =
         words(&sparse.values, "id_list_features.values")?.map(|w| i64::from(i32::from_le_bytes(w))).collect();
     if lengths.is_empty() && num_sparse > 0 {
-        return Err(invalid(
+        return Err(InvalidInput::new(
             "id_list_features.lengths",
-            "is empty; TorchRec requests carry every bag's length".into(),
+            "is empty; TorchRec requests carry every bag's length",
         ));
     }
     Ok(SampleBatch { batch_size: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })

@@ -56,8 +56,11 @@ pub struct InvalidInput {
     pub message: String,
 }
 
-fn invalid(field: &'static str, message: String) -> InvalidInput {
-    InvalidInput { field, message }
+impl InvalidInput {
+    /// The error for wire field `field`.
+    pub fn new(field: &'static str, message: impl Into<String>) -> Self {
+        Self { field, message: message.into() }
+    }
 }
 
 /// Wire names of the fields, per protocol.
@@ -118,10 +121,10 @@ impl SampleBatch {
         let num_sparse = schema.num_sparse();
         let fields = self.layout.fields();
         if b == 0 {
-            return Err(invalid(fields.batch_size, "must be at least 1".into()));
+            return Err(InvalidInput::new(fields.batch_size, "must be at least 1"));
         }
         if b > limits.max_batch_size {
-            return Err(invalid(
+            return Err(InvalidInput::new(
                 fields.batch_size,
                 format!("{b} exceeds the server's limit of {}", limits.max_batch_size),
             ));
@@ -130,7 +133,7 @@ impl SampleBatch {
         if self.lengths.is_empty() {
             self.lengths = vec![1; b * num_sparse];
         } else if self.lengths.len() != b * num_sparse {
-            return Err(invalid(
+            return Err(InvalidInput::new(
                 fields.lengths,
                 format!(
                     "has {} entries, expected batch_size x num_sparse = {b} x {num_sparse} = {} (or none for one id per bag)",
@@ -141,7 +144,7 @@ impl SampleBatch {
         }
         let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
         if total != self.ids.len() as u64 {
-            return Err(invalid(
+            return Err(InvalidInput::new(
                 fields.ids,
                 format!("has {} ids but {} sum to {total}", self.ids.len(), fields.lengths),
             ));
@@ -196,7 +199,7 @@ impl SampleBatch {
     fn check_dense(&self, num_dense: usize, field: &'static str) -> Result<(), InvalidInput> {
         let expected = self.batch_size * num_dense;
         if self.dense.len() != expected {
-            return Err(invalid(
+            return Err(InvalidInput::new(
                 field,
                 format!(
                     "has {} values, expected batch_size x num_dense = {} x {num_dense} = {expected}",
@@ -206,7 +209,7 @@ impl SampleBatch {
             ));
         }
         if let Some(pos) = self.dense.iter().position(|v| !v.is_finite()) {
-            return Err(invalid(
+            return Err(InvalidInput::new(
                 field,
                 format!(
                     "sample {} feature {} is {} (values must be finite)",
@@ -257,7 +260,7 @@ impl SampleBatch {
                 match policy {
                     IdPolicy::Modulo => *id = id.rem_euclid(rows),
                     IdPolicy::Reject => {
-                        return Err(invalid(
+                        return Err(InvalidInput::new(
                             field,
                             format!(
                                 "sample {sample} feature {f} ({}) has id {} outside [0, {rows})",

@@ -34,6 +34,19 @@ pub struct BatchLimits {
     pub timeout: Duration,
 }
 
+/// Carries out an entry's fate: the entry back if it is kept; otherwise
+/// `None`, after answering DEADLINE_EXCEEDED if it expired.
+fn settle(entry: Entry, fate: Fate) -> Option<Entry> {
+    match fate {
+        Fate::Keep => Some(entry),
+        Fate::Expire => {
+            let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
+            None
+        }
+        Fate::Drop => None,
+    }
+}
+
 /// Requests being fused into one batch, reordered as they were added.
 #[derive(Debug)]
 pub struct OpenBatch {
@@ -82,12 +95,8 @@ impl OpenBatch {
         let entries = std::mem::take(&mut self.entries);
         *self = Self::new(num_dense, num_sparse);
         for (entry, fate) in entries.into_iter().zip(fates) {
-            match fate {
-                Fate::Keep => self.push(entry),
-                Fate::Expire => {
-                    let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
-                }
-                Fate::Drop => {}
+            if let Some(entry) = settle(entry, fate) {
+                self.push(entry);
             }
         }
         before - self.entries.len()
@@ -217,13 +226,10 @@ impl BatchQueue {
                     rest.push(entry);
                     continue;
                 }
-                match entry.fate(now, true) {
-                    Fate::Keep => batch.push(entry),
-                    Fate::Expire => {
-                        removed += 1;
-                        let _ = entry.reply.send(Err(EngineError::DeadlineExceeded));
-                    }
-                    Fate::Drop => removed += 1,
+                let fate = entry.fate(now, true);
+                match settle(entry, fate) {
+                    Some(entry) => batch.push(entry),
+                    None => removed += 1,
                 }
             }
             if !rest.is_empty() {
@@ -236,9 +242,7 @@ impl BatchQueue {
             }
         }
     }
-}
 
-impl BatchQueue {
     /// Removes every entry whose caller went away or whose time ran out,
     /// from every queued batch, without starting anything: frees their
     /// queue places for new requests. Returns how many were removed.

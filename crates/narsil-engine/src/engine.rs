@@ -216,10 +216,7 @@ impl EngineHandle {
             Err(full) => return Err(EngineError::Overloaded(full)),
         };
         let queue_deadline = shared.queue_timeout.map(|t| admitted + t);
-        let expires = match (deadline, queue_deadline) {
-            (Some(d), Some(q)) => Some(d.min(q)),
-            (d, q) => d.or(q),
-        };
+        let expires = deadline.into_iter().chain(queue_deadline).min();
         let ticket = Ticket::new();
         let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
         // Each part frees its rows when it starts; the last also frees the request's place.
