@@ -1,26 +1,32 @@
 #!/usr/bin/env python3
-"""Narsil vs TorchRec-style serving, side by side, in one run.
+"""Narsil vs TorchRec's own C++ inference server, side by side, in one run.
 
-Servers (each started in turn, pinned to core 0, waited for, warmed up,
-measured, stopped):
+For every configuration (cores x ids per bag), each server is started in
+turn, waited for, measured at every --concurrency, and stopped:
 
-  * Narsil batch  - `narsil serve --execution-mode batch` (--narsil-backend)
-  * Narsil worker - `narsil serve --execution-mode worker`
-  * Narsil burn   - `narsil serve --backend burn` on the FP32 weights (batch mode)
-  * Python baseline - benchmarks/baselines/torchrec_python_server.py: grpcio,
-    one TorchScript forward per request (how most teams serve TorchRec models)
-  * TorchRec C++ server - only with --torchrec-server-bin: the script runs
-    `BIN [--torchrec-server-args]` (default: the model path) and expects it
-    on 127.0.0.1:50051, TorchRec's default port
+  * Narsil batch fp32 / bf16 - `narsil serve --backend torch
+    --dense-precision {fp32,bf16}` on model_default.pt
+  * TorchRec C++ fp32 / bf16 - TorchRec's `torchrec/inference/server.cpp`,
+    built for the CPU by benchmarks/torchrec_cpp/build.sh, on the same
+    weights in TorchRec's signature (benchmarks/torchrec_cpp/adapt_model.py;
+    the bf16 file runs the arithmetic Narsil's bf16 runs)
+  * with --baselines: Narsil worker fp32, Narsil burn (FP32), and the Python
+    baseline (benchmarks/baselines/torchrec_python_server.py)
 
-Every server is driven the same way: `narsil load --protocol torchrec`
-(TorchRec's inference protocol, so every server sees identical bytes),
-closed loop at each --concurrency, pinned to core 1, same intra-op threads.
-Prints one table (Server | Concurrency | Req/s | Samples/s | p50 ms | p99 ms |
-peak RSS MiB), writes JSON (git sha, CPU, flags, raw reports) and a PNG of
-throughput and p99 against concurrency.
+Cores: `1` pins every server to core 0 (Narsil 1 lane, TorchRec with 1
+intra-op thread, as its OpenMP team follows the affinity) and the load
+generator to core 1; `2` gives the server both cores (Narsil 2 lanes,
+TorchRec its default threads) and leaves the load generator unpinned.
 
-Needs `scripts/serve.sh` to have run once (venv, default model, release build).
+Every server gets identical TorchRec-protocol bytes from `narsil load
+--protocol torchrec` (closed loop). Prints one table per configuration,
+ratios against TorchRec C++, and writes JSON (git sha, CPU, flags, raw
+reports) and a PNG chart.
+
+Needs `scripts/serve.sh` to have run once (venv, default model, release
+build). TorchRec's server is found at benchmarks/torchrec_cpp/build/
+torchrec_server, or built from --torchrec-checkout; without either its rows
+are skipped with a message saying how to build it.
 Run with the project venv: .venv/bin/python benchmarks/torchrec_dlrm_compare.py
 """
 
@@ -34,54 +40,82 @@ from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, peak_rss_mib, pin
 
 VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
 MODELS = os.path.join(ROOT, "models", "generated", "default")
+TORCHREC_DIR = os.path.join(ROOT, "benchmarks", "torchrec_cpp")
+TORCHREC_BIN = os.path.join(TORCHREC_DIR, "build", "torchrec_server")
+TORCHREC_ADDR = "127.0.0.1:50051"  # fixed upstream (0.0.0.0:50051)
 
 
+def torchrec_server(args):
+    """The TorchRec C++ server binary, built if a checkout was given; None
+    (with a message) when neither is there."""
+    if args.torchrec_checkout and not os.path.exists(args.torchrec_bin):
+        subprocess.run(["bash", os.path.join(TORCHREC_DIR, "build.sh"), args.torchrec_checkout,
+                        os.path.dirname(args.torchrec_bin)], check=True)
+    if os.path.exists(args.torchrec_bin):
+        return args.torchrec_bin
+    print(f"TorchRec C++ server not found at {args.torchrec_bin}: its rows are skipped. Build it with\n"
+          f"  benchmarks/torchrec_cpp/build.sh TORCHREC_CHECKOUT   (a clone of "
+          f"https://github.com/meta-pytorch/torchrec), or pass --torchrec-checkout", file=sys.stderr)
+    return None
 
-def servers(args):
-    """(name, command builder taking the address) for every server in the run."""
-    narsil = [args.binary, "serve", "--log-level", "warn", "--lanes", str(args.narsil_lanes),
-              "--intra-op-threads", str(args.intra_op_threads), "--batch-size", str(args.narsil_batch_size),
-              "--batch-timeout-ms", str(args.narsil_batch_timeout_ms)]
-    model = args.narsil_torch_model if args.narsil_backend == "torch" else None
-    backend = ["--backend", args.narsil_backend] + (["--model", model] if model else [])
-    modes = [args.narsil_execution_mode] if args.narsil_execution_mode else ["batch", "worker"]
+
+def torchrec_model(args, precision):
+    """model_default.pt in TorchRec's signature, written once per precision."""
+    path = os.path.join(os.path.dirname(args.model), f"model_torchrec_{precision}.pt")
+    if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(args.model):
+        subprocess.run([VENV_PYTHON, os.path.join(TORCHREC_DIR, "adapt_model.py"), "--model", args.model,
+                        "--out", path, "--dense-precision", precision], check=True)
+    return path
+
+
+def servers(args, cores, torchrec_bin):
+    """(name, command builder taking the address) for every server of a configuration."""
+    lanes = "1" if cores == 1 else str(args.lanes_on_two_cores)
+    narsil = [args.binary, "serve", "--log-level", "warn", "--lanes", lanes, "--intra-op-threads", "1",
+              "--batch-size", str(args.narsil_batch_size), "--batch-timeout-ms", "0"]
+    torch_model = ["--backend", "torch", "--model", args.model]
     out = []
-    for mode in modes:
-        out.append((f"Narsil {mode} ({args.narsil_backend})",
-                    lambda addr, mode=mode: narsil + backend + ["--execution-mode", mode, "--addr", addr]))
-    if args.narsil_backend != "burn" and not args.skip_burn:
-        out.append(("Narsil burn (FP32)", lambda addr: narsil + ["--backend", "burn", "--model", args.burn_model,
-                                                                 "--execution-mode", "batch", "--addr", addr]))
-    if not args.skip_python_baseline:
-        out.append(("Python baseline (TorchRec protocol)", lambda addr: [
+    for precision in args.precisions:
+        out.append((f"Narsil batch {precision}", lambda addr, p=precision: narsil + torch_model + [
+            "--dense-precision", p, "--execution-mode", "batch", "--addr", addr]))
+    if torchrec_bin:
+        for precision in args.precisions:
+            model = torchrec_model(args, precision)
+            out.append((f"TorchRec C++ {precision}", lambda addr, m=model: [torchrec_bin, m]))
+    if args.baselines:
+        out.append(("Narsil worker fp32", lambda addr: narsil + torch_model + ["--execution-mode", "worker",
+                                                                            "--addr", addr]))
+        out.append(("Narsil burn fp32", lambda addr: narsil + ["--backend", "burn", "--model", args.burn_model,
+                                                               "--addr", addr]))
+        out.append(("Python baseline fp32", lambda addr: [
             VENV_PYTHON, os.path.join(ROOT, "benchmarks", "baselines", "torchrec_python_server.py"),
-            "--model", args.narsil_torch_model, "--addr", addr, "--intra-op-threads", str(args.intra_op_threads)]))
-    if args.torchrec_server_bin and not args.skip_torchrec:
-        extra = (args.torchrec_server_args or args.torchrec_model).split()
-        out.append(("TorchRec C++ server", lambda addr: [args.torchrec_server_bin] + extra))
+            "--model", args.model, "--addr", addr, "--intra-op-threads", "1"]))
     return out
 
 
-def measure(args, name, command):
-    fixed_addr = "127.0.0.1:50051" if name.startswith("TorchRec C++") else None
-    addr = fixed_addr or f"127.0.0.1:{free_port()}"
-    print(f"  starting {name} on {addr}", file=sys.stderr, flush=True)
-    process = subprocess.Popen(pinned(command(addr), 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def measure(args, name, command, cores, ids_per_bag):
+    addr = TORCHREC_ADDR if name.startswith("TorchRec C++") else f"127.0.0.1:{free_port()}"
+    server_cores = "0" if cores == 1 else "0,1"
+    load_core = 1 if cores == 1 else None
+    print(f"  [{cores} core(s), {ids_per_bag} id(s)/bag] starting {name} on {addr}", file=sys.stderr, flush=True)
+    process = subprocess.Popen(["taskset", "-c", server_cores] + command(addr), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
     rows = []
     try:
         ready_s = wait_serving(args.binary, addr, process, args.start_timeout, protocol="torchrec")
         for concurrency in args.concurrency:
             load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
                     "--concurrency", str(concurrency), "--requests", str(args.requests),
-                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--json"]
-            out = subprocess.run(pinned(load, 1), capture_output=True, text=True)
+                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+                    "--ids-per-feature", str(ids_per_bag), "--json"]
+            out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"load against {name} failed:\n{out.stderr[-2000:]}")
             report = json.loads(out.stdout)
-            rows.append({"server": name, "concurrency": concurrency, "ready_s": ready_s, **report,
-                         "peak_rss_mib": peak_rss_mib(process.pid)})
-            print(f"    concurrency {concurrency}: {report['req_per_s']:.1f} req/s, p99 {report['p99_ms']:.1f} ms",
-                  file=sys.stderr, flush=True)
+            rows.append({"server": name, "cores": cores, "ids_per_bag": ids_per_bag, "concurrency": concurrency,
+                         "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
+            print(f"    concurrency {concurrency}: {report['req_per_s']:.1f} req/s, p50 {report['p50_ms']:.1f} ms, "
+                  f"p99 {report['p99_ms']:.1f} ms", file=sys.stderr, flush=True)
     finally:
         process.terminate()
         try:
@@ -89,6 +123,27 @@ def measure(args, name, command):
         except subprocess.TimeoutExpired:
             process.kill()
     return rows
+
+
+def print_tables(rows):
+    configs = list(dict.fromkeys((r["cores"], r["ids_per_bag"]) for r in rows))
+    for cores, ids in configs:
+        print(f"\n### {cores} core(s), {ids} id(s) per bag\n")
+        print("| Server | Concurrency | Req/s | Samples/s | p50 ms | p99 ms | vs TorchRec C++ fp32 req/s | "
+              "vs TorchRec C++ same precision | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        mine = [r for r in rows if r["cores"] == cores and r["ids_per_bag"] == ids]
+        for r in mine:
+            def ratio(server):
+                ref = next((x for x in mine if x["server"] == server and x["concurrency"] == r["concurrency"]), None)
+                return f"{r['req_per_s'] / ref['req_per_s']:.2f}x" if ref and ref["req_per_s"] else "-"
+            precision = r["server"].split()[-1]
+            rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "?"
+            errors = r["requests"] - r["ok"]
+            note = f" ({errors} errors)" if errors else ""
+            print(f"| {r['server']}{note} | {r['concurrency']} | {r['req_per_s']:.1f} | {r['samples_per_s']:.0f} | "
+                  f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ratio('TorchRec C++ fp32')} | "
+                  f"{ratio('TorchRec C++ ' + precision)} | {rss} |")
 
 
 def chart(rows, path):
@@ -99,18 +154,21 @@ def chart(rows, path):
     except ImportError:
         print("matplotlib missing: no chart (run scripts/setup_python.sh)", file=sys.stderr)
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name in dict.fromkeys(r["server"] for r in rows):
-        mine = [r for r in rows if r["server"] == name]
-        xs = [r["concurrency"] for r in mine]
-        ax1.plot(xs, [r["samples_per_s"] for r in mine], marker="o", label=name)
-        ax2.plot(xs, [r["p99_ms"] for r in mine], marker="o", label=name)
-    ax1.set(xlabel="concurrency", ylabel="samples/s", title="throughput")
-    ax2.set(xlabel="concurrency", ylabel="p99 ms", title="p99 latency")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log", base=2)
-        ax.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
+    configs = list(dict.fromkeys((r["cores"], r["ids_per_bag"]) for r in rows))
+    concurrencies = list(dict.fromkeys(r["concurrency"] for r in rows))
+    fig, axes = plt.subplots(len(concurrencies), 1, figsize=(11, 3.6 * len(concurrencies)), squeeze=False)
+    names = list(dict.fromkeys(r["server"] for r in rows))
+    width = 0.8 / max(1, len(names))
+    for ax, concurrency in zip(axes[:, 0], concurrencies):
+        for i, name in enumerate(names):
+            values = [next((r["req_per_s"] for r in rows if r["server"] == name and r["concurrency"] == concurrency
+                            and (r["cores"], r["ids_per_bag"]) == c), 0) for c in configs]
+            ax.bar([x + i * width for x in range(len(configs))], values, width, label=name)
+        ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(configs))])
+        ax.set_xticklabels([f"{c} core(s), {i} id(s)/bag" for c, i in configs])
+        ax.set(ylabel="req/s (100 samples each)", title=f"concurrency {concurrency}")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0, 0].legend(fontsize=8, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -118,51 +176,44 @@ def chart(rows, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--binary", default=DEFAULT_BINARY)
-    p.add_argument("--narsil-backend", default="torch", choices=["torch", "burn", "mock"])
-    p.add_argument("--narsil-torch-model", default=os.path.join(MODELS, "model_default.pt"))
+    p.add_argument("--model", default=os.path.join(MODELS, "model_default.pt"))
     p.add_argument("--burn-model", default=os.path.join(MODELS, "weights_fp32.safetensors"))
-    p.add_argument("--narsil-execution-mode", choices=["batch", "worker"], help="default: both")
-    p.add_argument("--narsil-batch-size", type=int, default=16)
-    p.add_argument("--narsil-batch-timeout-ms", type=float, default=0.0)
-    p.add_argument("--narsil-lanes", type=int, default=1)
-    p.add_argument("--intra-op-threads", type=int, default=1, help="every server's libtorch threads")
+    p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    p.add_argument("--cores", type=int, nargs="+", choices=[1, 2], default=[1, 2])
+    p.add_argument("--ids-per-bag", type=int, nargs="+", default=[1, 4],
+                   help="ids per bag: 1 one-hot, above 1 multi-hot (bag sizes uniform in [0, 2n-1])")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--narsil-batch-size", type=int, default=16, help="most requests per fused forward")
+    p.add_argument("--lanes-on-two-cores", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=100, help="samples per request")
-    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--skip-burn", action="store_true")
-    p.add_argument("--skip-python-baseline", action="store_true")
+    p.add_argument("--baselines", action="store_true",
+                   help="also Narsil worker, Narsil burn and the Python baseline")
     p.add_argument("--skip-torchrec", action="store_true")
-    p.add_argument("--torchrec-server-bin", help="a TorchRec C++ inference server you built")
-    p.add_argument("--torchrec-model", default=os.path.join(MODELS, "model_default.pt"))
-    p.add_argument("--torchrec-server-args", help="arguments for the TorchRec server (default: the model path)")
+    p.add_argument("--torchrec-bin", default=TORCHREC_BIN)
+    p.add_argument("--torchrec-checkout", help="a torchrec clone to build the C++ server from when it is missing")
     p.add_argument("--start-timeout", type=float, default=180)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "torchrec_dlrm_compare"),
                    help="path prefix of the .json and .png written")
     args = p.parse_args()
     require_binary(args.binary, "--features torch")
-    for needed in ([args.narsil_torch_model] if args.narsil_backend == "torch" or not args.skip_python_baseline
-                   else []) + ([] if args.skip_burn else [args.burn_model]):
+    for needed in [args.model] + ([args.burn_model] if args.baselines else []):
         if not os.path.exists(needed):
             raise SystemExit(f"{needed} not found: run scripts/serve.sh once (it exports the default model)")
+    torchrec_bin = None if args.skip_torchrec else torchrec_server(args)
 
     host = machine()
     rows = []
-    for name, command in servers(args):
-        rows.extend(measure(args, name, command))
+    for cores in args.cores:
+        for ids_per_bag in args.ids_per_bag:
+            for name, command in servers(args, cores, torchrec_bin):
+                rows.extend(measure(args, name, command, cores, ids_per_bag))
 
-    print(f"# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; {args.batch_size} samples/request, "
-          f"{args.intra_op_threads} intra-op thread(s), Narsil lanes {args.narsil_lanes}, "
-          f"batch size {args.narsil_batch_size}; load: narsil load --protocol torchrec, {args.requests} requests "
-          f"after {args.warmup} warm-up\n")
-    print("| Server | Concurrency | Req/s | Samples/s | p50 ms | p99 ms | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "?"
-        errors = r["requests"] - r["ok"]
-        note = f" ({errors} errors)" if errors else ""
-        print(f"| {r['server']}{note} | {r['concurrency']} | {r['req_per_s']:.1f} | {r['samples_per_s']:.0f} | "
-              f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {rss} |")
+    print(f"# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; {args.batch_size} samples/request; "
+          f"Narsil batch size {args.narsil_batch_size}, batch timeout 0; load: narsil load --protocol torchrec, "
+          f"{args.requests} requests after {args.warmup} warm-up")
+    print_tables(rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({**host, "args": vars(args), "rows": rows}, f, indent=2)

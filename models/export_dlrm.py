@@ -37,6 +37,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
+# Raised when the exported interface or forward changes: scripts/lib.sh
+# re-exports models written by an older format.
+EXPORT_FORMAT = 2
+
+
 def log(msg: str) -> None:
     print(f"[export_dlrm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -53,16 +58,43 @@ def int_list(text: str) -> List[int]:
 
 class DlrmPredictor(nn.Module):
     """Narsil's model interface around TorchRec's DLRM: builds the
-    KeyedJaggedTensor from flat key-major tensors and returns probabilities."""
+    KeyedJaggedTensor from flat key-major tensors and returns probabilities.
 
-    def __init__(self, dlrm: nn.Module, keys: List[str]) -> None:
+    It computes exactly what `DLRM.forward` computes (bit for bit in FP32)
+    with three fewer copies: the pooled embeddings stay in the
+    `[B, F * D]` block the embedding collection writes (TorchRec's SparseArch
+    splits it per key and concatenates it again), the dense embedding and the
+    pooled ones are concatenated once, and the upper triangle of the
+    interaction is one `index_select` over the flattened `[B, (F+1)^2]`
+    products instead of a two-index gather.
+
+    The dense arithmetic runs in the dtype of the over arch's weights, so the
+    same file serves FP32 and, once Narsil casts its floating-point weights
+    (`--dense-precision bf16`), bf16; the scores are always FP32.
+    """
+
+    def __init__(self, dlrm: DLRM, keys: List[str]) -> None:
         super().__init__()
-        self.dlrm = dlrm
         self.keys = keys
+        self.embeddings = dlrm.sparse_arch.embedding_bag_collection
+        self.dense_arch = dlrm.dense_arch
+        self.over_arch = dlrm.over_arch
+        self.num_vectors = len(keys) + 1
+        self.dim = dlrm.sparse_arch.D
+        rows, cols = torch.triu_indices(self.num_vectors, self.num_vectors, 1)
+        self.register_buffer("upper_triangle", rows * self.num_vectors + cols)
 
     def forward(self, dense: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        dtype = self.over_arch.model[-1].weight.dtype
         sparse = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths)
-        return torch.sigmoid(self.dlrm(dense, sparse)).reshape(-1)
+        dense_embedding = self.dense_arch(dense.to(dtype))
+        pooled = self.embeddings(sparse).values().to(dtype)  # [B, F * D], key order
+        batch = dense_embedding.shape[0]
+        vectors = torch.cat([dense_embedding, pooled], dim=1).view(batch, self.num_vectors, self.dim)
+        products = torch.bmm(vectors, vectors.transpose(1, 2)).view(batch, -1)
+        interactions = torch.index_select(products, 1, self.upper_triangle)
+        logits = self.over_arch(torch.cat([dense_embedding, interactions], dim=1))
+        return torch.sigmoid(logits.float()).reshape(-1)
 
 
 class WithSchema(nn.Module):
@@ -147,6 +179,21 @@ def key_major(request: dict) -> tuple:
     return request["dense"], lengths.t().contiguous().reshape(-1), ids
 
 
+def check_against_torchrec(dlrm: DLRM, quantized: nn.Module, keys: List[str], args: argparse.Namespace) -> None:
+    """The predictor must compute what `DLRM.forward` computes: the golden
+    requests through both, FP32 and INT8, within 1e-6."""
+    with torch.inference_mode():
+        for model in (dlrm, quantized):
+            predictor = DlrmPredictor(model, keys)
+            for request in golden_requests(args):
+                dense, lengths, ids = key_major(request)
+                sparse = KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths)
+                expected = torch.sigmoid(model(dense, sparse)).reshape(-1)
+                diff = (predictor(dense, lengths, ids) - expected).abs().max().item()
+                if diff > 1e-6:
+                    raise SystemExit(f"export check failed: predictor differs from DLRM.forward by {diff}")
+
+
 def script(dlrm: nn.Module, keys: List[str], schema_json: str) -> torch.jit.ScriptModule:
     """TorchRec's inference export: FX-trace with TorchRec's tracer (which
     keeps KeyedJaggedTensor and FBGEMM calls as leaves), then script."""
@@ -189,11 +236,15 @@ def main() -> int:
         f"dense {args.num_dense}->{args.dense_arch}, over {args.over_arch}")
     dlrm = build_dlrm(args)
     keys = [f"cat_{i}" for i in range(args.num_sparse)]
+    over_in = args.embedding_dim + (args.num_sparse + 1) * args.num_sparse // 2
+    mlp_macs = sum(i * o for i, o in zip([args.num_dense] + args.dense_arch, args.dense_arch))
+    mlp_macs += sum(i * o for i, o in zip([over_in] + args.over_arch, args.over_arch))
     schema = json.dumps({
         "name": args.name,
         "version": args.version,
         "num_dense": args.num_dense,
         "sparse": [{"name": k, "num_rows": args.num_rows} for k in keys],
+        "mlp_flops_per_sample": 2 * mlp_macs,
     })
 
     log("writing FP32 weights (safetensors)")
@@ -210,6 +261,9 @@ def main() -> int:
     log("scripting the INT8 model")
     int8 = script(quantized, keys, schema)
     int8.save(str(out / "model_default.pt"))
+
+    log("checking the export against TorchRec's own DLRM forward")
+    check_against_torchrec(dlrm, quantized, keys, args)
 
     log("computing golden scores with the saved TorchScript files")
     int8_loaded = torch.jit.load(str(out / "model_default.pt"))
@@ -229,7 +283,7 @@ def main() -> int:
     (out / "golden.json").write_text(json.dumps({"schema": json.loads(schema), "requests": golden}))
 
     manifest = {
-        "name": args.name, "version": args.version, "seed": args.seed,
+        "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,
         "num_dense": args.num_dense, "num_sparse": args.num_sparse, "num_rows": args.num_rows,
         "embedding_dim": args.embedding_dim, "dense_arch": args.dense_arch, "over_arch": args.over_arch,
         "torch": torch.__version__,

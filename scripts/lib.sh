@@ -22,13 +22,16 @@ use_project_torch() {
   export LIBTORCH_USE_PYTORCH=1
 }
 
-# Exports a DLRM into models/generated/$1 unless one is there already.
+# Exports a DLRM into models/generated/$1 unless an export of the current
+# format (EXPORT_FORMAT in models/export_dlrm.py) is there already.
 # Extra arguments go to models/export_dlrm.py.
 export_model() {
   local name="$1"
   shift
-  if [ ! -f "models/generated/$name/manifest.json" ]; then
+  local format
+  format=$(sed -n 's/^EXPORT_FORMAT = //p' models/export_dlrm.py)
+  if ! grep -q "\"export_format\": $format," "models/generated/$name/manifest.json" 2>/dev/null; then
     step "exporting the $name DLRM into models/generated/$name"
-    .venv/bin/python models/export_dlrm.py --out "models/generated/$name" "$@"
+    .venv/bin/python models/export_dlrm.py --out "models/generated/$name" --force "$@"
   fi
 }

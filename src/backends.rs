@@ -31,6 +31,17 @@ impl BackendKind {
     }
 }
 
+/// `--dense-precision`: the arithmetic of the dense arch, interaction and
+/// over arch (embedding tables keep their own type, INT8 in the default
+/// model; scores are FP32 either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DensePrecisionArg {
+    /// FP32.
+    Fp32,
+    /// bf16 inputs with FP32 accumulation (torch; needs AVX512-BF16 or AMX on CPU).
+    Bf16,
+}
+
 /// Which model to load, where to run it, and the mock's settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BackendArgs {
@@ -54,6 +65,9 @@ pub struct BackendArgs {
     /// fbgemm_gpu package next to the libtorch Narsil was built with).
     #[arg(long, env = "NARSIL_FBGEMM_DIR")]
     pub fbgemm_dir: Option<PathBuf>,
+    /// torch: precision of the dense arithmetic.
+    #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecisionArg::Fp32)]
+    pub dense_precision: DensePrecisionArg,
     /// Mock backend: fixed latency of one forward, milliseconds.
     #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
     pub mock_latency_ms: f64,
@@ -81,6 +95,12 @@ impl BackendArgs {
         }
         if self.device != "cpu" && self.device != "cuda" && !self.device.starts_with("cuda:") {
             anyhow::bail!("--device must be `cpu`, `cuda` or `cuda:N`, got `{}`", self.device);
+        }
+        if self.dense_precision == DensePrecisionArg::Bf16 && self.kind != BackendKind::Torch {
+            anyhow::bail!(
+                "--dense-precision bf16 is supported by --backend torch only (burn-flex has no bf16 GEMM); \
+                 remove it or use --backend torch"
+            );
         }
         match self.kind {
             BackendKind::Mock if self.model.is_some() => {
@@ -142,6 +162,10 @@ impl BackendArgs {
         config.device = self.device.clone();
         config.intra_op_threads = self.intra_op_threads;
         config.fbgemm_dir = self.fbgemm_dir.clone();
+        config.dense_precision = match self.dense_precision {
+            DensePrecisionArg::Fp32 => narsil_torch::DensePrecision::Fp32,
+            DensePrecisionArg::Bf16 => narsil_torch::DensePrecision::Bf16,
+        };
         Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
     }
 
@@ -186,6 +210,7 @@ mod tests {
         assert!(error(&["--device", "gpu"]).contains("--device"));
         assert!(error(&["--intra-op-threads", "0"]).contains("--intra-op-threads"));
         assert!(error(&["--mock-latency-ms=-1"]).contains("--mock-latency-ms"));
+        assert!(error(&["--backend", "burn", "--dense-precision", "bf16"]).contains("--dense-precision"));
     }
 
     #[test]

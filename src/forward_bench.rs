@@ -2,6 +2,11 @@
 //! at fixed fused batch sizes. No gRPC, no queue: the "raw forward" samples/s
 //! that serving efficiency is measured against (served samples/s divided by
 //! raw samples/s at the same mean fused rows).
+//!
+//! With libtorch compiled in, it also measures this core's GEMM peak (FP32
+//! and bf16, same libtorch, same intra-op threads) and reports each size's
+//! samples/s as a fraction of the MLP-arithmetic limit: the GEMM peak in the
+//! forward's precision divided by the model's MLP FLOPs per sample.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -11,7 +16,7 @@ use narsil_core::{assemble, BackendFactory, SampleBatch};
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::backends::BackendArgs;
+use crate::backends::{BackendArgs, DensePrecisionArg};
 use crate::grpc::convert::{model_info, sample_batch};
 use crate::load::workload::random_request;
 
@@ -41,6 +46,9 @@ pub struct ForwardBenchArgs {
     /// touched warm in cache and flatter the backend.
     #[arg(long, default_value_t = 64)]
     pub distinct_requests: usize,
+    /// Seconds per precision for the GEMM peak (0 skips it).
+    #[arg(long, default_value_t = 1.0)]
+    pub peak_seconds: f64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -58,6 +66,16 @@ pub struct ForwardResult {
     pub mean_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
+    /// samples/s over the MLP-arithmetic limit in the forward's precision.
+    pub fraction_of_mlp_limit: Option<f64>,
+}
+
+/// This core's GEMM peak through libtorch, `[1600 x 512] x [512 x 512]`
+/// linear layers, GFLOP/s.
+#[derive(Debug, Clone, Serialize)]
+pub struct GemmPeaks {
+    pub fp32_gflops: f64,
+    pub bf16_gflops: f64,
 }
 
 /// The whole run.
@@ -68,11 +86,17 @@ pub struct ForwardReport {
     pub device: String,
     pub intra_op_threads: usize,
     pub ids_per_feature: u32,
+    pub dense_precision: String,
     pub load_ms: f64,
     /// Resident memory once the model is loaded and one lane created, MiB.
     pub rss_after_load_mib: Option<f64>,
     /// Peak resident memory of the whole run, MiB.
     pub peak_rss_mib: Option<f64>,
+    pub gemm_peaks: Option<GemmPeaks>,
+    pub mlp_flops_per_sample: Option<f64>,
+    /// The GEMM peak in the forward's precision over the MLP FLOPs per
+    /// sample: samples/s if nothing but the MLPs ran, at the peak.
+    pub mlp_limit_samples_per_s: Option<f64>,
     pub results: Vec<ForwardResult>,
 }
 
@@ -91,6 +115,9 @@ pub fn run(args: ForwardBenchArgs) -> anyhow::Result<()> {
     }
     if args.request_samples == 0 || !(args.seconds.is_finite() && args.seconds > 0.0) {
         anyhow::bail!("--request-samples and --seconds must be positive");
+    }
+    if !(args.peak_seconds.is_finite() && args.peak_seconds >= 0.0) {
+        anyhow::bail!("--peak-seconds must be a non-negative number");
     }
     let started = Instant::now();
     let factory = args.backend.build()?;
@@ -126,16 +153,33 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
         report.rss_after_load_mib.unwrap_or(f64::NAN),
         report.peak_rss_mib.unwrap_or(f64::NAN)
     )?;
-    writeln!(
-        out,
-        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9}",
-        "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms"
-    )?;
-    for r in &report.results {
+    if let Some(peaks) = &report.gemm_peaks {
         writeln!(
             out,
-            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3}",
-            r.rows, r.forwards, r.samples_per_s, r.mean_ms, r.p50_ms, r.p99_ms
+            "GEMM peak (libtorch, 1600x512x512): FP32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s",
+            peaks.fp32_gflops, peaks.bf16_gflops
+        )?;
+    }
+    if let (Some(flops), Some(limit)) = (report.mlp_flops_per_sample, report.mlp_limit_samples_per_s) {
+        writeln!(
+            out,
+            "dense precision {}: MLPs {:.2} MFLOP/sample, MLP-arithmetic limit {:.0} samples/s",
+            report.dense_precision,
+            flops / 1e6,
+            limit
+        )?;
+    }
+    writeln!(
+        out,
+        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
+        "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms", "of limit"
+    )?;
+    for r in &report.results {
+        let fraction = r.fraction_of_mlp_limit.map_or("-".into(), |f| format!("{f:.2}"));
+        writeln!(
+            out,
+            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9}",
+            r.rows, r.forwards, r.samples_per_s, r.mean_ms, r.p50_ms, r.p99_ms, fraction
         )?;
     }
     Ok(())
@@ -150,6 +194,18 @@ fn measure(
     let mut lane = factory.create_lane(0)?;
     let load_ms = started.elapsed().as_secs_f64() * 1e3;
     let rss_after_load_mib = proc_status_mib("VmRSS:");
+    let gemm_peaks = gemm_peaks(args.peak_seconds);
+    let mlp_flops_per_sample = factory.mlp_flops_per_sample();
+    let mlp_limit_samples_per_s = match (&gemm_peaks, mlp_flops_per_sample) {
+        (Some(peaks), Some(flops)) if flops > 0.0 => {
+            let peak = match args.backend.dense_precision {
+                DensePrecisionArg::Fp32 => peaks.fp32_gflops,
+                DensePrecisionArg::Bf16 => peaks.bf16_gflops,
+            };
+            Some(peak * 1e9 / flops)
+        }
+        _ => None,
+    };
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_batch_size: usize::MAX, id_policy: IdPolicy::Reject };
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -194,10 +250,12 @@ fn measure(
         let total: Duration = times.iter().sum();
         times.sort();
         let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3;
+        let samples_per_s = (rows * times.len()) as f64 / total.as_secs_f64();
         results.push(ForwardResult {
             rows,
             forwards: times.len(),
-            samples_per_s: (rows * times.len()) as f64 / total.as_secs_f64(),
+            samples_per_s,
+            fraction_of_mlp_limit: mlp_limit_samples_per_s.map(|limit| samples_per_s / limit),
             mean_ms: total.as_secs_f64() * 1e3 / times.len() as f64,
             p50_ms: pct(0.5),
             p99_ms: pct(0.99),
@@ -209,11 +267,37 @@ fn measure(
         device: schema.device.clone(),
         intra_op_threads: args.backend.intra_op_threads,
         ids_per_feature: args.ids_per_feature,
+        dense_precision: format!("{:?}", args.backend.dense_precision).to_lowercase(),
         load_ms,
         rss_after_load_mib,
         peak_rss_mib: proc_status_mib("VmHWM:"),
+        gemm_peaks,
+        mlp_flops_per_sample,
+        mlp_limit_samples_per_s,
         results,
     })
+}
+
+/// The GEMM peaks on the calling (lane) thread; `None` without libtorch or
+/// with `seconds` 0.
+#[cfg(feature = "torch")]
+fn gemm_peaks(seconds: f64) -> Option<GemmPeaks> {
+    use narsil_torch::roofline::gemm_peak_gflops;
+    use narsil_torch::DensePrecision;
+    if seconds <= 0.0 {
+        return None;
+    }
+    let duration = Duration::from_secs_f64(seconds);
+    let shape = [1600, 512, 512];
+    Some(GemmPeaks {
+        fp32_gflops: gemm_peak_gflops(DensePrecision::Fp32, shape, duration),
+        bf16_gflops: gemm_peak_gflops(DensePrecision::Bf16, shape, duration),
+    })
+}
+
+#[cfg(not(feature = "torch"))]
+fn gemm_peaks(_seconds: f64) -> Option<GemmPeaks> {
+    None
 }
 
 #[cfg(test)]
@@ -243,6 +327,8 @@ mod tests {
             "0.05",
             "--warmup",
             "1",
+            "--peak-seconds",
+            "0",
             "--ids-per-feature",
             "2",
         ]);

@@ -12,6 +12,22 @@ use crate::device::parse_device;
 use crate::fbgemm::{default_fbgemm_dir, load_fbgemm_ops};
 use crate::lane::{enter_inference_mode, TorchLane};
 use crate::model::TorchModel;
+use crate::precision::{cpu_bf16_instructions, DensePrecision};
+
+/// bf16 on a CPU without bf16 instructions would be emulated, slower than
+/// FP32: refused rather than served slowly.
+fn require_cpu_bf16() -> Result<(), BackendError> {
+    let found = cpu_bf16_instructions();
+    if found.is_empty() {
+        return Err(BackendError(
+            "--dense-precision bf16 needs a CPU with AVX512-BF16 or AMX-BF16 instructions, and this one has \
+             neither (bf16 would be emulated, slower than FP32); serve with --dense-precision fp32"
+                .into(),
+        ));
+    }
+    tracing::info!(instructions = %found.join(", "), "CPU bf16 instructions");
+    Ok(())
+}
 
 /// How to load and run a TorchScript model.
 #[derive(Debug, Clone)]
@@ -29,6 +45,8 @@ pub struct TorchConfig {
     /// executor specialises the graph over its first calls, so each shape
     /// class served should be warmed.
     pub warmup_rows: Vec<usize>,
+    /// Precision of the dense arithmetic.
+    pub dense_precision: DensePrecision,
 }
 
 impl TorchConfig {
@@ -41,6 +59,7 @@ impl TorchConfig {
             intra_op_threads: 1,
             fbgemm_dir: None,
             warmup_rows: vec![1, 100, 1600],
+            dense_precision: DensePrecision::Fp32,
         }
     }
 }
@@ -63,11 +82,15 @@ impl TorchFactory {
         tracing::debug!(dir = %fbgemm_dir.display(), libraries = libs.len(), "FBGEMM operators registered");
         // After the libraries: opening libtorch.so is what registers CUDA.
         let device = parse_device(&config.device)?;
+        if config.dense_precision == DensePrecision::Bf16 && device == tch::Device::Cpu {
+            require_cpu_bf16()?;
+        }
         tch::set_num_threads(config.intra_op_threads as i32);
-        let model = TorchModel::load(&config.model, device, &config.device)?;
+        let model = TorchModel::load(&config.model, device, &config.device, config.dense_precision)?;
         tracing::info!(
             model = %config.model.display(),
             device = %config.device,
+            dense_precision = %config.dense_precision,
             features = model.schema().num_sparse(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "TorchScript model loaded"
@@ -85,6 +108,10 @@ impl BackendFactory for TorchFactory {
         enter_inference_mode();
         tch::set_num_threads(self.config.intra_op_threads as i32);
         Ok(Box::new(TorchLane::new(Arc::clone(&self.model))))
+    }
+
+    fn mlp_flops_per_sample(&self) -> Option<f64> {
+        self.model.mlp_flops_per_sample()
     }
 
     fn warmup_rows(&self) -> Vec<usize> {

@@ -63,8 +63,12 @@ impl TorchLane {
 
 impl ModelBackend for TorchLane {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
-        let inputs = self.inputs(batch)?;
-        let output = self.model.module.forward_ts(&inputs).map_err(torch_error)?;
+        let [dense, lengths, ids] = self.inputs(batch)?;
+        let output = self
+            .model
+            .module
+            .forward(&dense, &lengths, &ids)
+            .map_err(|e| BackendError(format!("libtorch: {e}")))?;
         let output = output
             .f_to_device(Device::Cpu)
             .and_then(|t| t.f_to_kind(Kind::Float))

@@ -5,6 +5,9 @@
 //! * [`fbgemm`]: registers FBGEMM's operators in the process before a model
 //!   that calls them is loaded.
 //! * [`model`]: loads the TorchScript module once and reads its schema.
+//! * [`script_module`]: the frozen TorchScript module behind a C++ shim.
+//! * [`precision`]: `--dense-precision` and the CPU's bf16 instructions.
+//! * [`roofline`]: this core's GEMM peak through the same libtorch.
 //! * [`lane`]: one lane's forward: key-major batch in, scores out (pinned
 //!   host staging and asynchronous copies on CUDA).
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
@@ -15,9 +18,13 @@ pub mod factory;
 pub mod fbgemm;
 pub mod lane;
 pub mod model;
+pub mod precision;
+pub mod roofline;
+pub mod script_module;
 
 pub use factory::{TorchConfig, TorchFactory};
 pub use model::TorchModel;
+pub use precision::{cpu_bf16_instructions, DensePrecision};
 
 /// The libtorch `lib` directory this crate was built against (also the rpath
 /// the binaries carry).

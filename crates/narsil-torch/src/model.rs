@@ -4,12 +4,19 @@
 //! `forward(dense: f32[B, D], lengths: i32[T*B] key-major, ids: i64[N] key-major) -> f32[B]`
 //! (probabilities) and describe their own inputs through an exported method
 //! `narsil_schema() -> str` (JSON), so a model file is self-contained.
+//!
+//! The module is frozen at load ([`crate::script_module`]): its weights
+//! become constants the graph optimizer folds, which is also when the dense
+//! precision is applied.
 
 use std::path::Path;
 
 use narsil_core::{BackendError, ModelSchema, SparseFeature};
 use serde::Deserialize;
-use tch::{CModule, Device, IValue};
+use tch::Device;
+
+use crate::precision::DensePrecision;
+use crate::script_module::ScriptModule;
 
 /// The JSON returned by the model's `narsil_schema()` method.
 #[derive(Debug, Deserialize)]
@@ -18,6 +25,9 @@ struct SchemaJson {
     version: String,
     num_dense: usize,
     sparse: Vec<SparseJson>,
+    /// Written by exports since the bf16 option; older ones lack it.
+    #[serde(default)]
+    mlp_flops_per_sample: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -26,30 +36,55 @@ struct SparseJson {
     num_rows: u64,
 }
 
-/// A loaded TorchScript model. `CModule` is `Sync`: TorchScript modules may
-/// run forwards from several threads at once, so lanes share one copy of the
-/// weights.
+/// A loaded TorchScript model. TorchScript modules may run forwards from
+/// several threads at once, so lanes share one copy of the weights.
 pub struct TorchModel {
-    pub(crate) module: CModule,
+    pub(crate) module: ScriptModule,
     schema: ModelSchema,
     device: Device,
+    precision: DensePrecision,
+    mlp_flops_per_sample: Option<f64>,
 }
 
 impl TorchModel {
-    /// Loads `path` onto `device` and reads its schema. FBGEMM's operators
-    /// must already be registered ([`crate::fbgemm::load_fbgemm_ops`]).
-    pub fn load(path: &Path, device: Device, device_name: &str) -> Result<Self, BackendError> {
+    /// Loads `path` onto `device` in `precision` and reads its schema.
+    /// FBGEMM's operators must already be registered
+    /// ([`crate::fbgemm::load_fbgemm_ops`]).
+    pub fn load(
+        path: &Path,
+        device: Device,
+        device_name: &str,
+        precision: DensePrecision,
+    ) -> Result<Self, BackendError> {
         if !path.is_file() {
             return Err(BackendError(format!(
                 "model file {} does not exist; export one with models/export_dlrm.py",
                 path.display()
             )));
         }
-        let mut module = CModule::load_on_device(path, device)
+        let loaded = ScriptModule::load(path, device, precision)
             .map_err(|e| BackendError(format!("cannot load TorchScript model {}: {e}", path.display())))?;
-        module.set_eval();
-        let schema = read_schema(&module, path, device_name)?;
-        Ok(Self { module, schema, device })
+        let Some(json) = loaded.schema_json else {
+            return Err(BackendError(format!(
+                "{} has no narsil_schema() method returning a string; export it with models/export_dlrm.py",
+                path.display()
+            )));
+        };
+        if precision == DensePrecision::Bf16 {
+            tracing::info!(int8_lookups_in_bf16 = loaded.bf16_lookups, "dense arithmetic in bf16");
+        }
+        let (schema, mlp_flops_per_sample) = parse_schema(&json, path, device_name)?;
+        Ok(Self { module: loaded.module, schema, device, precision, mlp_flops_per_sample })
+    }
+
+    /// The MLPs' FLOPs per sample, as the export states them.
+    pub fn mlp_flops_per_sample(&self) -> Option<f64> {
+        self.mlp_flops_per_sample
+    }
+
+    /// The precision of the dense arithmetic.
+    pub fn precision(&self) -> DensePrecision {
+        self.precision
     }
 
     /// The model's input schema.
@@ -63,23 +98,8 @@ impl TorchModel {
     }
 }
 
-fn read_schema(module: &CModule, path: &Path, device: &str) -> Result<ModelSchema, BackendError> {
-    let json = match module.method_is::<IValue>("narsil_schema", &[]) {
-        Ok(IValue::String(json)) => json,
-        Ok(other) => {
-            return Err(BackendError(format!(
-                "{}: narsil_schema() returned {other:?}, not a string",
-                path.display()
-            )))
-        }
-        Err(e) => {
-            return Err(BackendError(format!(
-                "{} has no narsil_schema() method ({e}); export it with models/export_dlrm.py",
-                path.display()
-            )))
-        }
-    };
-    let parsed: SchemaJson = serde_json::from_str(&json)
+fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, Option<f64>), BackendError> {
+    let parsed: SchemaJson = serde_json::from_str(json)
         .map_err(|e| BackendError(format!("{}: narsil_schema() is not valid: {e}", path.display())))?;
     if parsed.sparse.is_empty() || parsed.sparse.iter().any(|f| f.num_rows == 0) {
         return Err(BackendError(format!(
@@ -87,7 +107,7 @@ fn read_schema(module: &CModule, path: &Path, device: &str) -> Result<ModelSchem
             path.display()
         )));
     }
-    Ok(ModelSchema {
+    let schema = ModelSchema {
         name: parsed.name,
         version: parsed.version,
         backend: "torch".into(),
@@ -98,5 +118,6 @@ fn read_schema(module: &CModule, path: &Path, device: &str) -> Result<ModelSchem
             .into_iter()
             .map(|f| SparseFeature { name: f.name, num_rows: f.num_rows })
             .collect(),
-    })
+    };
+    Ok((schema, parsed.mlp_flops_per_sample))
 }

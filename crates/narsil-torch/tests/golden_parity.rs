@@ -8,7 +8,7 @@
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
 use narsil_core::{assemble, BackendFactory, SampleBatch};
-use narsil_torch::{TorchConfig, TorchFactory};
+use narsil_torch::{cpu_bf16_instructions, DensePrecision, TorchConfig, TorchFactory};
 
 /// Same libtorch and kernels as the Python side.
 const TOLERANCE: f32 = 1e-6;
@@ -103,4 +103,58 @@ fn cuda_device_is_selectable_and_errors_clearly_without_a_gpu() {
             }
         }
     }
+}
+
+/// bf16 dense arithmetic against the FP32 scores Python computed.
+const BF16_TOLERANCE_VS_FP32: f32 = 5e-3;
+/// bf16, one request fused with others vs alone: oneDNN's blocking changes
+/// with the number of rows, and a different summation order can round a bf16
+/// activation the other way.
+const BF16_FUSED_VS_ALONE: f32 = 1e-3;
+
+/// With bf16 instructions, `--dense-precision bf16` stays within
+/// [`BF16_TOLERANCE_VS_FP32`] of Python's FP32-dense scores, and a request's
+/// scores fused (with the golden requests four times over: 1,564 rows) stay
+/// within [`BF16_FUSED_VS_ALONE`] of its scores alone. Without them, loading
+/// is refused with a message naming the flag.
+#[test]
+fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
+    let mut config = TorchConfig::new(test_model_dir().join("model_default.pt"));
+    config.dense_precision = DensePrecision::Bf16;
+    let factory = match TorchFactory::load(config) {
+        Err(err) => {
+            assert!(cpu_bf16_instructions().is_empty(), "this CPU has bf16 instructions, yet: {err}");
+            assert!(err.0.contains("--dense-precision") && err.0.contains("AVX512-BF16"), "{err}");
+            return;
+        }
+        Ok(factory) => factory,
+    };
+    let schema = factory.schema().clone();
+    let mut lane = factory.create_lane(0).unwrap();
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let requests: Vec<SampleBatch> =
+        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Reject).unwrap()).collect();
+    let mut alone = Vec::new();
+    let (mut worst, mut sum, mut count) = (0f32, 0f64, 0usize);
+    for (request, g) in requests.iter().zip(&golden.requests) {
+        let scores = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
+        for (a, b) in scores.iter().zip(&g.scores_int8) {
+            worst = worst.max((a - b).abs());
+            sum += f64::from((a - b).abs());
+            count += 1;
+        }
+        alone.push(scores);
+    }
+    eprintln!("bf16 vs FP32 golden: max |diff| {worst:e}, mean {:e} over {count} scores", sum / count as f64);
+    assert!(worst <= BF16_TOLERANCE_VS_FP32, "bf16 vs FP32: {worst}");
+    let many: Vec<&SampleBatch> = requests.iter().cycle().take(4 * requests.len()).collect();
+    let fused = assemble(schema.num_dense, schema.num_sparse(), many.iter().copied());
+    let scores = lane.forward(&fused).unwrap();
+    let mut fused_worst = 0f32;
+    for (i, part) in fused.split(&scores).enumerate() {
+        let diff = max_abs_diff(part, &alone[i % requests.len()]).unwrap();
+        fused_worst = fused_worst.max(diff);
+    }
+    eprintln!("bf16 fused ({} rows) vs alone: max |diff| {fused_worst:e}", fused.rows);
+    assert!(fused_worst <= BF16_FUSED_VS_ALONE, "bf16 fused vs alone: {fused_worst}");
 }

@@ -1,0 +1,123 @@
+// Narsil's TorchScript module: load, choose the dense precision, freeze, run.
+//
+// tch has no binding for torch::jit::freeze or for editing a graph, so the
+// module lives here and Rust holds an opaque pointer to it. Tensors cross as
+// tch does it: an `at::Tensor*` each way (tch's `C_tensor`).
+//
+// Errors: every function that can fail takes `char** error`; on failure it
+// stores a malloc'd message there (the caller frees it) and returns null.
+#include <torch/csrc/jit/runtime/graph_iterator.h>
+#include <torch/script.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+
+namespace {
+
+char* copy_string(const std::string& text) {
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+
+void set_error(char** error, const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    *error = copy_string(c10_error->what_without_backtrace());
+  } else {
+    *error = copy_string(e.what());
+  }
+}
+
+// fbgemm_gpu's SparseType::BF16.
+constexpr int64_t kSparseTypeBf16 = 5;
+
+// TorchRec's traced INT8 embedding lookups carry their output dtype as a
+// constant argument (FP32 when exported). In bf16 the pooled embeddings are
+// asked for in bf16 directly: FBGEMM dequantizes each row straight into bf16,
+// which halves the output written and removes a cast of the whole block.
+int pooled_embeddings_in_bf16(std::shared_ptr<torch::jit::Graph> graph) {
+  int rewritten = 0;
+  torch::jit::DepthFirstGraphNodeIterator nodes(graph);
+  while (auto* node = nodes.next()) {
+    if (std::strcmp(node->kind().toQualString(), "fbgemm::int_nbit_split_embedding_codegen_lookup_function") != 0) {
+      continue;
+    }
+    auto index = node->schema().argumentIndexWithName("output_dtype");
+    if (!index) continue;
+    torch::jit::WithInsertPoint guard(node);
+    node->replaceInput(*index, graph->insertConstant(kSparseTypeBf16));
+    ++rewritten;
+  }
+  return rewritten;
+}
+
+// Casts floating-point parameters and buffers to bf16 and leaves the others
+// (INT8 tables, offsets, ids) alone. `Module::to(dtype)` would cast every
+// tensor, integer buffers included.
+void floating_point_to_bf16(torch::jit::Module& module) {
+  auto cast = [](const at::Tensor& tensor) {
+    if (tensor.is_floating_point()) tensor.set_data(tensor.to(c10::kBFloat16));
+  };
+  for (const auto& parameter : module.named_parameters(/*recurse=*/true)) cast(parameter.value);
+  for (const auto& buffer : module.named_buffers(/*recurse=*/true)) cast(buffer.value);
+}
+
+}  // namespace
+
+struct NarsilScriptModule {
+  torch::jit::Module module;
+};
+
+extern "C" {
+
+// Loads `path` onto the CPU (`cuda_index` < 0) or CUDA device `cuda_index`.
+// `*schema_json` receives the result of the module's `narsil_schema()`
+// method, or null when it has none. With `bf16`, floating-point parameters
+// are cast to bf16 and INT8 embedding lookups return bf16
+// (`*bf16_lookups` counts them). The module is then frozen (weights and
+// attributes become constants, so the graph optimizer can fold them).
+NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, int bf16, char** schema_json,
+                                              int* bf16_lookups, char** error) {
+  *schema_json = nullptr;
+  *bf16_lookups = 0;
+  try {
+    const auto device = cuda_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, cuda_index);
+    auto module = torch::jit::load(path, device);
+    module.eval();
+    if (module.find_method("narsil_schema")) {
+      const auto schema = module.run_method("narsil_schema");
+      if (schema.isString()) *schema_json = copy_string(schema.toStringRef());
+    }
+    if (bf16) floating_point_to_bf16(module);
+    auto frozen = torch::jit::freeze(module);
+    if (bf16) *bf16_lookups = pooled_embeddings_in_bf16(frozen.get_method("forward").graph());
+    return new NarsilScriptModule{std::move(frozen)};
+  } catch (const std::exception& e) {
+    if (*schema_json) std::free(*schema_json);
+    *schema_json = nullptr;
+    set_error(error, e);
+    return nullptr;
+  }
+}
+
+// forward(dense, lengths, ids) -> a new tensor (tch takes ownership).
+at::Tensor* narsil_script_module_forward(NarsilScriptModule* m, const at::Tensor* dense, const at::Tensor* lengths,
+                                         const at::Tensor* ids, char** error) {
+  try {
+    std::vector<c10::IValue> inputs{*dense, *lengths, *ids};
+    auto output = m->module.forward(std::move(inputs));
+    if (!output.isTensor()) {
+      throw std::runtime_error("the model's forward returned " + output.tagKind() + ", not a tensor");
+    }
+    return new at::Tensor(std::move(output).toTensor());
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return nullptr;
+  }
+}
+
+void narsil_script_module_free(NarsilScriptModule* m) { delete m; }
+
+}  // extern "C"

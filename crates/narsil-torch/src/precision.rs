@@ -1,0 +1,87 @@
+//! The precision of the dense arithmetic (dense arch, interaction, over
+//! arch) and whether this CPU can run bf16 at speed.
+//!
+//! bf16 casts the model's floating-point parameters to bf16 at load and asks
+//! the INT8 embedding lookups for bf16 output; oneDNN then runs the GEMMs
+//! with bf16 inputs and FP32 accumulation. Scores are FP32 either way.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// `--dense-precision`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DensePrecision {
+    /// FP32 everywhere (the exported model as it is).
+    #[default]
+    Fp32,
+    /// bf16 dense arithmetic with FP32 accumulation.
+    Bf16,
+}
+
+impl DensePrecision {
+    /// The flag value.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fp32 => "fp32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+impl fmt::Display for DensePrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DensePrecision {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fp32" => Ok(Self::Fp32),
+            "bf16" => Ok(Self::Bf16),
+            other => Err(format!("unknown dense precision `{other}` (expected fp32 or bf16)")),
+        }
+    }
+}
+
+/// The CPU's bf16 instructions, as `/proc/cpuinfo` names them (`amx_bf16`,
+/// `avx512_bf16`); empty when it has none. Without them oneDNN emulates bf16
+/// GEMMs, which is slower than FP32.
+pub fn cpu_bf16_instructions() -> Vec<&'static str> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    bf16_flags(&cpuinfo)
+}
+
+fn bf16_flags(cpuinfo: &str) -> Vec<&'static str> {
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, f)| f.split_whitespace().collect())
+        .unwrap_or_default();
+    ["amx_bf16", "avx512_bf16"].into_iter().filter(|want| flags.contains(want)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flag_values_round_trip_and_unknown_ones_are_named() {
+        for p in [DensePrecision::Fp32, DensePrecision::Bf16] {
+            assert_eq!(p.name().parse::<DensePrecision>().unwrap(), p);
+        }
+        assert!("fp16".parse::<DensePrecision>().unwrap_err().contains("fp16"));
+    }
+
+    #[test]
+    fn bf16_instructions_are_read_from_the_cpu_flags() {
+        let amx = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile\n";
+        assert_eq!(bf16_flags(amx), ["amx_bf16", "avx512_bf16"]);
+        let zen3 = "flags\t\t: fpu avx2 fma\n";
+        assert!(bf16_flags(zen3).is_empty());
+        assert!(bf16_flags("").is_empty());
+    }
+}

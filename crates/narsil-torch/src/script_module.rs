@@ -1,0 +1,124 @@
+//! The TorchScript module as Narsil runs it: loaded, cast to the dense
+//! precision, frozen, and called, through the C++ shim in
+//! `csrc/script_module.cpp` (tch binds neither `torch::jit::freeze` nor
+//! graph edits). Tensors cross the boundary as tch's own `at::Tensor*`.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::path::Path;
+
+use tch::{Device, Tensor};
+
+use crate::precision::DensePrecision;
+
+#[repr(C)]
+struct RawModule {
+    _private: [u8; 0],
+}
+
+type RawTensor = torch_sys::C_tensor;
+
+extern "C" {
+    fn narsil_script_module_load(
+        path: *const c_char,
+        cuda_index: c_int,
+        bf16: c_int,
+        schema_json: *mut *mut c_char,
+        bf16_lookups: *mut c_int,
+        error: *mut *mut c_char,
+    ) -> *mut RawModule;
+    fn narsil_script_module_forward(
+        module: *mut RawModule,
+        dense: *const RawTensor,
+        lengths: *const RawTensor,
+        ids: *const RawTensor,
+        error: *mut *mut c_char,
+    ) -> *mut RawTensor;
+    fn narsil_script_module_free(module: *mut RawModule);
+}
+
+/// A loaded, frozen TorchScript module.
+pub struct ScriptModule {
+    raw: *mut RawModule,
+}
+
+// SAFETY: a torch::jit::Module may run forwards from several threads at once
+// (TorchScript's interpreter keeps per-call state on the calling thread); the
+// module is never mutated after loading.
+unsafe impl Send for ScriptModule {}
+unsafe impl Sync for ScriptModule {}
+
+/// What loading found besides the module.
+pub struct Loaded {
+    pub module: ScriptModule,
+    /// The JSON of the model's `narsil_schema()`, if it has that method.
+    pub schema_json: Option<String>,
+    /// INT8 embedding lookups switched to bf16 output (bf16 only).
+    pub bf16_lookups: usize,
+}
+
+impl ScriptModule {
+    /// Loads `path` onto `device` in `precision` and freezes it.
+    pub fn load(path: &Path, device: Device, precision: DensePrecision) -> Result<Loaded, String> {
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| format!("path with a NUL byte: {}", path.display()))?;
+        let cuda_index = match device {
+            Device::Cuda(index) => index as c_int,
+            _ => -1,
+        };
+        let mut schema: *mut c_char = std::ptr::null_mut();
+        let mut bf16_lookups: c_int = 0;
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: valid C string and out-pointers; the shim sets `error` or
+        // returns a module, never both.
+        let raw = unsafe {
+            narsil_script_module_load(
+                c_path.as_ptr(),
+                cuda_index,
+                (precision == DensePrecision::Bf16) as c_int,
+                &mut schema,
+                &mut bf16_lookups,
+                &mut error,
+            )
+        };
+        if raw.is_null() {
+            return Err(take_string(error).unwrap_or_else(|| "unknown error".into()));
+        }
+        Ok(Loaded {
+            module: ScriptModule { raw },
+            schema_json: take_string(schema),
+            bf16_lookups: bf16_lookups.max(0) as usize,
+        })
+    }
+
+    /// `forward(dense, lengths, ids)`.
+    pub fn forward(&self, dense: &Tensor, lengths: &Tensor, ids: &Tensor) -> Result<Tensor, String> {
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: the tensors outlive the call; a non-null result is a new
+        // heap `at::Tensor` whose ownership passes to the returned Tensor.
+        let output = unsafe {
+            narsil_script_module_forward(self.raw, dense.as_ptr(), lengths.as_ptr(), ids.as_ptr(), &mut error)
+        };
+        if output.is_null() {
+            return Err(take_string(error).unwrap_or_else(|| "unknown error".into()));
+        }
+        Ok(unsafe { Tensor::from_ptr(output) })
+    }
+}
+
+impl Drop for ScriptModule {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from the shim's load and is freed once.
+        unsafe { narsil_script_module_free(self.raw) }
+    }
+}
+
+/// Takes ownership of a malloc'd C string from the shim.
+fn take_string(ptr: *mut c_char) -> Option<String> {
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: the shim returns NUL-terminated strings from malloc.
+    let text = unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned();
+    unsafe { libc::free(ptr.cast()) };
+    Some(text)
+}
