@@ -39,6 +39,7 @@ def serve_and_load(args):
              "--execution-mode", args.execution_mode, "--lanes", str(args.lanes),
              "--batch-size", str(args.batch_size), "--batch-timeout-ms", str(args.batch_timeout_ms),
              "--intra-op-threads", str(args.intra_op_threads), "--log-level", "warn"]
+    serve += ["--dense-precision", args.dense_precision] if args.backend == "torch" else []
     server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         cold_start_s = wait_serving(args.binary, addr, server)
@@ -59,7 +60,8 @@ def bench_forward(args, rows):
     cmd = [args.binary, "bench-forward", "--backend", args.backend, "--model", args.model,
            "--intra-op-threads", str(args.intra_op_threads), "--rows", ",".join(map(str, rows)),
            "--request-samples", str(args.samples), "--seconds", str(args.bench_seconds),
-           "--log-level", "warn", "--json"]
+           "--peak-seconds", "0", "--log-level", "warn", "--json"]
+    cmd += ["--dense-precision", args.dense_precision] if args.backend == "torch" else []
     out = subprocess.run(pinned(cmd, 0), capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -70,6 +72,7 @@ def main():
     p.add_argument("--backend", default="torch", choices=["torch", "burn"])
     p.add_argument("--model", help="default: the exported default DLRM's model_default.pt (torch) "
                    "or weights_fp32.safetensors (burn)")
+    p.add_argument("--dense-precision", default="fp32", choices=["fp32", "bf16"], help="torch only")
     p.add_argument("--execution-mode", default="batch", choices=["batch", "worker"])
     p.add_argument("--lanes", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=16, help="most requests per fused forward")

@@ -8,8 +8,10 @@ turn, waited for, measured at every --concurrency, and stopped:
     --dense-precision {fp32,bf16}` on model_default.pt
   * TorchRec C++ fp32 / bf16 - TorchRec's `torchrec/inference/server.cpp`,
     built for the CPU by benchmarks/torchrec_cpp/build.sh, on the same
-    weights in TorchRec's signature (benchmarks/torchrec_cpp/adapt_model.py;
-    the bf16 file runs the arithmetic Narsil's bf16 runs)
+    weights in TorchRec's signature (benchmarks/torchrec_cpp/adapt_model.py:
+    frozen as Narsil freezes it; the bf16 file runs the arithmetic Narsil's
+    bf16 runs), with libtorch's huge pages on (THP_MEM_ALLOC_ENABLE=1, which
+    Narsil sets for itself) unless --torchrec-no-thp
   * with --baselines: Narsil worker fp32, Narsil burn (FP32), and the Python
     baseline (benchmarks/baselines/torchrec_python_server.py)
 
@@ -81,7 +83,8 @@ def servers(args, cores, torchrec_bin):
     if torchrec_bin:
         for precision in args.precisions:
             model = torchrec_model(args, precision)
-            out.append((f"TorchRec C++ {precision}", lambda addr, m=model: [torchrec_bin, m]))
+            env = [] if args.torchrec_no_thp else ["env", "THP_MEM_ALLOC_ENABLE=1"]
+            out.append((f"TorchRec C++ {precision}", lambda addr, m=model, env=env: env + [torchrec_bin, m]))
     if args.baselines:
         out.append(("Narsil worker fp32", lambda addr: narsil + torch_model + ["--execution-mode", "worker",
                                                                             "--addr", addr]))
@@ -192,6 +195,8 @@ def main():
                    help="also Narsil worker, Narsil burn and the Python baseline")
     p.add_argument("--skip-torchrec", action="store_true")
     p.add_argument("--torchrec-bin", default=TORCHREC_BIN)
+    p.add_argument("--torchrec-no-thp", action="store_true",
+                   help="run TorchRec's server without THP_MEM_ALLOC_ENABLE=1 (Narsil sets it for itself)")
     p.add_argument("--torchrec-checkout", help="a torchrec clone to build the C++ server from when it is missing")
     p.add_argument("--start-timeout", type=float, default=180)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "torchrec_dlrm_compare"),
