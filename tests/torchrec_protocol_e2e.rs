@@ -85,7 +85,11 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
     oversized.float_features.as_mut().unwrap().values = vec![0; common::MAX_MESSAGE_BYTES];
     let cases = [
         (out_of_range, "id_list_features.values", "feature 0 (cat_0) has id 5000"),
-        (short_lengths, "id_list_features.lengths", "has 10 entries"),
+        (
+            short_lengths,
+            "id_list_features.lengths",
+            "has 40 bytes, but 78 lengths take 312 bytes as int32 or 624 as int64",
+        ),
         (ragged_floats, "float_features.values", "4-byte"),
         (wrong_b, "batch_size", "holds 3 samples"),
         (nan, "float_features.values", "sample 1 feature 2 is NaN"),
@@ -109,5 +113,39 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
     let invalid = common::metric(&server.scrape().await, r#"narsil_requests_total{outcome="invalid"}"#);
     assert_eq!(invalid, count as f64);
     assert_eq!(torchrec_scores(&mut client, good).await.len(), 3);
+    server.stop().await.unwrap();
+}
+
+/// The same int32 values as int64 little-endian bytes.
+fn widened(int32_bytes: &[u8]) -> Vec<u8> {
+    int32_bytes
+        .chunks_exact(4)
+        .flat_map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes())
+        .collect()
+}
+
+/// TorchRec's Python client sends `KeyedJaggedTensor.values()` as int64:
+/// lengths and ids are read as int32 or int64 by their byte count, and both
+/// encodings of one request score bit for bit alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn int32_and_int64_lengths_and_ids_score_bit_for_bit_alike() {
+    let server = start(batch_mode(1, 16), 1).await.ready().await;
+    let mut client = TorchRecClient::new(server.channel().await);
+    for tag in 0..4u64 {
+        let narrow = encode(&request(tag, 5), NUM_SPARSE);
+        let want = bits(&torchrec_scores(&mut client, narrow.clone()).await);
+        for (wide_lengths, wide_ids) in [(false, true), (true, false), (true, true)] {
+            let mut wide = narrow.clone();
+            let sparse = wide.id_list_features.as_mut().unwrap();
+            if wide_lengths {
+                sparse.lengths = widened(&sparse.lengths);
+            }
+            if wide_ids {
+                sparse.values = widened(&sparse.values);
+            }
+            let got = bits(&torchrec_scores(&mut client, wide).await);
+            assert_eq!(got, want, "request {tag}: int64 lengths {wide_lengths}, int64 ids {wide_ids}");
+        }
+    }
     server.stop().await.unwrap();
 }

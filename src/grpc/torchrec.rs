@@ -58,6 +58,32 @@ fn words<'a>(
     Ok(bytes.chunks_exact(4).map(|w| [w[0], w[1], w[2], w[3]]))
 }
 
+/// A TorchRec integer field holding `count` values, as int32 or int64.
+///
+/// TorchRec's C++ server reads lengths and ids as int32, but TorchRec's own
+/// Python client sends `KeyedJaggedTensor.values()` as int64 bytes (and
+/// either width of lengths is easy to send). The width is unambiguous: the
+/// field must hold exactly `count` values (samples x features for lengths,
+/// the lengths' sum for ids), so its byte count is `4 * count` or
+/// `8 * count`, never both unless both are zero.
+fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<Vec<i64>, InvalidInput> {
+    if bytes.len() == 4 * count {
+        Ok(bytes.chunks_exact(4).map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]]))).collect())
+    } else if bytes.len() == 8 * count {
+        Ok(bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
+    } else {
+        Err(InvalidInput::new(
+            field,
+            format!(
+                "has {} bytes, but {count} {what} take {} bytes as int32 or {} as int64",
+                bytes.len(),
+                4 * count,
+                8 * count
+            ),
+        ))
+    }
+}
+
 /// A TorchRec request as the engine's key-major batch (shapes against the
 /// schema are checked later by `SampleBatch::validate`, like every protocol).
 pub fn decode(
@@ -101,12 +127,12 @@ pub fn decode(
             return Err(InvalidInput::new(field, "is not used by this model; send it empty"));
         }
     }
-    let lengths = words(&sparse.lengths, "id_list_features.lengths")?
-        .map(i32::from_le_bytes)
+    let lengths = integers(&sparse.lengths, derived * num_sparse, "id_list_features.lengths", "lengths")?
+        .into_iter()
         .enumerate()
         .map(|(i, l)| {
             u32::try_from(l).map_err(|_| {
-                let (sample, feature) = if derived == 0 { (0, 0) } else { (i % derived, i / derived) };
+                let (sample, feature) = (i % derived, i / derived);
                 InvalidInput::new(
                     "id_list_features.lengths",
                     format!("sample {sample} feature {feature} has length {l}"),
@@ -114,14 +140,9 @@ pub fn decode(
             })
         })
         .collect::<Result<Vec<u32>, _>>()?;
+    let total: u64 = lengths.iter().map(|&l| u64::from(l)).sum();
     let ids =
-        words(&sparse.values, "id_list_features.values")?.map(|w| i64::from(i32::from_le_bytes(w))).collect();
-    if lengths.is_empty() && num_sparse > 0 {
-        return Err(InvalidInput::new(
-            "id_list_features.lengths",
-            "is empty; TorchRec requests carry every bag's length",
-        ));
-    }
+        integers(&sparse.values, total as usize, "id_list_features.values", "ids (the sum of the lengths)")?;
     Ok(SampleBatch { batch_size: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
 }
 
@@ -218,6 +239,54 @@ mod tests {
         assert_eq!(batch.lengths, [1, 1, 0, 1, 2, 0]);
         assert_eq!(batch.ids, [10, 30, 40, 20, 21]);
         assert_eq!(batch.dense, sample_major.dense);
+    }
+
+    /// The same int32 values as int64 little-endian bytes.
+    fn widened(int32_bytes: &[u8]) -> Vec<u8> {
+        int32_bytes
+            .chunks_exact(4)
+            .flat_map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn int32_and_int64_lengths_and_ids_decode_to_the_same_batch() {
+        let narrow = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
+        let want = decode(narrow.clone(), 2, 3).unwrap();
+        for (wide_lengths, wide_ids) in [(false, true), (true, false), (true, true)] {
+            let mut r = narrow.clone();
+            let sparse = r.id_list_features.as_mut().unwrap();
+            if wide_lengths {
+                sparse.lengths = widened(&sparse.lengths);
+            }
+            if wide_ids {
+                sparse.values = widened(&sparse.values);
+            }
+            assert_eq!(decode(r, 2, 3).unwrap(), want, "int64 lengths {wide_lengths}, int64 ids {wide_ids}");
+        }
+    }
+
+    #[test]
+    fn ids_of_neither_width_name_both() {
+        let mut r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
+        r.id_list_features.as_mut().unwrap().values.extend_from_slice(&[0; 4]);
+        let err = decode(r, 2, 3).unwrap_err();
+        assert_eq!(err.field, "id_list_features.values");
+        assert!(
+            err.message.contains("has 24 bytes, but 5 ids")
+                && err.message.contains("20 bytes as int32 or 40 as int64"),
+            "{}",
+            err.message
+        );
+        let mut r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
+        r.id_list_features.as_mut().unwrap().lengths.truncate(20);
+        let err = decode(r, 2, 3).unwrap_err();
+        assert_eq!(err.field, "id_list_features.lengths");
+        assert!(
+            err.message.contains("has 20 bytes, but 6 lengths take 24 bytes as int32 or 48 as int64"),
+            "{}",
+            err.message
+        );
     }
 
     #[test]
