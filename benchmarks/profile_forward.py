@@ -11,7 +11,8 @@ precision. Prints each operator's share and a breakdown by stage:
   framework          wall time not inside any operator (TorchScript's
                      interpreter, dispatch, allocation)
 
-Run with the project venv, pinned: taskset -c 0 .venv/bin/python benchmarks/profile_forward.py
+Run with the project venv, pinned, with libtorch's huge pages as Narsil runs:
+THP_MEM_ALLOC_ENABLE=1 taskset -c 0 .venv/bin/python benchmarks/profile_forward.py
 """
 
 import argparse
@@ -73,6 +74,8 @@ def main():
             with torch.inference_mode():
                 for i in range(10):
                     model(*batches[i % 8])
+                with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own first-use cost
+                    model(*batches[0])
                 started = time.perf_counter()
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
                     for i in range(forwards):
