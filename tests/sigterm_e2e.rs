@@ -2,22 +2,16 @@
 //! request and exits 0.
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use narsil::proto::predictor_client::PredictorClient;
-use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
 mod common;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_under_load_answers_everything_and_exits_zero() {
-    let port = free_port();
+    let port = common::free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
         .args([
             "serve",
@@ -34,21 +28,7 @@ async fn sigterm_under_load_answers_everything_and_exits_zero() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    let channel = loop {
-        if let Ok(channel) = tonic::transport::Channel::from_shared(url.clone()).unwrap().connect().await {
-            let status = HealthClient::new(channel.clone())
-                .check(HealthCheckRequest { service: String::new() })
-                .await
-                .map(|r| r.into_inner().status);
-            if matches!(status, Ok(1)) {
-                break channel;
-            }
-        }
-        assert!(started.elapsed() < Duration::from_secs(20), "server never became SERVING");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let channel = common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(20)).await;
     // 32 requests, 8 per 100 ms forward: ~400 ms of work queued at SIGTERM.
     let calls = tokio::spawn(join_all((0..32).map(|tag| {
         let mut client = PredictorClient::new(channel.clone());

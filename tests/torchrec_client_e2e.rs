@@ -8,11 +8,11 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use narsil_core::golden::test_model_dir;
-use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
+
+mod common;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
@@ -22,10 +22,6 @@ fn venv_python() -> PathBuf {
     let python = root().join(".venv/bin/python");
     assert!(python.is_file(), "no project venv at {}: run scripts/setup_python.sh", python.display());
     python
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 /// Runs `python args...`, returning stdout; panics with stderr on failure.
@@ -67,7 +63,7 @@ async fn torchrecs_shipped_client_gets_one_score_per_sample() {
     );
     let client = client.trim().to_string();
 
-    let port = free_port();
+    let port = common::free_port();
     let model = test_model_dir().join("model_default.pt");
     let mut server = Command::new(env!("CARGO_BIN_EXE_narsil"))
         .args(["serve", "--backend", "torch", "--addr", &format!("127.0.0.1:{port}")])
@@ -77,21 +73,7 @@ async fn torchrecs_shipped_client_gets_one_score_per_sample() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    let started = Instant::now();
-    loop {
-        if let Ok(channel) = tonic::transport::Channel::from_shared(url.clone()).unwrap().connect().await {
-            let status = HealthClient::new(channel)
-                .check(HealthCheckRequest { service: String::new() })
-                .await
-                .map(|r| r.into_inner().status);
-            if matches!(status, Ok(1)) {
-                break;
-            }
-        }
-        assert!(started.elapsed() < Duration::from_secs(60), "server never became SERVING");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
 
     let port_arg = port.to_string();
     let output = tokio::task::spawn_blocking(move || {

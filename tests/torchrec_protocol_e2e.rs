@@ -6,7 +6,7 @@ mod common;
 
 use common::{batch_mode, bits, request, start};
 use futures_util::future::join_all;
-use narsil::grpc::torchrec::{encode, SCORES_KEY};
+use narsil::grpc::torchrec::{encode, widened, SCORES_KEY};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::torchrec_proto::PredictionRequest;
 
@@ -114,14 +114,6 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
     assert_eq!(invalid, count as f64);
     assert_eq!(torchrec_scores(&mut client, good).await.len(), 3);
     server.stop().await.unwrap();
-}
-
-/// The same int32 values as int64 little-endian bytes.
-fn widened(int32_bytes: &[u8]) -> Vec<u8> {
-    int32_bytes
-        .chunks_exact(4)
-        .flat_map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes())
-        .collect()
 }
 
 /// TorchRec's Python client sends `KeyedJaggedTensor.values()` as int64:

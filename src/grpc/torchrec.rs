@@ -84,6 +84,15 @@ fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Resu
     }
 }
 
+/// int32 little-endian values as int64 ones, as TorchRec's Python client
+/// sends ids (the tests send both widths with it).
+pub fn widened(int32_bytes: &[u8]) -> Vec<u8> {
+    int32_bytes
+        .chunks_exact(4)
+        .flat_map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes())
+        .collect()
+}
+
 /// A TorchRec request as the engine's key-major batch (shapes against the
 /// schema are checked later by `SampleBatch::validate`, like every protocol).
 pub fn decode(
@@ -239,14 +248,6 @@ mod tests {
         assert_eq!(batch.lengths, [1, 1, 0, 1, 2, 0]);
         assert_eq!(batch.ids, [10, 30, 40, 20, 21]);
         assert_eq!(batch.dense, sample_major.dense);
-    }
-
-    /// The same int32 values as int64 little-endian bytes.
-    fn widened(int32_bytes: &[u8]) -> Vec<u8> {
-        int32_bytes
-            .chunks_exact(4)
-            .flat_map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes())
-            .collect()
     }
 
     #[test]

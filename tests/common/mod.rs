@@ -171,3 +171,31 @@ pub fn metric(text: &str, sample: &str) -> f64 {
         .find_map(|line| line.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("no sample {sample} in:\n{text}"))
 }
+
+/// A free TCP port on 127.0.0.1 (for spawned `narsil serve` processes).
+#[allow(dead_code)]
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Waits until a spawned server at `url` reports SERVING on grpc.health;
+/// returns a channel to it.
+#[allow(dead_code)]
+pub async fn wait_serving(url: &str, timeout: Duration) -> Channel {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let started = std::time::Instant::now();
+    loop {
+        if let Ok(channel) = Channel::from_shared(url.to_string()).unwrap().connect().await {
+            let status = HealthClient::new(channel.clone())
+                .check(HealthCheckRequest { service: String::new() })
+                .await
+                .map(|r| r.into_inner().status);
+            if matches!(status, Ok(1)) {
+                return channel;
+            }
+        }
+        assert!(started.elapsed() < timeout, "server at {url} never became SERVING");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
