@@ -114,6 +114,11 @@ pub struct ServeArgs {
     /// metrics endpoint.
     #[arg(long, env = "NARSIL_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Failed forwards in a row after which grpc.health says NOT_SERVING
+    /// (idle lanes then probe the backend every second; the first success
+    /// turns it SERVING again); 0 never.
+    #[arg(long, env = "NARSIL_UNHEALTHY_AFTER_FAILURES", default_value_t = 5)]
+    pub unhealthy_after_failures: u32,
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
@@ -139,6 +144,8 @@ impl ServeArgs {
             },
             max_batch_requests: self.batch_size,
             max_batch_rows: self.max_batch_rows,
+            unhealthy_after_failures: self.unhealthy_after_failures,
+            health_probe_interval: Duration::from_secs(1),
             batch_timeout: Duration::from_secs_f64(self.batch_timeout_ms / 1e3),
             lanes: self.lanes,
             max_queue_requests: self.max_queue_requests,

@@ -5,8 +5,10 @@
 //! drain is over.
 //!
 //! Health (`grpc.health.v1`) says NOT_SERVING until every lane has loaded and
-//! warmed up its model, then SERVING; at shutdown it turns NOT_SERVING again
-//! before the listener closes. Shutdown stops accepting connections, waits
+//! warmed up its model, then follows the backend (NOT_SERVING after
+//! `--unhealthy-after-failures` failed forwards in a row, SERVING again after
+//! a successful one); at shutdown it turns NOT_SERVING for good before the
+//! listener closes. Shutdown stops accepting connections, waits
 //! for every in-flight call to be answered, then stops the engine.
 
 use std::future::Future;
@@ -101,14 +103,18 @@ impl Server {
             .max_encoding_message_size(self.max_message_bytes);
 
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
+        // Set once draining begins; health changes hold it, so the backend's
+        // recovery can never turn a draining server SERVING again.
+        let draining = Arc::new(tokio::sync::Mutex::new(false));
         let readiness = {
             let health = health.clone();
             let handle = handle.clone();
+            let draining = Arc::clone(&draining);
             tokio::spawn(async move {
                 match handle.wait_ready().await {
                     Ok(()) => {
-                        set_health(&health, ServingStatus::Serving).await;
                         tracing::info!("all lanes warmed up; SERVING");
+                        follow_backend_health(&health, handle.backend_health(), &draining).await;
                     }
                     Err(message) => {
                         let _ = load_failed_tx.send(message);
@@ -127,6 +133,8 @@ impl Server {
                         *failure.lock().expect("failure lock") = Some(message);
                     }
                 }
+                let mut draining = draining.lock().await;
+                *draining = true;
                 set_health(&health, ServingStatus::NotServing).await;
             }
         };
@@ -166,6 +174,29 @@ impl Server {
                 tracing::info!("drained; bye");
                 Ok(())
             }
+        }
+    }
+}
+
+/// SERVING while the backend is healthy and NOT_SERVING while it is not,
+/// until draining begins.
+async fn follow_backend_health(
+    health: &tonic_health::server::HealthReporter,
+    mut healthy: tokio::sync::watch::Receiver<bool>,
+    draining: &tokio::sync::Mutex<bool>,
+) {
+    loop {
+        let serving = *healthy.borrow_and_update();
+        {
+            let draining = draining.lock().await;
+            if *draining {
+                return;
+            }
+            let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+            set_health(health, status).await;
+        }
+        if healthy.changed().await.is_err() {
+            return;
         }
     }
 }

@@ -144,6 +144,106 @@ async fn failing_or_panicking_forward_fails_only_its_batch_and_the_lane_keeps_se
     server.stop().await.unwrap();
 }
 
+/// The mock behind a switch: while `broken` is set, every forward fails,
+/// probes included.
+struct SwitchedFactory {
+    mock: MockFactory,
+    broken: Arc<std::sync::atomic::AtomicBool>,
+}
+
+struct SwitchedBackend {
+    inner: Box<dyn ModelBackend>,
+    broken: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl BackendFactory for SwitchedFactory {
+    fn schema(&self) -> &ModelSchema {
+        self.mock.schema()
+    }
+
+    fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+        Ok(Box::new(SwitchedBackend {
+            inner: self.mock.create_lane(lane)?,
+            broken: Arc::clone(&self.broken),
+        }))
+    }
+}
+
+impl ModelBackend for SwitchedBackend {
+    fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(BackendError("injected failure: backend down".into()));
+        }
+        self.inner.forward(batch)
+    }
+}
+
+async fn health_status(channel: tonic::transport::Channel) -> i32 {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    HealthClient::new(channel)
+        .check(HealthCheckRequest { service: String::new() })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+}
+
+/// grpc.health follows the backend: NOT_SERVING after 3 failed forwards in a
+/// row (not after 2), and SERVING again once an idle lane's probe succeeds,
+/// with no request sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe() {
+    const SERVING: i32 = 1;
+    const NOT_SERVING: i32 = 2;
+    let broken = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let mock =
+        MockFactory::new(common::schema(), MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO });
+    let factory = SwitchedFactory { mock, broken: Arc::clone(&broken) };
+    let config = common::config(|c| {
+        c.mode = narsil_engine::ExecutionMode::Worker;
+        c.unhealthy_after_failures = 3;
+        c.health_probe_interval = Duration::from_millis(50);
+    });
+    // Warm-up must pass: break the backend only once the lanes are ready.
+    broken.store(false, std::sync::atomic::Ordering::SeqCst);
+    let server = start_with(Arc::new(factory), config).await.ready().await;
+    let channel = server.channel().await;
+    let mut client = server.client().await;
+    let wait_for = |want: i32| {
+        let channel = channel.clone();
+        async move {
+            let started = std::time::Instant::now();
+            while health_status(channel.clone()).await != want {
+                assert!(started.elapsed() < Duration::from_secs(5), "health never became {want}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    wait_for(SERVING).await;
+    broken.store(true, std::sync::atomic::Ordering::SeqCst);
+    for _ in 0..2 {
+        assert_eq!(client.predict(request(1, 2)).await.unwrap_err().code(), Code::Internal);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(health_status(channel.clone()).await, SERVING, "2 failures in a row are not 3");
+    assert_eq!(client.predict(request(1, 2)).await.unwrap_err().code(), Code::Internal);
+    wait_for(NOT_SERVING).await;
+    let text = server.scrape().await;
+    assert_eq!(metric(&text, "narsil_backend_healthy"), 0.0);
+    // Still down: probes fail and it stays NOT_SERVING.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(health_status(channel.clone()).await, NOT_SERVING);
+    broken.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_for(SERVING).await;
+    let text = server.scrape().await;
+    assert_eq!(metric(&text, "narsil_backend_healthy"), 1.0);
+    assert!(metric(&text, "narsil_probe_forwards_total") >= 2.0, "probes ran while down and on recovery");
+    assert_eq!(metric(&text, "narsil_forward_errors_total"), 3.0, "probes are not counted as forward errors");
+    assert_eq!(client.predict(request(2, 2)).await.unwrap().into_inner().scores.len(), 2);
+    server.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_report_latency_histograms_batch_shapes_and_gauges() {
     let server = start(batch_mode(1, 16), 5).await.ready().await;

@@ -327,9 +327,12 @@ impl Collector {
         self.work.notify_all();
     }
 
-    /// Blocks the calling lane until a batch is due, and returns it; `None`
-    /// once the collector is closed and empty.
-    pub fn next_job(&self) -> Option<Job> {
+    /// Blocks the calling lane until a batch is due, and returns it;
+    /// [`NextJob::Closed`] once the collector is closed and empty;
+    /// [`NextJob::Idle`] when `idle_limit` passes with nothing due (lanes ask
+    /// for that while the backend is unhealthy, to probe it).
+    pub fn next_job(&self, idle_limit: Option<Duration>) -> NextJob {
+        let give_up_at = idle_limit.map(|limit| Instant::now() + limit);
         let mut state = self.lock();
         loop {
             let now = Instant::now();
@@ -338,15 +341,21 @@ impl Collector {
             if removed > 0 {
                 self.stats.requests_abandoned.inc_by(removed as u64);
             }
-            if job.is_some() {
-                return job;
+            if let Some(job) = job {
+                return NextJob::Job(job);
             }
             if state.closed && state.queue.is_empty() {
-                return None;
+                return NextJob::Closed;
             }
-            let flush_at = state.queue.open_flush_at();
+            if give_up_at.is_some_and(|at| now >= at) {
+                return NextJob::Idle;
+            }
+            let wake_at = match (state.queue.open_flush_at(), give_up_at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             state.idle_lanes += 1;
-            state = match flush_at {
+            state = match wake_at {
                 Some(at) => {
                     let wait = at.saturating_duration_since(now);
                     self.work.wait_timeout(state, wait).unwrap_or_else(|p| p.into_inner()).0
@@ -356,6 +365,17 @@ impl Collector {
             state.idle_lanes -= 1;
         }
     }
+}
+
+/// What a lane gets from [`Collector::next_job`].
+#[derive(Debug)]
+pub enum NextJob {
+    /// A batch to run.
+    Job(Job),
+    /// Nothing was due within the idle limit.
+    Idle,
+    /// The collector is closed and empty: the lane ends.
+    Closed,
 }
 
 #[cfg(test)]

@@ -37,6 +37,11 @@ pub struct EngineConfig {
     pub queue_timeout: Option<Duration>,
     /// Per-request limits checked before queueing.
     pub limits: RequestLimits,
+    /// Failed forwards in a row after which the backend counts as unhealthy
+    /// (health NOT_SERVING until a forward succeeds); 0: never.
+    pub unhealthy_after_failures: u32,
+    /// How often an idle lane probes an unhealthy backend.
+    pub health_probe_interval: Duration,
 }
 
 impl EngineConfig {

@@ -27,8 +27,9 @@ use crate::admission::Admission;
 use crate::collector::{BatchLimits, BatchQueue, Collector};
 use crate::config::EngineConfig;
 use crate::error::EngineError;
+use crate::health::BackendHealth;
 use crate::job::{Entry, Prediction, Ticket};
-use crate::lanes::{self, Readiness};
+use crate::lanes::{self, LaneShared, Readiness};
 use crate::stats::{Outcome, Stats, StatsSnapshot};
 
 /// The running engine: owns the collector and the lane threads.
@@ -53,6 +54,7 @@ struct Shared {
     lanes: usize,
     stats: Arc<Stats>,
     readiness: watch::Receiver<Readiness>,
+    health: Arc<BackendHealth>,
 }
 
 impl Engine {
@@ -76,9 +78,19 @@ impl Engine {
             ),
             Arc::clone(&stats),
         ));
-        let lane_threads =
-            lanes::spawn(factory, config.lanes, Arc::clone(&collector), Arc::clone(&stats), readiness_tx)
-                .map_err(|e| format!("cannot start lane threads: {e}"))?;
+        let health = Arc::new(BackendHealth::new(config.unhealthy_after_failures));
+        let lane_threads = lanes::spawn(
+            config.lanes,
+            LaneShared {
+                factory,
+                collector: Arc::clone(&collector),
+                stats: Arc::clone(&stats),
+                readiness: readiness_tx,
+                health: Arc::clone(&health),
+                probe_interval: config.health_probe_interval,
+            },
+        )
+        .map_err(|e| format!("cannot start lane threads: {e}"))?;
         Ok(Self {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
@@ -91,6 +103,7 @@ impl Engine {
                     lanes: config.lanes,
                     stats,
                     readiness,
+                    health,
                 }),
             },
             lane_threads,
@@ -145,6 +158,12 @@ impl EngineHandle {
             Some(message) => Err(message.clone()),
             None => Ok(()),
         }
+    }
+
+    /// Follows whether the backend is fit for traffic (true: healthy); see
+    /// [`crate::health`].
+    pub fn backend_health(&self) -> watch::Receiver<bool> {
+        self.shared.health.subscribe()
     }
 
     /// Counters, for tests and observability.

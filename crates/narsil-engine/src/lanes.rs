@@ -3,19 +3,24 @@
 //! the collector's next due batch, runs it and answers every request in it.
 //!
 //! A failing forward fails only its own batch; a panicking backend is caught
-//! and the lane keeps serving.
+//! and the lane keeps serving. Every forward's outcome goes to the shared
+//! [`BackendHealth`]; while it says unhealthy, an idle lane probes the
+//! backend with a one-row forward every probe interval, so that a recovered
+//! backend turns healthy again without traffic (which load balancers stop
+//! sending once health says NOT_SERVING).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use narsil_core::backend::warmup_batch;
 use narsil_core::{BackendFactory, ModelBackend};
 use tokio::sync::watch;
 
-use crate::collector::Collector;
+use crate::collector::{Collector, NextJob};
 use crate::error::EngineError;
+use crate::health::BackendHealth;
 use crate::job::{Job, Prediction};
 use crate::stats::Stats;
 
@@ -28,25 +33,25 @@ pub struct Readiness {
     pub failed: Option<String>,
 }
 
-/// Starts `count` lanes taking batches from `collector`. Each reports into
+/// What every lane shares.
+pub struct LaneShared {
+    pub factory: Arc<dyn BackendFactory>,
+    pub collector: Arc<Collector>,
+    pub stats: Arc<Stats>,
+    pub readiness: watch::Sender<Readiness>,
+    pub health: Arc<BackendHealth>,
+    /// How often an idle lane probes an unhealthy backend.
+    pub probe_interval: Duration,
+}
+
+/// Starts `count` lanes taking batches from the collector. Each reports into
 /// `readiness` once warmed up; all return when the collector is closed and
 /// empty.
-pub fn spawn(
-    factory: Arc<dyn BackendFactory>,
-    count: usize,
-    collector: Arc<Collector>,
-    stats: Arc<Stats>,
-    readiness: watch::Sender<Readiness>,
-) -> std::io::Result<Vec<JoinHandle<()>>> {
+pub fn spawn(count: usize, shared: LaneShared) -> std::io::Result<Vec<JoinHandle<()>>> {
+    let shared = Arc::new(shared);
     (0..count)
         .map(|lane| {
-            let lane_ctx = LaneContext {
-                lane,
-                factory: Arc::clone(&factory),
-                collector: Arc::clone(&collector),
-                stats: Arc::clone(&stats),
-                readiness: readiness.clone(),
-            };
+            let lane_ctx = LaneContext { lane, shared: Arc::clone(&shared) };
             std::thread::Builder::new().name(format!("narsil-lane-{lane}")).spawn(move || lane_ctx.run())
         })
         .collect()
@@ -54,10 +59,15 @@ pub fn spawn(
 
 struct LaneContext {
     lane: usize,
-    factory: Arc<dyn BackendFactory>,
-    collector: Arc<Collector>,
-    stats: Arc<Stats>,
-    readiness: watch::Sender<Readiness>,
+    shared: Arc<LaneShared>,
+}
+
+impl std::ops::Deref for LaneContext {
+    type Target = LaneShared;
+
+    fn deref(&self) -> &LaneShared {
+        &self.shared
+    }
 }
 
 impl LaneContext {
@@ -75,10 +85,37 @@ impl LaneContext {
         };
         tracing::info!(lane = self.lane, elapsed_ms = started.elapsed().as_millis() as u64, "lane ready");
         self.readiness.send_modify(|r| r.ready += 1);
-        while let Some(job) = self.collector.next_job() {
-            self.stats.busy_lanes.inc();
-            self.run_job(backend.as_mut(), job);
-            self.stats.busy_lanes.dec();
+        loop {
+            let idle_limit = (!self.health.is_healthy()).then_some(self.probe_interval);
+            match self.collector.next_job(idle_limit) {
+                NextJob::Job(job) => {
+                    self.stats.busy_lanes.inc();
+                    self.run_job(backend.as_mut(), job);
+                    self.stats.busy_lanes.dec();
+                }
+                NextJob::Idle => self.probe(backend.as_mut()),
+                NextJob::Closed => return,
+            }
+        }
+    }
+
+    /// A one-row forward to see whether an unhealthy backend has recovered.
+    fn probe(&self, backend: &mut dyn ModelBackend) {
+        let batch = warmup_batch(self.factory.schema(), 1);
+        let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward(&batch)));
+        let succeeded = matches!(&outcome, Ok(Ok(scores)) if scores.len() == 1);
+        self.stats.probe_forwards.inc();
+        self.record_health(succeeded);
+    }
+
+    fn record_health(&self, succeeded: bool) {
+        if let Some(healthy) = self.health.record(succeeded) {
+            self.stats.backend_healthy.set(i64::from(healthy));
+            if healthy {
+                tracing::info!(lane = self.lane, "backend healthy again after a successful forward");
+            } else {
+                tracing::error!(lane = self.lane, "backend unhealthy: too many failed forwards in a row");
+            }
         }
     }
 
@@ -118,6 +155,7 @@ impl LaneContext {
         self.stats.compute_seconds.observe(compute_time.as_secs_f64());
         self.stats.batch_rows.observe(rows as f64);
         self.stats.batch_requests.observe(job.waiters.len() as f64);
+        self.record_health(scores.is_ok());
         let scores = match scores {
             Ok(scores) => scores,
             Err(message) => {

@@ -10,6 +10,7 @@
 //!   it is submitted; a lane that frees up takes the next due batch itself.
 //! * [`lanes`]: one thread per model instance; loads, warms up, runs, replies.
 //! * [`engine`]: the handle the RPC layer calls, and startup/shutdown.
+//! * [`health`]: whether the backend is fit for traffic, from its forwards.
 //! * [`stats`]: counters the engine keeps about itself.
 
 pub mod admission;
@@ -17,6 +18,7 @@ pub mod collector;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod health;
 pub mod job;
 pub mod lanes;
 pub mod stats;

@@ -79,7 +79,9 @@ pub struct Stats {
     pub(crate) requests_computed: Counter,
     pub(crate) requests_abandoned: Counter,
     pub(crate) backend_errors: Counter,
+    pub(crate) probe_forwards: Counter,
     pub(crate) busy_lanes: Gauge,
+    pub(crate) backend_healthy: Gauge,
     pub(crate) queue_seconds: Histogram,
     pub(crate) compute_seconds: Histogram,
     pub(crate) request_seconds: Histogram,
@@ -129,7 +131,13 @@ impl Default for Stats {
             requests_computed: Counter::default(),
             requests_abandoned: Counter::default(),
             backend_errors: Counter::default(),
+            probe_forwards: Counter::default(),
             busy_lanes: Gauge::default(),
+            backend_healthy: {
+                let healthy = Gauge::default();
+                healthy.set(1);
+                healthy
+            },
             queue_seconds: seconds_buckets(),
             compute_seconds: seconds_buckets(),
             request_seconds: seconds_buckets(),
@@ -183,6 +191,16 @@ impl Stats {
         );
         r.register("queue_rows", "Rows admitted and waiting for a forward", self.queued_rows.clone());
         r.register("busy_lanes", "Lanes running a forward", self.busy_lanes.clone());
+        r.register(
+            "backend_healthy",
+            "1 while the backend serves, 0 after too many failed forwards in a row",
+            self.backend_healthy.clone(),
+        );
+        r.register(
+            "probe_forwards",
+            "One-row forwards run by idle lanes to see whether an unhealthy backend recovered",
+            self.probe_forwards.clone(),
+        );
         self
     }
 
