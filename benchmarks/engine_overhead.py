@@ -7,9 +7,16 @@ loop) at several concurrencies, for worker mode (many lanes) and batch mode
 (observed minus the mock's forward latency), and for batch mode the
 throughput against the ideal (requests per fused batch / forward latency).
 
+Then, per protocol (narsil.v1 and TorchRec's), the server's CPU per request:
+a 0 ms mock, an open-loop load at --cpu-rate requests/s (below capacity) for
+--cpu-seconds, and the server process's CPU time (user + system, from
+/proc/PID/stat) over the load divided by the requests answered.
+
 Server and load generator are pinned to separate cores when there are two or
 more. Standard library only; needs a release build (`cargo build --release`).
 """
+
+import os
 
 import argparse
 import json
@@ -42,6 +49,35 @@ def run_case(args, mode, lanes, concurrency):
         server.wait(timeout=30)
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a process so far, seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_request(args, protocol):
+    """Server CPU microseconds per request at a fixed offered rate."""
+    addr = f"127.0.0.1:{free_port()}"
+    serve = [args.binary, "serve", "--addr", addr, "--backend", "mock", "--mock-latency-ms", "0",
+             "--batch-size", str(args.batch_size), "--log-level", "warn"]
+    server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_serving(args.binary, addr, server)
+        load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol,
+                "--rate", str(args.cpu_rate), "--duration", str(args.cpu_seconds), "--warmup", "0",
+                "--batch-size", str(args.samples), "--json"]
+        before = cpu_seconds(server.pid)
+        out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
+        used = cpu_seconds(server.pid) - before
+        report = json.loads(out.stdout)
+        return {"protocol": protocol, "cpu_s": used, "ok": report["ok"], "req_per_s": report["req_per_s"],
+                "us_per_request": used / max(1, report["ok"]) * 1e6}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--binary", default=DEFAULT_BINARY)
@@ -53,6 +89,9 @@ def main():
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--duration", type=float, help="seconds per case instead of --requests")
     p.add_argument("--warmup", type=int, default=200)
+    p.add_argument("--cpu-rate", type=float, default=1000, help="offered req/s for the CPU-per-request runs")
+    p.add_argument("--cpu-seconds", type=float, default=10)
+    p.add_argument("--skip-latency", action="store_true", help="only the CPU-per-request runs")
     p.add_argument("--json-out", help="write all results to this file")
     args = p.parse_args()
     require_binary(args.binary)
@@ -60,7 +99,7 @@ def main():
     print(f"# engine overhead: mock {args.latency_ms} ms/forward, {args.samples} samples/request, "
           f"git {host['git_sha']}, {host['cpu']}, {host['cores']} cores")
     rows = []
-    cases = [("worker", args.worker_lanes), ("batch", 1)]
+    cases = [] if args.skip_latency else [("worker", args.worker_lanes), ("batch", 1)]
     print("| mode | lanes | conc | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | mean fused reqs | ideal req/s | vs ideal |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, lanes in cases:
@@ -79,9 +118,18 @@ def main():
             print(f"| {mode} | {lanes} | {c} | {r['req_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
                   f"| {added50:.3f} | {added99:.3f} | {fused_reqs:.1f} | {ideal:.0f} | {ratio:.3f} |",
                   flush=True)
+    print(f"\nserver CPU per request: 0 ms mock, batch mode, open loop at {args.cpu_rate:.0f} req/s for "
+          f"{args.cpu_seconds:.0f} s, {args.samples} samples/request\n")
+    print("| protocol | req/s answered | server CPU s | µs per request |")
+    print("|---|---|---|---|")
+    cpu = []
+    for protocol in ("torchrec", "narsil"):
+        r = cpu_per_request(args, protocol)
+        cpu.append(r)
+        print(f"| {protocol} | {r['req_per_s']:.0f} | {r['cpu_s']:.2f} | {r['us_per_request']:.0f} |", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({**host, "args": vars(args), "results": rows}, f, indent=2)
+            json.dump({**host, "args": vars(args), "results": rows, "cpu_per_request": cpu}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ impl BackendArgs {
         }
         if self.dense_precision == DensePrecisionArg::Bf16 && self.kind != BackendKind::Torch {
             anyhow::bail!(
-                "--dense-precision bf16 is supported by --backend torch only (burn-flex has no bf16 GEMM); \
+                "--dense-precision bf16 is supported by --backend torch only (burn-flex runs bf16 matmuls through FP32); \
                  remove it or use --backend torch"
             );
         }
