@@ -102,6 +102,12 @@ pub struct ServeArgs {
     /// Most rows admitted and waiting for a forward.
     #[arg(long, env = "NARSIL_MAX_QUEUE_ROWS", default_value_t = 131_072)]
     pub max_queue_rows: usize,
+    /// Most decoded request bytes admitted and waiting (dense values, bag
+    /// lengths and ids as held in memory); more are rejected with
+    /// RESOURCE_EXHAUSTED, and a single request larger than this with
+    /// INVALID_ARGUMENT. Unset: 4 x --max-message-bytes (256 MiB by default).
+    #[arg(long, env = "NARSIL_MAX_QUEUE_BYTES")]
+    pub max_queue_bytes: Option<usize>,
     /// Longest a request may wait for its forward to start, ms; past it the
     /// request gets DEADLINE_EXCEEDED and is never computed. Unset: only the
     /// caller's gRPC deadline applies.
@@ -150,6 +156,7 @@ impl ServeArgs {
             lanes: self.lanes,
             max_queue_requests: self.max_queue_requests,
             max_queue_rows: self.max_queue_rows,
+            max_queue_bytes: self.max_queue_bytes.unwrap_or(self.max_message_bytes.saturating_mul(4)),
             queue_timeout,
             limits: RequestLimits {
                 max_batch_size: self.max_request_samples,

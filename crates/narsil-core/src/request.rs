@@ -35,6 +35,16 @@ pub struct SampleBatch {
     pub layout: SparseLayout,
 }
 
+impl SampleBatch {
+    /// Memory its decoded values take (what a queued request holds).
+    pub fn decoded_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.dense.len() * size_of::<f32>()
+            + self.lengths.len() * size_of::<u32>()
+            + self.ids.len() * size_of::<i64>()
+    }
+}
+
 /// What to do with an id outside `[0, num_rows)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IdPolicy {

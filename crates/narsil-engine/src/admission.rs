@@ -1,7 +1,11 @@
-//! Admission control: a request enters the queue only while both the queued
-//! request count and the queued row count are under their limits; otherwise
-//! it is rejected at once, never parked. A [`Permit`] holds the request's
-//! place until its forward starts.
+//! Admission control: a request enters the queue only while the queued
+//! request count, row count and decoded bytes are all under their limits;
+//! otherwise it is rejected at once, never parked. A [`Permit`] holds the
+//! request's place until its forward starts.
+//!
+//! Bytes bound memory: rows alone do not, since a bag may hold any number of
+//! ids (one 1-sample request can carry millions). A request's bytes stay
+//! with its request count, released when its last part starts.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -11,8 +15,10 @@ use std::sync::Arc;
 pub struct Admission {
     max_requests: usize,
     max_rows: usize,
+    max_bytes: usize,
     requests: AtomicUsize,
     rows: AtomicUsize,
+    bytes: AtomicUsize,
 }
 
 /// A request's place in the queue; dropping it frees the place.
@@ -21,6 +27,7 @@ pub struct Permit {
     admission: Arc<Admission>,
     requests: usize,
     rows: usize,
+    bytes: usize,
 }
 
 impl Permit {
@@ -29,7 +36,7 @@ impl Permit {
     pub fn split_off(&mut self, rows: usize) -> Permit {
         let rows = rows.min(self.rows);
         self.rows -= rows;
-        Permit { admission: Arc::clone(&self.admission), requests: 0, rows }
+        Permit { admission: Arc::clone(&self.admission), requests: 0, rows, bytes: 0 }
     }
 }
 
@@ -37,6 +44,7 @@ impl Drop for Permit {
     fn drop(&mut self) {
         self.admission.requests.fetch_sub(self.requests, Ordering::AcqRel);
         self.admission.rows.fetch_sub(self.rows, Ordering::AcqRel);
+        self.admission.bytes.fetch_sub(self.bytes, Ordering::AcqRel);
     }
 }
 
@@ -49,13 +57,31 @@ fn reserve(counter: &AtomicUsize, amount: usize, limit: usize) -> bool {
 }
 
 impl Admission {
-    /// An empty queue with the given limits.
+    /// An empty queue with the given request and row limits, bytes unbounded.
     pub fn new(max_requests: usize, max_rows: usize) -> Arc<Self> {
-        Arc::new(Self { max_requests, max_rows, requests: AtomicUsize::new(0), rows: AtomicUsize::new(0) })
+        Self::with_max_bytes(max_requests, max_rows, usize::MAX)
+    }
+
+    /// An empty queue with all three limits.
+    pub fn with_max_bytes(max_requests: usize, max_rows: usize, max_bytes: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max_requests,
+            max_rows,
+            max_bytes,
+            requests: AtomicUsize::new(0),
+            rows: AtomicUsize::new(0),
+            bytes: AtomicUsize::new(0),
+        })
     }
 
     /// Takes a place for a request of `rows` rows, or says which limit is full.
     pub fn try_admit(self: &Arc<Self>, rows: usize) -> Result<Permit, String> {
+        self.try_admit_sized(rows, 0)
+    }
+
+    /// Takes a place for a request of `rows` rows and `bytes` decoded bytes,
+    /// or says which limit is full.
+    pub fn try_admit_sized(self: &Arc<Self>, rows: usize, bytes: usize) -> Result<Permit, String> {
         if !reserve(&self.requests, 1, self.max_requests) {
             return Err(format!("queue holds {} requests (--max-queue-requests)", self.max_requests));
         }
@@ -67,7 +93,21 @@ impl Admission {
                 self.max_rows
             ));
         }
-        Ok(Permit { admission: Arc::clone(self), requests: 1, rows })
+        if !reserve(&self.bytes, bytes, self.max_bytes) {
+            self.requests.fetch_sub(1, Ordering::AcqRel);
+            self.rows.fetch_sub(rows, Ordering::AcqRel);
+            return Err(format!(
+                "queue holds {} of at most {} decoded bytes (--max-queue-bytes); request has {bytes}",
+                self.bytes.load(Ordering::Acquire),
+                self.max_bytes
+            ));
+        }
+        Ok(Permit { admission: Arc::clone(self), requests: 1, rows, bytes })
+    }
+
+    /// The most decoded bytes the queue may hold.
+    pub fn max_bytes(&self) -> usize {
+        self.max_bytes
     }
 
     /// Requests currently queued.
@@ -105,6 +145,21 @@ mod tests {
         assert_eq!(admission.queued_requests(), 1);
         assert_eq!(admission.queued_rows(), 60);
         assert!(admission.try_admit(40).is_ok());
+    }
+
+    #[test]
+    fn byte_limit_rejects_without_leaking_rows_or_a_request_slot_and_frees_on_drop() {
+        let admission = Admission::with_max_bytes(10, 100, 1000);
+        let a = admission.try_admit_sized(1, 800).unwrap();
+        let err = admission.try_admit_sized(1, 300).unwrap_err();
+        assert!(err.contains("--max-queue-bytes") && err.contains("request has 300"), "{err}");
+        assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 1));
+        let mut b = admission.try_admit_sized(4, 200).unwrap();
+        drop(b.split_off(2));
+        assert!(admission.try_admit_sized(1, 1).is_err(), "bytes stay with the request until its last part");
+        drop(b);
+        drop(a);
+        assert!(admission.try_admit_sized(1, 1000).is_ok());
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub struct EngineConfig {
     pub max_queue_requests: usize,
     /// Most rows admitted but not yet started.
     pub max_queue_rows: usize,
+    /// Most decoded request bytes admitted but not yet started; a single
+    /// request larger than this is refused as invalid.
+    pub max_queue_bytes: usize,
     /// Longest a request may wait for its forward to start; past it the
     /// request gets DEADLINE_EXCEEDED and is never computed. `None`: only
     /// the caller's deadline applies.
@@ -61,6 +64,7 @@ impl EngineConfig {
             ("max-batch-rows", self.max_batch_rows),
             ("max-queue-requests", self.max_queue_requests),
             ("max-queue-rows", self.max_queue_rows),
+            ("max-queue-bytes", self.max_queue_bytes),
         ];
         if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(format!("--{name} must be at least 1"));

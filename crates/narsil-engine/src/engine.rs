@@ -95,7 +95,11 @@ impl Engine {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
                     collector,
-                    admission: Admission::new(config.max_queue_requests, config.max_queue_rows),
+                    admission: Admission::with_max_bytes(
+                        config.max_queue_requests,
+                        config.max_queue_rows,
+                        config.max_queue_bytes,
+                    ),
                     schema,
                     limits: config.limits,
                     max_batch_rows: config.max_batch_rows,
@@ -222,15 +226,26 @@ impl EngineHandle {
             return Err(EngineError::NotReady);
         }
         request.validate(&shared.schema, shared.limits)?;
+        let bytes = request.decoded_bytes();
+        if bytes > shared.admission.max_bytes() {
+            return Err(EngineError::Invalid(InvalidInput::new(
+                "message",
+                format!(
+                    "decodes to {bytes} bytes, more than the queue may ever hold ({} bytes, --max-queue-bytes)",
+                    shared.admission.max_bytes()
+                ),
+            )));
+        }
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
-        let mut permit = match shared.admission.try_admit(request.batch_size) {
+        let rows = request.batch_size;
+        let mut permit = match shared.admission.try_admit_sized(rows, bytes) {
             Ok(permit) => permit,
             // Full: free the places of requests nobody waits for, then retry once.
             Err(_) if shared.collector.sweep() > 0 => {
-                shared.admission.try_admit(request.batch_size).map_err(EngineError::Overloaded)?
+                shared.admission.try_admit_sized(rows, bytes).map_err(EngineError::Overloaded)?
             }
             Err(full) => return Err(EngineError::Overloaded(full)),
         };
