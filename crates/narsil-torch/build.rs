@@ -1,6 +1,7 @@
 //! Compiles the C++ shims (thread-wide inference mode; the TorchScript module
-//! with its precision and freezing) against the libtorch that torch-sys linked, and embeds an rpath to that libtorch so
-//! this crate's tests and benches start without LD_LIBRARY_PATH.
+//! with its precision and freezing) against the libtorch that torch-sys
+//! linked, and embeds an rpath to that libtorch so this crate's tests and
+//! benches start without LD_LIBRARY_PATH.
 use std::path::PathBuf;
 
 fn main() {

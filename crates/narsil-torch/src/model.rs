@@ -42,7 +42,6 @@ pub struct TorchModel {
     pub(crate) module: ScriptModule,
     schema: ModelSchema,
     device: Device,
-    precision: DensePrecision,
     mlp_flops_per_sample: Option<f64>,
 }
 
@@ -74,17 +73,12 @@ impl TorchModel {
             tracing::info!(int8_lookups_in_bf16 = loaded.bf16_lookups, "dense arithmetic in bf16");
         }
         let (schema, mlp_flops_per_sample) = parse_schema(&json, path, device_name)?;
-        Ok(Self { module: loaded.module, schema, device, precision, mlp_flops_per_sample })
+        Ok(Self { module: loaded.module, schema, device, mlp_flops_per_sample })
     }
 
     /// The MLPs' FLOPs per sample, as the export states them.
     pub fn mlp_flops_per_sample(&self) -> Option<f64> {
         self.mlp_flops_per_sample
-    }
-
-    /// The precision of the dense arithmetic.
-    pub fn precision(&self) -> DensePrecision {
-        self.precision
     }
 
     /// The model's input schema.
