@@ -19,6 +19,7 @@ pub struct Admission {
     requests: AtomicUsize,
     rows: AtomicUsize,
     bytes: AtomicUsize,
+    peak_bytes: AtomicUsize,
 }
 
 /// A request's place in the queue; dropping it frees the place.
@@ -71,6 +72,7 @@ impl Admission {
             requests: AtomicUsize::new(0),
             rows: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
+            peak_bytes: AtomicUsize::new(0),
         })
     }
 
@@ -102,7 +104,18 @@ impl Admission {
                 self.max_bytes
             ));
         }
+        self.peak_bytes.fetch_max(self.bytes.load(Ordering::Acquire), Ordering::AcqRel);
         Ok(Permit { admission: Arc::clone(self), requests: 1, rows, bytes })
+    }
+
+    /// Decoded bytes currently queued.
+    pub fn queued_bytes(&self) -> usize {
+        self.bytes.load(Ordering::Acquire)
+    }
+
+    /// The most decoded bytes queued at once so far.
+    pub fn peak_bytes(&self) -> usize {
+        self.peak_bytes.load(Ordering::Acquire)
     }
 
     /// The most decoded bytes the queue may hold.

@@ -175,10 +175,19 @@ impl EngineHandle {
         self.shared.stats.snapshot(self.shared.admission.queued_requests())
     }
 
+    /// The most decoded request bytes the queue has held at once.
+    pub fn queue_bytes_peak(&self) -> usize {
+        self.shared.admission.peak_bytes()
+    }
+
     /// Every metric as Prometheus text.
     pub fn metrics_text(&self) -> String {
         let admission = &self.shared.admission;
-        self.shared.stats.encode(admission.queued_requests(), admission.queued_rows())
+        self.shared.stats.encode(
+            admission.queued_requests(),
+            admission.queued_rows(),
+            admission.queued_bytes(),
+        )
     }
 
     /// Counts a request refused by the RPC layer before it reached the

@@ -93,6 +93,7 @@ pub struct Stats {
     by_outcome: [Counter; Outcome::ALL.len()],
     queued_requests: Gauge,
     queued_rows: Gauge,
+    queued_bytes: Gauge,
     registry: Registry,
 }
 
@@ -147,6 +148,7 @@ impl Default for Stats {
             by_outcome,
             queued_requests: Gauge::default(),
             queued_rows: Gauge::default(),
+            queued_bytes: Gauge::default(),
             registry: Registry::with_prefix("narsil"),
         };
         stats.register()
@@ -190,6 +192,11 @@ impl Stats {
             self.queued_requests.clone(),
         );
         r.register("queue_rows", "Rows admitted and waiting for a forward", self.queued_rows.clone());
+        r.register(
+            "queue_bytes",
+            "Decoded request bytes admitted and waiting for a forward",
+            self.queued_bytes.clone(),
+        );
         r.register("busy_lanes", "Lanes running a forward", self.busy_lanes.clone());
         r.register(
             "backend_healthy",
@@ -211,9 +218,10 @@ impl Stats {
 
     /// Prometheus text exposition, with the queue gauges set to the given
     /// occupancy.
-    pub fn encode(&self, queued_requests: usize, queued_rows: usize) -> String {
+    pub fn encode(&self, queued_requests: usize, queued_rows: usize, queued_bytes: usize) -> String {
         self.queued_requests.set(queued_requests as i64);
         self.queued_rows.set(queued_rows as i64);
+        self.queued_bytes.set(queued_bytes as i64);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)
             .expect("writing to a String cannot fail");
@@ -242,7 +250,7 @@ mod tests {
         let stats = Stats::default();
         stats.record(Outcome::Deadline);
         stats.batch_rows.observe(100.0);
-        let text = stats.encode(3, 300);
+        let text = stats.encode(3, 300, 4000);
         for outcome in Outcome::ALL {
             assert!(
                 text.contains(&format!("narsil_requests_total{{outcome=\"{}\"}}", outcome.name())),
@@ -254,6 +262,7 @@ mod tests {
         assert!(text.contains("narsil_queue_seconds_bucket"), "{text}");
         assert!(text.contains("narsil_queue_depth 3"), "{text}");
         assert!(text.contains("narsil_queue_rows 300"), "{text}");
+        assert!(text.contains("narsil_queue_bytes 4000"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }
