@@ -19,15 +19,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrec_cpp"))
 from adapt_model import ROOT, prepare  # noqa: E402
 
+sys.path.insert(0, os.path.join(ROOT, "models"))
+from export_dlrm import key_major  # noqa: E402
 
-def key_major(request, num_sparse):
+
+def golden_inputs(request, num_sparse):
+    """A golden request (flattened as in golden.json) as the model's key-major inputs."""
     batch = request["batch_size"]
-    lengths = torch.tensor(request["lengths"], dtype=torch.int32).reshape(batch, num_sparse)
-    ids = torch.tensor(request["ids"], dtype=torch.int64)
-    bags = torch.split(ids, lengths.reshape(-1).tolist())
-    ordered = [bags[b * num_sparse + f] for f in range(num_sparse) for b in range(batch)]
-    dense = torch.tensor(request["dense"], dtype=torch.float32).reshape(batch, -1)
-    return dense, lengths.t().contiguous().reshape(-1), torch.cat(ordered)
+    return key_major({
+        "dense": torch.tensor(request["dense"], dtype=torch.float32).reshape(batch, -1),
+        "lengths": torch.tensor(request["lengths"], dtype=torch.int32).reshape(batch, num_sparse),
+        "ids": torch.tensor(request["ids"], dtype=torch.int64),
+    })
 
 
 def random_batch(rows, num_dense, num_sparse, num_rows, multi_hot, g):
@@ -60,7 +63,7 @@ def main():
     num_sparse, num_dense = len(schema["sparse"]), schema["num_dense"]
     num_rows = schema["sparse"][0]["num_rows"]
     with torch.inference_mode():
-        diffs = [(bf16(*key_major(r, num_sparse)) - fp32(*key_major(r, num_sparse))).abs()
+        diffs = [(bf16(*golden_inputs(r, num_sparse)) - fp32(*golden_inputs(r, num_sparse))).abs()
                  for r in golden["requests"]]
         print(f"golden requests: {summary(diffs)}")
         g = torch.Generator().manual_seed(11)

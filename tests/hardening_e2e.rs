@@ -178,17 +178,6 @@ impl ModelBackend for SwitchedBackend {
     }
 }
 
-async fn health_status(channel: tonic::transport::Channel) -> i32 {
-    use tonic_health::pb::health_client::HealthClient;
-    use tonic_health::pb::HealthCheckRequest;
-    HealthClient::new(channel)
-        .check(HealthCheckRequest { service: String::new() })
-        .await
-        .unwrap()
-        .into_inner()
-        .status
-}
-
 /// grpc.health follows the backend: NOT_SERVING after 3 failed forwards in a
 /// row (not after 2), and SERVING again once an idle lane's probe succeeds,
 /// with no request sent.
@@ -196,7 +185,7 @@ async fn health_status(channel: tonic::transport::Channel) -> i32 {
 async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe() {
     const SERVING: i32 = 1;
     const NOT_SERVING: i32 = 2;
-    let broken = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let broken = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mock =
         MockFactory::new(common::schema(), MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO });
     let factory = SwitchedFactory { mock, broken: Arc::clone(&broken) };
@@ -205,8 +194,6 @@ async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe()
         c.unhealthy_after_failures = 3;
         c.health_probe_interval = Duration::from_millis(50);
     });
-    // Warm-up must pass: break the backend only once the lanes are ready.
-    broken.store(false, std::sync::atomic::Ordering::SeqCst);
     let server = start_with(Arc::new(factory), config).await.ready().await;
     let channel = server.channel().await;
     let mut client = server.client().await;
@@ -214,7 +201,7 @@ async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe()
         let channel = channel.clone();
         async move {
             let started = std::time::Instant::now();
-            while health_status(channel.clone()).await != want {
+            while common::health_status(channel.clone()).await.unwrap() != want {
                 assert!(started.elapsed() < Duration::from_secs(5), "health never became {want}");
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
@@ -226,14 +213,18 @@ async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe()
         assert_eq!(client.predict(request(1, 2)).await.unwrap_err().code(), Code::Internal);
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert_eq!(health_status(channel.clone()).await, SERVING, "2 failures in a row are not 3");
+    assert_eq!(
+        common::health_status(channel.clone()).await.unwrap(),
+        SERVING,
+        "2 failures in a row are not 3"
+    );
     assert_eq!(client.predict(request(1, 2)).await.unwrap_err().code(), Code::Internal);
     wait_for(NOT_SERVING).await;
     let text = server.scrape().await;
     assert_eq!(metric(&text, "narsil_backend_healthy"), 0.0);
     // Still down: probes fail and it stays NOT_SERVING.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(health_status(channel.clone()).await, NOT_SERVING);
+    assert_eq!(common::health_status(channel.clone()).await.unwrap(), NOT_SERVING);
     broken.store(false, std::sync::atomic::Ordering::SeqCst);
     wait_for(SERVING).await;
     let text = server.scrape().await;

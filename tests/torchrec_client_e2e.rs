@@ -76,6 +76,7 @@ async fn torchrecs_shipped_client_gets_one_score_per_sample() {
     common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
 
     let port_arg = port.to_string();
+    let stubs_for_client = stubs.clone();
     let output = tokio::task::spawn_blocking(move || {
         python(
             &[
@@ -89,15 +90,13 @@ async fn torchrecs_shipped_client_gets_one_score_per_sample() {
                 "--num_embedding_features",
                 "1000",
             ],
-            &[("PYTHONPATH", stubs.as_path())],
+            &[("PYTHONPATH", stubs_for_client.as_path())],
         )
     })
     .await;
     server.kill().unwrap();
     server.wait().unwrap();
-    let _ = std::fs::remove_dir_all(
-        std::env::temp_dir().join(format!("narsil-torchrec-stubs-{}", std::process::id())),
-    );
+    let _ = std::fs::remove_dir_all(&stubs);
     let output = output.unwrap();
     // The client prints `Response:  [p0, p1, p2, p3]`.
     let line = output.lines().find(|l| l.starts_with("Response:")).unwrap_or_else(|| panic!("{output}"));

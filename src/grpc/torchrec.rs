@@ -68,7 +68,7 @@ fn words<'a>(
 /// `8 * count`, never both unless both are zero.
 fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<Vec<i64>, InvalidInput> {
     if bytes.len() == 4 * count {
-        Ok(bytes.chunks_exact(4).map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]]))).collect())
+        Ok(words(bytes, field)?.map(|w| i64::from(i32::from_le_bytes(w))).collect())
     } else if bytes.len() == 8 * count {
         Ok(bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
     } else {

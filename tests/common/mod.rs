@@ -178,20 +178,23 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// grpc.health's overall status (1 SERVING, 2 NOT_SERVING).
+#[allow(dead_code)]
+pub async fn health_status(channel: Channel) -> Result<i32, tonic::Status> {
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let response = HealthClient::new(channel).check(HealthCheckRequest { service: String::new() }).await?;
+    Ok(response.into_inner().status)
+}
+
 /// Waits until a spawned server at `url` reports SERVING on grpc.health;
 /// returns a channel to it.
 #[allow(dead_code)]
 pub async fn wait_serving(url: &str, timeout: Duration) -> Channel {
-    use tonic_health::pb::health_client::HealthClient;
-    use tonic_health::pb::HealthCheckRequest;
     let started = std::time::Instant::now();
     loop {
         if let Ok(channel) = Channel::from_shared(url.to_string()).unwrap().connect().await {
-            let status = HealthClient::new(channel.clone())
-                .check(HealthCheckRequest { service: String::new() })
-                .await
-                .map(|r| r.into_inner().status);
-            if matches!(status, Ok(1)) {
+            if matches!(health_status(channel.clone()).await, Ok(1)) {
                 return channel;
             }
         }

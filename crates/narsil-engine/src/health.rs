@@ -11,40 +11,32 @@ use std::sync::Mutex;
 
 use tokio::sync::watch;
 
-/// Consecutive failures and the resulting verdict.
+/// Consecutive failures; the verdict follows from them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthTracker {
     /// Failed forwards in a row that make the backend unhealthy; 0 never does.
     unhealthy_after: u32,
     consecutive_failures: u32,
-    healthy: bool,
 }
 
 impl HealthTracker {
     /// A healthy backend that turns unhealthy after `unhealthy_after`
     /// failures in a row (never with 0).
     pub fn new(unhealthy_after: u32) -> Self {
-        Self { unhealthy_after, consecutive_failures: 0, healthy: true }
+        Self { unhealthy_after, consecutive_failures: 0 }
     }
 
     /// Records one forward's outcome; returns the new verdict when it changed.
     pub fn record(&mut self, succeeded: bool) -> Option<bool> {
-        let was = self.healthy;
-        if succeeded {
-            self.consecutive_failures = 0;
-            self.healthy = true;
-        } else {
-            self.consecutive_failures = self.consecutive_failures.saturating_add(1);
-            if self.unhealthy_after > 0 && self.consecutive_failures >= self.unhealthy_after {
-                self.healthy = false;
-            }
-        }
-        (self.healthy != was).then_some(self.healthy)
+        let was = self.is_healthy();
+        self.consecutive_failures = if succeeded { 0 } else { self.consecutive_failures.saturating_add(1) };
+        let now = self.is_healthy();
+        (now != was).then_some(now)
     }
 
     /// The current verdict.
     pub fn is_healthy(&self) -> bool {
-        self.healthy
+        self.unhealthy_after == 0 || self.consecutive_failures < self.unhealthy_after
     }
 }
 
