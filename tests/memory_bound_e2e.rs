@@ -28,7 +28,7 @@ fn huge_bag(ids: usize) -> PredictRequest {
     let rest = r.sparse_ids.split_off(first);
     assert_eq!(rest.len(), others);
     r.sparse_lengths[0] = ids as u32;
-    r.sparse_ids = std::iter::repeat(0).take(ids).chain(rest).collect();
+    r.sparse_ids = std::iter::repeat_n(0, ids).chain(rest).collect();
     r
 }
 
