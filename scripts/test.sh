@@ -10,6 +10,12 @@ source scripts/lib.sh
 require_rust
 use_project_torch
 export_model test-small --num-rows 1000
+step "building the tests (workspace, all targets, --features torch)"
+cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked --no-run
+# A cold build writes gigabytes; on a 2-vCPU machine their writeback competes
+# with the timing-bound tests (overload, deadlines) for CPU. Flush it first.
+step "flushing the build's writes to disk"
+sync
 step "cargo test (workspace, all targets, --features torch)"
 cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked
 step "all tests passed"
