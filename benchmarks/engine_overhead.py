@@ -12,8 +12,19 @@ a 0 ms mock, an open-loop load at --cpu-rate requests/s (below capacity) for
 --cpu-seconds, and the server process's CPU time (user + system, from
 /proc/PID/stat) over the load divided by the requests answered.
 
+"Added" latency is observed minus the mock's nominal latency; "outside
+forward" is, per request, observed minus the forward time the server
+reports, so a forward that overran its nominal time (a sleeping mock's
+wake-up on a virtual CPU) is not charged to the engine.
+
+The transport floor (`examples/grpc_floor.rs`: the same gRPC server settings
+and protocols, decoding each request and answering zeros, no engine) gets the
+same CPU-per-request run and a concurrency-1 latency run: what tonic, HTTP/2
+and loopback TCP cost here, which Narsil's numbers include.
+
 Server and load generator are pinned to separate cores when there are two or
-more. Standard library only; needs a release build (`cargo build --release`).
+more. Standard library only; needs a release build (`cargo build --release`,
+and `cargo build --release --example grpc_floor` for the floor).
 """
 
 import os
@@ -56,14 +67,38 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def cpu_per_request(args, protocol):
+def narsil_server(args, addr):
+    return [args.binary, "serve", "--addr", addr, "--backend", "mock", "--mock-latency-ms", "0",
+            "--batch-size", str(args.batch_size), "--log-level", "warn"]
+
+
+def floor_server(args, addr):
+    return [args.floor_binary, addr]
+
+
+def floor_c1(args, protocol):
+    """Concurrency-1 latency through the transport floor server."""
+    addr = f"127.0.0.1:{free_port()}"
+    server = subprocess.Popen(pinned(floor_server(args, addr), 0), stdout=subprocess.DEVNULL)
+    try:
+        wait_serving(args.binary, addr, server, protocol=protocol)
+        load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol, "--concurrency", "1",
+                "--warmup", str(args.warmup), "--requests", str(args.requests),
+                "--batch-size", str(args.samples), "--json"]
+        out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def cpu_per_request(args, protocol, server_command=narsil_server):
     """Server CPU microseconds per request at a fixed offered rate."""
     addr = f"127.0.0.1:{free_port()}"
-    serve = [args.binary, "serve", "--addr", addr, "--backend", "mock", "--mock-latency-ms", "0",
-             "--batch-size", str(args.batch_size), "--log-level", "warn"]
-    server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = subprocess.Popen(pinned(server_command(args, addr), 0), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
     try:
-        wait_serving(args.binary, addr, server)
+        wait_serving(args.binary, addr, server, protocol=protocol)
         load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol,
                 "--rate", str(args.cpu_rate), "--duration", str(args.cpu_seconds), "--warmup", "0",
                 "--batch-size", str(args.samples), "--json"]
@@ -92,6 +127,9 @@ def main():
     p.add_argument("--cpu-rate", type=float, default=1000, help="offered req/s for the CPU-per-request runs")
     p.add_argument("--cpu-seconds", type=float, default=10)
     p.add_argument("--skip-latency", action="store_true", help="only the CPU-per-request runs")
+    p.add_argument("--floor-binary", default=os.path.join(os.path.dirname(DEFAULT_BINARY), "examples", "grpc_floor"),
+                   help="the transport floor server (cargo build --release --example grpc_floor)")
+    p.add_argument("--skip-floor", action="store_true")
     p.add_argument("--json-out", help="write all results to this file")
     args = p.parse_args()
     require_binary(args.binary)
@@ -100,8 +138,12 @@ def main():
           f"git {host['git_sha']}, {host['cpu']}, {host['cores']} cores")
     rows = []
     cases = [] if args.skip_latency else [("worker", args.worker_lanes), ("batch", 1)]
-    print("| mode | lanes | conc | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | mean fused reqs | ideal req/s | vs ideal |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    if not args.skip_floor and not os.path.exists(args.floor_binary):
+        raise SystemExit(f"{args.floor_binary} not found: cargo build --release --example grpc_floor "
+                         "(or pass --skip-floor)")
+    print("| mode | lanes | conc | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | forward ms (mean) "
+          "| outside forward p50 ms | outside forward p99 ms | mean fused reqs | ideal req/s | vs ideal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, lanes in cases:
         for c in args.concurrency:
             r = run_case(args, mode, lanes, c)
@@ -116,20 +158,37 @@ def main():
             rows.append({"mode": mode, "lanes": lanes, "concurrency": c, "ideal_req_per_s": ideal,
                          "added_p50_ms": added50, "added_p99_ms": added99, **r})
             print(f"| {mode} | {lanes} | {c} | {r['req_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
-                  f"| {added50:.3f} | {added99:.3f} | {fused_reqs:.1f} | {ideal:.0f} | {ratio:.3f} |",
+                  f"| {added50:.3f} | {added99:.3f} | {r['mean_compute_ms']:.3f} | {r['outside_forward_p50_ms']:.3f} "
+                  f"| {r['outside_forward_p99_ms']:.3f} | {fused_reqs:.1f} | {ideal:.0f} | {ratio:.3f} |",
                   flush=True)
+    floor = {}
+    if not args.skip_floor:
+        print("\ntransport floor at concurrency 1 (no engine, no model): the round trip Narsil's "
+              "\"outside forward\" includes\n")
+        print("| protocol | p50 ms | p99 ms |")
+        print("|---|---|---|")
+        for protocol in ("narsil", "torchrec"):
+            r = floor_c1(args, protocol)
+            floor[f"c1_{protocol}"] = r
+            print(f"| {protocol} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |", flush=True)
     print(f"\nserver CPU per request: 0 ms mock, batch mode, open loop at {args.cpu_rate:.0f} req/s for "
           f"{args.cpu_seconds:.0f} s, {args.samples} samples/request\n")
-    print("| protocol | req/s answered | server CPU s | µs per request |")
-    print("|---|---|---|---|")
+    print("| protocol | req/s answered | server CPU s | µs per request | transport floor µs | engine µs |")
+    print("|---|---|---|---|---|---|")
     cpu = []
     for protocol in ("torchrec", "narsil"):
         r = cpu_per_request(args, protocol)
+        if not args.skip_floor:
+            r["floor_us_per_request"] = cpu_per_request(args, protocol, floor_server)["us_per_request"]
         cpu.append(r)
-        print(f"| {protocol} | {r['req_per_s']:.0f} | {r['cpu_s']:.2f} | {r['us_per_request']:.0f} |", flush=True)
+        floor_us = r.get("floor_us_per_request")
+        floor_cells = "- | -" if floor_us is None else f"{floor_us:.0f} | {r['us_per_request'] - floor_us:.0f}"
+        print(f"| {protocol} | {r['req_per_s']:.0f} | {r['cpu_s']:.2f} | {r['us_per_request']:.0f} | {floor_cells} |",
+              flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({**host, "args": vars(args), "results": rows, "cpu_per_request": cpu}, f, indent=2)
+            json.dump({**host, "args": vars(args), "results": rows, "floor": floor, "cpu_per_request": cpu},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

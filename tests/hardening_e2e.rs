@@ -258,3 +258,54 @@ async fn metrics_report_latency_histograms_batch_shapes_and_gauges() {
     assert_eq!(metric(&text, "narsil_busy_lanes"), 0.0);
     server.stop().await.unwrap();
 }
+
+/// Sends raw bytes as a gRPC message (whatever they encode).
+#[derive(Debug, Clone, Default)]
+struct RawCodec;
+
+struct RawEncoder;
+
+impl tonic::codec::Encoder for RawEncoder {
+    type Item = Vec<u8>;
+    type Error = tonic::Status;
+
+    fn encode(&mut self, item: Vec<u8>, buf: &mut tonic::codec::EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        prost::bytes::BufMut::put_slice(buf, &item);
+        Ok(())
+    }
+}
+
+impl tonic::codec::Codec for RawCodec {
+    type Encode = Vec<u8>;
+    type Decode = narsil::proto::PredictResponse;
+    type Encoder = RawEncoder;
+    type Decoder = tonic_prost::ProstDecoder<narsil::proto::PredictResponse>;
+
+    fn encoder(&mut self) -> Self::Encoder {
+        RawEncoder
+    }
+
+    fn decoder(&mut self) -> Self::Decoder {
+        tonic_prost::ProstDecoder::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_protobuf_is_invalid_argument_in_both_protocols_and_the_server_serves_on() {
+    let server = start(batch_mode(1, 16), 0).await.ready().await;
+    // Field 2 (dense / float_features), length-delimited, claiming 100 bytes
+    // of which none follow.
+    let garbage = vec![0x12, 100];
+    for path in ["/narsil.v1.Predictor/Predict", "/predictor.Predictor/Predict"] {
+        let mut grpc = tonic::client::Grpc::new(server.channel().await);
+        grpc.ready().await.unwrap();
+        let status = grpc
+            .unary(tonic::Request::new(garbage.clone()), path.parse().unwrap(), RawCodec)
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{path}: {status:?}");
+        assert!(status.message().contains("invalid message"), "{path}: {status:?}");
+    }
+    let mut client = server.client().await;
+    assert_eq!(client.predict(request(1, 2)).await.unwrap().into_inner().scores.len(), 2);
+}

@@ -64,25 +64,32 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
     let mut client = TorchRecClient::new(server.channel().await);
     let good = encode(&request(1, 3), NUM_SPARSE);
     let mut out_of_range = good.clone();
-    let ids = &mut out_of_range.id_list_features.as_mut().unwrap().values;
-    ids[4..8].copy_from_slice(&5000i32.to_le_bytes()); // second id of cat_0 (bags vary in size)
+    // The second id of cat_0 (bags vary in size).
+    edit(&mut out_of_range.id_list_features.as_mut().unwrap().values, |ids| {
+        ids[4..8].copy_from_slice(&5000i32.to_le_bytes())
+    });
     let mut short_lengths = good.clone();
     short_lengths.id_list_features.as_mut().unwrap().lengths.truncate(4 * 10);
     let mut ragged_floats = good.clone();
-    ragged_floats.float_features.as_mut().unwrap().values.pop();
+    edit(&mut ragged_floats.float_features.as_mut().unwrap().values, |v| {
+        v.pop();
+    });
     let mut wrong_b = good.clone();
     wrong_b.batch_size = 4;
     let mut nan = good.clone();
-    nan.float_features.as_mut().unwrap().values[4 * 15..4 * 16].copy_from_slice(&f32::NAN.to_le_bytes());
+    edit(&mut nan.float_features.as_mut().unwrap().values, |v| {
+        v[4 * 15..4 * 16].copy_from_slice(&f32::NAN.to_le_bytes())
+    });
     let mut negative_length = good.clone();
-    negative_length.id_list_features.as_mut().unwrap().lengths[4 * 4..4 * 5]
-        .copy_from_slice(&(-2i32).to_le_bytes());
+    edit(&mut negative_length.id_list_features.as_mut().unwrap().lengths, |v| {
+        v[4 * 4..4 * 5].copy_from_slice(&(-2i32).to_le_bytes())
+    });
     let mut weighted = good.clone();
-    weighted.id_list_features.as_mut().unwrap().weights = vec![0; 8];
+    weighted.id_list_features.as_mut().unwrap().weights = vec![0; 8].into();
     let mut wrong_dense_count = good.clone();
     wrong_dense_count.float_features.as_mut().unwrap().num_features = 12;
     let mut oversized = good.clone();
-    oversized.float_features.as_mut().unwrap().values = vec![0; common::MAX_MESSAGE_BYTES];
+    oversized.float_features.as_mut().unwrap().values = vec![0; common::MAX_MESSAGE_BYTES].into();
     let cases = [
         (out_of_range, "id_list_features.values", "feature 0 (cat_0) has id 5000"),
         (
@@ -130,14 +137,21 @@ async fn int32_and_int64_lengths_and_ids_score_bit_for_bit_alike() {
             let mut wide = narrow.clone();
             let sparse = wide.id_list_features.as_mut().unwrap();
             if wide_lengths {
-                sparse.lengths = widened(&sparse.lengths);
+                sparse.lengths = widened(&sparse.lengths).into();
             }
             if wide_ids {
-                sparse.values = widened(&sparse.values);
+                sparse.values = widened(&sparse.values).into();
             }
             let got = bits(&torchrec_scores(&mut client, wide).await);
             assert_eq!(got, want, "request {tag}: int64 lengths {wide_lengths}, int64 ids {wide_ids}");
         }
     }
     server.stop().await.unwrap();
+}
+
+/// Changes a copy of a received-bytes field.
+fn edit(bytes: &mut tonic::codegen::Bytes, change: impl FnOnce(&mut Vec<u8>)) {
+    let mut copy = bytes.to_vec();
+    change(&mut copy);
+    *bytes = copy.into();
 }

@@ -1,6 +1,7 @@
 //! The gRPC front of the data path: decode a request, turn it into the
 //! engine's types, submit it, and map the outcome to a response or a status.
 
+pub mod codec;
 pub mod convert;
 pub mod deadline;
 pub mod message_limit;

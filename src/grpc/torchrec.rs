@@ -45,20 +45,20 @@ impl Predictor for TorchRecService {
     }
 }
 
-fn words<'a>(
-    bytes: &'a [u8],
-    field: &'static str,
-) -> Result<impl Iterator<Item = [u8; 4]> + 'a, InvalidInput> {
+/// Little-endian f32 values of a bytes field, or an error naming it when its
+/// length is not a whole number of them.
+fn floats(bytes: &[u8], field: &'static str) -> Result<Vec<f32>, InvalidInput> {
     if !bytes.len().is_multiple_of(4) {
         return Err(InvalidInput::new(
             field,
             format!("has {} bytes, not a whole number of 4-byte values", bytes.len()),
         ));
     }
-    Ok(bytes.chunks_exact(4).map(|w| [w[0], w[1], w[2], w[3]]))
+    Ok(bytes.chunks_exact(4).map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes"))).collect())
 }
 
-/// A TorchRec integer field holding `count` values, as int32 or int64.
+/// The width of a TorchRec integer field holding `count` values: 4 (int32)
+/// or 8 (int64).
 ///
 /// TorchRec's C++ server reads lengths and ids as int32, but TorchRec's own
 /// Python client sends `KeyedJaggedTensor.values()` as int64 bytes (and
@@ -66,21 +66,62 @@ fn words<'a>(
 /// field must hold exactly `count` values (samples x features for lengths,
 /// the lengths' sum for ids), so its byte count is `4 * count` or
 /// `8 * count`, never both unless both are zero.
-fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<Vec<i64>, InvalidInput> {
-    if bytes.len() == 4 * count {
-        Ok(words(bytes, field)?.map(|w| i64::from(i32::from_le_bytes(w))).collect())
-    } else if bytes.len() == 8 * count {
-        Ok(bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
-    } else {
-        Err(InvalidInput::new(
+fn width(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<usize, InvalidInput> {
+    match bytes.len() {
+        n if n == 4 * count => Ok(4),
+        n if n == 8 * count => Ok(8),
+        n => Err(InvalidInput::new(
             field,
             format!(
-                "has {} bytes, but {count} {what} take {} bytes as int32 or {} as int64",
-                bytes.len(),
+                "has {n} bytes, but {count} {what} take {} bytes as int32 or {} as int64",
                 4 * count,
                 8 * count
             ),
-        ))
+        )),
+    }
+}
+
+/// Ids, int32 or int64 (see [`width`]), as the engine's int64.
+fn ids(bytes: &[u8], count: usize, field: &'static str) -> Result<Vec<i64>, InvalidInput> {
+    Ok(match width(bytes, count, field, "ids (the sum of the lengths)")? {
+        4 => bytes
+            .chunks_exact(4)
+            .map(|w| i64::from(i32::from_le_bytes(w.try_into().expect("4 bytes"))))
+            .collect(),
+        _ => bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect(),
+    })
+}
+
+/// Key-major lengths, int32 or int64 (see [`width`]); a negative one (or
+/// one past u32, int64) is an error naming its sample and feature.
+fn lengths(
+    bytes: &[u8],
+    samples: usize,
+    num_sparse: usize,
+    field: &'static str,
+) -> Result<Vec<u32>, InvalidInput> {
+    let count = samples * num_sparse;
+    // Decoded without a check per value (the loops vectorize), then scanned.
+    let (lengths, bad) = match width(bytes, count, field, "lengths")? {
+        4 => {
+            let wide: Vec<i32> =
+                bytes.chunks_exact(4).map(|w| i32::from_le_bytes(w.try_into().expect("4 bytes"))).collect();
+            let bad = wide.iter().position(|&l| l < 0).map(|i| (i, i64::from(wide[i])));
+            (wide.into_iter().map(|l| l as u32).collect(), bad)
+        }
+        _ => {
+            let wide: Vec<i64> =
+                bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect();
+            let bad = wide.iter().position(|&l| u32::try_from(l).is_err()).map(|i| (i, wide[i]));
+            (wide.into_iter().map(|l| l as u32).collect(), bad)
+        }
+    };
+    match bad {
+        Some((i, l)) => {
+            let (sample, feature) = (i % samples, i / samples);
+            Err(InvalidInput::new(field, format!("sample {sample} feature {feature} has length {l}")))
+        }
+        None => Ok(lengths),
     }
 }
 
@@ -107,7 +148,7 @@ pub fn decode(
             format!("is {}, the model takes {num_dense} dense features", float.num_features),
         ));
     }
-    let dense: Vec<f32> = words(&float.values, "float_features.values")?.map(f32::from_le_bytes).collect();
+    let dense = floats(&float.values, "float_features.values")?;
     // TorchRec's server derives B from the float bytes; batch_size, when
     // set, must agree.
     let derived = dense.len().checked_div(num_dense).unwrap_or(request.batch_size.max(0) as usize);
@@ -136,22 +177,9 @@ pub fn decode(
             return Err(InvalidInput::new(field, "is not used by this model; send it empty"));
         }
     }
-    let lengths = integers(&sparse.lengths, derived * num_sparse, "id_list_features.lengths", "lengths")?
-        .into_iter()
-        .enumerate()
-        .map(|(i, l)| {
-            u32::try_from(l).map_err(|_| {
-                let (sample, feature) = (i % derived, i / derived);
-                InvalidInput::new(
-                    "id_list_features.lengths",
-                    format!("sample {sample} feature {feature} has length {l}"),
-                )
-            })
-        })
-        .collect::<Result<Vec<u32>, _>>()?;
+    let lengths = lengths(&sparse.lengths, derived, num_sparse, "id_list_features.lengths")?;
     let total: u64 = lengths.iter().map(|&l| u64::from(l)).sum();
-    let ids =
-        integers(&sparse.values, total as usize, "id_list_features.values", "ids (the sum of the lengths)")?;
+    let ids = ids(&sparse.values, total as usize, "id_list_features.values")?;
     Ok(SampleBatch { batch_size: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
 }
 
@@ -187,13 +215,13 @@ pub fn encode(request: &crate::proto::PredictRequest, num_sparse: usize) -> pb::
         batch_size: b as i32,
         float_features: Some(pb::FloatFeatures {
             num_features: num_dense as i32,
-            values: request.dense.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            values: request.dense.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into(),
         }),
         id_list_features: Some(pb::SparseFeatures {
             num_features: num_sparse as i32,
-            lengths: key_lengths,
-            values: key_ids,
-            weights: Vec::new(),
+            lengths: key_lengths.into(),
+            values: key_ids.into(),
+            weights: Default::default(),
         }),
         ..Default::default()
     }
@@ -212,13 +240,13 @@ mod tests {
             batch_size: b,
             float_features: Some(pb::FloatFeatures {
                 num_features: 2,
-                values: bytes(dense, f32::to_le_bytes),
+                values: bytes(dense, f32::to_le_bytes).into(),
             }),
             id_list_features: Some(pb::SparseFeatures {
                 num_features: 3,
-                lengths: bytes(lengths, i32::to_le_bytes),
-                values: bytes(ids, i32::to_le_bytes),
-                weights: vec![],
+                lengths: bytes(lengths, i32::to_le_bytes).into(),
+                values: bytes(ids, i32::to_le_bytes).into(),
+                weights: Default::default(),
             }),
             ..Default::default()
         }
@@ -258,10 +286,10 @@ mod tests {
             let mut r = narrow.clone();
             let sparse = r.id_list_features.as_mut().unwrap();
             if wide_lengths {
-                sparse.lengths = widened(&sparse.lengths);
+                sparse.lengths = widened(&sparse.lengths).into();
             }
             if wide_ids {
-                sparse.values = widened(&sparse.values);
+                sparse.values = widened(&sparse.values).into();
             }
             assert_eq!(decode(r, 2, 3).unwrap(), want, "int64 lengths {wide_lengths}, int64 ids {wide_ids}");
         }
@@ -270,7 +298,8 @@ mod tests {
     #[test]
     fn ids_of_neither_width_name_both() {
         let mut r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
-        r.id_list_features.as_mut().unwrap().values.extend_from_slice(&[0; 4]);
+        let values = &mut r.id_list_features.as_mut().unwrap().values;
+        *values = [values.as_ref(), &[0; 4]].concat().into();
         let err = decode(r, 2, 3).unwrap_err();
         assert_eq!(err.field, "id_list_features.values");
         assert!(
@@ -297,14 +326,14 @@ mod tests {
             (request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 1, 1, 1, 1, -1], &[0; 5]), "id_list_features.lengths"),
             (
                 pb::PredictionRequest {
-                    float_features: Some(pb::FloatFeatures { num_features: 2, values: vec![0; 7] }),
+                    float_features: Some(pb::FloatFeatures { num_features: 2, values: vec![0; 7].into() }),
                     ..request(0, &[], &[], &[])
                 },
                 "float_features.values",
             ),
             (
                 pb::PredictionRequest {
-                    float_features: Some(pb::FloatFeatures { num_features: 5, values: vec![] }),
+                    float_features: Some(pb::FloatFeatures { num_features: 5, values: Default::default() }),
                     ..request(0, &[], &[], &[])
                 },
                 "float_features.num_features",
@@ -313,7 +342,7 @@ mod tests {
                 pb::PredictionRequest {
                     unary_features: Some(pb::SparseFeatures {
                         num_features: 1,
-                        values: vec![0; 4],
+                        values: vec![0; 4].into(),
                         ..Default::default()
                     }),
                     ..request(0, &[1.0, 2.0], &[1, 1, 1], &[0, 0, 0])

@@ -13,6 +13,10 @@ use crate::proto::{ModelInfoResponse, PredictResponse};
 #[derive(Debug)]
 pub struct Recorder {
     ok_latency_us: Histogram<u64>,
+    /// Per OK call: latency minus the server-reported forward time, i.e.
+    /// what the call spent outside the model (narsil.v1 only; TorchRec's
+    /// protocol reports no timings).
+    outside_forward_us: Histogram<u64>,
     by_code: BTreeMap<String, u64>,
     fused_rows_sum: u64,
     /// Sum over OK calls of 1 / (requests in the call's forward): the number
@@ -32,6 +36,7 @@ impl Default for Recorder {
     fn default() -> Self {
         Self {
             ok_latency_us: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
+            outside_forward_us: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
             by_code: BTreeMap::new(),
             fused_rows_sum: 0,
             forwards_seen: 0.0,
@@ -49,7 +54,12 @@ impl Recorder {
     pub fn record(&mut self, latency: Duration, result: Result<PredictResponse, tonic::Status>) {
         let code = match result {
             Ok(response) => {
-                self.ok_latency_us.saturating_record(latency.as_micros().max(1) as u64);
+                let latency_us = latency.as_micros() as u64;
+                self.ok_latency_us.saturating_record(latency_us.max(1));
+                if response.compute_time_us > 0 {
+                    self.outside_forward_us
+                        .saturating_record(latency_us.saturating_sub(response.compute_time_us).max(1));
+                }
                 self.fused_rows_sum += u64::from(response.fused_rows);
                 let share = 1.0 / f64::from(response.fused_requests.max(1));
                 self.forwards_seen += share;
@@ -67,6 +77,7 @@ impl Recorder {
     /// Adds another recorder's outcomes to this one.
     pub fn merge(&mut self, other: Recorder) {
         self.ok_latency_us.add(&other.ok_latency_us).expect("same bounds");
+        self.outside_forward_us.add(&other.outside_forward_us).expect("same bounds");
         for (code, n) in other.by_code {
             *self.by_code.entry(code).or_default() += n;
         }
@@ -133,6 +144,12 @@ pub struct Report {
     pub mean_queue_ms: f64,
     /// Mean server-side forward time, ms.
     pub mean_compute_ms: f64,
+    /// Per call, latency minus the server-reported forward time (what the
+    /// engine, gRPC, the kernel and this client added), median, ms; 0 when
+    /// the protocol reports no timings.
+    pub outside_forward_p50_ms: f64,
+    /// The same, 99th percentile, ms.
+    pub outside_forward_p99_ms: f64,
 }
 
 impl Report {
@@ -175,6 +192,8 @@ impl Report {
             forward_busy: r.forward_us_share / 1e6 / secs,
             mean_queue_ms: per_ok(r.queue_us_sum) / 1e3,
             mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,
+            outside_forward_p50_ms: ms(r.outside_forward_us.value_at_quantile(0.50)),
+            outside_forward_p99_ms: ms(r.outside_forward_us.value_at_quantile(0.99)),
         }
     }
 
@@ -191,7 +210,8 @@ impl Report {
              throughput  {:.1} req/s, {:.0} samples/s\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
              server      mean fused rows {:.1} (per forward {:.1}), queue {:.3} ms, forward {:.3} ms \
-             (per forward {:.3}), forward busy {:.2}\n{}",
+             (per forward {:.3}), forward busy {:.2}\n\
+             outside the forward ms  p50 {:.3}  p99 {:.3}\n{}",
             self.batch_size,
             self.backend,
             self.requests,
@@ -210,6 +230,8 @@ impl Report {
             self.mean_compute_ms,
             self.mean_forward_ms,
             self.forward_busy,
+            self.outside_forward_p50_ms,
+            self.outside_forward_p99_ms,
             if self.client_overflow > 0 {
                 format!("client      {} scheduled requests not sent (in-flight cap)\n", self.client_overflow)
             } else {
@@ -242,5 +264,18 @@ mod tests {
         assert_eq!(r.fused_rows_sum, 500, "call-weighted sum");
         // Forwards of 2 ms and 1 ms: 3 ms of forward in all.
         assert!((r.forward_us_share - 3000.0).abs() < 1e-6);
+        // 1 ms calls whose forwards took 2, 2 and 1 ms: nothing outside
+        // (clamped), nothing outside, nothing outside.
+        assert_eq!(r.outside_forward_us.len(), 3);
+    }
+
+    #[test]
+    fn time_outside_the_forward_is_latency_minus_the_reported_forward() {
+        let mut r = Recorder::default();
+        for _ in 0..10 {
+            r.record(Duration::from_micros(5_300), ok(100, 1)); // forward 1,000 us
+        }
+        let outside = r.outside_forward_us.value_at_quantile(0.5);
+        assert!((4_290..=4_310).contains(&outside), "{outside}");
     }
 }
