@@ -72,14 +72,15 @@ def narsil_server(args, addr):
             "--batch-size", str(args.batch_size), "--log-level", "warn"]
 
 
-def floor_server(args, addr):
-    return [args.floor_binary, addr]
+def floor_server(args, addr, forward_ms=0.0):
+    return [args.floor_binary, addr, str(forward_ms)]
 
 
-def floor_c1(args, protocol):
-    """Concurrency-1 latency through the transport floor server."""
+def floor_c1(args, protocol, forward_ms):
+    """Concurrency-1 latency through the floor server, each request holding
+    its handler thread for `forward_ms`."""
     addr = f"127.0.0.1:{free_port()}"
-    server = subprocess.Popen(pinned(floor_server(args, addr), 0), stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(pinned(floor_server(args, addr, forward_ms), 0), stdout=subprocess.DEVNULL)
     try:
         wait_serving(args.binary, addr, server, protocol=protocol)
         load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol, "--concurrency", "1",
@@ -163,14 +164,16 @@ def main():
                   flush=True)
     floor = {}
     if not args.skip_floor:
-        print("\ntransport floor at concurrency 1 (no engine, no model): the round trip Narsil's "
-              "\"outside forward\" includes\n")
-        print("| protocol | p50 ms | p99 ms |")
-        print("|---|---|---|")
+        print("\nfloor server at concurrency 1 (no engine): the handler sleeps the forward time on the "
+              "thread that read the request, no hand-off\n")
+        print("| protocol | forward ms | p50 ms | p99 ms | added p50 ms |")
+        print("|---|---|---|---|---|")
         for protocol in ("narsil", "torchrec"):
-            r = floor_c1(args, protocol)
-            floor[f"c1_{protocol}"] = r
-            print(f"| {protocol} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |", flush=True)
+            for forward_ms in (0.0, args.latency_ms):
+                r = floor_c1(args, protocol, forward_ms)
+                floor[f"c1_{protocol}_{forward_ms:g}ms"] = r
+                print(f"| {protocol} | {forward_ms:g} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} "
+                      f"| {r['p50_ms'] - forward_ms:.3f} |", flush=True)
     print(f"\nserver CPU per request: 0 ms mock, batch mode, open loop at {args.cpu_rate:.0f} req/s for "
           f"{args.cpu_seconds:.0f} s, {args.samples} samples/request\n")
     print("| protocol | req/s answered | server CPU s | µs per request | transport floor µs | engine µs |")
