@@ -1,4 +1,4 @@
-//! The transport floor: a gRPC server with Narsil's HTTP/2 settings and both
+//! The transport floor: a gRPC server with Narsil's tonic settings and both
 //! prediction protocols that decodes each request (prost, as any server
 //! must) and answers fixed zero scores without an engine or a model. What it
 //! costs per request, measured by `benchmarks/engine_overhead.py`, is the
@@ -13,7 +13,6 @@
 //!     cargo run --release --example grpc_floor -- 127.0.0.1:50051 [FORWARD_MS]
 
 use narsil::proto::predictor_server::{Predictor, PredictorServer};
-use narsil::server::{CONNECTION_WINDOW_BYTES, MAX_FRAME_BYTES, STREAM_WINDOW_BYTES};
 use narsil::torchrec_proto as trpb;
 use narsil::torchrec_proto::predictor_server::{
     Predictor as TorchRecPredictor, PredictorServer as TorchRecServer,
@@ -80,9 +79,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
-        .initial_stream_window_size(STREAM_WINDOW_BYTES)
-        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-        .max_frame_size(MAX_FRAME_BYTES)
         .add_service(PredictorServer::new(Floor { schema: schema.clone(), forward }))
         .add_service(TorchRecServer::new(Floor { schema, forward }))
         .serve_with_incoming(incoming)

@@ -29,16 +29,6 @@ use crate::grpc::PredictorService;
 use crate::proto::predictor_server::PredictorServer;
 use crate::torchrec_proto::predictor_server::PredictorServer as TorchRecPredictorServer;
 
-/// HTTP/2 flow-control windows and frame size. With h2's defaults (64 KiB
-/// windows, 16 KiB frames) a 100-sample request (about 26 KB) is read in
-/// two frames and every second request makes the server write a
-/// WINDOW_UPDATE of its own: a syscall per request that carries no answer.
-/// Larger windows do not raise what a request may hold (that is
-/// `--max-message-bytes`, checked as the body arrives).
-pub const STREAM_WINDOW_BYTES: u32 = 1 << 20;
-pub const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
-pub const MAX_FRAME_BYTES: u32 = 256 << 10;
-
 /// Where and how the server listens.
 #[derive(Debug, Clone, Copy)]
 pub struct Listen {
@@ -159,9 +149,6 @@ impl Server {
         });
         let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
         let served = tonic::transport::Server::builder()
-            .initial_stream_window_size(STREAM_WINDOW_BYTES)
-            .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
-            .max_frame_size(MAX_FRAME_BYTES)
             .layer(message_limit::layer(handle.clone()))
             .add_service(health_service)
             .add_service(reflection)
