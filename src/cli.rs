@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_engine::config::Setting;
 use narsil_engine::{EngineConfig, ExecutionMode};
 
 use crate::backends::BackendArgs;
@@ -166,8 +167,22 @@ impl ServeArgs {
                 },
             },
         };
-        config.validate().map_err(anyhow::Error::msg)?;
+        config.validate().map_err(|e| anyhow::anyhow!(e.describe(serve_flag)))?;
         Ok(config)
+    }
+}
+
+/// The `narsil serve` flag that sets an engine setting.
+fn serve_flag(setting: Setting) -> &'static str {
+    match setting {
+        Setting::Lanes => "--lanes",
+        Setting::MaxBatchRequests => "--batch-size",
+        Setting::MaxBatchRows => "--max-batch-rows",
+        Setting::MaxQueueRequests => "--max-queue-requests",
+        Setting::MaxQueueRows => "--max-queue-rows",
+        Setting::MaxQueueBytes => "--max-queue-bytes",
+        Setting::MaxRequestSamples => "--max-request-samples",
+        Setting::QueueTimeout => "--queue-timeout-ms",
     }
 }
 

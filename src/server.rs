@@ -65,7 +65,7 @@ impl Server {
             Some(addr) => Some(bind(addr, "--metrics-addr").await?),
             None => None,
         };
-        let engine = Engine::start(factory, config).map_err(anyhow::Error::msg)?;
+        let engine = Engine::start(factory, config)?;
         Ok(Self { listener, metrics_listener, engine, max_message_bytes: listen.max_message_bytes })
     }
 

@@ -1,24 +1,42 @@
-//! The one mapping from engine errors to gRPC status codes.
+//! The one mapping from engine errors to gRPC status codes and messages.
+//! Queue limits are named by the `narsil serve` flag that sets them.
 
+use narsil_engine::admission::QueueLimit;
 use narsil_engine::EngineError;
 use tonic::{Code, Status};
+
+/// The `narsil serve` flag that sets a queue limit.
+fn flag(limit: QueueLimit) -> &'static str {
+    match limit {
+        QueueLimit::Requests => "--max-queue-requests",
+        QueueLimit::Rows => "--max-queue-rows",
+        QueueLimit::Bytes => "--max-queue-bytes",
+    }
+}
 
 /// The status a client sees for an engine error.
 pub fn to_status(error: EngineError) -> Status {
     let code = match &error {
-        EngineError::Invalid(_) => Code::InvalidArgument,
+        EngineError::Invalid(_) | EngineError::NeverFits(_) => Code::InvalidArgument,
         EngineError::Overloaded(_) => Code::ResourceExhausted,
         EngineError::DeadlineExceeded => Code::DeadlineExceeded,
         EngineError::NotReady | EngineError::ShuttingDown => Code::Unavailable,
         EngineError::Backend(_) => Code::Internal,
     };
-    Status::new(code, error.to_string())
+    let message = match &error {
+        EngineError::Overloaded(full) | EngineError::NeverFits(full) => {
+            format!("{error} ({})", flag(full.limit))
+        }
+        _ => error.to_string(),
+    };
+    Status::new(code, message)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use narsil_core::InvalidInput;
+    use narsil_engine::admission::QueueFull;
 
     #[test]
     fn each_error_has_its_code_and_keeps_its_message() {
@@ -26,7 +44,17 @@ mod tests {
         let status = to_status(invalid);
         assert_eq!(status.code(), Code::InvalidArgument);
         assert_eq!(status.message(), "invalid dense: bad");
-        assert_eq!(to_status(EngineError::Overloaded("full".into())).code(), Code::ResourceExhausted);
+        let full = QueueFull { limit: QueueLimit::Rows, queued: 90, max: 100, needed: 20 };
+        let status = to_status(EngineError::Overloaded(full));
+        assert_eq!(status.code(), Code::ResourceExhausted);
+        assert_eq!(
+            status.message(),
+            "server overloaded: queue holds 90 of at most 100 rows; request has 20 (--max-queue-rows)"
+        );
+        let status = to_status(EngineError::NeverFits(QueueFull { limit: QueueLimit::Bytes, ..full }));
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert!(status.message().starts_with("invalid message: needs 20 decoded bytes"), "{status:?}");
+        assert!(status.message().ends_with("(100) (--max-queue-bytes)"), "{status:?}");
         assert_eq!(to_status(EngineError::DeadlineExceeded).code(), Code::DeadlineExceeded);
         assert_eq!(to_status(EngineError::NotReady).code(), Code::Unavailable);
         assert_eq!(to_status(EngineError::Backend("x".into())).code(), Code::Internal);

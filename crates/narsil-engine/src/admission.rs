@@ -10,6 +10,43 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+/// One of the queue's three limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueLimit {
+    /// Requests queued.
+    Requests,
+    /// Rows (samples) queued.
+    Rows,
+    /// Decoded bytes queued.
+    Bytes,
+}
+
+impl QueueLimit {
+    /// What the limit counts, as a plural noun.
+    pub fn unit(self) -> &'static str {
+        match self {
+            Self::Requests => "requests",
+            Self::Rows => "rows",
+            Self::Bytes => "decoded bytes",
+        }
+    }
+}
+
+/// A request refused because a queue limit is reached. The frontend names
+/// the setting behind `limit` (the engine does not know its flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("queue holds {queued} of at most {max} {}; request has {needed}", .limit.unit())]
+pub struct QueueFull {
+    /// The limit that refused.
+    pub limit: QueueLimit,
+    /// What the queue held.
+    pub queued: usize,
+    /// The limit's value.
+    pub max: usize,
+    /// What the request needed (1 request, its rows or its bytes).
+    pub needed: usize,
+}
+
 /// Queue limits and the current occupancy.
 #[derive(Debug)]
 pub struct Admission {
@@ -77,32 +114,30 @@ impl Admission {
     }
 
     /// Takes a place for a request of `rows` rows, or says which limit is full.
-    pub fn try_admit(self: &Arc<Self>, rows: usize) -> Result<Permit, String> {
+    pub fn try_admit(self: &Arc<Self>, rows: usize) -> Result<Permit, QueueFull> {
         self.try_admit_sized(rows, 0)
     }
 
     /// Takes a place for a request of `rows` rows and `bytes` decoded bytes,
     /// or says which limit is full.
-    pub fn try_admit_sized(self: &Arc<Self>, rows: usize, bytes: usize) -> Result<Permit, String> {
+    pub fn try_admit_sized(self: &Arc<Self>, rows: usize, bytes: usize) -> Result<Permit, QueueFull> {
+        let full = |limit, counter: &AtomicUsize, max, needed| QueueFull {
+            limit,
+            queued: counter.load(Ordering::Acquire),
+            max,
+            needed,
+        };
         if !reserve(&self.requests, 1, self.max_requests) {
-            return Err(format!("queue holds {} requests (--max-queue-requests)", self.max_requests));
+            return Err(full(QueueLimit::Requests, &self.requests, self.max_requests, 1));
         }
         if !reserve(&self.rows, rows, self.max_rows) {
             self.requests.fetch_sub(1, Ordering::AcqRel);
-            return Err(format!(
-                "queue holds {} of at most {} rows (--max-queue-rows); request has {rows}",
-                self.rows.load(Ordering::Acquire),
-                self.max_rows
-            ));
+            return Err(full(QueueLimit::Rows, &self.rows, self.max_rows, rows));
         }
         if !reserve(&self.bytes, bytes, self.max_bytes) {
             self.requests.fetch_sub(1, Ordering::AcqRel);
             self.rows.fetch_sub(rows, Ordering::AcqRel);
-            return Err(format!(
-                "queue holds {} of at most {} decoded bytes (--max-queue-bytes); request has {bytes}",
-                self.bytes.load(Ordering::Acquire),
-                self.max_bytes
-            ));
+            return Err(full(QueueLimit::Bytes, &self.bytes, self.max_bytes, bytes));
         }
         self.peak_bytes.fetch_max(self.bytes.load(Ordering::Acquire), Ordering::AcqRel);
         Ok(Permit { admission: Arc::clone(self), requests: 1, rows, bytes })
@@ -144,7 +179,8 @@ mod tests {
         let a = admission.try_admit(1).unwrap();
         let _b = admission.try_admit(1).unwrap();
         let err = admission.try_admit(1).unwrap_err();
-        assert!(err.contains("--max-queue-requests"), "{err}");
+        assert_eq!(err, QueueFull { limit: QueueLimit::Requests, queued: 2, max: 2, needed: 1 });
+        assert_eq!(err.to_string(), "queue holds 2 of at most 2 requests; request has 1");
         drop(a);
         assert!(admission.try_admit(1).is_ok());
     }
@@ -154,7 +190,7 @@ mod tests {
         let admission = Admission::new(10, 100);
         let _a = admission.try_admit(60).unwrap();
         let err = admission.try_admit(50).unwrap_err();
-        assert!(err.contains("--max-queue-rows"), "{err}");
+        assert_eq!(err, QueueFull { limit: QueueLimit::Rows, queued: 60, max: 100, needed: 50 });
         assert_eq!(admission.queued_requests(), 1);
         assert_eq!(admission.queued_rows(), 60);
         assert!(admission.try_admit(40).is_ok());
@@ -165,7 +201,7 @@ mod tests {
         let admission = Admission::with_max_bytes(10, 100, 1000);
         let a = admission.try_admit_sized(1, 800).unwrap();
         let err = admission.try_admit_sized(1, 300).unwrap_err();
-        assert!(err.contains("--max-queue-bytes") && err.contains("request has 300"), "{err}");
+        assert_eq!(err, QueueFull { limit: QueueLimit::Bytes, queued: 800, max: 1000, needed: 300 });
         assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 1));
         let mut b = admission.try_admit_sized(4, 200).unwrap();
         drop(b.split_off(2));

@@ -57,27 +57,98 @@ impl EngineConfig {
     }
 
     /// Checks the settings against each other.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
-            ("lanes", self.lanes),
-            ("batch-size", self.max_batch_requests),
-            ("max-batch-rows", self.max_batch_rows),
-            ("max-queue-requests", self.max_queue_requests),
-            ("max-queue-rows", self.max_queue_rows),
-            ("max-queue-bytes", self.max_queue_bytes),
+            (Setting::Lanes, self.lanes),
+            (Setting::MaxBatchRequests, self.max_batch_requests),
+            (Setting::MaxBatchRows, self.max_batch_rows),
+            (Setting::MaxQueueRequests, self.max_queue_requests),
+            (Setting::MaxQueueRows, self.max_queue_rows),
+            (Setting::MaxQueueBytes, self.max_queue_bytes),
         ];
-        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("--{name} must be at least 1"));
+        if let Some((setting, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(ConfigError::Zero(*setting));
         }
         if self.limits.max_batch_size > self.max_queue_rows {
-            return Err(format!(
-                "--max-request-samples ({}) must not exceed --max-queue-rows ({})",
-                self.limits.max_batch_size, self.max_queue_rows
-            ));
+            return Err(ConfigError::RequestOverQueue {
+                max_request_samples: self.limits.max_batch_size,
+                max_queue_rows: self.max_queue_rows,
+            });
         }
         if self.queue_timeout.is_some_and(|t| t.is_zero()) {
-            return Err("--queue-timeout-ms must be positive when set".into());
+            return Err(ConfigError::Zero(Setting::QueueTimeout));
         }
         Ok(())
+    }
+}
+
+/// An [`EngineConfig`] setting, as errors name it. Front ends name it their
+/// own way ([`ConfigError::describe`]); `narsil serve` by its flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setting {
+    /// `lanes`.
+    Lanes,
+    /// `max_batch_requests`.
+    MaxBatchRequests,
+    /// `max_batch_rows`.
+    MaxBatchRows,
+    /// `max_queue_requests`.
+    MaxQueueRequests,
+    /// `max_queue_rows`.
+    MaxQueueRows,
+    /// `max_queue_bytes`.
+    MaxQueueBytes,
+    /// `limits.max_batch_size`: most samples in one request.
+    MaxRequestSamples,
+    /// `queue_timeout`.
+    QueueTimeout,
+}
+
+impl Setting {
+    /// The field's name in [`EngineConfig`].
+    pub fn field(self) -> &'static str {
+        match self {
+            Self::Lanes => "lanes",
+            Self::MaxBatchRequests => "max_batch_requests",
+            Self::MaxBatchRows => "max_batch_rows",
+            Self::MaxQueueRequests => "max_queue_requests",
+            Self::MaxQueueRows => "max_queue_rows",
+            Self::MaxQueueBytes => "max_queue_bytes",
+            Self::MaxRequestSamples => "limits.max_batch_size",
+            Self::QueueTimeout => "queue_timeout",
+        }
+    }
+}
+
+/// Settings that cannot work, alone or together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{}", self.describe(Setting::field))]
+pub enum ConfigError {
+    /// A count or duration that must be positive is zero.
+    Zero(Setting),
+    /// One request may carry more samples than the queue may hold rows, so
+    /// the largest valid request could never be admitted.
+    RequestOverQueue {
+        /// Most samples per request.
+        max_request_samples: usize,
+        /// Most rows queued.
+        max_queue_rows: usize,
+    },
+}
+
+impl ConfigError {
+    /// The message, with each setting named by `name`.
+    pub fn describe(&self, name: impl Fn(Setting) -> &'static str) -> String {
+        match *self {
+            Self::Zero(setting @ Setting::QueueTimeout) => {
+                format!("{} must be positive when set", name(setting))
+            }
+            Self::Zero(setting) => format!("{} must be at least 1", name(setting)),
+            Self::RequestOverQueue { max_request_samples, max_queue_rows } => format!(
+                "{} ({max_request_samples}) must not exceed {} ({max_queue_rows})",
+                name(Setting::MaxRequestSamples),
+                name(Setting::MaxQueueRows)
+            ),
+        }
     }
 }

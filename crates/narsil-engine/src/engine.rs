@@ -23,10 +23,10 @@ use narsil_core::request::RequestLimits;
 use narsil_core::{BackendFactory, InvalidInput, ModelSchema, SampleBatch};
 use tokio::sync::{oneshot, watch};
 
-use crate::admission::Admission;
+use crate::admission::{Admission, QueueFull, QueueLimit};
 use crate::collector::{BatchLimits, BatchQueue, Collector};
 use crate::config::EngineConfig;
-use crate::error::EngineError;
+use crate::error::{EngineError, StartError};
 use crate::health::BackendHealth;
 use crate::job::{Entry, Prediction, Ticket};
 use crate::lanes::{self, LaneShared, Readiness};
@@ -61,7 +61,7 @@ impl Engine {
     /// Starts lanes and collector. Returns at once; lanes load in the
     /// background (see [`EngineHandle::wait_ready`]). Must be called inside
     /// a tokio runtime.
-    pub fn start(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> Result<Self, String> {
+    pub fn start(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> Result<Self, StartError> {
         config.validate()?;
         let schema = factory.schema().clone();
         let stats = Arc::new(Stats::default());
@@ -90,7 +90,7 @@ impl Engine {
                 probe_interval: config.health_probe_interval,
             },
         )
-        .map_err(|e| format!("cannot start lane threads: {e}"))?;
+        .map_err(StartError::Threads)?;
         Ok(Self {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
@@ -215,7 +215,7 @@ impl EngineHandle {
                 self.shared.stats.request_seconds.observe(received.elapsed().as_secs_f64());
                 Outcome::Ok
             }
-            Err(EngineError::Invalid(_)) => Outcome::Invalid,
+            Err(EngineError::Invalid(_) | EngineError::NeverFits(_)) => Outcome::Invalid,
             Err(EngineError::Overloaded(_)) => Outcome::Rejected,
             Err(EngineError::DeadlineExceeded) => Outcome::Deadline,
             Err(EngineError::NotReady | EngineError::ShuttingDown) => Outcome::Unavailable,
@@ -237,13 +237,12 @@ impl EngineHandle {
         request.validate(&shared.schema, shared.limits)?;
         let bytes = request.decoded_bytes();
         if bytes > shared.admission.max_bytes() {
-            return Err(EngineError::Invalid(InvalidInput::new(
-                "message",
-                format!(
-                    "decodes to {bytes} bytes, more than the queue may ever hold ({} bytes, --max-queue-bytes)",
-                    shared.admission.max_bytes()
-                ),
-            )));
+            return Err(EngineError::NeverFits(QueueFull {
+                limit: QueueLimit::Bytes,
+                queued: shared.admission.queued_bytes(),
+                max: shared.admission.max_bytes(),
+                needed: bytes,
+            }));
         }
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {

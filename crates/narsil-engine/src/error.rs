@@ -2,6 +2,20 @@
 
 use narsil_core::InvalidInput;
 
+use crate::admission::QueueFull;
+use crate::config::ConfigError;
+
+/// Why the engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The settings cannot work.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A lane thread could not be spawned.
+    #[error("cannot start lane threads")]
+    Threads(#[source] std::io::Error),
+}
+
 /// One error per way a request can fail inside the engine. The RPC layer
 /// maps each to one status code.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -9,9 +23,13 @@ pub enum EngineError {
     /// The request does not fit the model's schema or the server's limits.
     #[error(transparent)]
     Invalid(#[from] InvalidInput),
-    /// Admission is full; the message says which limit.
+    /// Admission is full; says which limit.
     #[error("server overloaded: {0}")]
-    Overloaded(String),
+    Overloaded(QueueFull),
+    /// The request alone exceeds a queue limit (`needed` > `max`), so no
+    /// amount of waiting admits it.
+    #[error("invalid message: needs {} {}, more than the queue may ever hold ({})", .0.needed, .0.limit.unit(), .0.max)]
+    NeverFits(QueueFull),
     /// The request's deadline passed before its forward could start.
     #[error("deadline exceeded before the request reached the model")]
     DeadlineExceeded,

@@ -5,7 +5,8 @@
 //!   ◀── oneshot reply per request, split from the fused scores ◀──┘
 //! ```
 //!
-//! * [`admission`]: bounded by queued requests and rows; rejects at once.
+//! * [`admission`]: bounded by queued requests, rows and decoded bytes;
+//!   rejects at once with the limit that refused ([`admission::QueueFull`]).
 //! * [`collector`]: reorders each request into the open key-major batch as
 //!   it is submitted; a lane that frees up takes the next due batch itself.
 //! * [`lanes`]: one thread per model instance; loads, warms up, runs, replies.
@@ -25,6 +26,6 @@ pub mod stats;
 
 pub use config::{EngineConfig, ExecutionMode};
 pub use engine::{Engine, EngineHandle};
-pub use error::EngineError;
+pub use error::{EngineError, StartError};
 pub use job::Prediction;
 pub use stats::StatsSnapshot;
