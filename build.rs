@@ -15,8 +15,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let descriptors = protox::compile(protos, ["proto"])?;
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("narsil_descriptor.bin"), prost::Message::encode_to_vec(&descriptors))?;
-    // TorchRec's byte fields as `Bytes`; every message decoded by
-    // src/grpc/codec.rs.
+    // TorchRec's byte fields as `Bytes`, slices of the received message
+    // (src/grpc/codec.rs decodes every message from one `Bytes`).
     tonic_prost_build::configure()
         .bytes(".predictor")
         .codec_path("crate::grpc::codec::ContiguousCodec")
