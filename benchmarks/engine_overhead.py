@@ -37,27 +37,39 @@ import sys
 from benchlib import DEFAULT_BINARY, free_port, machine, pinned, require_binary, wait_serving
 
 
-def run_case(args, mode, lanes, concurrency):
-    port = free_port()
-    addr = f"127.0.0.1:{port}"
-    serve = [args.binary, "serve", "--addr", addr, "--backend", "mock",
-             "--mock-latency-ms", str(args.latency_ms), "--execution-mode", mode,
-             "--lanes", str(lanes), "--batch-size", str(args.batch_size),
-             "--batch-timeout-ms", "0", "--log-level", "warn"]
-    server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def with_server(args, command, protocol, run):
+    """Starts `command(addr)` pinned to core 0, waits until it answers in
+    `protocol`, returns `run(addr, server)`, and stops it."""
+    addr = f"127.0.0.1:{free_port()}"
+    server = subprocess.Popen(pinned(command(addr), 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        wait_serving(args.binary, addr, server)
-        load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
-                "--warmup", str(args.warmup), "--batch-size", str(args.samples), "--json"]
-        if args.duration:
-            load += ["--duration", str(args.duration)]
-        else:
-            load += ["--requests", str(args.requests)]
-        out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
-        return json.loads(out.stdout)
+        wait_serving(args.binary, addr, server, protocol=protocol)
+        return run(addr, server)
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def load(args, addr, protocol, *flags):
+    """`narsil load` pinned to core 1; its JSON report."""
+    command = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol,
+               "--batch-size", str(args.samples), "--json", *map(str, flags)]
+    out = subprocess.run(pinned(command, 1), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def closed_loop(args, addr, protocol, concurrency):
+    length = ["--duration", args.duration] if args.duration else ["--requests", args.requests]
+    return load(args, addr, protocol, "--concurrency", concurrency, "--warmup", args.warmup, *length)
+
+
+def run_case(args, mode, lanes, concurrency):
+    def serve(addr):
+        return [args.binary, "serve", "--addr", addr, "--backend", "mock",
+                "--mock-latency-ms", str(args.latency_ms), "--execution-mode", mode,
+                "--lanes", str(lanes), "--batch-size", str(args.batch_size),
+                "--batch-timeout-ms", "0", "--log-level", "warn"]
+    return with_server(args, serve, "narsil", lambda addr, _: closed_loop(args, addr, "narsil", concurrency))
 
 
 def cpu_seconds(pid):
@@ -67,51 +79,32 @@ def cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def narsil_server(args, addr):
-    return [args.binary, "serve", "--addr", addr, "--backend", "mock", "--mock-latency-ms", "0",
-            "--batch-size", str(args.batch_size), "--log-level", "warn"]
+def narsil_server(args):
+    return lambda addr: [args.binary, "serve", "--addr", addr, "--backend", "mock", "--mock-latency-ms", "0",
+                         "--batch-size", str(args.batch_size), "--log-level", "warn"]
 
 
-def floor_server(args, addr, forward_ms=0.0):
-    return [args.floor_binary, addr, str(forward_ms)]
+def floor_server(args, forward_ms=0.0):
+    return lambda addr: [args.floor_binary, addr, str(forward_ms)]
 
 
 def floor_c1(args, protocol, forward_ms):
     """Concurrency-1 latency through the floor server, each request holding
     its handler thread for `forward_ms`."""
-    addr = f"127.0.0.1:{free_port()}"
-    server = subprocess.Popen(pinned(floor_server(args, addr, forward_ms), 0), stdout=subprocess.DEVNULL)
-    try:
-        wait_serving(args.binary, addr, server, protocol=protocol)
-        load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol, "--concurrency", "1",
-                "--warmup", str(args.warmup), "--requests", str(args.requests),
-                "--batch-size", str(args.samples), "--json"]
-        out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
-        return json.loads(out.stdout)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    return with_server(args, floor_server(args, forward_ms), protocol,
+                       lambda addr, _: closed_loop(args, addr, protocol, 1))
 
 
-def cpu_per_request(args, protocol, server_command=narsil_server):
+def cpu_per_request(args, protocol, server=narsil_server):
     """Server CPU microseconds per request at a fixed offered rate."""
-    addr = f"127.0.0.1:{free_port()}"
-    server = subprocess.Popen(pinned(server_command(args, addr), 0), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE)
-    try:
-        wait_serving(args.binary, addr, server, protocol=protocol)
-        load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol,
-                "--rate", str(args.cpu_rate), "--duration", str(args.cpu_seconds), "--warmup", "0",
-                "--batch-size", str(args.samples), "--json"]
-        before = cpu_seconds(server.pid)
-        out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
-        used = cpu_seconds(server.pid) - before
-        report = json.loads(out.stdout)
+    def measure(addr, process):
+        before = cpu_seconds(process.pid)
+        report = load(args, addr, protocol, "--rate", args.cpu_rate, "--duration", args.cpu_seconds,
+                      "--warmup", 0)
+        used = cpu_seconds(process.pid) - before
         return {"protocol": protocol, "cpu_s": used, "ok": report["ok"], "req_per_s": report["req_per_s"],
                 "us_per_request": used / max(1, report["ok"]) * 1e6}
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    return with_server(args, server(args), protocol, measure)
 
 
 def main():

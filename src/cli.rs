@@ -173,7 +173,7 @@ impl ServeArgs {
 }
 
 /// The `narsil serve` flag that sets an engine setting.
-fn serve_flag(setting: Setting) -> &'static str {
+pub fn serve_flag(setting: Setting) -> &'static str {
     match setting {
         Setting::Lanes => "--lanes",
         Setting::MaxBatchRequests => "--batch-size",

@@ -1,18 +1,10 @@
 //! The one mapping from engine errors to gRPC status codes and messages.
 //! Queue limits are named by the `narsil serve` flag that sets them.
 
-use narsil_engine::admission::QueueLimit;
 use narsil_engine::EngineError;
 use tonic::{Code, Status};
 
-/// The `narsil serve` flag that sets a queue limit.
-fn flag(limit: QueueLimit) -> &'static str {
-    match limit {
-        QueueLimit::Requests => "--max-queue-requests",
-        QueueLimit::Rows => "--max-queue-rows",
-        QueueLimit::Bytes => "--max-queue-bytes",
-    }
-}
+use crate::cli::serve_flag;
 
 /// The status a client sees for an engine error.
 pub fn to_status(error: EngineError) -> Status {
@@ -25,7 +17,7 @@ pub fn to_status(error: EngineError) -> Status {
     };
     let message = match &error {
         EngineError::Overloaded(full) | EngineError::NeverFits(full) => {
-            format!("{error} ({})", flag(full.limit))
+            format!("{error} ({})", serve_flag(full.limit.setting()))
         }
         _ => error.to_string(),
     };
@@ -36,7 +28,7 @@ pub fn to_status(error: EngineError) -> Status {
 mod tests {
     use super::*;
     use narsil_core::InvalidInput;
-    use narsil_engine::admission::QueueFull;
+    use narsil_engine::admission::{QueueFull, QueueLimit};
 
     #[test]
     fn each_error_has_its_code_and_keeps_its_message() {

@@ -57,19 +57,24 @@ fn floats(bytes: &[u8], field: &'static str) -> Result<Vec<f32>, InvalidInput> {
     Ok(bytes.chunks_exact(4).map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes"))).collect())
 }
 
-/// The width of a TorchRec integer field holding `count` values: 4 (int32)
-/// or 8 (int64).
+/// A TorchRec integer field holding `count` values, as int32 or int64.
 ///
 /// TorchRec's C++ server reads lengths and ids as int32, but TorchRec's own
 /// Python client sends `KeyedJaggedTensor.values()` as int64 bytes (and
 /// either width of lengths is easy to send). The width is unambiguous: the
 /// field must hold exactly `count` values (samples x features for lengths,
 /// the lengths' sum for ids), so its byte count is `4 * count` or
-/// `8 * count`, never both unless both are zero.
-fn width(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<usize, InvalidInput> {
+/// `8 * count`, never both unless both are zero. Plain `chunks_exact` maps,
+/// which vectorize.
+fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<Vec<i64>, InvalidInput> {
     match bytes.len() {
-        n if n == 4 * count => Ok(4),
-        n if n == 8 * count => Ok(8),
+        n if n == 4 * count => Ok(bytes
+            .chunks_exact(4)
+            .map(|w| i64::from(i32::from_le_bytes(w.try_into().expect("4 bytes"))))
+            .collect()),
+        n if n == 8 * count => {
+            Ok(bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
+        }
         n => Err(InvalidInput::new(
             field,
             format!(
@@ -81,48 +86,24 @@ fn width(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<
     }
 }
 
-/// Ids, int32 or int64 (see [`width`]), as the engine's int64.
-fn ids(bytes: &[u8], count: usize, field: &'static str) -> Result<Vec<i64>, InvalidInput> {
-    Ok(match width(bytes, count, field, "ids (the sum of the lengths)")? {
-        4 => bytes
-            .chunks_exact(4)
-            .map(|w| i64::from(i32::from_le_bytes(w.try_into().expect("4 bytes"))))
-            .collect(),
-        _ => bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect(),
-    })
-}
-
-/// Key-major lengths, int32 or int64 (see [`width`]); a negative one (or
-/// one past u32, int64) is an error naming its sample and feature.
+/// Key-major lengths (see [`integers`]); a negative one, or one past u32, is
+/// an error naming its sample and feature. Decoded without a check per
+/// value, then scanned once.
 fn lengths(
     bytes: &[u8],
     samples: usize,
     num_sparse: usize,
     field: &'static str,
 ) -> Result<Vec<u32>, InvalidInput> {
-    let count = samples * num_sparse;
-    // Decoded without a check per value (the loops vectorize), then scanned.
-    let (lengths, bad) = match width(bytes, count, field, "lengths")? {
-        4 => {
-            let wide: Vec<i32> =
-                bytes.chunks_exact(4).map(|w| i32::from_le_bytes(w.try_into().expect("4 bytes"))).collect();
-            let bad = wide.iter().position(|&l| l < 0).map(|i| (i, i64::from(wide[i])));
-            (wide.into_iter().map(|l| l as u32).collect(), bad)
-        }
-        _ => {
-            let wide: Vec<i64> =
-                bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect();
-            let bad = wide.iter().position(|&l| u32::try_from(l).is_err()).map(|i| (i, wide[i]));
-            (wide.into_iter().map(|l| l as u32).collect(), bad)
-        }
-    };
-    match bad {
-        Some((i, l)) => {
-            let (sample, feature) = (i % samples, i / samples);
-            Err(InvalidInput::new(field, format!("sample {sample} feature {feature} has length {l}")))
-        }
-        None => Ok(lengths),
+    let wide = integers(bytes, samples * num_sparse, field, "lengths")?;
+    if let Some(i) = wide.iter().position(|&l| u32::try_from(l).is_err()) {
+        let (sample, feature) = (i % samples, i / samples);
+        return Err(InvalidInput::new(
+            field,
+            format!("sample {sample} feature {feature} has length {}", wide[i]),
+        ));
     }
+    Ok(wide.into_iter().map(|l| l as u32).collect())
 }
 
 /// int32 little-endian values as int64 ones, as TorchRec's Python client
@@ -179,7 +160,8 @@ pub fn decode(
     }
     let lengths = lengths(&sparse.lengths, derived, num_sparse, "id_list_features.lengths")?;
     let total: u64 = lengths.iter().map(|&l| u64::from(l)).sum();
-    let ids = ids(&sparse.values, total as usize, "id_list_features.values")?;
+    let ids =
+        integers(&sparse.values, total as usize, "id_list_features.values", "ids (the sum of the lengths)")?;
     Ok(SampleBatch { batch_size: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
 }
 

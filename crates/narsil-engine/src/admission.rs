@@ -10,6 +10,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::config::Setting;
+
 /// One of the queue's three limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QueueLimit {
@@ -22,6 +24,15 @@ pub enum QueueLimit {
 }
 
 impl QueueLimit {
+    /// The engine setting that sets this limit.
+    pub fn setting(self) -> Setting {
+        match self {
+            Self::Requests => Setting::MaxQueueRequests,
+            Self::Rows => Setting::MaxQueueRows,
+            Self::Bytes => Setting::MaxQueueBytes,
+        }
+    }
+
     /// What the limit counts, as a plural noun.
     pub fn unit(self) -> &'static str {
         match self {
@@ -33,7 +44,7 @@ impl QueueLimit {
 }
 
 /// A request refused because a queue limit is reached. The frontend names
-/// the setting behind `limit` (the engine does not know its flags).
+/// the setting behind `limit` ([`QueueLimit::setting`]) its own way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("queue holds {queued} of at most {max} {}; request has {needed}", .limit.unit())]
 pub struct QueueFull {
