@@ -1,7 +1,7 @@
 //! Criterion benches for the front of the request path: a 100-sample,
-//! 26-feature request from its wire bytes to a validated [`SampleBatch`],
+//! 26-feature request from its wire bytes to a validated [`RequestSamples`],
 //! in each protocol (prost decoding from `Bytes`, as the server's codec
-//! does, the protocol's conversion, and `SampleBatch::validate`).
+//! does, the protocol's conversion, and `RequestSamples::validate`).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use narsil::grpc::{convert, torchrec};
@@ -29,7 +29,7 @@ fn narsil_request(schema: &ModelSchema) -> PredictRequest {
 
 fn bench_decode(c: &mut Criterion) {
     let schema = ModelSchema::dlrm("bench", "cpu", 100_000);
-    let limits = RequestLimits { max_batch_size: 10_000, id_policy: IdPolicy::Reject };
+    let limits = RequestLimits { max_samples: 10_000, id_policy: IdPolicy::Reject };
     let narsil = narsil_request(&schema);
     let narsil_bytes = prost::bytes::Bytes::from(narsil.encode_to_vec());
     let torchrec_bytes =

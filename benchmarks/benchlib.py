@@ -34,7 +34,7 @@ def wait_serving(binary, addr, process=None, timeout=120, protocol="narsil"):
             raise SystemExit(f"server exited with {process.returncode} before serving:\n{err[-2000:]}")
         probe = subprocess.run(
             [binary, "load", "--addr", f"http://{addr}", "--protocol", protocol, "--requests", "1",
-             "--warmup", "0", "--batch-size", "1", "--json"],
+             "--warmup", "0", "--samples-per-request", "1", "--json"],
             capture_output=True, text=True)
         if probe.returncode == 0 and '"OK"' in probe.stdout:
             return time.time() - started

@@ -53,7 +53,7 @@ def with_server(args, command, protocol, run):
 def load(args, addr, protocol, *flags):
     """`narsil load` pinned to core 1; its JSON report."""
     command = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", protocol,
-               "--batch-size", str(args.samples), "--json", *map(str, flags)]
+               "--samples-per-request", str(args.samples), "--json", *map(str, flags)]
     out = subprocess.run(pinned(command, 1), capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -67,7 +67,7 @@ def run_case(args, mode, lanes, concurrency):
     def serve(addr):
         return [args.binary, "serve", "--addr", addr, "--backend", "mock",
                 "--mock-latency-ms", str(args.latency_ms), "--execution-mode", mode,
-                "--lanes", str(lanes), "--batch-size", str(args.batch_size),
+                "--lanes", str(lanes), "--max-batch-requests", str(args.batch_size),
                 "--batch-timeout-ms", "0", "--log-level", "warn"]
     return with_server(args, serve, "narsil", lambda addr, _: closed_loop(args, addr, "narsil", concurrency))
 
@@ -81,7 +81,7 @@ def cpu_seconds(pid):
 
 def narsil_server(args):
     return lambda addr: [args.binary, "serve", "--addr", addr, "--backend", "mock", "--mock-latency-ms", "0",
-                         "--batch-size", str(args.batch_size), "--log-level", "warn"]
+                         "--max-batch-requests", str(args.batch_size), "--log-level", "warn"]
 
 
 def floor_server(args, forward_ms=0.0):

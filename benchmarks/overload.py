@@ -34,7 +34,7 @@ def outcomes(metrics_addr):
 
 
 def load(args, addr, extra):
-    cmd = [args.binary, "load", "--addr", f"http://{addr}", "--batch-size", str(args.samples),
+    cmd = [args.binary, "load", "--addr", f"http://{addr}", "--samples-per-request", str(args.samples),
            "--warmup", "50", "--json"] + extra
     out = subprocess.run(pinned(cmd, 1), capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -56,7 +56,7 @@ def main():
 
     addr, metrics_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     serve = [args.binary, "serve", "--addr", addr, "--metrics-addr", metrics_addr, "--backend", "mock",
-             "--mock-latency-ms", str(args.latency_ms), "--batch-size", str(args.batch_size),
+             "--mock-latency-ms", str(args.latency_ms), "--max-batch-requests", str(args.batch_size),
              "--max-queue-requests", str(args.max_queue_requests),
              "--queue-timeout-ms", str(args.queue_timeout_ms), "--log-level", "warn"]
     server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

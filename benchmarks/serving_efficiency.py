@@ -37,14 +37,14 @@ def serve_and_load(args):
     addr = f"127.0.0.1:{free_port()}"
     serve = [args.binary, "serve", "--addr", addr, "--backend", args.backend, "--model", args.model,
              "--execution-mode", args.execution_mode, "--lanes", str(args.lanes),
-             "--batch-size", str(args.batch_size), "--batch-timeout-ms", str(args.batch_timeout_ms),
+             "--max-batch-requests", str(args.batch_size), "--batch-timeout-ms", str(args.batch_timeout_ms),
              "--intra-op-threads", str(args.intra_op_threads), "--log-level", "warn"]
     serve += ["--dense-precision", args.dense_precision] if args.backend == "torch" else []
     server = subprocess.Popen(pinned(serve, 0), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         cold_start_s = wait_serving(args.binary, addr, server)
         load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(args.concurrency),
-                "--warmup", str(args.warmup), "--batch-size", str(args.samples),
+                "--warmup", str(args.warmup), "--samples-per-request", str(args.samples),
                 "--duration", str(args.duration), "--json"]
         out = subprocess.run(pinned(load, 1), capture_output=True, text=True, check=True)
         report = json.loads(out.stdout)

@@ -74,7 +74,7 @@ def servers(args, cores, torchrec_bin):
     """(name, command builder taking the address) for every server of a configuration."""
     lanes = "1" if cores == 1 else str(args.lanes_on_two_cores)
     narsil = [args.binary, "serve", "--log-level", "warn", "--lanes", lanes, "--intra-op-threads", "1",
-              "--batch-size", str(args.narsil_batch_size), "--batch-timeout-ms", "0"]
+              "--max-batch-requests", str(args.narsil_batch_size), "--batch-timeout-ms", "0"]
     torch_model = ["--backend", "torch", "--model", args.model]
     out = []
     for precision in args.precisions:
@@ -109,7 +109,7 @@ def measure(args, name, command, cores, ids_per_bag):
         for concurrency in args.concurrency:
             load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
                     "--concurrency", str(concurrency), "--requests", str(args.requests),
-                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+                    "--warmup", str(args.warmup), "--samples-per-request", str(args.batch_size),
                     "--ids-per-feature", str(ids_per_bag), "--json"]
             out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
             if out.returncode != 0:

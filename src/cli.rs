@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use narsil_core::request::{IdPolicy, RequestLimits};
-use narsil_engine::config::Setting;
+use narsil_engine::Setting;
 use narsil_engine::{EngineConfig, ExecutionMode};
 
 use crate::backends::BackendArgs;
@@ -79,9 +79,10 @@ pub struct ServeArgs {
     /// Execution mode.
     #[arg(long, env = "NARSIL_EXECUTION_MODE", value_enum, default_value_t = ModeArg::Batch)]
     pub execution_mode: ModeArg,
-    /// Most requests fused into one forward (batch mode).
-    #[arg(long, env = "NARSIL_BATCH_SIZE", default_value_t = 16)]
-    pub batch_size: usize,
+    /// Most requests fused into one forward (batch mode). `--batch-size` is
+    /// an older name for it.
+    #[arg(long, alias = "batch-size", env = "NARSIL_MAX_BATCH_REQUESTS", default_value_t = 16)]
+    pub max_batch_requests: usize,
     /// Once a lane is free, how long the oldest queued request may wait for
     /// more to fuse with; 0 sends at once.
     #[arg(long, env = "NARSIL_BATCH_TIMEOUT_MS", default_value_t = 0.0)]
@@ -149,7 +150,7 @@ impl ServeArgs {
                 ModeArg::Batch => ExecutionMode::Batch,
                 ModeArg::Worker => ExecutionMode::Worker,
             },
-            max_batch_requests: self.batch_size,
+            max_batch_requests: self.max_batch_requests,
             max_batch_rows: self.max_batch_rows,
             unhealthy_after_failures: self.unhealthy_after_failures,
             health_probe_interval: Duration::from_secs(1),
@@ -160,7 +161,7 @@ impl ServeArgs {
             max_queue_bytes: self.max_queue_bytes.unwrap_or(self.max_message_bytes.saturating_mul(4)),
             queue_timeout,
             limits: RequestLimits {
-                max_batch_size: self.max_request_samples,
+                max_samples: self.max_request_samples,
                 id_policy: match self.id_policy {
                     IdPolicyArg::Reject => IdPolicy::Reject,
                     IdPolicyArg::Modulo => IdPolicy::Modulo,
@@ -176,7 +177,7 @@ impl ServeArgs {
 pub fn serve_flag(setting: Setting) -> &'static str {
     match setting {
         Setting::Lanes => "--lanes",
-        Setting::MaxBatchRequests => "--batch-size",
+        Setting::MaxBatchRequests => "--max-batch-requests",
         Setting::MaxBatchRows => "--max-batch-rows",
         Setting::MaxQueueRequests => "--max-queue-requests",
         Setting::MaxQueueRows => "--max-queue-rows",
@@ -271,6 +272,17 @@ mod tests {
         assert_eq!(config.mode, ExecutionMode::Batch);
         assert_eq!(config.max_batch_requests, 16);
         assert_eq!(config.batch_timeout, Duration::ZERO);
+    }
+
+    #[test]
+    fn batch_size_is_kept_as_an_older_name_for_max_batch_requests() {
+        assert_eq!(serve(&["--batch-size", "4"]).engine_config().unwrap().max_batch_requests, 4);
+        assert_eq!(serve(&["--max-batch-requests", "5"]).engine_config().unwrap().max_batch_requests, 5);
+        let load = |flag: &str| match Cli::try_parse_from(["narsil", "load", flag, "7"]).unwrap().command {
+            Command::Load(args) => args.samples_per_request,
+            _ => unreachable!(),
+        };
+        assert_eq!((load("--batch-size"), load("--samples-per-request")), (7, 7));
     }
 
     #[test]

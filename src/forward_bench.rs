@@ -12,7 +12,7 @@ use std::io::Write;
 use std::time::{Duration, Instant};
 
 use narsil_core::request::{IdPolicy, RequestLimits};
-use narsil_core::{assemble, BackendFactory, SampleBatch};
+use narsil_core::{assemble, BackendFactory, RequestSamples};
 use rand::SeedableRng;
 use serde::Serialize;
 
@@ -207,14 +207,14 @@ fn measure(
         _ => None,
     };
     let info = model_info(&schema, usize::MAX);
-    let limits = RequestLimits { max_batch_size: usize::MAX, id_policy: IdPolicy::Reject };
+    let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let mut random = |samples: usize, index: usize| -> anyhow::Result<SampleBatch> {
+    let mut random = |samples: usize, index: usize| -> anyhow::Result<RequestSamples> {
         let mut request = sample_batch(random_request(&info, samples, args.ids_per_feature, &mut rng, index));
         request.validate(&schema, limits)?;
         Ok(request)
     };
-    let pool: Vec<SampleBatch> = (0..args.distinct_requests.max(1))
+    let pool: Vec<RequestSamples> = (0..args.distinct_requests.max(1))
         .map(|i| random(args.request_samples, i))
         .collect::<anyhow::Result<_>>()?;
     let mut results = Vec::new();

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use narsil_core::BackendFactory;
-use narsil_engine::{Engine, EngineConfig, EngineHandle};
+use narsil_engine::{Engine, EngineConfig, EngineHandle, LaneFailed};
 use tokio::net::TcpListener;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
@@ -102,7 +102,7 @@ impl Server {
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
 
-        let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<String>();
+        let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<LaneFailed>();
         // Set once draining begins; health changes hold it, so the backend's
         // recovery can never turn a draining server SERVING again.
         let draining = Arc::new(tokio::sync::Mutex::new(false));
@@ -116,21 +116,21 @@ impl Server {
                         tracing::info!("all lanes warmed up; SERVING");
                         follow_backend_health(&health, handle.backend_health(), &draining).await;
                     }
-                    Err(message) => {
-                        let _ = load_failed_tx.send(message);
+                    Err(failure) => {
+                        let _ = load_failed_tx.send(failure);
                     }
                 }
             })
         };
-        let failure = Arc::new(std::sync::Mutex::new(None::<String>));
+        let failure = Arc::new(std::sync::Mutex::new(None::<LaneFailed>));
         let stop = {
             let failure = Arc::clone(&failure);
             let health = health.clone();
             async move {
                 tokio::select! {
                     _ = shutdown => {}
-                    Ok(message) = load_failed => {
-                        *failure.lock().expect("failure lock") = Some(message);
+                    Ok(lane_failure) = load_failed => {
+                        *failure.lock().expect("failure lock") = Some(lane_failure);
                     }
                 }
                 let mut draining = draining.lock().await;
@@ -169,7 +169,7 @@ impl Server {
         served.context("gRPC server failed")?;
         let failure = failure.lock().expect("failure lock").take();
         match failure {
-            Some(message) => anyhow::bail!("model failed to load: {message}"),
+            Some(lane_failure) => Err(anyhow::Error::new(lane_failure).context("model failed to load")),
             None => {
                 tracing::info!("drained; bye");
                 Ok(())

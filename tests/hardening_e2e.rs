@@ -115,15 +115,46 @@ impl BackendFactory for FaultyFactory {
 impl ModelBackend for FaultyBackend {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         match batch.dense.first() {
-            Some(-1.0) => Err(BackendError("injected failure".into())),
+            Some(-1.0) => Err(BackendError::forward("injected failure")),
             Some(-2.0) => panic!("injected panic"),
             _ => self.0.forward(batch),
         }
     }
 }
 
+/// Everything logged in this test process, from every thread (lanes log
+/// on their own).
+fn captured_logs() -> Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOGS: std::sync::OnceLock<Arc<std::sync::Mutex<Vec<u8>>>> = std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = Arc::clone(&logs);
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || LogSink(Arc::clone(&sink)))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        logs
+    })
+    .clone()
+}
+
+struct LogSink(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogSink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failing_or_panicking_forward_fails_only_its_batch_and_the_lane_keeps_serving() {
+    let logs = captured_logs();
     let mock =
         MockFactory::new(common::schema(), MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO });
     let server = start_with(Arc::new(FaultyFactory(mock)), common::worker_mode(1)).await.ready().await;
@@ -142,6 +173,14 @@ async fn failing_or_panicking_forward_fails_only_its_batch_and_the_lane_keeps_se
     assert_eq!(metric(&text, r#"narsil_requests_total{outcome="ok"}"#), 2.0);
     assert_eq!(metric(&text, "narsil_forward_errors_total"), 2.0);
     server.stop().await.unwrap();
+    // Each failed forward's log names the requests in it by their engine id.
+    let logs = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+    // (Other tests in this process fail forwards with "backend down".)
+    let failures: Vec<&str> =
+        logs.lines().filter(|l| l.contains("forward failed") && !l.contains("backend down")).collect();
+    assert_eq!(failures.len(), 2, "{logs}");
+    assert!(failures.iter().all(|l| l.contains("requests=[")), "{failures:?}");
+    assert!(failures[0].contains("injected failure") && failures[1].contains("panicked"), "{failures:?}");
 }
 
 /// The mock behind a switch: while `broken` is set, every forward fails,
@@ -172,7 +211,7 @@ impl BackendFactory for SwitchedFactory {
 impl ModelBackend for SwitchedBackend {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(BackendError("injected failure: backend down".into()));
+            return Err(BackendError::forward("injected failure: backend down"));
         }
         self.inner.forward(batch)
     }

@@ -109,7 +109,7 @@ async fn bad_inputs_get_invalid_argument_naming_field_sample_and_feature() {
             "ids count",
             edited(|r| r.sparse_ids.push(1)),
             format!(
-                "invalid sparse_ids: has {} ids but sparse_lengths sum to {ids_of_request_1_2}",
+                "invalid sparse_ids: has {} ids but the lengths sum to {ids_of_request_1_2}",
                 ids_of_request_1_2 + 1
             ),
         ),

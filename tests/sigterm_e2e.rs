@@ -21,7 +21,7 @@ async fn sigterm_under_load_answers_everything_and_exits_zero() {
             "100",
             "--mock-table-rows",
             "1000",
-            "--batch-size",
+            "--max-batch-requests",
             "8",
         ])
         .stdout(Stdio::null())

@@ -26,7 +26,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, bytes)) = data.split_first() else { return };
     let schema = schema();
     let policy = if selector & 2 == 0 { IdPolicy::Reject } else { IdPolicy::Modulo };
-    let limits = RequestLimits { max_batch_size: 64, id_policy: policy };
+    let limits = RequestLimits { max_samples: 64, id_policy: policy };
     let decoded = if selector & 1 == 0 {
         let Ok(request) = proto::PredictRequest::decode(bytes) else { return };
         convert::sample_batch(request)
@@ -35,19 +35,19 @@ fuzz_target!(|data: &[u8]| {
         match torchrec::decode(request, schema.num_dense, schema.num_sparse()) {
             Ok(batch) => batch,
             Err(invalid) => {
-                assert!(!invalid.field.is_empty() && !invalid.message.is_empty());
+                assert!(!torchrec::field_name(invalid.field).is_empty() && !invalid.message.is_empty());
                 return;
             }
         }
     };
     let mut batch = decoded;
     if let Err(invalid) = batch.validate(&schema, limits) {
-        assert!(!invalid.field.is_empty() && !invalid.message.is_empty());
+        assert!(!invalid.field.name().is_empty() && !invalid.message.is_empty());
         return;
     }
-    let rows = batch.batch_size;
+    let rows = batch.num_samples;
     let parts = batch.split_rows(1 + usize::from(selector >> 2) % 8, schema.num_sparse());
-    assert_eq!(parts.iter().map(|p| p.batch_size).sum::<usize>(), rows);
+    assert_eq!(parts.iter().map(|p| p.num_samples).sum::<usize>(), rows);
     let keyed = assemble(schema.num_dense, schema.num_sparse(), &parts);
     assert_eq!(keyed.rows, rows);
     for (f, feature) in schema.sparse.iter().enumerate() {

@@ -1,16 +1,16 @@
 //! Conversions between the wire messages of `narsil.v1` and the engine's
-//! types. Shape checks live in `SampleBatch::validate`, so every protocol
+//! types. Shape checks live in `RequestSamples::validate`, so every protocol
 //! shares them.
 
-use narsil_core::{ModelSchema, SampleBatch};
+use narsil_core::{ModelSchema, RequestSamples};
 use narsil_engine::Prediction;
 
 use crate::proto;
 
 /// A wire request as the engine's sample-major batch (not yet validated).
-pub fn sample_batch(request: proto::PredictRequest) -> SampleBatch {
-    SampleBatch {
-        batch_size: request.batch_size as usize,
+pub fn sample_batch(request: proto::PredictRequest) -> RequestSamples {
+    RequestSamples {
+        num_samples: request.batch_size as usize,
         dense: request.dense,
         lengths: request.sparse_lengths,
         ids: request.sparse_ids,

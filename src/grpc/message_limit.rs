@@ -3,7 +3,7 @@
 //! into INVALID_ARGUMENT naming the message size and the flag, like every
 //! other bad input, and counts it as invalid.
 
-use narsil_core::InvalidInput;
+use narsil_core::{InputField, InvalidInput};
 use narsil_engine::EngineHandle;
 use tonic::body::Body;
 use tonic::codegen::http;
@@ -22,7 +22,7 @@ fn oversized(status: &Status) -> Option<InvalidInput> {
     let (found, rest) = rest.split_once(" bytes, the limit is: ")?;
     let limit = rest.strip_suffix(" bytes")?;
     Some(InvalidInput::new(
-        "message",
+        InputField::Message,
         format!("{found} bytes exceeds the server's limit of {limit} bytes (--max-message-bytes)"),
     ))
 }
@@ -32,7 +32,7 @@ pub fn rewrite(engine: &EngineHandle, mut response: http::Response<Body>) -> htt
     let Some(invalid) = Status::from_header_map(response.headers()).as_ref().and_then(oversized) else {
         return response;
     };
-    let status = crate::grpc::status::to_status(engine.reject(invalid));
+    let status = crate::grpc::status::to_status(engine.reject(invalid), InputField::name);
     let headers = response.headers_mut();
     headers.remove("grpc-status");
     headers.remove("grpc-message");
@@ -60,7 +60,7 @@ mod tests {
             "Error, decoded message length too large: found 70000 bytes, the limit is: 4096 bytes",
         );
         let invalid = oversized(&refusal).unwrap();
-        assert_eq!(invalid.field, "message");
+        assert_eq!(invalid.field, InputField::Message);
         assert!(
             invalid.message.starts_with("70000 bytes exceeds the server's limit of 4096 bytes"),
             "{invalid}"

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use narsil_core::InvalidInput;
+use narsil_core::{InputField, InvalidInput};
 use narsil_engine::EngineHandle;
 use tonic::{Request, Response, Status};
 
@@ -34,15 +34,15 @@ impl Predictor for PredictorService {
         if !message.model.is_empty() && message.model != self.engine.schema().name {
             let served = &self.engine.schema().name;
             let invalid = InvalidInput::new(
-                "model",
+                InputField::Model,
                 format!("unknown model {:?}; this server serves {served:?}", message.model),
             );
-            return Err(status::to_status(self.engine.reject(invalid)));
+            return Err(status::to_status(self.engine.reject(invalid), InputField::name));
         }
         let prediction =
             self.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {
                 tracing::debug!(%request_id, error = %e, "predict failed");
-                status::to_status(e)
+                status::to_status(e, InputField::name)
             })?;
         Ok(Response::new(convert::predict_response(prediction, request_id)))
     }
@@ -51,6 +51,6 @@ impl Predictor for PredictorService {
         &self,
         _request: Request<proto::ModelInfoRequest>,
     ) -> Result<Response<proto::ModelInfoResponse>, Status> {
-        Ok(Response::new(convert::model_info(self.engine.schema(), self.engine.limits().max_batch_size)))
+        Ok(Response::new(convert::model_info(self.engine.schema(), self.engine.limits().max_samples)))
     }
 }

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
-use narsil_core::{InvalidInput, SampleBatch, SparseLayout};
+use narsil_core::{InputField, InvalidInput, RequestSamples, SparseLayout};
 use narsil_engine::EngineHandle;
 use tonic::{Request, Response, Status};
 
@@ -38,16 +38,28 @@ impl Predictor for TorchRecService {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let schema = self.engine.schema();
         let batch = decode(request.into_inner(), schema.num_dense, schema.num_sparse())
-            .map_err(|e| status::to_status(self.engine.reject(e)))?;
-        let prediction = self.engine.predict(batch, deadline).await.map_err(status::to_status)?;
+            .map_err(|e| status::to_status(self.engine.reject(e), field_name))?;
+        let prediction =
+            self.engine.predict(batch, deadline).await.map_err(|e| status::to_status(e, field_name))?;
         let predictions = HashMap::from([(SCORES_KEY.to_string(), pb::FloatVec { data: prediction.scores })]);
         Ok(Response::new(pb::PredictionResponse { predictions }))
     }
 }
 
+/// TorchRec's wire name for each part of a request.
+pub fn field_name(field: InputField) -> &'static str {
+    match field {
+        InputField::SampleCount => "batch_size",
+        InputField::Dense => "float_features.values",
+        InputField::Lengths => "id_list_features.lengths",
+        InputField::Ids => "id_list_features.values",
+        InputField::Model | InputField::Message | InputField::Wire(_) => field.name(),
+    }
+}
+
 /// Little-endian f32 values of a bytes field, or an error naming it when its
 /// length is not a whole number of them.
-fn floats(bytes: &[u8], field: &'static str) -> Result<Vec<f32>, InvalidInput> {
+fn floats(bytes: &[u8], field: InputField) -> Result<Vec<f32>, InvalidInput> {
     if !bytes.len().is_multiple_of(4) {
         return Err(InvalidInput::new(
             field,
@@ -66,7 +78,7 @@ fn floats(bytes: &[u8], field: &'static str) -> Result<Vec<f32>, InvalidInput> {
 /// the lengths' sum for ids), so its byte count is `4 * count` or
 /// `8 * count`, never both unless both are zero. Plain `chunks_exact` maps,
 /// which vectorize.
-fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Result<Vec<i64>, InvalidInput> {
+fn integers(bytes: &[u8], count: usize, field: InputField, what: &str) -> Result<Vec<i64>, InvalidInput> {
     match bytes.len() {
         n if n == 4 * count => Ok(bytes
             .chunks_exact(4)
@@ -89,17 +101,12 @@ fn integers(bytes: &[u8], count: usize, field: &'static str, what: &str) -> Resu
 /// Key-major lengths (see [`integers`]); a negative one, or one past u32, is
 /// an error naming its sample and feature. Decoded without a check per
 /// value, then scanned once.
-fn lengths(
-    bytes: &[u8],
-    samples: usize,
-    num_sparse: usize,
-    field: &'static str,
-) -> Result<Vec<u32>, InvalidInput> {
-    let wide = integers(bytes, samples * num_sparse, field, "lengths")?;
+fn lengths(bytes: &[u8], samples: usize, num_sparse: usize) -> Result<Vec<u32>, InvalidInput> {
+    let wide = integers(bytes, samples * num_sparse, InputField::Lengths, "lengths")?;
     if let Some(i) = wide.iter().position(|&l| u32::try_from(l).is_err()) {
         let (sample, feature) = (i % samples, i / samples);
         return Err(InvalidInput::new(
-            field,
+            InputField::Lengths,
             format!("sample {sample} feature {feature} has length {}", wide[i]),
         ));
     }
@@ -116,38 +123,41 @@ pub fn widened(int32_bytes: &[u8]) -> Vec<u8> {
 }
 
 /// A TorchRec request as the engine's key-major batch (shapes against the
-/// schema are checked later by `SampleBatch::validate`, like every protocol).
+/// schema are checked later by `RequestSamples::validate`, like every protocol).
 pub fn decode(
     request: pb::PredictionRequest,
     num_dense: usize,
     num_sparse: usize,
-) -> Result<SampleBatch, InvalidInput> {
+) -> Result<RequestSamples, InvalidInput> {
     let float = request.float_features.unwrap_or_default();
     if float.num_features as usize != num_dense {
         return Err(InvalidInput::new(
-            "float_features.num_features",
+            InputField::Wire("float_features.num_features"),
             format!("is {}, the model takes {num_dense} dense features", float.num_features),
         ));
     }
-    let dense = floats(&float.values, "float_features.values")?;
+    let dense = floats(&float.values, InputField::Dense)?;
     // TorchRec's server derives B from the float bytes; batch_size, when
     // set, must agree.
     let derived = dense.len().checked_div(num_dense).unwrap_or(request.batch_size.max(0) as usize);
     if request.batch_size != 0 && request.batch_size as usize != derived {
         return Err(InvalidInput::new(
-            "batch_size",
+            InputField::SampleCount,
             format!("is {} but float_features.values holds {derived} samples", request.batch_size),
         ));
     }
     let sparse = request.id_list_features.unwrap_or_default();
     if sparse.num_features as usize != num_sparse {
         return Err(InvalidInput::new(
-            "id_list_features.num_features",
+            InputField::Wire("id_list_features.num_features"),
             format!("is {}, the model takes {num_sparse} sparse features", sparse.num_features),
         ));
     }
     if !sparse.weights.is_empty() {
-        return Err(InvalidInput::new("id_list_features.weights", "weighted ids are not used by this model"));
+        return Err(InvalidInput::new(
+            InputField::Wire("id_list_features.weights"),
+            "weighted ids are not used by this model",
+        ));
     }
     for (field, unused) in [
         ("id_score_list_features", request.id_score_list_features.is_some_and(|f| !f.values.is_empty())),
@@ -155,14 +165,16 @@ pub fn decode(
         ("unary_features", request.unary_features.is_some_and(|f| !f.values.is_empty())),
     ] {
         if unused {
-            return Err(InvalidInput::new(field, "is not used by this model; send it empty"));
+            return Err(InvalidInput::new(
+                InputField::Wire(field),
+                "is not used by this model; send it empty",
+            ));
         }
     }
-    let lengths = lengths(&sparse.lengths, derived, num_sparse, "id_list_features.lengths")?;
+    let lengths = lengths(&sparse.lengths, derived, num_sparse)?;
     let total: u64 = lengths.iter().map(|&l| u64::from(l)).sum();
-    let ids =
-        integers(&sparse.values, total as usize, "id_list_features.values", "ids (the sum of the lengths)")?;
-    Ok(SampleBatch { batch_size: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
+    let ids = integers(&sparse.values, total as usize, InputField::Ids, "ids (the sum of the lengths)")?;
+    Ok(RequestSamples { num_samples: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
 }
 
 /// The same samples as a TorchRec request: dense bytes as they are, bags
@@ -238,7 +250,7 @@ mod tests {
     fn decodes_little_endian_key_major_and_derives_b_from_the_floats() {
         let r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
         let batch = decode(r, 2, 3).unwrap();
-        assert_eq!(batch.batch_size, 2);
+        assert_eq!(batch.num_samples, 2);
         assert_eq!(batch.dense, [1.0, 2.0, 3.0, 4.0]);
         assert_eq!(batch.lengths, [1, 0, 2, 1, 1, 0]);
         assert_eq!(batch.ids, [7, 8, 9, 10, 11]);
@@ -283,7 +295,7 @@ mod tests {
         let values = &mut r.id_list_features.as_mut().unwrap().values;
         *values = [values.as_ref(), &[0; 4]].concat().into();
         let err = decode(r, 2, 3).unwrap_err();
-        assert_eq!(err.field, "id_list_features.values");
+        assert_eq!(field_name(err.field), "id_list_features.values");
         assert!(
             err.message.contains("has 24 bytes, but 5 ids")
                 && err.message.contains("20 bytes as int32 or 40 as int64"),
@@ -293,7 +305,7 @@ mod tests {
         let mut r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
         r.id_list_features.as_mut().unwrap().lengths.truncate(20);
         let err = decode(r, 2, 3).unwrap_err();
-        assert_eq!(err.field, "id_list_features.lengths");
+        assert_eq!(field_name(err.field), "id_list_features.lengths");
         assert!(
             err.message.contains("has 20 bytes, but 6 lengths take 24 bytes as int32 or 48 as int64"),
             "{}",
@@ -333,7 +345,7 @@ mod tests {
             ),
         ];
         for (r, field) in cases {
-            assert_eq!(decode(r, 2, 3).unwrap_err().field, field);
+            assert_eq!(field_name(decode(r, 2, 3).unwrap_err().field), field);
         }
     }
 }

@@ -59,9 +59,10 @@ pub struct LoadArgs {
     /// Requests sent before measuring (not counted).
     #[arg(long, env = "NARSIL_LOAD_WARMUP", default_value_t = 100)]
     pub warmup: u64,
-    /// Samples per request.
-    #[arg(long, env = "NARSIL_LOAD_BATCH_SIZE", default_value_t = 100)]
-    pub batch_size: usize,
+    /// Samples per request (the wire's `batch_size`). `--batch-size` is an
+    /// older name for it.
+    #[arg(long, alias = "batch-size", env = "NARSIL_LOAD_SAMPLES_PER_REQUEST", default_value_t = 100)]
+    pub samples_per_request: usize,
     /// Ids per (sample, feature) bag; above 1, bag sizes vary in [0, 2N-1] (multi-hot).
     #[arg(long, env = "NARSIL_LOAD_IDS_PER_FEATURE", default_value_t = 1)]
     pub ids_per_feature: u32,
@@ -152,8 +153,8 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
 
 /// Runs the load and returns the report (used by `run` and by tests).
 pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
-    if args.concurrency == 0 || args.connections == 0 || args.batch_size == 0 {
-        anyhow::bail!("--concurrency, --connections and --batch-size must be at least 1");
+    if args.concurrency == 0 || args.connections == 0 || args.samples_per_request == 0 {
+        anyhow::bail!("--concurrency, --connections and --samples-per-request must be at least 1");
     }
     if let Some(rate) = args.rate {
         if !(rate.is_finite() && rate > 0.0) {

@@ -6,13 +6,13 @@ use rand::{Rng, SeedableRng};
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
 
-/// `args.distinct_requests` requests of `args.batch_size` samples each, with
+/// `args.distinct_requests` requests of `args.samples_per_request` samples each, with
 /// dense values in [0, 1) and ids uniform over each table.
 pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<Vec<PredictRequest>> {
-    if info.max_batch_size != 0 && args.batch_size > info.max_batch_size as usize {
+    if info.max_batch_size != 0 && args.samples_per_request > info.max_batch_size as usize {
         anyhow::bail!(
-            "--batch-size {} exceeds the server's limit of {} samples per request",
-            args.batch_size,
+            "--samples-per-request {} exceeds the server's limit of {} samples per request",
+            args.samples_per_request,
             info.max_batch_size
         );
     }
@@ -21,7 +21,7 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     Ok((0..args.distinct_requests.max(1))
-        .map(|i| random_request(info, args.batch_size, args.ids_per_feature, &mut rng, i))
+        .map(|i| random_request(info, args.samples_per_request, args.ids_per_feature, &mut rng, i))
         .collect())
 }
 

@@ -88,7 +88,7 @@ impl BurnDlrm {
         let rows = batch.rows;
         let features = self.tables.len();
         if batch.num_dense != self.num_dense || batch.num_sparse != features {
-            return Err(BackendError(format!(
+            return Err(BackendError::forward(format!(
                 "batch has {} dense and {} sparse features; the model takes {} and {features}",
                 batch.num_dense, batch.num_sparse, self.num_dense
             )));
@@ -116,10 +116,12 @@ impl BurnDlrm {
                 y = B::relu(y);
             }
         }
-        let scores =
-            B::sigmoid(y).into_data().try_into_vec::<f32>().map_err(|e| BackendError(format!("{e:?}")))?;
+        let scores = B::sigmoid(y)
+            .into_data()
+            .try_into_vec::<f32>()
+            .map_err(|e| BackendError::forward(format!("reading scores: {e:?}")))?;
         if scores.len() != rows {
-            return Err(BackendError(format!("forward gave {} scores for {rows} rows", scores.len())));
+            return Err(BackendError::WrongScoreCount { rows, got: scores.len() });
         }
         Ok(scores)
     }

@@ -36,14 +36,14 @@ pub fn sum_pool(batch: &KeyedBatch, tables: &[Vec<f32>], dim: usize, out: &mut V
 
 #[cfg(test)]
 mod tests {
-    use narsil_core::{assemble, SampleBatch};
+    use narsil_core::{assemble, RequestSamples};
 
     use super::*;
 
     /// Sample-major reference: walk the request's bags directly.
-    fn naive(request: &SampleBatch, tables: &[Vec<f32>], dim: usize) -> Vec<f32> {
+    fn naive(request: &RequestSamples, tables: &[Vec<f32>], dim: usize) -> Vec<f32> {
         let features = tables.len();
-        let mut out = vec![0.0; request.batch_size * features * dim];
+        let mut out = vec![0.0; request.num_samples * features * dim];
         let mut cursor = 0;
         for (bag, &len) in request.lengths.iter().enumerate() {
             let (row, f) = (bag / features, bag % features);
@@ -62,8 +62,8 @@ mod tests {
         let dim = 4;
         let tables: Vec<Vec<f32>> =
             (0..3).map(|f| (0..10 * dim).map(|i| (f * 1000 + i) as f32 * 0.5).collect()).collect();
-        let request = SampleBatch {
-            batch_size: 2,
+        let request = RequestSamples {
+            num_samples: 2,
             dense: vec![0.0; 2],
             lengths: vec![2, 0, 1, 3, 1, 0],
             ids: vec![1, 9, 4, 0, 0, 7, 2],
@@ -82,15 +82,15 @@ mod tests {
         let dim = 3;
         let tables: Vec<Vec<f32>> =
             (0..2).map(|f| (0..5 * dim).map(|i| (i * 7 + f) as f32).collect()).collect();
-        let a = SampleBatch {
-            batch_size: 1,
+        let a = RequestSamples {
+            num_samples: 1,
             dense: vec![0.0],
             lengths: vec![1, 2],
             ids: vec![4, 1, 1],
             ..Default::default()
         };
-        let b = SampleBatch {
-            batch_size: 2,
+        let b = RequestSamples {
+            num_samples: 2,
             dense: vec![0.0; 2],
             lengths: vec![0, 1, 3, 0],
             ids: vec![2, 0, 3, 4],

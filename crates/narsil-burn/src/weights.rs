@@ -70,16 +70,14 @@ impl DlrmShape {
     }
 }
 
-fn err(msg: impl Into<String>) -> BackendError {
-    BackendError(msg.into())
-}
-
 impl DlrmWeights {
     /// A deterministic random DLRM: embeddings uniform in [-0.1, 0.1], linear
     /// layers uniform in +-1/sqrt(fan_in) (PyTorch's default range).
     pub fn random(shape: &DlrmShape, seed: u64) -> Result<Self, BackendError> {
         if shape.dense_arch.last() != Some(&shape.dim) || shape.over_arch.last() != Some(&1) {
-            return Err(err("the dense arch must end with the embedding dim and the over arch with 1"));
+            return Err(BackendError::setup(
+                "the dense arch must end with the embedding dim and the over arch with 1",
+            ));
         }
         let mut rng = SmallRng::seed_from_u64(seed);
         let tables = (0..shape.num_sparse)
@@ -121,7 +119,7 @@ impl DlrmWeights {
     /// mis-shaped tensor.
     pub fn load(path: &Path) -> Result<Self, BackendError> {
         let cannot_read = |e: std::io::Error| {
-            err(format!("cannot read {}: {e}; export one with models/export_dlrm.py", path.display()))
+            BackendError::load(path, "cannot read; export one with models/export_dlrm.py").caused_by(e)
         };
         let handle = std::fs::File::open(path).map_err(cannot_read)?;
         // Mapped rather than read: the tensors are copied out once, and the
@@ -130,10 +128,10 @@ impl DlrmWeights {
         // a weights file must not be rewritten while a server loads it.
         let bytes = unsafe { memmap2::Mmap::map(&handle) }.map_err(cannot_read)?;
         let file = SafeTensors::deserialize(&bytes)
-            .map_err(|e| err(format!("{} is not a safetensors file: {e}", path.display())))?;
+            .map_err(|e| BackendError::load(path, "not a safetensors file").caused_by(e))?;
         let (_, metadata) = SafeTensors::read_metadata(&bytes)
-            .map_err(|e| err(format!("{}: unreadable header: {e}", path.display())))?;
-        let at = |what: String| err(format!("{}: {what}", path.display()));
+            .map_err(|e| BackendError::load(path, "unreadable header").caused_by(e))?;
+        let at = |what: String| BackendError::load(path, what);
         let tensor = |name: &str, dims: usize| -> Result<(Vec<usize>, Vec<f32>), BackendError> {
             let view = file.tensor(name).map_err(|_| at(format!("missing tensor `{name}`")))?;
             if view.dtype() != Dtype::F32 {

@@ -8,9 +8,10 @@
 use std::path::{Path, PathBuf};
 
 use narsil_burn::{BurnFactory, DlrmShape, DlrmWeights};
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
+use narsil_core::conformance::{self, concurrent_lanes, fused_equals_alone, golden_parity};
+use narsil_core::golden::{test_model_dir, Golden};
 use narsil_core::request::IdPolicy;
-use narsil_core::{assemble, BackendFactory, SampleBatch};
+use narsil_core::BackendFactory;
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 
@@ -19,33 +20,23 @@ const VS_PYTHON: f32 = 1e-5;
 /// Fused vs alone in the same backend.
 const FUSED_VS_ALONE: f32 = 1e-6;
 
+fn exported() -> BurnFactory {
+    BurnFactory::load(&test_model_dir().join("weights_fp32.safetensors")).unwrap()
+}
+
 #[test]
 fn scores_match_python_fp32_alone_and_fused_equals_alone() {
-    let dir = test_model_dir();
-    let factory = BurnFactory::load(&dir.join("weights_fp32.safetensors")).unwrap();
-    let schema = factory.schema().clone();
-    let mut lane = factory.create_lane(0).unwrap();
-    let golden = Golden::read(&dir).unwrap();
-    let requests: Vec<SampleBatch> =
-        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Reject).unwrap()).collect();
-    let mut alone = Vec::new();
-    for (i, (request, g)) in requests.iter().zip(&golden.requests).enumerate() {
-        let scores = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
-        let diff = max_abs_diff(&scores, &g.scores_fp32).unwrap();
-        assert!(diff <= VS_PYTHON, "golden request {i}: max |burn - python| = {diff}");
-        alone.push(scores);
-    }
-    let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
-    let scores = lane.forward(&fused).unwrap();
-    for (i, (part, alone)) in fused.split(&scores).zip(&alone).enumerate() {
-        let diff = max_abs_diff(part, alone).unwrap();
-        assert!(diff <= FUSED_VS_ALONE, "golden request {i}: fused vs alone {diff}");
-    }
+    let factory = exported();
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    golden_parity(&factory, &golden, |g| &g.scores_fp32, VS_PYTHON);
+    let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+    fused_equals_alone(&factory, &requests, 2, FUSED_VS_ALONE);
+    concurrent_lanes(&factory, &requests, 2, 2, FUSED_VS_ALONE);
 }
 
 #[test]
 fn schema_is_read_from_the_tensors() {
-    let factory = BurnFactory::load(&test_model_dir().join("weights_fp32.safetensors")).unwrap();
+    let factory = exported();
     let schema = factory.schema();
     assert_eq!((schema.backend.as_str(), schema.num_dense, schema.num_sparse()), ("burn", 13, 26));
     assert_eq!(schema.sparse[25].name, "cat_25");
@@ -84,7 +75,8 @@ fn rand_suffix() -> u64 {
 }
 
 fn load_error(path: &Path) -> String {
-    let err = DlrmWeights::load(path).expect_err("must not load").0;
+    let err = DlrmWeights::load(path).expect_err("must not load");
+    let err = narsil_core::error_chain(&err);
     std::fs::remove_file(path).ok();
     err
 }
@@ -110,7 +102,8 @@ fn a_mis_shaped_tensor_is_named() {
 
 #[test]
 fn a_missing_file_says_how_to_make_one() {
-    let err = DlrmWeights::load(Path::new("/nonexistent/weights.safetensors")).err().unwrap().0;
+    let err = DlrmWeights::load(Path::new("/nonexistent/weights.safetensors")).err().unwrap();
+    let err = narsil_core::error_chain(&err);
     assert!(err.contains("/nonexistent/weights.safetensors") && err.contains("export_dlrm.py"), "{err}");
 }
 
@@ -119,19 +112,12 @@ fn random_models_are_deterministic_and_fused_equals_alone() {
     let shape = DlrmShape { num_rows: 50, ..DlrmShape::default() };
     let a = BurnFactory::random(&shape, 3).unwrap();
     let b = BurnFactory::random(&shape, 3).unwrap();
-    let schema = a.schema().clone();
     let golden = Golden::read(&test_model_dir()).unwrap();
     // Golden requests' ids are < 1000; fold them into this model's 50 rows.
-    let requests: Vec<SampleBatch> =
-        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Modulo).unwrap()).collect();
-    let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
-    let (mut lane_a, mut lane_b) = (a.create_lane(0).unwrap(), b.create_lane(0).unwrap());
-    let scores = lane_a.forward(&fused).unwrap();
-    assert_eq!(scores, lane_b.forward(&fused).unwrap(), "same seed, same model");
-    for (part, request) in fused.split(&scores).zip(&requests) {
-        let alone = lane_a.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
-        assert!(max_abs_diff(part, &alone).unwrap() <= FUSED_VS_ALONE);
-    }
+    let requests = conformance::requests(&a, &golden, IdPolicy::Modulo);
+    let scores = conformance::scores_alone(&a, &requests).concat();
+    assert_eq!(scores, conformance::scores_alone(&b, &requests).concat(), "same seed, same model");
+    fused_equals_alone(&a, &requests, 1, FUSED_VS_ALONE);
     let spread =
         scores.iter().cloned().fold(f32::MIN, f32::max) - scores.iter().cloned().fold(f32::MAX, f32::min);
     assert!(spread > 1e-4, "scores must depend on the inputs (spread {spread})");

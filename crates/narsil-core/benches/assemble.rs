@@ -2,7 +2,7 @@
 //! of 16 requests x 100 samples x 26 features, and the split of scores.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use narsil_core::{assemble, SampleBatch};
+use narsil_core::{assemble, RequestSamples};
 
 // The same allocator as the server binary.
 #[global_allocator]
@@ -11,10 +11,10 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const DENSE: usize = 13;
 const SPARSE: usize = 26;
 
-fn request(seed: usize, samples: usize, ids_per_bag: u32) -> SampleBatch {
+fn request(seed: usize, samples: usize, ids_per_bag: u32) -> RequestSamples {
     let bags = samples * SPARSE;
-    SampleBatch {
-        batch_size: samples,
+    RequestSamples {
+        num_samples: samples,
         dense: (0..samples * DENSE).map(|i| (i + seed) as f32 * 1e-3).collect(),
         lengths: vec![ids_per_bag; bags],
         ids: (0..bags * ids_per_bag as usize).map(|i| ((i * 31 + seed) % 100_000) as i64).collect(),

@@ -2,15 +2,110 @@
 //! fused key-major batch. Lanes own one backend instance each, on their own
 //! thread; no tensor ever crosses a channel.
 
+use std::path::PathBuf;
+use std::sync::Arc;
+
 use crate::batch::{assemble, KeyedBatch};
-use crate::request::SampleBatch;
+use crate::request::RequestSamples;
 use crate::schema::ModelSchema;
 
-/// A failure to load or run a model. The message is shown to operators and,
-/// for forward failures, to the clients whose batch failed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct BackendError(pub String);
+/// What caused a [`BackendError`]: the library's own error, kept whole so
+/// operators see the chain (shared, so a fused forward's error can be
+/// answered to every request in it).
+pub type ErrorSource = Arc<dyn std::error::Error + Send + Sync>;
+
+/// A failure to load or run a model. Its message is shown to operators and,
+/// for forward failures, to the clients whose batch failed; [`error_chain`]
+/// renders it with its causes.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BackendError {
+    /// The model file is missing, unreadable, or not a model this backend
+    /// can serve (including a schema it cannot use).
+    #[error("cannot load model {}: {reason}", path.display())]
+    Load {
+        /// The file or directory given as the model.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+        /// The library error underneath, if any.
+        #[source]
+        source: Option<ErrorSource>,
+    },
+    /// The backend's settings, or this machine, cannot run the model as
+    /// asked (device, precision, native libraries).
+    #[error("{reason}")]
+    Setup {
+        /// What is missing or wrong.
+        reason: String,
+        /// The library error underneath, if any.
+        #[source]
+        source: Option<ErrorSource>,
+    },
+    /// A forward pass failed.
+    #[error("forward failed: {reason}")]
+    Forward {
+        /// Where it failed.
+        reason: String,
+        /// The library error underneath, if any.
+        #[source]
+        source: Option<ErrorSource>,
+    },
+    /// A forward returned a different number of scores than rows.
+    #[error("forward returned {got} scores for {rows} rows")]
+    WrongScoreCount {
+        /// Rows in the batch.
+        rows: usize,
+        /// Scores returned.
+        got: usize,
+    },
+    /// The backend panicked (the lane caught it and keeps serving).
+    #[error("backend panicked during {during}")]
+    Panicked {
+        /// What it was doing: loading, warm-up, forward.
+        during: String,
+    },
+}
+
+impl BackendError {
+    /// The model at `path` cannot be loaded, because `reason`.
+    pub fn load(path: impl Into<PathBuf>, reason: impl Into<String>) -> Self {
+        Self::Load { path: path.into(), reason: reason.into(), source: None }
+    }
+
+    /// The backend cannot run as configured, because `reason`.
+    pub fn setup(reason: impl Into<String>) -> Self {
+        Self::Setup { reason: reason.into(), source: None }
+    }
+
+    /// A forward failed at `reason`.
+    pub fn forward(reason: impl Into<String>) -> Self {
+        Self::Forward { reason: reason.into(), source: None }
+    }
+
+    /// The same error, caused by `cause` (kept as its source).
+    pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
+        let cause: ErrorSource = Arc::new(cause);
+        match &mut self {
+            Self::Load { source, .. } | Self::Setup { source, .. } | Self::Forward { source, .. } => {
+                *source = Some(cause);
+            }
+            Self::WrongScoreCount { .. } | Self::Panicked { .. } => {}
+        }
+        self
+    }
+}
+
+/// `error` followed by each of its causes, joined by `: `.
+pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(next) = cause {
+        text.push_str(": ");
+        text.push_str(&next.to_string());
+        cause = next.source();
+    }
+    text
+}
 
 /// One lane's model instance.
 pub trait ModelBackend: Send {
@@ -44,12 +139,30 @@ pub trait BackendFactory: Send + Sync {
 /// A valid batch of `rows` rows for warm-up: zero dense values and id 0 in
 /// every bag.
 pub fn warmup_batch(schema: &ModelSchema, rows: usize) -> KeyedBatch {
-    let request = SampleBatch {
-        batch_size: rows,
+    let request = RequestSamples {
+        num_samples: rows,
         dense: vec![0.0; rows * schema.num_dense],
         lengths: vec![1; rows * schema.num_sparse()],
         ids: vec![0; rows * schema.num_sparse()],
         ..Default::default()
     };
     assemble(schema.num_dense, schema.num_sparse(), [&request])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_chain_names_every_cause() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let error = BackendError::load("/m/model.pt", "not TorchScript").caused_by(io);
+        assert_eq!(error_chain(&error), "cannot load model /m/model.pt: not TorchScript: no such file");
+        let forward = BackendError::forward("libtorch");
+        assert_eq!(error_chain(&forward), "forward failed: libtorch");
+        assert_eq!(
+            error_chain(&BackendError::WrongScoreCount { rows: 3, got: 2 }),
+            "forward returned 2 scores for 3 rows"
+        );
+    }
 }

@@ -9,7 +9,7 @@
 //!
 //! [`KeyedBatch::split`] hands each request back its own rows of the scores.
 
-use crate::request::{SampleBatch, SparseLayout};
+use crate::request::{RequestSamples, SparseLayout};
 
 /// A fused batch in the layout backends consume.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -100,9 +100,9 @@ impl BatchBuilder {
     /// Appends a validated request: its dense rows as they are, its bags
     /// scattered to their features' buffers (or, for a key-major request,
     /// each feature's run appended whole).
-    pub fn push(&mut self, request: &SampleBatch) {
+    pub fn push(&mut self, request: &RequestSamples) {
         let num_sparse = self.lengths.len();
-        let b = request.batch_size;
+        let b = request.num_samples;
         debug_assert_eq!(request.dense.len(), b * self.num_dense);
         debug_assert_eq!(request.lengths.len(), b * num_sparse);
         self.dense.extend_from_slice(&request.dense);
@@ -176,7 +176,7 @@ impl BatchBuilder {
 pub fn assemble<'a>(
     num_dense: usize,
     num_sparse: usize,
-    requests: impl IntoIterator<Item = &'a SampleBatch>,
+    requests: impl IntoIterator<Item = &'a RequestSamples>,
 ) -> KeyedBatch {
     let mut builder = BatchBuilder::new(num_dense, num_sparse);
     for request in requests {
@@ -191,7 +191,7 @@ mod tests {
 
     /// Sample-major request with explicit lengths; ids encode their origin
     /// (request tag, sample, feature, position) so misplacement is visible.
-    fn request(tag: i64, lengths: Vec<Vec<u32>>, num_dense: usize) -> SampleBatch {
+    fn request(tag: i64, lengths: Vec<Vec<u32>>, num_dense: usize) -> RequestSamples {
         let b = lengths.len();
         let mut ids = Vec::new();
         for (s, per_feature) in lengths.iter().enumerate() {
@@ -201,8 +201,8 @@ mod tests {
                 }
             }
         }
-        SampleBatch {
-            batch_size: b,
+        RequestSamples {
+            num_samples: b,
             dense: (0..b * num_dense).map(|i| (tag * 1000) as f32 + i as f32).collect(),
             lengths: lengths.concat(),
             ids,
@@ -212,12 +212,12 @@ mod tests {
 
     /// Straightforward reference: for each feature, for each request, for
     /// each sample, find the bag by scanning the sample-major layout.
-    fn reference(num_sparse: usize, requests: &[SampleBatch]) -> (Vec<i32>, Vec<i64>) {
+    fn reference(num_sparse: usize, requests: &[RequestSamples]) -> (Vec<i32>, Vec<i64>) {
         let mut lengths = Vec::new();
         let mut ids = Vec::new();
         for f in 0..num_sparse {
             for r in requests {
-                for s in 0..r.batch_size {
+                for s in 0..r.num_samples {
                     let bag = s * num_sparse + f;
                     let start: u32 = r.lengths[..bag].iter().sum();
                     let len = r.lengths[bag];
@@ -229,14 +229,14 @@ mod tests {
         (lengths, ids)
     }
 
-    fn check(num_dense: usize, num_sparse: usize, requests: &[SampleBatch]) -> KeyedBatch {
+    fn check(num_dense: usize, num_sparse: usize, requests: &[RequestSamples]) -> KeyedBatch {
         let batch = assemble(num_dense, num_sparse, requests);
         let (lengths, ids) = reference(num_sparse, requests);
         assert_eq!(batch.lengths, lengths);
         assert_eq!(batch.ids, ids);
         let dense: Vec<f32> = requests.iter().flat_map(|r| r.dense.clone()).collect();
         assert_eq!(batch.dense, dense);
-        assert_eq!(batch.rows, requests.iter().map(|r| r.batch_size).sum::<usize>());
+        assert_eq!(batch.rows, requests.iter().map(|r| r.num_samples).sum::<usize>());
         for f in 0..num_sparse {
             let sum: i32 = batch.feature_lengths(f).iter().sum();
             assert_eq!(batch.feature_ids(f).len(), sum as usize);
@@ -245,8 +245,8 @@ mod tests {
     }
 
     /// The same request, key-major (as TorchRec's protocol sends it).
-    fn to_key_major(r: &SampleBatch, num_sparse: usize) -> SampleBatch {
-        let b = r.batch_size;
+    fn to_key_major(r: &RequestSamples, num_sparse: usize) -> RequestSamples {
+        let b = r.num_samples;
         let mut bags = Vec::new();
         let mut cursor = 0;
         for &len in &r.lengths {
@@ -255,8 +255,8 @@ mod tests {
         }
         let order: Vec<usize> =
             (0..num_sparse).flat_map(|f| (0..b).map(move |s| s * num_sparse + f)).collect();
-        SampleBatch {
-            batch_size: b,
+        RequestSamples {
+            num_samples: b,
             dense: r.dense.clone(),
             lengths: order.iter().map(|&i| r.lengths[i]).collect(),
             ids: order.iter().flat_map(|&i| bags[i].iter().copied()).collect(),

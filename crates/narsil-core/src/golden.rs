@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::request::{IdPolicy, InvalidInput, RequestLimits, SampleBatch};
+use crate::request::{IdPolicy, InvalidInput, RequestLimits, RequestSamples};
 use crate::schema::ModelSchema;
 
 /// A whole golden file.
@@ -45,9 +45,9 @@ impl Golden {
 
 impl GoldenRequest {
     /// The request as the engine receives it (not yet validated).
-    pub fn sample_batch(&self) -> SampleBatch {
-        SampleBatch {
-            batch_size: self.batch_size,
+    pub fn sample_batch(&self) -> RequestSamples {
+        RequestSamples {
+            num_samples: self.batch_size,
             dense: self.dense.clone(),
             lengths: self.lengths.clone(),
             ids: self.ids.clone(),
@@ -57,9 +57,9 @@ impl GoldenRequest {
 
     /// The request validated against `schema` (ids handled by `policy`), as
     /// the engine would queue it.
-    pub fn validated(&self, schema: &ModelSchema, policy: IdPolicy) -> Result<SampleBatch, InvalidInput> {
+    pub fn validated(&self, schema: &ModelSchema, policy: IdPolicy) -> Result<RequestSamples, InvalidInput> {
         let mut batch = self.sample_batch();
-        batch.validate(schema, RequestLimits { max_batch_size: usize::MAX, id_policy: policy })?;
+        batch.validate(schema, RequestLimits { max_samples: usize::MAX, id_policy: policy })?;
         Ok(batch)
     }
 }
@@ -102,6 +102,6 @@ mod tests {
             "lengths": [2], "ids": [3, 4], "scores_int8": [0.25], "scores_fp32": [0.26]}]}"#;
         let golden: Golden = serde_json::from_str(json).unwrap();
         let batch = golden.requests[0].sample_batch();
-        assert_eq!((batch.batch_size, batch.lengths, batch.ids), (1, vec![2], vec![3, 4]));
+        assert_eq!((batch.num_samples, batch.lengths, batch.ids), (1, vec![2], vec![3, 4]));
     }
 }

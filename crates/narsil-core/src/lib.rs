@@ -8,6 +8,8 @@
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own.
 //! * [`golden`]: reference requests and scores written by the model export,
 //!   for backends' parity tests.
+//! * [`conformance`]: the checks every backend's tests run (golden parity,
+//!   fused == alone, concurrent lanes), each with the backend's tolerance.
 //! * [`mock`]: a fixed-latency backend with deterministic scores, for
 //!   measuring the engine itself.
 //!
@@ -15,12 +17,13 @@
 
 pub mod backend;
 pub mod batch;
+pub mod conformance;
 pub mod golden;
 pub mod mock;
 pub mod request;
 pub mod schema;
 
-pub use backend::{BackendError, BackendFactory, ModelBackend};
+pub use backend::{error_chain, BackendError, BackendFactory, ModelBackend};
 pub use batch::{assemble, BatchBuilder, KeyedBatch};
-pub use request::{InvalidInput, SampleBatch, SparseLayout};
+pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use schema::{ModelSchema, SparseFeature};

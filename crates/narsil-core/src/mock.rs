@@ -110,13 +110,13 @@ fn tighten_timer_slack() {
 mod tests {
     use super::*;
     use crate::batch::assemble;
-    use crate::request::SampleBatch;
+    use crate::request::RequestSamples;
 
-    fn request(seed: i64, b: usize) -> SampleBatch {
+    fn request(seed: i64, b: usize) -> RequestSamples {
         let lengths: Vec<u32> = (0..b * 3).map(|i| ((i as i64 + seed) % 3) as u32).collect();
         let n: u32 = lengths.iter().sum();
-        SampleBatch {
-            batch_size: b,
+        RequestSamples {
+            num_samples: b,
             dense: (0..b * 2).map(|i| (i as f32 + seed as f32) * 0.25).collect(),
             lengths,
             ids: (0..n as i64).map(|i| (i * 7 + seed) % 50).collect(),
@@ -140,14 +140,14 @@ mod tests {
 
     #[test]
     fn moving_an_id_to_another_feature_changes_the_score() {
-        let a = SampleBatch {
-            batch_size: 1,
+        let a = RequestSamples {
+            num_samples: 1,
             dense: vec![0.0; 2],
             lengths: vec![1, 0, 0],
             ids: vec![5],
             ..Default::default()
         };
-        let b = SampleBatch { lengths: vec![0, 1, 0], ..a.clone() };
+        let b = RequestSamples { lengths: vec![0, 1, 0], ..a.clone() };
         let sa = mock_scores(&assemble(2, 3, [&a]));
         let sb = mock_scores(&assemble(2, 3, [&b]));
         assert_ne!(sa, sb);

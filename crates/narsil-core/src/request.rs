@@ -1,7 +1,7 @@
 //! One client request as it arrives: `B` samples laid out sample-major, and
 //! the checks that make it safe to hand to a model.
 //!
-//! Validation runs before a request is queued. A validated [`SampleBatch`]
+//! Validation runs before a request is queued. A validated [`RequestSamples`]
 //! has explicit lengths, finite dense values and in-range ids, so nothing
 //! downstream (reorder, backends, FBGEMM's unchecked lookups) re-checks.
 
@@ -19,11 +19,13 @@ pub enum SparseLayout {
     KeyMajor,
 }
 
-/// A request's samples.
+/// One request's samples. (In Narsil's words a *request* carries samples;
+/// a *batch* is what one forward runs: the rows of the requests fused into
+/// it.)
 #[derive(Debug, Clone, PartialEq, Default)]
-pub struct SampleBatch {
-    /// Number of samples `B`.
-    pub batch_size: usize,
+pub struct RequestSamples {
+    /// Number of samples `B` (`batch_size` on the wire).
+    pub num_samples: usize,
     /// `[B x num_dense]`, sample-major.
     pub dense: Vec<f32>,
     /// Ids per (sample, feature) bag, `B x num_sparse` of them in `layout`
@@ -35,7 +37,7 @@ pub struct SampleBatch {
     pub layout: SparseLayout,
 }
 
-impl SampleBatch {
+impl RequestSamples {
     /// Memory its decoded values take (what a queued request holds).
     pub fn decoded_bytes(&self) -> usize {
         use std::mem::size_of;
@@ -55,50 +57,62 @@ pub enum IdPolicy {
     Modulo,
 }
 
-/// A request that cannot be served as sent. `field` names the wire field;
-/// the message names the sample and feature where one applies.
+/// The part of a request at fault, whatever a protocol calls it: every
+/// protocol maps these to its own wire names when it answers (see
+/// `narsil::grpc::status`), so validation is written once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputField {
+    /// The number of samples.
+    SampleCount,
+    /// The dense features.
+    Dense,
+    /// The ids per (sample, feature) bag.
+    Lengths,
+    /// The sparse ids.
+    Ids,
+    /// The requested model's name.
+    Model,
+    /// The message as a whole (its size, its encoding).
+    Message,
+    /// A field only one protocol has, by its wire name.
+    Wire(&'static str),
+}
+
+impl InputField {
+    /// The name used where no protocol applies (logs, [`InvalidInput`]'s
+    /// `Display`): `narsil.v1`'s wire names.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::SampleCount => "batch_size",
+            Self::Dense => "dense",
+            Self::Lengths => "sparse_lengths",
+            Self::Ids => "sparse_ids",
+            Self::Model => "model",
+            Self::Message => "message",
+            Self::Wire(name) => name,
+        }
+    }
+}
+
+/// A request that cannot be served as sent. `field` names the part at
+/// fault; the message names the sample and feature where one applies.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {field}: {message}")]
+#[error("invalid {}: {message}", field.name())]
 pub struct InvalidInput {
-    /// Wire field at fault, e.g. `sparse_ids`.
-    pub field: &'static str,
+    /// The part of the request at fault.
+    pub field: InputField,
     /// Human-readable explanation.
     pub message: String,
 }
 
 impl InvalidInput {
-    /// The error for wire field `field`.
-    pub fn new(field: &'static str, message: impl Into<String>) -> Self {
+    /// The error for `field`.
+    pub fn new(field: InputField, message: impl Into<String>) -> Self {
         Self { field, message: message.into() }
     }
 }
 
-/// Wire names of the fields, per protocol.
-struct Fields {
-    batch_size: &'static str,
-    dense: &'static str,
-    lengths: &'static str,
-    ids: &'static str,
-}
-
 impl SparseLayout {
-    fn fields(self) -> Fields {
-        match self {
-            Self::SampleMajor => Fields {
-                batch_size: "batch_size",
-                dense: "dense",
-                lengths: "sparse_lengths",
-                ids: "sparse_ids",
-            },
-            Self::KeyMajor => Fields {
-                batch_size: "batch_size",
-                dense: "float_features.values",
-                lengths: "id_list_features.lengths",
-                ids: "id_list_features.values",
-            },
-        }
-    }
-
     /// (sample, feature) of bag number `bag` in this layout.
     fn bag_position(self, bag: usize, batch_size: usize, num_sparse: usize) -> (usize, usize) {
         match self {
@@ -112,12 +126,12 @@ impl SparseLayout {
 #[derive(Debug, Clone, Copy)]
 pub struct RequestLimits {
     /// Most samples one request may carry.
-    pub max_batch_size: usize,
+    pub max_samples: usize,
     /// Out-of-range id handling.
     pub id_policy: IdPolicy,
 }
 
-impl SampleBatch {
+impl RequestSamples {
     /// True when every (sample, feature) bag holds exactly one id, so `ids`
     /// is a `[B x num_sparse]` matrix (`[num_sparse x B]` when key-major).
     pub fn is_one_id_per_bag(&self) -> bool {
@@ -128,24 +142,23 @@ impl SampleBatch {
     /// Checks the request against the model's schema and fills in implicit
     /// lengths. On success the batch is safe to reorder and run.
     pub fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<(), InvalidInput> {
-        let b = self.batch_size;
+        let b = self.num_samples;
         let num_sparse = schema.num_sparse();
-        let fields = self.layout.fields();
         if b == 0 {
-            return Err(InvalidInput::new(fields.batch_size, "must be at least 1"));
+            return Err(InvalidInput::new(InputField::SampleCount, "must be at least 1"));
         }
-        if b > limits.max_batch_size {
+        if b > limits.max_samples {
             return Err(InvalidInput::new(
-                fields.batch_size,
-                format!("{b} exceeds the server's limit of {}", limits.max_batch_size),
+                InputField::SampleCount,
+                format!("{b} exceeds the server's limit of {}", limits.max_samples),
             ));
         }
-        self.check_dense(schema.num_dense, fields.dense)?;
+        self.check_dense(schema.num_dense)?;
         if self.lengths.is_empty() {
             self.lengths = vec![1; b * num_sparse];
         } else if self.lengths.len() != b * num_sparse {
             return Err(InvalidInput::new(
-                fields.lengths,
+                InputField::Lengths,
                 format!(
                     "has {} entries, expected batch_size x num_sparse = {b} x {num_sparse} = {} (or none for one id per bag)",
                     self.lengths.len(),
@@ -156,19 +169,19 @@ impl SampleBatch {
         let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
         if total != self.ids.len() as u64 {
             return Err(InvalidInput::new(
-                fields.ids,
-                format!("has {} ids but {} sum to {total}", self.ids.len(), fields.lengths),
+                InputField::Ids,
+                format!("has {} ids but the lengths sum to {total}", self.ids.len()),
             ));
         }
-        self.check_ids(schema, limits.id_policy, fields.ids)
+        self.check_ids(schema, limits.id_policy)
     }
 
     /// Cuts a validated batch into consecutive parts of at most `max_rows`
     /// samples each, in order, keeping the layout. A batch that fits is
     /// returned whole. Scores of the parts, concatenated, are the scores of
     /// the whole.
-    pub fn split_rows(self, max_rows: usize, num_sparse: usize) -> Vec<SampleBatch> {
-        let b = self.batch_size;
+    pub fn split_rows(self, max_rows: usize, num_sparse: usize) -> Vec<RequestSamples> {
+        let b = self.num_samples;
         if b <= max_rows || max_rows == 0 {
             return vec![self];
         }
@@ -185,8 +198,8 @@ impl SampleBatch {
             .step_by(max_rows)
             .map(|first| {
                 let end = (first + max_rows).min(b);
-                let mut part = SampleBatch {
-                    batch_size: end - first,
+                let mut part = RequestSamples {
+                    num_samples: end - first,
                     dense: self.dense[first * num_dense..end * num_dense].to_vec(),
                     lengths: Vec::with_capacity((end - first) * num_sparse),
                     ids: Vec::new(),
@@ -207,15 +220,15 @@ impl SampleBatch {
             .collect()
     }
 
-    fn check_dense(&self, num_dense: usize, field: &'static str) -> Result<(), InvalidInput> {
-        let expected = self.batch_size * num_dense;
+    fn check_dense(&self, num_dense: usize) -> Result<(), InvalidInput> {
+        let expected = self.num_samples * num_dense;
         if self.dense.len() != expected {
             return Err(InvalidInput::new(
-                field,
+                InputField::Dense,
                 format!(
                     "has {} values, expected batch_size x num_dense = {} x {num_dense} = {expected}",
                     self.dense.len(),
-                    self.batch_size
+                    self.num_samples
                 ),
             ));
         }
@@ -223,7 +236,7 @@ impl SampleBatch {
         let all_finite = self.dense.iter().fold(true, |ok, v| ok & v.is_finite());
         if let Some(pos) = (!all_finite).then(|| self.dense.iter().position(|v| !v.is_finite())).flatten() {
             return Err(InvalidInput::new(
-                field,
+                InputField::Dense,
                 format!(
                     "sample {} feature {} is {} (values must be finite)",
                     pos / num_dense,
@@ -235,14 +248,9 @@ impl SampleBatch {
         Ok(())
     }
 
-    fn check_ids(
-        &mut self,
-        schema: &ModelSchema,
-        policy: IdPolicy,
-        field: &'static str,
-    ) -> Result<(), InvalidInput> {
+    fn check_ids(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
         let num_sparse = schema.num_sparse();
-        let b = self.batch_size;
+        let b = self.num_samples;
         if num_sparse > 0 && self.is_one_id_per_bag() {
             // One id per bag: a quick scan (folds without early exit, which
             // vectorize) usually finds nothing to report.
@@ -274,7 +282,7 @@ impl SampleBatch {
                     IdPolicy::Modulo => *id = id.rem_euclid(rows),
                     IdPolicy::Reject => {
                         return Err(InvalidInput::new(
-                            field,
+                            InputField::Ids,
                             format!(
                                 "sample {sample} feature {f} ({}) has id {} outside [0, {rows})",
                                 feature.name, *id
@@ -300,11 +308,11 @@ mod tests {
         s
     }
 
-    const LIMITS: RequestLimits = RequestLimits { max_batch_size: 8, id_policy: IdPolicy::Reject };
+    const LIMITS: RequestLimits = RequestLimits { max_samples: 8, id_policy: IdPolicy::Reject };
 
-    fn valid(b: usize) -> SampleBatch {
-        SampleBatch {
-            batch_size: b,
+    fn valid(b: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: b,
             dense: vec![0.5; b * 2],
             lengths: vec![],
             ids: vec![1; b * 3],
@@ -312,29 +320,29 @@ mod tests {
         }
     }
 
-    fn err(mut r: SampleBatch) -> InvalidInput {
+    fn err(mut r: RequestSamples) -> InvalidInput {
         r.validate(&schema(), LIMITS).unwrap_err()
     }
 
     #[test]
-    fn key_major_errors_use_torchrec_field_names_and_positions() {
+    fn key_major_errors_name_the_field_and_positions() {
         // 2 samples x 3 features, key-major: f0 = [1], [2]; f1 = [], [3, 4]; f2 = [5], [99].
-        let mut r = SampleBatch {
-            batch_size: 2,
+        let mut r = RequestSamples {
+            num_samples: 2,
             dense: vec![0.5; 4],
             lengths: vec![1, 1, 0, 2, 1, 1],
             ids: vec![1, 2, 3, 4, 5, 99],
             layout: SparseLayout::KeyMajor,
         };
         let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
-        assert_eq!(e.field, "id_list_features.values");
+        assert_eq!(e.field, InputField::Ids);
         assert!(e.message.contains("sample 1 feature 2 (cat_2) has id 99"), "{e}");
         let mut short = r.clone();
         short.lengths.pop();
-        assert_eq!(short.validate(&schema(), LIMITS).unwrap_err().field, "id_list_features.lengths");
+        assert_eq!(short.validate(&schema(), LIMITS).unwrap_err().field, InputField::Lengths);
         let mut nan = r.clone();
         nan.dense[3] = f32::NAN;
-        assert_eq!(nan.validate(&schema(), LIMITS).unwrap_err().field, "float_features.values");
+        assert_eq!(nan.validate(&schema(), LIMITS).unwrap_err().field, InputField::Dense);
         r.ids[5] = 9;
         r.validate(&schema(), LIMITS).unwrap();
     }
@@ -342,8 +350,8 @@ mod tests {
     #[test]
     fn key_major_one_hot_range_check_reads_features_by_run() {
         // 3 samples, one id per bag, key-major: feature f's run is ids[3f..3f+3].
-        let mut r = SampleBatch {
-            batch_size: 3,
+        let mut r = RequestSamples {
+            num_samples: 3,
             dense: vec![0.0; 6],
             lengths: vec![1; 9],
             ids: vec![0, 1, 2, 3, 4, 5, 6, 7, 10],
@@ -364,9 +372,9 @@ mod tests {
 
     #[test]
     fn zero_and_oversized_batches_name_batch_size() {
-        assert_eq!(err(valid(0)).field, "batch_size");
+        assert_eq!(err(valid(0)).field, InputField::SampleCount);
         let e = err(valid(9));
-        assert_eq!(e.field, "batch_size");
+        assert_eq!(e.field, InputField::SampleCount);
         assert!(e.message.contains("limit of 8"), "{e}");
     }
 
@@ -374,7 +382,7 @@ mod tests {
     fn wrong_dense_length_names_dense() {
         let mut r = valid(2);
         r.dense.pop();
-        assert_eq!(err(r).field, "dense");
+        assert_eq!(err(r).field, InputField::Dense);
     }
 
     #[test]
@@ -382,7 +390,7 @@ mod tests {
         let mut r = valid(2);
         r.dense[3] = f32::NAN;
         let e = err(r);
-        assert_eq!(e.field, "dense");
+        assert_eq!(e.field, InputField::Dense);
         assert!(e.message.contains("sample 1 feature 1"), "{e}");
     }
 
@@ -390,7 +398,7 @@ mod tests {
     fn wrong_lengths_count_names_sparse_lengths() {
         let mut r = valid(2);
         r.lengths = vec![1; 5];
-        assert_eq!(err(r).field, "sparse_lengths");
+        assert_eq!(err(r).field, InputField::Lengths);
     }
 
     #[test]
@@ -398,7 +406,7 @@ mod tests {
         let mut r = valid(2);
         r.lengths = vec![1, 1, 1, 1, 1, 2];
         let e = err(r);
-        assert_eq!(e.field, "sparse_ids");
+        assert_eq!(e.field, InputField::Ids);
         assert!(e.message.contains("sum to 7"), "{e}");
     }
 
@@ -408,7 +416,7 @@ mod tests {
         r.lengths = vec![1, 0, 2, 1, 1, 1];
         r.ids = vec![0, 1, 2, 3, 10, 5];
         let e = err(r);
-        assert_eq!(e.field, "sparse_ids");
+        assert_eq!(e.field, InputField::Ids);
         assert!(e.message.contains("sample 1 feature 1 (cat_1) has id 10"), "{e}");
     }
 
@@ -417,8 +425,8 @@ mod tests {
         let mut schema = schema();
         schema.sparse[0].num_rows = 100;
         // Feature 0 (100 rows) gets 50 and 60, feature 2 (10 rows) gets 5.
-        let mut r = SampleBatch {
-            batch_size: 1,
+        let mut r = RequestSamples {
+            num_samples: 1,
             dense: vec![0.0; 2],
             lengths: vec![2, 0, 1],
             ids: vec![50, 60, 5],
@@ -426,8 +434,8 @@ mod tests {
         };
         r.validate(&schema, LIMITS).unwrap();
         // Same count of ids as bags, but the 2nd id lands in feature 2 (10 rows).
-        let mut r = SampleBatch {
-            batch_size: 1,
+        let mut r = RequestSamples {
+            num_samples: 1,
             dense: vec![0.0; 2],
             lengths: vec![1, 0, 2],
             ids: vec![50, 5, 60],
@@ -451,16 +459,16 @@ mod tests {
         // 7 samples x 3 features, bag sizes 0..=2, parts of at most 3 samples.
         let lengths: Vec<u32> = (0..21).map(|i| (i * 5 % 3) as u32).collect();
         let total: u32 = lengths.iter().sum();
-        let sample_major = SampleBatch {
-            batch_size: 7,
+        let sample_major = RequestSamples {
+            num_samples: 7,
             dense: (0..14).map(|i| i as f32 / 10.0).collect(),
             lengths,
             ids: (0..total as i64).map(|i| i % 10).collect(),
             ..Default::default()
         };
         let key_major = assemble(2, 3, [&sample_major]);
-        let key_major = SampleBatch {
-            batch_size: 7,
+        let key_major = RequestSamples {
+            num_samples: 7,
             dense: key_major.dense.clone(),
             lengths: key_major.lengths.iter().map(|&l| l as u32).collect(),
             ids: key_major.ids.clone(),
@@ -469,7 +477,7 @@ mod tests {
         for whole in [sample_major, key_major] {
             let expected = mock_scores(&assemble(2, 3, [&whole]));
             let parts = whole.clone().split_rows(3, 3);
-            assert_eq!(parts.iter().map(|p| p.batch_size).collect::<Vec<_>>(), [3, 3, 1]);
+            assert_eq!(parts.iter().map(|p| p.num_samples).collect::<Vec<_>>(), [3, 3, 1]);
             let mut scores = Vec::new();
             for mut part in parts {
                 part.validate(&schema(), LIMITS).unwrap();

@@ -106,13 +106,8 @@ fn reserve(counter: &AtomicUsize, amount: usize, limit: usize) -> bool {
 }
 
 impl Admission {
-    /// An empty queue with the given request and row limits, bytes unbounded.
-    pub fn new(max_requests: usize, max_rows: usize) -> Arc<Self> {
-        Self::with_max_bytes(max_requests, max_rows, usize::MAX)
-    }
-
-    /// An empty queue with all three limits.
-    pub fn with_max_bytes(max_requests: usize, max_rows: usize, max_bytes: usize) -> Arc<Self> {
+    /// An empty queue with these limits.
+    pub fn new(max_requests: usize, max_rows: usize, max_bytes: usize) -> Arc<Self> {
         Arc::new(Self {
             max_requests,
             max_rows,
@@ -124,14 +119,9 @@ impl Admission {
         })
     }
 
-    /// Takes a place for a request of `rows` rows, or says which limit is full.
-    pub fn try_admit(self: &Arc<Self>, rows: usize) -> Result<Permit, QueueFull> {
-        self.try_admit_sized(rows, 0)
-    }
-
     /// Takes a place for a request of `rows` rows and `bytes` decoded bytes,
     /// or says which limit is full.
-    pub fn try_admit_sized(self: &Arc<Self>, rows: usize, bytes: usize) -> Result<Permit, QueueFull> {
+    pub fn try_admit(self: &Arc<Self>, rows: usize, bytes: usize) -> Result<Permit, QueueFull> {
         let full = |limit, counter: &AtomicUsize, max, needed| QueueFull {
             limit,
             queued: counter.load(Ordering::Acquire),
@@ -186,46 +176,46 @@ mod tests {
 
     #[test]
     fn request_limit_rejects_and_frees_on_drop() {
-        let admission = Admission::new(2, 100);
-        let a = admission.try_admit(1).unwrap();
-        let _b = admission.try_admit(1).unwrap();
-        let err = admission.try_admit(1).unwrap_err();
+        let admission = Admission::new(2, 100, usize::MAX);
+        let a = admission.try_admit(1, 0).unwrap();
+        let _b = admission.try_admit(1, 0).unwrap();
+        let err = admission.try_admit(1, 0).unwrap_err();
         assert_eq!(err, QueueFull { limit: QueueLimit::Requests, queued: 2, max: 2, needed: 1 });
         assert_eq!(err.to_string(), "queue holds 2 of at most 2 requests; request has 1");
         drop(a);
-        assert!(admission.try_admit(1).is_ok());
+        assert!(admission.try_admit(1, 0).is_ok());
     }
 
     #[test]
     fn row_limit_rejects_without_leaking_a_request_slot() {
-        let admission = Admission::new(10, 100);
-        let _a = admission.try_admit(60).unwrap();
-        let err = admission.try_admit(50).unwrap_err();
+        let admission = Admission::new(10, 100, usize::MAX);
+        let _a = admission.try_admit(60, 0).unwrap();
+        let err = admission.try_admit(50, 0).unwrap_err();
         assert_eq!(err, QueueFull { limit: QueueLimit::Rows, queued: 60, max: 100, needed: 50 });
         assert_eq!(admission.queued_requests(), 1);
         assert_eq!(admission.queued_rows(), 60);
-        assert!(admission.try_admit(40).is_ok());
+        assert!(admission.try_admit(40, 0).is_ok());
     }
 
     #[test]
     fn byte_limit_rejects_without_leaking_rows_or_a_request_slot_and_frees_on_drop() {
-        let admission = Admission::with_max_bytes(10, 100, 1000);
-        let a = admission.try_admit_sized(1, 800).unwrap();
-        let err = admission.try_admit_sized(1, 300).unwrap_err();
+        let admission = Admission::new(10, 100, 1000);
+        let a = admission.try_admit(1, 800).unwrap();
+        let err = admission.try_admit(1, 300).unwrap_err();
         assert_eq!(err, QueueFull { limit: QueueLimit::Bytes, queued: 800, max: 1000, needed: 300 });
         assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 1));
-        let mut b = admission.try_admit_sized(4, 200).unwrap();
+        let mut b = admission.try_admit(4, 200).unwrap();
         drop(b.split_off(2));
-        assert!(admission.try_admit_sized(1, 1).is_err(), "bytes stay with the request until its last part");
+        assert!(admission.try_admit(1, 1).is_err(), "bytes stay with the request until its last part");
         drop(b);
         drop(a);
-        assert!(admission.try_admit_sized(1, 1000).is_ok());
+        assert!(admission.try_admit(1, 1000).is_ok());
     }
 
     #[test]
     fn split_permits_free_their_own_rows_and_the_last_frees_the_request() {
-        let admission = Admission::new(10, 100);
-        let mut whole = admission.try_admit(70).unwrap();
+        let admission = Admission::new(10, 100, usize::MAX);
+        let mut whole = admission.try_admit(70, 0).unwrap();
         let first = whole.split_off(30);
         drop(first);
         assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 40));
@@ -235,9 +225,9 @@ mod tests {
 
     #[test]
     fn concurrent_admission_never_exceeds_the_limit() {
-        let admission = Admission::new(8, 1000);
+        let admission = Admission::new(8, 1000, usize::MAX);
         let held: Vec<_> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..32).map(|_| s.spawn(|| admission.try_admit(1).ok())).collect();
+            let handles: Vec<_> = (0..32).map(|_| s.spawn(|| admission.try_admit(1, 0).ok())).collect();
             handles.into_iter().filter_map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(held.len(), 8);

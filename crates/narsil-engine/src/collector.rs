@@ -109,7 +109,7 @@ impl OpenBatch {
             waiters: self
                 .entries
                 .into_iter()
-                .map(|e| Waiter { reply: e.reply, admitted: e.admitted })
+                .map(|e| Waiter { id: e.id, reply: e.reply, admitted: e.admitted })
                 .collect(),
         }
     }
@@ -139,7 +139,7 @@ impl BatchQueue {
 
     /// Adds a request to the open batch, sealing batches at their limits.
     pub fn add(&mut self, entry: Entry) {
-        let rows = entry.request.batch_size;
+        let rows = entry.request.num_samples;
         if !self.open.is_empty() && self.open.rows() + rows > self.limits.max_rows {
             self.seal();
         }
@@ -160,6 +160,7 @@ impl BatchQueue {
     }
 
     /// Sealed batches waiting, and requests in the open batch.
+    #[cfg(test)]
     pub fn depth(&self) -> (usize, usize) {
         (self.sealed.len(), self.open.len())
     }
@@ -209,7 +210,7 @@ impl BatchQueue {
     fn top_up(&mut self, batch: &mut OpenBatch, now: Instant) -> usize {
         let limits = self.limits;
         let fits = |batch: &OpenBatch, entry: &Entry| {
-            batch.len() < limits.max_requests && batch.rows() + entry.request.batch_size <= limits.max_rows
+            batch.len() < limits.max_requests && batch.rows() + entry.request.num_samples <= limits.max_rows
         };
         let mut removed = 0;
         loop {
@@ -383,22 +384,22 @@ mod tests {
     use super::*;
     use crate::admission::Admission;
     use crate::job::Ticket;
-    use narsil_core::{assemble, SampleBatch};
+    use narsil_core::{assemble, RequestSamples};
     use tokio::sync::oneshot;
 
     type Rx = oneshot::Receiver<Result<crate::job::Prediction, EngineError>>;
 
     fn entry(admission: &Arc<Admission>, b: usize, tag: i64, at: Instant) -> (Entry, Rx) {
         let (reply, rx) = oneshot::channel();
-        let request = SampleBatch {
-            batch_size: b,
+        let request = RequestSamples {
+            num_samples: b,
             dense: vec![tag as f32; b],
             lengths: vec![1; b * 2],
             ids: (0..b as i64 * 2).map(|i| tag * 100 + i).collect(),
             ..Default::default()
         };
-        let permit = admission.try_admit(b).unwrap();
-        (Entry { request, reply, admitted: at, expires: None, ticket: Ticket::new(), permit }, rx)
+        let permit = admission.try_admit(b, 0).unwrap();
+        (Entry { id: 0, request, reply, admitted: at, expires: None, ticket: Ticket::new(), permit }, rx)
     }
 
     fn queue(max_requests: usize, max_rows: usize, timeout_ms: u64) -> BatchQueue {
@@ -411,7 +412,7 @@ mod tests {
 
     #[test]
     fn full_batch_is_sealed_and_due_at_once() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(2, 100, 1000);
         let _rx: Vec<_> = (0..3)
@@ -430,7 +431,7 @@ mod tests {
 
     #[test]
     fn batch_is_sealed_before_it_would_exceed_max_rows() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(16, 10, 0);
         let (a, _ra) = entry(&admission, 6, 1, now);
@@ -443,7 +444,7 @@ mod tests {
 
     #[test]
     fn zero_timeout_sends_a_lone_request_at_once() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
         let (a, _ra) = entry(&admission, 3, 1, now);
@@ -454,7 +455,7 @@ mod tests {
 
     #[test]
     fn one_request_per_batch_in_worker_mode() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(1, 100, 0);
         let _rx: Vec<_> = (0..3)
@@ -469,7 +470,7 @@ mod tests {
 
     #[test]
     fn cancelled_request_is_removed_and_the_rest_refused() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
         let (a, _ra) = entry(&admission, 2, 1, now);
@@ -489,7 +490,7 @@ mod tests {
 
     #[test]
     fn expired_request_is_answered_with_deadline_exceeded_and_not_sent() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
         let (mut a, mut ra) = entry(&admission, 2, 1, now);
@@ -498,12 +499,12 @@ mod tests {
         let (job, removed) = q.next_due(now, false);
         assert!(job.is_none());
         assert_eq!(removed, 1);
-        assert_eq!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded));
+        assert!(matches!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded)));
     }
 
     #[test]
     fn request_abandoned_by_its_callers_timer_is_never_sent() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
         let (a, _ra) = entry(&admission, 2, 1, now);
@@ -518,7 +519,7 @@ mod tests {
 
     #[test]
     fn started_request_is_not_expired_by_its_queue_timeout() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(1, 100, 0);
         let (mut first, _r1) = entry(&admission, 1, 1, now);
@@ -537,7 +538,7 @@ mod tests {
 
     #[test]
     fn sweep_frees_places_of_gone_callers_without_starting_the_rest() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(2, 100, 1000);
         let (a, ra) = entry(&admission, 2, 1, now);
@@ -556,7 +557,7 @@ mod tests {
 
     #[test]
     fn batch_that_lost_requests_is_topped_up_from_the_queue_behind_it() {
-        let admission = Admission::new(100, 1000);
+        let admission = Admission::new(100, 1000, usize::MAX);
         let now = Instant::now();
         let mut q = queue(2, 100, 0);
         let mut receivers = Vec::new();
@@ -570,9 +571,9 @@ mod tests {
         let (job, removed) = q.next_due(now, false);
         let job = job.unwrap();
         assert_eq!((job.waiters.len(), removed), (2, 1));
-        let first_two: Vec<SampleBatch> = (1..3)
-            .map(|tag| SampleBatch {
-                batch_size: 1,
+        let first_two: Vec<RequestSamples> = (1..3)
+            .map(|tag| RequestSamples {
+                num_samples: 1,
                 dense: vec![tag as f32],
                 lengths: vec![1; 2],
                 ids: vec![tag * 100, tag * 100 + 1],

@@ -69,9 +69,9 @@ impl EngineConfig {
         if let Some((setting, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero(*setting));
         }
-        if self.limits.max_batch_size > self.max_queue_rows {
+        if self.limits.max_samples > self.max_queue_rows {
             return Err(ConfigError::RequestOverQueue {
-                max_request_samples: self.limits.max_batch_size,
+                max_request_samples: self.limits.max_samples,
                 max_queue_rows: self.max_queue_rows,
             });
         }
@@ -98,7 +98,7 @@ pub enum Setting {
     MaxQueueRows,
     /// `max_queue_bytes`.
     MaxQueueBytes,
-    /// `limits.max_batch_size`: most samples in one request.
+    /// `limits.max_samples`: most samples in one request.
     MaxRequestSamples,
     /// `queue_timeout`.
     QueueTimeout,
@@ -114,7 +114,7 @@ impl Setting {
             Self::MaxQueueRequests => "max_queue_requests",
             Self::MaxQueueRows => "max_queue_rows",
             Self::MaxQueueBytes => "max_queue_bytes",
-            Self::MaxRequestSamples => "limits.max_batch_size",
+            Self::MaxRequestSamples => "limits.max_samples",
             Self::QueueTimeout => "queue_timeout",
         }
     }

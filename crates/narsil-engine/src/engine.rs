@@ -16,17 +16,19 @@
 //! requests nobody waits for any more are swept out before refusing.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use narsil_core::request::RequestLimits;
-use narsil_core::{BackendFactory, InvalidInput, ModelSchema, SampleBatch};
+use narsil_core::{BackendFactory, InvalidInput, ModelSchema, RequestSamples};
 use tokio::sync::{oneshot, watch};
+use tracing::Instrument;
 
 use crate::admission::{Admission, QueueFull, QueueLimit};
 use crate::collector::{BatchLimits, BatchQueue, Collector};
 use crate::config::EngineConfig;
-use crate::error::{EngineError, StartError};
+use crate::error::{EngineError, LaneFailed, StartError};
 use crate::health::BackendHealth;
 use crate::job::{Entry, Prediction, Ticket};
 use crate::lanes::{self, LaneShared, Readiness};
@@ -55,6 +57,7 @@ struct Shared {
     stats: Arc<Stats>,
     readiness: watch::Receiver<Readiness>,
     health: Arc<BackendHealth>,
+    next_request_id: AtomicU64,
 }
 
 impl Engine {
@@ -95,7 +98,7 @@ impl Engine {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
                     collector,
-                    admission: Admission::with_max_bytes(
+                    admission: Admission::new(
                         config.max_queue_requests,
                         config.max_queue_rows,
                         config.max_queue_bytes,
@@ -108,6 +111,7 @@ impl Engine {
                     stats,
                     readiness,
                     health,
+                    next_request_id: AtomicU64::new(1),
                 }),
             },
             lane_threads,
@@ -151,15 +155,15 @@ impl EngineHandle {
     }
 
     /// Waits until every lane is warmed up, or returns the first lane failure.
-    pub async fn wait_ready(&self) -> Result<(), String> {
+    pub async fn wait_ready(&self) -> Result<(), LaneFailed> {
         let lanes = self.shared.lanes;
         let mut readiness = self.shared.readiness.clone();
         let state = readiness
             .wait_for(|r| r.ready == lanes || r.failed.is_some())
             .await
-            .map_err(|_| "lanes stopped before becoming ready".to_string())?;
+            .map_err(|_| LaneFailed::Stopped)?;
         match &state.failed {
-            Some(message) => Err(message.clone()),
+            Some(failure) => Err(failure.clone()),
             None => Ok(()),
         }
     }
@@ -202,14 +206,18 @@ impl EngineHandle {
     /// caller gets DeadlineExceeded at once, and a request that had not
     /// started is never computed. Every call is counted by outcome; a call
     /// dropped before its answer counts as cancelled.
+    ///
+    /// The call runs in a `request` tracing span holding the engine's id for
+    /// it; the lane that runs it names the same id when its forward fails.
     pub async fn predict(
         &self,
-        request: SampleBatch,
+        request: RequestSamples,
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let received = Instant::now();
+        let id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
         let mut tally = Tally { stats: &self.shared.stats, recorded: false };
-        let result = self.run(request, deadline).await;
+        let result = self.run(id, request, deadline).instrument(tracing::info_span!("request", id)).await;
         let outcome = match &result {
             Ok(_) => {
                 self.shared.stats.request_seconds.observe(received.elapsed().as_secs_f64());
@@ -227,7 +235,8 @@ impl EngineHandle {
 
     async fn run(
         &self,
-        mut request: SampleBatch,
+        id: u64,
+        mut request: RequestSamples,
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let shared = &self.shared;
@@ -248,12 +257,12 @@ impl EngineHandle {
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
-        let rows = request.batch_size;
-        let mut permit = match shared.admission.try_admit_sized(rows, bytes) {
+        let rows = request.num_samples;
+        let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
             // Full: free the places of requests nobody waits for, then retry once.
             Err(_) if shared.collector.sweep() > 0 => {
-                shared.admission.try_admit_sized(rows, bytes).map_err(EngineError::Overloaded)?
+                shared.admission.try_admit(rows, bytes).map_err(EngineError::Overloaded)?
             }
             Err(full) => return Err(EngineError::Overloaded(full)),
         };
@@ -263,7 +272,7 @@ impl EngineHandle {
         let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
         // Each part frees its rows when it starts; the last also frees the request's place.
         let mut permits: Vec<_> =
-            parts[..parts.len() - 1].iter().map(|p| permit.split_off(p.batch_size)).collect();
+            parts[..parts.len() - 1].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()
@@ -271,7 +280,7 @@ impl EngineHandle {
             .map(|(part, permit)| {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
-                (Entry { request: part, reply, admitted, expires, ticket, permit }, answer)
+                (Entry { id, request: part, reply, admitted, expires, ticket, permit }, answer)
             })
             .unzip();
         shared.collector.submit(entries)?;

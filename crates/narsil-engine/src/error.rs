@@ -1,6 +1,6 @@
 //! Why the engine could not produce scores for a request.
 
-use narsil_core::InvalidInput;
+use narsil_core::{error_chain, BackendError, InvalidInput};
 
 use crate::admission::QueueFull;
 use crate::config::ConfigError;
@@ -16,9 +16,37 @@ pub enum StartError {
     Threads(#[source] std::io::Error),
 }
 
+/// Why the lanes did not all become ready.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LaneFailed {
+    /// Creating the lane's model instance failed.
+    #[error("lane {lane}: loading the model failed")]
+    Load {
+        /// The lane.
+        lane: usize,
+        /// The backend's error.
+        #[source]
+        error: BackendError,
+    },
+    /// A warm-up forward failed.
+    #[error("lane {lane}: warm-up forward of {rows} rows failed")]
+    WarmUp {
+        /// The lane.
+        lane: usize,
+        /// Rows in the warm-up batch.
+        rows: usize,
+        /// The backend's error.
+        #[source]
+        error: BackendError,
+    },
+    /// The lanes ended (engine shut down) before all were ready.
+    #[error("lanes stopped before becoming ready")]
+    Stopped,
+}
+
 /// One error per way a request can fail inside the engine. The RPC layer
 /// maps each to one status code.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum EngineError {
     /// The request does not fit the model's schema or the server's limits.
     #[error(transparent)]
@@ -39,7 +67,8 @@ pub enum EngineError {
     /// The engine is shutting down and takes no new work.
     #[error("server is shutting down")]
     ShuttingDown,
-    /// The forward pass of the request's batch failed.
-    #[error("backend error: {0}")]
-    Backend(String),
+    /// The forward pass of the request's batch failed (shown with its
+    /// causes: clients see the whole reason).
+    #[error("backend error: {}", error_chain(.0))]
+    Backend(BackendError),
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use narsil_core::{KeyedBatch, SampleBatch};
+use narsil_core::{KeyedBatch, RequestSamples};
 use tokio::sync::oneshot;
 
 use crate::admission::Permit;
@@ -91,8 +91,11 @@ pub type ReplySender = oneshot::Sender<Result<Prediction, EngineError>>;
 /// collector.
 #[derive(Debug)]
 pub struct Entry {
+    /// The engine's id for the request (shared by its parts), as in its
+    /// tracing span.
+    pub id: u64,
     /// The request's samples.
-    pub request: SampleBatch,
+    pub request: RequestSamples,
     /// Its reply channel; closed when the caller went away.
     pub reply: ReplySender,
     /// When it was admitted.
@@ -102,7 +105,9 @@ pub struct Entry {
     pub expires: Option<Instant>,
     /// Shared with the caller and the request's other parts.
     pub ticket: Arc<Ticket>,
-    /// Its place in the admission queue.
+    /// Its place in the admission queue, given back when the entry is
+    /// dropped (it starts, expires or is swept).
+    #[expect(dead_code, reason = "held for its Drop")]
     pub permit: Permit,
 }
 
@@ -139,6 +144,8 @@ impl Entry {
 /// A request's reply channel once its rows are part of a fused batch.
 #[derive(Debug)]
 pub struct Waiter {
+    /// The request's id.
+    pub id: u64,
     /// Reply channel.
     pub reply: ReplySender,
     /// When the request was admitted.

@@ -15,22 +15,22 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use narsil_core::backend::warmup_batch;
-use narsil_core::{BackendFactory, ModelBackend};
+use narsil_core::{error_chain, BackendError, BackendFactory, ModelBackend};
 use tokio::sync::watch;
 
 use crate::collector::{Collector, NextJob};
-use crate::error::EngineError;
+use crate::error::{EngineError, LaneFailed};
 use crate::health::BackendHealth;
 use crate::job::{Job, Prediction};
 use crate::stats::Stats;
 
 /// Startup progress of the lanes.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct Readiness {
     /// Lanes loaded and warmed up.
     pub ready: usize,
     /// The first lane failure, if any.
-    pub failed: Option<String>,
+    pub failed: Option<LaneFailed>,
 }
 
 /// What every lane shares.
@@ -75,10 +75,10 @@ impl LaneContext {
         let started = Instant::now();
         let mut backend = match self.load_and_warm_up() {
             Ok(backend) => backend,
-            Err(message) => {
-                tracing::error!(lane = self.lane, %message, "lane failed to start");
+            Err(failure) => {
+                tracing::error!(error = %error_chain(&failure), "lane failed to start");
                 self.readiness.send_modify(|r| {
-                    r.failed.get_or_insert(format!("lane {}: {message}", self.lane));
+                    r.failed.get_or_insert(failure);
                 });
                 return;
             }
@@ -102,8 +102,7 @@ impl LaneContext {
     /// A one-row forward to see whether an unhealthy backend has recovered.
     fn probe(&self, backend: &mut dyn ModelBackend) {
         let batch = warmup_batch(self.factory.schema(), 1);
-        let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward(&batch)));
-        let succeeded = matches!(&outcome, Ok(Ok(scores)) if scores.len() == 1);
+        let succeeded = checked_forward(backend, &batch, "probe forward").is_ok();
         self.stats.probe_forwards.inc();
         self.record_health(succeeded);
     }
@@ -119,18 +118,18 @@ impl LaneContext {
         }
     }
 
-    fn load_and_warm_up(&self) -> Result<Box<dyn ModelBackend>, String> {
-        let mut backend = catch_unwind(AssertUnwindSafe(|| self.factory.create_lane(self.lane)))
-            .map_err(|_| "backend panicked while loading".to_string())?
-            .map_err(|e| e.to_string())?;
+    fn load_and_warm_up(&self) -> Result<Box<dyn ModelBackend>, LaneFailed> {
+        let lane = self.lane;
+        let mut backend = catch_unwind(AssertUnwindSafe(|| self.factory.create_lane(lane)))
+            .unwrap_or_else(|_| Err(BackendError::Panicked { during: "loading".into() }))
+            .map_err(|error| LaneFailed::Load { lane, error })?;
         for rows in self.factory.warmup_rows() {
             let batch = warmup_batch(self.factory.schema(), rows);
-            let scores = catch_unwind(AssertUnwindSafe(|| backend.forward(&batch)))
-                .map_err(|_| format!("backend panicked during warm-up ({rows} rows)"))?
-                .map_err(|e| format!("warm-up forward of {rows} rows failed: {e}"))?;
-            if scores.len() != rows {
-                return Err(format!("warm-up forward of {rows} rows returned {} scores", scores.len()));
-            }
+            checked_forward(backend.as_mut(), &batch, "warm-up").map_err(|error| LaneFailed::WarmUp {
+                lane,
+                rows,
+                error,
+            })?;
         }
         Ok(backend)
     }
@@ -140,15 +139,9 @@ impl LaneContext {
         for waiter in &job.waiters {
             self.stats.queue_seconds.observe(start.saturating_duration_since(waiter.admitted).as_secs_f64());
         }
-        let outcome = catch_unwind(AssertUnwindSafe(|| backend.forward(&job.batch)));
+        let scores = checked_forward(backend, &job.batch, "forward");
         let compute_time = start.elapsed();
         let rows = job.batch.rows;
-        let scores = match outcome {
-            Ok(Ok(scores)) if scores.len() == rows => Ok(scores),
-            Ok(Ok(scores)) => Err(format!("backend returned {} scores for {rows} rows", scores.len())),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err("backend panicked during forward".to_string()),
-        };
         self.stats.forwards.inc();
         self.stats.rows_computed.inc_by(rows as u64);
         self.stats.requests_computed.inc_by(job.waiters.len() as u64);
@@ -158,11 +151,12 @@ impl LaneContext {
         self.record_health(scores.is_ok());
         let scores = match scores {
             Ok(scores) => scores,
-            Err(message) => {
-                tracing::error!(lane = self.lane, rows, %message, "forward failed");
+            Err(error) => {
+                let requests: Vec<u64> = job.waiters.iter().map(|w| w.id).collect();
+                tracing::error!(lane = self.lane, rows, ?requests, error = %error_chain(&error), "forward failed");
                 self.stats.backend_errors.inc();
                 for waiter in job.waiters {
-                    let _ = waiter.reply.send(Err(EngineError::Backend(message.clone())));
+                    let _ = waiter.reply.send(Err(EngineError::Backend(error.clone())));
                 }
                 return;
             }
@@ -178,5 +172,20 @@ impl LaneContext {
                 compute_time,
             }));
         }
+    }
+}
+
+/// Runs one forward with panics caught, and holds the backend to its
+/// contract of one score per row.
+fn checked_forward(
+    backend: &mut dyn ModelBackend,
+    batch: &narsil_core::KeyedBatch,
+    during: &str,
+) -> Result<Vec<f32>, BackendError> {
+    match catch_unwind(AssertUnwindSafe(|| backend.forward(batch))) {
+        Ok(Ok(scores)) if scores.len() == batch.rows => Ok(scores),
+        Ok(Ok(scores)) => Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() }),
+        Ok(Err(error)) => Err(error),
+        Err(_) => Err(BackendError::Panicked { during: during.into() }),
     }
 }

@@ -19,10 +19,9 @@ use crate::precision::{cpu_bf16_instructions, DensePrecision};
 fn require_cpu_bf16() -> Result<(), BackendError> {
     let found = cpu_bf16_instructions();
     if found.is_empty() {
-        return Err(BackendError(
+        return Err(BackendError::setup(
             "--dense-precision bf16 needs a CPU with AVX512-BF16 or AMX-BF16 instructions, and this one has \
-             neither (bf16 would be emulated, slower than FP32); serve with --dense-precision fp32"
-                .into(),
+             neither (bf16 would be emulated, slower than FP32); serve with --dense-precision fp32",
         ));
     }
     tracing::info!(instructions = %found.join(", "), "CPU bf16 instructions");
@@ -75,7 +74,7 @@ impl TorchFactory {
     pub fn load(config: TorchConfig) -> Result<Self, BackendError> {
         let started = Instant::now();
         if config.intra_op_threads == 0 {
-            return Err(BackendError("intra-op threads must be at least 1".into()));
+            return Err(BackendError::setup("intra-op threads must be at least 1"));
         }
         let fbgemm_dir = config.fbgemm_dir.clone().unwrap_or_else(default_fbgemm_dir);
         let libs = load_fbgemm_ops(&fbgemm_dir)?;

@@ -33,7 +33,7 @@ static LOADED: OnceLock<Result<Vec<PathBuf>, String>> = OnceLock::new();
 /// Loads every fbgemm_gpu shared library in `dir` once per process. Returns
 /// the libraries loaded. A second call returns the first call's outcome.
 pub fn load_fbgemm_ops(dir: &Path) -> Result<Vec<PathBuf>, BackendError> {
-    LOADED.get_or_init(|| load_all(dir)).clone().map_err(BackendError)
+    LOADED.get_or_init(|| load_all(dir)).clone().map_err(BackendError::setup)
 }
 
 fn load_all(dir: &Path) -> Result<Vec<PathBuf>, String> {

@@ -68,7 +68,7 @@ impl ModelBackend for TorchLane {
             .model
             .module
             .forward(&dense, &lengths, &ids)
-            .map_err(|e| BackendError(format!("libtorch: {e}")))?;
+            .map_err(|e| BackendError::forward("the TorchScript forward").caused_by(e))?;
         let output = output
             .f_to_device(Device::Cpu)
             .and_then(|t| t.f_to_kind(Kind::Float))
@@ -76,18 +76,14 @@ impl ModelBackend for TorchLane {
             .map_err(torch_error)?;
         let scores = Vec::<f32>::try_from(&output).map_err(torch_error)?;
         if scores.len() != batch.rows {
-            return Err(BackendError(format!(
-                "model returned {} scores for {} rows",
-                scores.len(),
-                batch.rows
-            )));
+            return Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() });
         }
         Ok(scores)
     }
 }
 
 fn torch_error(e: tch::TchError) -> BackendError {
-    BackendError(format!("libtorch: {e}"))
+    BackendError::forward("libtorch").caused_by(e)
 }
 
 /// Reusable pinned host buffers for one lane's three inputs.

@@ -56,18 +56,16 @@ impl TorchModel {
         precision: DensePrecision,
     ) -> Result<Self, BackendError> {
         if !path.is_file() {
-            return Err(BackendError(format!(
-                "model file {} does not exist; export one with models/export_dlrm.py",
-                path.display()
-            )));
+            return Err(BackendError::load(path, "no such file; export one with models/export_dlrm.py"));
         }
-        let loaded = ScriptModule::load(path, device, precision)
-            .map_err(|e| BackendError(format!("cannot load TorchScript model {}: {e}", path.display())))?;
+        let loaded = ScriptModule::load(path, device, precision).map_err(|e| {
+            BackendError::load(path, "not a TorchScript model libtorch can load").caused_by(e)
+        })?;
         let Some(json) = loaded.schema_json else {
-            return Err(BackendError(format!(
-                "{} has no narsil_schema() method returning a string; export it with models/export_dlrm.py",
-                path.display()
-            )));
+            return Err(BackendError::load(
+                path,
+                "no narsil_schema() method returning a string; export it with models/export_dlrm.py",
+            ));
         };
         if precision == DensePrecision::Bf16 {
             tracing::info!(int8_lookups_in_bf16 = loaded.bf16_lookups, "dense arithmetic in bf16");
@@ -94,12 +92,9 @@ impl TorchModel {
 
 fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, Option<f64>), BackendError> {
     let parsed: SchemaJson = serde_json::from_str(json)
-        .map_err(|e| BackendError(format!("{}: narsil_schema() is not valid: {e}", path.display())))?;
+        .map_err(|e| BackendError::load(path, "narsil_schema() is not valid").caused_by(e))?;
     if parsed.sparse.is_empty() || parsed.sparse.iter().any(|f| f.num_rows == 0) {
-        return Err(BackendError(format!(
-            "{}: the schema needs at least one sparse feature, each with rows",
-            path.display()
-        )));
+        return Err(BackendError::load(path, "the schema needs at least one sparse feature, each with rows"));
     }
     let schema = ModelSchema {
         name: parsed.name,

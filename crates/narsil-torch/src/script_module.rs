@@ -56,11 +56,16 @@ pub struct Loaded {
     pub bf16_lookups: usize,
 }
 
+/// The message libtorch raised (a C++ exception's `what()`).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct LibtorchError(pub String);
+
 impl ScriptModule {
     /// Loads `path` onto `device` in `precision` and freezes it.
-    pub fn load(path: &Path, device: Device, precision: DensePrecision) -> Result<Loaded, String> {
+    pub fn load(path: &Path, device: Device, precision: DensePrecision) -> Result<Loaded, LibtorchError> {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| format!("path with a NUL byte: {}", path.display()))?;
+            .map_err(|_| LibtorchError(format!("path with a NUL byte: {}", path.display())))?;
         let cuda_index = match device {
             Device::Cuda(index) => index as c_int,
             _ => -1,
@@ -81,7 +86,7 @@ impl ScriptModule {
             )
         };
         if raw.is_null() {
-            return Err(take_string(error).unwrap_or_else(|| "unknown error".into()));
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
         }
         Ok(Loaded {
             module: ScriptModule { raw },
@@ -91,7 +96,7 @@ impl ScriptModule {
     }
 
     /// `forward(dense, lengths, ids)`.
-    pub fn forward(&self, dense: &Tensor, lengths: &Tensor, ids: &Tensor) -> Result<Tensor, String> {
+    pub fn forward(&self, dense: &Tensor, lengths: &Tensor, ids: &Tensor) -> Result<Tensor, LibtorchError> {
         let mut error: *mut c_char = std::ptr::null_mut();
         // SAFETY: the tensors outlive the call; a non-null result is a new
         // heap `at::Tensor` whose ownership passes to the returned Tensor.
@@ -99,7 +104,7 @@ impl ScriptModule {
             narsil_script_module_forward(self.raw, dense.as_ptr(), lengths.as_ptr(), ids.as_ptr(), &mut error)
         };
         if output.is_null() {
-            return Err(take_string(error).unwrap_or_else(|| "unknown error".into()));
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
         }
         Ok(unsafe { Tensor::from_ptr(output) })
     }

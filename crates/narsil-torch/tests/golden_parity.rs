@@ -5,9 +5,10 @@
 //! Needs an exported model: `scripts/test.sh` writes a small one to
 //! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
 
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
+use narsil_core::conformance::{self, concurrent_lanes, fused_equals_alone, golden_parity};
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
 use narsil_core::request::IdPolicy;
-use narsil_core::{assemble, BackendFactory, SampleBatch};
+use narsil_core::{assemble, error_chain, BackendFactory};
 use narsil_torch::{cpu_bf16_instructions, DensePrecision, TorchConfig, TorchFactory};
 
 /// Same libtorch and kernels as the Python side.
@@ -17,38 +18,26 @@ fn factory(file: &str) -> TorchFactory {
     TorchFactory::load(TorchConfig::new(test_model_dir().join(file))).unwrap()
 }
 
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want)
-        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
-    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}\n got {got:?}\nwant {want:?}");
-}
-
-fn check_model(file: &str, want: impl Fn(&GoldenRequest) -> &[f32]) {
-    let factory = factory(file);
-    let schema = factory.schema().clone();
-    let mut lane = factory.create_lane(0).unwrap();
-    let golden = Golden::read(&test_model_dir()).unwrap();
-    let requests: Vec<SampleBatch> =
-        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Reject).unwrap()).collect();
-    for (i, (request, g)) in requests.iter().zip(&golden.requests).enumerate() {
-        let alone = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
-        assert_close(&alone, want(g), &format!("{file} golden request {i} alone"));
-    }
-    let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
-    let scores = lane.forward(&fused).unwrap();
-    for (i, (part, g)) in fused.split(&scores).zip(&golden.requests).enumerate() {
-        assert_close(part, want(g), &format!("{file} golden request {i} fused"));
-    }
+fn golden() -> Golden {
+    Golden::read(&test_model_dir()).unwrap()
 }
 
 #[test]
 fn int8_model_matches_python_alone_and_fused() {
-    check_model("model_default.pt", |g| &g.scores_int8);
+    golden_parity(&factory("model_default.pt"), &golden(), |g| &g.scores_int8, TOLERANCE);
 }
 
 #[test]
 fn fp32_model_matches_python_alone_and_fused() {
-    check_model("model_fp32.pt", |g| &g.scores_fp32);
+    golden_parity(&factory("model_fp32.pt"), &golden(), |g| &g.scores_fp32, TOLERANCE);
+}
+
+/// Lanes share one TorchScript module and run forwards on it at once.
+#[test]
+fn concurrent_lanes_sharing_the_module_give_the_scores_alone() {
+    let factory = factory("model_default.pt");
+    let requests = conformance::requests(&factory, &golden(), IdPolicy::Reject);
+    concurrent_lanes(&factory, &requests, 3, 3, TOLERANCE);
 }
 
 #[test]
@@ -64,17 +53,17 @@ fn schema_is_read_from_the_model() {
 
 #[test]
 fn a_missing_model_file_is_a_clear_error() {
-    let err = TorchFactory::load(TorchConfig::new("/nonexistent/model.pt")).err().unwrap();
-    assert!(err.0.contains("/nonexistent/model.pt") && err.0.contains("export_dlrm.py"), "{err}");
+    let err = error_chain(&TorchFactory::load(TorchConfig::new("/nonexistent/model.pt")).err().unwrap());
+    assert!(err.contains("/nonexistent/model.pt") && err.contains("export_dlrm.py"), "{err}");
 }
 
 #[test]
 fn a_file_that_is_not_torchscript_is_a_clear_error() {
     let path = std::env::temp_dir().join(format!("narsil-not-a-model-{}.pt", std::process::id()));
     std::fs::write(&path, b"not a model").unwrap();
-    let err = TorchFactory::load(TorchConfig::new(&path)).err().unwrap();
+    let err = error_chain(&TorchFactory::load(TorchConfig::new(&path)).err().unwrap());
     std::fs::remove_file(&path).unwrap();
-    assert!(err.0.contains("cannot load TorchScript model"), "{err}");
+    assert!(err.contains(&path.display().to_string()) && err.contains("not a TorchScript model"), "{err}");
 }
 
 /// On a machine without a GPU, `cuda:0` is a clear error at load time. With
@@ -86,8 +75,9 @@ fn cuda_device_is_selectable_and_errors_clearly_without_a_gpu() {
     config.device = "cuda:0".into();
     match TorchFactory::load(config) {
         Err(err) => {
+            let err = error_chain(&err);
             assert_eq!(tch::Cuda::device_count(), 0, "a GPU is visible, yet: {err}");
-            assert!(err.0.contains("cuda:0") && err.0.contains("CUDA device"), "{err}");
+            assert!(err.contains("cuda:0") && err.contains("CUDA device"), "{err}");
         }
         Ok(factory) => {
             let schema = factory.schema().clone();
@@ -123,38 +113,17 @@ fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
     config.dense_precision = DensePrecision::Bf16;
     let factory = match TorchFactory::load(config) {
         Err(err) => {
+            let err = error_chain(&err);
             assert!(cpu_bf16_instructions().is_empty(), "this CPU has bf16 instructions, yet: {err}");
-            assert!(err.0.contains("--dense-precision") && err.0.contains("AVX512-BF16"), "{err}");
+            assert!(err.contains("--dense-precision") && err.contains("AVX512-BF16"), "{err}");
             return;
         }
         Ok(factory) => factory,
     };
-    let schema = factory.schema().clone();
-    let mut lane = factory.create_lane(0).unwrap();
-    let golden = Golden::read(&test_model_dir()).unwrap();
-    let requests: Vec<SampleBatch> =
-        golden.requests.iter().map(|g| g.validated(&schema, IdPolicy::Reject).unwrap()).collect();
-    let mut alone = Vec::new();
-    let (mut worst, mut sum, mut count) = (0f32, 0f64, 0usize);
-    for (request, g) in requests.iter().zip(&golden.requests) {
-        let scores = lane.forward(&assemble(schema.num_dense, schema.num_sparse(), [request])).unwrap();
-        for (a, b) in scores.iter().zip(&g.scores_int8) {
-            worst = worst.max((a - b).abs());
-            sum += f64::from((a - b).abs());
-            count += 1;
-        }
-        alone.push(scores);
-    }
-    eprintln!("bf16 vs FP32 golden: max |diff| {worst:e}, mean {:e} over {count} scores", sum / count as f64);
-    assert!(worst <= BF16_TOLERANCE_VS_FP32, "bf16 vs FP32: {worst}");
-    let many: Vec<&SampleBatch> = requests.iter().cycle().take(4 * requests.len()).collect();
-    let fused = assemble(schema.num_dense, schema.num_sparse(), many.iter().copied());
-    let scores = lane.forward(&fused).unwrap();
-    let mut fused_worst = 0f32;
-    for (i, part) in fused.split(&scores).enumerate() {
-        let diff = max_abs_diff(part, &alone[i % requests.len()]).unwrap();
-        fused_worst = fused_worst.max(diff);
-    }
-    eprintln!("bf16 fused ({} rows) vs alone: max |diff| {fused_worst:e}", fused.rows);
-    assert!(fused_worst <= BF16_FUSED_VS_ALONE, "bf16 fused vs alone: {fused_worst}");
+    let golden = golden();
+    let worst = golden_parity(&factory, &golden, |g| &g.scores_int8, BF16_TOLERANCE_VS_FP32);
+    eprintln!("bf16 vs FP32 golden: max |diff| {worst:e}");
+    let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+    let fused_worst = fused_equals_alone(&factory, &requests, 4, BF16_FUSED_VS_ALONE);
+    eprintln!("bf16 fused (golden requests four times over) vs alone: max |diff| {fused_worst:e}");
 }
