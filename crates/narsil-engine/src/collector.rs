@@ -14,6 +14,7 @@
 //! before their batch is sent and never computed.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -269,6 +270,10 @@ pub struct Collector {
     state: Mutex<CollectorState>,
     work: Condvar,
     stats: Arc<Stats>,
+    /// Set when a caller stopped waiting for a queued request (its timer
+    /// fired, or it went away): only then can a sweep free anything, so a
+    /// refusal under plain overload never walks the queue.
+    stale: AtomicBool,
 }
 
 struct CollectorState {
@@ -284,6 +289,7 @@ impl Collector {
             state: Mutex::new(CollectorState { queue, idle_lanes: 0, closed: false }),
             work: Condvar::new(),
             stats,
+            stale: AtomicBool::new(false),
         }
     }
 
@@ -314,9 +320,19 @@ impl Collector {
         Ok(())
     }
 
+    /// Notes that a caller stopped waiting for a queued request, so the
+    /// next [`Collector::sweep`] has something to look for.
+    pub fn mark_stale(&self) {
+        self.stale.store(true, Ordering::Release);
+    }
+
     /// Frees the queue places of requests whose caller went away or whose
-    /// time ran out (see [`BatchQueue::sweep`]); returns how many.
+    /// time ran out (see [`BatchQueue::sweep`]); returns how many. Walks the
+    /// queue only when a caller has stopped waiting since the last sweep.
     pub fn sweep(&self) -> usize {
+        if !self.stale.swap(false, Ordering::AcqRel) {
+            return 0;
+        }
         let removed = self.lock().queue.sweep(Instant::now());
         self.stats.requests_abandoned.inc_by(removed as u64);
         removed
@@ -500,6 +516,22 @@ mod tests {
         assert!(job.is_none());
         assert_eq!(removed, 1);
         assert!(matches!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded)));
+    }
+
+    #[test]
+    fn sweep_walks_the_queue_only_after_a_caller_stopped_waiting() {
+        let admission = Admission::new(100, 1000, usize::MAX);
+        let collector = Collector::new(queue(16, 100, 1000), Arc::new(Stats::default()));
+        let (a, ra) = entry(&admission, 1, 1, Instant::now());
+        let (b, _rb) = entry(&admission, 1, 2, Instant::now());
+        collector.submit(vec![a, b]).unwrap();
+        drop(ra);
+        assert_eq!(collector.sweep(), 0, "nobody said a caller left");
+        collector.mark_stale();
+        assert_eq!(collector.sweep(), 1);
+        assert_eq!(admission.queued_requests(), 1, "the place is free");
+        collector.mark_stale();
+        assert_eq!(collector.sweep(), 0, "nothing else to free");
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! DEADLINE_EXCEEDED at once; the lane that later meets the request drops
 //! it uncomputed. A caller that goes away (client cancelled) drops its reply
 //! channels, which lanes see the same way. When admission is full, queued
-//! requests nobody waits for any more are swept out before refusing.
+//! requests nobody waits for any more are swept out before refusing (only
+//! when a caller has stopped waiting since the last sweep).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -260,7 +261,8 @@ impl EngineHandle {
         let rows = request.num_samples;
         let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
-            // Full: free the places of requests nobody waits for, then retry once.
+            // Full: free the places of requests nobody waits for (if any
+            // caller left since the last sweep), then retry once.
             Err(_) if shared.collector.sweep() > 0 => {
                 shared.admission.try_admit(rows, bytes).map_err(EngineError::Overloaded)?
             }
@@ -284,6 +286,9 @@ impl EngineHandle {
             })
             .unzip();
         shared.collector.submit(entries)?;
+        // Until every answer is in, leaving (timer, cancelled call) leaves
+        // the request queued for a sweep to free.
+        let mut leaving = StaleOnLeave { collector: &shared.collector, armed: true };
         let answers = async move {
             let mut parts = Vec::with_capacity(answers.len());
             for answer in answers {
@@ -291,7 +296,24 @@ impl EngineHandle {
             }
             Ok(Prediction::merge(parts))
         };
-        wait(answers, &ticket, queue_deadline, deadline).await
+        let result = wait(answers, &ticket, queue_deadline, deadline).await;
+        leaving.armed = matches!(result, Err(EngineError::DeadlineExceeded));
+        result
+    }
+}
+
+/// Tells the collector a caller stopped waiting for its queued request,
+/// unless disarmed because every answer came.
+struct StaleOnLeave<'a> {
+    collector: &'a Collector,
+    armed: bool,
+}
+
+impl Drop for StaleOnLeave<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.collector.mark_stale();
+        }
     }
 }
 
