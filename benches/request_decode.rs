@@ -47,7 +47,9 @@ fn bench_decode(c: &mut Criterion) {
     group.bench_function("torchrec", |b| {
         b.iter(|| {
             let message = PredictionRequest::decode(torchrec_bytes.clone()).unwrap();
-            let mut batch = torchrec::decode(message, schema.num_dense, schema.num_sparse()).unwrap();
+            let mut batch =
+                torchrec::decode(message, schema.num_dense, schema.num_unweighted(), schema.num_sparse())
+                    .unwrap();
             batch.validate(&schema, limits).unwrap();
             batch
         })

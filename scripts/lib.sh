@@ -26,12 +26,22 @@ use_project_torch() {
 # format (EXPORT_FORMAT in models/export_dlrm.py) is there already.
 # Extra arguments go to models/export_dlrm.py.
 export_model() {
-  local name="$1"
-  shift
+  export_with models/export_dlrm.py "$@"
+}
+
+# export_torchrec_model NAME [ARGS]: a TorchRec-signature model
+# (models/export_torchrec.py) into models/generated/NAME.
+export_torchrec_model() {
+  export_with models/export_torchrec.py "$@"
+}
+
+export_with() {
+  local script="$1" name="$2"
+  shift 2
   local format
-  format=$(sed -n 's/^EXPORT_FORMAT = //p' models/export_dlrm.py)
+  format=$(sed -n 's/^EXPORT_FORMAT = //p' "$script")
   if ! grep -q "\"export_format\": $format," "models/generated/$name/manifest.json" 2>/dev/null; then
-    step "exporting the $name DLRM into models/generated/$name"
-    .venv/bin/python models/export_dlrm.py --out "models/generated/$name" --force "$@"
+    step "exporting models/generated/$name with $script"
+    .venv/bin/python "$script" --out "models/generated/$name" --force "$@"
   fi
 }

@@ -10,6 +10,8 @@ source scripts/lib.sh
 require_rust
 use_project_torch
 export_model test-small --num-rows 1000
+export_torchrec_model test-torchrec-dlrm --kind dlrm
+export_torchrec_model test-torchrec-multitask --kind multitask
 step "building the tests (workspace, all targets, --features torch)"
 cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked --no-run
 # A cold build writes gigabytes; on a 2-vCPU machine their writeback competes

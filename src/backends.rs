@@ -48,12 +48,17 @@ pub struct BackendArgs {
     /// Model backend.
     #[arg(long = "backend", env = "NARSIL_BACKEND", value_enum, default_value_t = BackendKind::Mock)]
     pub kind: BackendKind,
-    /// Model file: TorchScript (`model_default.pt` from
-    /// models/export_dlrm.py) for torch; FP32 safetensors
+    /// Model file: TorchScript for torch (`model_default.pt` from
+    /// models/export_dlrm.py, or a module with TorchRec's inference
+    /// signature and a model.json beside it); FP32 safetensors
     /// (`weights_fp32.safetensors`) for burn, which without one serves a
     /// seeded random DLRM of the default shape.
     #[arg(long, env = "NARSIL_MODEL")]
     pub model: Option<PathBuf>,
+    /// Schema of a TorchRec-signature model (torch), when it is not the
+    /// model.json beside the model file (models/README.md).
+    #[arg(long, env = "NARSIL_MODEL_CONFIG")]
+    pub model_config: Option<PathBuf>,
     /// Device for forward passes: `cpu`, `cuda` or `cuda:N`.
     #[arg(long, env = "NARSIL_DEVICE", default_value = "cpu")]
     pub device: String,
@@ -103,6 +108,9 @@ impl BackendArgs {
             );
         }
         match self.kind {
+            BackendKind::Mock | BackendKind::Burn if self.model_config.is_some() => {
+                anyhow::bail!("--model-config is for --backend torch (TorchRec-signature models); remove it")
+            }
             BackendKind::Mock if self.model.is_some() => {
                 anyhow::bail!("--model is not used by --backend mock; remove it")
             }
@@ -160,6 +168,7 @@ impl BackendArgs {
     fn build_torch(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
         let mut config = narsil_torch::TorchConfig::new(self.model.clone().expect("validated"));
         config.device = self.device.clone();
+        config.model_config = self.model_config.clone();
         config.intra_op_threads = self.intra_op_threads;
         config.fbgemm_dir = self.fbgemm_dir.clone();
         config.dense_precision = match self.dense_precision {

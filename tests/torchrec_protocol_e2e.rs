@@ -8,7 +8,7 @@ use common::{batch_mode, bits, request, start};
 use futures_util::future::join_all;
 use narsil::grpc::torchrec::{encode, widened, SCORES_KEY};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
-use narsil::torchrec_proto::PredictionRequest;
+use narsil::torchrec_proto::{PredictionRequest, SparseFeatures as PredictionSparse};
 
 const NUM_SPARSE: usize = 26;
 
@@ -86,6 +86,9 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
     });
     let mut weighted = good.clone();
     weighted.id_list_features.as_mut().unwrap().weights = vec![0; 8].into();
+    let mut scored = good.clone();
+    scored.id_score_list_features =
+        Some(PredictionSparse { num_features: 1, lengths: vec![0; 4 * 3].into(), ..Default::default() });
     let mut wrong_dense_count = good.clone();
     wrong_dense_count.float_features.as_mut().unwrap().num_features = 12;
     let mut oversized = good.clone();
@@ -101,8 +104,9 @@ async fn bad_torchrec_input_is_invalid_argument_named_by_field() {
         (wrong_b, "batch_size", "holds 3 samples"),
         (nan, "float_features.values", "sample 1 feature 2 is NaN"),
         (negative_length, "id_list_features.lengths", "sample 1 feature 1 has length -2"),
-        (weighted, "id_list_features.weights", "not used"),
+        (weighted, "id_list_features.weights", "carry no weights"),
         (wrong_dense_count, "float_features.num_features", "is 12, the model takes 13"),
+        (scored, "id_score_list_features.num_features", "is 1, the model takes 0 weighted"),
         (oversized, "message", "(--max-message-bytes)"),
     ];
     let count = cases.len();

@@ -32,7 +32,7 @@ fuzz_target!(|data: &[u8]| {
         convert::sample_batch(request)
     } else {
         let Ok(request) = torchrec_proto::PredictionRequest::decode(bytes) else { return };
-        match torchrec::decode(request, schema.num_dense, schema.num_sparse()) {
+        match torchrec::decode(request, schema.num_dense, schema.num_unweighted(), schema.num_sparse()) {
             Ok(batch) => batch,
             Err(invalid) => {
                 assert!(!torchrec::field_name(invalid.field).is_empty() && !invalid.message.is_empty());

@@ -14,14 +14,32 @@ pub fn sample_batch(request: proto::PredictRequest) -> RequestSamples {
         dense: request.dense,
         lengths: request.sparse_lengths,
         ids: request.sparse_ids,
+        weights: request.sparse_weights,
         ..Default::default()
     }
 }
 
-/// The engine's answer as a wire response.
-pub fn predict_response(prediction: Prediction, request_id: String) -> proto::PredictResponse {
+/// The engine's answer as a wire response: `scores` holds the first
+/// output; a model with several also gets every one by name.
+pub fn predict_response(
+    prediction: Prediction,
+    output_names: &[String],
+    request_id: String,
+) -> proto::PredictResponse {
+    let mut outputs = prediction.outputs.into_iter();
+    let scores = outputs.next().unwrap_or_default();
+    let named = if output_names.len() > 1 {
+        std::iter::once(scores.clone())
+            .chain(outputs)
+            .zip(output_names)
+            .map(|(scores, name)| (name.clone(), proto::Scores { scores }))
+            .collect()
+    } else {
+        Default::default()
+    };
     proto::PredictResponse {
-        scores: prediction.scores,
+        scores,
+        outputs: named,
         request_id,
         fused_rows: prediction.fused_rows as u32,
         forwards: prediction.forwards as u32,
@@ -42,8 +60,13 @@ pub fn model_info(schema: &ModelSchema, max_batch_size: usize) -> proto::ModelIn
         sparse_features: schema
             .sparse
             .iter()
-            .map(|f| proto::SparseFeature { name: f.name.clone(), num_rows: f.num_rows })
+            .map(|f| proto::SparseFeature {
+                name: f.name.clone(),
+                num_rows: f.num_rows,
+                weighted: f.weighted,
+            })
             .collect(),
         max_batch_size: max_batch_size as u32,
+        outputs: schema.outputs.clone(),
     }
 }

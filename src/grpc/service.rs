@@ -44,7 +44,7 @@ impl Predictor for PredictorService {
                 tracing::debug!(%request_id, error = %e, "predict failed");
                 status::to_status(e, InputField::name)
             })?;
-        Ok(Response::new(convert::predict_response(prediction, request_id)))
+        Ok(Response::new(convert::predict_response(prediction, &self.engine.schema().outputs, request_id)))
     }
 
     async fn model_info(

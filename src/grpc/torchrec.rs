@@ -15,7 +15,7 @@ use crate::torchrec_proto as pb;
 use crate::torchrec_proto::predictor_server::Predictor;
 
 /// The key TorchRec clients read scores from.
-pub const SCORES_KEY: &str = "default";
+pub const SCORES_KEY: &str = narsil_core::schema::DEFAULT_OUTPUT;
 
 /// `predictor.Predictor` over the engine.
 pub struct TorchRecService {
@@ -37,11 +37,17 @@ impl Predictor for TorchRecService {
     ) -> Result<Response<pb::PredictionResponse>, Status> {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let schema = self.engine.schema();
-        let batch = decode(request.into_inner(), schema.num_dense, schema.num_sparse())
-            .map_err(|e| status::to_status(self.engine.reject(e), field_name))?;
+        let batch =
+            decode(request.into_inner(), schema.num_dense, schema.num_unweighted(), schema.num_sparse())
+                .map_err(|e| status::to_status(self.engine.reject(e), field_name))?;
         let prediction =
             self.engine.predict(batch, deadline).await.map_err(|e| status::to_status(e, field_name))?;
-        let predictions = HashMap::from([(SCORES_KEY.to_string(), pb::FloatVec { data: prediction.scores })]);
+        let predictions: HashMap<String, pb::FloatVec> = schema
+            .outputs
+            .iter()
+            .cloned()
+            .zip(prediction.outputs.into_iter().map(|data| pb::FloatVec { data }))
+            .collect();
         Ok(Response::new(pb::PredictionResponse { predictions }))
     }
 }
@@ -53,6 +59,7 @@ pub fn field_name(field: InputField) -> &'static str {
         InputField::Dense => "float_features.values",
         InputField::Lengths => "id_list_features.lengths",
         InputField::Ids => "id_list_features.values",
+        InputField::Weights => "id_score_list_features.weights",
         InputField::Model | InputField::Message | InputField::Wire(_) => field.name(),
     }
 }
@@ -101,12 +108,17 @@ fn integers(bytes: &[u8], count: usize, field: InputField, what: &str) -> Result
 /// Key-major lengths (see [`integers`]); a negative one, or one past u32, is
 /// an error naming its sample and feature. Decoded without a check per
 /// value, then scanned once.
-fn lengths(bytes: &[u8], samples: usize, num_sparse: usize) -> Result<Vec<u32>, InvalidInput> {
-    let wide = integers(bytes, samples * num_sparse, InputField::Lengths, "lengths")?;
+fn lengths(
+    bytes: &[u8],
+    samples: usize,
+    num_sparse: usize,
+    field: InputField,
+) -> Result<Vec<u32>, InvalidInput> {
+    let wide = integers(bytes, samples * num_sparse, field, "lengths")?;
     if let Some(i) = wide.iter().position(|&l| u32::try_from(l).is_err()) {
         let (sample, feature) = (i % samples, i / samples);
         return Err(InvalidInput::new(
-            InputField::Lengths,
+            field,
             format!("sample {sample} feature {feature} has length {}", wide[i]),
         ));
     }
@@ -123,10 +135,14 @@ pub fn widened(int32_bytes: &[u8]) -> Vec<u8> {
 }
 
 /// A TorchRec request as the engine's key-major batch (shapes against the
-/// schema are checked later by `RequestSamples::validate`, like every protocol).
+/// schema are checked later by `RequestSamples::validate`, like every
+/// protocol). The model's first `num_unweighted` sparse features come in
+/// `id_list_features`, the rest (weighted) in `id_score_list_features`; the
+/// two groups are laid end to end, which is the schema's order.
 pub fn decode(
     request: pb::PredictionRequest,
     num_dense: usize,
+    num_unweighted: usize,
     num_sparse: usize,
 ) -> Result<RequestSamples, InvalidInput> {
     let float = request.float_features.unwrap_or_default();
@@ -146,21 +162,7 @@ pub fn decode(
             format!("is {} but float_features.values holds {derived} samples", request.batch_size),
         ));
     }
-    let sparse = request.id_list_features.unwrap_or_default();
-    if sparse.num_features as usize != num_sparse {
-        return Err(InvalidInput::new(
-            InputField::Wire("id_list_features.num_features"),
-            format!("is {}, the model takes {num_sparse} sparse features", sparse.num_features),
-        ));
-    }
-    if !sparse.weights.is_empty() {
-        return Err(InvalidInput::new(
-            InputField::Wire("id_list_features.weights"),
-            "weighted ids are not used by this model",
-        ));
-    }
     for (field, unused) in [
-        ("id_score_list_features", request.id_score_list_features.is_some_and(|f| !f.values.is_empty())),
         ("embedding_features", request.embedding_features.is_some_and(|f| !f.values.is_empty())),
         ("unary_features", request.unary_features.is_some_and(|f| !f.values.is_empty())),
     ] {
@@ -171,39 +173,129 @@ pub fn decode(
             ));
         }
     }
-    let lengths = lengths(&sparse.lengths, derived, num_sparse)?;
+    let id_list = request.id_list_features.unwrap_or_default();
+    if !id_list.weights.is_empty() {
+        return Err(InvalidInput::new(
+            InputField::Wire("id_list_features.weights"),
+            "id_list_features carry no weights; weighted features go in id_score_list_features",
+        ));
+    }
+    let (mut lengths, mut ids) = group(&id_list, derived, num_unweighted, Group::IdList)?;
+    let mut weights = Vec::new();
+    let id_score_list = request.id_score_list_features.unwrap_or_default();
+    let num_weighted = num_sparse - num_unweighted;
+    if num_weighted > 0 || !id_score_list.values.is_empty() || id_score_list.num_features != 0 {
+        let (score_lengths, score_ids) = group(&id_score_list, derived, num_weighted, Group::IdScoreList)?;
+        weights = floats(&id_score_list.weights, InputField::Wire("id_score_list_features.weights"))?;
+        lengths.extend(score_lengths);
+        ids.extend(score_ids);
+    }
+    Ok(RequestSamples { num_samples: derived, dense, lengths, ids, weights, layout: SparseLayout::KeyMajor })
+}
+
+/// TorchRec's two groups of sparse features.
+#[derive(Clone, Copy)]
+enum Group {
+    IdList,
+    IdScoreList,
+}
+
+impl Group {
+    fn field(self, part: &'static str) -> InputField {
+        match (self, part) {
+            (Self::IdList, "lengths") => InputField::Lengths,
+            (Self::IdList, "values") => InputField::Ids,
+            (Self::IdList, _) => InputField::Wire("id_list_features.num_features"),
+            (Self::IdScoreList, "lengths") => InputField::Wire("id_score_list_features.lengths"),
+            (Self::IdScoreList, "values") => InputField::Wire("id_score_list_features.values"),
+            (Self::IdScoreList, _) => InputField::Wire("id_score_list_features.num_features"),
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Self::IdList => "unweighted",
+            Self::IdScoreList => "weighted",
+        }
+    }
+}
+
+/// One group's key-major lengths and ids, checked against its feature
+/// count.
+fn group(
+    features: &pb::SparseFeatures,
+    samples: usize,
+    count: usize,
+    group: Group,
+) -> Result<(Vec<u32>, Vec<i64>), InvalidInput> {
+    if features.num_features as usize != count {
+        return Err(InvalidInput::new(
+            group.field("num_features"),
+            format!("is {}, the model takes {count} {} sparse features", features.num_features, group.what()),
+        ));
+    }
+    let lengths = lengths(&features.lengths, samples, count, group.field("lengths"))?;
     let total: u64 = lengths.iter().map(|&l| u64::from(l)).sum();
-    let ids = integers(&sparse.values, total as usize, InputField::Ids, "ids (the sum of the lengths)")?;
-    Ok(RequestSamples { num_samples: derived, dense, lengths, ids, layout: SparseLayout::KeyMajor })
+    let ids =
+        integers(&features.values, total as usize, group.field("values"), "ids (the sum of the lengths)")?;
+    Ok((lengths, ids))
 }
 
 /// The same samples as a TorchRec request: dense bytes as they are, bags
 /// reordered key-major, ids as int32 (the protocol's width). Used by
 /// `narsil load --protocol torchrec` and the tests.
 pub fn encode(request: &crate::proto::PredictRequest, num_sparse: usize) -> pb::PredictionRequest {
+    encode_weighted(request, num_sparse, num_sparse)
+}
+
+/// [`encode`] for a model whose features from `num_unweighted` on are
+/// weighted: those go in `id_score_list_features`, with their weights.
+pub fn encode_weighted(
+    request: &crate::proto::PredictRequest,
+    num_unweighted: usize,
+    num_sparse: usize,
+) -> pb::PredictionRequest {
     let b = request.batch_size as usize;
     let lengths: Vec<u32> = if request.sparse_lengths.is_empty() {
         vec![1; b * num_sparse]
     } else {
         request.sparse_lengths.clone()
     };
-    let mut starts = Vec::with_capacity(lengths.len());
-    let mut cursor = 0usize;
-    for &len in &lengths {
-        starts.push(cursor);
-        cursor += len as usize;
-    }
-    let mut key_lengths = Vec::with_capacity(lengths.len() * 4);
-    let mut key_ids = Vec::with_capacity(request.sparse_ids.len() * 4);
-    for f in 0..num_sparse {
-        for s in 0..b {
-            let bag = s * num_sparse + f;
-            key_lengths.extend_from_slice(&(lengths[bag] as i32).to_le_bytes());
-            for &id in &request.sparse_ids[starts[bag]..starts[bag] + lengths[bag] as usize] {
-                key_ids.extend_from_slice(&(id as i32).to_le_bytes());
-            }
+    // Where each (sample-major) bag's ids, and a weighted bag's weights, start.
+    let (mut id_starts, mut weight_starts) = (Vec::with_capacity(lengths.len()), vec![0; lengths.len()]);
+    let (mut ids_seen, mut weights_seen) = (0usize, 0usize);
+    for (bag, &len) in lengths.iter().enumerate() {
+        id_starts.push(ids_seen);
+        ids_seen += len as usize;
+        if bag % num_sparse >= num_unweighted {
+            weight_starts[bag] = weights_seen;
+            weights_seen += len as usize;
         }
     }
+    let group = |features: std::ops::Range<usize>, with_weights: bool| {
+        let (mut key_lengths, mut key_ids, mut key_weights) = (Vec::new(), Vec::new(), Vec::new());
+        for f in features.clone() {
+            for s in 0..b {
+                let bag = s * num_sparse + f;
+                let len = lengths[bag] as usize;
+                key_lengths.extend_from_slice(&(len as i32).to_le_bytes());
+                for &id in &request.sparse_ids[id_starts[bag]..id_starts[bag] + len] {
+                    key_ids.extend_from_slice(&(id as i32).to_le_bytes());
+                }
+                if with_weights {
+                    for w in &request.sparse_weights[weight_starts[bag]..weight_starts[bag] + len] {
+                        key_weights.extend_from_slice(&w.to_le_bytes());
+                    }
+                }
+            }
+        }
+        pb::SparseFeatures {
+            num_features: features.len() as i32,
+            lengths: key_lengths.into(),
+            values: key_ids.into(),
+            weights: key_weights.into(),
+        }
+    };
     let num_dense = request.dense.len().checked_div(b).unwrap_or(0);
     pb::PredictionRequest {
         batch_size: b as i32,
@@ -211,12 +303,9 @@ pub fn encode(request: &crate::proto::PredictRequest, num_sparse: usize) -> pb::
             num_features: num_dense as i32,
             values: request.dense.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into(),
         }),
-        id_list_features: Some(pb::SparseFeatures {
-            num_features: num_sparse as i32,
-            lengths: key_lengths.into(),
-            values: key_ids.into(),
-            weights: Default::default(),
-        }),
+        id_list_features: Some(group(0..num_unweighted, false)),
+        id_score_list_features: (num_unweighted < num_sparse)
+            .then(|| group(num_unweighted..num_sparse, true)),
         ..Default::default()
     }
 }
@@ -249,7 +338,7 @@ mod tests {
     #[test]
     fn decodes_little_endian_key_major_and_derives_b_from_the_floats() {
         let r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
-        let batch = decode(r, 2, 3).unwrap();
+        let batch = decode(r, 2, 3, 3).unwrap();
         assert_eq!(batch.num_samples, 2);
         assert_eq!(batch.dense, [1.0, 2.0, 3.0, 4.0]);
         assert_eq!(batch.lengths, [1, 0, 2, 1, 1, 0]);
@@ -266,7 +355,7 @@ mod tests {
             sparse_ids: vec![10, 20, 21, 30, 40],
             ..Default::default()
         };
-        let batch = decode(encode(&sample_major, 3), 2, 3).unwrap();
+        let batch = decode(encode(&sample_major, 3), 2, 3, 3).unwrap();
         assert_eq!(batch.lengths, [1, 1, 0, 1, 2, 0]);
         assert_eq!(batch.ids, [10, 30, 40, 20, 21]);
         assert_eq!(batch.dense, sample_major.dense);
@@ -275,7 +364,7 @@ mod tests {
     #[test]
     fn int32_and_int64_lengths_and_ids_decode_to_the_same_batch() {
         let narrow = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
-        let want = decode(narrow.clone(), 2, 3).unwrap();
+        let want = decode(narrow.clone(), 2, 3, 3).unwrap();
         for (wide_lengths, wide_ids) in [(false, true), (true, false), (true, true)] {
             let mut r = narrow.clone();
             let sparse = r.id_list_features.as_mut().unwrap();
@@ -285,7 +374,11 @@ mod tests {
             if wide_ids {
                 sparse.values = widened(&sparse.values).into();
             }
-            assert_eq!(decode(r, 2, 3).unwrap(), want, "int64 lengths {wide_lengths}, int64 ids {wide_ids}");
+            assert_eq!(
+                decode(r, 2, 3, 3).unwrap(),
+                want,
+                "int64 lengths {wide_lengths}, int64 ids {wide_ids}"
+            );
         }
     }
 
@@ -294,7 +387,7 @@ mod tests {
         let mut r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
         let values = &mut r.id_list_features.as_mut().unwrap().values;
         *values = [values.as_ref(), &[0; 4]].concat().into();
-        let err = decode(r, 2, 3).unwrap_err();
+        let err = decode(r, 2, 3, 3).unwrap_err();
         assert_eq!(field_name(err.field), "id_list_features.values");
         assert!(
             err.message.contains("has 24 bytes, but 5 ids")
@@ -304,7 +397,7 @@ mod tests {
         );
         let mut r = request(0, &[1.0, 2.0, 3.0, 4.0], &[1, 0, 2, 1, 1, 0], &[7, 8, 9, 10, 11]);
         r.id_list_features.as_mut().unwrap().lengths.truncate(20);
-        let err = decode(r, 2, 3).unwrap_err();
+        let err = decode(r, 2, 3, 3).unwrap_err();
         assert_eq!(field_name(err.field), "id_list_features.lengths");
         assert!(
             err.message.contains("has 20 bytes, but 6 lengths take 24 bytes as int32 or 48 as int64"),
@@ -345,7 +438,7 @@ mod tests {
             ),
         ];
         for (r, field) in cases {
-            assert_eq!(field_name(decode(r, 2, 3).unwrap_err().field), field);
+            assert_eq!(field_name(decode(r, 2, 3, 3).unwrap_err().field), field);
         }
     }
 }

@@ -127,12 +127,12 @@ impl Client {
             (Client::TorchRec(client), Message::TorchRec(m)) => {
                 let mut response =
                     client.predict(with_timeout(m.as_ref().clone(), timeout_ms)).await?.into_inner();
-                let scores =
-                    response
-                        .predictions
-                        .remove(crate::grpc::torchrec::SCORES_KEY)
-                        .map(|v| v.data)
-                        .ok_or_else(|| tonic::Status::internal("response has no `default` predictions"))?;
+                // A multi-output model's scores are counted by any output.
+                let default = response.predictions.remove(crate::grpc::torchrec::SCORES_KEY);
+                let scores = default
+                    .or_else(|| response.predictions.into_values().next())
+                    .map(|v| v.data)
+                    .ok_or_else(|| tonic::Status::internal("response has no predictions"))?;
                 Ok(PredictResponse { scores, ..Default::default() })
             }
             _ => unreachable!("clients and messages are built for one protocol"),
@@ -171,7 +171,11 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
             backend: "torchrec-protocol".into(),
             num_dense: args.num_dense,
             sparse_features: (0..args.num_sparse)
-                .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: args.table_rows })
+                .map(|i| SparseFeature {
+                    name: format!("cat_{i}"),
+                    num_rows: args.table_rows,
+                    weighted: false,
+                })
                 .collect(),
             ..Default::default()
         },

@@ -37,6 +37,7 @@ pub fn random_request(
     let dense = (0..batch_size * info.num_dense as usize).map(|_| rng.random::<f32>()).collect();
     let mut sparse_lengths = Vec::new();
     let mut sparse_ids = Vec::with_capacity(batch_size * info.sparse_features.len());
+    let mut sparse_weights = Vec::new();
     for _ in 0..batch_size {
         for feature in &info.sparse_features {
             let len =
@@ -44,6 +45,9 @@ pub fn random_request(
             sparse_lengths.push(len);
             for _ in 0..len {
                 sparse_ids.push(rng.random_range(0..feature.num_rows) as i64);
+                if feature.weighted {
+                    sparse_weights.push(rng.random::<f32>());
+                }
             }
         }
     }
@@ -55,5 +59,6 @@ pub fn random_request(
         sparse_ids,
         request_id: format!("load-{index}"),
         model: String::new(),
+        sparse_weights,
     }
 }

@@ -145,6 +145,7 @@ pub fn request(tag: u64, b: usize) -> PredictRequest {
         sparse_ids: ids,
         request_id: format!("req-{tag}"),
         model: String::new(),
+        sparse_weights: vec![],
     }
 }
 
@@ -162,6 +163,7 @@ pub fn wire(g: &narsil_core::golden::GoldenRequest, id: &str) -> PredictRequest 
         sparse_ids: g.ids.clone(),
         request_id: id.into(),
         model: String::new(),
+        sparse_weights: g.weights.clone(),
     }
 }
 

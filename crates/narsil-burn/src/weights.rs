@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use narsil_core::schema::DEFAULT_OUTPUT;
 use narsil_core::{BackendError, ModelSchema, SparseFeature};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -109,8 +110,9 @@ impl DlrmWeights {
             device: "cpu".into(),
             num_dense: shape.num_dense,
             sparse: (0..shape.num_sparse)
-                .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: shape.num_rows as u64 })
+                .map(|i| SparseFeature::new(format!("cat_{i}"), shape.num_rows as u64))
                 .collect(),
+            outputs: vec![DEFAULT_OUTPUT.into()],
         };
         Ok(Self { schema, dim: shape.dim, tables, dense, over })
     }
@@ -175,7 +177,7 @@ impl DlrmWeights {
                     "tensor `{name}` has shape {shape:?}; every table needs [rows > 0, dim]"
                 )));
             }
-            sparse.push(SparseFeature { name: feature.clone(), num_rows: shape[0] as u64 });
+            sparse.push(SparseFeature::new(feature.clone(), shape[0] as u64));
             tables.push(data);
         }
         let dim = dim.expect("at least one table");
@@ -230,6 +232,7 @@ impl DlrmWeights {
             device: "cpu".into(),
             num_dense: dense[0].inputs,
             sparse,
+            outputs: vec![DEFAULT_OUTPUT.into()],
         };
         Ok(Self { schema, dim, tables, dense, over })
     }

@@ -28,7 +28,7 @@ fn exported() -> BurnFactory {
 fn scores_match_python_fp32_alone_and_fused_equals_alone() {
     let factory = exported();
     let golden = Golden::read(&test_model_dir()).unwrap();
-    golden_parity(&factory, &golden, |g| &g.scores_fp32, VS_PYTHON);
+    golden_parity(&factory, &golden, |g| g.scores_fp32.clone(), VS_PYTHON);
     let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
     fused_equals_alone(&factory, &requests, 2, FUSED_VS_ALONE);
     concurrent_lanes(&factory, &requests, 2, 2, FUSED_VS_ALONE);

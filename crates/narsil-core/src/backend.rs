@@ -50,7 +50,8 @@ pub enum BackendError {
         #[source]
         source: Option<ErrorSource>,
     },
-    /// A forward returned a different number of scores than rows.
+    /// A forward returned a different number of scores than rows times
+    /// outputs.
     #[error("forward returned {got} scores for {rows} rows")]
     WrongScoreCount {
         /// Rows in the batch.
@@ -109,8 +110,10 @@ pub fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// One lane's model instance.
 pub trait ModelBackend: Send {
-    /// Scores every row of `batch`: returns exactly `batch.rows` probabilities.
-    /// A row's score must depend only on that row's inputs.
+    /// Scores every row of `batch` for every output of the schema: returns
+    /// exactly `batch.rows` scores per output, output after output
+    /// (`outputs x rows`). A row's scores must depend only on that row's
+    /// inputs.
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError>;
 }
 
@@ -144,6 +147,11 @@ pub fn warmup_batch(schema: &ModelSchema, rows: usize) -> KeyedBatch {
         dense: vec![0.0; rows * schema.num_dense],
         lengths: vec![1; rows * schema.num_sparse()],
         ids: vec![0; rows * schema.num_sparse()],
+        weights: if schema.num_unweighted() < schema.num_sparse() {
+            vec![1.0; rows * schema.num_sparse()]
+        } else {
+            vec![]
+        },
         ..Default::default()
     };
     assemble(schema.num_dense, schema.num_sparse(), [&request])

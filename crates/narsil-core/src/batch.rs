@@ -26,6 +26,10 @@ pub struct KeyedBatch {
     pub lengths: Vec<i32>,
     /// Key-major ids: feature 0's bags for rows `0..rows`, then feature 1's.
     pub ids: Vec<i64>,
+    /// Key-major weights of the weighted features' ids (the last features,
+    /// see [`crate::schema::ModelSchema::sparse`]): one per id in
+    /// `ids[feature_offsets[first weighted]..]`; empty when none is weighted.
+    pub weights: Vec<f32>,
     /// `num_sparse + 1` offsets: feature `f`'s ids are
     /// `ids[feature_offsets[f]..feature_offsets[f + 1]]`.
     pub feature_offsets: Vec<usize>,
@@ -57,6 +61,24 @@ impl KeyedBatch {
     }
 }
 
+impl KeyedBatch {
+    /// Splits a forward's scores, output after output (`k` blocks of `rows`
+    /// scores), into each request's own scores per output, in the order
+    /// requests were fused.
+    pub fn split_outputs<'a>(&'a self, scores: &'a [f32]) -> impl Iterator<Item = Vec<Vec<f32>>> + 'a {
+        let outputs = scores.len().checked_div(self.rows).unwrap_or(0);
+        debug_assert_eq!(scores.len(), outputs * self.rows);
+        let mut start = 0;
+        self.request_rows.iter().map(move |&n| {
+            let own = (0..outputs)
+                .map(|o| scores[o * self.rows + start..o * self.rows + start + n].to_vec())
+                .collect();
+            start += n;
+            own
+        })
+    }
+}
+
 /// Builds a [`KeyedBatch`] request by request, reordering each one into
 /// per-feature buffers as it is pushed.
 #[derive(Debug)]
@@ -66,6 +88,8 @@ pub struct BatchBuilder {
     dense: Vec<f32>,
     lengths: Vec<Vec<i32>>,
     ids: Vec<Vec<i64>>,
+    /// Per feature, like `ids`; filled only for requests with weights.
+    weights: Vec<Vec<f32>>,
     request_rows: Vec<usize>,
 }
 
@@ -78,6 +102,7 @@ impl BatchBuilder {
             dense: Vec::new(),
             lengths: vec![Vec::new(); num_sparse],
             ids: vec![Vec::new(); num_sparse],
+            weights: vec![Vec::new(); num_sparse],
             request_rows: Vec::new(),
         }
     }
@@ -110,6 +135,9 @@ impl BatchBuilder {
         self.request_rows.push(b);
         if num_sparse == 0 {
             return;
+        }
+        if !request.weights.is_empty() {
+            self.push_weights(request);
         }
         if request.layout == SparseLayout::KeyMajor {
             // Already key-major: append each feature's run as it is.
@@ -148,6 +176,29 @@ impl BatchBuilder {
         }
     }
 
+    /// A weighted request's weights, to their features' buffers: they move
+    /// exactly as its ids do.
+    fn push_weights(&mut self, request: &RequestSamples) {
+        let (b, num_sparse) = (request.num_samples, self.weights.len());
+        let mut cursor = 0usize;
+        let mut take = |f: usize, len: usize| {
+            self.weights[f].extend_from_slice(&request.weights[cursor..cursor + len]);
+            cursor += len;
+        };
+        match request.layout {
+            SparseLayout::KeyMajor => {
+                for (bag, &len) in request.lengths.iter().enumerate() {
+                    take(bag / b, len as usize);
+                }
+            }
+            SparseLayout::SampleMajor => {
+                for (bag, &len) in request.lengths.iter().enumerate() {
+                    take(bag % num_sparse, len as usize);
+                }
+            }
+        }
+    }
+
     /// Lays the per-feature buffers end to end into the key-major batch.
     pub fn finish(self) -> KeyedBatch {
         let num_sparse = self.lengths.len();
@@ -166,6 +217,7 @@ impl BatchBuilder {
             dense: self.dense,
             lengths: self.lengths.concat(),
             ids,
+            weights: self.weights.concat(),
             feature_offsets,
             request_rows: self.request_rows,
         }
@@ -260,6 +312,7 @@ mod tests {
             dense: r.dense.clone(),
             lengths: order.iter().map(|&i| r.lengths[i]).collect(),
             ids: order.iter().flat_map(|&i| bags[i].iter().copied()).collect(),
+            weights: vec![],
             layout: SparseLayout::KeyMajor,
         }
     }

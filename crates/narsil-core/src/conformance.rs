@@ -9,7 +9,8 @@
 //!   their own threads, each give every request its scores alone.
 //!
 //! Requests come from the golden file ([`crate::golden`]); a panic names the
-//! request and the largest difference.
+//! request and the largest difference. A request's scores are compared
+//! output after output (a forward's layout, [`fused_scores`]).
 
 use crate::backend::BackendFactory;
 use crate::batch::assemble;
@@ -45,25 +46,38 @@ pub fn assert_close(got: &[f32], want: &[f32], tolerance: f32, what: &str) -> f3
     diff
 }
 
+/// Each fused request's scores, output after output, as it would get them
+/// alone.
+pub fn fused_scores(batch: &crate::KeyedBatch, scores: &[f32]) -> Vec<Vec<f32>> {
+    batch.split_outputs(scores).map(|outputs| outputs.concat()).collect()
+}
+
+/// A golden request's reference scores for every output of `schema`, output
+/// after output (`export_torchrec.py`'s golden files).
+pub fn golden_outputs(schema: &crate::ModelSchema, g: &GoldenRequest) -> Vec<f32> {
+    schema.outputs.iter().flat_map(|name| g.outputs[name].iter().copied()).collect()
+}
+
 /// Every golden request alone, then all of them in one fused batch, within
-/// `tolerance` of `want`'s reference scores. Returns the largest difference.
+/// `tolerance` of `want`'s reference scores (output after output). Returns
+/// the largest difference.
 pub fn golden_parity(
     factory: &dyn BackendFactory,
     golden: &Golden,
-    want: impl Fn(&GoldenRequest) -> &[f32],
+    want: impl Fn(&GoldenRequest) -> Vec<f32>,
     tolerance: f32,
 ) -> f32 {
     let schema = factory.schema();
     let requests = requests(factory, golden, IdPolicy::Reject);
     let mut worst = 0f32;
     for (i, (alone, g)) in scores_alone(factory, &requests).iter().zip(&golden.requests).enumerate() {
-        worst = worst.max(assert_close(alone, want(g), tolerance, &format!("golden request {i} alone")));
+        worst = worst.max(assert_close(alone, &want(g), tolerance, &format!("golden request {i} alone")));
     }
     let mut lane = factory.create_lane(0).expect("lane");
     let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
     let scores = lane.forward(&fused).expect("fused forward");
-    for (i, (part, g)) in fused.split(&scores).zip(&golden.requests).enumerate() {
-        worst = worst.max(assert_close(part, want(g), tolerance, &format!("golden request {i} fused")));
+    for (i, (part, g)) in fused_scores(&fused, &scores).iter().zip(&golden.requests).enumerate() {
+        worst = worst.max(assert_close(part, &want(g), tolerance, &format!("golden request {i} fused")));
     }
     worst
 }
@@ -83,7 +97,7 @@ pub fn fused_equals_alone(
     let fused = assemble(schema.num_dense, schema.num_sparse(), many.iter().copied());
     let scores = factory.create_lane(0).expect("lane").forward(&fused).expect("fused forward");
     let mut worst = 0f32;
-    for (i, part) in fused.split(&scores).enumerate() {
+    for (i, part) in fused_scores(&fused, &scores).iter().enumerate() {
         let what = format!("request {} fused into {} rows", i % requests.len(), fused.rows);
         worst = worst.max(assert_close(part, &alone[i % requests.len()], tolerance, &what));
     }
@@ -123,7 +137,7 @@ pub fn concurrent_lanes(
                     }
                     let fused = assemble(schema.num_dense, schema.num_sparse(), requests.iter());
                     let scores = lane.forward(&fused).expect("fused forward");
-                    for (i, part) in fused.split(&scores).enumerate() {
+                    for (i, part) in fused_scores(&fused, &scores).iter().enumerate() {
                         let what = format!("lane {lane_index} round {round} request {i} fused");
                         assert_close(part, &alone[i], tolerance, &what);
                     }
@@ -149,8 +163,10 @@ mod tests {
             ids: (0..(0..b * 26).map(|i| i % 3).sum::<usize>() as i64)
                 .map(|i| (i * 7 + seed) % 100)
                 .collect(),
+            weights: vec![],
             scores_int8: vec![],
             scores_fp32: vec![],
+            outputs: Default::default(),
         };
         Golden { requests: vec![request(1, 0), request(4, 1), request(7, 2)] }
     }
@@ -171,7 +187,7 @@ mod tests {
         for (g, scores) in golden.requests.iter_mut().zip(scores_alone(&factory, &requests)) {
             g.scores_fp32 = scores;
         }
-        assert_eq!(golden_parity(&factory, &golden, |g| &g.scores_fp32, 0.0), 0.0);
+        assert_eq!(golden_parity(&factory, &golden, |g| g.scores_fp32.clone(), 0.0), 0.0);
     }
 
     #[test]
@@ -184,6 +200,6 @@ mod tests {
             g.scores_fp32 = scores;
         }
         golden.requests[0].scores_fp32[0] += 1e-3;
-        golden_parity(&factory, &golden, |g| &g.scores_fp32, 1e-4);
+        golden_parity(&factory, &golden, |g| g.scores_fp32.clone(), 1e-4);
     }
 }

@@ -1,7 +1,7 @@
-//! The golden file `models/export_dlrm.py` writes next to a model: fixed
-//! random requests (sample-major, as on the wire) and the scores Python
-//! computed for each, alone, with the exported TorchScript files. Backends'
-//! parity tests compare against it.
+//! The golden file `models/export_dlrm.py` and `models/export_torchrec.py`
+//! write next to a model: fixed random requests (sample-major, as on the
+//! wire) and the scores Python computed for each, alone, with the exported
+//! TorchScript files. Backends' parity tests compare against it.
 
 use std::path::{Path, PathBuf};
 
@@ -28,10 +28,19 @@ pub struct GoldenRequest {
     pub lengths: Vec<u32>,
     /// Ids, bag after bag in sample-major order.
     pub ids: Vec<i64>,
+    /// Weights of the weighted features' ids, as on the wire
+    /// (`export_torchrec.py` models with weighted features).
+    #[serde(default)]
+    pub weights: Vec<f32>,
     /// Scores of the INT8 TorchScript model (`model_default.pt`).
+    #[serde(default)]
     pub scores_int8: Vec<f32>,
     /// Scores of the FP32 TorchScript model (`model_fp32.pt`).
+    #[serde(default)]
     pub scores_fp32: Vec<f32>,
+    /// Scores per output name (`export_torchrec.py`'s `model.pt`).
+    #[serde(default)]
+    pub outputs: std::collections::BTreeMap<String, Vec<f32>>,
 }
 
 impl Golden {
@@ -51,6 +60,7 @@ impl GoldenRequest {
             dense: self.dense.clone(),
             lengths: self.lengths.clone(),
             ids: self.ids.clone(),
+            weights: self.weights.clone(),
             ..Default::default()
         }
     }

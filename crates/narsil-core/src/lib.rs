@@ -1,7 +1,9 @@
 //! Narsil's core: the data that flows through the engine and the contract
 //! every model backend implements.
 //!
-//! * [`schema`]: what a served model expects (dense count, sparse features).
+//! * [`schema`]: what a served model expects (dense count, sparse features,
+//!   outputs); [`model_config`]: the `model.json` that states it for models
+//!   that cannot.
 //! * [`request`]: one client request, sample-major, and its validation.
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
@@ -20,6 +22,7 @@ pub mod batch;
 pub mod conformance;
 pub mod golden;
 pub mod mock;
+pub mod model_config;
 pub mod request;
 pub mod schema;
 

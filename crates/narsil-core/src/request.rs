@@ -33,6 +33,11 @@ pub struct RequestSamples {
     pub lengths: Vec<u32>,
     /// All ids, bag after bag in `layout` order.
     pub ids: Vec<i64>,
+    /// Weights of the weighted features' ids. As sent: one per id of a
+    /// weighted feature, bag after bag in `layout` order (empty when the
+    /// model has no weighted feature). Validation widens it to one per id in
+    /// `ids` (1.0 for unweighted features' ids), so it moves with the ids.
+    pub weights: Vec<f32>,
     /// Order of `lengths` and `ids`; dense values are always sample-major.
     pub layout: SparseLayout,
 }
@@ -44,6 +49,7 @@ impl RequestSamples {
         self.dense.len() * size_of::<f32>()
             + self.lengths.len() * size_of::<u32>()
             + self.ids.len() * size_of::<i64>()
+            + self.weights.len() * size_of::<f32>()
     }
 }
 
@@ -70,6 +76,8 @@ pub enum InputField {
     Lengths,
     /// The sparse ids.
     Ids,
+    /// The weights of the weighted features' ids.
+    Weights,
     /// The requested model's name.
     Model,
     /// The message as a whole (its size, its encoding).
@@ -87,6 +95,7 @@ impl InputField {
             Self::Dense => "dense",
             Self::Lengths => "sparse_lengths",
             Self::Ids => "sparse_ids",
+            Self::Weights => "sparse_weights",
             Self::Model => "model",
             Self::Message => "message",
             Self::Wire(name) => name,
@@ -173,7 +182,59 @@ impl RequestSamples {
                 format!("has {} ids but the lengths sum to {total}", self.ids.len()),
             ));
         }
-        self.check_ids(schema, limits.id_policy)
+        self.check_ids(schema, limits.id_policy)?;
+        self.widen_weights(schema)
+    }
+
+    /// Checks the weights sent (count, finite) and widens them to one per
+    /// id, in `ids` order.
+    fn widen_weights(&mut self, schema: &ModelSchema) -> Result<(), InvalidInput> {
+        let num_sparse = schema.num_sparse();
+        let first_weighted = schema.num_unweighted();
+        if first_weighted == num_sparse {
+            if !self.weights.is_empty() {
+                return Err(InvalidInput::new(
+                    InputField::Weights,
+                    "the model has no weighted feature; send none",
+                ));
+            }
+            return Ok(());
+        }
+        let b = self.num_samples;
+        let weighted_bag = |bag: usize| self.layout.bag_position(bag, b, num_sparse).1 >= first_weighted;
+        let expected: u64 = self
+            .lengths
+            .iter()
+            .enumerate()
+            .filter(|&(bag, _)| weighted_bag(bag))
+            .map(|(_, &l)| u64::from(l))
+            .sum();
+        if self.weights.len() as u64 != expected {
+            return Err(InvalidInput::new(
+                InputField::Weights,
+                format!(
+                    "has {} weights, but the weighted features' bags hold {expected} ids (one weight per id)",
+                    self.weights.len()
+                ),
+            ));
+        }
+        if let Some(pos) = self.weights.iter().position(|w| !w.is_finite()) {
+            return Err(InvalidInput::new(
+                InputField::Weights,
+                format!("weight {pos} is {} (weights must be finite)", self.weights[pos]),
+            ));
+        }
+        let mut sent = std::mem::take(&mut self.weights).into_iter();
+        let mut widened = Vec::with_capacity(self.ids.len());
+        for (bag, &len) in self.lengths.iter().enumerate() {
+            if weighted_bag(bag) {
+                widened.extend(sent.by_ref().take(len as usize));
+            } else {
+                widened.resize(widened.len() + len as usize, 1.0);
+            }
+        }
+        self.weights = widened;
+        Ok(())
     }
 
     /// Cuts a validated batch into consecutive parts of at most `max_rows`
@@ -203,6 +264,7 @@ impl RequestSamples {
                     dense: self.dense[first * num_dense..end * num_dense].to_vec(),
                     lengths: Vec::with_capacity((end - first) * num_sparse),
                     ids: Vec::new(),
+                    weights: Vec::new(),
                     layout: self.layout,
                 };
                 // Runs of consecutive bags that belong to this part: one run
@@ -214,6 +276,9 @@ impl RequestSamples {
                 for (from, to) in runs {
                     part.lengths.extend_from_slice(&self.lengths[from..to]);
                     part.ids.extend_from_slice(&self.ids[starts[from]..starts[to]]);
+                    if !self.weights.is_empty() {
+                        part.weights.extend_from_slice(&self.weights[starts[from]..starts[to]]);
+                    }
                 }
                 part
             })
@@ -332,6 +397,7 @@ mod tests {
             dense: vec![0.5; 4],
             lengths: vec![1, 1, 0, 2, 1, 1],
             ids: vec![1, 2, 3, 4, 5, 99],
+            weights: vec![],
             layout: SparseLayout::KeyMajor,
         };
         let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
@@ -355,6 +421,7 @@ mod tests {
             dense: vec![0.0; 6],
             lengths: vec![1; 9],
             ids: vec![0, 1, 2, 3, 4, 5, 6, 7, 10],
+            weights: vec![],
             layout: SparseLayout::KeyMajor,
         };
         let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
@@ -472,6 +539,7 @@ mod tests {
             dense: key_major.dense.clone(),
             lengths: key_major.lengths.iter().map(|&l| l as u32).collect(),
             ids: key_major.ids.clone(),
+            weights: vec![],
             layout: SparseLayout::KeyMajor,
         };
         for whole in [sample_major, key_major] {

@@ -15,8 +15,9 @@ use crate::error::EngineError;
 /// A request's scores and how they were computed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Prediction {
-    /// One probability per sample, in request order.
-    pub scores: Vec<f32>,
+    /// Per model output (schema order), one score per sample, in request
+    /// order.
+    pub outputs: Vec<Vec<f32>>,
     /// Forwards the request's samples took part in: more than one when it
     /// had more samples than a forward may carry.
     pub forwards: usize,
@@ -31,12 +32,19 @@ pub struct Prediction {
 }
 
 impl Prediction {
+    /// The first output's scores (a single-output model's only ones).
+    pub fn scores(&self) -> &[f32] {
+        &self.outputs[0]
+    }
+
     /// One answer from the answers of a split request's parts, in order.
     pub fn merge(parts: Vec<Prediction>) -> Prediction {
         let mut parts = parts.into_iter();
         let mut whole = parts.next().expect("a request has at least one part");
         for part in parts {
-            whole.scores.extend(part.scores);
+            for (whole, part) in whole.outputs.iter_mut().zip(part.outputs) {
+                whole.extend(part);
+            }
             whole.forwards += part.forwards;
             whole.fused_rows += part.fused_rows;
             whole.fused_requests = whole.fused_requests.max(part.fused_requests);

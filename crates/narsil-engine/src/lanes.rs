@@ -102,7 +102,7 @@ impl LaneContext {
     /// A one-row forward to see whether an unhealthy backend has recovered.
     fn probe(&self, backend: &mut dyn ModelBackend) {
         let batch = warmup_batch(self.factory.schema(), 1);
-        let succeeded = checked_forward(backend, &batch, "probe forward").is_ok();
+        let succeeded = self.checked_forward(backend, &batch, "probe forward").is_ok();
         self.stats.probe_forwards.inc();
         self.record_health(succeeded);
     }
@@ -125,11 +125,8 @@ impl LaneContext {
             .map_err(|error| LaneFailed::Load { lane, error })?;
         for rows in self.factory.warmup_rows() {
             let batch = warmup_batch(self.factory.schema(), rows);
-            checked_forward(backend.as_mut(), &batch, "warm-up").map_err(|error| LaneFailed::WarmUp {
-                lane,
-                rows,
-                error,
-            })?;
+            self.checked_forward(backend.as_mut(), &batch, "warm-up")
+                .map_err(|error| LaneFailed::WarmUp { lane, rows, error })?;
         }
         Ok(backend)
     }
@@ -139,7 +136,7 @@ impl LaneContext {
         for waiter in &job.waiters {
             self.stats.queue_seconds.observe(start.saturating_duration_since(waiter.admitted).as_secs_f64());
         }
-        let scores = checked_forward(backend, &job.batch, "forward");
+        let scores = self.checked_forward(backend, &job.batch, "forward");
         let compute_time = start.elapsed();
         let rows = job.batch.rows;
         self.stats.forwards.inc();
@@ -162,9 +159,9 @@ impl LaneContext {
             }
         };
         let fused_requests = job.waiters.len();
-        for (waiter, part) in job.waiters.into_iter().zip(job.batch.split(&scores)) {
+        for (waiter, outputs) in job.waiters.into_iter().zip(job.batch.split_outputs(&scores)) {
             let _ = waiter.reply.send(Ok(Prediction {
-                scores: part.to_vec(),
+                outputs,
                 forwards: 1,
                 fused_rows: rows,
                 fused_requests,
@@ -175,17 +172,21 @@ impl LaneContext {
     }
 }
 
-/// Runs one forward with panics caught, and holds the backend to its
-/// contract of one score per row.
-fn checked_forward(
-    backend: &mut dyn ModelBackend,
-    batch: &narsil_core::KeyedBatch,
-    during: &str,
-) -> Result<Vec<f32>, BackendError> {
-    match catch_unwind(AssertUnwindSafe(|| backend.forward(batch))) {
-        Ok(Ok(scores)) if scores.len() == batch.rows => Ok(scores),
-        Ok(Ok(scores)) => Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() }),
-        Ok(Err(error)) => Err(error),
-        Err(_) => Err(BackendError::Panicked { during: during.into() }),
+impl LaneContext {
+    /// Runs one forward with panics caught, and holds the backend to its
+    /// contract of one score per row and output.
+    fn checked_forward(
+        &self,
+        backend: &mut dyn ModelBackend,
+        batch: &narsil_core::KeyedBatch,
+        during: &str,
+    ) -> Result<Vec<f32>, BackendError> {
+        let expected = batch.rows * self.factory.schema().num_outputs();
+        match catch_unwind(AssertUnwindSafe(|| backend.forward(batch))) {
+            Ok(Ok(scores)) if scores.len() == expected => Ok(scores),
+            Ok(Ok(scores)) => Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() }),
+            Ok(Err(error)) => Err(error),
+            Err(_) => Err(BackendError::Panicked { during: during.into() }),
+        }
     }
 }

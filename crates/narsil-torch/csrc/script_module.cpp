@@ -78,14 +78,19 @@ extern "C" {
 // are cast to bf16 and INT8 embedding lookups return bf16
 // (`*bf16_lookups` counts them). The module is then frozen (weights and
 // attributes become constants, so the graph optimizer can fold them).
+// `*dict_signature` is set to 1 when forward takes one `Dict[str, Tensor]`
+// (TorchRec's inference signature), 0 otherwise.
 NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, int bf16, char** schema_json,
-                                              int* bf16_lookups, char** error) {
+                                              int* bf16_lookups, int* dict_signature, char** error) {
   *schema_json = nullptr;
   *bf16_lookups = 0;
+  *dict_signature = 0;
   try {
     const auto device = cuda_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, cuda_index);
     auto module = torch::jit::load(path, device);
     module.eval();
+    const auto& arguments = module.get_method("forward").function().getSchema().arguments();
+    *dict_signature = arguments.size() == 2 && arguments[1].type()->kind() == c10::TypeKind::DictType;
     if (module.find_method("narsil_schema")) {
       const auto schema = module.run_method("narsil_schema");
       if (schema.isString()) *schema_json = copy_string(schema.toStringRef());
@@ -115,6 +120,43 @@ at::Tensor* narsil_script_module_forward(NarsilScriptModule* m, const at::Tensor
   } catch (const std::exception& e) {
     set_error(error, e);
     return nullptr;
+  }
+}
+
+// forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]: the batch holds
+// `inputs[i]` under `names[i]`; `outputs[o]` receives a new tensor (the
+// caller takes ownership) for the result's `output_names[o]`. Returns 0, or
+// -1 with `*error` set and no outputs.
+int narsil_script_module_forward_dict(NarsilScriptModule* m, int num_inputs, const char* const* names,
+                                      const at::Tensor* const* inputs, int num_outputs,
+                                      const char* const* output_names, at::Tensor** outputs, char** error) {
+  try {
+    c10::Dict<std::string, at::Tensor> batch;
+    for (int i = 0; i < num_inputs; ++i) batch.insert(names[i], *inputs[i]);
+    auto result = m->module.forward({c10::IValue(batch)});
+    if (!result.isGenericDict()) {
+      throw std::runtime_error("the model's forward returned " + result.tagKind() + ", not Dict[str, Tensor]");
+    }
+    auto dict = result.toGenericDict();
+    for (int o = 0; o < num_outputs; ++o) {
+      auto found = dict.find(c10::IValue(std::string(output_names[o])));
+      if (found == dict.end() || !found->value().isTensor()) {
+        std::string returned;
+        for (const auto& entry : dict) {
+          if (!returned.empty()) returned += ", ";
+          returned += entry.key().isString() ? entry.key().toStringRef() : entry.key().tagKind();
+        }
+        throw std::runtime_error("the model returned no tensor named `" + std::string(output_names[o]) +
+                                 "` (it returned: " + returned + ")");
+      }
+    }
+    for (int o = 0; o < num_outputs; ++o) {
+      outputs[o] = new at::Tensor(dict.at(c10::IValue(std::string(output_names[o]))).toTensor());
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return -1;
   }
 }
 

@@ -31,8 +31,12 @@ fn require_cpu_bf16() -> Result<(), BackendError> {
 /// How to load and run a TorchScript model.
 #[derive(Debug, Clone)]
 pub struct TorchConfig {
-    /// The TorchScript file (`model_default.pt` from `models/export_dlrm.py`).
+    /// The TorchScript file (`model_default.pt` from `models/export_dlrm.py`,
+    /// or a TorchRec-signature module).
     pub model: PathBuf,
+    /// A TorchRec-signature model's schema (`model.json`); `None` for the
+    /// one beside the model.
+    pub model_config: Option<PathBuf>,
     /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
     /// libtorch intra-op threads per lane.
@@ -54,6 +58,7 @@ impl TorchConfig {
     pub fn new(model: impl Into<PathBuf>) -> Self {
         Self {
             model: model.into(),
+            model_config: None,
             device: "cpu".into(),
             intra_op_threads: 1,
             fbgemm_dir: None,
@@ -85,7 +90,17 @@ impl TorchFactory {
             require_cpu_bf16()?;
         }
         tch::set_num_threads(config.intra_op_threads as i32);
-        let model = TorchModel::load(&config.model, device, &config.device, config.dense_precision)?;
+        let model = TorchModel::load(
+            &config.model,
+            config.model_config.as_deref(),
+            device,
+            &config.device,
+            config.dense_precision,
+        )?;
+        let model = Arc::new(model);
+        if model.dict_signature() {
+            probe(&model, &config)?;
+        }
         tracing::info!(
             model = %config.model.display(),
             device = %config.device,
@@ -94,7 +109,7 @@ impl TorchFactory {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "TorchScript model loaded"
         );
-        Ok(Self { model: Arc::new(model), config })
+        Ok(Self { model, config })
     }
 }
 
@@ -116,4 +131,34 @@ impl BackendFactory for TorchFactory {
     fn warmup_rows(&self) -> Vec<usize> {
         self.config.warmup_rows.clone()
     }
+}
+
+/// One small forward with the schema's shape: a module that does not take
+/// what its config describes (feature counts, output names) fails here, at
+/// start-up, rather than on a client's request.
+fn probe(model: &Arc<TorchModel>, config: &TorchConfig) -> Result<(), BackendError> {
+    let batch = narsil_core::backend::warmup_batch(model.schema(), 2);
+    let scores = TorchLane::new(Arc::clone(model)).forward(&batch);
+    let expected = 2 * model.schema().num_outputs();
+    match scores {
+        Ok(scores) if scores.len() == expected => Ok(()),
+        Ok(scores) => Err(BackendError::WrongScoreCount { rows: 2, got: scores.len() }),
+        Err(e) => Err(e),
+    }
+    .map_err(|e| {
+        let schema = model.schema();
+        let source = model.schema_source().map_or("its narsil_schema()".into(), |p| p.display().to_string());
+        BackendError::load(
+            &config.model,
+            format!(
+                "{source} does not match the model: a 2-row forward with dense_features {}, {} sparse_features \
+                 ({} weighted) and outputs {:?} failed",
+                schema.num_dense,
+                schema.num_sparse(),
+                schema.num_sparse() - schema.num_unweighted(),
+                schema.outputs
+            ),
+        )
+        .caused_by(e)
+    })
 }

@@ -63,6 +63,9 @@ impl TorchLane {
 
 impl ModelBackend for TorchLane {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        if self.model.dict_signature() {
+            return self.forward_dict(batch);
+        }
         let [dense, lengths, ids] = self.inputs(batch)?;
         let output = self
             .model
@@ -77,6 +80,65 @@ impl ModelBackend for TorchLane {
         let scores = Vec::<f32>::try_from(&output).map_err(torch_error)?;
         if scores.len() != batch.rows {
             return Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() });
+        }
+        Ok(scores)
+    }
+}
+
+impl TorchLane {
+    /// TorchRec's signature: each feature group key-major under its own
+    /// keys, ids as int32 (what TorchRec's server sends), and every output
+    /// the schema names, output after output.
+    fn forward_dict(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        let device = self.model.device();
+        let rows = batch.rows;
+        let unweighted = self.model.schema().num_unweighted();
+        let split = batch.feature_offsets[unweighted];
+        let on_device = |t: Tensor| t.f_to_device(device).map_err(torch_error);
+        let ids =
+            |ids: &[i64]| on_device(Tensor::from_slice(&ids.iter().map(|&id| id as i32).collect::<Vec<_>>()));
+        let dense = on_device(
+            Tensor::f_from_slice(&batch.dense)
+                .and_then(|t| t.f_reshape([rows as i64, batch.num_dense as i64]))
+                .map_err(torch_error)?,
+        )?;
+        let mut inputs = vec![
+            (c"float_features", dense),
+            (
+                c"id_list_features.lengths",
+                on_device(Tensor::from_slice(&batch.lengths[..unweighted * rows]))?,
+            ),
+            (c"id_list_features.values", ids(&batch.ids[..split])?),
+        ];
+        if unweighted < batch.num_sparse {
+            inputs.push((
+                c"id_score_list_features.lengths",
+                on_device(Tensor::from_slice(&batch.lengths[unweighted * rows..]))?,
+            ));
+            inputs.push((c"id_score_list_features.values", ids(&batch.ids[split..])?));
+            inputs.push((
+                c"id_score_list_features.weights",
+                on_device(Tensor::from_slice(&batch.weights[split..]))?,
+            ));
+        }
+        let named: Vec<(&std::ffi::CStr, &Tensor)> = inputs.iter().map(|(name, t)| (*name, t)).collect();
+        let outputs = self
+            .model
+            .module
+            .forward_dict(&named, self.model.output_names())
+            .map_err(|e| BackendError::forward("the TorchScript forward").caused_by(e))?;
+        let mut scores = Vec::with_capacity(rows * outputs.len());
+        for output in outputs {
+            let output = output
+                .f_to_device(Device::Cpu)
+                .and_then(|t| t.f_to_kind(Kind::Float))
+                .and_then(|t| t.f_reshape([-1]))
+                .map_err(torch_error)?;
+            let values = Vec::<f32>::try_from(&output).map_err(torch_error)?;
+            if values.len() != rows {
+                return Err(BackendError::WrongScoreCount { rows, got: values.len() });
+            }
+            scores.extend(values);
         }
         Ok(scores)
     }

@@ -1,17 +1,26 @@
 //! The TorchScript model, loaded once per process and shared by every lane.
 //!
-//! Models written by `models/export_dlrm.py` take
-//! `forward(dense: f32[B, D], lengths: i32[T*B] key-major, ids: i64[N] key-major) -> f32[B]`
-//! (probabilities) and describe their own inputs through an exported method
-//! `narsil_schema() -> str` (JSON), so a model file is self-contained.
+//! Two signatures are served:
+//! * Narsil's (`models/export_dlrm.py`):
+//!   `forward(dense: f32[B, D], lengths: i32[T*B] key-major, ids: i64[N] key-major) -> f32[B]`
+//!   (probabilities), describing its own inputs through an exported method
+//!   `narsil_schema() -> str` (JSON), so a model file is self-contained.
+//! * TorchRec's inference signature (what TorchRec's packager and C++ server
+//!   use): `forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]`. Its
+//!   schema comes from `narsil_schema()` when the module has one, else from
+//!   a `model.json` ([`narsil_core::model_config`]) beside the model or
+//!   named by `--model-config`. A probe forward at load checks the module
+//!   against that schema, so a mismatch fails at start-up, naming the file.
 //!
 //! The module is frozen at load ([`crate::script_module`]): its weights
 //! become constants the graph optimizer folds, which is also when the dense
 //! precision is applied.
 
-use std::path::Path;
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
 
-use narsil_core::{BackendError, ModelSchema, SparseFeature};
+use narsil_core::schema::DEFAULT_OUTPUT;
+use narsil_core::{model_config, BackendError, ModelSchema, SparseFeature};
 use serde::Deserialize;
 use tch::Device;
 
@@ -43,14 +52,20 @@ pub struct TorchModel {
     schema: ModelSchema,
     device: Device,
     mlp_flops_per_sample: Option<f64>,
+    dict_signature: bool,
+    output_names: Vec<CString>,
+    schema_source: Option<PathBuf>,
 }
 
 impl TorchModel {
     /// Loads `path` onto `device` in `precision` and reads its schema.
     /// FBGEMM's operators must already be registered
     /// ([`crate::fbgemm::load_fbgemm_ops`]).
+    /// `config` is the `model.json` to read a TorchRec-signature model's
+    /// schema from (default: the one beside the model).
     pub fn load(
         path: &Path,
+        config: Option<&Path>,
         device: Device,
         device_name: &str,
         precision: DensePrecision,
@@ -61,17 +76,67 @@ impl TorchModel {
         let loaded = ScriptModule::load(path, device, precision).map_err(|e| {
             BackendError::load(path, "not a TorchScript model libtorch can load").caused_by(e)
         })?;
-        let Some(json) = loaded.schema_json else {
-            return Err(BackendError::load(
-                path,
-                "no narsil_schema() method returning a string; export it with models/export_dlrm.py",
-            ));
-        };
         if precision == DensePrecision::Bf16 {
             tracing::info!(int8_lookups_in_bf16 = loaded.bf16_lookups, "dense arithmetic in bf16");
         }
-        let (schema, mlp_flops_per_sample) = parse_schema(&json, path, device_name)?;
-        Ok(Self { module: loaded.module, schema, device, mlp_flops_per_sample })
+        let mut schema_source = None;
+        let (schema, mlp_flops_per_sample) = match (&loaded.schema_json, loaded.dict_signature) {
+            (Some(json), _) if config.is_none() => parse_schema(json, path, device_name)?,
+            (_, true) => {
+                let (schema, source) = config_schema(path, config, device_name)?;
+                schema_source = Some(source);
+                (schema, None)
+            }
+            (None, false) => {
+                return Err(BackendError::load(
+                    path,
+                    "no narsil_schema() method returning a string, and forward does not take TorchRec's \
+                     Dict[str, Tensor]; export it with models/export_dlrm.py or models/export_torchrec.py",
+                ))
+            }
+            (Some(_), false) => {
+                return Err(BackendError::load(
+                    path,
+                    "--model-config is for TorchRec-signature models; this one states its schema",
+                ))
+            }
+        };
+        let output_names = schema
+            .outputs
+            .iter()
+            .map(|name| CString::new(name.as_str()))
+            .collect::<Result<_, _>>()
+            .map_err(|_| BackendError::load(path, "an output name holds a NUL byte"))?;
+        if !loaded.dict_signature && schema.outputs.len() != 1 {
+            return Err(BackendError::load(path, "a model with positional inputs returns one output"));
+        }
+        if loaded.dict_signature {
+            tracing::info!(outputs = ?schema.outputs, "TorchRec inference signature");
+        }
+        Ok(Self {
+            module: loaded.module,
+            schema,
+            device,
+            mlp_flops_per_sample,
+            dict_signature: loaded.dict_signature,
+            output_names,
+            schema_source,
+        })
+    }
+
+    /// The `model.json` the schema was read from, if it was.
+    pub fn schema_source(&self) -> Option<&Path> {
+        self.schema_source.as_deref()
+    }
+
+    /// Whether forward takes TorchRec's `Dict[str, Tensor]`.
+    pub fn dict_signature(&self) -> bool {
+        self.dict_signature
+    }
+
+    /// The outputs a forward returns, as C strings for the shim.
+    pub(crate) fn output_names(&self) -> &[CString] {
+        &self.output_names
     }
 
     /// The MLPs' FLOPs per sample, as the export states them.
@@ -102,11 +167,32 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         backend: "torch".into(),
         device: device.into(),
         num_dense: parsed.num_dense,
-        sparse: parsed
-            .sparse
-            .into_iter()
-            .map(|f| SparseFeature { name: f.name, num_rows: f.num_rows })
-            .collect(),
+        sparse: parsed.sparse.into_iter().map(|f| SparseFeature::new(f.name, f.num_rows)).collect(),
+        outputs: vec![DEFAULT_OUTPUT.into()],
     };
     Ok((schema, parsed.mlp_flops_per_sample))
+}
+
+/// A TorchRec-signature model's schema from its config file: `config`, or
+/// `model.json` beside the model.
+fn config_schema(
+    model: &Path,
+    config: Option<&Path>,
+    device: &str,
+) -> Result<(ModelSchema, PathBuf), BackendError> {
+    let beside = || model.parent().unwrap_or(Path::new(".")).join(model_config::FILE_NAME);
+    let path: PathBuf = config.map_or_else(beside, Path::to_path_buf);
+    if !path.is_file() {
+        return Err(BackendError::load(
+            model,
+            format!(
+                "a TorchRec-signature model needs its schema: no {} (write one, see models/README.md, or pass --model-config)",
+                path.display()
+            ),
+        ));
+    }
+    let directory = model.parent().and_then(Path::file_name).and_then(|n| n.to_str()).unwrap_or("model");
+    let schema = model_config::read(&path, directory, "torch", device)
+        .map_err(|reason| BackendError::load(model, reason))?;
+    Ok((schema, path))
 }

@@ -24,8 +24,19 @@ extern "C" {
         bf16: c_int,
         schema_json: *mut *mut c_char,
         bf16_lookups: *mut c_int,
+        dict_signature: *mut c_int,
         error: *mut *mut c_char,
     ) -> *mut RawModule;
+    fn narsil_script_module_forward_dict(
+        module: *mut RawModule,
+        num_inputs: c_int,
+        names: *const *const c_char,
+        inputs: *const *const RawTensor,
+        num_outputs: c_int,
+        output_names: *const *const c_char,
+        outputs: *mut *mut RawTensor,
+        error: *mut *mut c_char,
+    ) -> c_int;
     fn narsil_script_module_forward(
         module: *mut RawModule,
         dense: *const RawTensor,
@@ -54,6 +65,9 @@ pub struct Loaded {
     pub schema_json: Option<String>,
     /// INT8 embedding lookups switched to bf16 output (bf16 only).
     pub bf16_lookups: usize,
+    /// Whether forward takes TorchRec's `Dict[str, Tensor]` (else Narsil's
+    /// three positional tensors).
+    pub dict_signature: bool,
 }
 
 /// The message libtorch raised (a C++ exception's `what()`).
@@ -72,6 +86,7 @@ impl ScriptModule {
         };
         let mut schema: *mut c_char = std::ptr::null_mut();
         let mut bf16_lookups: c_int = 0;
+        let mut dict_signature: c_int = 0;
         let mut error: *mut c_char = std::ptr::null_mut();
         // SAFETY: valid C string and out-pointers; the shim sets `error` or
         // returns a module, never both.
@@ -82,6 +97,7 @@ impl ScriptModule {
                 (precision == DensePrecision::Bf16) as c_int,
                 &mut schema,
                 &mut bf16_lookups,
+                &mut dict_signature,
                 &mut error,
             )
         };
@@ -92,6 +108,7 @@ impl ScriptModule {
             module: ScriptModule { raw },
             schema_json: take_string(schema),
             bf16_lookups: bf16_lookups.max(0) as usize,
+            dict_signature: dict_signature != 0,
         })
     }
 
@@ -107,6 +124,41 @@ impl ScriptModule {
             return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
         }
         Ok(unsafe { Tensor::from_ptr(output) })
+    }
+}
+
+impl ScriptModule {
+    /// `forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]`: `inputs`
+    /// by name in, the tensors named `outputs` out, in that order.
+    pub fn forward_dict(
+        &self,
+        inputs: &[(&CStr, &Tensor)],
+        outputs: &[CString],
+    ) -> Result<Vec<Tensor>, LibtorchError> {
+        let names: Vec<*const c_char> = inputs.iter().map(|(name, _)| name.as_ptr()).collect();
+        let tensors: Vec<*const RawTensor> = inputs.iter().map(|(_, t)| t.as_ptr()).collect();
+        let output_names: Vec<*const c_char> = outputs.iter().map(|name| name.as_ptr()).collect();
+        let mut raw_outputs: Vec<*mut RawTensor> = vec![std::ptr::null_mut(); outputs.len()];
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: every pointer array has the length passed with it and
+        // outlives the call; on success each output is a new heap
+        // `at::Tensor` whose ownership passes to the returned Tensor.
+        let status = unsafe {
+            narsil_script_module_forward_dict(
+                self.raw,
+                names.len() as c_int,
+                names.as_ptr(),
+                tensors.as_ptr(),
+                output_names.len() as c_int,
+                output_names.as_ptr(),
+                raw_outputs.as_mut_ptr(),
+                &mut error,
+            )
+        };
+        if status != 0 {
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+        }
+        Ok(raw_outputs.into_iter().map(|raw| unsafe { Tensor::from_ptr(raw) }).collect())
     }
 }
 

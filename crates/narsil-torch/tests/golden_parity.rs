@@ -24,12 +24,12 @@ fn golden() -> Golden {
 
 #[test]
 fn int8_model_matches_python_alone_and_fused() {
-    golden_parity(&factory("model_default.pt"), &golden(), |g| &g.scores_int8, TOLERANCE);
+    golden_parity(&factory("model_default.pt"), &golden(), |g| g.scores_int8.clone(), TOLERANCE);
 }
 
 #[test]
 fn fp32_model_matches_python_alone_and_fused() {
-    golden_parity(&factory("model_fp32.pt"), &golden(), |g| &g.scores_fp32, TOLERANCE);
+    golden_parity(&factory("model_fp32.pt"), &golden(), |g| g.scores_fp32.clone(), TOLERANCE);
 }
 
 /// Lanes share one TorchScript module and run forwards on it at once.
@@ -121,7 +121,7 @@ fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
         Ok(factory) => factory,
     };
     let golden = golden();
-    let worst = golden_parity(&factory, &golden, |g| &g.scores_int8, BF16_TOLERANCE_VS_FP32);
+    let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), BF16_TOLERANCE_VS_FP32);
     eprintln!("bf16 vs FP32 golden: max |diff| {worst:e}");
     let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
     let fused_worst = fused_equals_alone(&factory, &requests, 4, BF16_FUSED_VS_ALONE);

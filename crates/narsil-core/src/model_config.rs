@@ -1,0 +1,148 @@
+//! `model.json`: the schema of a model that cannot state its own (a
+//! TorchScript module with TorchRec's inference signature). Found beside the
+//! model file, or named with `--model-config`:
+//!
+//! ```json
+//! {"dense_features": 13,
+//!  "sparse_features": [{"name": "cat_0", "num_rows": 100000, "weighted": false}, ...],
+//!  "outputs": ["default"],
+//!  "name": "dlrm", "version": "1"}
+//! ```
+//!
+//! `sparse_features` lists each feature group in the order of the model's
+//! own `KeyedJaggedTensor` keys: the unweighted ones (`id_list_features`)
+//! and the weighted ones (`id_score_list_features`, `"weighted": true`).
+//! Narsil serves the unweighted group first, then the weighted one, each in
+//! the order listed. `weighted` defaults to false, `outputs` to
+//! `["default"]` (TorchRec's single output), `name` to the model directory's
+//! name and `version` to `"1"`.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::schema::{ModelSchema, SparseFeature, DEFAULT_OUTPUT};
+
+/// The file name looked for beside a model.
+pub const FILE_NAME: &str = "model.json";
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigJson {
+    dense_features: usize,
+    sparse_features: Vec<FeatureJson>,
+    #[serde(default)]
+    outputs: Option<Vec<String>>,
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    version: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FeatureJson {
+    name: String,
+    num_rows: u64,
+    #[serde(default)]
+    weighted: bool,
+}
+
+/// Parses a model config. `default_name` names the model when the config
+/// does not. Errors name the field at fault (`sparse_features[3].num_rows`).
+pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Result<ModelSchema, String> {
+    let config: ConfigJson = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    if config.sparse_features.is_empty() {
+        return Err("sparse_features: the model needs at least one sparse feature".into());
+    }
+    let mut names = HashSet::new();
+    for (i, feature) in config.sparse_features.iter().enumerate() {
+        if feature.num_rows == 0 {
+            return Err(format!("sparse_features[{i}].num_rows: must be at least 1"));
+        }
+        if feature.name.is_empty() || !names.insert(feature.name.as_str()) {
+            return Err(format!("sparse_features[{i}].name: {:?} is empty or repeated", feature.name));
+        }
+    }
+    let outputs = config.outputs.unwrap_or_else(|| vec![DEFAULT_OUTPUT.into()]);
+    if outputs.is_empty() {
+        return Err("outputs: the model needs at least one output".into());
+    }
+    let mut seen = HashSet::new();
+    if let Some(repeated) = outputs.iter().find(|o| o.is_empty() || !seen.insert(o.as_str())) {
+        return Err(format!("outputs: {repeated:?} is empty or repeated"));
+    }
+    let (unweighted, weighted): (Vec<_>, Vec<_>) =
+        config.sparse_features.into_iter().partition(|f| !f.weighted);
+    Ok(ModelSchema {
+        name: config.name.unwrap_or_else(|| default_name.into()),
+        version: config.version.unwrap_or_else(|| "1".into()),
+        backend: backend.into(),
+        device: device.into(),
+        num_dense: config.dense_features,
+        sparse: unweighted
+            .into_iter()
+            .chain(weighted)
+            .map(|f| SparseFeature { name: f.name, num_rows: f.num_rows, weighted: f.weighted })
+            .collect(),
+        outputs,
+    })
+}
+
+/// Reads and parses the config at `path`; errors start with the path.
+pub fn read(path: &Path, default_name: &str, backend: &str, device: &str) -> Result<ModelSchema, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    parse(&text, default_name, backend, device).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(text: &str) -> Result<ModelSchema, String> {
+        parse(text, "dir", "torch", "cpu")
+    }
+
+    #[test]
+    fn the_documented_form_parses_with_defaults() {
+        let schema = parsed(
+            r#"{"dense_features": 13, "sparse_features": [{"name": "cat_0", "num_rows": 100000, "weighted": false},
+                {"name": "w_0", "num_rows": 50, "weighted": true}, {"name": "cat_1", "num_rows": 7}]}"#,
+        )
+        .unwrap();
+        assert_eq!((schema.name.as_str(), schema.version.as_str(), schema.num_dense), ("dir", "1", 13));
+        let names: Vec<&str> = schema.sparse.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["cat_0", "cat_1", "w_0"], "unweighted first, each group in order");
+        assert_eq!(schema.num_unweighted(), 2);
+        assert_eq!(schema.outputs, ["default"]);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (r#"{"dense_features": 1, "sparse_features": []}"#, "sparse_features:"),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a", "num_rows": 0}]}"#,
+                "sparse_features[0].num_rows",
+            ),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a", "num_rows": 1}, {"name": "a", "num_rows": 1}]}"#,
+                "sparse_features[1].name",
+            ),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a", "num_rows": 1}], "outputs": []}"#,
+                "outputs:",
+            ),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a", "num_rows": 1}], "output": ["x"]}"#,
+                "unknown field `output`",
+            ),
+            (r#"{"sparse_features": [{"name": "a", "num_rows": 1}]}"#, "missing field `dense_features`"),
+        ];
+        for (text, field) in cases {
+            let err = parsed(text).unwrap_err();
+            assert!(err.contains(field), "{text}: {err}");
+        }
+    }
+}

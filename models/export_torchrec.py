@@ -1,0 +1,250 @@
+#!/usr/bin/env python3
+"""Exports models with TorchRec's inference signature, the way TorchRec's
+inference tooling packages them (`torchrec/inference/dlrm_predict.py`):
+a `PredictModule` around the model, `quantize_inference_model` (INT8 FBGEMM
+tables), TorchRec's FX tracer with the table-batched lookups as leaves, then
+`torch.jit.script`. Unlike TorchRec's packager, whose tables live on the meta
+device (all zeros once materialised), the weights are seeded random values.
+
+  forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]
+
+reads `float_features` f32[B, D], `id_list_features.lengths` i32[F*B] and
+`id_list_features.values` i32[N] (key-major, as TorchRec's C++ server sends
+them), and for weighted features `id_score_list_features.{lengths,values}`
+and `id_score_list_features.weights` f32[N]. It returns one f32[B] tensor of
+probabilities per task.
+
+--kind dlrm       TorchRec's DLRMPredictModule: one output, "default".
+--kind multitask  a two-task ranking model ("click", "conversion") over
+                  unweighted and weighted (id-score) features.
+
+Writes into --out: model.pt, model.json (the schema Narsil reads beside the
+model; see models/README.md), golden.json (fixed random requests with every
+output's scores, computed here with the saved file) and manifest.json.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+from torch import nn
+
+import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
+from torchrec.fx import symbolic_trace as torchrec_symbolic_trace
+from torchrec.inference.dlrm_predict import DLRMPredictModule
+from torchrec.inference.modules import PredictModule, quantize_inference_model
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.mlp import MLP
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# Raised when what is written changes: scripts/lib.sh re-exports older ones.
+EXPORT_FORMAT = 1
+
+
+def log(msg: str) -> None:
+    print(f"[export_torchrec] {msg}", file=sys.stderr, flush=True)
+
+
+def tables(names: List[str], args: argparse.Namespace) -> List[EmbeddingBagConfig]:
+    bound = args.embedding_init
+    return [
+        EmbeddingBagConfig(
+            name=f"t_{name}",
+            embedding_dim=args.embedding_dim,
+            num_embeddings=args.num_rows,
+            feature_names=[name],
+            pooling=PoolingType.SUM,
+            init_fn=lambda w: nn.init.uniform_(w, -bound, bound),
+        )
+        for name in names
+    ]
+
+
+class TwoTowerTasks(nn.Module):
+    """A two-task ranker: dense arch, pooled unweighted and weighted
+    embeddings, a shared MLP and one logit head per task."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, weighted_ebc: EmbeddingBagCollection,
+                 num_dense: int, dim: int, num_features: int) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.weighted_ebc = weighted_ebc
+        self.dense_arch = MLP(num_dense, [64, dim])
+        self.shared = MLP(dim * (num_features + 1), [128, 64])
+        self.click = nn.Linear(64, 1)
+        self.conversion = nn.Linear(64, 1)
+
+    def forward(self, dense: torch.Tensor, id_list: KeyedJaggedTensor,
+                id_score_list: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        pooled = self.ebc(id_list).values()
+        weighted = self.weighted_ebc(id_score_list).values()
+        hidden = self.shared(torch.cat([self.dense_arch(dense), pooled, weighted], dim=1))
+        return {
+            "click": torch.sigmoid(self.click(hidden)).reshape(-1),
+            "conversion": torch.sigmoid(self.conversion(hidden)).reshape(-1),
+        }
+
+
+class MultiTaskPredictModule(PredictModule):
+    """TorchRec's predict interface around TwoTowerTasks."""
+
+    def __init__(self, model: TwoTowerTasks, id_list_keys: List[str], id_score_list_keys: List[str]) -> None:
+        super().__init__(model, "cpu")
+        self.id_list_keys: List[str] = id_list_keys
+        self.id_score_list_keys: List[str] = id_score_list_keys
+
+    def predict_forward(self, batch: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        id_list = KeyedJaggedTensor(
+            keys=self.id_list_keys,
+            lengths=batch["id_list_features.lengths"],
+            values=batch["id_list_features.values"],
+        )
+        id_score_list = KeyedJaggedTensor(
+            keys=self.id_score_list_keys,
+            lengths=batch["id_score_list_features.lengths"],
+            values=batch["id_score_list_features.values"],
+            weights=batch["id_score_list_features.weights"],
+        )
+        return self.predict_module(batch["float_features"], id_list, id_score_list)
+
+
+def package(module: nn.Module, sample: Dict[str, torch.Tensor]) -> torch.jit.ScriptModule:
+    """TorchRec's packaging: quantize the tables, FX-trace with TorchRec's
+    tracer (lookups and jagged tensors stay leaves), script."""
+    quantized = quantize_inference_model(module)
+    quantized(sample)
+    return torch.jit.script(torchrec_symbolic_trace(quantized))
+
+
+def golden_requests(args: argparse.Namespace, unweighted: List[str], weighted: List[str]) -> List[dict]:
+    """Fixed random requests, sample-major as on Narsil's wire (multi-hot
+    with empty bags every other request), with a weight per id of the
+    weighted features."""
+    g = torch.Generator().manual_seed(args.seed + 1)
+    requests = []
+    names = unweighted + weighted
+    for i, batch_size in enumerate([1, 7, 32, 3]):
+        top = 5 if i % 2 else 2
+        lengths = torch.randint(0 if i % 2 else 1, top, (batch_size, len(names)), generator=g, dtype=torch.int32)
+        ids = torch.randint(0, args.num_rows, (int(lengths.sum()),), generator=g, dtype=torch.int32)
+        weighted_ids = int(lengths[:, len(unweighted):].sum())
+        requests.append({
+            "batch_size": batch_size,
+            "dense": torch.randn(batch_size, args.num_dense, generator=g),
+            "lengths": lengths,
+            "ids": ids,
+            "weights": torch.rand(weighted_ids, generator=g) * 2.0,
+        })
+    return requests
+
+
+def batch_of(request: dict, num_unweighted: int) -> Dict[str, torch.Tensor]:
+    """A sample-major request as TorchRec's input dict: each feature group
+    key-major, ids int32 (what TorchRec's server sends)."""
+    lengths = request["lengths"]  # [B, F]
+    b, f = lengths.shape
+    bags = torch.split(request["ids"], lengths.reshape(-1).tolist())
+    batch = {"float_features": request["dense"]}
+    weights = iter(torch.split(request["weights"], lengths[:, num_unweighted:].reshape(-1).tolist()))
+    weight_of_bag = {}
+    for s in range(b):
+        for j in range(num_unweighted, f):
+            weight_of_bag[(s, j)] = next(weights)
+    for group, features in (("id_list_features", range(num_unweighted)),
+                            ("id_score_list_features", range(num_unweighted, f))):
+        features = list(features)
+        if not features:
+            continue
+        order = [(s, j) for j in features for s in range(b)]
+        batch[f"{group}.lengths"] = torch.stack([lengths[s, j] for s, j in order]).to(torch.int32)
+        batch[f"{group}.values"] = torch.cat([bags[s * f + j] for s, j in order]).to(torch.int32)
+        if group == "id_score_list_features":
+            batch[f"{group}.weights"] = torch.cat([weight_of_bag[o] for o in order]).float()
+    return batch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--kind", choices=["dlrm", "multitask"], default="dlrm")
+    p.add_argument("--num-dense", type=int, default=13)
+    p.add_argument("--num-sparse", type=int, default=26, help="unweighted features")
+    p.add_argument("--num-weighted", type=int, default=4, help="weighted features (multitask)")
+    p.add_argument("--num-rows", type=int, default=1000, help="rows per embedding table")
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--embedding-init", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    args = p.parse_args()
+    out: Path = args.out
+    if (out / "manifest.json").exists() and not args.force:
+        log(f"{out} already holds an export; pass --force to overwrite")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    started = time.time()
+
+    unweighted = [f"cat_{i}" for i in range(args.num_sparse)]
+    weighted = [f"wcat_{i}" for i in range(args.num_weighted)] if args.kind == "multitask" else []
+    ebc = EmbeddingBagCollection(tables=tables(unweighted, args), device=torch.device("cpu"))
+    if args.kind == "dlrm":
+        module = DLRMPredictModule(
+            embedding_bag_collection=ebc,
+            dense_in_features=args.num_dense,
+            dense_arch_layer_sizes=[64, args.embedding_dim],
+            over_arch_layer_sizes=[64, 1],
+            id_list_features_keys=unweighted,
+            dense_device=torch.device("cpu"),
+        )
+        outputs = ["default"]
+    else:
+        weighted_ebc = EmbeddingBagCollection(tables=tables(weighted, args), is_weighted=True,
+                                              device=torch.device("cpu"))
+        model = TwoTowerTasks(ebc, weighted_ebc, args.num_dense, args.embedding_dim, len(unweighted) + len(weighted))
+        module = MultiTaskPredictModule(model, unweighted, weighted)
+        outputs = ["click", "conversion"]
+    module.eval()
+
+    requests = golden_requests(args, unweighted, weighted)
+    log(f"packaging a TorchRec-signature {args.kind} model ({len(unweighted)} + {len(weighted)} weighted "
+        f"features x {args.num_rows:,} rows x {args.embedding_dim})")
+    scripted = package(module, batch_of(requests[1], len(unweighted)))
+    scripted.save(str(out / "model.pt"))
+
+    config = {
+        "dense_features": args.num_dense,
+        "sparse_features": [{"name": n, "num_rows": args.num_rows, "weighted": n in weighted}
+                            for n in unweighted + weighted],
+        "outputs": outputs,
+    }
+    (out / "model.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    log("computing golden scores with the saved TorchScript file")
+    loaded = torch.jit.load(str(out / "model.pt"))
+    golden = []
+    with torch.inference_mode():
+        for request in requests:
+            predictions = loaded(batch_of(request, len(unweighted)))
+            golden.append({
+                "batch_size": request["batch_size"],
+                "dense": request["dense"].reshape(-1).tolist(),
+                "lengths": request["lengths"].reshape(-1).tolist(),
+                "ids": request["ids"].tolist(),
+                "weights": request["weights"].tolist(),
+                "outputs": {name: predictions[name].reshape(-1).tolist() for name in outputs},
+            })
+    (out / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+    manifest = {"export_format": EXPORT_FORMAT, "kind": args.kind, "seed": args.seed, "torch": torch.__version__,
+                "files": ["model.pt", "model.json", "golden.json"]}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"wrote {out} in {time.time() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

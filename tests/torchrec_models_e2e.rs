@@ -1,0 +1,287 @@
+//! Models with TorchRec's inference signature (`forward(Dict[str, Tensor]) ->
+//! Dict[str, Tensor]`), packaged the way TorchRec's tooling does by
+//! `models/export_torchrec.py`, served end to end over real gRPC with the
+//! schema from the `model.json` beside them:
+//!
+//! * TorchRec's `DLRMPredictModule` (one output, `default`);
+//! * a two-task model (`click`, `conversion`) with weighted (id-score-list)
+//!   features.
+//!
+//! Both protocols, batch and worker modes, against Python's golden scores;
+//! fused == alone for every output; bad weights and schema mismatches.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::{batch_mode, wire, worker_mode, TestServer};
+use futures_util::future::join_all;
+use narsil::grpc::torchrec::encode_weighted;
+use narsil::proto::predictor_client::PredictorClient;
+use narsil::proto::{ModelInfoRequest, PredictResponse};
+use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil_core::conformance::{self, concurrent_lanes, golden_outputs, golden_parity};
+use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil_core::request::IdPolicy;
+use narsil_core::{error_chain, BackendFactory, ModelSchema};
+use narsil_engine::EngineConfig;
+use narsil_torch::{TorchConfig, TorchFactory};
+use tonic::Code;
+
+/// Same libtorch and kernels as Python, and as the request alone.
+const TOLERANCE: f32 = 1e-6;
+
+fn model_dir(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/generated").join(name);
+    assert!(
+        dir.join("golden.json").is_file(),
+        "no exported model in {0}: run scripts/test.sh, or .venv/bin/python models/export_torchrec.py --out {0}",
+        dir.display()
+    );
+    dir
+}
+
+fn load(name: &str) -> TorchFactory {
+    TorchFactory::load(TorchConfig::new(model_dir(name).join("model.pt"))).unwrap()
+}
+
+async fn serve(name: &str, config: EngineConfig) -> TestServer {
+    common::start_with(Arc::new(load(name)), config).await.ready().await
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    let diff = max_abs_diff(got, want)
+        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
+}
+
+/// Every output of a narsil.v1 response against the golden request's.
+fn check_narsil(response: &PredictResponse, schema: &ModelSchema, g: &GoldenRequest, what: &str) {
+    let first = &schema.outputs[0];
+    assert_close(&response.scores, &g.outputs[first], &format!("{what}: scores ({first})"));
+    if schema.outputs.len() > 1 {
+        for name in &schema.outputs {
+            let got =
+                &response.outputs.get(name).unwrap_or_else(|| panic!("{what}: no output {name}")).scores;
+            assert_close(got, &g.outputs[name], &format!("{what}: output {name}"));
+        }
+    } else {
+        assert!(response.outputs.is_empty(), "{what}: single-output models fill only scores");
+    }
+}
+
+/// Each golden request over both protocols, one at a time.
+async fn golden_over_both_protocols(name: &str, config: EngineConfig) {
+    let schema = load(name).schema().clone();
+    let server = serve(name, config).await;
+    let golden = Golden::read(&model_dir(name)).unwrap();
+    let mut narsil = server.client().await;
+    let mut torchrec = TorchRecClient::new(server.channel().await);
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = narsil.predict(wire(g, "")).await.unwrap().into_inner();
+        check_narsil(&response, &schema, g, &format!("{name} narsil.v1 request {i}"));
+        let request = encode_weighted(&wire(g, ""), schema.num_unweighted(), schema.num_sparse());
+        let predictions = torchrec.predict(request).await.unwrap().into_inner().predictions;
+        assert_eq!(predictions.len(), schema.outputs.len(), "every output by name");
+        for output in &schema.outputs {
+            assert_close(
+                &predictions[output].data,
+                &g.outputs[output],
+                &format!("{name} TorchRec request {i} {output}"),
+            );
+        }
+    }
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torchrec_dlrm_serves_python_golden_scores_in_batch_and_worker_modes() {
+    golden_over_both_protocols("test-torchrec-dlrm", batch_mode(1, 16)).await;
+    golden_over_both_protocols("test-torchrec-dlrm", worker_mode(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multitask_weighted_model_serves_every_output_in_batch_and_worker_modes() {
+    golden_over_both_protocols("test-torchrec-multitask", batch_mode(1, 16)).await;
+    golden_over_both_protocols("test-torchrec-multitask", worker_mode(2)).await;
+}
+
+/// In process: alone and fused against Python, and several lanes at once.
+#[test]
+fn both_models_pass_the_backend_conformance_kit() {
+    for name in ["test-torchrec-dlrm", "test-torchrec-multitask"] {
+        let factory = load(name);
+        let golden = Golden::read(&model_dir(name)).unwrap();
+        let schema = factory.schema().clone();
+        golden_parity(&factory, &golden, |g| golden_outputs(&schema, g), TOLERANCE);
+        let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+        concurrent_lanes(&factory, &requests, 2, 2, TOLERANCE);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fused_outputs_equal_alone_with_16_concurrent_clients() {
+    let name = "test-torchrec-multitask";
+    let schema = load(name).schema().clone();
+    let server = serve(name, batch_mode(1, 16)).await;
+    let golden = Golden::read(&model_dir(name)).unwrap();
+    let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+    let channel = server.channel().await;
+    let mut fused = 0;
+    for round in 0..4 {
+        let responses = join_all(requests.iter().enumerate().map(|(i, g)| {
+            let mut client = PredictorClient::new(channel.clone());
+            let request = wire(g, &format!("c{i}"));
+            async move { client.predict(request).await.unwrap().into_inner() }
+        }))
+        .await;
+        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+            check_narsil(response, &schema, g, &format!("round {round} client {i}"));
+            fused += usize::from(response.fused_requests > 1);
+        }
+    }
+    assert!(fused > 0, "no request was fused with another");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_info_lists_outputs_and_weighted_features() {
+    let server = serve("test-torchrec-multitask", batch_mode(1, 16)).await;
+    let info = server.client().await.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!(info.outputs, ["click", "conversion"]);
+    assert_eq!(info.sparse_features.len(), 30);
+    assert!(info.sparse_features[..26].iter().all(|f| !f.weighted));
+    assert!(info.sparse_features[26..].iter().all(|f| f.weighted && f.name.starts_with("wcat_")));
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_weights_are_invalid_argument_naming_the_field() {
+    let name = "test-torchrec-multitask";
+    let schema = load(name).schema().clone();
+    let server = serve(name, batch_mode(1, 16)).await;
+    let golden = Golden::read(&model_dir(name)).unwrap();
+    let g = golden.requests.iter().find(|g| !g.weights.is_empty()).expect("a golden request with weights");
+    let mut narsil = server.client().await;
+    let mut torchrec = TorchRecClient::new(server.channel().await);
+    let edits: [(&str, fn(&mut Vec<f32>)); 3] = [
+        ("one weight short", |w| {
+            w.pop();
+        }),
+        ("one weight too many", |w| w.push(1.0)),
+        ("a NaN weight", |w| w[0] = f32::NAN),
+    ];
+    for (what, edit) in edits {
+        let mut bad = wire(g, "");
+        edit(&mut bad.sparse_weights);
+        let status = narsil.predict(bad.clone()).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+        assert!(status.message().starts_with("invalid sparse_weights:"), "{what}: {}", status.message());
+        // The same edit on TorchRec's wire: its weights are f32 bytes.
+        let mut request = encode_weighted(&wire(g, ""), schema.num_unweighted(), schema.num_sparse());
+        let group = request.id_score_list_features.as_mut().unwrap();
+        let mut weights: Vec<f32> =
+            group.weights.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        edit(&mut weights);
+        group.weights = weights.iter().flat_map(|w| w.to_le_bytes()).collect::<Vec<u8>>().into();
+        let status = torchrec.predict(request).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
+        assert!(status.message().contains("id_score_list_features.weights"), "{what}: {}", status.message());
+    }
+    // A model without weighted features takes none.
+    server.stop().await.unwrap();
+    let server = serve("test-torchrec-dlrm", batch_mode(1, 16)).await;
+    let dlrm = Golden::read(&model_dir("test-torchrec-dlrm")).unwrap();
+    let mut request = wire(&dlrm.requests[0], "");
+    request.sparse_weights = vec![1.0];
+    let status = server.client().await.predict(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("sparse_weights") && status.message().contains("no weighted feature"),
+        "{status:?}"
+    );
+    server.stop().await.unwrap();
+}
+
+/// A copy of an exported model in a fresh directory, with `model.json`
+/// rewritten by `edit` (or removed when it returns `None`).
+fn with_config(name: &str, edit: impl FnOnce(serde_json::Value) -> Option<serde_json::Value>) -> PathBuf {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let from = model_dir(name);
+    let dir = std::env::temp_dir().join(format!(
+        "narsil-config-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(from.join("model.pt"), dir.join("model.pt")).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(from.join("model.json")).unwrap()).unwrap();
+    if let Some(config) = edit(config) {
+        std::fs::write(dir.join("model.json"), config.to_string()).unwrap();
+    }
+    dir
+}
+
+fn load_error(dir: &Path) -> String {
+    let error = TorchFactory::load(TorchConfig::new(dir.join("model.pt"))).err().expect("must not load");
+    std::fs::remove_dir_all(dir).ok();
+    error_chain(&error)
+}
+
+#[test]
+fn a_config_that_does_not_match_the_model_fails_at_start_up_naming_the_field() {
+    let cases: Vec<(&str, Box<dyn FnOnce(serde_json::Value) -> Option<serde_json::Value>>, &str)> = vec![
+        ("no model.json", Box::new(|_| None), "model.json"),
+        (
+            "dense_features off by one",
+            Box::new(|mut c| {
+                c["dense_features"] = 12.into();
+                Some(c)
+            }),
+            "does not match the model: a 2-row forward with dense_features 12,",
+        ),
+        (
+            "a sparse feature missing",
+            Box::new(|mut c| {
+                c["sparse_features"].as_array_mut().unwrap().pop();
+                Some(c)
+            }),
+            "does not match the model: a 2-row forward with dense_features 13, 29 sparse_features",
+        ),
+        (
+            "an output the model does not return",
+            Box::new(|mut c| {
+                c["outputs"] = serde_json::json!(["click", "purchase"]);
+                Some(c)
+            }),
+            "the model returned no tensor named `purchase`",
+        ),
+        (
+            "a table without rows",
+            Box::new(|mut c| {
+                c["sparse_features"][3]["num_rows"] = 0.into();
+                Some(c)
+            }),
+            "sparse_features[3].num_rows",
+        ),
+    ];
+    for (what, edit, field) in cases {
+        let err = load_error(&with_config("test-torchrec-multitask", edit));
+        assert!(err.contains(field), "{what}: {err}");
+    }
+}
+
+#[test]
+fn model_config_flag_names_a_config_elsewhere() {
+    let dir = with_config("test-torchrec-dlrm", |_| None);
+    let mut config = TorchConfig::new(dir.join("model.pt"));
+    config.model_config = Some(model_dir("test-torchrec-dlrm").join("model.json"));
+    let factory = TorchFactory::load(config).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(factory.schema().outputs, ["default"]);
+    assert_eq!(factory.schema().num_sparse(), 26);
+}
