@@ -45,9 +45,10 @@ pub enum DensePrecisionArg {
 /// Which model to load, where to run it, and the mock's settings.
 #[derive(Debug, Clone, clap::Args)]
 pub struct BackendArgs {
-    /// Model backend.
-    #[arg(long = "backend", env = "NARSIL_BACKEND", value_enum, default_value_t = BackendKind::Mock)]
-    pub kind: BackendKind,
+    /// Model backend. Default: from `--model` (`burn` for a `.safetensors`
+    /// file, `torch` for any other), `mock` without one.
+    #[arg(long = "backend", env = "NARSIL_BACKEND", value_enum)]
+    pub backend: Option<BackendKind>,
     /// Model file: TorchScript for torch (`model_default.pt` from
     /// models/export_dlrm.py, or a module with TorchRec's inference
     /// signature and a model.json beside it); FP32 safetensors
@@ -101,13 +102,13 @@ impl BackendArgs {
         if self.device != "cpu" && self.device != "cuda" && !self.device.starts_with("cuda:") {
             anyhow::bail!("--device must be `cpu`, `cuda` or `cuda:N`, got `{}`", self.device);
         }
-        if self.dense_precision == DensePrecisionArg::Bf16 && self.kind != BackendKind::Torch {
+        if self.dense_precision == DensePrecisionArg::Bf16 && self.kind() != BackendKind::Torch {
             anyhow::bail!(
                 "--dense-precision bf16 is supported by --backend torch only (burn-flex runs bf16 matmuls through FP32); \
                  remove it or use --backend torch"
             );
         }
-        match self.kind {
+        match self.kind() {
             BackendKind::Mock | BackendKind::Burn if self.model_config.is_some() => {
                 anyhow::bail!("--model-config is for --backend torch (TorchRec-signature models); remove it")
             }
@@ -125,10 +126,20 @@ impl BackendArgs {
         }
     }
 
+    /// The backend asked for, or the one `--model` implies.
+    pub fn kind(&self) -> BackendKind {
+        match (self.backend, &self.model) {
+            (Some(kind), _) => kind,
+            (None, None) => BackendKind::Mock,
+            (None, Some(model)) if model.extension().is_some_and(|e| e == "safetensors") => BackendKind::Burn,
+            (None, Some(_)) => BackendKind::Torch,
+        }
+    }
+
     /// Loads (or, for the mock, configures) the backend these flags ask for.
     pub fn build(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
         self.validate()?;
-        match self.kind {
+        match self.kind() {
             BackendKind::Mock => {
                 let schema = ModelSchema::dlrm("mock", "cpu", self.mock_table_rows);
                 let config = MockConfig {
@@ -161,7 +172,7 @@ impl BackendArgs {
 
     #[cfg(not(feature = "burn"))]
     fn build_burn(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
-        Err(not_compiled(self.kind))
+        Err(not_compiled(self.kind()))
     }
 
     #[cfg(feature = "torch")]
@@ -180,7 +191,7 @@ impl BackendArgs {
 
     #[cfg(not(feature = "torch"))]
     fn build_torch(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
-        Err(not_compiled(self.kind))
+        Err(not_compiled(self.kind()))
     }
 }
 

@@ -286,6 +286,18 @@ mod tests {
     }
 
     #[test]
+    fn the_backend_follows_the_model_file_unless_named() {
+        use crate::backends::BackendKind;
+        assert_eq!(serve(&[]).backend.kind(), BackendKind::Mock);
+        assert_eq!(serve(&["--model", "m/model.pt"]).backend.kind(), BackendKind::Torch);
+        assert_eq!(serve(&["--model", "m/weights.safetensors"]).backend.kind(), BackendKind::Burn);
+        assert_eq!(
+            serve(&["--backend", "torch", "--model", "w.safetensors"]).backend.kind(),
+            BackendKind::Torch
+        );
+    }
+
+    #[test]
     fn zero_lanes_is_rejected_with_the_flag_name() {
         let err = serve(&["--lanes", "0"]).engine_config().unwrap_err();
         assert!(err.to_string().contains("--lanes"), "{err}");

@@ -217,7 +217,7 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
 /// `narsil serve`: build the backend, serve, drain on SIGINT/SIGTERM.
 pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine_config()?;
-    tracing::info!(backend = args.backend.kind.name(), mode = ?config.mode, lanes = config.lanes,
+    tracing::info!(backend = args.backend.kind().name(), mode = ?config.mode, lanes = config.lanes,
         batch_size = config.max_batch_requests, "starting");
     let factory = args.backend.build()?;
     let listen = Listen {

@@ -9,8 +9,6 @@ mod common;
 use std::sync::Arc;
 
 use common::{batch_mode, start_with, wire, worker_mode, TestServer};
-use futures_util::future::join_all;
-use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::ModelInfoRequest;
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_engine::EngineConfig;
@@ -72,12 +70,7 @@ async fn fused_scores_equal_alone_with_16_concurrent_clients() {
     let channel = server.channel().await;
     let mut rounds_fused = 0;
     for round in 0..5 {
-        let responses = join_all(requests.iter().enumerate().map(|(i, g)| {
-            let mut client = PredictorClient::new(channel.clone());
-            let request = wire(g, &format!("c{i}"));
-            async move { client.predict(request).await.unwrap().into_inner() }
-        }))
-        .await;
+        let responses = common::predict_all(&channel, &requests).await;
         for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
             assert_close(&response.scores, &g.scores_int8, &format!("round {round} client {i}"));
         }

@@ -17,7 +17,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{batch_mode, wire, worker_mode, TestServer};
-use futures_util::future::join_all;
 use narsil::grpc::torchrec::encode_weighted;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::{ModelInfoRequest, PredictResponse};
@@ -131,12 +130,7 @@ async fn fused_outputs_equal_alone_with_16_concurrent_clients() {
     let channel = server.channel().await;
     let mut fused = 0;
     for round in 0..4 {
-        let responses = join_all(requests.iter().enumerate().map(|(i, g)| {
-            let mut client = PredictorClient::new(channel.clone());
-            let request = wire(g, &format!("c{i}"));
-            async move { client.predict(request).await.unwrap().into_inner() }
-        }))
-        .await;
+        let responses = common::predict_all(&channel, &requests).await;
         for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
             check_narsil(response, &schema, g, &format!("round {round} client {i}"));
             fused += usize::from(response.fused_requests > 1);
@@ -284,4 +278,31 @@ fn model_config_flag_names_a_config_elsewhere() {
     std::fs::remove_dir_all(&dir).ok();
     assert_eq!(factory.schema().outputs, ["default"]);
     assert_eq!(factory.schema().num_sparse(), 26);
+}
+
+/// The real binary: `narsil serve --model DIR/model.pt` and nothing else
+/// serves a TorchRec-signature model with the `model.json` beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narsil_serve_with_only_the_model_path_serves_it() {
+    use std::process::{Command, Stdio};
+    let dir = model_dir("test-torchrec-multitask");
+    let port = common::free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--model"])
+        .arg(dir.join("model.pt"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let channel =
+        common::wait_serving(&format!("http://127.0.0.1:{port}"), std::time::Duration::from_secs(60)).await;
+    let mut client = PredictorClient::new(channel);
+    let info = client.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    assert_eq!((info.backend.as_str(), info.name.as_str()), ("torch", "test-torchrec-multitask"));
+    let golden = Golden::read(&dir).unwrap();
+    let schema = load("test-torchrec-multitask").schema().clone();
+    let response = client.predict(wire(&golden.requests[2], "")).await.unwrap().into_inner();
+    check_narsil(&response, &schema, &golden.requests[2], "narsil serve --model");
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

@@ -149,6 +149,21 @@ pub fn request(tag: u64, b: usize) -> PredictRequest {
     }
 }
 
+/// Golden requests sent all at once, one client each on a shared channel;
+/// the responses in request order.
+#[allow(dead_code)]
+pub async fn predict_all(
+    channel: &Channel,
+    requests: &[&narsil_core::golden::GoldenRequest],
+) -> Vec<narsil::proto::PredictResponse> {
+    futures_util::future::join_all(requests.iter().enumerate().map(|(i, g)| {
+        let mut client = PredictorClient::new(channel.clone());
+        let request = wire(g, &format!("c{i}"));
+        async move { client.predict(request).await.unwrap().into_inner() }
+    }))
+    .await
+}
+
 /// Bit patterns of scores, for exact comparison.
 pub fn bits(scores: &[f32]) -> Vec<u32> {
     scores.iter().map(|s| s.to_bits()).collect()

@@ -130,7 +130,7 @@ impl DlrmWeights {
         // a weights file must not be rewritten while a server loads it.
         let bytes = unsafe { memmap2::Mmap::map(&handle) }.map_err(cannot_read)?;
         let file = SafeTensors::deserialize(&bytes)
-            .map_err(|e| BackendError::load(path, "not a safetensors file").caused_by(e))?;
+            .map_err(|e| BackendError::load(path, "not a safetensors file (TorchScript models, TorchRec-signature ones included, need --backend torch)").caused_by(e))?;
         let (_, metadata) = SafeTensors::read_metadata(&bytes)
             .map_err(|e| BackendError::load(path, "unreadable header").caused_by(e))?;
         let at = |what: String| BackendError::load(path, what);

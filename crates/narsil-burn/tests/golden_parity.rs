@@ -101,6 +101,13 @@ fn a_mis_shaped_tensor_is_named() {
 }
 
 #[test]
+fn a_torchscript_file_is_refused_naming_the_torch_backend() {
+    let path = test_model_dir().join("model_default.pt");
+    let err = narsil_core::error_chain(&DlrmWeights::load(&path).err().unwrap());
+    assert!(err.contains("not a safetensors file") && err.contains("--backend torch"), "{err}");
+}
+
+#[test]
 fn a_missing_file_says_how_to_make_one() {
     let err = DlrmWeights::load(Path::new("/nonexistent/weights.safetensors")).err().unwrap();
     let err = narsil_core::error_chain(&err);

@@ -72,15 +72,8 @@ impl ModelBackend for TorchLane {
             .module
             .forward(&dense, &lengths, &ids)
             .map_err(|e| BackendError::forward("the TorchScript forward").caused_by(e))?;
-        let output = output
-            .f_to_device(Device::Cpu)
-            .and_then(|t| t.f_to_kind(Kind::Float))
-            .and_then(|t| t.f_reshape([-1]))
-            .map_err(torch_error)?;
-        let scores = Vec::<f32>::try_from(&output).map_err(torch_error)?;
-        if scores.len() != batch.rows {
-            return Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() });
-        }
+        let mut scores = Vec::with_capacity(batch.rows);
+        append_scores(&output, batch.rows, &mut scores)?;
         Ok(scores)
     }
 }
@@ -128,20 +121,27 @@ impl TorchLane {
             .forward_dict(&named, self.model.output_names())
             .map_err(|e| BackendError::forward("the TorchScript forward").caused_by(e))?;
         let mut scores = Vec::with_capacity(rows * outputs.len());
-        for output in outputs {
-            let output = output
-                .f_to_device(Device::Cpu)
-                .and_then(|t| t.f_to_kind(Kind::Float))
-                .and_then(|t| t.f_reshape([-1]))
-                .map_err(torch_error)?;
-            let values = Vec::<f32>::try_from(&output).map_err(torch_error)?;
-            if values.len() != rows {
-                return Err(BackendError::WrongScoreCount { rows, got: values.len() });
-            }
-            scores.extend(values);
+        for output in &outputs {
+            append_scores(output, rows, &mut scores)?;
         }
         Ok(scores)
     }
+}
+
+/// One output's `rows` scores (`[B]` or `[B, 1]`, any float dtype, any
+/// device) appended to `scores` as `f32`.
+fn append_scores(output: &Tensor, rows: usize, scores: &mut Vec<f32>) -> Result<(), BackendError> {
+    let output = output
+        .f_to_device(Device::Cpu)
+        .and_then(|t| t.f_to_kind(Kind::Float))
+        .and_then(|t| t.f_reshape([-1]))
+        .map_err(torch_error)?;
+    let values = Vec::<f32>::try_from(&output).map_err(torch_error)?;
+    if values.len() != rows {
+        return Err(BackendError::WrongScoreCount { rows, got: values.len() });
+    }
+    scores.extend(values);
+    Ok(())
 }
 
 fn torch_error(e: tch::TchError) -> BackendError {
