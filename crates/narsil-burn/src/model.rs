@@ -6,7 +6,9 @@
 //!    `[rows, T+1, T+1]`; its upper triangle without the diagonal, row-major
 //!    (`torch.triu_indices(T+1, T+1, 1)`), follows the dense embedding:
 //!    `[rows, dim + T(T+1)/2]`;
-//! 4. over arch (ReLU after every layer but the last), sigmoid.
+//! 4. over arch (ReLU after every layer but the last), sigmoid. A last layer
+//!    of `k` units is a `k`-task model: one score per unit (output after
+//!    output in the forward's result).
 //!
 //! Every row is computed from that row's inputs only, so a fused batch gives
 //! each request the scores it gets alone.
@@ -24,6 +26,8 @@ type B = Flex;
 
 /// A linear layer in the layout `ModuleOps::linear` takes.
 struct Linear {
+    /// Output units.
+    outputs: usize,
     /// `[in, out]`.
     weight: FlexTensor,
     /// `[out]`.
@@ -40,6 +44,7 @@ impl Linear {
             }
         }
         Self {
+            outputs: layer.outputs,
             weight: B::float_from_data(TensorData::new(weight, [layer.inputs, layer.outputs]), device),
             bias: B::float_from_data(TensorData::new(layer.bias.clone(), [layer.outputs]), device),
         }
@@ -116,11 +121,13 @@ impl BurnDlrm {
                 y = B::relu(y);
             }
         }
-        let scores = B::sigmoid(y)
+        // [rows, k] -> [k, rows]: output after output.
+        let scores = B::float_swap_dims(B::sigmoid(y), 0, 1)
             .into_data()
             .try_into_vec::<f32>()
             .map_err(|e| BackendError::forward(format!("reading scores: {e:?}")))?;
-        if scores.len() != rows {
+        let outputs = self.over.last().map_or(1, |layer| layer.outputs);
+        if scores.len() != rows * outputs {
             return Err(BackendError::WrongScoreCount { rows, got: scores.len() });
         }
         Ok(scores)

@@ -75,9 +75,9 @@ impl DlrmWeights {
     /// A deterministic random DLRM: embeddings uniform in [-0.1, 0.1], linear
     /// layers uniform in +-1/sqrt(fan_in) (PyTorch's default range).
     pub fn random(shape: &DlrmShape, seed: u64) -> Result<Self, BackendError> {
-        if shape.dense_arch.last() != Some(&shape.dim) || shape.over_arch.last() != Some(&1) {
+        if shape.dense_arch.last() != Some(&shape.dim) || shape.over_arch.last().is_none_or(|&k| k == 0) {
             return Err(BackendError::setup(
-                "the dense arch must end with the embedding dim and the over arch with 1",
+                "the dense arch must end with the embedding dim and the over arch with one unit per output",
             ));
         }
         let mut rng = SmallRng::seed_from_u64(seed);
@@ -112,7 +112,7 @@ impl DlrmWeights {
             sparse: (0..shape.num_sparse)
                 .map(|i| SparseFeature::new(format!("cat_{i}"), shape.num_rows as u64))
                 .collect(),
-            outputs: vec![DEFAULT_OUTPUT.into()],
+            outputs: output_names(shape.over_arch[shape.over_arch.len() - 1]),
         };
         Ok(Self { schema, dim: shape.dim, tables, dense, over })
     }
@@ -213,9 +213,7 @@ impl DlrmWeights {
             )));
         }
         let over = load_layers("over", Some(DlrmShape::interaction_width(sparse.len(), dim)))?;
-        if over.last().expect("non-empty").outputs != 1 {
-            return Err(at("the over arch must end with one output".into()));
-        }
+        let tasks = over.last().expect("non-empty").outputs;
 
         let described: Option<serde_json::Value> = metadata
             .metadata()
@@ -232,8 +230,31 @@ impl DlrmWeights {
             device: "cpu".into(),
             num_dense: dense[0].inputs,
             sparse,
-            outputs: vec![DEFAULT_OUTPUT.into()],
+            outputs: match described.as_ref().and_then(|d| d.get("outputs")) {
+                None => output_names(tasks),
+                Some(names) => {
+                    let names: Vec<String> = serde_json::from_value(names.clone())
+                        .map_err(|_| at("narsil_schema's `outputs` is not a list of names".into()))?;
+                    if names.len() != tasks {
+                        return Err(at(format!(
+                            "narsil_schema's `outputs` names {} outputs, but the over arch ends with {tasks} units",
+                            names.len()
+                        )));
+                    }
+                    names
+                }
+            },
         };
         Ok(Self { schema, dim, tables, dense, over })
+    }
+}
+
+/// Output names of a `tasks`-unit over arch without names of its own:
+/// `default` for one (TorchRec's single output), `task_0..` for more.
+fn output_names(tasks: usize) -> Vec<String> {
+    if tasks == 1 {
+        vec![DEFAULT_OUTPUT.into()]
+    } else {
+        (0..tasks).map(|i| format!("task_{i}")).collect()
     }
 }

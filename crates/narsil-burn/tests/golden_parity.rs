@@ -129,3 +129,36 @@ fn random_models_are_deterministic_and_fused_equals_alone() {
         scores.iter().cloned().fold(f32::MIN, f32::max) - scores.iter().cloned().fold(f32::MAX, f32::min);
     assert!(spread > 1e-4, "scores must depend on the inputs (spread {spread})");
 }
+
+/// The exported model with a second task: the over arch's last layer grows
+/// a unit with the same weights and a bias 1 higher, so task 0 must score
+/// like Python's single output and task 1 like `sigmoid(logit + 1)`.
+#[test]
+fn a_multi_task_over_arch_serves_one_output_per_unit() {
+    let last = |t: &[(String, Vec<usize>, Vec<u8>)]| {
+        (0..).take_while(|i| t.iter().any(|(n, _, _)| n == &format!("over.{i}.weight"))).count() - 1
+    };
+    let path = rewritten(|t| {
+        let j = last(t);
+        let weight = t.iter_mut().find(|(n, _, _)| n == &format!("over.{j}.weight")).unwrap();
+        weight.1[0] = 2;
+        weight.2 = [weight.2.clone(), weight.2.clone()].concat();
+        let bias = t.iter_mut().find(|(n, _, _)| n == &format!("over.{j}.bias")).unwrap();
+        let b = f32::from_le_bytes(bias.2[..4].try_into().unwrap());
+        bias.1[0] = 2;
+        bias.2 = [b.to_le_bytes(), (b + 1.0).to_le_bytes()].concat();
+    });
+    let factory = BurnFactory::load(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    assert_eq!(factory.schema().outputs, ["task_0", "task_1"]);
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let shifted = |p: f32| 1.0 / (1.0 + (-((p / (1.0 - p)).ln() + 1.0)).exp());
+    golden_parity(
+        &factory,
+        &golden,
+        |g| g.scores_fp32.iter().copied().chain(g.scores_fp32.iter().map(|&p| shifted(p))).collect(),
+        VS_PYTHON,
+    );
+    let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+    fused_equals_alone(&factory, &requests, 2, FUSED_VS_ALONE);
+}

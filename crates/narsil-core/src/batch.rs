@@ -7,7 +7,9 @@
 //! engine can assemble the next batch while the current one runs; `finish`
 //! then lays the per-feature buffers end to end.
 //!
-//! [`KeyedBatch::split`] hands each request back its own rows of the scores.
+//! [`KeyedBatch::split`] hands each request back its own rows of the scores;
+//! [`KeyedBatch::split_outputs`] does so for every output of a multi-output
+//! model.
 
 use crate::request::{RequestSamples, SparseLayout};
 
@@ -26,9 +28,10 @@ pub struct KeyedBatch {
     pub lengths: Vec<i32>,
     /// Key-major ids: feature 0's bags for rows `0..rows`, then feature 1's.
     pub ids: Vec<i64>,
-    /// Key-major weights of the weighted features' ids (the last features,
-    /// see [`crate::schema::ModelSchema::sparse`]): one per id in
-    /// `ids[feature_offsets[first weighted]..]`; empty when none is weighted.
+    /// For models with weighted features: one weight per id in `ids`, in
+    /// the same order (1.0 for unweighted features' ids; the weighted
+    /// features are the last ones, so theirs are
+    /// `weights[feature_offsets[first weighted]..]`). Empty otherwise.
     pub weights: Vec<f32>,
     /// `num_sparse + 1` offsets: feature `f`'s ids are
     /// `ids[feature_offsets[f]..feature_offsets[f + 1]]`.
@@ -59,9 +62,7 @@ impl KeyedBatch {
             part
         })
     }
-}
 
-impl KeyedBatch {
     /// Splits a forward's scores, output after output (`k` blocks of `rows`
     /// scores), into each request's own scores per output, in the order
     /// requests were fused.

@@ -562,6 +562,43 @@ mod tests {
     }
 
     #[test]
+    fn weights_are_widened_to_every_id_and_follow_split_and_fusion() {
+        use crate::batch::assemble;
+        let mut weighted = schema();
+        weighted.sparse[2].weighted = true;
+        // 2 samples x 3 features, sample-major; feature 2 is weighted:
+        // sample 0 has ids [5, 6] there, sample 1 has [7].
+        let mut r = RequestSamples {
+            num_samples: 2,
+            dense: vec![0.5; 4],
+            lengths: vec![1, 0, 2, 1, 1, 1],
+            ids: vec![1, 5, 6, 2, 3, 7],
+            weights: vec![0.5, 0.25, 2.0],
+            ..Default::default()
+        };
+        let mut short = r.clone();
+        short.weights.pop();
+        assert_eq!(short.validate(&weighted, LIMITS).unwrap_err().field, InputField::Weights);
+        let mut nan = r.clone();
+        nan.weights[1] = f32::NAN;
+        assert!(nan.validate(&weighted, LIMITS).unwrap_err().message.contains("weight 1 is NaN"));
+        r.validate(&weighted, LIMITS).unwrap();
+        assert_eq!(r.weights, [1.0, 0.5, 0.25, 1.0, 1.0, 2.0], "one per id, 1.0 for unweighted ids");
+        let parts = r.clone().split_rows(1, 3);
+        assert_eq!(
+            (parts[0].weights.as_slice(), parts[1].weights.as_slice()),
+            (&[1.0, 0.5, 0.25][..], &[1.0, 1.0, 2.0][..])
+        );
+        // Key-major: feature 0's ids [1, 2], feature 1's [3], feature 2's [5, 6, 7].
+        let fused = assemble(2, 3, &parts);
+        assert_eq!(fused.ids, [1, 2, 3, 5, 6, 7]);
+        assert_eq!(fused.weights, [1.0, 1.0, 1.0, 0.5, 0.25, 2.0]);
+        let mut unweighted = valid(1);
+        unweighted.weights = vec![1.0];
+        assert_eq!(unweighted.validate(&schema(), LIMITS).unwrap_err().field, InputField::Weights);
+    }
+
+    #[test]
     fn modulo_policy_maps_ids_into_range() {
         let mut r = valid(1);
         r.ids = vec![-1, 10, 23];

@@ -1,5 +1,7 @@
 //! One lane's forward: the key-major batch becomes the model's three input
-//! tensors, the scores come back as `f32`s.
+//! tensors (Narsil's export) or TorchRec's input dict (each feature group a
+//! slice of the batch, ids as int32), and every output comes back as `f32`s,
+//! output after output.
 //!
 //! On CPU the inputs are copied into fresh tensors (a few hundred KiB at the
 //! largest batches, small next to the forward). On CUDA they are written into

@@ -125,9 +125,7 @@ impl ScriptModule {
         }
         Ok(unsafe { Tensor::from_ptr(output) })
     }
-}
 
-impl ScriptModule {
     /// `forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]`: `inputs`
     /// by name in, the tensors named `outputs` out, in that order.
     pub fn forward_dict(
