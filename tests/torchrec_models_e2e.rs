@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{batch_mode, wire, worker_mode, TestServer};
-use narsil::grpc::torchrec::encode_weighted;
+use narsil::grpc::torchrec::{encode_weighted, MODEL_VERSION_HEADER};
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::{ModelInfoRequest, PredictResponse};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
@@ -78,11 +78,16 @@ async fn golden_over_both_protocols(name: &str, config: EngineConfig) {
     let golden = Golden::read(&model_dir(name)).unwrap();
     let mut narsil = server.client().await;
     let mut torchrec = TorchRecClient::new(server.channel().await);
+    let version = narsil.model_info(ModelInfoRequest {}).await.unwrap().into_inner().version;
+    assert_eq!(version, "1", "model.json's default version");
     for (i, g) in golden.requests.iter().enumerate() {
         let response = narsil.predict(wire(g, "")).await.unwrap().into_inner();
         check_narsil(&response, &schema, g, &format!("{name} narsil.v1 request {i}"));
+        assert_eq!(response.model_version, version, "every answer names the model version");
         let request = encode_weighted(&wire(g, ""), schema.num_unweighted(), schema.num_sparse());
-        let predictions = torchrec.predict(request).await.unwrap().into_inner().predictions;
+        let response = torchrec.predict(request).await.unwrap();
+        assert_eq!(response.metadata().get(MODEL_VERSION_HEADER).unwrap(), version.as_str());
+        let predictions = response.into_inner().predictions;
         assert_eq!(predictions.len(), schema.outputs.len(), "every output by name");
         for output in &schema.outputs {
             assert_close(

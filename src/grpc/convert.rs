@@ -40,6 +40,7 @@ pub fn predict_response(
     proto::PredictResponse {
         scores,
         outputs: named,
+        model_version: prediction.model_version.to_string(),
         request_id,
         fused_rows: prediction.fused_rows as u32,
         forwards: prediction.forwards as u32,

@@ -14,6 +14,10 @@ use super::{deadline, status};
 use crate::torchrec_proto as pb;
 use crate::torchrec_proto::predictor_server::Predictor;
 
+/// Response metadata naming the version of the model that computed the
+/// scores (TorchRec's response message has no field for it).
+pub const MODEL_VERSION_HEADER: &str = "narsil-model-version";
+
 /// The key TorchRec clients read scores from.
 pub const SCORES_KEY: &str = narsil_core::schema::DEFAULT_OUTPUT;
 
@@ -42,13 +46,18 @@ impl Predictor for TorchRecService {
                 .map_err(|e| status::to_status(self.engine.reject(e), field_name))?;
         let prediction =
             self.engine.predict(batch, deadline).await.map_err(|e| status::to_status(e, field_name))?;
+        let version = tonic::metadata::MetadataValue::try_from(prediction.model_version.as_ref()).ok();
         let predictions: HashMap<String, pb::FloatVec> = schema
             .outputs
             .iter()
             .cloned()
             .zip(prediction.outputs.into_iter().map(|data| pb::FloatVec { data }))
             .collect();
-        Ok(Response::new(pb::PredictionResponse { predictions }))
+        let mut response = Response::new(pb::PredictionResponse { predictions });
+        if let Some(version) = version {
+            response.metadata_mut().insert(MODEL_VERSION_HEADER, version);
+        }
+        Ok(response)
     }
 }
 

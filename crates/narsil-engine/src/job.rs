@@ -29,6 +29,8 @@ pub struct Prediction {
     pub queue_time: Duration,
     /// Time spent in those forwards.
     pub compute_time: Duration,
+    /// Version of the model that computed it (the schema's `version`).
+    pub model_version: Arc<str>,
 }
 
 impl Prediction {

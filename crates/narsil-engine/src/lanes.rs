@@ -159,6 +159,7 @@ impl LaneContext {
             }
         };
         let fused_requests = job.waiters.len();
+        let model_version: Arc<str> = Arc::from(self.factory.schema().version.as_str());
         for (waiter, outputs) in job.waiters.into_iter().zip(job.batch.split_outputs(&scores)) {
             let _ = waiter.reply.send(Ok(Prediction {
                 outputs,
@@ -167,6 +168,7 @@ impl LaneContext {
                 fused_requests,
                 queue_time: start.saturating_duration_since(waiter.admitted),
                 compute_time,
+                model_version: Arc::clone(&model_version),
             }));
         }
     }
