@@ -210,14 +210,17 @@ enum Group {
 }
 
 impl Group {
-    fn field(self, part: &'static str) -> InputField {
-        match (self, part) {
-            (Self::IdList, "lengths") => InputField::Lengths,
-            (Self::IdList, "values") => InputField::Ids,
-            (Self::IdList, _) => InputField::Wire("id_list_features.num_features"),
-            (Self::IdScoreList, "lengths") => InputField::Wire("id_score_list_features.lengths"),
-            (Self::IdScoreList, "values") => InputField::Wire("id_score_list_features.values"),
-            (Self::IdScoreList, _) => InputField::Wire("id_score_list_features.num_features"),
+    /// The fields of the group: (num_features, lengths, values).
+    fn fields(self) -> (InputField, InputField, InputField) {
+        match self {
+            Self::IdList => {
+                (InputField::Wire("id_list_features.num_features"), InputField::Lengths, InputField::Ids)
+            }
+            Self::IdScoreList => (
+                InputField::Wire("id_score_list_features.num_features"),
+                InputField::Wire("id_score_list_features.lengths"),
+                InputField::Wire("id_score_list_features.values"),
+            ),
         }
     }
 
@@ -237,16 +240,16 @@ fn group(
     count: usize,
     group: Group,
 ) -> Result<(Vec<u32>, Vec<i64>), InvalidInput> {
+    let (count_field, lengths_field, values_field) = group.fields();
     if features.num_features as usize != count {
         return Err(InvalidInput::new(
-            group.field("num_features"),
+            count_field,
             format!("is {}, the model takes {count} {} sparse features", features.num_features, group.what()),
         ));
     }
-    let lengths = lengths(&features.lengths, samples, count, group.field("lengths"))?;
+    let lengths = lengths(&features.lengths, samples, count, lengths_field)?;
     let total: u64 = lengths.iter().map(|&l| u64::from(l)).sum();
-    let ids =
-        integers(&features.values, total as usize, group.field("values"), "ids (the sum of the lengths)")?;
+    let ids = integers(&features.values, total as usize, values_field, "ids (the sum of the lengths)")?;
     Ok((lengths, ids))
 }
 

@@ -107,9 +107,6 @@ impl TorchModel {
             .map(|name| CString::new(name.as_str()))
             .collect::<Result<_, _>>()
             .map_err(|_| BackendError::load(path, "an output name holds a NUL byte"))?;
-        if !loaded.dict_signature && schema.outputs.len() != 1 {
-            return Err(BackendError::load(path, "a model with positional inputs returns one output"));
-        }
         if loaded.dict_signature {
             tracing::info!(outputs = ?schema.outputs, "TorchRec inference signature");
         }
