@@ -189,6 +189,19 @@ async fn bad_weights_are_invalid_argument_naming_the_field() {
         assert_eq!(status.code(), Code::InvalidArgument, "{what}: {status:?}");
         assert!(status.message().contains("id_score_list_features.weights"), "{what}: {}", status.message());
     }
+    // An out-of-range id of a weighted feature is named in its own group.
+    let mut request = encode_weighted(&wire(g, ""), schema.num_unweighted(), schema.num_sparse());
+    let values = &mut request.id_score_list_features.as_mut().unwrap().values;
+    *values = [&5000i32.to_le_bytes()[..], &values[4..]].concat().into();
+    let status = torchrec.predict(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().starts_with("invalid id_score_list_features.values:")
+            && status.message().contains("(wcat_")
+            && status.message().contains("has id 5000"),
+        "{}",
+        status.message()
+    );
     // A model without weighted features takes none.
     server.stop().await.unwrap();
     let server = serve("test-torchrec-dlrm", batch_mode(1, 16)).await;

@@ -68,6 +68,7 @@ pub fn field_name(field: InputField) -> &'static str {
         InputField::Dense => "float_features.values",
         InputField::Lengths => "id_list_features.lengths",
         InputField::Ids => "id_list_features.values",
+        InputField::WeightedIds => "id_score_list_features.values",
         InputField::Weights => "id_score_list_features.weights",
         InputField::Model | InputField::Message | InputField::Wire(_) => field.name(),
     }
@@ -219,7 +220,7 @@ impl Group {
             Self::IdScoreList => (
                 InputField::Wire("id_score_list_features.num_features"),
                 InputField::Wire("id_score_list_features.lengths"),
-                InputField::Wire("id_score_list_features.values"),
+                InputField::WeightedIds,
             ),
         }
     }

@@ -76,6 +76,8 @@ pub enum InputField {
     Lengths,
     /// The sparse ids.
     Ids,
+    /// A weighted feature's ids (where a protocol sends them apart).
+    WeightedIds,
     /// The weights of the weighted features' ids.
     Weights,
     /// The requested model's name.
@@ -94,7 +96,7 @@ impl InputField {
             Self::SampleCount => "batch_size",
             Self::Dense => "dense",
             Self::Lengths => "sparse_lengths",
-            Self::Ids => "sparse_ids",
+            Self::Ids | Self::WeightedIds => "sparse_ids",
             Self::Weights => "sparse_weights",
             Self::Model => "model",
             Self::Message => "message",
@@ -347,7 +349,7 @@ impl RequestSamples {
                     IdPolicy::Modulo => *id = id.rem_euclid(rows),
                     IdPolicy::Reject => {
                         return Err(InvalidInput::new(
-                            InputField::Ids,
+                            if feature.weighted { InputField::WeightedIds } else { InputField::Ids },
                             format!(
                                 "sample {sample} feature {f} ({}) has id {} outside [0, {rows})",
                                 feature.name, *id
@@ -593,6 +595,12 @@ mod tests {
         let fused = assemble(2, 3, &parts);
         assert_eq!(fused.ids, [1, 2, 3, 5, 6, 7]);
         assert_eq!(fused.weights, [1.0, 1.0, 1.0, 0.5, 0.25, 2.0]);
+        let mut out_of_range = r.clone();
+        out_of_range.ids[5] = 10;
+        out_of_range.weights.clear();
+        out_of_range.weights.extend([0.5, 0.25, 2.0]);
+        let e = out_of_range.validate(&weighted, LIMITS).unwrap_err();
+        assert_eq!((e.field, e.field.name()), (InputField::WeightedIds, "sparse_ids"), "{e}");
         let mut unweighted = valid(1);
         unweighted.weights = vec![1.0];
         assert_eq!(unweighted.validate(&schema(), LIMITS).unwrap_err().field, InputField::Weights);
