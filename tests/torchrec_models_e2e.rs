@@ -73,8 +73,8 @@ fn check_narsil(response: &PredictResponse, schema: &ModelSchema, g: &GoldenRequ
 
 /// Each golden request over both protocols, one at a time.
 async fn golden_over_both_protocols(name: &str, config: EngineConfig) {
-    let schema = load(name).schema().clone();
     let server = serve(name, config).await;
+    let schema = server.engine.schema().clone();
     let golden = Golden::read(&model_dir(name)).unwrap();
     let mut narsil = server.client().await;
     let mut torchrec = TorchRecClient::new(server.channel().await);
@@ -128,8 +128,8 @@ fn both_models_pass_the_backend_conformance_kit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fused_outputs_equal_alone_with_16_concurrent_clients() {
     let name = "test-torchrec-multitask";
-    let schema = load(name).schema().clone();
     let server = serve(name, batch_mode(1, 16)).await;
+    let schema = server.engine.schema().clone();
     let golden = Golden::read(&model_dir(name)).unwrap();
     let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
     let channel = server.channel().await;
@@ -159,8 +159,8 @@ async fn model_info_lists_outputs_and_weighted_features() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_weights_are_invalid_argument_naming_the_field() {
     let name = "test-torchrec-multitask";
-    let schema = load(name).schema().clone();
     let server = serve(name, batch_mode(1, 16)).await;
+    let schema = server.engine.schema().clone();
     let golden = Golden::read(&model_dir(name)).unwrap();
     let g = golden.requests.iter().find(|g| !g.weights.is_empty()).expect("a golden request with weights");
     let mut narsil = server.client().await;

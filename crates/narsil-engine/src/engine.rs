@@ -86,6 +86,7 @@ impl Engine {
         let lane_threads = lanes::spawn(
             config.lanes,
             LaneShared {
+                model_version: Arc::from(schema.version.as_str()),
                 factory,
                 collector: Arc::clone(&collector),
                 stats: Arc::clone(&stats),

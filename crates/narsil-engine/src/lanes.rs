@@ -42,6 +42,8 @@ pub struct LaneShared {
     pub health: Arc<BackendHealth>,
     /// How often an idle lane probes an unhealthy backend.
     pub probe_interval: Duration,
+    /// The schema's version, stamped on every answer.
+    pub model_version: Arc<str>,
 }
 
 /// Starts `count` lanes taking batches from the collector. Each reports into
@@ -159,7 +161,6 @@ impl LaneContext {
             }
         };
         let fused_requests = job.waiters.len();
-        let model_version: Arc<str> = Arc::from(self.factory.schema().version.as_str());
         for (waiter, outputs) in job.waiters.into_iter().zip(job.batch.split_outputs(&scores)) {
             let _ = waiter.reply.send(Ok(Prediction {
                 outputs,
@@ -168,7 +169,7 @@ impl LaneContext {
                 fused_requests,
                 queue_time: start.saturating_duration_since(waiter.admitted),
                 compute_time,
-                model_version: Arc::clone(&model_version),
+                model_version: Arc::clone(&self.model_version),
             }));
         }
     }
