@@ -4,6 +4,7 @@
 //! rules between flags are checked right after parsing.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -15,6 +16,9 @@ use narsil_engine::{EngineConfig, ExecutionMode};
 use crate::backends::BackendArgs;
 use crate::forward_bench::ForwardBenchArgs;
 use crate::load::LoadArgs;
+use crate::models::repository::VersionPolicy;
+use crate::models::watcher::RepositorySource;
+use crate::server::RepositoryServe;
 
 /// Narsil: gRPC serving for recommendation models, with continuous batching.
 #[derive(Debug, Parser)]
@@ -76,6 +80,27 @@ pub struct ServeArgs {
     /// The model and where it runs.
     #[command(flatten)]
     pub backend: BackendArgs,
+    /// Serve every model of this repository (`DIR/<model>/<version>/`
+    /// holding `model.pt` or `model.safetensors`; see README) instead of one
+    /// `--model`, switching versions live.
+    #[arg(long, env = "NARSIL_MODEL_REPOSITORY", conflicts_with_all = ["model", "model_config", "backend"])]
+    pub model_repository: Option<PathBuf>,
+    /// Seconds between rescans of --model-repository; 0 rescans only on
+    /// SIGHUP and control calls.
+    #[arg(long, env = "NARSIL_REPOSITORY_POLL_SECS", default_value_t = 5.0)]
+    pub repository_poll_secs: f64,
+    /// Versions of each model served: `latest`, `latest:N` or
+    /// `specific:V1,V2`.
+    #[arg(long, env = "NARSIL_VERSION_POLICY", default_value = "latest")]
+    pub version_policy: VersionPolicy,
+    /// Model of --model-repository that requests naming none go to (default:
+    /// the only model, if there is one).
+    #[arg(long, env = "NARSIL_DEFAULT_MODEL", requires = "model_repository")]
+    pub default_model: Option<String>,
+    /// Turn on the load/unload calls on --metrics-addr (`POST /v1/models/…`);
+    /// listing (`GET /v1/models`) is always on.
+    #[arg(long, env = "NARSIL_MODEL_CONTROL", requires_all = ["model_repository", "metrics_addr"])]
+    pub model_control: bool,
     /// Execution mode.
     #[arg(long, env = "NARSIL_EXECUTION_MODE", value_enum, default_value_t = ModeArg::Batch)]
     pub execution_mode: ModeArg,
@@ -144,7 +169,14 @@ impl ServeArgs {
             }
             ms => ms.map(|ms| Duration::from_secs_f64(ms / 1e3)),
         };
-        self.backend.validate()?;
+        if self.model_repository.is_some() {
+            // Every version names its own model file; check the rest.
+            let mut backend = self.backend.clone();
+            backend.model = Some("model.pt".into());
+            backend.validate()?;
+        } else {
+            self.backend.validate()?;
+        }
         let config = EngineConfig {
             mode: match self.execution_mode {
                 ModeArg::Batch => ExecutionMode::Batch,
@@ -170,6 +202,32 @@ impl ServeArgs {
         };
         config.validate().map_err(|e| anyhow::anyhow!(e.describe(serve_flag)))?;
         Ok(config)
+    }
+}
+
+impl ServeArgs {
+    /// The repository to serve, if `--model-repository` is set, with every
+    /// version's engine configured by `engine`.
+    pub fn repository(&self, engine: EngineConfig) -> anyhow::Result<Option<RepositoryServe>> {
+        let Some(dir) = &self.model_repository else { return Ok(None) };
+        let poll = match self.repository_poll_secs {
+            secs if !secs.is_finite() || secs < 0.0 => {
+                anyhow::bail!("--repository-poll-secs must be a non-negative number, got {secs}")
+            }
+            0.0 => None,
+            secs => Some(Duration::from_secs_f64(secs)),
+        };
+        Ok(Some(RepositoryServe {
+            source: RepositorySource {
+                dir: dir.clone(),
+                policy: self.version_policy.clone(),
+                backend: self.backend.clone(),
+                engine,
+            },
+            default_model: self.default_model.clone(),
+            poll,
+            control: self.model_control,
+        }))
     }
 }
 

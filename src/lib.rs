@@ -3,8 +3,9 @@
 //!
 //! * [`cli`]: `narsil serve`, `narsil load`, `narsil bench-forward` (clap).
 //! * [`grpc`]: the `narsil.v1.Predictor` service: decode, convert, map errors.
-//! * [`server`]: binds, starts the engine, reports health, serves, drains.
-//! * [`metrics_http`]: Prometheus text on `--metrics-addr`.
+//! * [`server`]: binds, starts the models, reports health, serves, drains.
+//! * [`metrics_http`]: Prometheus text and model control on `--metrics-addr`.
+//! * [`models`]: the model repository, versions, live reload.
 //! * [`backends`]: the backend flags; builds the configured model backend.
 //! * [`forward_bench`]: `narsil bench-forward`, a backend's raw forward speed.
 //! * [`load`]: the load generator used by tests and benchmarks.
@@ -16,6 +17,7 @@ pub mod forward_bench;
 pub mod grpc;
 pub mod load;
 pub mod metrics_http;
+pub mod models;
 pub mod server;
 pub mod shutdown;
 

@@ -1,29 +1,35 @@
-//! The Prometheus endpoint: `GET /metrics` on `--metrics-addr`, answering
-//! the engine's metrics as OpenMetrics text.
+//! The admin endpoint on `--metrics-addr`: `GET /metrics` answers every
+//! served model's metrics as OpenMetrics text; `/v1/models…` lists and
+//! controls models ([`crate::models::control`]).
 
 use std::future::Future;
 
 use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use axum::Router;
-use narsil_engine::EngineHandle;
 use tokio::net::TcpListener;
+
+use crate::models::control::{self, ModelControl};
 
 /// OpenMetrics' content type, which Prometheus scrapes natively.
 pub const CONTENT_TYPE_OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Serves `/metrics` on `listener` until `shutdown` resolves.
+/// Serves `/metrics` and the model routes on `listener` until `shutdown`
+/// resolves.
 pub async fn serve(
     listener: TcpListener,
-    engine: EngineHandle,
+    models: ModelControl,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = Router::new().route(
-        "/metrics",
-        get(move || {
-            let text = engine.metrics_text();
-            async move { ([(CONTENT_TYPE, CONTENT_TYPE_OPENMETRICS)], text) }
-        }),
-    );
+    let registry = std::sync::Arc::clone(&models.registry);
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let text = registry.metrics_text();
+                async move { ([(CONTENT_TYPE, CONTENT_TYPE_OPENMETRICS)], text) }
+            }),
+        )
+        .merge(control::routes(models));
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }

@@ -11,14 +11,17 @@
 //! listener closes. Shutdown stops accepting connections, waits
 //! for every in-flight call to be answered, then stops the engine.
 
+use std::collections::BTreeSet;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use narsil_core::BackendFactory;
 use narsil_engine::{Engine, EngineConfig, EngineHandle, LaneFailed};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
@@ -26,6 +29,10 @@ use crate::cli::ServeArgs;
 use crate::grpc::message_limit;
 use crate::grpc::torchrec::TorchRecService;
 use crate::grpc::PredictorService;
+use crate::models::control::ModelControl;
+use crate::models::repository;
+use crate::models::watcher::{RepositorySource, Watcher};
+use crate::models::ModelRegistry;
 use crate::proto::predictor_server::PredictorServer;
 use crate::torchrec_proto::predictor_server::PredictorServer as TorchRecPredictorServer;
 
@@ -34,17 +41,41 @@ use crate::torchrec_proto::predictor_server::PredictorServer as TorchRecPredicto
 pub struct Listen {
     /// gRPC address.
     pub addr: SocketAddr,
-    /// Prometheus address, if any.
+    /// Prometheus (and model control) address, if any.
     pub metrics_addr: Option<SocketAddr>,
     /// Largest gRPC message accepted, bytes.
     pub max_message_bytes: usize,
 }
 
-/// Bound listeners and a started engine, ready to serve.
+/// A model repository to serve, and how it is watched.
+#[derive(Clone)]
+pub struct RepositoryServe {
+    /// The repository and how its versions are served.
+    pub source: RepositorySource,
+    /// The model requests naming none go to (default: the only model).
+    pub default_model: Option<String>,
+    /// How often the repository is rescanned; none: only on SIGHUP and
+    /// control calls.
+    pub poll: Option<Duration>,
+    /// Whether the load/unload control calls are on.
+    pub control: bool,
+}
+
+/// What the server serves.
+enum Served {
+    /// One fixed `--model`, whose engine started with the server; if it
+    /// fails to load, the server stops.
+    Fixed(EngineHandle),
+    /// A repository, whose versions the watcher loads and switches.
+    Repository { watcher: Watcher, poll: Option<Duration>, control: bool },
+}
+
+/// Bound listeners and started models, ready to serve.
 pub struct Server {
     listener: TcpListener,
     metrics_listener: Option<TcpListener>,
-    engine: Engine,
+    models: Arc<ModelRegistry>,
+    served: Served,
     max_message_bytes: usize,
 }
 
@@ -52,21 +83,70 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} ({what})"))
 }
 
+async fn bind_all(listen: Listen) -> anyhow::Result<(TcpListener, Option<TcpListener>)> {
+    let listener = bind(listen.addr, "--addr").await?;
+    let metrics_listener = match listen.metrics_addr {
+        Some(addr) => Some(bind(addr, "--metrics-addr").await?),
+        None => None,
+    };
+    Ok((listener, metrics_listener))
+}
+
 impl Server {
-    /// Binds the addresses and starts the engine over `factory`. Lanes load
-    /// in the background; health turns SERVING once they are warm.
+    /// Binds the addresses and starts the engine over `factory`: a
+    /// repository of one model and one version. Lanes load in the
+    /// background; health turns SERVING once they are warm.
     pub async fn start(
         listen: Listen,
         factory: Arc<dyn BackendFactory>,
         config: EngineConfig,
     ) -> anyhow::Result<Self> {
-        let listener = bind(listen.addr, "--addr").await?;
-        let metrics_listener = match listen.metrics_addr {
-            Some(addr) => Some(bind(addr, "--metrics-addr").await?),
-            None => None,
-        };
+        let (listener, metrics_listener) = bind_all(listen).await?;
+        let name = factory.schema().name.clone();
         let engine = Engine::start(factory, config)?;
-        Ok(Self { listener, metrics_listener, engine, max_message_bytes: listen.max_message_bytes })
+        let handle = engine.handle();
+        let models = ModelRegistry::new(Some(name.clone()));
+        models.install(&name, 0, engine);
+        Ok(Self {
+            listener,
+            metrics_listener,
+            models,
+            served: Served::Fixed(handle),
+            max_message_bytes: listen.max_message_bytes,
+        })
+    }
+
+    /// Binds the addresses and serves the models of a repository. Versions
+    /// load in the background once [`Server::run`] starts; health turns
+    /// SERVING once every model has a warm version.
+    pub async fn start_repository(listen: Listen, repository: RepositoryServe) -> anyhow::Result<Self> {
+        let dir = &repository.source.dir;
+        let found = repository::scan(dir).with_context(|| {
+            format!("cannot read the model repository {} (--model-repository)", dir.display())
+        })?;
+        let names: Vec<&String> = found.keys().collect();
+        let default_model = match repository.default_model {
+            Some(name) if found.contains_key(&name) => Some(name),
+            Some(name) => anyhow::bail!(
+                "--default-model {name:?} is not a model of {}; it holds {names:?}",
+                dir.display()
+            ),
+            None if names.len() == 1 => Some(names[0].clone()),
+            None => {
+                tracing::info!(models = ?names, "no --default-model: requests must name their model");
+                None
+            }
+        };
+        let (listener, metrics_listener) = bind_all(listen).await?;
+        let models = ModelRegistry::new(default_model);
+        let watcher = Watcher::new(repository.source, Arc::clone(&models));
+        Ok(Self {
+            listener,
+            metrics_listener,
+            models,
+            served: Served::Repository { watcher, poll: repository.poll, control: repository.control },
+            max_message_bytes: listen.max_message_bytes,
+        })
     }
 
     /// The gRPC address actually bound (useful with port 0).
@@ -79,15 +159,26 @@ impl Server {
         self.metrics_listener.as_ref().map(|l| l.local_addr().expect("bound listener has an address"))
     }
 
-    /// A handle to the engine (schema, readiness, counters).
-    pub fn engine(&self) -> EngineHandle {
-        self.engine.handle()
+    /// The engine of a server of one fixed model (schema, readiness,
+    /// counters); none for a repository.
+    pub fn engine(&self) -> Option<EngineHandle> {
+        match &self.served {
+            Served::Fixed(handle) => Some(handle.clone()),
+            Served::Repository { .. } => None,
+        }
+    }
+
+    /// The served models.
+    pub fn models(&self) -> Arc<ModelRegistry> {
+        Arc::clone(&self.models)
     }
 
     /// Serves until `shutdown` resolves, then drains: every accepted call is
-    /// answered before this returns. Fails if a lane cannot load its model.
+    /// answered before this returns. A server of one fixed model fails if
+    /// its model cannot load.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
-        let handle = self.engine.handle();
+        let addr = self.local_addr();
+        let models = Arc::clone(&self.models);
         let (health, health_service) = tonic_health::server::health_reporter();
         set_health(&health, ServingStatus::NotServing).await;
         let reflection = tonic_reflection::server::Builder::configure()
@@ -95,37 +186,45 @@ impl Server {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .context("cannot build the reflection service")?;
-        let predictor = PredictorServer::new(PredictorService::new(handle.clone()))
+        let predictor = PredictorServer::new(PredictorService::new(Arc::clone(&models)))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
-        let torchrec = TorchRecPredictorServer::new(TorchRecService::new(handle.clone()))
+        let torchrec = TorchRecPredictorServer::new(TorchRecService::new(Arc::clone(&models)))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
 
         let (load_failed_tx, load_failed) = tokio::sync::oneshot::channel::<LaneFailed>();
-        // Set once draining begins; health changes hold it, so the backend's
+        if let Served::Fixed(handle) = &self.served {
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                if let Err(failure) = handle.wait_ready().await {
+                    let _ = load_failed_tx.send(failure);
+                }
+            });
+        }
+        let (stop_watching, watching_stopped) = watch::channel(false);
+        let (control, watcher_task) = match self.served {
+            Served::Fixed(_) => {
+                (ModelControl { registry: Arc::clone(&models), rescan: None, enabled: false }, None)
+            }
+            Served::Repository { watcher, poll, control } => {
+                let (rescan, task) = watcher.spawn(poll, watching_stopped);
+                (
+                    ModelControl { registry: Arc::clone(&models), rescan: Some(rescan), enabled: control },
+                    Some(task),
+                )
+            }
+        };
+        // Set once draining begins; health changes hold it, so a model's
         // recovery can never turn a draining server SERVING again.
         let draining = Arc::new(tokio::sync::Mutex::new(false));
-        let readiness = {
-            let health = health.clone();
-            let handle = handle.clone();
-            let draining = Arc::clone(&draining);
-            tokio::spawn(async move {
-                match handle.wait_ready().await {
-                    Ok(()) => {
-                        tracing::info!("all lanes warmed up; SERVING");
-                        follow_backend_health(&health, handle.backend_health(), &draining).await;
-                    }
-                    Err(failure) => {
-                        let _ = load_failed_tx.send(failure);
-                    }
-                }
-            })
-        };
+        let following =
+            tokio::spawn(follow_models(health.clone(), Arc::clone(&models), Arc::clone(&draining)));
         let failure = Arc::new(std::sync::Mutex::new(None::<LaneFailed>));
         let stop = {
             let failure = Arc::clone(&failure);
             let health = health.clone();
+            let models = Arc::clone(&models);
             async move {
                 tokio::select! {
                     _ = shutdown => {}
@@ -136,28 +235,36 @@ impl Server {
                 let mut draining = draining.lock().await;
                 *draining = true;
                 set_health(&health, ServingStatus::NotServing).await;
+                for (model, _) in models.health().1 {
+                    health.set_service_status(model, ServingStatus::NotServing).await;
+                }
             }
         };
-        let addr = self.local_addr();
         tracing::info!(%addr, "listening");
         let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics = self.metrics_listener.map(|listener| {
-            tracing::info!(addr = %listener.local_addr().expect("bound"), "serving metrics at /metrics");
-            tokio::spawn(crate::metrics_http::serve(listener, handle.clone(), async {
+            tracing::info!(addr = %listener.local_addr().expect("bound"), "serving metrics at /metrics and models at /v1/models");
+            tokio::spawn(crate::metrics_http::serve(listener, control, async {
                 let _ = metrics_stopped.await;
             }))
         });
         let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
         let served = tonic::transport::Server::builder()
-            .layer(message_limit::layer(handle.clone()))
+            .layer(message_limit::layer(Arc::clone(&models)))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(predictor)
             .add_service(torchrec)
             .serve_with_incoming_shutdown(incoming, stop)
             .await;
-        readiness.abort();
-        self.engine.shutdown().await;
+        following.abort();
+        let _ = stop_watching.send(true);
+        if let Some(task) = watcher_task {
+            if let Err(e) = task.await {
+                tracing::error!(error = %e, "the repository watcher ended abnormally");
+            }
+        }
+        models.shutdown().await;
         let _ = metrics_stop.send(());
         if let Some(metrics) = metrics {
             match metrics.await {
@@ -178,24 +285,45 @@ impl Server {
     }
 }
 
-/// SERVING while the backend is healthy and NOT_SERVING while it is not,
-/// until draining begins.
-async fn follow_backend_health(
-    health: &tonic_health::server::HealthReporter,
-    mut healthy: tokio::sync::watch::Receiver<bool>,
-    draining: &tokio::sync::Mutex<bool>,
+/// Overall SERVING while every model that should serve has a warm, healthy
+/// version (and at least one model does); each model's own status under its
+/// name. Follows every change until draining begins.
+async fn follow_models(
+    health: tonic_health::server::HealthReporter,
+    models: Arc<ModelRegistry>,
+    draining: Arc<tokio::sync::Mutex<bool>>,
 ) {
+    let mut changed = models.subscribe();
+    let mut reported = BTreeSet::new();
+    let mut was_serving = None;
     loop {
-        let serving = *healthy.borrow_and_update();
+        changed.borrow_and_update();
+        let (overall, each) = models.health();
+        let overall = overall && each.iter().any(|(_, serving)| *serving);
         {
             let draining = draining.lock().await;
             if *draining {
                 return;
             }
-            let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
-            set_health(health, status).await;
+            if was_serving != Some(overall) {
+                if overall {
+                    tracing::info!("every model has a warm version; SERVING");
+                }
+                set_health(&health, if overall { ServingStatus::Serving } else { ServingStatus::NotServing })
+                    .await;
+                was_serving = Some(overall);
+            }
+            let now: BTreeSet<String> = each.iter().map(|(model, _)| model.clone()).collect();
+            for gone in reported.difference(&now) {
+                health.set_service_status(gone, ServingStatus::NotServing).await;
+            }
+            for (model, serving) in each {
+                let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+                health.set_service_status(&model, status).await;
+            }
+            reported = now;
         }
-        if healthy.changed().await.is_err() {
+        if changed.changed().await.is_err() {
             return;
         }
     }
@@ -214,17 +342,26 @@ async fn set_health(health: &tonic_health::server::HealthReporter, status: Servi
         .await;
 }
 
-/// `narsil serve`: build the backend, serve, drain on SIGINT/SIGTERM.
+/// `narsil serve`: build the backend (or watch the repository), serve,
+/// drain on SIGINT/SIGTERM.
 pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine_config()?;
-    tracing::info!(backend = args.backend.kind().name(), mode = ?config.mode, lanes = config.lanes,
-        batch_size = config.max_batch_requests, "starting");
-    let factory = args.backend.build()?;
     let listen = Listen {
         addr: args.addr,
         metrics_addr: args.metrics_addr,
         max_message_bytes: args.max_message_bytes,
     };
-    let server = Server::start(listen, factory, config).await?;
+    let server = match args.repository(config.clone())? {
+        Some(repository) => {
+            tracing::info!(repository = %repository.source.dir.display(), mode = ?config.mode,
+                lanes = config.lanes, "starting");
+            Server::start_repository(listen, repository).await?
+        }
+        None => {
+            tracing::info!(backend = args.backend.kind().name(), mode = ?config.mode, lanes = config.lanes,
+                batch_size = config.max_batch_requests, "starting");
+            Server::start(listen, args.backend.build()?, config).await?
+        }
+    };
     server.run(crate::shutdown::signal()).await
 }

@@ -133,7 +133,12 @@ async fn bad_inputs_get_invalid_argument_naming_field_sample_and_feature() {
         (
             "unknown model",
             edited(|r| r.model = "ranker-v9".into()),
-            r#"invalid model: unknown model "ranker-v9"; this server serves "dlrm""#.into(),
+            r#"invalid model: unknown model "ranker-v9"; this server serves ["dlrm"]"#.into(),
+        ),
+        (
+            "version not served",
+            edited(|r| r.model_version = "7".into()),
+            r#"invalid model_version: version "7" of model "dlrm" is not served"#.into(),
         ),
         (
             "message over --max-message-bytes",
@@ -211,7 +216,7 @@ async fn expired_deadline_is_answered_and_never_computed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_info_describes_the_served_schema() {
     let server = start(batch_mode(1, 16), 1).await.ready().await;
-    let info = server.client().await.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    let info = server.client().await.model_info(ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!(info.backend, "mock");
     assert_eq!(info.num_dense, 13);
     assert_eq!(info.sparse_features.len(), 26);

@@ -99,7 +99,7 @@ async fn torchrec_protocol_serves_python_golden_scores() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_info_reports_the_exported_schema() {
     let server = start_torch(batch_mode(1, 16)).await;
-    let info = server.client().await.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    let info = server.client().await.model_info(ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!(info.backend, "torch");
     assert_eq!(info.device, "cpu");
     assert_eq!(info.num_dense, 13);

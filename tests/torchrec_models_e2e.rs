@@ -78,7 +78,7 @@ async fn golden_over_both_protocols(name: &str, config: EngineConfig) {
     let golden = Golden::read(&model_dir(name)).unwrap();
     let mut narsil = server.client().await;
     let mut torchrec = TorchRecClient::new(server.channel().await);
-    let version = narsil.model_info(ModelInfoRequest {}).await.unwrap().into_inner().version;
+    let version = narsil.model_info(ModelInfoRequest::default()).await.unwrap().into_inner().version;
     assert_eq!(version, "1", "model.json's default version");
     for (i, g) in golden.requests.iter().enumerate() {
         let response = narsil.predict(wire(g, "")).await.unwrap().into_inner();
@@ -148,7 +148,7 @@ async fn fused_outputs_equal_alone_with_16_concurrent_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn model_info_lists_outputs_and_weighted_features() {
     let server = serve("test-torchrec-multitask", batch_mode(1, 16)).await;
-    let info = server.client().await.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    let info = server.client().await.model_info(ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!(info.outputs, ["click", "conversion"]);
     assert_eq!(info.sparse_features.len(), 30);
     assert!(info.sparse_features[..26].iter().all(|f| !f.weighted));
@@ -315,7 +315,7 @@ async fn narsil_serve_with_only_the_model_path_serves_it() {
     let channel =
         common::wait_serving(&format!("http://127.0.0.1:{port}"), std::time::Duration::from_secs(60)).await;
     let mut client = PredictorClient::new(channel);
-    let info = client.model_info(ModelInfoRequest {}).await.unwrap().into_inner();
+    let info = client.model_info(ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!((info.backend.as_str(), info.name.as_str()), ("torch", "test-torchrec-multitask"));
     let golden = Golden::read(&dir).unwrap();
     let schema = load("test-torchrec-multitask").schema().clone();

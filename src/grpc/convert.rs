@@ -69,5 +69,6 @@ pub fn model_info(schema: &ModelSchema, max_batch_size: usize) -> proto::ModelIn
             .collect(),
         max_batch_size: max_batch_size as u32,
         outputs: schema.outputs.clone(),
+        versions: Vec::new(),
     }
 }

@@ -3,12 +3,15 @@
 //! into INVALID_ARGUMENT naming the message size and the flag, like every
 //! other bad input, and counts it as invalid.
 
+use std::sync::Arc;
+
 use narsil_core::{InputField, InvalidInput};
-use narsil_engine::EngineHandle;
 use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::{Code, Status};
 use tower::util::MapResponseLayer;
+
+use crate::models::ModelRegistry;
 
 const TOO_LARGE: &str = "Error, decoded message length too large: found ";
 
@@ -28,11 +31,11 @@ fn oversized(status: &Status) -> Option<InvalidInput> {
 }
 
 /// Rewrites one response if it is tonic's message-size refusal.
-pub fn rewrite(engine: &EngineHandle, mut response: http::Response<Body>) -> http::Response<Body> {
+pub fn rewrite(models: &ModelRegistry, mut response: http::Response<Body>) -> http::Response<Body> {
     let Some(invalid) = Status::from_header_map(response.headers()).as_ref().and_then(oversized) else {
         return response;
     };
-    let status = crate::grpc::status::to_status(engine.reject(invalid), InputField::name);
+    let status = crate::grpc::status::to_status(models.refuse(invalid), InputField::name);
     let headers = response.headers_mut();
     headers.remove("grpc-status");
     headers.remove("grpc-message");
@@ -45,9 +48,9 @@ pub fn rewrite(engine: &EngineHandle, mut response: http::Response<Body>) -> htt
 
 /// The layer, for `tonic::transport::Server::builder().layer(…)`.
 pub fn layer(
-    engine: EngineHandle,
+    models: Arc<ModelRegistry>,
 ) -> MapResponseLayer<impl Fn(http::Response<Body>) -> http::Response<Body> + Clone> {
-    MapResponseLayer::new(move |response| rewrite(&engine, response))
+    MapResponseLayer::new(move |response| rewrite(&models, response))
 }
 
 #[cfg(test)]

@@ -1,25 +1,30 @@
-//! `narsil.v1.Predictor`: Predict and ModelInfo over the engine.
+//! `narsil.v1.Predictor`: Predict and ModelInfo over the served models.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use narsil_core::{InputField, InvalidInput};
-use narsil_engine::EngineHandle;
+use narsil_core::InputField;
 use tonic::{Request, Response, Status};
 
 use super::{convert, deadline, status};
+use crate::models::ModelRegistry;
 use crate::proto;
 use crate::proto::predictor_server::Predictor;
 
 /// The native prediction service.
 pub struct PredictorService {
-    engine: EngineHandle,
+    models: Arc<ModelRegistry>,
 }
 
 impl PredictorService {
-    /// A service submitting to `engine`.
-    pub fn new(engine: EngineHandle) -> Self {
-        Self { engine }
+    /// A service routing to `models`.
+    pub fn new(models: Arc<ModelRegistry>) -> Self {
+        Self { models }
     }
+}
+
+fn optional(text: &str) -> Option<&str> {
+    (!text.is_empty()).then_some(text)
 }
 
 #[tonic::async_trait]
@@ -31,26 +36,39 @@ impl Predictor for PredictorService {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let mut message = request.into_inner();
         let request_id = std::mem::take(&mut message.request_id);
-        if !message.model.is_empty() && message.model != self.engine.schema().name {
-            let served = &self.engine.schema().name;
-            let invalid = InvalidInput::new(
-                InputField::Model,
-                format!("unknown model {:?}; this server serves {served:?}", message.model),
-            );
-            return Err(status::to_status(self.engine.reject(invalid), InputField::name));
-        }
+        let live = self
+            .models
+            .route(&message.model, optional(&message.model_version))
+            .map_err(|e| status::to_status(e, InputField::name))?;
         let prediction =
-            self.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {
+            live.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {
                 tracing::debug!(%request_id, error = %e, "predict failed");
                 status::to_status(e, InputField::name)
             })?;
-        Ok(Response::new(convert::predict_response(prediction, &self.engine.schema().outputs, request_id)))
+        Ok(Response::new(convert::predict_response(prediction, &live.engine.schema().outputs, request_id)))
     }
 
     async fn model_info(
         &self,
-        _request: Request<proto::ModelInfoRequest>,
+        request: Request<proto::ModelInfoRequest>,
     ) -> Result<Response<proto::ModelInfoResponse>, Status> {
-        Ok(Response::new(convert::model_info(self.engine.schema(), self.engine.limits().max_samples)))
+        let (status, serving) = self
+            .models
+            .describe(&request.into_inner().model)
+            .map_err(|e| status::to_status(e, InputField::name))?;
+        let mut info = match serving {
+            Some(live) => convert::model_info(live.engine.schema(), live.engine.limits().max_samples),
+            None => proto::ModelInfoResponse { name: status.name.clone(), ..Default::default() },
+        };
+        info.versions = status
+            .versions
+            .into_iter()
+            .map(|v| proto::ModelVersionStatus {
+                version: v.version,
+                state: v.state.into(),
+                error: v.error.unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(info))
     }
 }

@@ -18,7 +18,9 @@ pub fn to_status(error: EngineError, names: FieldNames) -> Status {
         EngineError::Invalid(_) | EngineError::NeverFits(_) => Code::InvalidArgument,
         EngineError::Overloaded(_) => Code::ResourceExhausted,
         EngineError::DeadlineExceeded => Code::DeadlineExceeded,
-        EngineError::NotReady | EngineError::ShuttingDown => Code::Unavailable,
+        EngineError::NotReady | EngineError::NoServingVersion(_) | EngineError::ShuttingDown => {
+            Code::Unavailable
+        }
         EngineError::Backend(_) => Code::Internal,
     };
     let message = match &error {

@@ -4,32 +4,51 @@
 //! into a fused batch feature by feature, without a transpose.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{InputField, InvalidInput, RequestSamples, SparseLayout};
-use narsil_engine::EngineHandle;
 use tonic::{Request, Response, Status};
 
 use super::{deadline, status};
+use crate::models::ModelRegistry;
 use crate::torchrec_proto as pb;
 use crate::torchrec_proto::predictor_server::Predictor;
 
 /// Response metadata naming the version of the model that computed the
-/// scores (TorchRec's response message has no field for it).
+/// scores (TorchRec's response message has no field for it); as request
+/// metadata, the version to run (default: the highest ready one).
 pub const MODEL_VERSION_HEADER: &str = "narsil-model-version";
+
+/// Request metadata naming the model to run (default: the server's default
+/// model).
+pub const MODEL_HEADER: &str = "narsil-model";
 
 /// The key TorchRec clients read scores from.
 pub const SCORES_KEY: &str = narsil_core::schema::DEFAULT_OUTPUT;
 
 /// `predictor.Predictor` over the engine.
 pub struct TorchRecService {
-    engine: EngineHandle,
+    models: Arc<ModelRegistry>,
 }
 
 impl TorchRecService {
-    /// A service submitting to `engine`.
-    pub fn new(engine: EngineHandle) -> Self {
-        Self { engine }
+    /// A service routing to `models`.
+    pub fn new(models: Arc<ModelRegistry>) -> Self {
+        Self { models }
+    }
+}
+
+/// A request header's text, or an error naming it when it is not text.
+fn header<'a>(
+    request: &'a Request<pb::PredictionRequest>,
+    name: &'static str,
+) -> Result<&'a str, InvalidInput> {
+    match request.metadata().get(name) {
+        None => Ok(""),
+        Some(value) => {
+            value.to_str().map_err(|_| InvalidInput::new(InputField::Wire(name), "is not printable ASCII"))
+        }
     }
 }
 
@@ -40,12 +59,19 @@ impl Predictor for TorchRecService {
         request: Request<pb::PredictionRequest>,
     ) -> Result<Response<pb::PredictionResponse>, Status> {
         let deadline = deadline::deadline_of(&request, Instant::now());
-        let schema = self.engine.schema();
+        let to_status = |e| status::to_status(e, field_name);
+        let live = {
+            let model = header(&request, MODEL_HEADER).map_err(|e| to_status(self.models.refuse(e)))?;
+            let version =
+                header(&request, MODEL_VERSION_HEADER).map_err(|e| to_status(self.models.refuse(e)))?;
+            self.models.route(model, (!version.is_empty()).then_some(version)).map_err(to_status)?
+        };
+        let engine = &live.engine;
+        let schema = engine.schema();
         let batch =
             decode(request.into_inner(), schema.num_dense, schema.num_unweighted(), schema.num_sparse())
-                .map_err(|e| status::to_status(self.engine.reject(e), field_name))?;
-        let prediction =
-            self.engine.predict(batch, deadline).await.map_err(|e| status::to_status(e, field_name))?;
+                .map_err(|e| to_status(engine.reject(e)))?;
+        let prediction = engine.predict(batch, deadline).await.map_err(to_status)?;
         let version = tonic::metadata::MetadataValue::try_from(prediction.model_version.as_ref()).ok();
         let predictions: HashMap<String, pb::FloatVec> = schema
             .outputs

@@ -44,6 +44,9 @@ pub struct LoadArgs {
     /// Server address.
     #[arg(long, env = "NARSIL_LOAD_ADDR", default_value = "http://127.0.0.1:50051")]
     pub addr: String,
+    /// narsil.v1: the model to load (empty: the server's default model).
+    #[arg(long, env = "NARSIL_LOAD_MODEL", default_value = "")]
+    pub model: String,
     /// Closed loop: callers each keeping one request in flight.
     #[arg(long, env = "NARSIL_LOAD_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
@@ -163,9 +166,12 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
     }
     let clients = connect(args).await?;
     let info = match &clients[0] {
-        Client::Narsil(client) => {
-            client.clone().model_info(ModelInfoRequest {}).await.context("ModelInfo failed")?.into_inner()
-        }
+        Client::Narsil(client) => client
+            .clone()
+            .model_info(ModelInfoRequest { model: args.model.clone() })
+            .await
+            .context("ModelInfo failed")?
+            .into_inner(),
         Client::TorchRec(_) => ModelInfoResponse {
             name: "torchrec".into(),
             backend: "torchrec-protocol".into(),

@@ -58,7 +58,8 @@ pub fn random_request(
         sparse_lengths: if ids_per_feature == 1 { Vec::new() } else { sparse_lengths },
         sparse_ids,
         request_id: format!("load-{index}"),
-        model: String::new(),
+        model: info.name.clone(),
+        model_version: String::new(),
         sparse_weights,
     }
 }

@@ -112,7 +112,7 @@ pub async fn start_with(factory: Arc<dyn BackendFactory>, config: EngineConfig) 
     let server = Server::start(listen, factory, config).await.unwrap();
     let url = format!("http://{}", server.local_addr());
     let metrics_addr = server.metrics_addr().unwrap();
-    let engine = server.engine();
+    let engine = server.engine().expect("a server of one model");
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(server.run(async {
         let _ = stopped.await;
@@ -145,6 +145,7 @@ pub fn request(tag: u64, b: usize) -> PredictRequest {
         sparse_ids: ids,
         request_id: format!("req-{tag}"),
         model: String::new(),
+        model_version: String::new(),
         sparse_weights: vec![],
     }
 }
@@ -178,15 +179,36 @@ pub fn wire(g: &narsil_core::golden::GoldenRequest, id: &str) -> PredictRequest 
         sparse_ids: g.ids.clone(),
         request_id: id.into(),
         model: String::new(),
+        model_version: String::new(),
         sparse_weights: g.weights.clone(),
     }
 }
 
-/// The value of one sample line (`name{labels} value`) in Prometheus text.
+/// The sum of the samples of `sample` (`name{labels}`) in Prometheus text:
+/// every line of that name whose labels include the given ones (a served
+/// model's lines also carry `model` and `version`).
 pub fn metric(text: &str, sample: &str) -> f64 {
-    text.lines()
-        .find_map(|line| line.strip_prefix(sample)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no sample {sample} in:\n{text}"))
+    let (name, wanted) = split_sample(sample);
+    let values: Vec<f64> = text
+        .lines()
+        .filter(|line| !line.starts_with('#'))
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (line_name, labels) = split_sample(series);
+            (line_name == name && wanted.iter().all(|l| labels.contains(l))).then(|| value.parse().ok())?
+        })
+        .collect();
+    assert!(!values.is_empty(), "no sample {sample} in:\n{text}");
+    values.iter().sum()
+}
+
+fn split_sample(sample: &str) -> (&str, Vec<&str>) {
+    match sample.split_once('{') {
+        Some((name, labels)) => {
+            (name, labels.trim_end_matches('}').split(',').filter(|l| !l.is_empty()).collect())
+        }
+        None => (sample, Vec::new()),
+    }
 }
 
 /// A free TCP port on 127.0.0.1 (for spawned `narsil serve` processes).

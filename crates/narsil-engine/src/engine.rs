@@ -68,7 +68,7 @@ impl Engine {
     pub fn start(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> Result<Self, StartError> {
         config.validate()?;
         let schema = factory.schema().clone();
-        let stats = Arc::new(Stats::default());
+        let stats = Arc::new(Stats::labelled(&[("model", &schema.name), ("version", &schema.version)]));
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
         let collector = Arc::new(Collector::new(
             BatchQueue::new(
@@ -176,6 +176,11 @@ impl EngineHandle {
         self.shared.health.subscribe()
     }
 
+    /// Whether the backend is fit for traffic now (see [`crate::health`]).
+    pub fn is_healthy(&self) -> bool {
+        self.shared.health.is_healthy()
+    }
+
     /// Counters, for tests and observability.
     pub fn stats(&self) -> StatsSnapshot {
         self.shared.stats.snapshot(self.shared.admission.queued_requests())
@@ -228,7 +233,9 @@ impl EngineHandle {
             Err(EngineError::Invalid(_) | EngineError::NeverFits(_)) => Outcome::Invalid,
             Err(EngineError::Overloaded(_)) => Outcome::Rejected,
             Err(EngineError::DeadlineExceeded) => Outcome::Deadline,
-            Err(EngineError::NotReady | EngineError::ShuttingDown) => Outcome::Unavailable,
+            Err(EngineError::NotReady | EngineError::NoServingVersion(_) | EngineError::ShuttingDown) => {
+                Outcome::Unavailable
+            }
             Err(EngineError::Backend(_)) => Outcome::BackendError,
         };
         tally.record(outcome);

@@ -64,6 +64,10 @@ pub enum EngineError {
     /// Lanes are still loading or warming up.
     #[error("model is still loading")]
     NotReady,
+    /// The model asked for has no version loaded and warm (none published,
+    /// every one failed, or all unloaded).
+    #[error("model {0:?} has no version ready to serve")]
+    NoServingVersion(String),
     /// The engine is shutting down and takes no new work.
     #[error("server is shutting down")]
     ShuttingDown,

@@ -29,4 +29,4 @@ pub use config::{ConfigError, EngineConfig, ExecutionMode, Setting};
 pub use engine::{Engine, EngineHandle};
 pub use error::{EngineError, LaneFailed, StartError};
 pub use job::Prediction;
-pub use stats::StatsSnapshot;
+pub use stats::{merge_expositions, StatsSnapshot};

@@ -123,6 +123,16 @@ fn seconds_buckets() -> Histogram {
 
 impl Default for Stats {
     fn default() -> Self {
+        Self::labelled(&[])
+    }
+}
+
+impl Stats {
+    /// Metrics whose every sample carries `labels` (the model and version
+    /// an engine serves).
+    pub fn labelled(labels: &[(&str, &str)]) -> Self {
+        let labels: Vec<(std::borrow::Cow<'static, str>, std::borrow::Cow<'static, str>)> =
+            labels.iter().map(|(k, v)| (k.to_string().into(), v.to_string().into())).collect();
         let outcomes = Family::<OutcomeLabel, Counter>::default();
         let by_outcome =
             Outcome::ALL.map(|outcome| outcomes.get_or_create(&OutcomeLabel { outcome }).clone());
@@ -149,13 +159,11 @@ impl Default for Stats {
             queued_requests: Gauge::default(),
             queued_rows: Gauge::default(),
             queued_bytes: Gauge::default(),
-            registry: Registry::with_prefix("narsil"),
+            registry: Registry::with_prefix_and_labels("narsil", labels.into_iter()),
         };
         stats.register()
     }
-}
 
-impl Stats {
     fn register(mut self) -> Self {
         let r = &mut self.registry;
         r.register("requests", "Requests by outcome", self.outcomes.clone());
@@ -241,9 +249,78 @@ impl Stats {
     }
 }
 
+/// Joins the OpenMetrics expositions of several registries (one per served
+/// model version, and the server's own) into one: each metric family's
+/// `# HELP`/`# TYPE`/`# UNIT` lines once, followed by the samples of every
+/// exposition that has it, and one `# EOF`.
+pub fn merge_expositions<'a>(texts: impl IntoIterator<Item = &'a str>) -> String {
+    // Families in first-seen order: (metadata lines, sample lines).
+    let mut families: Vec<(String, String, String)> = Vec::new();
+    for text in texts {
+        let mut current: Option<usize> = None;
+        for line in text.lines() {
+            if line == "# EOF" {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let name = rest.split(' ').next().unwrap_or_default();
+                let index = families.iter().position(|(n, ..)| n == name).unwrap_or_else(|| {
+                    families.push((name.to_string(), String::new(), String::new()));
+                    families.len() - 1
+                });
+                current = Some(index);
+                if families[index].1.is_empty() {
+                    families[index].1.push_str(line);
+                    families[index].1.push('\n');
+                }
+                continue;
+            }
+            let Some(index) = current else { continue };
+            let family = &mut families[index];
+            if line.starts_with('#') {
+                if !family.1.contains(line) {
+                    family.1.push_str(line);
+                    family.1.push('\n');
+                }
+            } else {
+                family.2.push_str(line);
+                family.2.push('\n');
+            }
+        }
+    }
+    let mut merged: String = families.into_iter().map(|(_, meta, samples)| meta + &samples).collect();
+    merged.push_str("# EOF\n");
+    merged
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn merged_expositions_keep_each_family_once_with_every_version_s_samples() {
+        let v1 = Stats::labelled(&[("model", "dlrm"), ("version", "1")]);
+        let v2 = Stats::labelled(&[("model", "dlrm"), ("version", "2")]);
+        v1.record(Outcome::Ok);
+        v2.record(Outcome::Ok);
+        v2.record(Outcome::Ok);
+        let merged = merge_expositions([v1.encode(0, 0, 0).as_str(), v2.encode(0, 0, 0).as_str()]);
+        assert_eq!(merged.matches("# TYPE narsil_requests counter").count(), 1, "{merged}");
+        assert_eq!(merged.matches("# EOF").count(), 1);
+        assert!(merged.ends_with("# EOF\n"));
+        assert!(
+            merged.contains(r#"narsil_requests_total{model="dlrm",version="1",outcome="ok"} 1"#),
+            "{merged}"
+        );
+        assert!(
+            merged.contains(r#"narsil_requests_total{model="dlrm",version="2",outcome="ok"} 2"#),
+            "{merged}"
+        );
+        // Every family's samples follow its own metadata.
+        let requests = merged.find("# TYPE narsil_requests counter").unwrap();
+        let next_family = merged[requests..].find("# HELP narsil_request_seconds").unwrap() + requests;
+        assert!(merged[requests..next_family].contains(r#"version="2",outcome="ok""#));
+    }
 
     #[test]
     fn exposition_has_every_outcome_and_the_histograms() {

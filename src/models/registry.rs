@@ -1,0 +1,451 @@
+//! The models a server serves: for each, its versions and their states
+//! (loading, ready, failed), the operator's load/unload marks, and where a
+//! request goes.
+//!
+//! Every ready version is an [`Engine`] of its own (queue, admission, lanes),
+//! so requests of different models, or of two versions, never share a
+//! forward. A request holds its version's [`LiveVersion`] from routing to
+//! its answer; a retired version leaves the routing table at once and is
+//! shut down (its lanes joined, its model's memory released) only once the
+//! last request holding it has been answered. Nothing here loads models:
+//! [`super::watcher`] does, and calls [`ModelRegistry::install`].
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use narsil_core::{InputField, InvalidInput, ModelSchema};
+use narsil_engine::{Engine, EngineError, EngineHandle};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use serde::Serialize;
+use tokio::sync::watch;
+
+use super::repository::Fingerprint;
+
+/// A version that serves: its engine, and the engine's owner until it is
+/// retired.
+pub struct LiveVersion {
+    /// The version number (0 for a `--model` served without a repository).
+    pub number: u64,
+    /// Where its requests go.
+    pub engine: EngineHandle,
+    owner: Mutex<Option<Engine>>,
+}
+
+enum VersionSlot {
+    Loading,
+    Ready(Arc<LiveVersion>),
+    Failed { error: String, fingerprint: Option<Fingerprint> },
+}
+
+/// A version's state, as the repository watcher sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VersionState {
+    /// Being loaded and warmed up.
+    Loading,
+    /// Taking requests.
+    Ready,
+    /// Failed to load from files with this fingerprint (none: no files).
+    Failed(Option<Fingerprint>),
+}
+
+/// What the operator asked for through the control calls; the repository's
+/// contents never override it.
+#[derive(Debug, Default, Clone)]
+pub struct OperatorMarks {
+    /// Every version unloaded, until the model is loaded again.
+    pub model_unloaded: bool,
+    /// Versions unloaded, even if the policy would serve them.
+    pub unloaded: BTreeSet<u64>,
+    /// Versions loaded beside the policy's.
+    pub pinned: BTreeSet<u64>,
+}
+
+#[derive(Default)]
+struct ModelSlot {
+    versions: BTreeMap<u64, VersionSlot>,
+    marks: OperatorMarks,
+    /// Whether the model should have a warm version (health counts it).
+    should_serve: bool,
+}
+
+/// A model and its versions, as `GET /v1/models` and ModelInfo report them.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ModelStatus {
+    /// Model name.
+    pub name: String,
+    /// Requests that name no model go to it.
+    pub default: bool,
+    /// Has a warm, healthy version.
+    pub serving: bool,
+    /// Every version loaded, loading or failed, lowest first.
+    pub versions: Vec<VersionStatus>,
+}
+
+/// One version's state.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct VersionStatus {
+    /// Version number (or the model's own version string for a `--model`).
+    pub version: String,
+    /// `LOADING`, `READY` (loaded; serving once warm and healthy) or `FAILED`.
+    pub state: &'static str,
+    /// Why it failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Every model the server serves.
+pub struct ModelRegistry {
+    models: RwLock<BTreeMap<String, ModelSlot>>,
+    default_model: Option<String>,
+    changed: Arc<watch::Sender<u64>>,
+    retiring: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    metrics: RegistryMetrics,
+}
+
+type Labels = Vec<(String, String)>;
+
+struct RegistryMetrics {
+    registry: prometheus_client::registry::Registry,
+    loads: Family<Labels, Counter>,
+    versions: Family<Labels, Gauge>,
+    unrouted: Family<Labels, Counter>,
+}
+
+impl RegistryMetrics {
+    fn new() -> Self {
+        let mut registry = prometheus_client::registry::Registry::with_prefix("narsil");
+        let (loads, versions, unrouted) = (Family::default(), Family::default(), Family::default());
+        registry.register("requests", "Requests by outcome", unrouted.clone());
+        registry.register("model_loads", "Version loads by model and outcome (ok, failed)", loads.clone());
+        registry.register("model_versions", "Versions of each model by state", versions.clone());
+        Self { registry, loads, versions, unrouted }
+    }
+}
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+impl ModelRegistry {
+    /// An empty registry; requests naming no model go to `default_model`.
+    pub fn new(default_model: Option<String>) -> Arc<Self> {
+        Arc::new(Self {
+            models: RwLock::default(),
+            default_model,
+            changed: Arc::new(watch::Sender::new(0)),
+            retiring: Mutex::default(),
+            metrics: RegistryMetrics::new(),
+        })
+    }
+
+    /// The model requests naming none go to.
+    pub fn default_model(&self) -> Option<&str> {
+        self.default_model.as_deref()
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, ModelSlot>> {
+        self.models.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<String, ModelSlot>> {
+        self.models.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn bump(&self) {
+        self.changed.send_modify(|n| *n += 1);
+    }
+
+    /// Follows changes of any model's versions or health.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// The version a request goes to: `model` (empty: the default model) at
+    /// `version` (none: its highest ready version). Refusals are counted.
+    pub fn route(&self, model: &str, version: Option<&str>) -> Result<Arc<LiveVersion>, EngineError> {
+        let routed = self.find(model, version);
+        if let Err(error) = &routed {
+            let outcome = if matches!(error, EngineError::Invalid(_)) { "invalid" } else { "unavailable" };
+            self.count_unrouted(outcome);
+        }
+        routed
+    }
+
+    fn find(&self, model: &str, version: Option<&str>) -> Result<Arc<LiveVersion>, EngineError> {
+        let models = self.read();
+        let (name, slot) = self.slot(&models, model)?;
+        let mut ready = slot.versions.values().rev().filter_map(|v| match v {
+            VersionSlot::Ready(live) => Some(live),
+            _ => None,
+        });
+        let found = match version {
+            None => ready.next().ok_or(EngineError::NoServingVersion(name.into()))?,
+            Some(wanted) => ready.find(|live| live.engine.schema().version == wanted).ok_or_else(|| {
+                let message = format!("version {wanted:?} of model {name:?} is not served");
+                InvalidInput::new(InputField::Wire("model_version"), message)
+            })?,
+        };
+        Ok(Arc::clone(found))
+    }
+
+    /// `model` (empty: the default model) and its slot, or why there is none.
+    fn slot<'a>(
+        &'a self,
+        models: &'a BTreeMap<String, ModelSlot>,
+        model: &'a str,
+    ) -> Result<(&'a str, &'a ModelSlot), InvalidInput> {
+        let served = || models.keys().cloned().collect::<Vec<_>>();
+        let name = match (model, &self.default_model) {
+            ("", Some(default)) => default.as_str(),
+            ("", None) => {
+                let message =
+                    format!("is required: this server has no default model; it serves {:?}", served());
+                return Err(InvalidInput::new(InputField::Model, message));
+            }
+            (name, _) => name,
+        };
+        match models.get(name) {
+            Some(slot) => Ok((name, slot)),
+            None => Err(InvalidInput::new(
+                InputField::Model,
+                format!("unknown model {name:?}; this server serves {:?}", served()),
+            )),
+        }
+    }
+
+    /// `model` (empty: the default model): its status and the version
+    /// requests naming no version go to, if one is ready.
+    pub fn describe(&self, model: &str) -> Result<(ModelStatus, Option<Arc<LiveVersion>>), EngineError> {
+        let name = {
+            let models = self.read();
+            self.slot(&models, model).map_err(|e| self.refuse(e))?.0.to_string()
+        };
+        let status = self.list().into_iter().find(|m| m.name == name);
+        let status = status.ok_or(EngineError::NoServingVersion(name.clone()))?;
+        Ok((status, self.find(&name, None).ok()))
+    }
+
+    /// Counts a request refused before it could be routed (undecodable,
+    /// too large) and returns the error.
+    pub fn refuse(&self, invalid: InvalidInput) -> EngineError {
+        self.count_unrouted("invalid");
+        EngineError::Invalid(invalid)
+    }
+
+    fn count_unrouted(&self, outcome: &str) {
+        self.metrics.unrouted.get_or_create(&labels(&[("outcome", outcome)])).inc();
+    }
+
+    /// The schema requests to `model` are validated against today (its
+    /// highest ready version's), which a new version must match.
+    pub fn serving_schema(&self, model: &str) -> Option<ModelSchema> {
+        self.find(model, None).ok().map(|live| live.engine.schema().clone())
+    }
+
+    /// Marks `number` of `model` as loading (the model appears if new).
+    pub fn set_loading(&self, model: &str, number: u64) {
+        self.write().entry(model.into()).or_default().versions.insert(number, VersionSlot::Loading);
+        self.bump();
+    }
+
+    /// Records that `number` of `model` failed to load (logged and counted).
+    pub fn set_failed(&self, model: &str, number: u64, error: String, fingerprint: Option<Fingerprint>) {
+        tracing::error!(model, version = number, %error, "version not served");
+        self.metrics.loads.get_or_create(&labels(&[("model", model), ("outcome", "failed")])).inc();
+        self.write()
+            .entry(model.into())
+            .or_default()
+            .versions
+            .insert(number, VersionSlot::Failed { error, fingerprint });
+        self.bump();
+    }
+
+    /// Makes `engine` version `number` of `model`; the highest ready version
+    /// takes requests that name none. Health follows its readiness and
+    /// backend from now on.
+    pub fn install(&self, model: &str, number: u64, engine: Engine) {
+        let handle = engine.handle();
+        let live = Arc::new(LiveVersion { number, engine: handle.clone(), owner: Mutex::new(Some(engine)) });
+        self.metrics.loads.get_or_create(&labels(&[("model", model), ("outcome", "ok")])).inc();
+        {
+            let mut models = self.write();
+            let slot = models.entry(model.into()).or_default();
+            slot.versions.insert(number, VersionSlot::Ready(live));
+            slot.should_serve = true;
+        }
+        let changed = Arc::clone(&self.changed);
+        tokio::spawn(async move {
+            let _ = handle.wait_ready().await;
+            changed.send_modify(|n| *n += 1);
+            let mut health = handle.backend_health();
+            drop(handle);
+            while health.changed().await.is_ok() {
+                changed.send_modify(|n| *n += 1);
+            }
+        });
+        self.bump();
+    }
+
+    /// Takes version `number` of `model` out of routing, and shuts it down
+    /// once the requests holding it are answered. Forgets it if it failed.
+    pub fn retire(&self, model: &str, number: u64) {
+        let removed = self.write().get_mut(model).and_then(|slot| slot.versions.remove(&number));
+        if let Some(VersionSlot::Ready(live)) = removed {
+            tracing::info!(model, version = number, "version retired; draining");
+            let model = model.to_string();
+            let drain = tokio::spawn(async move {
+                while Arc::strong_count(&live) > 1 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let engine = live.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(engine) = engine {
+                    engine.shutdown().await;
+                }
+                tracing::info!(model, version = number, "version unloaded");
+            });
+            let mut retiring = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
+            retiring.retain(|task| !task.is_finished());
+            retiring.push(drain);
+        }
+        self.bump();
+    }
+
+    /// The state of each version of `model`, by number.
+    pub fn states(&self, model: &str) -> BTreeMap<u64, VersionState> {
+        let models = self.read();
+        let Some(slot) = models.get(model) else { return BTreeMap::new() };
+        slot.versions
+            .iter()
+            .map(|(&number, state)| {
+                let state = match state {
+                    VersionSlot::Loading => VersionState::Loading,
+                    VersionSlot::Ready(_) => VersionState::Ready,
+                    VersionSlot::Failed { fingerprint, .. } => VersionState::Failed(*fingerprint),
+                };
+                (number, state)
+            })
+            .collect()
+    }
+
+    /// The names of every model.
+    pub fn model_names(&self) -> Vec<String> {
+        self.read().keys().cloned().collect()
+    }
+
+    /// The operator's marks on `model`, changed by `edit` (the model appears
+    /// if new).
+    pub fn edit_marks<T>(&self, model: &str, edit: impl FnOnce(&mut OperatorMarks) -> T) -> T {
+        edit(&mut self.write().entry(model.into()).or_default().marks)
+    }
+
+    /// Sets whether `model` should have a warm version; a model that should
+    /// not and has no versions left is forgotten.
+    pub fn set_should_serve(&self, model: &str, should: bool) {
+        let mut models = self.write();
+        if let Some(slot) = models.get_mut(model) {
+            slot.should_serve = should;
+            let marked =
+                slot.marks.model_unloaded || !slot.marks.unloaded.is_empty() || !slot.marks.pinned.is_empty();
+            if !should && slot.versions.is_empty() && !marked {
+                models.remove(model);
+            }
+        }
+        drop(models);
+        self.bump();
+    }
+
+    /// Every model and its versions.
+    pub fn list(&self) -> Vec<ModelStatus> {
+        let models = self.read();
+        models
+            .iter()
+            .map(|(name, slot)| ModelStatus {
+                name: name.clone(),
+                default: self.default_model.as_deref() == Some(name),
+                serving: serving(slot),
+                versions: slot
+                    .versions
+                    .iter()
+                    .map(|(&number, state)| match state {
+                        VersionSlot::Loading => VersionStatus::new(number.to_string(), "LOADING", None),
+                        VersionSlot::Ready(live) => {
+                            VersionStatus::new(live.engine.schema().version.clone(), "READY", None)
+                        }
+                        VersionSlot::Failed { error, .. } => {
+                            VersionStatus::new(number.to_string(), "FAILED", Some(error.clone()))
+                        }
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// Overall health (every model that should serve has a warm, healthy
+    /// version), and each model's own.
+    pub fn health(&self) -> (bool, Vec<(String, bool)>) {
+        let models = self.read();
+        let each: Vec<(String, bool)> =
+            models.iter().map(|(name, slot)| (name.clone(), serving(slot))).collect();
+        let overall = models.values().all(|slot| !slot.should_serve || serving(slot));
+        (overall, each)
+    }
+
+    /// Every ready version's metrics, labelled by model and version, and the
+    /// registry's own, as one OpenMetrics exposition.
+    pub fn metrics_text(&self) -> String {
+        let mut texts = Vec::new();
+        self.metrics.versions.clear();
+        for (name, slot) in self.read().iter() {
+            for state in slot.versions.values() {
+                let state_name = match state {
+                    VersionSlot::Loading => "loading",
+                    VersionSlot::Ready(live) => {
+                        texts.push(live.engine.metrics_text());
+                        "ready"
+                    }
+                    VersionSlot::Failed { .. } => "failed",
+                };
+                self.metrics.versions.get_or_create(&labels(&[("model", name), ("state", state_name)])).inc();
+            }
+        }
+        let mut own = String::new();
+        prometheus_client::encoding::text::encode(&mut own, &self.metrics.registry)
+            .expect("writing to a String cannot fail");
+        texts.push(own);
+        narsil_engine::merge_expositions(texts.iter().map(String::as_str))
+    }
+
+    /// Retires every version and waits until each has drained and shut down.
+    pub async fn shutdown(&self) {
+        let all: Vec<(String, u64)> = self
+            .read()
+            .iter()
+            .flat_map(|(name, slot)| slot.versions.keys().map(move |&n| (name.clone(), n)))
+            .collect();
+        for (model, number) in all {
+            self.retire(&model, number);
+        }
+        let tasks = std::mem::take(&mut *self.retiring.lock().unwrap_or_else(|p| p.into_inner()));
+        for task in tasks {
+            if let Err(e) = task.await {
+                tracing::error!(error = %e, "a version's shutdown ended abnormally");
+            }
+        }
+    }
+}
+
+impl VersionStatus {
+    fn new(version: String, state: &'static str, error: Option<String>) -> Self {
+        Self { version, state, error }
+    }
+}
+
+fn serving(slot: &ModelSlot) -> bool {
+    slot.versions.values().any(|v| match v {
+        VersionSlot::Ready(live) => live.engine.is_ready() && live.engine.is_healthy(),
+        _ => false,
+    })
+}

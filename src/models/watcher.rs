@@ -1,0 +1,300 @@
+//! Keeps the registry in step with the repository: finds versions (by
+//! polling, on SIGHUP, or when a control call asks), loads and warms each new
+//! one beside the serving one, switches to it once it is warm, and retires
+//! what the version policy no longer serves.
+//!
+//! A version that fails to load, to warm up, or whose inputs and outputs
+//! differ from the version serving is marked failed and never switched to;
+//! it is tried again only once its files change. A version whose directory
+//! disappears is retired, except the last one serving a model: only an
+//! explicit unload takes that away.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use narsil_core::{BackendError, BackendFactory, ModelBackend, ModelSchema};
+use narsil_engine::{Engine, EngineConfig};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::registry::{ModelRegistry, VersionState};
+use super::repository::{self, VersionDir, VersionPolicy, MODEL_FILES};
+use crate::backends::BackendArgs;
+
+/// Where versions come from and how each is served.
+#[derive(Clone)]
+pub struct RepositorySource {
+    /// The repository directory.
+    pub dir: PathBuf,
+    /// Which versions of each model are served.
+    pub policy: VersionPolicy,
+    /// Device, threads and precision for every version (the model file
+    /// comes from the version directory).
+    pub backend: BackendArgs,
+    /// Lanes, batching and queue limits of every version's engine.
+    pub engine: EngineConfig,
+}
+
+/// Asks the watcher to look at the repository now; resolves once it has.
+#[derive(Clone)]
+pub struct RescanHandle {
+    requests: mpsc::Sender<oneshot::Sender<()>>,
+}
+
+impl RescanHandle {
+    /// Rescans and reconciles; false if the watcher has stopped.
+    pub async fn rescan(&self) -> bool {
+        let (done, finished) = oneshot::channel();
+        self.requests.send(done).await.is_ok() && finished.await.is_ok()
+    }
+}
+
+/// The repository watcher.
+pub struct Watcher {
+    source: RepositorySource,
+    registry: Arc<ModelRegistry>,
+}
+
+impl Watcher {
+    /// A watcher feeding `registry` from `source`.
+    pub fn new(source: RepositorySource, registry: Arc<ModelRegistry>) -> Self {
+        Self { source, registry }
+    }
+
+    /// Reconciles at once, then again every `poll` (if any), on SIGHUP and
+    /// on each rescan request, until `stop` turns true. A reconcile under
+    /// way finishes first.
+    pub fn spawn(
+        self,
+        poll: Option<Duration>,
+        mut stop: watch::Receiver<bool>,
+    ) -> (RescanHandle, tokio::task::JoinHandle<()>) {
+        let (requests, mut incoming) = mpsc::channel::<oneshot::Sender<()>>(16);
+        let task = tokio::spawn(async move {
+            let mut hangup = hangup_signal();
+            self.reconcile().await;
+            loop {
+                let poll_wait = async {
+                    match poll {
+                        Some(every) => tokio::time::sleep(every).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = async { stop.wait_for(|stopped| *stopped).await.map(|_| ()) } => return,
+                    Some(done) = incoming.recv() => {
+                        self.reconcile().await;
+                        let _ = done.send(());
+                    }
+                    () = next_hangup(&mut hangup) => {
+                        tracing::info!("SIGHUP received; rescanning the model repository");
+                        self.reconcile().await;
+                    }
+                    () = poll_wait => self.reconcile().await,
+                }
+            }
+        });
+        (RescanHandle { requests }, task)
+    }
+
+    /// Brings every model in step with the repository once.
+    pub async fn reconcile(&self) {
+        let dir = self.source.dir.clone();
+        let scan = match tokio::task::spawn_blocking(move || repository::scan(&dir)).await {
+            Ok(Ok(scan)) => scan,
+            Ok(Err(e)) => {
+                tracing::error!(dir = %self.source.dir.display(), error = %e, "cannot read the model repository");
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "repository scan ended abnormally");
+                return;
+            }
+        };
+        let mut names: BTreeSet<String> = scan.keys().cloned().collect();
+        names.extend(self.registry.model_names());
+        for model in names {
+            let on_disk = scan.get(&model).cloned().unwrap_or_default();
+            self.reconcile_model(&model, &on_disk).await;
+        }
+    }
+
+    async fn reconcile_model(&self, model: &str, on_disk: &BTreeMap<u64, VersionDir>) {
+        let marks = self.registry.edit_marks(model, |m| m.clone());
+        let desired: BTreeSet<u64> = if marks.model_unloaded {
+            BTreeSet::new()
+        } else {
+            let candidates = on_disk.keys().copied().filter(|v| !marks.unloaded.contains(v));
+            let mut desired: BTreeSet<u64> = self.source.policy.select(candidates).into_iter().collect();
+            desired.extend(marks.pinned.iter().filter(|v| on_disk.contains_key(v)));
+            desired
+        };
+        for &number in &desired {
+            let dir = &on_disk[&number];
+            match self.registry.states(model).get(&number) {
+                Some(VersionState::Loading | VersionState::Ready) => {}
+                Some(VersionState::Failed(seen)) if *seen == Some(dir.fingerprint) => {}
+                _ => self.load(model, number, dir).await,
+            }
+        }
+        let states = self.registry.states(model);
+        let desired_ready = desired.iter().any(|v| states.get(v) == Some(&VersionState::Ready));
+        for (number, state) in states {
+            let retire = match state {
+                _ if desired.contains(&number) => false,
+                VersionState::Ready => {
+                    desired_ready || marks.model_unloaded || marks.unloaded.contains(&number)
+                }
+                VersionState::Failed(_) => true,
+                VersionState::Loading => false,
+            };
+            if retire {
+                self.registry.retire(model, number);
+            } else if state == VersionState::Ready && !desired.contains(&number) && !desired_ready {
+                tracing::warn!(
+                    model,
+                    version = number,
+                    "version no longer in the repository; kept serving \
+                    as the model's last ready version (unload it explicitly to stop it)"
+                );
+            }
+        }
+        self.registry.set_should_serve(model, !desired.is_empty());
+    }
+
+    /// Loads, checks and warms up one version; installs it if all went well.
+    async fn load(&self, model: &str, number: u64, dir: &VersionDir) {
+        let started = Instant::now();
+        tracing::info!(model, version = number, dir = %dir.path.display(), "loading version");
+        self.registry.set_loading(model, number);
+        match self.start_engine(model, number, dir).await {
+            Ok(engine) => {
+                self.registry.install(model, number, engine);
+                tracing::info!(
+                    model,
+                    version = number,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "version loaded and warm; serving"
+                );
+            }
+            Err(error) => self.registry.set_failed(model, number, error, Some(dir.fingerprint)),
+        }
+    }
+
+    async fn start_engine(&self, model: &str, number: u64, dir: &VersionDir) -> Result<Engine, String> {
+        let Some(file) = dir.model_file.clone() else {
+            return Err(format!("{} holds no model file ({})", dir.path.display(), MODEL_FILES.join(" or ")));
+        };
+        let mut args = self.source.backend.clone();
+        args.model = Some(file);
+        args.backend = None;
+        let built = tokio::task::spawn_blocking(move || args.build())
+            .await
+            .map_err(|e| format!("loading ended abnormally: {e}"))?;
+        let inner = built.map_err(|e| format!("{e:#}"))?;
+        let mut schema = inner.schema().clone();
+        schema.name = model.into();
+        schema.version = number.to_string();
+        if let Some(serving) = self.registry.serving_schema(model) {
+            same_interface(&serving, &schema)
+                .map_err(|difference| format!("does not match the served schema: {difference}"))?;
+        }
+        let factory = Arc::new(VersionedFactory { inner, schema });
+        let engine = Engine::start(factory, self.source.engine.clone()).map_err(|e| format!("{e:#}"))?;
+        if let Err(failure) = engine.handle().wait_ready().await {
+            engine.shutdown().await;
+            return Err(narsil_core::error_chain(&failure));
+        }
+        Ok(engine)
+    }
+}
+
+/// Whether `new` takes the same requests and answers the same outputs as
+/// `serving`: dense count, sparse features (names, order, weighted) and
+/// outputs. Table sizes may change between versions.
+pub fn same_interface(serving: &ModelSchema, new: &ModelSchema) -> Result<(), String> {
+    if serving.num_dense != new.num_dense {
+        return Err(format!(
+            "{} dense features, the served version takes {}",
+            new.num_dense, serving.num_dense
+        ));
+    }
+    let features =
+        |s: &ModelSchema| s.sparse.iter().map(|f| (f.name.clone(), f.weighted)).collect::<Vec<_>>();
+    if features(serving) != features(new) {
+        return Err(format!(
+            "sparse features {:?}, the served version takes {:?} (name, weighted)",
+            features(new),
+            features(serving)
+        ));
+    }
+    if serving.outputs != new.outputs {
+        return Err(format!("outputs {:?}, the served version answers {:?}", new.outputs, serving.outputs));
+    }
+    Ok(())
+}
+
+/// A loaded model under the repository's name and version number.
+struct VersionedFactory {
+    inner: Arc<dyn BackendFactory>,
+    schema: ModelSchema,
+}
+
+impl BackendFactory for VersionedFactory {
+    fn schema(&self) -> &ModelSchema {
+        &self.schema
+    }
+
+    fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+        self.inner.create_lane(lane)
+    }
+
+    fn mlp_flops_per_sample(&self) -> Option<f64> {
+        self.inner.mlp_flops_per_sample()
+    }
+
+    fn warmup_rows(&self) -> Vec<usize> {
+        self.inner.warmup_rows()
+    }
+}
+
+/// SIGHUP, when it can be listened for.
+fn hangup_signal() -> Option<tokio::signal::unix::Signal> {
+    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .inspect_err(|e| {
+            tracing::error!(error = %e, "cannot listen for SIGHUP; rescans come from polling and control calls");
+        })
+        .ok()
+}
+
+/// Resolves at the next SIGHUP (never without a listener).
+async fn next_hangup(signal: &mut Option<tokio::signal::unix::Signal>) {
+    match signal {
+        Some(signal) => {
+            signal.recv().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_version_must_take_the_same_inputs_and_answer_the_same_outputs() {
+        let served = ModelSchema::dlrm("torch", "cpu", 1000);
+        assert_eq!(same_interface(&served, &ModelSchema::dlrm("torch", "cpu", 5000)), Ok(()));
+        let mut fewer_dense = served.clone();
+        fewer_dense.num_dense = 12;
+        assert!(same_interface(&served, &fewer_dense).unwrap_err().contains("12 dense"));
+        let mut renamed = served.clone();
+        renamed.sparse[3].name = "other".into();
+        assert!(same_interface(&served, &renamed).unwrap_err().contains("sparse features"));
+        let mut two_outputs = served.clone();
+        two_outputs.outputs.push("task_1".into());
+        assert!(same_interface(&served, &two_outputs).unwrap_err().contains("outputs"));
+    }
+}
