@@ -155,7 +155,8 @@ def fp32_weights(dlrm: DLRM, args: argparse.Namespace) -> dict:
 def golden_requests(args: argparse.Namespace) -> List[dict]:
     """Fixed random requests, sample-major as on Narsil's wire: one-hot,
     multi-hot (0 to 4 ids per bag, empty bags included) and B = 1."""
-    g = torch.Generator().manual_seed(args.seed + 1)
+    seed = args.seed if args.golden_seed is None else args.golden_seed
+    g = torch.Generator().manual_seed(seed + 1)
     requests = []
     for i, batch_size in enumerate(args.golden_batch_sizes):
         multi_hot = i % 2 == 1
@@ -215,6 +216,8 @@ def main() -> int:
     p.add_argument("--embedding-init", type=float, default=0.1,
                    help="embedding weights are uniform in [-x, x]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--golden-seed", type=int, default=None,
+                   help="seed of the golden requests (default: --seed); the same one gives two models the same inputs")
     p.add_argument("--golden-batch-sizes", type=int_list, default=[1, 100, 7, 100, 16, 3, 64, 100])
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
     args = p.parse_args()

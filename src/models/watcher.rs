@@ -18,7 +18,7 @@ use narsil_core::{BackendError, BackendFactory, ModelBackend, ModelSchema};
 use narsil_engine::{Engine, EngineConfig};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::registry::{ModelRegistry, VersionState};
+use super::registry::{ModelRegistry, OperatorMarks, VersionState};
 use super::repository::{self, VersionDir, VersionPolicy, MODEL_FILES};
 use crate::backends::BackendArgs;
 
@@ -48,6 +48,12 @@ impl RescanHandle {
         let (done, finished) = oneshot::channel();
         self.requests.send(done).await.is_ok() && finished.await.is_ok()
     }
+}
+
+/// What a model should serve.
+struct Plan {
+    desired: BTreeSet<u64>,
+    marks: OperatorMarks,
 }
 
 /// The repository watcher.
@@ -115,13 +121,25 @@ impl Watcher {
         };
         let mut names: BTreeSet<String> = scan.keys().cloned().collect();
         names.extend(self.registry.model_names());
-        for model in names {
-            let on_disk = scan.get(&model).cloned().unwrap_or_default();
-            self.reconcile_model(&model, &on_disk).await;
+        let empty = BTreeMap::new();
+        // Every model's goal first, so health never counts a model as done
+        // while another still waits for its first version.
+        let plans: Vec<(String, &BTreeMap<u64, VersionDir>, Plan)> = names
+            .into_iter()
+            .map(|model| {
+                let on_disk = scan.get(&model).unwrap_or(&empty);
+                let plan = self.plan(&model, on_disk);
+                self.registry.set_should_serve(&model, !plan.desired.is_empty());
+                (model, on_disk, plan)
+            })
+            .collect();
+        for (model, on_disk, plan) in plans {
+            self.reconcile_model(&model, on_disk, &plan).await;
         }
     }
 
-    async fn reconcile_model(&self, model: &str, on_disk: &BTreeMap<u64, VersionDir>) {
+    /// The versions of `model` to serve, from the policy and the operator's marks.
+    fn plan(&self, model: &str, on_disk: &BTreeMap<u64, VersionDir>) -> Plan {
         let marks = self.registry.edit_marks(model, |m| m.clone());
         let desired: BTreeSet<u64> = if marks.model_unloaded {
             BTreeSet::new()
@@ -131,7 +149,12 @@ impl Watcher {
             desired.extend(marks.pinned.iter().filter(|v| on_disk.contains_key(v)));
             desired
         };
-        for &number in &desired {
+        Plan { desired, marks }
+    }
+
+    async fn reconcile_model(&self, model: &str, on_disk: &BTreeMap<u64, VersionDir>, plan: &Plan) {
+        let Plan { desired, marks } = plan;
+        for &number in desired {
             let dir = &on_disk[&number];
             match self.registry.states(model).get(&number) {
                 Some(VersionState::Loading | VersionState::Ready) => {}

@@ -45,18 +45,7 @@ impl TestServer {
 
     /// The Prometheus text from `GET /metrics`, over real HTTP.
     pub async fn scrape(&self) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(self.metrics_addr).await.unwrap();
-        stream
-            .write_all(b"GET /metrics HTTP/1.1\r\nHost: narsil\r\nConnection: close\r\n\r\n")
-            .await
-            .unwrap();
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.unwrap();
-        let (head, body) = response.split_once("\r\n\r\n").unwrap();
-        assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-        assert!(head.contains("application/openmetrics-text"), "{head}");
-        body.to_string()
+        scrape(self.metrics_addr).await
     }
 
     /// Waits until every lane is warm.
@@ -64,6 +53,33 @@ impl TestServer {
         self.engine.wait_ready().await.unwrap();
         self
     }
+}
+
+/// One HTTP/1.1 call without a body to `addr`: the status code and body.
+pub async fn http(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
+    let (head, body) = http_exchange(addr, method, path).await;
+    let code = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{head}"));
+    (code, body)
+}
+
+async fn http_exchange(addr: std::net::SocketAddr, method: &str, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request =
+        format!("{method} {path} HTTP/1.1\r\nHost: narsil\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.to_string(), body.to_string())
+}
+
+/// The Prometheus text from `GET /metrics` on `addr`, over real HTTP.
+pub async fn scrape(addr: std::net::SocketAddr) -> String {
+    let (head, body) = http_exchange(addr, "GET", "/metrics").await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(head.contains("application/openmetrics-text"), "{head}");
+    body
 }
 
 /// Engine settings from the CLI defaults, adjusted by `edit`.
