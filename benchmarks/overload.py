@@ -29,8 +29,11 @@ from benchlib import (DEFAULT_BINARY, free_port, machine, peak_rss_mib, pinned, 
 
 def outcomes(metrics_addr):
     text = urllib.request.urlopen(f"http://{metrics_addr}/metrics", timeout=5).read().decode()
-    return {m.group(1): int(float(m.group(2)))
-            for m in re.finditer(r'^narsil_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+    counts = {}
+    # Summed over the model/version labels (and the requests refused before routing).
+    for m in re.finditer(r'^narsil_requests_total\{(?:[^}]*,)?outcome="(\w+)"\} (\S+)$', text, re.M):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + int(float(m.group(2)))
+    return counts
 
 
 def load(args, addr, extra):
