@@ -17,11 +17,13 @@ use std::time::{Duration, Instant};
 
 use common::{wire, MAX_MESSAGE_BYTES};
 use narsil::cli::ServeArgs;
+use narsil::grpc::torchrec::{encode, MODEL_HEADER, MODEL_VERSION_HEADER, SCORES_KEY};
 use narsil::models::registry::ModelStatus;
 use narsil::models::ModelRegistry;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::ModelInfoRequest;
 use narsil::server::{Listen, Server};
+use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
 use tokio::sync::oneshot;
 use tonic::Code;
@@ -327,6 +329,17 @@ async fn two_models_are_served_at_once_routed_by_name_and_never_fused() {
     let mut client = server.client().await;
     let response = client.predict(wire(&goldens["alpha"].requests[0], "default")).await.unwrap().into_inner();
     assert_eq!(response.model_version, "1");
+    let mut torchrec = TorchRecClient::new(channel.clone());
+    for (header, model, version) in [(None, "alpha", "1"), (Some("beta"), "beta", "7")] {
+        let mut request = tonic::Request::new(encode(&wire(&goldens[model].requests[0], "torchrec"), 26));
+        if let Some(name) = header {
+            request.metadata_mut().insert(MODEL_HEADER, name.parse().unwrap());
+        }
+        let response = torchrec.predict(request).await.unwrap();
+        assert_eq!(response.metadata().get(MODEL_VERSION_HEADER).unwrap(), version);
+        let scores = &response.into_inner().predictions[SCORES_KEY].data;
+        assert_close(scores, &goldens[model].requests[0].scores_int8, &format!("TorchRec protocol, {model}"));
+    }
     let info = client.model_info(ModelInfoRequest { model: "beta".into() }).await.unwrap().into_inner();
     assert_eq!((info.name.as_str(), info.version.as_str()), ("beta", "7"));
     let mut unknown = wire(&goldens["alpha"].requests[0], "unknown");
@@ -354,6 +367,56 @@ async fn two_models_are_served_at_once_routed_by_name_and_never_fused() {
     let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(listed["models"][1]["name"], "beta");
     assert_eq!(listed["models"][1]["versions"][0]["state"], "READY");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_two_are_served_by_name_and_removing_a_directory_unloads_all_but_the_last() {
+    let repo = tempfile::tempdir().unwrap();
+    let (a, b) = (export('a'), export('b'));
+    publish(repo.path(), "dlrm", 1, &a, "model_default.pt");
+    publish(repo.path(), "dlrm", 2, &b, "model_default.pt");
+    publish(repo.path(), "dlrm", 3, &a, "model_default.pt");
+    let server =
+        RepoServer::start(repo.path(), |args| args.version_policy = "latest:2".parse().unwrap()).await;
+    server
+        .wait_until("versions 2 and 3", |l| {
+            states(l, "dlrm") == BTreeMap::from([("2".into(), "READY"), ("3".into(), "READY")])
+        })
+        .await;
+    let goldens = [Golden::read(&a).unwrap(), Golden::read(&b).unwrap()];
+    let mut client = server.client().await;
+    let ask = |version: &str| {
+        let mut request = wire(&goldens[0].requests[1], "named");
+        request.model_version = version.into();
+        request
+    };
+    for (version, golden) in [("", &goldens[0]), ("3", &goldens[0]), ("2", &goldens[1])] {
+        let response = client.predict(ask(version)).await.unwrap().into_inner();
+        assert_eq!(response.model_version, if version.is_empty() { "3" } else { version });
+        assert_close(&response.scores, &golden.requests[1].scores_int8, &format!("version {version:?}"));
+    }
+    let status = client.predict(ask("1")).await.unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::InvalidArgument, r#"invalid model_version: version "1" of model "dlrm" is not served"#)
+    );
+
+    // Version 3 removed: the policy's two are now 1 and 2.
+    std::fs::remove_dir_all(repo.path().join("dlrm/3")).unwrap();
+    server
+        .wait_until("versions 1 and 2", |l| {
+            states(l, "dlrm") == BTreeMap::from([("1".into(), "READY"), ("2".into(), "READY")])
+        })
+        .await;
+    // Every directory removed: the last ready version keeps serving.
+    std::fs::remove_dir_all(repo.path().join("dlrm/1")).unwrap();
+    std::fs::remove_dir_all(repo.path().join("dlrm/2")).unwrap();
+    server.wait_until("one version left", |l| states(l, "dlrm").len() == 1).await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // a few more polls
+    assert_eq!(states(&server.models.list(), "dlrm"), BTreeMap::from([("2".into(), "READY")]));
+    let response = client.predict(ask("")).await.unwrap().into_inner();
+    assert_eq!(response.model_version, "2");
     server.stop().await;
 }
 

@@ -164,18 +164,24 @@ impl Watcher {
         }
         let states = self.registry.states(model);
         let desired_ready = desired.iter().any(|v| states.get(v) == Some(&VersionState::Ready));
+        // With no wanted version ready, the highest ready one keeps serving
+        // unless the operator unloaded it.
+        let fallback = (!desired_ready && !marks.model_unloaded)
+            .then(|| {
+                states.iter().rev().find(|(v, s)| **s == VersionState::Ready && !marks.unloaded.contains(v))
+            })
+            .flatten()
+            .map(|(v, _)| *v);
         for (number, state) in states {
             let retire = match state {
                 _ if desired.contains(&number) => false,
-                VersionState::Ready => {
-                    desired_ready || marks.model_unloaded || marks.unloaded.contains(&number)
-                }
+                VersionState::Ready => fallback != Some(number),
                 VersionState::Failed(_) => true,
                 VersionState::Loading => false,
             };
             if retire {
                 self.registry.retire(model, number);
-            } else if state == VersionState::Ready && !desired.contains(&number) && !desired_ready {
+            } else if fallback == Some(number) && !on_disk.contains_key(&number) {
                 tracing::warn!(
                     model,
                     version = number,
