@@ -58,10 +58,10 @@ def summary(report):
         "non_ok": report["requests"] - report["ok"]}
 
 
-def start_server(args, repo):
+def start_server(args, repo, extra=()):
     addr, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     cmd = [args.binary, "serve", "--addr", addr, "--metrics-addr", admin, "--model-repository", repo,
-           "--repository-poll-secs", "0", "--log-level", "warn", "--lanes", "1"]
+           "--repository-poll-secs", "0", "--log-level", "warn", "--lanes", "1", *extra]
     server = subprocess.Popen(pinned(cmd, 0), stderr=subprocess.PIPE)
     wait_serving(args.binary, addr, server)
     return server, addr, admin
@@ -104,7 +104,7 @@ def switch(args, repo):
 def models(args, repo):
     for name in ("alpha", "beta"):
         publish(repo, name, 1, args.model)
-    server, addr, admin = start_server(args, repo)
+    server, addr, admin = start_server(args, repo, ["--default-model", "alpha"])
     rounds = []
     try:
         for r in range(args.rounds):

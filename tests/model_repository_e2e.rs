@@ -420,6 +420,16 @@ async fn latest_two_are_served_by_name_and_removing_a_directory_unloads_all_but_
     server.stop().await;
 }
 
+/// A server process, killed if the test fails before stopping it.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Resident memory of process `pid`, KiB.
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -435,18 +445,20 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
     let export_of = |version: u64| if version % 2 == 1 { &a } else { &b };
     publish(repo.path(), "dlrm", 1, &a, "model_fp32.pt");
     let (port, metrics_port) = (common::free_port(), common::free_port());
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--log-level", "warn", "--repository-poll-secs", "0", "--model-control"])
-        .arg("--model-repository")
-        .arg(repo.path())
-        .args([
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--metrics-addr",
-            &format!("127.0.0.1:{metrics_port}"),
-        ])
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
+            .args(["serve", "--log-level", "warn", "--repository-poll-secs", "0", "--model-control"])
+            .arg("--model-repository")
+            .arg(repo.path())
+            .args([
+                "--addr",
+                &format!("127.0.0.1:{port}"),
+                "--metrics-addr",
+                &format!("127.0.0.1:{metrics_port}"),
+            ])
+            .spawn()
+            .unwrap(),
+    );
     let url = format!("http://127.0.0.1:{port}");
     let admin: std::net::SocketAddr = format!("127.0.0.1:{metrics_port}").parse().unwrap();
     let channel = common::wait_serving(&url, Duration::from_secs(60)).await;
@@ -461,7 +473,7 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
         let response = client.predict(wire(&golden.requests[0], "cycle")).await.unwrap().into_inner();
         assert_eq!(response.model_version, version.to_string());
         tokio::time::sleep(Duration::from_millis(300)).await;
-        rss.push(rss_kib(child.id()));
+        rss.push(rss_kib(child.0.id()));
     }
     // Unloading a version lets the policy pick among the others; unloading
     // the model takes even its last version away; loading it lifts both.
@@ -482,8 +494,8 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
         version_of(client.predict(wire(&golden.requests[0], "back")).await.unwrap().into_inner()),
         "11"
     );
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    assert!(child.wait().unwrap().success());
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
     // Each version holds ~10 MiB of FP32 weights, so nine cycles that each
     // kept their version would add 90 MiB or more. The allocators' own
     // growth over the first three cycles was 25-40 MiB here, flat after.

@@ -219,9 +219,7 @@ impl Watcher {
         let mut args = self.source.backend.clone();
         args.model = Some(file);
         args.backend = None;
-        let built = tokio::task::spawn_blocking(move || args.build())
-            .await
-            .map_err(|e| format!("loading ended abnormally: {e}"))?;
+        let built = on_loader_thread(move || args.build()).await?;
         let inner = built.map_err(|e| format!("{e:#}"))?;
         let mut schema = inner.schema().clone();
         schema.name = model.into();
@@ -238,6 +236,27 @@ impl Watcher {
         }
         Ok(engine)
     }
+}
+
+/// Niceness of the thread that reads and prepares a new version: serving
+/// threads come first, so loading a version takes the CPU time they leave.
+const LOADER_NICENESS: libc::c_int = 10;
+
+/// Runs `work` on a thread of its own at [`LOADER_NICENESS`].
+async fn on_loader_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
+    let (done, result) = oneshot::channel();
+    std::thread::Builder::new()
+        .name("narsil-loader".into())
+        .spawn(move || {
+            // On Linux a thread's niceness is its own (the calling thread's id).
+            let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, LOADER_NICENESS) } != 0 {
+                tracing::debug!("cannot lower the loader thread's priority; loading at normal priority");
+            }
+            let _ = done.send(work());
+        })
+        .map_err(|e| format!("cannot start a loader thread: {e}"))?;
+    result.await.map_err(|_| "loading ended abnormally (the loader panicked)".to_string())
 }
 
 /// Whether `new` takes the same requests and answers the same outputs as
