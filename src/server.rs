@@ -67,7 +67,7 @@ enum Served {
     /// fails to load, the server stops.
     Fixed(EngineHandle),
     /// A repository, whose versions the watcher loads and switches.
-    Repository { watcher: Watcher, poll: Option<Duration>, control: bool },
+    Repository { watcher: Box<Watcher>, poll: Option<Duration>, control: bool },
 }
 
 /// Bound listeners and started models, ready to serve.
@@ -139,7 +139,7 @@ impl Server {
         };
         let (listener, metrics_listener) = bind_all(listen).await?;
         let models = ModelRegistry::new(default_model);
-        let watcher = Watcher::new(repository.source, Arc::clone(&models));
+        let watcher = Box::new(Watcher::new(repository.source, Arc::clone(&models)));
         Ok(Self {
             listener,
             metrics_listener,

@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
-use super::registry::{ModelRegistry, ModelStatus};
+use super::registry::{ModelRegistry, ModelStatus, OperatorMarks};
 use super::watcher::RescanHandle;
 
 /// What the control routes act on.
@@ -64,12 +64,12 @@ async fn list(State(control): State<ModelControl>) -> Response {
 }
 
 impl ModelControl {
-    /// Checks the call may run, applies `mark`, reconciles, and returns the
-    /// model's status after it.
+    /// Checks the call may run, applies `mark` to `model`'s marks (none for
+    /// an empty name), reconciles, and returns the model's status after it.
     async fn act(
         &self,
         model: &str,
-        mark: impl FnOnce(&ModelRegistry),
+        mark: impl FnOnce(&mut OperatorMarks),
     ) -> Result<Option<ModelStatus>, Response> {
         if !self.enabled {
             return Err(error(
@@ -86,21 +86,36 @@ impl ModelControl {
         };
         let stopped = || error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down".into());
         let known = |registry: &ModelRegistry| registry.model_names().iter().any(|m| m == model);
-        if !model.is_empty() && !known(&self.registry) {
+        if !model.is_empty() {
             // Perhaps published since the last scan.
-            if !rescan.rescan().await {
+            if !known(&self.registry) && !rescan.rescan().await {
                 return Err(stopped());
             }
             if !known(&self.registry) {
                 return Err(error(StatusCode::NOT_FOUND, format!("no model {model:?} in the repository")));
             }
+            self.registry.edit_marks(model, mark);
         }
-        mark(&self.registry);
         if !rescan.rescan().await {
             return Err(stopped());
         }
         Ok(self.registry.list().into_iter().find(|m| m.name == model))
     }
+}
+
+/// The model's status: 200 when `reached` says the call's goal was, else 422.
+fn answer(result: Result<Option<ModelStatus>, Response>, reached: impl Fn(&ModelStatus) -> bool) -> Response {
+    match result {
+        Err(response) => response,
+        Ok(Some(status)) if reached(&status) => json(StatusCode::OK, &status),
+        Ok(Some(status)) => json(StatusCode::UNPROCESSABLE_ENTITY, &status),
+        // Every version gone and the model forgotten.
+        Ok(None) => json(StatusCode::OK, &serde_json::json!({})),
+    }
+}
+
+fn has_ready(status: &ModelStatus, version: Option<&str>) -> bool {
+    status.versions.iter().any(|v| v.state == "READY" && version.is_none_or(|wanted| v.version == wanted))
 }
 
 async fn scan(State(control): State<ModelControl>) -> Response {
@@ -112,36 +127,22 @@ async fn scan(State(control): State<ModelControl>) -> Response {
 
 async fn load_model(State(control): State<ModelControl>, Path(model): Path<String>) -> Response {
     let result = control
-        .act(&model, |r| {
-            r.edit_marks(&model, |m| {
-                m.model_unloaded = false;
-                m.unloaded.clear();
-            })
+        .act(&model, |m| {
+            m.model_unloaded = false;
+            m.unloaded.clear();
         })
         .await;
-    match result {
-        Err(response) => response,
-        Ok(None) => error(StatusCode::NOT_FOUND, format!("no model {model:?} in the repository")),
-        Ok(Some(status)) if status.versions.iter().any(|v| v.state == "READY") => {
-            json(StatusCode::OK, &status)
-        }
-        Ok(Some(status)) => json(StatusCode::UNPROCESSABLE_ENTITY, &status),
-    }
+    answer(result, |status| has_ready(status, None))
 }
 
 async fn unload_model(State(control): State<ModelControl>, Path(model): Path<String>) -> Response {
     let result = control
-        .act(&model, |r| {
-            r.edit_marks(&model, |m| {
-                m.model_unloaded = true;
-                m.pinned.clear();
-            })
+        .act(&model, |m| {
+            m.model_unloaded = true;
+            m.pinned.clear();
         })
         .await;
-    match result {
-        Err(response) => response,
-        Ok(status) => json(StatusCode::OK, &status),
-    }
+    answer(result, |_| true)
 }
 
 async fn load_version(
@@ -149,26 +150,21 @@ async fn load_version(
     Path((model, version)): Path<(String, u64)>,
 ) -> Response {
     let result = control
-        .act(&model, |r| {
-            r.edit_marks(&model, |m| {
-                m.unloaded.remove(&version);
-                m.pinned.insert(version);
-            })
+        .act(&model, |m| {
+            m.unloaded.remove(&version);
+            m.pinned.insert(version);
         })
         .await;
     let label = version.to_string();
-    match result {
-        Err(response) => response,
-        Ok(Some(status)) => match status.versions.iter().find(|v| v.version == label) {
-            Some(v) if v.state == "READY" => json(StatusCode::OK, &status),
-            Some(_) => json(StatusCode::UNPROCESSABLE_ENTITY, &status),
-            None => error(
+    if let Ok(Some(status)) = &result {
+        if !status.versions.iter().any(|v| v.version == label) {
+            return error(
                 StatusCode::NOT_FOUND,
                 format!("no version {version} of model {model:?} in the repository"),
-            ),
-        },
-        Ok(None) => error(StatusCode::NOT_FOUND, format!("no model {model:?} in the repository")),
+            );
+        }
     }
+    answer(result, |status| has_ready(status, Some(&label)))
 }
 
 async fn unload_version(
@@ -176,15 +172,10 @@ async fn unload_version(
     Path((model, version)): Path<(String, u64)>,
 ) -> Response {
     let result = control
-        .act(&model, |r| {
-            r.edit_marks(&model, |m| {
-                m.pinned.remove(&version);
-                m.unloaded.insert(version);
-            })
+        .act(&model, |m| {
+            m.pinned.remove(&version);
+            m.unloaded.insert(version);
         })
         .await;
-    match result {
-        Err(response) => response,
-        Ok(status) => json(StatusCode::OK, &status),
-    }
+    answer(result, |_| true)
 }

@@ -37,7 +37,7 @@ pub struct LiveVersion {
 enum VersionSlot {
     Loading,
     Ready(Arc<LiveVersion>),
-    Failed { error: String, fingerprint: Option<Fingerprint> },
+    Failed { error: String, fingerprint: Fingerprint },
 }
 
 /// A version's state, as the repository watcher sees it.
@@ -47,8 +47,8 @@ pub enum VersionState {
     Loading,
     /// Taking requests.
     Ready,
-    /// Failed to load from files with this fingerprint (none: no files).
-    Failed(Option<Fingerprint>),
+    /// Failed to load from files with this fingerprint.
+    Failed(Fingerprint),
 }
 
 /// What the operator asked for through the control calls; the repository's
@@ -139,11 +139,6 @@ impl ModelRegistry {
             retiring: Mutex::default(),
             metrics: RegistryMetrics::new(),
         })
-    }
-
-    /// The model requests naming none go to.
-    pub fn default_model(&self) -> Option<&str> {
-        self.default_model.as_deref()
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<String, ModelSlot>> {
@@ -252,7 +247,7 @@ impl ModelRegistry {
     }
 
     /// Records that `number` of `model` failed to load (logged and counted).
-    pub fn set_failed(&self, model: &str, number: u64, error: String, fingerprint: Option<Fingerprint>) {
+    pub fn set_failed(&self, model: &str, number: u64, error: String, fingerprint: Fingerprint) {
         tracing::error!(model, version = number, %error, "version not served");
         self.metrics.loads.get_or_create(&labels(&[("model", model), ("outcome", "failed")])).inc();
         self.write()
@@ -336,7 +331,7 @@ impl ModelRegistry {
     }
 
     /// The operator's marks on `model`, changed by `edit` (the model appears
-    /// if new).
+    /// if new, so call it for models the repository holds).
     pub fn edit_marks<T>(&self, model: &str, edit: impl FnOnce(&mut OperatorMarks) -> T) -> T {
         edit(&mut self.write().entry(model.into()).or_default().marks)
     }

@@ -158,7 +158,7 @@ impl Watcher {
             let dir = &on_disk[&number];
             match self.registry.states(model).get(&number) {
                 Some(VersionState::Loading | VersionState::Ready) => {}
-                Some(VersionState::Failed(seen)) if *seen == Some(dir.fingerprint) => {}
+                Some(VersionState::Failed(seen)) if *seen == dir.fingerprint => {}
                 _ => self.load(model, number, dir).await,
             }
         }
@@ -208,7 +208,7 @@ impl Watcher {
                     "version loaded and warm; serving"
                 );
             }
-            Err(error) => self.registry.set_failed(model, number, error, Some(dir.fingerprint)),
+            Err(error) => self.registry.set_failed(model, number, error, dir.fingerprint),
         }
     }
 
