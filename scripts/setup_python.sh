@@ -15,7 +15,8 @@ FBGEMM_VERSION=1.8.0
 FBGEMM_PACKAGE="${NARSIL_FBGEMM_PACKAGE:-fbgemm-gpu-cpu}"
 TORCHREC_VERSION=1.8.0
 VENV="${NARSIL_VENV:-.venv}"
-STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-v2"
+TRITONCLIENT_VERSION=2.73.0
+STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-tritonclient-${TRITONCLIENT_VERSION}-v3"
 
 if [ -f "$STAMP" ]; then
   step "python venv ready ($VENV)"
@@ -33,7 +34,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 step "installing torch==$TORCH_VERSION and $FBGEMM_PACKAGE==$FBGEMM_VERSION (about 4 GB the first time)"
 "${PIP[@]}" install --progress-bar off \
   "torch==$TORCH_VERSION" "$FBGEMM_PACKAGE==$FBGEMM_VERSION" \
-  numpy safetensors grpcio grpcio-tools grpcio-health-checking protobuf matplotlib \
+  numpy safetensors grpcio "grpcio-tools<1.80" "grpcio-health-checking<1.80" "protobuf<7" matplotlib \
+  "tritonclient[grpc]==$TRITONCLIENT_VERSION" \
   iopath pyre-extensions tensordict torchmetrics tqdm
 
 # torchrec's own requirements pull the CUDA fbgemm-gpu, which would sit beside

@@ -152,6 +152,12 @@ pub struct ServeArgs {
     /// turns it SERVING again); 0 never.
     #[arg(long, env = "NARSIL_UNHEALTHY_AFTER_FAILURES", default_value_t = 5)]
     pub unhealthy_after_failures: u32,
+    /// On SIGTERM/SIGINT, seconds to keep accepting and serving calls after
+    /// health turns NOT_SERVING, before the listener closes and the drain
+    /// begins: long enough for load balancers to see NOT_SERVING (their
+    /// check interval times the failures they need).
+    #[arg(long, env = "NARSIL_DRAIN_GRACE_SECS", default_value_t = 0.0)]
+    pub drain_grace_secs: f64,
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
@@ -206,6 +212,14 @@ impl ServeArgs {
 }
 
 impl ServeArgs {
+    /// `--drain-grace-secs` as a duration.
+    pub fn drain_grace(&self) -> anyhow::Result<Duration> {
+        match self.drain_grace_secs {
+            secs if secs.is_finite() && secs >= 0.0 => Ok(Duration::from_secs_f64(secs)),
+            secs => anyhow::bail!("--drain-grace-secs must be a non-negative number, got {secs}"),
+        }
+    }
+
     /// The repository to serve, if `--model-repository` is set, with every
     /// version's engine configured by `engine`.
     pub fn repository(&self, engine: EngineConfig) -> anyhow::Result<Option<RepositoryServe>> {

@@ -26,6 +26,12 @@ pub mod torchrec_proto {
     tonic::include_proto!("predictor");
 }
 
+/// Generated protocol code for the Open Inference Protocol (KServe v2,
+/// `inference`).
+pub mod kserve_proto {
+    tonic::include_proto!("inference");
+}
+
 /// Generated protocol code for `narsil.v1`.
 pub mod proto {
     tonic::include_proto!("narsil.v1");

@@ -1,10 +1,15 @@
 //! The admin endpoint on `--metrics-addr`: `GET /metrics` answers every
-//! served model's metrics as OpenMetrics text; `/v1/models…` lists and
+//! served model's metrics as OpenMetrics text; `GET /healthz` answers 200
+//! while grpc.health's overall status is SERVING and 503 otherwise (for
+//! balancers that check over HTTP, like HAProxy); `/v1/models…` lists and
 //! controls models ([`crate::models::control`]).
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use axum::http::header::CONTENT_TYPE;
+use axum::http::StatusCode;
 use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
@@ -14,20 +19,31 @@ use crate::models::control::{self, ModelControl};
 /// OpenMetrics' content type, which Prometheus scrapes natively.
 pub const CONTENT_TYPE_OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Serves `/metrics` and the model routes on `listener` until `shutdown`
+/// Serves `/metrics`, `/healthz` and the model routes on `listener` until `shutdown`
 /// resolves.
 pub async fn serve(
     listener: TcpListener,
     models: ModelControl,
+    serving: Arc<AtomicBool>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let registry = std::sync::Arc::clone(&models.registry);
+    let registry = Arc::clone(&models.registry);
     let app = Router::new()
         .route(
             "/metrics",
             get(move || {
                 let text = registry.metrics_text();
                 async move { ([(CONTENT_TYPE, CONTENT_TYPE_OPENMETRICS)], text) }
+            }),
+        )
+        .route(
+            "/healthz",
+            get(move || {
+                let answer = match serving.load(Ordering::Relaxed) {
+                    true => (StatusCode::OK, "SERVING\n"),
+                    false => (StatusCode::SERVICE_UNAVAILABLE, "NOT_SERVING\n"),
+                };
+                async move { answer }
             }),
         )
         .merge(control::routes(models));

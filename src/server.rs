@@ -14,6 +14,7 @@
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,9 +27,11 @@ use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::cli::ServeArgs;
+use crate::grpc::kserve::KServeService;
 use crate::grpc::message_limit;
 use crate::grpc::torchrec::TorchRecService;
 use crate::grpc::PredictorService;
+use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceServiceServer;
 use crate::models::control::ModelControl;
 use crate::models::repository;
 use crate::models::watcher::{RepositorySource, Watcher};
@@ -77,6 +80,7 @@ pub struct Server {
     models: Arc<ModelRegistry>,
     served: Served,
     max_message_bytes: usize,
+    drain_grace: Duration,
 }
 
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
@@ -113,6 +117,7 @@ impl Server {
             models,
             served: Served::Fixed(handle),
             max_message_bytes: listen.max_message_bytes,
+            drain_grace: Duration::ZERO,
         })
     }
 
@@ -146,7 +151,16 @@ impl Server {
             models,
             served: Served::Repository { watcher, poll: repository.poll, control: repository.control },
             max_message_bytes: listen.max_message_bytes,
+            drain_grace: Duration::ZERO,
         })
+    }
+
+    /// After a stop is asked for, health turns NOT_SERVING at once, but
+    /// calls are still accepted and served for `grace` before the listener
+    /// closes and the drain begins, so that load balancers stop sending first.
+    pub fn with_drain_grace(mut self, grace: Duration) -> Self {
+        self.drain_grace = grace;
+        self
     }
 
     /// The gRPC address actually bound (useful with port 0).
@@ -179,8 +193,9 @@ impl Server {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
         let addr = self.local_addr();
         let models = Arc::clone(&self.models);
-        let (health, health_service) = tonic_health::server::health_reporter();
-        set_health(&health, ServingStatus::NotServing).await;
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let health = Health { reporter, serving: Arc::new(AtomicBool::new(false)) };
+        health.set(ServingStatus::NotServing).await;
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
@@ -190,6 +205,9 @@ impl Server {
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
         let torchrec = TorchRecPredictorServer::new(TorchRecService::new(Arc::clone(&models)))
+            .max_decoding_message_size(self.max_message_bytes)
+            .max_encoding_message_size(self.max_message_bytes);
+        let kserve = GrpcInferenceServiceServer::new(KServeService::new(Arc::clone(&models)))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
 
@@ -221,30 +239,41 @@ impl Server {
         let following =
             tokio::spawn(follow_models(health.clone(), Arc::clone(&models), Arc::clone(&draining)));
         let failure = Arc::new(std::sync::Mutex::new(None::<LaneFailed>));
-        let stop = {
-            let failure = Arc::clone(&failure);
-            let health = health.clone();
-            let models = Arc::clone(&models);
-            async move {
-                tokio::select! {
-                    _ = shutdown => {}
-                    Ok(lane_failure) = load_failed => {
-                        *failure.lock().expect("failure lock") = Some(lane_failure);
+        let drain_grace = self.drain_grace;
+        let stop =
+            {
+                let failure = Arc::clone(&failure);
+                let health = health.clone();
+                let models = Arc::clone(&models);
+                async move {
+                    tokio::select! {
+                        _ = shutdown => {}
+                        Ok(lane_failure) = load_failed => {
+                            *failure.lock().expect("failure lock") = Some(lane_failure);
+                        }
+                    }
+                    let mut draining = draining.lock().await;
+                    *draining = true;
+                    health.set(ServingStatus::NotServing).await;
+                    for (model, _) in models.health().1 {
+                        health.set_model(&model, ServingStatus::NotServing).await;
+                    }
+                    drop(draining);
+                    let failed = failure.lock().expect("failure lock").is_some();
+                    if !drain_grace.is_zero() && !failed {
+                        // Load balancers see NOT_SERVING and stop sending; what
+                        // still arrives meanwhile is served.
+                        tracing::info!(grace_ms = drain_grace.as_millis() as u64,
+                        "NOT_SERVING; serving on through the drain grace period before closing the listener");
+                        tokio::time::sleep(drain_grace).await;
                     }
                 }
-                let mut draining = draining.lock().await;
-                *draining = true;
-                set_health(&health, ServingStatus::NotServing).await;
-                for (model, _) in models.health().1 {
-                    health.set_service_status(model, ServingStatus::NotServing).await;
-                }
-            }
-        };
+            };
         tracing::info!(%addr, "listening");
         let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics = self.metrics_listener.map(|listener| {
             tracing::info!(addr = %listener.local_addr().expect("bound"), "serving metrics at /metrics and models at /v1/models");
-            tokio::spawn(crate::metrics_http::serve(listener, control, async {
+            tokio::spawn(crate::metrics_http::serve(listener, control, Arc::clone(&health.serving), async {
                 let _ = metrics_stopped.await;
             }))
         });
@@ -255,6 +284,7 @@ impl Server {
             .add_service(reflection)
             .add_service(predictor)
             .add_service(torchrec)
+            .add_service(kserve)
             .serve_with_incoming_shutdown(incoming, stop)
             .await;
         following.abort();
@@ -288,18 +318,14 @@ impl Server {
 /// Overall SERVING while every model that should serve has a warm, healthy
 /// version (and at least one model does); each model's own status under its
 /// name. Follows every change until draining begins.
-async fn follow_models(
-    health: tonic_health::server::HealthReporter,
-    models: Arc<ModelRegistry>,
-    draining: Arc<tokio::sync::Mutex<bool>>,
-) {
+async fn follow_models(health: Health, models: Arc<ModelRegistry>, draining: Arc<tokio::sync::Mutex<bool>>) {
     let mut changed = models.subscribe();
     let mut reported = BTreeSet::new();
     let mut was_serving = None;
     loop {
         changed.borrow_and_update();
-        let (overall, each) = models.health();
-        let overall = overall && each.iter().any(|(_, serving)| *serving);
+        let overall = models.ready();
+        let each = models.health().1;
         {
             let draining = draining.lock().await;
             if *draining {
@@ -309,17 +335,16 @@ async fn follow_models(
                 if overall {
                     tracing::info!("every model has a warm version; SERVING");
                 }
-                set_health(&health, if overall { ServingStatus::Serving } else { ServingStatus::NotServing })
-                    .await;
+                health.set(if overall { ServingStatus::Serving } else { ServingStatus::NotServing }).await;
                 was_serving = Some(overall);
             }
             let now: BTreeSet<String> = each.iter().map(|(model, _)| model.clone()).collect();
             for gone in reported.difference(&now) {
-                health.set_service_status(gone, ServingStatus::NotServing).await;
+                health.set_model(gone, ServingStatus::NotServing).await;
             }
             for (model, serving) in each {
                 let status = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
-                health.set_service_status(&model, status).await;
+                health.set_model(&model, status).await;
             }
             reported = now;
         }
@@ -329,23 +354,51 @@ async fn follow_models(
     }
 }
 
-async fn set_health(health: &tonic_health::server::HealthReporter, status: ServingStatus) {
-    health.set_service_status("", status).await;
-    health
-        .set_service_status(<PredictorServer<PredictorService> as tonic::server::NamedService>::NAME, status)
-        .await;
-    health
-        .set_service_status(
-            <TorchRecPredictorServer<TorchRecService> as tonic::server::NamedService>::NAME,
-            status,
-        )
-        .await;
+/// grpc.health's reporter, and whether the server as a whole is SERVING
+/// (also answered over HTTP as `/healthz` on the admin address).
+#[derive(Clone)]
+struct Health {
+    reporter: tonic_health::server::HealthReporter,
+    serving: Arc<AtomicBool>,
+}
+
+impl Health {
+    /// The overall status: `""` and every protocol's service name.
+    async fn set(&self, status: ServingStatus) {
+        self.serving.store(status == ServingStatus::Serving, Ordering::Relaxed);
+        let reporter = &self.reporter;
+        reporter.set_service_status("", status).await;
+        reporter
+            .set_service_status(
+                <PredictorServer<PredictorService> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        reporter
+            .set_service_status(
+                <TorchRecPredictorServer<TorchRecService> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+        reporter
+            .set_service_status(
+                <GrpcInferenceServiceServer<KServeService> as tonic::server::NamedService>::NAME,
+                status,
+            )
+            .await;
+    }
+
+    /// One model's status, under its name.
+    async fn set_model(&self, model: &str, status: ServingStatus) {
+        self.reporter.set_service_status(model, status).await;
+    }
 }
 
 /// `narsil serve`: build the backend (or watch the repository), serve,
 /// drain on SIGINT/SIGTERM.
 pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine_config()?;
+    let drain_grace = args.drain_grace()?;
     let listen = Listen {
         addr: args.addr,
         metrics_addr: args.metrics_addr,
@@ -363,5 +416,5 @@ pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
             Server::start(listen, args.backend.build()?, config).await?
         }
     };
-    server.run(crate::shutdown::signal()).await
+    server.with_drain_grace(drain_grace).run(crate::shutdown::signal()).await
 }

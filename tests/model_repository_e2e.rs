@@ -420,16 +420,6 @@ async fn latest_two_are_served_by_name_and_removing_a_directory_unloads_all_but_
     server.stop().await;
 }
 
-/// A server process, killed if the test fails before stopping it.
-struct KillOnDrop(std::process::Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Resident memory of process `pid`, KiB.
 fn rss_kib(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -445,7 +435,7 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
     let export_of = |version: u64| if version % 2 == 1 { &a } else { &b };
     publish(repo.path(), "dlrm", 1, &a, "model_fp32.pt");
     let (port, metrics_port) = (common::free_port(), common::free_port());
-    let mut child = KillOnDrop(
+    let mut child = common::KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
             .args(["serve", "--log-level", "warn", "--repository-poll-secs", "0", "--model-control"])
             .arg("--model-repository")

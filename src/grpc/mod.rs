@@ -4,6 +4,7 @@
 pub mod codec;
 pub mod convert;
 pub mod deadline;
+pub mod kserve;
 pub mod message_limit;
 pub mod service;
 pub mod status;

@@ -11,6 +11,8 @@
 //! `--protocol torchrec` speaks TorchRec's inference protocol instead (to
 //! Narsil or to TorchRec's own servers); that protocol has no ModelInfo, so
 //! the model's shape comes from `--num-dense`, `--num-sparse` and
+//! `--table-rows`. `--protocol kserve` speaks the Open Inference Protocol
+//! (KServe v2), reading the shape from ModelMetadata and ids below
 //! `--table-rows`.
 
 pub mod report;
@@ -23,6 +25,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tonic::transport::{Channel, Endpoint};
 
+use crate::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient as KServeClient;
+use crate::kserve_proto::{ModelInferRequest, ModelMetadataRequest};
 use crate::proto::predictor_client::PredictorClient;
 use crate::proto::{ModelInfoRequest, ModelInfoResponse, PredictRequest, PredictResponse, SparseFeature};
 use crate::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
@@ -36,6 +40,8 @@ pub enum Protocol {
     Narsil,
     /// TorchRec's `predictor.Predictor` (key-major bytes).
     Torchrec,
+    /// The Open Inference Protocol (KServe v2 `ModelInfer`, raw contents).
+    Kserve,
 }
 
 /// `narsil load` flags.
@@ -107,12 +113,14 @@ pub struct LoadArgs {
 enum Client {
     Narsil(PredictorClient<Channel>),
     TorchRec(TorchRecClient<Channel>),
+    KServe(KServeClient<Channel>),
 }
 
 /// One prebuilt request, in the protocol of the run.
 enum Message {
     Narsil(PredictRequest),
     TorchRec(Box<PredictionRequest>),
+    KServe(Box<ModelInferRequest>),
 }
 
 impl Client {
@@ -136,6 +144,13 @@ impl Client {
                     .or_else(|| response.predictions.into_values().next())
                     .map(|v| v.data)
                     .ok_or_else(|| tonic::Status::internal("response has no predictions"))?;
+                Ok(PredictResponse { scores, ..Default::default() })
+            }
+            (Client::KServe(client), Message::KServe(m)) => {
+                let response =
+                    client.model_infer(with_timeout(m.as_ref().clone(), timeout_ms)).await?.into_inner();
+                let scores = crate::grpc::kserve::first_scores(&response)
+                    .ok_or_else(|| tonic::Status::internal("response has no outputs"))?;
                 Ok(PredictResponse { scores, ..Default::default() })
             }
             _ => unreachable!("clients and messages are built for one protocol"),
@@ -172,6 +187,32 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
             .await
             .context("ModelInfo failed")?
             .into_inner(),
+        Client::KServe(client) => {
+            let request = ModelMetadataRequest { name: args.model.clone(), version: String::new() };
+            let metadata =
+                client.clone().model_metadata(request).await.context("ModelMetadata failed")?.into_inner();
+            let width = |name: &str| {
+                metadata
+                    .inputs
+                    .iter()
+                    .find(|t| t.name == name)
+                    .and_then(|t| t.shape.get(1).copied())
+                    .unwrap_or(0)
+            };
+            ModelInfoResponse {
+                name: metadata.name.clone(),
+                backend: metadata.platform.clone(),
+                num_dense: width(crate::grpc::kserve::DENSE) as u32,
+                sparse_features: (0..width(crate::grpc::kserve::LENGTHS))
+                    .map(|i| SparseFeature {
+                        name: format!("cat_{i}"),
+                        num_rows: args.table_rows,
+                        weighted: false,
+                    })
+                    .collect(),
+                ..Default::default()
+            }
+        }
         Client::TorchRec(_) => ModelInfoResponse {
             name: "torchrec".into(),
             backend: "torchrec-protocol".into(),
@@ -193,6 +234,14 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
             .iter()
             .map(|r| {
                 Message::TorchRec(Box::new(crate::grpc::torchrec::encode(r, info.sparse_features.len())))
+            })
+            .collect(),
+        Protocol::Kserve => requests
+            .iter()
+            .map(|r| {
+                let encoded =
+                    crate::grpc::kserve::encode(r, info.num_dense as usize, info.sparse_features.len());
+                Message::KServe(Box::new(encoded))
             })
             .collect(),
     };
@@ -226,6 +275,11 @@ async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<Client>> {
             ),
             Protocol::Torchrec => Client::TorchRec(
                 TorchRecClient::new(channel)
+                    .max_decoding_message_size(usize::MAX)
+                    .max_encoding_message_size(usize::MAX),
+            ),
+            Protocol::Kserve => Client::KServe(
+                KServeClient::new(channel)
                     .max_decoding_message_size(usize::MAX)
                     .max_encoding_message_size(usize::MAX),
             ),

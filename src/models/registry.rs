@@ -169,7 +169,9 @@ impl ModelRegistry {
         routed
     }
 
-    fn find(&self, model: &str, version: Option<&str>) -> Result<Arc<LiveVersion>, EngineError> {
+    /// [`Self::route`] without counting a refusal (readiness and metadata
+    /// lookups).
+    pub fn find(&self, model: &str, version: Option<&str>) -> Result<Arc<LiveVersion>, EngineError> {
         let models = self.read();
         let (name, slot) = self.slot(&models, model)?;
         let mut ready = slot.versions.values().rev().filter_map(|v| match v {
@@ -386,6 +388,13 @@ impl ModelRegistry {
             models.iter().map(|(name, slot)| (name.clone(), serving(slot))).collect();
         let overall = models.values().all(|slot| !slot.should_serve || serving(slot));
         (overall, each)
+    }
+
+    /// Whether the server as a whole should take traffic: every model that
+    /// should serve has a warm, healthy version, and at least one does.
+    pub fn ready(&self) -> bool {
+        let (overall, each) = self.health();
+        overall && each.iter().any(|(_, serving)| *serving)
     }
 
     /// Every ready version's metrics, labelled by model and version, and the

@@ -257,3 +257,13 @@ pub async fn wait_serving(url: &str, timeout: Duration) -> Channel {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A spawned server process, killed if the test fails before stopping it.
+pub struct KillOnDrop(pub std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

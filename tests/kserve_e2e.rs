@@ -1,0 +1,104 @@
+//! The Open Inference Protocol (KServe v2) end to end with the small
+//! exported model: its requests fuse with narsil.v1's and TorchRec's in one
+//! forward and score alike, and a stock `tritonclient` (Python, project venv)
+//! works against the real binary unchanged.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{batch_mode, start_with, wire};
+use narsil::grpc::kserve::{encode, first_scores};
+use narsil::grpc::torchrec::SCORES_KEY;
+use narsil::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
+use narsil_torch::{TorchConfig, TorchFactory};
+
+const TOLERANCE: f32 = 1e-6;
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    let diff = max_abs_diff(got, want)
+        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kserve_requests_fuse_with_the_other_protocols_and_score_like_them() {
+    let factory = TorchFactory::load(TorchConfig::new(test_model_dir().join("model_default.pt"))).unwrap();
+    let server = start_with(Arc::new(factory), batch_mode(1, 64)).await.ready().await;
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let channel = server.channel().await;
+    let mut calls = Vec::new();
+    for (i, g) in golden.requests.iter().enumerate() {
+        let request = wire(g, &format!("k{i}"));
+        let want = g.scores_int8.clone();
+        let (mut kserve, mut torchrec, mut narsil) = (
+            GrpcInferenceServiceClient::new(channel.clone()),
+            TorchRecClient::new(channel.clone()),
+            narsil::proto::predictor_client::PredictorClient::new(channel.clone()),
+        );
+        calls.push(tokio::spawn(async move {
+            let (k, t, n) = tokio::join!(
+                kserve.model_infer(encode(&request, 13, 26)),
+                torchrec.predict(narsil::grpc::torchrec::encode(&request, 26)),
+                narsil.predict(request.clone()),
+            );
+            let k = k.unwrap().into_inner();
+            assert_eq!(
+                (k.id.as_str(), k.model_name.as_str(), k.model_version.as_str()),
+                (request.request_id.as_str(), "dlrm", "1")
+            );
+            assert_eq!((k.outputs[0].name.as_str(), k.outputs[0].datatype.as_str()), ("default", "FP32"));
+            assert_eq!(k.outputs[0].shape, [i64::from(request.batch_size)]);
+            assert_close(&first_scores(&k).unwrap(), &want, &format!("KServe request {i}"));
+            assert_close(
+                &t.unwrap().into_inner().predictions[SCORES_KEY].data,
+                &want,
+                &format!("TorchRec request {i}"),
+            );
+            assert_close(&n.unwrap().into_inner().scores, &want, &format!("narsil.v1 request {i}"));
+        }));
+    }
+    for call in calls {
+        call.await.unwrap();
+    }
+    let stats = server.engine.stats();
+    let requests = 3 * golden.requests.len() as u64;
+    assert_eq!(stats.requests_computed, requests);
+    assert!(stats.forwards < requests, "{} forwards for {requests} requests: nothing fused", stats.forwards);
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stock_tritonclient_gets_golden_scores_from_the_real_binary() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join(".venv/bin/python");
+    assert!(python.is_file(), "no project venv: run scripts/setup_python.sh");
+    let port = common::free_port();
+    let server = Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["serve", "--log-level", "warn", "--addr", &format!("127.0.0.1:{port}")])
+        .arg("--model")
+        .arg(test_model_dir().join("model_default.pt"))
+        .spawn()
+        .unwrap();
+    let mut server = common::KillOnDrop(server);
+    common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
+    let golden = test_model_dir().join("golden.json");
+    let script = root.join("tests/python/kserve_tritonclient.py");
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python).arg(script).arg(format!("127.0.0.1:{port}")).arg(golden).output().unwrap()
+    })
+    .await
+    .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "tritonclient failed:\n{stdout}\n{stderr}");
+    let matched: usize = stdout.trim().strip_prefix("ok ").unwrap().parse().unwrap();
+    assert_eq!(matched, Golden::read(&test_model_dir()).unwrap().requests.len());
+    unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
+    assert!(server.0.wait().unwrap().success());
+}
