@@ -1,5 +1,6 @@
 //! The real `narsil serve` process: SIGTERM under load answers every accepted
-//! request and exits 0.
+//! request and exits 0; with `--drain-grace-secs`, health turns NOT_SERVING
+//! at once while calls are still served until the grace period ends.
 
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -44,4 +45,35 @@ async fn sigterm_under_load_answers_everything_and_exits_zero() {
     assert!(status.status.success(), "exit {:?}: {}", status.status, String::from_utf8_lossy(&status.stderr));
     let log = String::from_utf8_lossy(&status.stderr);
     assert!(log.contains("SIGTERM received") && log.contains("drained"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn within_the_drain_grace_health_says_not_serving_while_new_calls_are_still_served() {
+    let (port, admin_port) = (common::free_port(), common::free_port());
+    let admin: std::net::SocketAddr = format!("127.0.0.1:{admin_port}").parse().unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--metrics-addr", &admin.to_string()])
+        .args(["--mock-latency-ms", "1", "--mock-table-rows", "1000", "--drain-grace-secs", "2"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut child = common::KillOnDrop(child);
+    let url = format!("http://127.0.0.1:{port}");
+    let channel = common::wait_serving(&url, Duration::from_secs(20)).await;
+    assert_eq!(common::http(admin, "GET", "/healthz").await.0, 200);
+    let signalled = std::time::Instant::now();
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) }, 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(common::health_status(channel.clone()).await.unwrap(), 2, "NOT_SERVING at once");
+    assert_eq!(common::http(admin, "GET", "/healthz").await.0, 503);
+    // Calls on the open connection and on a new one are still answered.
+    PredictorClient::new(channel).predict(common::request(1, 2)).await.unwrap();
+    let mut fresh = PredictorClient::connect(url.clone()).await.unwrap();
+    fresh.predict(common::request(2, 2)).await.unwrap();
+    assert!(signalled.elapsed() < Duration::from_secs(2), "the checks ran past the grace period");
+    let status = tokio::task::spawn_blocking(move || child.0.wait().unwrap()).await.unwrap();
+    assert!(status.success());
+    assert!(signalled.elapsed() >= Duration::from_secs(2), "exited before the grace period ended");
 }
