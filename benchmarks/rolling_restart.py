@@ -71,10 +71,12 @@ class Replica:
                 "back_healthy_s": round(time.time() - stopped, 2)}
 
 
-def load(args, addr, duration):
+def load(args, addr, duration, rate=None):
     cmd = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(args.concurrency),
            "--samples-per-request", str(args.samples), "--duration", str(duration), "--warmup", "20",
            "--timeout-ms", "30000", "--json"]
+    if rate is not None:
+        cmd += ["--rate", str(rate)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
@@ -97,6 +99,8 @@ def main():
                    help="seconds of load while replicas restart (default: 2 + 8 per replica + 2)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--samples", type=int, default=100, help="samples per request")
+    p.add_argument("--no-restart", action="store_true", help="measure the steady window only (capacity)")
+    p.add_argument("--rates", default="", help="open-loop rates to measure (req/s, comma-separated), steady only")
     p.add_argument("--json-out", help="write the results to this file")
     args = p.parse_args()
     require_binary(args.binary, "--features torch")
@@ -123,6 +127,15 @@ def main():
 
         steady = load(args, addr, args.duration)
         print(json.dumps({"steady": summary(steady)}), flush=True)
+        result = {"machine": machine(), "model": args.model, "replicas": args.replicas,
+                  "drain_grace_s": args.drain_grace, "concurrency": args.concurrency, "samples": args.samples,
+                  "steady": summary(steady)}
+        if args.rates:
+            result["open_loop"] = [{"rate": float(r), **summary(load(args, addr, args.duration, float(r)))}
+                                   for r in args.rates.split(",")]
+        if args.no_restart or args.rates:
+            print(json.dumps(result, indent=2))
+            return
         restarts = []
 
         def roll():
@@ -139,9 +152,7 @@ def main():
         roller.join()
         if time.time() - load_ended > 0.5:
             raise SystemExit(f"the restarts outlasted the {window} s window: raise --rolling-window")
-        result = {"machine": machine(), "model": args.model, "replicas": args.replicas,
-                  "drain_grace_s": args.drain_grace, "concurrency": args.concurrency, "samples": args.samples,
-                  "steady": summary(steady), "rolling": summary(rolling), "restarts": restarts}
+        result |= {"rolling": summary(rolling), "restarts": restarts}
     finally:
         if haproxy is not None:
             haproxy.terminate()

@@ -102,3 +102,22 @@ async fn a_stock_tritonclient_gets_golden_scores_from_the_real_binary() {
     unsafe { libc::kill(server.0.id() as i32, libc::SIGTERM) };
     assert!(server.0.wait().unwrap().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narsil_load_speaks_kserve() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        load: narsil::load::LoadArgs,
+    }
+    let factory = TorchFactory::load(TorchConfig::new(test_model_dir().join("model_default.pt"))).unwrap();
+    let server = start_with(Arc::new(factory), batch_mode(1, 16)).await.ready().await;
+    let args = <Cli as clap::Parser>::parse_from([
+        "load", "--addr", &server.url, "--protocol", "kserve", "--table-rows", "1000", "--requests", "60",
+        "--concurrency", "4", "--warmup", "0", "--samples-per-request", "5",
+    ]);
+    let report = narsil::load::drive(&args.load).await.unwrap();
+    assert_eq!((report.requests, report.ok), (60, 60));
+    assert_eq!(server.engine.stats().rows_computed, 300);
+    server.stop().await.unwrap();
+}
