@@ -1,15 +1,17 @@
-//! The serving process: bind, start the engine, report health, serve until
-//! asked to stop, then drain.
+//! The serving process: bind, start the models (one fixed `--model`, or a
+//! repository and its watcher), report health, serve the three protocols
+//! until asked to stop, then drain.
 //!
-//! Metrics, when `--metrics-addr` is set, are served over HTTP until the
-//! drain is over.
+//! The admin address (`--metrics-addr`) serves metrics, `/healthz` and the
+//! model calls over HTTP until the drain is over.
 //!
-//! Health (`grpc.health.v1`) says NOT_SERVING until every lane has loaded and
-//! warmed up its model, then follows the backend (NOT_SERVING after
-//! `--unhealthy-after-failures` failed forwards in a row, SERVING again after
-//! a successful one); at shutdown it turns NOT_SERVING for good before the
-//! listener closes. Shutdown stops accepting connections, waits
-//! for every in-flight call to be answered, then stops the engine.
+//! Health (`grpc.health.v1`, and `/healthz`) says NOT_SERVING until every
+//! model that should serve has a warm version, then follows their backends
+//! (NOT_SERVING after `--unhealthy-after-failures` failed forwards in a row,
+//! SERVING again after a successful one); each model also has its own status
+//! under its name. When a stop is asked for, health turns NOT_SERVING for
+//! good at once; calls are still accepted for `--drain-grace-secs`; then the
+//! listener closes, every call in flight is answered, and the models stop.
 
 use std::collections::BTreeSet;
 use std::future::Future;
@@ -240,39 +242,39 @@ impl Server {
             tokio::spawn(follow_models(health.clone(), Arc::clone(&models), Arc::clone(&draining)));
         let failure = Arc::new(std::sync::Mutex::new(None::<LaneFailed>));
         let drain_grace = self.drain_grace;
-        let stop =
-            {
-                let failure = Arc::clone(&failure);
-                let health = health.clone();
-                let models = Arc::clone(&models);
-                async move {
-                    tokio::select! {
-                        _ = shutdown => {}
-                        Ok(lane_failure) = load_failed => {
-                            *failure.lock().expect("failure lock") = Some(lane_failure);
-                        }
-                    }
-                    let mut draining = draining.lock().await;
-                    *draining = true;
-                    health.set(ServingStatus::NotServing).await;
-                    for (model, _) in models.health().1 {
-                        health.set_model(&model, ServingStatus::NotServing).await;
-                    }
-                    drop(draining);
-                    let failed = failure.lock().expect("failure lock").is_some();
-                    if !drain_grace.is_zero() && !failed {
-                        // Load balancers see NOT_SERVING and stop sending; what
-                        // still arrives meanwhile is served.
-                        tracing::info!(grace_ms = drain_grace.as_millis() as u64,
-                        "NOT_SERVING; serving on through the drain grace period before closing the listener");
-                        tokio::time::sleep(drain_grace).await;
+        let stop = {
+            let failure = Arc::clone(&failure);
+            let health = health.clone();
+            let models = Arc::clone(&models);
+            async move {
+                tokio::select! {
+                    _ = shutdown => {}
+                    Ok(lane_failure) = load_failed => {
+                        *failure.lock().expect("failure lock") = Some(lane_failure);
                     }
                 }
-            };
+                let mut draining = draining.lock().await;
+                *draining = true;
+                health.set(ServingStatus::NotServing).await;
+                for (model, _) in models.health().1 {
+                    health.set_model(&model, ServingStatus::NotServing).await;
+                }
+                drop(draining);
+                let failed = failure.lock().expect("failure lock").is_some();
+                if !drain_grace.is_zero() && !failed {
+                    // Load balancers see NOT_SERVING and stop sending; what
+                    // still arrives meanwhile is served.
+                    let grace_ms = drain_grace.as_millis() as u64;
+                    tracing::info!(grace_ms, "NOT_SERVING; still serving through the drain grace period");
+                    tokio::time::sleep(drain_grace).await;
+                }
+            }
+        };
         tracing::info!(%addr, "listening");
         let (metrics_stop, metrics_stopped) = tokio::sync::oneshot::channel::<()>();
         let metrics = self.metrics_listener.map(|listener| {
-            tracing::info!(addr = %listener.local_addr().expect("bound"), "serving metrics at /metrics and models at /v1/models");
+            let admin = listener.local_addr().expect("bound");
+            tracing::info!(addr = %admin, "serving /metrics, /healthz and /v1/models");
             tokio::spawn(crate::metrics_http::serve(listener, control, Arc::clone(&health.serving), async {
                 let _ = metrics_stopped.await;
             }))

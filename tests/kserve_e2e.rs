@@ -113,8 +113,21 @@ async fn narsil_load_speaks_kserve() {
     let factory = TorchFactory::load(TorchConfig::new(test_model_dir().join("model_default.pt"))).unwrap();
     let server = start_with(Arc::new(factory), batch_mode(1, 16)).await.ready().await;
     let args = <Cli as clap::Parser>::parse_from([
-        "load", "--addr", &server.url, "--protocol", "kserve", "--table-rows", "1000", "--requests", "60",
-        "--concurrency", "4", "--warmup", "0", "--samples-per-request", "5",
+        "load",
+        "--addr",
+        &server.url,
+        "--protocol",
+        "kserve",
+        "--table-rows",
+        "1000",
+        "--requests",
+        "60",
+        "--concurrency",
+        "4",
+        "--warmup",
+        "0",
+        "--samples-per-request",
+        "5",
     ]);
     let report = narsil::load::drive(&args.load).await.unwrap();
     assert_eq!((report.requests, report.ok), (60, 60));

@@ -308,19 +308,20 @@ pub fn decode(request: &pb::ModelInferRequest, schema: &ModelSchema) -> Result<R
     }
     let (mut dense, mut lengths, mut ids, mut weights) = (None, None, None, None);
     for (i, tensor) in request.inputs.iter().enumerate() {
-        let (slot, field) =
-            match tensor.name.as_str() {
-                DENSE => (&mut dense, InputField::Dense),
-                LENGTHS => (&mut lengths, InputField::Lengths),
-                IDS => (&mut ids, InputField::Ids),
-                WEIGHTS => (&mut weights, InputField::Weights),
-                other => return Err(InvalidInput::new(
+        let (slot, field) = match tensor.name.as_str() {
+            DENSE => (&mut dense, InputField::Dense),
+            LENGTHS => (&mut lengths, InputField::Lengths),
+            IDS => (&mut ids, InputField::Ids),
+            WEIGHTS => (&mut weights, InputField::Weights),
+            other => {
+                return Err(InvalidInput::new(
                     InputField::Wire("inputs"),
                     format!(
                         "unknown input {other:?}; the model takes {DENSE}, {LENGTHS}, {IDS} and {WEIGHTS}"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         if slot.is_some() {
             return Err(InvalidInput::new(field, "is given twice"));
         }

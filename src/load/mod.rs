@@ -103,7 +103,8 @@ pub struct LoadArgs {
     /// `--protocol torchrec`: sparse features per sample.
     #[arg(long, default_value_t = 26)]
     pub num_sparse: u32,
-    /// `--protocol torchrec`: rows of every table (ids are drawn below it).
+    /// `--protocol torchrec` and `kserve`: rows of every table (ids are
+    /// drawn below it).
     #[arg(long, default_value_t = 100_000)]
     pub table_rows: u64,
 }
@@ -199,33 +200,12 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
                     .and_then(|t| t.shape.get(1).copied())
                     .unwrap_or(0)
             };
-            ModelInfoResponse {
-                name: metadata.name.clone(),
-                backend: metadata.platform.clone(),
-                num_dense: width(crate::grpc::kserve::DENSE) as u32,
-                sparse_features: (0..width(crate::grpc::kserve::LENGTHS))
-                    .map(|i| SparseFeature {
-                        name: format!("cat_{i}"),
-                        num_rows: args.table_rows,
-                        weighted: false,
-                    })
-                    .collect(),
-                ..Default::default()
-            }
+            let (dense, sparse) = (width(crate::grpc::kserve::DENSE), width(crate::grpc::kserve::LENGTHS));
+            shaped_info(&metadata.name, &metadata.platform, dense as u32, sparse as u32, args.table_rows)
         }
-        Client::TorchRec(_) => ModelInfoResponse {
-            name: "torchrec".into(),
-            backend: "torchrec-protocol".into(),
-            num_dense: args.num_dense,
-            sparse_features: (0..args.num_sparse)
-                .map(|i| SparseFeature {
-                    name: format!("cat_{i}"),
-                    num_rows: args.table_rows,
-                    weighted: false,
-                })
-                .collect(),
-            ..Default::default()
-        },
+        Client::TorchRec(_) => {
+            shaped_info("torchrec", "torchrec-protocol", args.num_dense, args.num_sparse, args.table_rows)
+        }
     };
     let requests = workload::build_pool(&info, args)?;
     let pool: Vec<Message> = match args.protocol {
@@ -256,6 +236,26 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
     }
     let (recorder, elapsed) = run_phase(args, &clients, &pool, measured).await;
     Ok(Report::new(args, &info, recorder, elapsed))
+}
+
+/// A model of `num_sparse` unweighted features `cat_i` of `table_rows` ids,
+/// for protocols whose metadata does not give table sizes.
+fn shaped_info(
+    name: &str,
+    backend: &str,
+    num_dense: u32,
+    num_sparse: u32,
+    table_rows: u64,
+) -> ModelInfoResponse {
+    ModelInfoResponse {
+        name: name.into(),
+        backend: backend.into(),
+        num_dense,
+        sparse_features: (0..num_sparse)
+            .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: table_rows, weighted: false })
+            .collect(),
+        ..Default::default()
+    }
 }
 
 async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<Client>> {
