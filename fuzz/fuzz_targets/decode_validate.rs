@@ -1,13 +1,14 @@
-//! Decode + validate, both protocols: arbitrary bytes as a `narsil.v1`
-//! PredictRequest or a TorchRec PredictionRequest, converted and validated
+//! Decode + validate, every protocol: arbitrary bytes as a `narsil.v1`
+//! PredictRequest, a TorchRec PredictionRequest or (selector bit 7) a KServe
+//! v2 ModelInferRequest, converted and validated
 //! exactly as the services do. Nothing may panic; a request that passes
 //! validation must then be safe to split, reorder into a key-major batch and
 //! score, with every id inside its table.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use narsil::grpc::{convert, torchrec};
-use narsil::{proto, torchrec_proto};
+use narsil::grpc::{convert, kserve, torchrec};
+use narsil::{kserve_proto, proto, torchrec_proto};
 use narsil_core::mock::mock_scores;
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_core::{assemble, ModelSchema};
@@ -27,7 +28,16 @@ fuzz_target!(|data: &[u8]| {
     let schema = schema();
     let policy = if selector & 2 == 0 { IdPolicy::Reject } else { IdPolicy::Modulo };
     let limits = RequestLimits { max_samples: 64, id_policy: policy };
-    let decoded = if selector & 1 == 0 {
+    let decoded = if selector & 0x80 != 0 {
+        let Ok(request) = kserve_proto::ModelInferRequest::decode(bytes) else { return };
+        match kserve::decode(&request, &schema) {
+            Ok(batch) => batch,
+            Err(invalid) => {
+                assert!(!kserve::field_name(invalid.field).is_empty() && !invalid.message.is_empty());
+                return;
+            }
+        }
+    } else if selector & 1 == 0 {
         let Ok(request) = proto::PredictRequest::decode(bytes) else { return };
         convert::sample_batch(request)
     } else {
