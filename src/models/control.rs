@@ -11,8 +11,8 @@
 //!   version, even the last one.
 //!
 //! The POST calls change what is served, so they answer 403 unless the
-//! server runs with `--model-control`, and 409 for a server of one fixed
-//! `--model`. Each answers once the repository has been reconciled, with the
+//! server runs with `--model-control` (which needs `--model-repository`: a
+//! server of one fixed `--model` always answers 403). Each answers once the repository has been reconciled, with the
 //! model's status as JSON: 200 when the call's goal was reached, 422 (with
 //! the failure in the version's `error`) when a load failed.
 
@@ -79,6 +79,7 @@ impl ModelControl {
             ));
         }
         let Some(rescan) = &self.rescan else {
+            // `--model-control` needs `--model-repository`; kept for embedders.
             return Err(error(
                 StatusCode::CONFLICT,
                 "this server serves one fixed --model; loading and unloading needs --model-repository".into(),
