@@ -326,8 +326,7 @@ async fn follow_models(health: Health, models: Arc<ModelRegistry>, draining: Arc
     let mut was_serving = None;
     loop {
         changed.borrow_and_update();
-        let overall = models.ready();
-        let each = models.health().1;
+        let (overall, each) = models.health();
         {
             let draining = draining.lock().await;
             if *draining {

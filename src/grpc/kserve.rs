@@ -27,6 +27,7 @@ use crate::kserve_proto as pb;
 use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::kserve_proto::model_infer_request::InferInputTensor;
 use crate::kserve_proto::model_metadata_response::TensorMetadata;
+use crate::models::registry::VersionState;
 use crate::models::ModelRegistry;
 
 /// Input tensor names.
@@ -63,10 +64,6 @@ impl KServeService {
     }
 }
 
-fn optional(text: &str) -> Option<&str> {
-    (!text.is_empty()).then_some(text)
-}
-
 fn to_status(error: narsil_engine::EngineError) -> Status {
     status::to_status(error, field_name)
 }
@@ -92,7 +89,7 @@ impl GrpcInferenceService for KServeService {
         request: Request<pb::ModelReadyRequest>,
     ) -> Result<Response<pb::ModelReadyResponse>, Status> {
         let request = request.into_inner();
-        let ready = match self.models.find(&request.name, optional(&request.version)) {
+        let ready = match self.models.find(&request.name, &request.version) {
             Ok(live) => live.engine.is_ready(),
             Err(narsil_engine::EngineError::NoServingVersion(_)) => false,
             Err(error) => return Err(to_status(error)),
@@ -116,10 +113,14 @@ impl GrpcInferenceService for KServeService {
         request: Request<pb::ModelMetadataRequest>,
     ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
         let request = request.into_inner();
-        let live = self.models.find(&request.name, optional(&request.version)).map_err(to_status)?;
+        let live = self.models.find(&request.name, &request.version).map_err(to_status)?;
         let (status, _) = self.models.describe(&request.name).map_err(to_status)?;
-        let versions =
-            status.versions.into_iter().filter(|v| v.state == "READY").map(|v| v.version).collect();
+        let versions = status
+            .versions
+            .into_iter()
+            .filter(|v| v.state == VersionState::Ready.name())
+            .map(|v| v.version)
+            .collect();
         Ok(Response::new(metadata(live.engine.schema(), versions)))
     }
 
@@ -129,8 +130,7 @@ impl GrpcInferenceService for KServeService {
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let request = request.into_inner();
-        let live =
-            self.models.route(&request.model_name, optional(&request.model_version)).map_err(to_status)?;
+        let live = self.models.route(&request.model_name, &request.model_version).map_err(to_status)?;
         let engine = &live.engine;
         let schema = engine.schema();
         let wanted = requested_outputs(&request, schema).map_err(|e| to_status(engine.reject(e)))?;

@@ -23,10 +23,6 @@ impl PredictorService {
     }
 }
 
-fn optional(text: &str) -> Option<&str> {
-    (!text.is_empty()).then_some(text)
-}
-
 #[tonic::async_trait]
 impl Predictor for PredictorService {
     async fn predict(
@@ -38,7 +34,7 @@ impl Predictor for PredictorService {
         let request_id = std::mem::take(&mut message.request_id);
         let live = self
             .models
-            .route(&message.model, optional(&message.model_version))
+            .route(&message.model, &message.model_version)
             .map_err(|e| status::to_status(e, InputField::name))?;
         let prediction =
             live.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {

@@ -64,7 +64,7 @@ impl Predictor for TorchRecService {
             let model = header(&request, MODEL_HEADER).map_err(|e| to_status(self.models.refuse(e)))?;
             let version =
                 header(&request, MODEL_VERSION_HEADER).map_err(|e| to_status(self.models.refuse(e)))?;
-            self.models.route(model, (!version.is_empty()).then_some(version)).map_err(to_status)?
+            self.models.route(model, version).map_err(to_status)?
         };
         let engine = &live.engine;
         let schema = engine.schema();

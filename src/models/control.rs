@@ -24,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
-use super::registry::{ModelRegistry, ModelStatus, OperatorMarks};
+use super::registry::{ModelRegistry, ModelStatus, OperatorMarks, VersionState};
 use super::watcher::RescanHandle;
 
 /// What the control routes act on.
@@ -116,7 +116,10 @@ fn answer(result: Result<Option<ModelStatus>, Response>, reached: impl Fn(&Model
 }
 
 fn has_ready(status: &ModelStatus, version: Option<&str>) -> bool {
-    status.versions.iter().any(|v| v.state == "READY" && version.is_none_or(|wanted| v.version == wanted))
+    status
+        .versions
+        .iter()
+        .any(|v| v.state == VersionState::Ready.name() && version.is_none_or(|wanted| v.version == wanted))
 }
 
 async fn scan(State(control): State<ModelControl>) -> Response {

@@ -40,6 +40,16 @@ enum VersionSlot {
     Failed { error: String, fingerprint: Fingerprint },
 }
 
+impl VersionSlot {
+    fn state(&self) -> VersionState {
+        match self {
+            Self::Loading => VersionState::Loading,
+            Self::Ready(_) => VersionState::Ready,
+            Self::Failed { fingerprint, .. } => VersionState::Failed(*fingerprint),
+        }
+    }
+}
+
 /// A version's state, as the repository watcher sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VersionState {
@@ -49,6 +59,17 @@ pub enum VersionState {
     Ready,
     /// Failed to load from files with this fingerprint.
     Failed(Fingerprint),
+}
+
+impl VersionState {
+    /// `LOADING`, `READY` or `FAILED`, as listed and in ModelInfo.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Loading => "LOADING",
+            Self::Ready => "READY",
+            Self::Failed(_) => "FAILED",
+        }
+    }
 }
 
 /// What the operator asked for through the control calls; the repository's
@@ -159,8 +180,9 @@ impl ModelRegistry {
     }
 
     /// The version a request goes to: `model` (empty: the default model) at
-    /// `version` (none: its highest ready version). Refusals are counted.
-    pub fn route(&self, model: &str, version: Option<&str>) -> Result<Arc<LiveVersion>, EngineError> {
+    /// `version` (empty: its highest ready version), as every protocol sends
+    /// them. Refusals are counted.
+    pub fn route(&self, model: &str, version: &str) -> Result<Arc<LiveVersion>, EngineError> {
         let routed = self.find(model, version);
         if let Err(error) = &routed {
             let outcome = if matches!(error, EngineError::Invalid(_)) { "invalid" } else { "unavailable" };
@@ -171,7 +193,7 @@ impl ModelRegistry {
 
     /// [`Self::route`] without counting a refusal (readiness and metadata
     /// lookups).
-    pub fn find(&self, model: &str, version: Option<&str>) -> Result<Arc<LiveVersion>, EngineError> {
+    pub fn find(&self, model: &str, version: &str) -> Result<Arc<LiveVersion>, EngineError> {
         let models = self.read();
         let (name, slot) = self.slot(&models, model)?;
         let mut ready = slot.versions.values().rev().filter_map(|v| match v {
@@ -179,8 +201,8 @@ impl ModelRegistry {
             _ => None,
         });
         let found = match version {
-            None => ready.next().ok_or(EngineError::NoServingVersion(name.into()))?,
-            Some(wanted) => ready.find(|live| live.engine.schema().version == wanted).ok_or_else(|| {
+            "" => ready.next().ok_or(EngineError::NoServingVersion(name.into()))?,
+            wanted => ready.find(|live| live.engine.schema().version == wanted).ok_or_else(|| {
                 let message = format!("version {wanted:?} of model {name:?} is not served");
                 InvalidInput::new(InputField::Wire("model_version"), message)
             })?,
@@ -222,7 +244,7 @@ impl ModelRegistry {
         };
         let status = self.list().into_iter().find(|m| m.name == name);
         let status = status.ok_or(EngineError::NoServingVersion(name.clone()))?;
-        Ok((status, self.find(&name, None).ok()))
+        Ok((status, self.find(&name, "").ok()))
     }
 
     /// Counts a request refused before it could be routed (undecodable,
@@ -239,7 +261,7 @@ impl ModelRegistry {
     /// The schema requests to `model` are validated against today (its
     /// highest ready version's), which a new version must match.
     pub fn serving_schema(&self, model: &str) -> Option<ModelSchema> {
-        self.find(model, None).ok().map(|live| live.engine.schema().clone())
+        self.find(model, "").ok().map(|live| live.engine.schema().clone())
     }
 
     /// Marks `number` of `model` as loading (the model appears if new).
@@ -314,17 +336,7 @@ impl ModelRegistry {
     pub fn states(&self, model: &str) -> BTreeMap<u64, VersionState> {
         let models = self.read();
         let Some(slot) = models.get(model) else { return BTreeMap::new() };
-        slot.versions
-            .iter()
-            .map(|(&number, state)| {
-                let state = match state {
-                    VersionSlot::Loading => VersionState::Loading,
-                    VersionSlot::Ready(_) => VersionState::Ready,
-                    VersionSlot::Failed { fingerprint, .. } => VersionState::Failed(*fingerprint),
-                };
-                (number, state)
-            })
-            .collect()
+        slot.versions.iter().map(|(&number, state)| (number, state.state())).collect()
     }
 
     /// The names of every model.
@@ -366,35 +378,33 @@ impl ModelRegistry {
                 versions: slot
                     .versions
                     .iter()
-                    .map(|(&number, state)| match state {
-                        VersionSlot::Loading => VersionStatus::new(number.to_string(), "LOADING", None),
-                        VersionSlot::Ready(live) => {
-                            VersionStatus::new(live.engine.schema().version.clone(), "READY", None)
-                        }
-                        VersionSlot::Failed { error, .. } => {
-                            VersionStatus::new(number.to_string(), "FAILED", Some(error.clone()))
-                        }
+                    .map(|(&number, slot)| {
+                        let (version, error) = match slot {
+                            VersionSlot::Ready(live) => (live.engine.schema().version.clone(), None),
+                            VersionSlot::Failed { error, .. } => (number.to_string(), Some(error.clone())),
+                            VersionSlot::Loading => (number.to_string(), None),
+                        };
+                        VersionStatus { version, state: slot.state().name(), error }
                     })
                     .collect(),
             })
             .collect()
     }
 
-    /// Overall health (every model that should serve has a warm, healthy
-    /// version), and each model's own.
+    /// Whether the server as a whole should take traffic (every model that
+    /// should serve has a warm, healthy version, and at least one does), and
+    /// whether each model has one.
     pub fn health(&self) -> (bool, Vec<(String, bool)>) {
         let models = self.read();
         let each: Vec<(String, bool)> =
             models.iter().map(|(name, slot)| (name.clone(), serving(slot))).collect();
-        let overall = models.values().all(|slot| !slot.should_serve || serving(slot));
-        (overall, each)
+        let every = models.values().zip(&each).all(|(slot, (_, serving))| !slot.should_serve || *serving);
+        (every && each.iter().any(|(_, serving)| *serving), each)
     }
 
-    /// Whether the server as a whole should take traffic: every model that
-    /// should serve has a warm, healthy version, and at least one does.
+    /// The overall half of [`Self::health`].
     pub fn ready(&self) -> bool {
-        let (overall, each) = self.health();
-        overall && each.iter().any(|(_, serving)| *serving)
+        self.health().0
     }
 
     /// Every ready version's metrics, labelled by model and version, and the
@@ -403,16 +413,12 @@ impl ModelRegistry {
         let mut texts = Vec::new();
         self.metrics.versions.clear();
         for (name, slot) in self.read().iter() {
-            for state in slot.versions.values() {
-                let state_name = match state {
-                    VersionSlot::Loading => "loading",
-                    VersionSlot::Ready(live) => {
-                        texts.push(live.engine.metrics_text());
-                        "ready"
-                    }
-                    VersionSlot::Failed { .. } => "failed",
-                };
-                self.metrics.versions.get_or_create(&labels(&[("model", name), ("state", state_name)])).inc();
+            for version in slot.versions.values() {
+                if let VersionSlot::Ready(live) = version {
+                    texts.push(live.engine.metrics_text());
+                }
+                let state = version.state().name().to_ascii_lowercase();
+                self.metrics.versions.get_or_create(&labels(&[("model", name), ("state", &state)])).inc();
             }
         }
         let mut own = String::new();
@@ -438,12 +444,6 @@ impl ModelRegistry {
                 tracing::error!(error = %e, "a version's shutdown ended abnormally");
             }
         }
-    }
-}
-
-impl VersionStatus {
-    fn new(version: String, state: &'static str, error: Option<String>) -> Self {
-        Self { version, state, error }
     }
 }
 

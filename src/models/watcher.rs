@@ -154,9 +154,10 @@ impl Watcher {
 
     async fn reconcile_model(&self, model: &str, on_disk: &BTreeMap<u64, VersionDir>, plan: &Plan) {
         let Plan { desired, marks } = plan;
+        let before = self.registry.states(model);
         for &number in desired {
             let dir = &on_disk[&number];
-            match self.registry.states(model).get(&number) {
+            match before.get(&number) {
                 Some(VersionState::Loading | VersionState::Ready) => {}
                 Some(VersionState::Failed(seen)) if *seen == dir.fingerprint => {}
                 _ => self.load(model, number, dir).await,
@@ -190,6 +191,8 @@ impl Watcher {
                 );
             }
         }
+        // Again after the retirements: a model left with no versions and no
+        // goal is forgotten.
         self.registry.set_should_serve(model, !desired.is_empty());
     }
 
