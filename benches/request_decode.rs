@@ -39,7 +39,7 @@ fn bench_decode(c: &mut Criterion) {
     group.bench_function("narsil_v1", |b| {
         b.iter(|| {
             let message = PredictRequest::decode(narsil_bytes.clone()).unwrap();
-            let mut batch = convert::sample_batch(message);
+            let mut batch = convert::request_samples(message);
             batch.validate(&schema, limits).unwrap();
             batch
         })

@@ -47,6 +47,16 @@ TORCHREC_BIN = os.path.join(TORCHREC_DIR, "build", "torchrec_server")
 TORCHREC_ADDR = "127.0.0.1:50051"  # fixed upstream (0.0.0.0:50051)
 
 
+def cpu_has_bf16():
+    """Whether the CPU has the bf16 instructions Narsil's bf16 needs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return True  # not Linux: let the server decide
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def torchrec_server(args):
     """The TorchRec C++ server binary, built if a checkout was given; None
     (with a message) when neither is there."""
@@ -207,6 +217,10 @@ def main():
         if not os.path.exists(needed):
             raise SystemExit(f"{needed} not found: run scripts/serve.sh once (it exports the default model)")
     torchrec_bin = None if args.skip_torchrec else torchrec_server(args)
+    if "bf16" in args.precisions and not cpu_has_bf16():
+        # Narsil refuses bf16 on such CPUs (it would be emulated, slower than FP32).
+        print("this CPU has neither AVX512-BF16 nor AMX-BF16: the bf16 rows are skipped", file=sys.stderr)
+        args.precisions = [p for p in args.precisions if p != "bf16"]
 
     host = machine()
     rows = []

@@ -11,7 +11,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_engine::Setting;
-use narsil_engine::{EngineConfig, ExecutionMode};
+use narsil_engine::{EngineConfig, ExecutionMode, MemoryBudget};
 
 use crate::backends::BackendArgs;
 use crate::forward_bench::ForwardBenchArgs;
@@ -122,6 +122,13 @@ pub struct ServeArgs {
     /// Executor lanes: threads each owning a model instance.
     #[arg(long, env = "NARSIL_LANES", default_value_t = 1)]
     pub lanes: usize,
+    /// Most threads one forward may use. A forward that starts while the
+    /// other lanes are idle and nothing else is queued takes the cores they
+    /// leave free, up to this; under load each lane runs on one thread
+    /// (torch; `--intra-op-threads` is the floor). Unset: the cores this
+    /// process may run on. 1: every forward on one thread.
+    #[arg(long, env = "NARSIL_MAX_FORWARD_THREADS")]
+    pub max_forward_threads: Option<usize>,
     /// Most requests admitted and waiting for a forward; more are rejected
     /// with RESOURCE_EXHAUSTED.
     #[arg(long, env = "NARSIL_MAX_QUEUE_REQUESTS", default_value_t = 1024)]
@@ -129,10 +136,12 @@ pub struct ServeArgs {
     /// Most rows admitted and waiting for a forward.
     #[arg(long, env = "NARSIL_MAX_QUEUE_ROWS", default_value_t = 131_072)]
     pub max_queue_rows: usize,
-    /// Most decoded request bytes admitted and waiting (dense values, bag
-    /// lengths and ids as held in memory); more are rejected with
-    /// RESOURCE_EXHAUSTED, and a single request larger than this with
-    /// INVALID_ARGUMENT. Unset: 4 x --max-message-bytes (256 MiB by default).
+    /// Most bytes all requests together may hold, process-wide: messages
+    /// being received and decoded (reserved from their encoded size before
+    /// they are read), queued requests, and batches being computed. More
+    /// are rejected with RESOURCE_EXHAUSTED, and a single request that
+    /// decodes larger than this with INVALID_ARGUMENT. Unset: 4 x
+    /// --max-message-bytes (256 MiB by default).
     #[arg(long, env = "NARSIL_MAX_QUEUE_BYTES")]
     pub max_queue_bytes: Option<usize>,
     /// Longest a request may wait for its forward to start, ms; past it the
@@ -194,9 +203,14 @@ impl ServeArgs {
             health_probe_interval: Duration::from_secs(1),
             batch_timeout: Duration::from_secs_f64(self.batch_timeout_ms / 1e3),
             lanes: self.lanes,
+            max_forward_threads: self
+                .max_forward_threads
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
             max_queue_requests: self.max_queue_requests,
             max_queue_rows: self.max_queue_rows,
-            max_queue_bytes: self.max_queue_bytes.unwrap_or(self.max_message_bytes.saturating_mul(4)),
+            memory: MemoryBudget::new(
+                self.max_queue_bytes.unwrap_or(self.max_message_bytes.saturating_mul(4)),
+            ),
             queue_timeout,
             limits: RequestLimits {
                 max_samples: self.max_request_samples,
@@ -249,6 +263,7 @@ impl ServeArgs {
 pub fn serve_flag(setting: Setting) -> &'static str {
     match setting {
         Setting::Lanes => "--lanes",
+        Setting::MaxForwardThreads => "--max-forward-threads",
         Setting::MaxBatchRequests => "--max-batch-requests",
         Setting::MaxBatchRows => "--max-batch-rows",
         Setting::MaxQueueRequests => "--max-queue-requests",

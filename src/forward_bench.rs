@@ -17,7 +17,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::backends::{BackendArgs, DensePrecisionArg};
-use crate::grpc::convert::{model_info, sample_batch};
+use crate::grpc::convert::{model_info, request_samples};
 use crate::load::workload::random_request;
 
 /// `narsil bench-forward` flags.
@@ -210,7 +210,8 @@ fn measure(
     let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut random = |samples: usize, index: usize| -> anyhow::Result<RequestSamples> {
-        let mut request = sample_batch(random_request(&info, samples, args.ids_per_feature, &mut rng, index));
+        let mut request =
+            request_samples(random_request(&info, samples, args.ids_per_feature, &mut rng, index));
         request.validate(&schema, limits)?;
         Ok(request)
     };

@@ -7,6 +7,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
     huge_pages_for_libtorch();
+    bounded_malloc_arenas();
+    // mimalloc returns the pages it keeps for reuse lazily, when the thread
+    // that freed them allocates again; after a batch of tens of MiB (a
+    // request with millions of ids) that could leave them resident for a
+    // long time. A forced collect hands them back at once (REPORTS.md).
+    // SAFETY: mi_collect only walks mimalloc's own structures.
+    narsil_engine::on_large_free(|| unsafe { libmimalloc_sys::mi_collect(true) });
     narsil::cli::main()
 }
 
@@ -20,5 +27,20 @@ fn main() -> std::process::ExitCode {
 fn huge_pages_for_libtorch() {
     if std::env::var_os("THP_MEM_ALLOC_ENABLE").is_none() {
         std::env::set_var("THP_MEM_ALLOC_ENABLE", "1");
+    }
+}
+
+/// libtorch allocates through glibc's malloc, which gives each new thread
+/// its own arena (up to 8 per core) and keeps what an arena once held. Every
+/// model version has its own lane threads, and a lane's forward may run on
+/// an OpenMP team, so reloads would keep adding arenas: with two threads per
+/// idle forward, ten version switches grew resident memory by 7 MiB each.
+/// One arena per core bounds that (flat after a few switches). An operator's
+/// `MALLOC_ARENA_MAX` wins.
+fn bounded_malloc_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        // SAFETY: mallopt only sets a glibc tuning value, before any thread exists.
+        unsafe { libc::mallopt(libc::M_ARENA_MAX, cores as libc::c_int) };
     }
 }

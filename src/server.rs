@@ -22,14 +22,16 @@ use std::time::Duration;
 
 use anyhow::Context;
 use narsil_core::BackendFactory;
-use narsil_engine::{Engine, EngineConfig, EngineHandle, LaneFailed};
+use narsil_engine::{Engine, EngineConfig, EngineHandle, LaneFailed, MemoryBudget};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::server::TcpIncoming;
 use tonic_health::ServingStatus;
 
 use crate::cli::ServeArgs;
+use crate::grpc::infer::Infer;
 use crate::grpc::kserve::KServeService;
+use crate::grpc::memory_layer::MemoryLayer;
 use crate::grpc::message_limit;
 use crate::grpc::torchrec::TorchRecService;
 use crate::grpc::PredictorService;
@@ -82,6 +84,8 @@ pub struct Server {
     models: Arc<ModelRegistry>,
     served: Served,
     max_message_bytes: usize,
+    /// The bound on request memory every engine shares.
+    memory: MemoryBudget,
     drain_grace: Duration,
 }
 
@@ -109,6 +113,7 @@ impl Server {
     ) -> anyhow::Result<Self> {
         let (listener, metrics_listener) = bind_all(listen).await?;
         let name = factory.schema().name.clone();
+        let memory = config.memory.clone();
         let engine = Engine::start(factory, config)?;
         let handle = engine.handle();
         let models = ModelRegistry::new(Some(name.clone()));
@@ -119,6 +124,7 @@ impl Server {
             models,
             served: Served::Fixed(handle),
             max_message_bytes: listen.max_message_bytes,
+            memory,
             drain_grace: Duration::ZERO,
         })
     }
@@ -146,6 +152,7 @@ impl Server {
         };
         let (listener, metrics_listener) = bind_all(listen).await?;
         let models = ModelRegistry::new(default_model);
+        let memory = repository.source.engine.memory.clone();
         let watcher = Box::new(Watcher::new(repository.source, Arc::clone(&models)));
         Ok(Self {
             listener,
@@ -153,6 +160,7 @@ impl Server {
             models,
             served: Served::Repository { watcher, poll: repository.poll, control: repository.control },
             max_message_bytes: listen.max_message_bytes,
+            memory,
             drain_grace: Duration::ZERO,
         })
     }
@@ -203,13 +211,14 @@ impl Server {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .context("cannot build the reflection service")?;
-        let predictor = PredictorServer::new(PredictorService::new(Arc::clone(&models)))
+        let infer = Infer::new(Arc::clone(&models));
+        let predictor = PredictorServer::new(PredictorService::new(infer.clone()))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
-        let torchrec = TorchRecPredictorServer::new(TorchRecService::new(Arc::clone(&models)))
+        let torchrec = TorchRecPredictorServer::new(TorchRecService::new(infer.clone()))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
-        let kserve = GrpcInferenceServiceServer::new(KServeService::new(Arc::clone(&models)))
+        let kserve = GrpcInferenceServiceServer::new(KServeService::new(infer))
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes);
 
@@ -282,6 +291,7 @@ impl Server {
         let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
         let served = tonic::transport::Server::builder()
             .layer(message_limit::layer(Arc::clone(&models)))
+            .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models)))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(predictor)

@@ -134,3 +134,20 @@ async fn narsil_load_speaks_kserve() {
     assert_eq!(server.engine.stats().rows_computed, 300);
     server.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_is_not_served_is_not_found_as_triton_answers() {
+    let server = common::start(common::batch_mode(1, 4), 0).await.ready().await;
+    let mut kserve = GrpcInferenceServiceClient::new(server.channel().await);
+    let status = kserve
+        .model_ready(narsil::kserve_proto::ModelReadyRequest { name: "nope".into(), version: String::new() })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    assert!(status.message().contains("model_name") && status.message().contains("\"nope\""), "{status:?}");
+    let mut request = encode(&common::request(1, 2), 13, 26);
+    request.model_name = "nope".into();
+    let status = kserve.model_infer(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    server.stop().await.unwrap();
+}

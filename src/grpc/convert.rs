@@ -7,8 +7,8 @@ use narsil_engine::Prediction;
 
 use crate::proto;
 
-/// A wire request as the engine's sample-major batch (not yet validated).
-pub fn sample_batch(request: proto::PredictRequest) -> RequestSamples {
+/// A wire request as the engine's sample-major request (not yet validated).
+pub fn request_samples(request: proto::PredictRequest) -> RequestSamples {
     RequestSamples {
         num_samples: request.batch_size as usize,
         dense: request.dense,

@@ -16,12 +16,12 @@
 //! single-output DLRM), answered as `raw_output_contents`. Inputs may be
 //! typed `contents` or `raw_input_contents` (little-endian, row-major).
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{InputField, InvalidInput, ModelSchema, RequestSamples};
 use tonic::{Request, Response, Status};
 
+use super::infer::Infer;
 use super::{deadline, status};
 use crate::kserve_proto as pb;
 use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceService;
@@ -54,18 +54,29 @@ pub fn field_name(field: InputField) -> &'static str {
 
 /// `inference.GRPCInferenceService` over the engine.
 pub struct KServeService {
-    models: Arc<ModelRegistry>,
+    infer: Infer,
 }
 
 impl KServeService {
-    /// A service routing to `models`.
-    pub fn new(models: Arc<ModelRegistry>) -> Self {
-        Self { models }
+    /// A service over the entry every protocol shares.
+    pub fn new(infer: Infer) -> Self {
+        Self { infer }
+    }
+
+    fn models(&self) -> &ModelRegistry {
+        self.infer.models()
     }
 }
 
+/// KServe's status for an engine error: fields by the protocol's names, and
+/// NOT_FOUND for a model that is not served (as Triton answers).
 fn to_status(error: narsil_engine::EngineError) -> Status {
-    status::to_status(error, field_name)
+    match &error {
+        narsil_engine::EngineError::Invalid(invalid) if invalid.field == InputField::Model => {
+            Status::not_found(format!("{}: {}", field_name(InputField::Model), invalid.message))
+        }
+        _ => status::to_status(error, field_name),
+    }
 }
 
 #[tonic::async_trait]
@@ -81,7 +92,7 @@ impl GrpcInferenceService for KServeService {
         &self,
         _request: Request<pb::ServerReadyRequest>,
     ) -> Result<Response<pb::ServerReadyResponse>, Status> {
-        Ok(Response::new(pb::ServerReadyResponse { ready: self.models.ready() }))
+        Ok(Response::new(pb::ServerReadyResponse { ready: self.models().ready() }))
     }
 
     async fn model_ready(
@@ -89,7 +100,7 @@ impl GrpcInferenceService for KServeService {
         request: Request<pb::ModelReadyRequest>,
     ) -> Result<Response<pb::ModelReadyResponse>, Status> {
         let request = request.into_inner();
-        let ready = match self.models.find(&request.name, &request.version) {
+        let ready = match self.models().find(&request.name, &request.version) {
             Ok(live) => live.engine.is_ready(),
             Err(narsil_engine::EngineError::NoServingVersion(_)) => false,
             Err(error) => return Err(to_status(error)),
@@ -113,8 +124,8 @@ impl GrpcInferenceService for KServeService {
         request: Request<pb::ModelMetadataRequest>,
     ) -> Result<Response<pb::ModelMetadataResponse>, Status> {
         let request = request.into_inner();
-        let live = self.models.find(&request.name, &request.version).map_err(to_status)?;
-        let (status, _) = self.models.describe(&request.name).map_err(to_status)?;
+        let live = self.models().find(&request.name, &request.version).map_err(to_status)?;
+        let (status, _) = self.models().describe(&request.name).map_err(to_status)?;
         let versions = status
             .versions
             .into_iter()
@@ -130,13 +141,16 @@ impl GrpcInferenceService for KServeService {
     ) -> Result<Response<pb::ModelInferResponse>, Status> {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let request = request.into_inner();
-        let live = self.models.route(&request.model_name, &request.model_version).map_err(to_status)?;
-        let engine = &live.engine;
-        let schema = engine.schema();
-        let wanted = requested_outputs(&request, schema).map_err(|e| to_status(engine.reject(e)))?;
-        let samples = decode(&request, schema).map_err(|e| to_status(engine.reject(e)))?;
-        let rows = samples.num_samples as i64;
-        let prediction = engine.predict(samples, deadline).await.map_err(to_status)?;
+        let mut wanted = Vec::new();
+        let served = self
+            .infer
+            .predict(Ok((&request.model_name, &request.model_version)), deadline, to_status, |schema| {
+                wanted = requested_outputs(&request, schema)?;
+                decode(&request, schema)
+            })
+            .await?;
+        let (schema, prediction) = (served.live.engine.schema(), served.prediction);
+        let rows = prediction.outputs.first().map_or(0, Vec::len) as i64;
         let mut outputs = Vec::with_capacity(wanted.len());
         let mut raw_output_contents = Vec::with_capacity(wanted.len());
         for index in wanted {

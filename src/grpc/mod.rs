@@ -4,7 +4,9 @@
 pub mod codec;
 pub mod convert;
 pub mod deadline;
+pub mod infer;
 pub mod kserve;
+pub mod memory_layer;
 pub mod message_limit;
 pub mod service;
 pub mod status;

@@ -1,26 +1,30 @@
 //! `narsil.v1.Predictor`: Predict and ModelInfo over the served models.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::InputField;
 use tonic::{Request, Response, Status};
 
+use super::infer::Infer;
 use super::{convert, deadline, status};
-use crate::models::ModelRegistry;
 use crate::proto;
 use crate::proto::predictor_server::Predictor;
 
 /// The native prediction service.
 pub struct PredictorService {
-    models: Arc<ModelRegistry>,
+    infer: Infer,
 }
 
 impl PredictorService {
-    /// A service routing to `models`.
-    pub fn new(models: Arc<ModelRegistry>) -> Self {
-        Self { models }
+    /// A service over the entry every protocol shares.
+    pub fn new(infer: Infer) -> Self {
+        Self { infer }
     }
+}
+
+/// `narsil.v1`'s status for an engine error: fields by their own names.
+fn to_status(error: narsil_engine::EngineError) -> Status {
+    status::to_status(error, InputField::name)
 }
 
 #[tonic::async_trait]
@@ -32,26 +36,24 @@ impl Predictor for PredictorService {
         let deadline = deadline::deadline_of(&request, Instant::now());
         let mut message = request.into_inner();
         let request_id = std::mem::take(&mut message.request_id);
-        let live = self
-            .models
-            .route(&message.model, &message.model_version)
-            .map_err(|e| status::to_status(e, InputField::name))?;
-        let prediction =
-            live.engine.predict(convert::sample_batch(message), deadline).await.map_err(|e| {
-                tracing::debug!(%request_id, error = %e, "predict failed");
-                status::to_status(e, InputField::name)
-            })?;
-        Ok(Response::new(convert::predict_response(prediction, &live.engine.schema().outputs, request_id)))
+        let (model, version) =
+            (std::mem::take(&mut message.model), std::mem::take(&mut message.model_version));
+        let served = self
+            .infer
+            .predict(Ok((&model, &version)), deadline, to_status, |_| {
+                Ok(convert::request_samples(message))
+            })
+            .await?;
+        let outputs = &served.live.engine.schema().outputs;
+        Ok(Response::new(convert::predict_response(served.prediction, outputs, request_id)))
     }
 
     async fn model_info(
         &self,
         request: Request<proto::ModelInfoRequest>,
     ) -> Result<Response<proto::ModelInfoResponse>, Status> {
-        let (status, serving) = self
-            .models
-            .describe(&request.into_inner().model)
-            .map_err(|e| status::to_status(e, InputField::name))?;
+        let (status, serving) =
+            self.infer.models().describe(&request.into_inner().model).map_err(to_status)?;
         let mut info = match serving {
             Some(live) => convert::model_info(live.engine.schema(), live.engine.limits().max_samples),
             None => proto::ModelInfoResponse { name: status.name.clone(), ..Default::default() },

@@ -4,14 +4,13 @@
 //! into a fused batch feature by feature, without a transpose.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{InputField, InvalidInput, RequestSamples, SparseLayout};
 use tonic::{Request, Response, Status};
 
-use super::{deadline, status};
-use crate::models::ModelRegistry;
+use super::deadline;
+use super::infer::Infer;
 use crate::torchrec_proto as pb;
 use crate::torchrec_proto::predictor_server::Predictor;
 
@@ -29,26 +28,24 @@ pub const SCORES_KEY: &str = narsil_core::schema::DEFAULT_OUTPUT;
 
 /// `predictor.Predictor` over the engine.
 pub struct TorchRecService {
-    models: Arc<ModelRegistry>,
+    infer: Infer,
 }
 
 impl TorchRecService {
-    /// A service routing to `models`.
-    pub fn new(models: Arc<ModelRegistry>) -> Self {
-        Self { models }
+    /// A service over the entry every protocol shares.
+    pub fn new(infer: Infer) -> Self {
+        Self { infer }
     }
 }
 
 /// A request header's text, or an error naming it when it is not text.
-fn header<'a>(
-    request: &'a Request<pb::PredictionRequest>,
-    name: &'static str,
-) -> Result<&'a str, InvalidInput> {
+fn header(request: &Request<pb::PredictionRequest>, name: &'static str) -> Result<String, InvalidInput> {
     match request.metadata().get(name) {
-        None => Ok(""),
-        Some(value) => {
-            value.to_str().map_err(|_| InvalidInput::new(InputField::Wire(name), "is not printable ASCII"))
-        }
+        None => Ok(String::new()),
+        Some(value) => value
+            .to_str()
+            .map(str::to_owned)
+            .map_err(|_| InvalidInput::new(InputField::Wire(name), "is not printable ASCII")),
     }
 }
 
@@ -59,25 +56,28 @@ impl Predictor for TorchRecService {
         request: Request<pb::PredictionRequest>,
     ) -> Result<Response<pb::PredictionResponse>, Status> {
         let deadline = deadline::deadline_of(&request, Instant::now());
-        let to_status = |e| status::to_status(e, field_name);
-        let live = {
-            let model = header(&request, MODEL_HEADER).map_err(|e| to_status(self.models.refuse(e)))?;
-            let version =
-                header(&request, MODEL_VERSION_HEADER).map_err(|e| to_status(self.models.refuse(e)))?;
-            self.models.route(model, version).map_err(to_status)?
+        let target =
+            header(&request, MODEL_HEADER).and_then(|m| Ok((m, header(&request, MODEL_VERSION_HEADER)?)));
+        let message = request.into_inner();
+        let target = match &target {
+            Ok((model, version)) => Ok((model.as_str(), version.as_str())),
+            Err(e) => Err(e.clone()),
         };
-        let engine = &live.engine;
-        let schema = engine.schema();
-        let batch =
-            decode(request.into_inner(), schema.num_dense, schema.num_unweighted(), schema.num_sparse())
-                .map_err(|e| to_status(engine.reject(e)))?;
-        let prediction = engine.predict(batch, deadline).await.map_err(to_status)?;
-        let version = tonic::metadata::MetadataValue::try_from(prediction.model_version.as_ref()).ok();
-        let predictions: HashMap<String, pb::FloatVec> = schema
+        let served = self
+            .infer
+            .predict(target, deadline, to_status, |schema| {
+                decode(message, schema.num_dense, schema.num_unweighted(), schema.num_sparse())
+            })
+            .await?;
+        let version = tonic::metadata::MetadataValue::try_from(served.prediction.model_version.as_ref()).ok();
+        let predictions: HashMap<String, pb::FloatVec> = served
+            .live
+            .engine
+            .schema()
             .outputs
             .iter()
             .cloned()
-            .zip(prediction.outputs.into_iter().map(|data| pb::FloatVec { data }))
+            .zip(served.prediction.outputs.into_iter().map(|data| pb::FloatVec { data }))
             .collect();
         let mut response = Response::new(pb::PredictionResponse { predictions });
         if let Some(version) = version {
@@ -85,6 +85,11 @@ impl Predictor for TorchRecService {
         }
         Ok(response)
     }
+}
+
+/// TorchRec's status for an engine error: fields by TorchRec's names.
+fn to_status(error: narsil_engine::EngineError) -> Status {
+    super::status::to_status(error, field_name)
 }
 
 /// TorchRec's wire name for each part of a request.

@@ -295,13 +295,13 @@ struct Phase {
 }
 
 /// Issues request numbers until the phase's count or time is used up.
-struct Ticket {
+struct Issuer {
     phase: Phase,
     issued: AtomicU64,
     start: Instant,
 }
 
-impl Ticket {
+impl Issuer {
     fn next(&self) -> Option<u64> {
         if self.phase.duration.is_some_and(|d| self.start.elapsed() >= d) {
             return None;
@@ -317,12 +317,12 @@ async fn run_phase(
     pool: &Arc<Vec<Message>>,
     phase: Phase,
 ) -> (Recorder, Duration) {
-    let ticket = Arc::new(Ticket { phase, issued: AtomicU64::new(0), start: Instant::now() });
+    let issuer = Arc::new(Issuer { phase, issued: AtomicU64::new(0), start: Instant::now() });
     let recorder = match args.rate {
-        None => closed_loop(args, clients, pool, &ticket).await,
-        Some(rate) => open_loop(args, clients, pool, &ticket, rate).await,
+        None => closed_loop(args, clients, pool, &issuer).await,
+        Some(rate) => open_loop(args, clients, pool, &issuer, rate).await,
     };
-    (recorder, ticket.start.elapsed())
+    (recorder, issuer.start.elapsed())
 }
 
 fn with_timeout<T>(message: T, timeout_ms: Option<u64>) -> tonic::Request<T> {
@@ -337,17 +337,17 @@ async fn closed_loop(
     args: &LoadArgs,
     clients: &[Client],
     pool: &Arc<Vec<Message>>,
-    ticket: &Arc<Ticket>,
+    issuer: &Arc<Issuer>,
 ) -> Recorder {
     let callers: Vec<_> = (0..args.concurrency)
         .map(|caller| {
             let mut client = clients[caller % clients.len()].clone();
             let pool = Arc::clone(pool);
-            let ticket = Arc::clone(ticket);
+            let issuer = Arc::clone(issuer);
             let timeout_ms = args.timeout_ms;
             tokio::spawn(async move {
                 let mut recorder = Recorder::default();
-                while let Some(n) = ticket.next() {
+                while let Some(n) = issuer.next() {
                     let message = &pool[n as usize % pool.len()];
                     let start = Instant::now();
                     let result = client.call(message, timeout_ms).await;
@@ -370,7 +370,7 @@ async fn open_loop(
     args: &LoadArgs,
     clients: &[Client],
     pool: &Arc<Vec<Message>>,
-    ticket: &Arc<Ticket>,
+    issuer: &Arc<Issuer>,
     rate: f64,
 ) -> Recorder {
     let interval = Duration::from_secs_f64(1.0 / rate);
@@ -380,8 +380,8 @@ async fn open_loop(
     let (done_tx, mut done_rx) =
         tokio::sync::mpsc::unbounded_channel::<(Duration, Result<PredictResponse, tonic::Status>)>();
     let mut overflow = 0u64;
-    while let Some(n) = ticket.next() {
-        let scheduled = ticket.start + interval.mul_f64(n as f64);
+    while let Some(n) = issuer.next() {
+        let scheduled = issuer.start + interval.mul_f64(n as f64);
         tokio::time::sleep_until(scheduled.into()).await;
         let Ok(permit) = Arc::clone(&in_flight).try_acquire_owned() else {
             overflow += 1;

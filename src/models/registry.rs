@@ -254,6 +254,13 @@ impl ModelRegistry {
         EngineError::Invalid(invalid)
     }
 
+    /// Counts a request refused before it could be routed because the
+    /// memory budget could not take its message, and returns the error.
+    pub fn refuse_overloaded(&self, full: narsil_engine::QueueFull) -> EngineError {
+        self.count_unrouted("rejected");
+        EngineError::Overloaded(full)
+    }
+
     fn count_unrouted(&self, outcome: &str) {
         self.metrics.unrouted.get_or_create(&labels(&[("outcome", outcome)])).inc();
     }

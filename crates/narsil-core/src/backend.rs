@@ -115,6 +115,11 @@ pub trait ModelBackend: Send {
     /// (`outputs x rows`). A row's scores must depend only on that row's
     /// inputs.
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError>;
+
+    /// Threads the next forwards may use (at least 1): more when the
+    /// other lanes are idle and nothing else is queued, 1 under load. A
+    /// backend that cannot change its threads ignores it.
+    fn set_threads(&mut self, _threads: usize) {}
 }
 
 /// Creates lane instances of one model. Loaded once; shared by every lane.

@@ -7,6 +7,11 @@
 //! engine can assemble the next batch while the current one runs; `finish`
 //! then lays the per-feature buffers end to end.
 //!
+//! The builder remembers where each request's values lie in its buffers, so
+//! a request can be removed (cancelled while queued) or moved to another
+//! batch without keeping its original samples: a queued request is held
+//! once, in the builder.
+//!
 //! [`KeyedBatch::split`] hands each request back its own rows of the scores;
 //! [`KeyedBatch::split_outputs`] does so for every output of a multi-output
 //! model.
@@ -92,6 +97,9 @@ pub struct BatchBuilder {
     /// Per feature, like `ids`; filled only for requests with weights.
     weights: Vec<Vec<f32>>,
     request_rows: Vec<usize>,
+    /// Where each request's ids (and weights) start in every feature's
+    /// buffer: request `r`, feature `f` at `id_starts[r * num_sparse + f]`.
+    id_starts: Vec<usize>,
 }
 
 impl BatchBuilder {
@@ -105,6 +113,7 @@ impl BatchBuilder {
             ids: vec![Vec::new(); num_sparse],
             weights: vec![Vec::new(); num_sparse],
             request_rows: Vec::new(),
+            id_starts: Vec::new(),
         }
     }
 
@@ -134,6 +143,7 @@ impl BatchBuilder {
         self.dense.extend_from_slice(&request.dense);
         self.rows += b;
         self.request_rows.push(b);
+        self.id_starts.extend(self.ids.iter().map(Vec::len));
         if num_sparse == 0 {
             return;
         }
@@ -200,15 +210,60 @@ impl BatchBuilder {
         }
     }
 
-    /// Lays the per-feature buffers end to end into the key-major batch.
+    /// Request `r`'s rows, and its ids' range in feature `f`'s buffer.
+    fn span(&self, r: usize, f: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let num_sparse = self.ids.len();
+        let first_row: usize = self.request_rows[..r].iter().sum();
+        let start = self.id_starts[r * num_sparse + f];
+        let end = self.id_starts.get((r + 1) * num_sparse + f).copied().unwrap_or(self.ids[f].len());
+        (first_row..first_row + self.request_rows[r], start..end)
+    }
+
+    /// Request `r` as it was pushed, in key-major layout (to move it to
+    /// another batch).
+    pub fn request(&self, r: usize) -> RequestSamples {
+        let num_sparse = self.ids.len();
+        let mut samples = RequestSamples {
+            num_samples: self.request_rows[r],
+            layout: SparseLayout::KeyMajor,
+            ..Default::default()
+        };
+        let (rows, _) = self.span(r, 0);
+        samples.dense.extend_from_slice(&self.dense[rows.start * self.num_dense..rows.end * self.num_dense]);
+        for f in 0..num_sparse {
+            let (rows, ids) = self.span(r, f);
+            samples.lengths.extend(self.lengths[f][rows].iter().map(|&l| l as u32));
+            samples.ids.extend_from_slice(&self.ids[f][ids.clone()]);
+            if !self.weights[f].is_empty() {
+                samples.weights.extend_from_slice(&self.weights[f][ids]);
+            }
+        }
+        samples
+    }
+
+    /// The same builder without the requests `keep` says no to, in order.
+    pub fn retain(&self, keep: impl Fn(usize) -> bool) -> BatchBuilder {
+        let mut kept = BatchBuilder::new(self.num_dense, self.ids.len());
+        for r in (0..self.requests()).filter(|&r| keep(r)) {
+            kept.push(&self.request(r));
+        }
+        kept
+    }
+
+    /// Lays the per-feature buffers end to end into the key-major batch,
+    /// freeing each as it is copied (the first is extended in place), so
+    /// the batch's ids are held about once, not twice, while it is made.
     pub fn finish(self) -> KeyedBatch {
         let num_sparse = self.lengths.len();
         let total_ids: usize = self.ids.iter().map(Vec::len).sum();
-        let mut ids = Vec::with_capacity(total_ids);
         let mut feature_offsets = Vec::with_capacity(num_sparse + 1);
         feature_offsets.push(0);
-        for feature_ids in &self.ids {
-            ids.extend_from_slice(feature_ids);
+        let mut features = self.ids.into_iter();
+        let mut ids = features.next().unwrap_or_default();
+        ids.reserve_exact(total_ids - ids.len());
+        feature_offsets.push(ids.len());
+        for feature_ids in features {
+            ids.extend_from_slice(&feature_ids);
             feature_offsets.push(ids.len());
         }
         KeyedBatch {
@@ -386,6 +441,38 @@ mod tests {
         builder.push(&request(1, vec![vec![1]; 4], 1));
         builder.push(&request(2, vec![vec![2]; 2], 1));
         assert_eq!((builder.rows(), builder.requests()), (6, 2));
+    }
+
+    #[test]
+    fn a_request_read_back_from_the_builder_fuses_like_the_original() {
+        let requests = vec![
+            request(1, vec![vec![0, 3, 1]], 2),
+            request(2, vec![vec![2, 0, 0], vec![1, 1, 5]], 2),
+            request(3, vec![vec![1, 1, 1], vec![4, 0, 2]], 2),
+        ];
+        let mut builder = BatchBuilder::new(2, 3);
+        for r in &requests {
+            builder.push(r);
+        }
+        for (i, original) in requests.iter().enumerate() {
+            assert_eq!(builder.request(i), to_key_major(original, 3), "request {i}");
+        }
+        let without_middle = builder.retain(|r| r != 1).finish();
+        assert_eq!(without_middle, assemble(2, 3, [&requests[0], &requests[2]]));
+        assert_eq!(builder.retain(|_| true).finish(), assemble(2, 3, &requests));
+    }
+
+    #[test]
+    fn weights_move_with_their_request() {
+        let mut weighted = request(1, vec![vec![2, 1], vec![0, 3]], 1);
+        weighted.weights = (0..weighted.ids.len()).map(|i| i as f32 / 10.0).collect();
+        let mut other = request(2, vec![vec![1, 1]], 1);
+        other.weights = vec![7.0; other.ids.len()];
+        let mut builder = BatchBuilder::new(1, 2);
+        builder.push(&other);
+        builder.push(&weighted);
+        let moved = builder.request(1);
+        assert_eq!(assemble(1, 2, [&moved]), assemble(1, 2, [&weighted]));
     }
 
     #[test]

@@ -19,6 +19,7 @@
 
 pub mod backend;
 pub mod batch;
+#[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod golden;
 pub mod mock;

@@ -1,11 +1,13 @@
-//! Admission control: a request enters the queue only while the queued
-//! request count, row count and decoded bytes are all under their limits;
-//! otherwise it is rejected at once, never parked. A [`Permit`] holds the
-//! request's place until its forward starts.
+//! Admission control: a request enters a model version's queue only while
+//! its queued request and row counts are under their limits; otherwise it
+//! is rejected at once, never parked. A [`Permit`] holds the request's place
+//! until its forward starts.
 //!
-//! Bytes bound memory: rows alone do not, since a bag may hold any number of
-//! ids (one 1-sample request can carry millions). A request's bytes stay
-//! with its request count, released when its last part starts.
+//! Memory is bounded by bytes, not rows (a bag may hold any number of ids):
+//! that limit is the process-wide [`crate::MemoryBudget`], which a request
+//! holds from its decode to the end of its forward. The queue counts the
+//! decoded bytes it holds for its gauge; they stay with the request count,
+//! released when the last part starts.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -19,7 +21,7 @@ pub enum QueueLimit {
     Requests,
     /// Rows (samples) queued.
     Rows,
-    /// Decoded bytes queued.
+    /// Request bytes held (decoding, queued or in a forward), process-wide.
     Bytes,
 }
 
@@ -63,11 +65,9 @@ pub struct QueueFull {
 pub struct Admission {
     max_requests: usize,
     max_rows: usize,
-    max_bytes: usize,
     requests: AtomicUsize,
     rows: AtomicUsize,
     bytes: AtomicUsize,
-    peak_bytes: AtomicUsize,
 }
 
 /// A request's place in the queue; dropping it frees the place.
@@ -107,20 +107,18 @@ fn reserve(counter: &AtomicUsize, amount: usize, limit: usize) -> bool {
 
 impl Admission {
     /// An empty queue with these limits.
-    pub fn new(max_requests: usize, max_rows: usize, max_bytes: usize) -> Arc<Self> {
+    pub fn new(max_requests: usize, max_rows: usize) -> Arc<Self> {
         Arc::new(Self {
             max_requests,
             max_rows,
-            max_bytes,
             requests: AtomicUsize::new(0),
             rows: AtomicUsize::new(0),
             bytes: AtomicUsize::new(0),
-            peak_bytes: AtomicUsize::new(0),
         })
     }
 
-    /// Takes a place for a request of `rows` rows and `bytes` decoded bytes,
-    /// or says which limit is full.
+    /// Takes a place for a request of `rows` rows (holding `bytes` decoded
+    /// bytes, counted, not limited, here), or says which limit is full.
     pub fn try_admit(self: &Arc<Self>, rows: usize, bytes: usize) -> Result<Permit, QueueFull> {
         let full = |limit, counter: &AtomicUsize, max, needed| QueueFull {
             limit,
@@ -135,28 +133,13 @@ impl Admission {
             self.requests.fetch_sub(1, Ordering::AcqRel);
             return Err(full(QueueLimit::Rows, &self.rows, self.max_rows, rows));
         }
-        if !reserve(&self.bytes, bytes, self.max_bytes) {
-            self.requests.fetch_sub(1, Ordering::AcqRel);
-            self.rows.fetch_sub(rows, Ordering::AcqRel);
-            return Err(full(QueueLimit::Bytes, &self.bytes, self.max_bytes, bytes));
-        }
-        self.peak_bytes.fetch_max(self.bytes.load(Ordering::Acquire), Ordering::AcqRel);
+        self.bytes.fetch_add(bytes, Ordering::AcqRel);
         Ok(Permit { admission: Arc::clone(self), requests: 1, rows, bytes })
     }
 
     /// Decoded bytes currently queued.
     pub fn queued_bytes(&self) -> usize {
         self.bytes.load(Ordering::Acquire)
-    }
-
-    /// The most decoded bytes queued at once so far.
-    pub fn peak_bytes(&self) -> usize {
-        self.peak_bytes.load(Ordering::Acquire)
-    }
-
-    /// The most decoded bytes the queue may hold.
-    pub fn max_bytes(&self) -> usize {
-        self.max_bytes
     }
 
     /// Requests currently queued.
@@ -176,7 +159,7 @@ mod tests {
 
     #[test]
     fn request_limit_rejects_and_frees_on_drop() {
-        let admission = Admission::new(2, 100, usize::MAX);
+        let admission = Admission::new(2, 100);
         let a = admission.try_admit(1, 0).unwrap();
         let _b = admission.try_admit(1, 0).unwrap();
         let err = admission.try_admit(1, 0).unwrap_err();
@@ -188,7 +171,7 @@ mod tests {
 
     #[test]
     fn row_limit_rejects_without_leaking_a_request_slot() {
-        let admission = Admission::new(10, 100, usize::MAX);
+        let admission = Admission::new(10, 100);
         let _a = admission.try_admit(60, 0).unwrap();
         let err = admission.try_admit(50, 0).unwrap_err();
         assert_eq!(err, QueueFull { limit: QueueLimit::Rows, queued: 60, max: 100, needed: 50 });
@@ -198,23 +181,8 @@ mod tests {
     }
 
     #[test]
-    fn byte_limit_rejects_without_leaking_rows_or_a_request_slot_and_frees_on_drop() {
-        let admission = Admission::new(10, 100, 1000);
-        let a = admission.try_admit(1, 800).unwrap();
-        let err = admission.try_admit(1, 300).unwrap_err();
-        assert_eq!(err, QueueFull { limit: QueueLimit::Bytes, queued: 800, max: 1000, needed: 300 });
-        assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 1));
-        let mut b = admission.try_admit(4, 200).unwrap();
-        drop(b.split_off(2));
-        assert!(admission.try_admit(1, 1).is_err(), "bytes stay with the request until its last part");
-        drop(b);
-        drop(a);
-        assert!(admission.try_admit(1, 1000).is_ok());
-    }
-
-    #[test]
     fn split_permits_free_their_own_rows_and_the_last_frees_the_request() {
-        let admission = Admission::new(10, 100, usize::MAX);
+        let admission = Admission::new(10, 100);
         let mut whole = admission.try_admit(70, 0).unwrap();
         let first = whole.split_off(30);
         drop(first);
@@ -225,7 +193,7 @@ mod tests {
 
     #[test]
     fn concurrent_admission_never_exceeds_the_limit() {
-        let admission = Admission::new(8, 1000, usize::MAX);
+        let admission = Admission::new(8, 1000);
         let held: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..32).map(|_| s.spawn(|| admission.try_admit(1, 0).ok())).collect();
             handles.into_iter().filter_map(|h| h.join().unwrap()).collect()

@@ -18,10 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use narsil_core::BatchBuilder;
+use narsil_core::{BatchBuilder, RequestSamples};
 
 use crate::error::EngineError;
 use crate::job::{Entry, Fate, Job, Waiter};
+use crate::parallelism::forward_threads;
 use crate::stats::Stats;
 
 /// Batch limits the collector applies.
@@ -48,20 +49,22 @@ fn settle(entry: Entry, fate: Fate) -> Option<Entry> {
     }
 }
 
-/// Requests being fused into one batch, reordered as they were added.
+/// Requests being fused into one batch, reordered as they were added: the
+/// open batch, or a sealed one waiting for a lane. Their samples are held
+/// once, in the builder; entries keep only their replies and places.
 #[derive(Debug)]
-pub struct OpenBatch {
+pub struct QueuedBatch {
     builder: BatchBuilder,
     entries: Vec<Entry>,
 }
 
-impl OpenBatch {
+impl QueuedBatch {
     fn new(num_dense: usize, num_sparse: usize) -> Self {
         Self { builder: BatchBuilder::new(num_dense, num_sparse), entries: Vec::new() }
     }
 
-    fn push(&mut self, entry: Entry) {
-        self.builder.push(&entry.request);
+    fn push(&mut self, entry: Entry, samples: &RequestSamples) {
+        self.builder.push(samples);
         self.entries.push(entry);
     }
 
@@ -87,30 +90,30 @@ impl OpenBatch {
     /// Applies [`Entry::fate`] to every entry: drops abandoned ones,
     /// answers expired ones, and re-fuses the rest if any were removed.
     /// Returns how many were removed.
-    fn retain(&mut self, now: Instant, start: bool, num_dense: usize, num_sparse: usize) -> usize {
+    fn retain(&mut self, now: Instant, start: bool) -> usize {
         let fates: Vec<Fate> = self.entries.iter().map(|e| e.fate(now, start)).collect();
         if fates.iter().all(|&f| f == Fate::Keep) {
             return 0;
         }
         let before = fates.len();
+        self.builder = self.builder.retain(|r| fates[r] == Fate::Keep);
         let entries = std::mem::take(&mut self.entries);
-        *self = Self::new(num_dense, num_sparse);
-        for (entry, fate) in entries.into_iter().zip(fates) {
-            if let Some(entry) = settle(entry, fate) {
-                self.push(entry);
-            }
-        }
+        self.entries =
+            entries.into_iter().zip(fates).filter_map(|(entry, fate)| settle(entry, fate)).collect();
         before - self.entries.len()
     }
 
-    /// Finishes the reorder and releases the requests' queue places.
-    fn into_job(self) -> Job {
+    /// Finishes the reorder and releases the requests' queue places (their
+    /// memory leases go with the job until its forward ends). Runs on the
+    /// lane, outside the collector's lock.
+    pub fn into_job(self, threads: usize) -> Job {
         Job {
+            threads,
             batch: self.builder.finish(),
             waiters: self
                 .entries
                 .into_iter()
-                .map(|e| Waiter { id: e.id, reply: e.reply, admitted: e.admitted })
+                .map(|e| Waiter { id: e.id, reply: e.reply, admitted: e.admitted, lease: e.lease })
                 .collect(),
         }
     }
@@ -122,8 +125,8 @@ pub struct BatchQueue {
     limits: BatchLimits,
     num_dense: usize,
     num_sparse: usize,
-    sealed: VecDeque<OpenBatch>,
-    open: OpenBatch,
+    sealed: VecDeque<QueuedBatch>,
+    open: QueuedBatch,
 }
 
 impl BatchQueue {
@@ -134,24 +137,25 @@ impl BatchQueue {
             num_dense,
             num_sparse,
             sealed: VecDeque::new(),
-            open: OpenBatch::new(num_dense, num_sparse),
+            open: QueuedBatch::new(num_dense, num_sparse),
         }
     }
 
-    /// Adds a request to the open batch, sealing batches at their limits.
-    pub fn add(&mut self, entry: Entry) {
-        let rows = entry.request.num_samples;
+    /// Adds a request to the open batch (reordering `samples` into it),
+    /// sealing batches at their limits.
+    pub fn add(&mut self, entry: Entry, samples: &RequestSamples) {
+        let rows = entry.rows;
         if !self.open.is_empty() && self.open.rows() + rows > self.limits.max_rows {
             self.seal();
         }
-        self.open.push(entry);
+        self.open.push(entry, samples);
         if self.open.len() >= self.limits.max_requests || self.open.rows() >= self.limits.max_rows {
             self.seal();
         }
     }
 
     fn seal(&mut self) {
-        let open = std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse));
+        let open = std::mem::replace(&mut self.open, QueuedBatch::new(self.num_dense, self.num_sparse));
         self.sealed.push_back(open);
     }
 
@@ -178,7 +182,7 @@ impl BatchQueue {
     /// The next batch a free lane should run, if one is due at `now`
     /// (`drain`: send the open batch regardless of its timeout). Abandoned
     /// requests are removed first; the count removed is returned alongside.
-    pub fn next_due(&mut self, now: Instant, drain: bool) -> (Option<Job>, usize) {
+    pub fn next_due(&mut self, now: Instant, drain: bool) -> (Option<QueuedBatch>, usize) {
         let mut removed = 0;
         loop {
             let mut batch = if let Some(batch) = self.sealed.pop_front() {
@@ -188,7 +192,7 @@ impl BatchQueue {
             } else {
                 return (None, removed);
             };
-            let lost = batch.retain(now, true, self.num_dense, self.num_sparse);
+            let lost = batch.retain(now, true);
             removed += lost;
             if batch.is_empty() {
                 continue;
@@ -196,22 +200,22 @@ impl BatchQueue {
             if lost > 0 {
                 removed += self.top_up(&mut batch, now);
             }
-            return (Some(batch.into_job()), removed);
+            return (Some(batch), removed);
         }
     }
 
-    fn take_open(&mut self) -> OpenBatch {
-        std::mem::replace(&mut self.open, OpenBatch::new(self.num_dense, self.num_sparse))
+    fn take_open(&mut self) -> QueuedBatch {
+        std::mem::replace(&mut self.open, QueuedBatch::new(self.num_dense, self.num_sparse))
     }
 
     /// Fills a batch that lost cancelled or expired requests with the
     /// requests queued right behind it, in order, so that under overload
     /// forwards stay full. Returns how many abandoned entries it met (and
     /// removed) on the way.
-    fn top_up(&mut self, batch: &mut OpenBatch, now: Instant) -> usize {
+    fn top_up(&mut self, batch: &mut QueuedBatch, now: Instant) -> usize {
         let limits = self.limits;
-        let fits = |batch: &OpenBatch, entry: &Entry| {
-            batch.len() < limits.max_requests && batch.rows() + entry.request.num_samples <= limits.max_rows
+        let fits = |batch: &QueuedBatch, entry: &Entry| {
+            batch.len() < limits.max_requests && batch.rows() + entry.rows <= limits.max_rows
         };
         let mut removed = 0;
         loop {
@@ -221,26 +225,29 @@ impl BatchQueue {
                 Some(first) if fits(batch, first) => {}
                 _ => return removed,
             }
-            let source = if from_open { self.take_open() } else { self.sealed.pop_front().expect("checked") };
-            let mut rest = OpenBatch::new(self.num_dense, self.num_sparse);
-            for entry in source.entries {
+            let mut rest = Vec::new();
+            let mut taken = 0;
+            for (r, entry) in std::mem::take(&mut source.entries).into_iter().enumerate() {
                 if !rest.is_empty() || !fits(batch, &entry) {
                     rest.push(entry);
                     continue;
                 }
+                taken = r + 1;
                 let fate = entry.fate(now, true);
                 match settle(entry, fate) {
-                    Some(entry) => batch.push(entry),
+                    Some(entry) => batch.push(entry, &source.builder.request(r)),
                     None => removed += 1,
                 }
             }
             if !rest.is_empty() {
-                if from_open {
-                    self.open = rest;
-                } else {
-                    self.sealed.push_front(rest);
-                }
+                source.builder = source.builder.retain(|r| r >= taken);
+                source.entries = rest;
                 return removed;
+            }
+            if from_open {
+                self.take_open();
+            } else {
+                self.sealed.pop_front();
             }
         }
     }
@@ -249,10 +256,9 @@ impl BatchQueue {
     /// from every queued batch, without starting anything: frees their
     /// queue places for new requests. Returns how many were removed.
     pub fn sweep(&mut self, now: Instant) -> usize {
-        let (num_dense, num_sparse) = (self.num_dense, self.num_sparse);
-        let mut removed = self.open.retain(now, false, num_dense, num_sparse);
+        let mut removed = self.open.retain(now, false);
         for batch in &mut self.sealed {
-            removed += batch.retain(now, false, num_dense, num_sparse);
+            removed += batch.retain(now, false);
         }
         self.sealed.retain(|b| !b.is_empty());
         removed
@@ -268,6 +274,8 @@ impl BatchQueue {
 /// ready while the current one runs.
 pub struct Collector {
     state: Mutex<CollectorState>,
+    /// Cores a forward may use when it runs alone ([`forward_threads`]).
+    cores: usize,
     work: Condvar,
     stats: Arc<Stats>,
     /// Set when a caller stopped waiting for a queued request (its timer
@@ -279,14 +287,18 @@ pub struct Collector {
 struct CollectorState {
     queue: BatchQueue,
     idle_lanes: usize,
+    /// Lanes running a forward (taken a job, not yet finished it).
+    busy_lanes: usize,
     closed: bool,
 }
 
 impl Collector {
-    /// A collector over an empty `queue`.
-    pub fn new(queue: BatchQueue, stats: Arc<Stats>) -> Self {
+    /// A collector over an empty `queue`, whose forwards may use up to
+    /// `cores` threads when they run alone.
+    pub fn new(queue: BatchQueue, cores: usize, stats: Arc<Stats>) -> Self {
         Self {
-            state: Mutex::new(CollectorState { queue, idle_lanes: 0, closed: false }),
+            state: Mutex::new(CollectorState { queue, idle_lanes: 0, busy_lanes: 0, closed: false }),
+            cores,
             work: Condvar::new(),
             stats,
             stale: AtomicBool::new(false),
@@ -298,20 +310,26 @@ impl Collector {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Queues a request's parts, in order (reordering each into the open
-    /// batch), and wakes idle lanes. Fails once the collector no longer takes
+    /// Queues a request's parts, in order (reordering each one's samples
+    /// into the open batch, after which they are freed, outside the lock),
+    /// and wakes idle lanes. Fails once the collector no longer takes
     /// requests (shutdown).
-    pub fn submit(&self, parts: Vec<Entry>) -> Result<(), EngineError> {
+    pub fn submit(&self, parts: Vec<(Entry, RequestSamples)>) -> Result<(), EngineError> {
         let mut state = self.lock();
         if state.closed {
             return Err(EngineError::ShuttingDown);
         }
         let count = parts.len();
-        for part in parts {
-            state.queue.add(part);
+        let mut reordered = Vec::with_capacity(count);
+        for (entry, samples) in parts {
+            state.queue.add(entry, &samples);
+            reordered.push(samples);
         }
         let wake = state.idle_lanes > 0;
         drop(state);
+        let freed = reordered.iter().map(RequestSamples::decoded_bytes).sum();
+        drop(reordered);
+        crate::memory::freed_batch(freed);
         if wake && count > 1 {
             self.work.notify_all();
         } else if wake {
@@ -338,6 +356,13 @@ impl Collector {
         removed
     }
 
+    /// Tells the collector a lane finished the job [`Collector::next_job`]
+    /// gave it.
+    pub fn job_done(&self) {
+        let mut state = self.lock();
+        state.busy_lanes = state.busy_lanes.saturating_sub(1);
+    }
+
     /// Stops taking requests; lanes finish what is queued, then stop.
     pub fn close(&self) {
         self.lock().closed = true;
@@ -358,8 +383,10 @@ impl Collector {
             if removed > 0 {
                 self.stats.requests_abandoned.inc_by(removed as u64);
             }
-            if let Some(job) = job {
-                return NextJob::Job(job);
+            if let Some(batch) = job {
+                let threads = forward_threads(self.cores, state.busy_lanes, state.queue.is_empty());
+                state.busy_lanes += 1;
+                return NextJob::Job(Due { batch, threads });
             }
             if state.closed && state.queue.is_empty() {
                 return NextJob::Closed;
@@ -384,11 +411,26 @@ impl Collector {
     }
 }
 
+/// A batch handed to a lane: [`Due::into_job`] finishes its reorder on
+/// the lane's thread, after the collector's lock is released.
+#[derive(Debug)]
+pub struct Due {
+    batch: QueuedBatch,
+    threads: usize,
+}
+
+impl Due {
+    /// The fused batch and its waiters, ready to run.
+    pub fn into_job(self) -> Job {
+        self.batch.into_job(self.threads)
+    }
+}
+
 /// What a lane gets from [`Collector::next_job`].
 #[derive(Debug)]
 pub enum NextJob {
     /// A batch to run.
-    Job(Job),
+    Job(Due),
     /// Nothing was due within the idle limit.
     Idle,
     /// The collector is closed and empty: the lane ends.
@@ -400,12 +442,15 @@ mod tests {
     use super::*;
     use crate::admission::Admission;
     use crate::job::Ticket;
+    use crate::memory::MemoryBudget;
     use narsil_core::{assemble, RequestSamples};
     use tokio::sync::oneshot;
 
     type Rx = oneshot::Receiver<Result<crate::job::Prediction, EngineError>>;
 
-    fn entry(admission: &Arc<Admission>, b: usize, tag: i64, at: Instant) -> (Entry, Rx) {
+    /// A queued request of `b` samples whose values carry `tag`, and its
+    /// samples.
+    fn entry(admission: &Arc<Admission>, b: usize, tag: i64, at: Instant) -> (Entry, RequestSamples, Rx) {
         let (reply, rx) = oneshot::channel();
         let request = RequestSamples {
             num_samples: b,
@@ -415,7 +460,24 @@ mod tests {
             ..Default::default()
         };
         let permit = admission.try_admit(b, 0).unwrap();
-        (Entry { id: 0, request, reply, admitted: at, expires: None, ticket: Ticket::new(), permit }, rx)
+        let lease = MemoryBudget::new(usize::MAX).try_reserve(0).unwrap();
+        let entry = Entry {
+            id: 0,
+            rows: b,
+            lease,
+            reply,
+            admitted: at,
+            expires: None,
+            ticket: Ticket::new(),
+            permit,
+        };
+        (entry, request, rx)
+    }
+
+    /// [`BatchQueue::next_due`], the batch made into its job.
+    fn due(q: &mut BatchQueue, now: Instant) -> (Option<Job>, usize) {
+        let (batch, removed) = q.next_due(now, false);
+        (batch.map(|b| b.into_job(1)), removed)
     }
 
     fn queue(max_requests: usize, max_rows: usize, timeout_ms: u64) -> BatchQueue {
@@ -428,56 +490,56 @@ mod tests {
 
     #[test]
     fn full_batch_is_sealed_and_due_at_once() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(2, 100, 1000);
         let _rx: Vec<_> = (0..3)
             .map(|t| {
-                let (e, rx) = entry(&admission, 1, t, now);
-                q.add(e);
+                let (e, e_samples, rx) = entry(&admission, 1, t, now);
+                q.add(e, &e_samples);
                 rx
             })
             .collect();
         assert_eq!(q.depth(), (1, 1));
-        let (job, _) = q.next_due(now, false);
+        let (job, _) = due(&mut q, now);
         assert_eq!(job.unwrap().waiters.len(), 2);
-        assert!(q.next_due(now, false).0.is_none(), "open batch waits for its timeout");
-        assert_eq!(q.next_due(now + Duration::from_secs(1), false).0.unwrap().waiters.len(), 1);
+        assert!(due(&mut q, now).0.is_none(), "open batch waits for its timeout");
+        assert_eq!(due(&mut q, now + Duration::from_secs(1)).0.unwrap().waiters.len(), 1);
     }
 
     #[test]
     fn batch_is_sealed_before_it_would_exceed_max_rows() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(16, 10, 0);
-        let (a, _ra) = entry(&admission, 6, 1, now);
-        let (b, _rb) = entry(&admission, 6, 2, now);
-        q.add(a);
-        q.add(b);
+        let (a, a_samples, _ra) = entry(&admission, 6, 1, now);
+        let (b, b_samples, _rb) = entry(&admission, 6, 2, now);
+        q.add(a, &a_samples);
+        q.add(b, &b_samples);
         assert_eq!(q.depth(), (1, 1));
-        assert_eq!(q.next_due(now, false).0.unwrap().batch.rows, 6);
+        assert_eq!(due(&mut q, now).0.unwrap().batch.rows, 6);
     }
 
     #[test]
     fn zero_timeout_sends_a_lone_request_at_once() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
-        let (a, _ra) = entry(&admission, 3, 1, now);
-        q.add(a);
-        let job = q.next_due(now, false).0.unwrap();
+        let (a, a_samples, _ra) = entry(&admission, 3, 1, now);
+        q.add(a, &a_samples);
+        let job = due(&mut q, now).0.unwrap();
         assert_eq!((job.batch.rows, job.waiters.len()), (3, 1));
     }
 
     #[test]
     fn one_request_per_batch_in_worker_mode() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(1, 100, 0);
         let _rx: Vec<_> = (0..3)
             .map(|t| {
-                let (e, rx) = entry(&admission, 2, t, now);
-                q.add(e);
+                let (e, e_samples, rx) = entry(&admission, 2, t, now);
+                q.add(e, &e_samples);
                 rx
             })
             .collect();
@@ -486,18 +548,18 @@ mod tests {
 
     #[test]
     fn cancelled_request_is_removed_and_the_rest_refused() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
-        let (a, _ra) = entry(&admission, 2, 1, now);
-        let (b, rb) = entry(&admission, 1, 2, now);
-        let (c, _rc) = entry(&admission, 3, 3, now);
-        let kept = [a.request.clone(), c.request.clone()];
-        q.add(a);
-        q.add(b);
-        q.add(c);
+        let (a, a_samples, _ra) = entry(&admission, 2, 1, now);
+        let (b, b_samples, rb) = entry(&admission, 1, 2, now);
+        let (c, c_samples, _rc) = entry(&admission, 3, 3, now);
+        let kept = [a_samples.clone(), c_samples.clone()];
+        q.add(a, &a_samples);
+        q.add(b, &b_samples);
+        q.add(c, &c_samples);
         drop(rb);
-        let (job, removed) = q.next_due(now, false);
+        let (job, removed) = due(&mut q, now);
         let job = job.unwrap();
         assert_eq!(removed, 1);
         assert_eq!(job.batch, assemble(1, 2, &kept));
@@ -506,13 +568,13 @@ mod tests {
 
     #[test]
     fn expired_request_is_answered_with_deadline_exceeded_and_not_sent() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
-        let (mut a, mut ra) = entry(&admission, 2, 1, now);
+        let (mut a, a_samples, mut ra) = entry(&admission, 2, 1, now);
         a.expires = Some(now);
-        q.add(a);
-        let (job, removed) = q.next_due(now, false);
+        q.add(a, &a_samples);
+        let (job, removed) = due(&mut q, now);
         assert!(job.is_none());
         assert_eq!(removed, 1);
         assert!(matches!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded)));
@@ -520,11 +582,11 @@ mod tests {
 
     #[test]
     fn sweep_walks_the_queue_only_after_a_caller_stopped_waiting() {
-        let admission = Admission::new(100, 1000, usize::MAX);
-        let collector = Collector::new(queue(16, 100, 1000), Arc::new(Stats::default()));
-        let (a, ra) = entry(&admission, 1, 1, Instant::now());
-        let (b, _rb) = entry(&admission, 1, 2, Instant::now());
-        collector.submit(vec![a, b]).unwrap();
+        let admission = Admission::new(100, 1000);
+        let collector = Collector::new(queue(16, 100, 1000), 1, Arc::new(Stats::default()));
+        let (a, a_samples, ra) = entry(&admission, 1, 1, Instant::now());
+        let (b, b_samples, _rb) = entry(&admission, 1, 2, Instant::now());
+        collector.submit(vec![(a, a_samples), (b, b_samples)]).unwrap();
         drop(ra);
         assert_eq!(collector.sweep(), 0, "nobody said a caller left");
         collector.mark_stale();
@@ -536,50 +598,50 @@ mod tests {
 
     #[test]
     fn request_abandoned_by_its_callers_timer_is_never_sent() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
-        let (a, _ra) = entry(&admission, 2, 1, now);
-        let (b, _rb) = entry(&admission, 1, 2, now);
+        let (a, a_samples, _ra) = entry(&admission, 2, 1, now);
+        let (b, b_samples, _rb) = entry(&admission, 1, 2, now);
         let ticket = Arc::clone(&a.ticket);
-        q.add(a);
-        q.add(b);
+        q.add(a, &a_samples);
+        q.add(b, &b_samples);
         assert!(ticket.abandon(), "nothing started yet");
-        let (job, removed) = q.next_due(now, false);
+        let (job, removed) = due(&mut q, now);
         assert_eq!((job.unwrap().waiters.len(), removed), (1, 1));
     }
 
     #[test]
     fn started_request_is_not_expired_by_its_queue_timeout() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(1, 100, 0);
-        let (mut first, _r1) = entry(&admission, 1, 1, now);
-        let (mut second, _r2) = entry(&admission, 1, 1, now);
+        let (mut first, first_samples, _r1) = entry(&admission, 1, 1, now);
+        let (mut second, second_samples, _r2) = entry(&admission, 1, 1, now);
         // Two parts of one request; the second expires after the first started.
         second.ticket = Arc::clone(&first.ticket);
         first.expires = Some(now + Duration::from_millis(5));
         second.expires = first.expires;
-        q.add(first);
-        q.add(second);
-        assert!(q.next_due(now, false).0.is_some());
+        q.add(first, &first_samples);
+        q.add(second, &second_samples);
+        assert!(due(&mut q, now).0.is_some());
         let later = now + Duration::from_millis(10);
-        let (job, removed) = q.next_due(later, false);
+        let (job, removed) = due(&mut q, later);
         assert_eq!((job.is_some(), removed), (true, 0));
     }
 
     #[test]
     fn sweep_frees_places_of_gone_callers_without_starting_the_rest() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(2, 100, 1000);
-        let (a, ra) = entry(&admission, 2, 1, now);
-        let (b, _rb) = entry(&admission, 3, 2, now);
-        let (c, rc) = entry(&admission, 4, 3, now);
+        let (a, a_samples, ra) = entry(&admission, 2, 1, now);
+        let (b, b_samples, _rb) = entry(&admission, 3, 2, now);
+        let (c, c_samples, rc) = entry(&admission, 4, 3, now);
         let kept = Arc::clone(&b.ticket);
-        q.add(a);
-        q.add(b);
-        q.add(c);
+        q.add(a, &a_samples);
+        q.add(b, &b_samples);
+        q.add(c, &c_samples);
         drop((ra, rc));
         assert_eq!(q.sweep(now), 2);
         assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 3));
@@ -589,18 +651,18 @@ mod tests {
 
     #[test]
     fn batch_that_lost_requests_is_topped_up_from_the_queue_behind_it() {
-        let admission = Admission::new(100, 1000, usize::MAX);
+        let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut q = queue(2, 100, 0);
         let mut receivers = Vec::new();
         for tag in 0..5 {
-            let (e, rx) = entry(&admission, 1, tag, now);
-            q.add(e);
+            let (e, e_samples, rx) = entry(&admission, 1, tag, now);
+            q.add(e, &e_samples);
             receivers.push(rx);
         }
         assert_eq!(q.depth(), (2, 1));
         drop(receivers.remove(0)); // the first batch loses request 0
-        let (job, removed) = q.next_due(now, false);
+        let (job, removed) = due(&mut q, now);
         let job = job.unwrap();
         assert_eq!((job.waiters.len(), removed), (2, 1));
         let first_two: Vec<RequestSamples> = (1..3)
@@ -614,7 +676,7 @@ mod tests {
             .collect();
         assert_eq!(job.batch, assemble(1, 2, &first_two), "requests 1 and 2, in order");
         assert_eq!(q.depth(), (1, 1), "request 3 alone in a sealed batch, request 4 open");
-        assert_eq!(q.next_due(now, false).0.unwrap().waiters.len(), 1);
-        assert_eq!(q.next_due(now, false).0.unwrap().waiters.len(), 1);
+        assert_eq!(due(&mut q, now).0.unwrap().waiters.len(), 1);
+        assert_eq!(due(&mut q, now).0.unwrap().waiters.len(), 1);
     }
 }

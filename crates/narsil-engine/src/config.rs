@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use narsil_core::request::RequestLimits;
 
+use crate::memory::MemoryBudget;
+
 /// How queued requests become forward passes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExecutionMode {
@@ -27,13 +29,18 @@ pub struct EngineConfig {
     pub batch_timeout: Duration,
     /// Executor lanes (threads each owning a model instance).
     pub lanes: usize,
+    /// Most threads one forward may use: a forward that starts with other
+    /// lanes idle and nothing queued gets the cores they leave free, up to
+    /// this (see `parallelism`); 1 keeps every forward on one thread.
+    pub max_forward_threads: usize,
     /// Most requests admitted but not yet started.
     pub max_queue_requests: usize,
     /// Most rows admitted but not yet started.
     pub max_queue_rows: usize,
-    /// Most decoded request bytes admitted but not yet started; a single
-    /// request larger than this is refused as invalid.
-    pub max_queue_bytes: usize,
+    /// The process-wide bound on request memory (decoding, queued, in a
+    /// forward), shared by every engine started with a clone of this
+    /// config; a single request larger than it is refused as invalid.
+    pub memory: MemoryBudget,
     /// Longest a request may wait for its forward to start; past it the
     /// request gets DEADLINE_EXCEEDED and is never computed. `None`: only
     /// the caller's deadline applies.
@@ -60,11 +67,12 @@ impl EngineConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [
             (Setting::Lanes, self.lanes),
+            (Setting::MaxForwardThreads, self.max_forward_threads),
             (Setting::MaxBatchRequests, self.max_batch_requests),
             (Setting::MaxBatchRows, self.max_batch_rows),
             (Setting::MaxQueueRequests, self.max_queue_requests),
             (Setting::MaxQueueRows, self.max_queue_rows),
-            (Setting::MaxQueueBytes, self.max_queue_bytes),
+            (Setting::MaxQueueBytes, self.memory.max()),
         ];
         if let Some((setting, _)) = positive.iter().find(|(_, v)| *v == 0) {
             return Err(ConfigError::Zero(*setting));
@@ -88,6 +96,8 @@ impl EngineConfig {
 pub enum Setting {
     /// `lanes`.
     Lanes,
+    /// `max_forward_threads`.
+    MaxForwardThreads,
     /// `max_batch_requests`.
     MaxBatchRequests,
     /// `max_batch_rows`.
@@ -109,6 +119,7 @@ impl Setting {
     pub fn field(self) -> &'static str {
         match self {
             Self::Lanes => "lanes",
+            Self::MaxForwardThreads => "max_forward_threads",
             Self::MaxBatchRequests => "max_batch_requests",
             Self::MaxBatchRows => "max_batch_rows",
             Self::MaxQueueRequests => "max_queue_requests",

@@ -33,6 +33,7 @@ use crate::error::{EngineError, LaneFailed, StartError};
 use crate::health::BackendHealth;
 use crate::job::{Entry, Prediction, Ticket};
 use crate::lanes::{self, LaneShared, Readiness};
+use crate::memory::{Lease, MemoryBudget};
 use crate::stats::{Outcome, Stats, StatsSnapshot};
 
 /// The running engine: owns the collector and the lane threads.
@@ -50,6 +51,7 @@ pub struct EngineHandle {
 struct Shared {
     collector: Arc<Collector>,
     admission: Arc<Admission>,
+    memory: MemoryBudget,
     schema: ModelSchema,
     limits: RequestLimits,
     max_batch_rows: usize,
@@ -80,6 +82,7 @@ impl Engine {
                 schema.num_dense,
                 schema.num_sparse(),
             ),
+            config.max_forward_threads,
             Arc::clone(&stats),
         ));
         let health = Arc::new(BackendHealth::new(config.unhealthy_after_failures));
@@ -100,11 +103,8 @@ impl Engine {
             handle: EngineHandle {
                 shared: Arc::new(Shared {
                     collector,
-                    admission: Admission::new(
-                        config.max_queue_requests,
-                        config.max_queue_rows,
-                        config.max_queue_bytes,
-                    ),
+                    admission: Admission::new(config.max_queue_requests, config.max_queue_rows),
+                    memory: config.memory.clone(),
                     schema,
                     limits: config.limits,
                     max_batch_rows: config.max_batch_rows,
@@ -186,9 +186,9 @@ impl EngineHandle {
         self.shared.stats.snapshot(self.shared.admission.queued_requests())
     }
 
-    /// The most decoded request bytes the queue has held at once.
-    pub fn queue_bytes_peak(&self) -> usize {
-        self.shared.admission.peak_bytes()
+    /// The process-wide memory budget this engine's requests hold.
+    pub fn memory(&self) -> &MemoryBudget {
+        &self.shared.memory
     }
 
     /// Every metric as Prometheus text.
@@ -209,6 +209,8 @@ impl EngineHandle {
     }
 
     /// Validates, admits and queues a request, then waits for its scores.
+    /// `lease` is what its decode holds on the memory budget (resized to
+    /// the request's decoded bytes; taken from the budget when `None`).
     /// Past `deadline` (or the queue timeout, while it has not started) the
     /// caller gets DeadlineExceeded at once, and a request that had not
     /// started is never computed. Every call is counted by outcome; a call
@@ -219,12 +221,14 @@ impl EngineHandle {
     pub async fn predict(
         &self,
         request: RequestSamples,
+        lease: Option<Lease>,
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let received = Instant::now();
         let id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
         let mut tally = Tally { stats: &self.shared.stats, recorded: false };
-        let result = self.run(id, request, deadline).instrument(tracing::info_span!("request", id)).await;
+        let result =
+            self.run(id, request, lease, deadline).instrument(tracing::info_span!("request", id)).await;
         let outcome = match &result {
             Ok(_) => {
                 self.shared.stats.request_seconds.observe(received.elapsed().as_secs_f64());
@@ -246,6 +250,7 @@ impl EngineHandle {
         &self,
         id: u64,
         mut request: RequestSamples,
+        lease: Option<Lease>,
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let shared = &self.shared;
@@ -254,18 +259,25 @@ impl EngineHandle {
         }
         request.validate(&shared.schema, shared.limits)?;
         let bytes = request.decoded_bytes();
-        if bytes > shared.admission.max_bytes() {
-            return Err(EngineError::NeverFits(QueueFull {
+        let memory = &shared.memory;
+        if bytes > memory.max() {
+            let full = QueueFull {
                 limit: QueueLimit::Bytes,
-                queued: shared.admission.queued_bytes(),
-                max: shared.admission.max_bytes(),
+                queued: memory.used(),
+                max: memory.max(),
                 needed: bytes,
-            }));
+            };
+            return Err(EngineError::NeverFits(full));
         }
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
+        let mut lease = match lease {
+            Some(mut lease) => lease.resize(bytes).map(|()| lease),
+            None => memory.try_reserve(bytes),
+        }
+        .map_err(EngineError::Overloaded)?;
         let rows = request.num_samples;
         let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
@@ -280,17 +292,22 @@ impl EngineHandle {
         let expires = deadline.into_iter().chain(queue_deadline).min();
         let ticket = Ticket::new();
         let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
-        // Each part frees its rows when it starts; the last also frees the request's place.
-        let mut permits: Vec<_> =
-            parts[..parts.len() - 1].iter().map(|p| permit.split_off(p.num_samples)).collect();
+        // Each part frees its rows when it starts, and its bytes when its
+        // forward ends; the last also frees the request's place.
+        let last = parts.len() - 1;
+        let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
+        let mut leases: Vec<_> = parts[..last].iter().map(|p| lease.split_off(p.decoded_bytes())).collect();
+        leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()
-            .zip(permits)
-            .map(|(part, permit)| {
+            .zip(permits.into_iter().zip(leases))
+            .map(|(part, (permit, lease))| {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
-                (Entry { id, request: part, reply, admitted, expires, ticket, permit }, answer)
+                let entry =
+                    Entry { id, rows: part.num_samples, lease, reply, admitted, expires, ticket, permit };
+                ((entry, part), answer)
             })
             .unzip();
         shared.collector.submit(entries)?;

@@ -6,11 +6,12 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use narsil_core::{KeyedBatch, RequestSamples};
+use narsil_core::KeyedBatch;
 use tokio::sync::oneshot;
 
 use crate::admission::Permit;
 use crate::error::EngineError;
+use crate::memory::Lease;
 
 /// A request's scores and how they were computed.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,11 +35,6 @@ pub struct Prediction {
 }
 
 impl Prediction {
-    /// The first output's scores (a single-output model's only ones).
-    pub fn scores(&self) -> &[f32] {
-        &self.outputs[0]
-    }
-
     /// One answer from the answers of a split request's parts, in order.
     pub fn merge(parts: Vec<Prediction>) -> Prediction {
         let mut parts = parts.into_iter();
@@ -98,14 +94,18 @@ impl Ticket {
 pub type ReplySender = oneshot::Sender<Result<Prediction, EngineError>>;
 
 /// A validated request (or one part of a split request) waiting in the
-/// collector.
+/// collector. Its samples are not here: they were reordered into its batch
+/// when it was queued, and are held there only.
 #[derive(Debug)]
 pub struct Entry {
     /// The engine's id for the request (shared by its parts), as in its
     /// tracing span.
     pub id: u64,
-    /// The request's samples.
-    pub request: RequestSamples,
+    /// Its samples (rows).
+    pub rows: usize,
+    /// Its decoded bytes on the process's memory budget, held until its
+    /// forward ends.
+    pub lease: Lease,
     /// Its reply channel; closed when the caller went away.
     pub reply: ReplySender,
     /// When it was admitted.
@@ -160,11 +160,15 @@ pub struct Waiter {
     pub reply: ReplySender,
     /// When the request was admitted.
     pub admitted: Instant,
+    /// Its bytes on the memory budget, returned once the forward is over.
+    pub lease: Lease,
 }
 
 /// A fused batch and the requests waiting for its rows, in batch order.
 #[derive(Debug)]
 pub struct Job {
+    /// Threads its forward may use (see [`crate::parallelism`]).
+    pub threads: usize,
     /// Key-major fused input.
     pub batch: KeyedBatch,
     /// One waiter per fused request.

@@ -90,9 +90,14 @@ impl LaneContext {
         loop {
             let idle_limit = (!self.health.is_healthy()).then_some(self.probe_interval);
             match self.collector.next_job(idle_limit) {
-                NextJob::Job(job) => {
+                NextJob::Job(due) => {
                     self.stats.busy_lanes.inc();
+                    let job = due.into_job();
+                    let bytes = job.waiters.iter().map(|w| w.lease.bytes()).sum();
+                    backend.set_threads(job.threads);
                     self.run_job(backend.as_mut(), job);
+                    crate::memory::freed_batch(bytes);
+                    self.collector.job_done();
                     self.stats.busy_lanes.dec();
                 }
                 NextJob::Idle => self.probe(backend.as_mut()),

@@ -5,12 +5,16 @@
 //!   ◀── oneshot reply per request, split from the fused scores ◀──┘
 //! ```
 //!
-//! * `admission`: bounded by queued requests, rows and decoded bytes;
-//!   rejects at once with the limit that refused ([`QueueFull`]).
+//! * `memory`: the process-wide byte budget every request holds a lease on
+//!   from its decode to the end of its forward.
+//! * `admission`: bounded by queued requests and rows (and the memory
+//!   budget); rejects at once with the limit that refused ([`QueueFull`]).
 //! * `collector`: reorders each request into the open key-major batch as
 //!   it is submitted; a lane that frees up takes the next due batch itself.
 //! * `lanes`: one thread per model instance; loads, warms up, runs, replies.
 //! * `engine`: the handle the RPC layer calls, and startup/shutdown.
+//! * `parallelism`: how many threads a forward may use, from how busy the
+//!   other lanes are.
 //! * `health`: whether the backend is fit for traffic, from its forwards.
 //! * `stats`: counters the engine keeps about itself.
 
@@ -22,6 +26,8 @@ mod error;
 mod health;
 mod job;
 mod lanes;
+mod memory;
+mod parallelism;
 mod stats;
 
 pub use admission::{QueueFull, QueueLimit};
@@ -29,4 +35,5 @@ pub use config::{ConfigError, EngineConfig, ExecutionMode, Setting};
 pub use engine::{Engine, EngineHandle};
 pub use error::{EngineError, LaneFailed, StartError};
 pub use job::Prediction;
+pub use memory::{decode_reservation, on_large_free, Lease, MemoryBudget};
 pub use stats::{merge_expositions, StatsSnapshot};

@@ -106,7 +106,7 @@ pub struct StatsSnapshot {
     pub rows_computed: u64,
     /// Requests (or parts of split requests) those forwards computed.
     pub requests_computed: u64,
-    /// Queued requests dropped before assembly: cancelled or expired.
+    /// Queued requests removed before their forward: cancelled or expired.
     pub requests_abandoned: u64,
     /// Forwards that failed or panicked.
     pub backend_errors: u64,

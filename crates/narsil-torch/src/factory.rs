@@ -120,8 +120,7 @@ impl BackendFactory for TorchFactory {
 
     fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
         enter_inference_mode();
-        tch::set_num_threads(self.config.intra_op_threads as i32);
-        Ok(Box::new(TorchLane::new(Arc::clone(&self.model))))
+        Ok(Box::new(TorchLane::new(Arc::clone(&self.model), self.config.intra_op_threads)))
     }
 
     fn mlp_flops_per_sample(&self) -> Option<f64> {
@@ -139,7 +138,7 @@ impl BackendFactory for TorchFactory {
 fn probe(model: &Arc<TorchModel>, config: &TorchConfig) -> Result<(), BackendError> {
     let batch = narsil_core::backend::warmup_batch(model.schema(), 2);
     // The lane checks every output's score count itself (WrongScoreCount).
-    TorchLane::new(Arc::clone(model)).forward(&batch).map(drop).map_err(|e| {
+    TorchLane::new(Arc::clone(model), config.intra_op_threads).forward(&batch).map(drop).map_err(|e| {
         let schema = model.schema();
         let source = model.schema_source().map_or("its narsil_schema()".into(), |p| p.display().to_string());
         BackendError::load(

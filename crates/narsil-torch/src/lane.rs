@@ -31,16 +31,24 @@ pub fn enter_inference_mode() {
 pub struct TorchLane {
     model: Arc<TorchModel>,
     staging: Option<PinnedStaging>,
+    /// `--intra-op-threads`: the fewest threads a forward uses.
+    min_threads: usize,
+    /// The intra-op threads this lane's thread is set to now.
+    threads: usize,
 }
 
 impl TorchLane {
-    /// A lane for `model`; pinned staging is set up for CUDA models.
-    pub fn new(model: Arc<TorchModel>) -> Self {
+    /// A lane for `model` whose forwards use at least `min_threads`
+    /// intra-op threads (the calling thread is set to that many); pinned
+    /// staging is set up for CUDA models.
+    pub fn new(model: Arc<TorchModel>, min_threads: usize) -> Self {
         let staging = match model.device() {
             Device::Cpu => None,
             device => Some(PinnedStaging::new(device)),
         };
-        Self { model, staging }
+        let min_threads = min_threads.max(1);
+        tch::set_num_threads(min_threads as i32);
+        Self { model, staging, min_threads, threads: min_threads }
     }
 
     fn inputs(&mut self, batch: &KeyedBatch) -> Result<[Tensor; 3], BackendError> {
@@ -64,6 +72,16 @@ impl TorchLane {
 }
 
 impl ModelBackend for TorchLane {
+    /// libtorch's intra-op thread count is per calling thread (OpenMP), so
+    /// each lane sets its own; only a change is passed on.
+    fn set_threads(&mut self, threads: usize) {
+        let threads = threads.max(self.min_threads);
+        if threads != self.threads {
+            tch::set_num_threads(threads as i32);
+            self.threads = threads;
+        }
+    }
+
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         if self.model.dict_signature() {
             return self.forward_dict(batch);
