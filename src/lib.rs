@@ -2,7 +2,8 @@
 //! batching. This crate is the front of the data path and the tooling:
 //!
 //! * [`cli`]: `narsil serve`, `narsil load`, `narsil bench-forward` (clap).
-//! * [`grpc`]: the `narsil.v1.Predictor` service: decode, convert, map errors.
+//! * [`grpc`]: the served protocols (`narsil.v1`, TorchRec's, KServe v2)
+//!   behind one entry (`grpc::infer`), and the memory bound on messages.
 //! * [`server`]: binds, starts the models, reports health, serves, drains.
 //! * [`metrics_http`]: Prometheus text and model control on `--metrics-addr`.
 //! * [`models`]: the model repository, versions, live reload.

@@ -204,14 +204,31 @@ impl Report {
             None => format!("closed loop, concurrency {}", self.concurrency),
         };
         let codes: Vec<String> = self.by_code.iter().map(|(c, n)| format!("{c}={n}")).collect();
+        // Only narsil.v1 answers carry the server's timings (fused rows are
+        // at least 1 in every answer that does).
+        let server = if self.mean_fused_rows > 0.0 {
+            format!(
+                "server      mean fused rows {:.1} (per forward {:.1}), queue {:.3} ms, forward {:.3} ms \
+                 (per forward {:.3}), forward busy {:.2}\n\
+                 outside the forward ms  p50 {:.3}  p99 {:.3}\n",
+                self.mean_fused_rows,
+                self.mean_forward_rows,
+                self.mean_queue_ms,
+                self.mean_compute_ms,
+                self.mean_forward_ms,
+                self.forward_busy,
+                self.outside_forward_p50_ms,
+                self.outside_forward_p99_ms,
+            )
+        } else {
+            "server      no timings (this protocol's answers carry none)\n".to_string()
+        };
         format!(
             "narsil load: {load}, {} samples/request, backend {}\n\
              requests    {} in {:.2} s ({})\n\
              throughput  {:.1} req/s, {:.0} samples/s\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
-             server      mean fused rows {:.1} (per forward {:.1}), queue {:.3} ms, forward {:.3} ms \
-             (per forward {:.3}), forward busy {:.2}\n\
-             outside the forward ms  p50 {:.3}  p99 {:.3}\n{}",
+             {server}{}",
             self.batch_size,
             self.backend,
             self.requests,
@@ -224,14 +241,6 @@ impl Report {
             self.p99_ms,
             self.max_ms,
             self.mean_ms,
-            self.mean_fused_rows,
-            self.mean_forward_rows,
-            self.mean_queue_ms,
-            self.mean_compute_ms,
-            self.mean_forward_ms,
-            self.forward_busy,
-            self.outside_forward_p50_ms,
-            self.outside_forward_p99_ms,
             if self.client_overflow > 0 {
                 format!("client      {} scheduled requests not sent (in-flight cap)\n", self.client_overflow)
             } else {
