@@ -96,8 +96,8 @@ where
     fn call(&mut self, request: Request<Body>) -> Self::Future {
         let expansion = expansion(request.uri().path());
         let layer = self.layer.clone();
-        let request =
-            request.map(|body| Body::new(Reserving { inner: body, header: Vec::new(), expansion, layer }));
+        let request = request
+            .map(|body| Body::new(Reserving { inner: body, header: [0; HEADER], seen: 0, expansion, layer }));
         Box::pin(RECEIVED.scope(RefCell::new(None), self.inner.call(request)))
     }
 }
@@ -106,9 +106,10 @@ where
 /// header says how long the message is.
 struct Reserving {
     inner: Body,
-    /// The first bytes of the frame header, until all 5 arrived; then
-    /// `None`-like (length 5 marks the reservation as made).
-    header: Vec<u8>,
+    /// The frame header's bytes, as they arrive.
+    header: [u8; HEADER],
+    /// How many of them arrived (the reservation is made at `HEADER`).
+    seen: usize,
     expansion: usize,
     layer: MemoryLayer,
 }
@@ -118,15 +119,17 @@ const HEADER: usize = 5;
 impl Reserving {
     /// Notes the frame's first bytes; once the header is complete, reserves.
     fn observe(&mut self, data: &Bytes) -> Result<(), Status> {
-        if self.header.len() >= HEADER {
+        if self.seen >= HEADER {
             return Ok(());
         }
-        let wanted = HEADER - self.header.len();
-        self.header.extend_from_slice(&data[..wanted.min(data.len())]);
-        if self.header.len() < HEADER {
+        let taken = (HEADER - self.seen).min(data.len());
+        self.header[self.seen..self.seen + taken].copy_from_slice(&data[..taken]);
+        self.seen += taken;
+        if self.seen < HEADER {
             return Ok(());
         }
-        let encoded = u32::from_be_bytes(self.header[1..HEADER].try_into().expect("4 bytes")) as usize;
+        let [_, length @ ..] = self.header;
+        let encoded = u32::from_be_bytes(length) as usize;
         let bytes = decode_reservation(encoded, self.expansion, &self.layer.budget);
         match self.layer.budget.try_reserve(bytes) {
             Ok(lease) => {

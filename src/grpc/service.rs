@@ -40,9 +40,7 @@ impl Predictor for PredictorService {
             (std::mem::take(&mut message.model), std::mem::take(&mut message.model_version));
         let served = self
             .infer
-            .predict(Ok((&model, &version)), deadline, to_status, |_| {
-                Ok(convert::request_samples(message))
-            })
+            .predict(Ok((&model, &version)), deadline, to_status, |_| Ok(convert::request_samples(message)))
             .await?;
         let outputs = &served.live.engine.schema().outputs;
         Ok(Response::new(convert::predict_response(served.prediction, outputs, request_id)))

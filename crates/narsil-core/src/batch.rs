@@ -210,13 +210,12 @@ impl BatchBuilder {
         }
     }
 
-    /// Request `r`'s rows, and its ids' range in feature `f`'s buffer.
-    fn span(&self, r: usize, f: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    /// Request `r`'s ids' range in feature `f`'s buffer.
+    fn id_range(&self, r: usize, f: usize) -> std::ops::Range<usize> {
         let num_sparse = self.ids.len();
-        let first_row: usize = self.request_rows[..r].iter().sum();
         let start = self.id_starts[r * num_sparse + f];
         let end = self.id_starts.get((r + 1) * num_sparse + f).copied().unwrap_or(self.ids[f].len());
-        (first_row..first_row + self.request_rows[r], start..end)
+        start..end
     }
 
     /// Request `r` as it was pushed, in key-major layout (to move it to
@@ -228,11 +227,12 @@ impl BatchBuilder {
             layout: SparseLayout::KeyMajor,
             ..Default::default()
         };
-        let (rows, _) = self.span(r, 0);
+        let first_row: usize = self.request_rows[..r].iter().sum();
+        let rows = first_row..first_row + self.request_rows[r];
         samples.dense.extend_from_slice(&self.dense[rows.start * self.num_dense..rows.end * self.num_dense]);
         for f in 0..num_sparse {
-            let (rows, ids) = self.span(r, f);
-            samples.lengths.extend(self.lengths[f][rows].iter().map(|&l| l as u32));
+            let ids = self.id_range(r, f);
+            samples.lengths.extend(self.lengths[f][rows.clone()].iter().map(|&l| l as u32));
             samples.ids.extend_from_slice(&self.ids[f][ids.clone()]);
             if !self.weights[f].is_empty() {
                 samples.weights.extend_from_slice(&self.weights[f][ids]);

@@ -356,13 +356,6 @@ impl Collector {
         removed
     }
 
-    /// Tells the collector a lane finished the job [`Collector::next_job`]
-    /// gave it.
-    pub fn job_done(&self) {
-        let mut state = self.lock();
-        state.busy_lanes = state.busy_lanes.saturating_sub(1);
-    }
-
     /// Stops taking requests; lanes finish what is queued, then stop.
     pub fn close(&self) {
         self.lock().closed = true;
@@ -373,9 +366,15 @@ impl Collector {
     /// [`NextJob::Closed`] once the collector is closed and empty;
     /// [`NextJob::Idle`] when `idle_limit` passes with nothing due (lanes ask
     /// for that while the backend is unhealthy, to probe it).
-    pub fn next_job(&self, idle_limit: Option<Duration>) -> NextJob {
+    ///
+    /// `finished_job`: the calling lane comes back from running the job its
+    /// previous call returned (it counts as busy until then).
+    pub fn next_job(&self, idle_limit: Option<Duration>, finished_job: bool) -> NextJob {
         let give_up_at = idle_limit.map(|limit| Instant::now() + limit);
         let mut state = self.lock();
+        if finished_job {
+            state.busy_lanes -= 1;
+        }
         loop {
             let now = Instant::now();
             let drain = state.closed;

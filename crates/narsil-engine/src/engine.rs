@@ -186,11 +186,6 @@ impl EngineHandle {
         self.shared.stats.snapshot(self.shared.admission.queued_requests())
     }
 
-    /// The process-wide memory budget this engine's requests hold.
-    pub fn memory(&self) -> &MemoryBudget {
-        &self.shared.memory
-    }
-
     /// Every metric as Prometheus text.
     pub fn metrics_text(&self) -> String {
         let admission = &self.shared.admission;

@@ -87,9 +87,12 @@ impl LaneContext {
         };
         tracing::info!(lane = self.lane, elapsed_ms = started.elapsed().as_millis() as u64, "lane ready");
         self.readiness.send_modify(|r| r.ready += 1);
+        let mut finished_job = false;
         loop {
             let idle_limit = (!self.health.is_healthy()).then_some(self.probe_interval);
-            match self.collector.next_job(idle_limit) {
+            let next = self.collector.next_job(idle_limit, finished_job);
+            finished_job = matches!(next, NextJob::Job(_));
+            match next {
                 NextJob::Job(due) => {
                     self.stats.busy_lanes.inc();
                     let job = due.into_job();
@@ -97,7 +100,6 @@ impl LaneContext {
                     backend.set_threads(job.threads);
                     self.run_job(backend.as_mut(), job);
                     crate::memory::freed_batch(bytes);
-                    self.collector.job_done();
                     self.stats.busy_lanes.dec();
                 }
                 NextJob::Idle => self.probe(backend.as_mut()),
