@@ -39,7 +39,7 @@ fuzz_target!(|data: &[u8]| {
         }
     } else if selector & 1 == 0 {
         let Ok(request) = proto::PredictRequest::decode(bytes) else { return };
-        convert::sample_batch(request)
+        convert::request_samples(request)
     } else {
         let Ok(request) = torchrec_proto::PredictionRequest::decode(bytes) else { return };
         match torchrec::decode(request, schema.num_dense, schema.num_unweighted(), schema.num_sparse()) {
