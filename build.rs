@@ -20,11 +20,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("narsil_descriptor.bin"), prost::Message::encode_to_vec(&descriptors))?;
     // TorchRec's and KServe's byte fields as `Bytes`, slices of the received message
-    // (src/grpc/codec.rs decodes every message from one `Bytes`).
+    // (src/wire/codec.rs decodes every message from one `Bytes`).
     tonic_prost_build::configure()
         .bytes(".predictor")
         .bytes(".inference")
-        .codec_path("crate::grpc::codec::ContiguousCodec")
+        .codec_path("crate::wire::codec::ContiguousCodec")
         .compile_fds(descriptors)?;
     Ok(())
 }

@@ -4,8 +4,8 @@
 //! does, the protocol's conversion, and `RequestSamples::validate`).
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use narsil::grpc::{convert, torchrec};
 use narsil::proto::PredictRequest;
+use narsil::protocols::{convert, torchrec};
 use narsil::torchrec_proto::PredictionRequest;
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_core::ModelSchema;
@@ -32,8 +32,9 @@ fn bench_decode(c: &mut Criterion) {
     let limits = RequestLimits { max_samples: 10_000, id_policy: IdPolicy::Reject };
     let narsil = narsil_request(&schema);
     let narsil_bytes = prost::bytes::Bytes::from(narsil.encode_to_vec());
-    let torchrec_bytes =
-        prost::bytes::Bytes::from(torchrec::encode(&narsil, schema.num_sparse()).encode_to_vec());
+    let torchrec_bytes = prost::bytes::Bytes::from(
+        narsil::wire::torchrec::encode(&narsil, schema.num_sparse()).encode_to_vec(),
+    );
     let mut group = c.benchmark_group("decode_validate_100x26");
     group.throughput(Throughput::Elements(SAMPLES as u64));
     group.bench_function("narsil_v1", |b| {

@@ -17,7 +17,7 @@ use narsil::torchrec_proto as trpb;
 use narsil::torchrec_proto::predictor_server::{
     Predictor as TorchRecPredictor, PredictorServer as TorchRecServer,
 };
-use narsil::{grpc, proto};
+use narsil::{proto, protocols, wire};
 use narsil_core::ModelSchema;
 use tonic::{Request, Response, Status};
 
@@ -49,7 +49,7 @@ impl Predictor for Floor {
         &self,
         _request: Request<proto::ModelInfoRequest>,
     ) -> Result<Response<proto::ModelInfoResponse>, Status> {
-        Ok(Response::new(grpc::convert::model_info(&self.schema, 100_000)))
+        Ok(Response::new(protocols::convert::model_info(&self.schema, 100_000)))
     }
 }
 
@@ -64,7 +64,7 @@ impl TorchRecPredictor for Floor {
         let samples = request.float_features.map_or(0, |f| f.values.len() / 4 / num_dense);
         self.forward();
         let scores = trpb::FloatVec { data: vec![0.0; samples] };
-        let predictions = [(grpc::torchrec::SCORES_KEY.to_string(), scores)].into();
+        let predictions = [(wire::torchrec::SCORES_KEY.to_string(), scores)].into();
         Ok(Response::new(trpb::PredictionResponse { predictions }))
     }
 }

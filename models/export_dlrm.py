@@ -11,6 +11,11 @@ table-batched embeddings), scripts it and writes, into --out:
   golden.json               fixed random requests and their scores computed here
   manifest.json             the shape, seed and files written
 
+With --publish REPOSITORY it also publishes the INT8 model into a model
+repository (`narsil serve --model-repository`) as
+REPOSITORY/<--name>/<--version>/model.pt, written under a dot-name and renamed
+into place.
+
 Both TorchScript files take, in TorchRec's key-major KeyedJaggedTensor layout,
   forward(dense: f32[B, D], lengths: i32[T*B], ids: i64[N]) -> f32[B]
 (probabilities: the DLRM logit through a sigmoid), and describe their inputs
@@ -20,6 +25,7 @@ through an exported method `narsil_schema() -> str` (JSON).
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -220,7 +226,12 @@ def main() -> int:
                    help="seed of the golden requests (default: --seed); the same one gives two models the same inputs")
     p.add_argument("--golden-batch-sizes", type=int_list, default=[1, 100, 7, 100, 16, 3, 64, 100])
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    p.add_argument("--publish", type=Path, metavar="REPOSITORY",
+                   help="also publish the INT8 model into this model repository (narsil serve "
+                        "--model-repository) as REPOSITORY/<--name>/<--version>/model.pt")
     args = p.parse_args()
+    if args.publish and not args.version.isdigit():
+        p.error(f"--publish needs a numeric --version (a repository version directory), got {args.version!r}")
 
     if args.dense_arch[-1] != args.embedding_dim:
         p.error(f"--dense-arch must end with --embedding-dim ({args.embedding_dim})")
@@ -229,6 +240,8 @@ def main() -> int:
     out: Path = args.out
     if (out / "manifest.json").exists() and not args.force:
         log(f"{out} already holds an export; pass --force to overwrite")
+        if args.publish:
+            publish(out, args.publish, args.name, args.version)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -294,7 +307,25 @@ def main() -> int:
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s")
+    if args.publish:
+        publish(out, args.publish, args.name, args.version)
     return 0
+
+
+def publish(out: Path, repository: Path, name: str, version: str):
+    """Copies the INT8 model into a model repository as `name` version
+    `version`, the way the repository expects a version to appear: written
+    under a dot-name (ignored by the server), then renamed into place."""
+    final = repository / name / version
+    if final.exists():
+        log(f"{final} already exists; not published again")
+        return
+    staging = repository / name / f".{version}.publishing"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    shutil.copy2(out / "model_default.pt", staging / "model.pt")
+    os.rename(staging, final)
+    log(f"published {final / 'model.pt'}")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ use narsil_core::{assemble, BackendFactory, RequestSamples};
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::backends::{BackendArgs, DensePrecisionArg};
-use crate::grpc::convert::{model_info, request_samples};
+use crate::flags::backend::{BackendArgs, DensePrecision};
 use crate::load::workload::random_request;
+use crate::protocols::convert::{model_info, request_samples};
 
 /// `narsil bench-forward` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -199,8 +199,8 @@ fn measure(
     let mlp_limit_samples_per_s = match (&gemm_peaks, mlp_flops_per_sample) {
         (Some(peaks), Some(flops)) if flops > 0.0 => {
             let peak = match args.backend.dense_precision {
-                DensePrecisionArg::Fp32 => peaks.fp32_gflops,
-                DensePrecisionArg::Bf16 => peaks.bf16_gflops,
+                DensePrecision::Fp32 => peaks.fp32_gflops,
+                DensePrecision::Bf16 => peaks.bf16_gflops,
             };
             Some(peak * 1e9 / flops)
         }

@@ -1,42 +1,27 @@
 //! Narsil: a gRPC serving engine for recommendation models with continuous
-//! batching. This crate is the front of the data path and the tooling:
+//! batching. The engine itself (admission, collector, lanes, memory bound)
+//! is `narsil-engine`; this crate is the front of the data path, the model
+//! lifecycle and the tooling, in rooms whose imports run one way
+//! (`tests/layout.rs` checks it):
 //!
-//! * [`cli`]: `narsil serve`, `narsil load`, `narsil bench-forward` (clap).
-//! * [`grpc`]: the served protocols (`narsil.v1`, TorchRec's, KServe v2)
-//!   behind one entry (`grpc::infer`), and the memory bound on messages.
-//! * [`server`]: binds, starts the models, reports health, serves, drains.
-//! * [`metrics_http`]: Prometheus text and model control on `--metrics-addr`.
-//! * [`models`]: the model repository, versions, live reload.
-//! * [`backends`]: the backend flags; builds the configured model backend.
-//! * [`forward_bench`]: `narsil bench-forward`, a backend's raw forward speed.
-//! * [`load`]: the load generator used by tests and benchmarks.
-//! * [`shutdown`]: SIGINT/SIGTERM handling.
+//! | module | job | uses |
+//! |---|---|---|
+//! | [`wire`] | generated protocol code, little-endian values, client-side encoders | — |
+//! | [`lifecycle`] | loading backends, the model repository and its sources, versions, live reload, reaping retired versions | — |
+//! | [`flags`] | flag names and the backend flags, shared by commands and error messages | `lifecycle` |
+//! | [`protocols`] | the served protocols (`narsil.v1`, TorchRec's, KServe v2) behind one entry (`protocols::infer`), the memory bound on messages | `wire`, `lifecycle`, `flags` |
+//! | [`server`] | binds, serves the protocols, health, the admin endpoint, drain | `protocols`, `lifecycle`, `wire` |
+//! | [`load`] | `narsil load`: the load generator used by tests and benchmarks | `wire` |
+//! | [`forward_bench`] | `narsil bench-forward`: a backend's raw forward speed | `flags`, `lifecycle`, `protocols`, `load` |
+//! | [`cli`] | `narsil serve`, `narsil load`, `narsil bench-forward` (clap) | everything |
 
-pub mod backends;
 pub mod cli;
+pub mod flags;
 pub mod forward_bench;
-pub mod grpc;
+pub mod lifecycle;
 pub mod load;
-pub mod metrics_http;
-pub mod models;
+pub mod protocols;
 pub mod server;
-pub mod shutdown;
+pub mod wire;
 
-/// Generated protocol code for TorchRec's inference protocol (`predictor`).
-pub mod torchrec_proto {
-    tonic::include_proto!("predictor");
-}
-
-/// Generated protocol code for the Open Inference Protocol (KServe v2,
-/// `inference`).
-pub mod kserve_proto {
-    tonic::include_proto!("inference");
-}
-
-/// Generated protocol code for `narsil.v1`.
-pub mod proto {
-    tonic::include_proto!("narsil.v1");
-
-    /// Encoded descriptors of every served protocol, for server reflection.
-    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/narsil_descriptor.bin"));
-}
+pub use wire::{kserve_proto, proto, torchrec_proto};

@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{batch_mode, bits, metric, request, start, start_with};
-use narsil::grpc::torchrec::{encode, SCORES_KEY};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil::wire::torchrec::{encode, SCORES_KEY};
 use narsil_core::mock::{MockConfig, MockFactory};
 use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
 use tonic::Code;

@@ -12,10 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{batch_mode, start_with, wire};
-use narsil::grpc::kserve::{encode, first_scores};
-use narsil::grpc::torchrec::SCORES_KEY;
 use narsil::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil::wire::kserve::{encode, first_scores};
+use narsil::wire::torchrec::SCORES_KEY;
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
 use narsil_torch::{TorchConfig, TorchFactory};
 
@@ -45,7 +45,7 @@ async fn kserve_requests_fuse_with_the_other_protocols_and_score_like_them() {
         calls.push(tokio::spawn(async move {
             let (k, t, n) = tokio::join!(
                 kserve.model_infer(encode(&request, 13, 26)),
-                torchrec.predict(narsil::grpc::torchrec::encode(&request, 26)),
+                torchrec.predict(narsil::wire::torchrec::encode(&request, 26)),
                 narsil.predict(request.clone()),
             );
             let k = k.unwrap().into_inner();

@@ -17,13 +17,13 @@ use std::time::{Duration, Instant};
 
 use common::{wire, MAX_MESSAGE_BYTES};
 use narsil::cli::ServeArgs;
-use narsil::grpc::torchrec::{encode, MODEL_HEADER, MODEL_VERSION_HEADER, SCORES_KEY};
-use narsil::models::registry::ModelStatus;
-use narsil::models::ModelRegistry;
+use narsil::lifecycle::registry::ModelStatus;
+use narsil::lifecycle::ModelRegistry;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::ModelInfoRequest;
 use narsil::server::{Listen, Server};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil::wire::torchrec::{encode, MODEL_HEADER, MODEL_VERSION_HEADER, SCORES_KEY};
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
 use tokio::sync::oneshot;
 use tonic::Code;

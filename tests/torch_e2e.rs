@@ -88,9 +88,9 @@ async fn torchrec_protocol_serves_python_golden_scores() {
     let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = narsil::torchrec_proto::predictor_client::PredictorClient::new(server.channel().await);
     for (i, g) in golden.requests.iter().enumerate() {
-        let request = narsil::grpc::torchrec::encode(&wire(g, ""), 26);
+        let request = narsil::wire::torchrec::encode(&wire(g, ""), 26);
         let mut response = client.predict(request).await.unwrap().into_inner();
-        let scores = response.predictions.remove(narsil::grpc::torchrec::SCORES_KEY).unwrap().data;
+        let scores = response.predictions.remove(narsil::wire::torchrec::SCORES_KEY).unwrap().data;
         assert_close(&scores, &g.scores_int8, &format!("golden request {i} over TorchRec's protocol"));
     }
     server.stop().await.unwrap();

@@ -17,10 +17,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{batch_mode, wire, worker_mode, TestServer};
-use narsil::grpc::torchrec::{encode_weighted, MODEL_VERSION_HEADER};
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::{ModelInfoRequest, PredictResponse};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
+use narsil::wire::torchrec::{encode_weighted, MODEL_VERSION_HEADER};
 use narsil_core::conformance::{self, concurrent_lanes, golden_outputs, golden_parity};
 use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;

@@ -6,9 +6,9 @@ mod common;
 
 use common::{batch_mode, bits, request, start};
 use futures_util::future::join_all;
-use narsil::grpc::torchrec::{encode, widened, SCORES_KEY};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::torchrec_proto::{PredictionRequest, SparseFeatures as PredictionSparse};
+use narsil::wire::torchrec::{encode, widened, SCORES_KEY};
 
 const NUM_SPARSE: usize = 26;
 

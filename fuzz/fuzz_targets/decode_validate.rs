@@ -7,7 +7,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use narsil::grpc::{convert, kserve, torchrec};
+use narsil::protocols::{convert, kserve, torchrec};
 use narsil::{kserve_proto, proto, torchrec_proto};
 use narsil_core::mock::mock_scores;
 use narsil_core::request::{IdPolicy, RequestLimits};

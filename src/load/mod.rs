@@ -140,7 +140,7 @@ impl Client {
                 let mut response =
                     client.predict(with_timeout(m.as_ref().clone(), timeout_ms)).await?.into_inner();
                 // A multi-output model's scores are counted by any output.
-                let default = response.predictions.remove(crate::grpc::torchrec::SCORES_KEY);
+                let default = response.predictions.remove(crate::wire::torchrec::SCORES_KEY);
                 let scores = default
                     .or_else(|| response.predictions.into_values().next())
                     .map(|v| v.data)
@@ -150,7 +150,7 @@ impl Client {
             (Client::KServe(client), Message::KServe(m)) => {
                 let response =
                     client.model_infer(with_timeout(m.as_ref().clone(), timeout_ms)).await?.into_inner();
-                let scores = crate::grpc::kserve::first_scores(&response)
+                let scores = crate::wire::kserve::first_scores(&response)
                     .ok_or_else(|| tonic::Status::internal("response has no outputs"))?;
                 Ok(PredictResponse { scores, ..Default::default() })
             }
@@ -200,7 +200,7 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
                     .and_then(|t| t.shape.get(1).copied())
                     .unwrap_or(0)
             };
-            let (dense, sparse) = (width(crate::grpc::kserve::DENSE), width(crate::grpc::kserve::LENGTHS));
+            let (dense, sparse) = (width(crate::wire::kserve::DENSE), width(crate::wire::kserve::LENGTHS));
             shaped_info(&metadata.name, &metadata.platform, dense as u32, sparse as u32, args.table_rows)
         }
         Client::TorchRec(_) => {
@@ -213,14 +213,14 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
         Protocol::Torchrec => requests
             .iter()
             .map(|r| {
-                Message::TorchRec(Box::new(crate::grpc::torchrec::encode(r, info.sparse_features.len())))
+                Message::TorchRec(Box::new(crate::wire::torchrec::encode(r, info.sparse_features.len())))
             })
             .collect(),
         Protocol::Kserve => requests
             .iter()
             .map(|r| {
                 let encoded =
-                    crate::grpc::kserve::encode(r, info.num_dense as usize, info.sparse_features.len());
+                    crate::wire::kserve::encode(r, info.num_dense as usize, info.sparse_features.len());
                 Message::KServe(Box::new(encoded))
             })
             .collect(),

@@ -65,7 +65,7 @@ pub enum IdPolicy {
 
 /// The part of a request at fault, whatever a protocol calls it: every
 /// protocol maps these to its own wire names when it answers (see
-/// `narsil::grpc::status`), so validation is written once.
+/// `narsil::protocols::status`), so validation is written once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InputField {
     /// The number of samples.

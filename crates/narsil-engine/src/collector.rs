@@ -3,12 +3,13 @@
 //! is assembled while lanes compute); a batch is sealed when it is full; a
 //! free lane takes the next due batch.
 //!
-//! Flush rule: a sealed (full) batch goes to the next free lane; the open
-//! batch goes when a lane is free and its oldest request has waited
-//! `batch_timeout` (zero: at once). A lone request on an idle server is
-//! therefore sent immediately, and requests that arrive while every lane is
-//! busy form the next batch. Worker mode is the same loop with one request
-//! per batch.
+//! When a batch is full and when the open batch is due is the
+//! [`FlushPolicy`]'s ([`crate::flush`]): a sealed (full) batch goes to the
+//! next free lane; the open batch goes when a lane is free and the policy
+//! says it is due. Under continuous batching with no timeout a lone request
+//! on an idle server is therefore sent immediately, and requests that
+//! arrive while every lane is busy form the next batch; worker mode is the
+//! same loop with one request per batch.
 //!
 //! Requests whose client went away, or whose deadline passed, are removed
 //! before their batch is sent and never computed.
@@ -21,20 +22,10 @@ use std::time::{Duration, Instant};
 use narsil_core::{BatchBuilder, RequestSamples};
 
 use crate::error::EngineError;
+use crate::flush::{Fill, FlushPolicy};
 use crate::job::{Entry, Fate, Job, Waiter};
 use crate::parallelism::forward_threads;
 use crate::stats::Stats;
-
-/// Batch limits the collector applies.
-#[derive(Debug, Clone, Copy)]
-pub struct BatchLimits {
-    /// Most requests per batch.
-    pub max_requests: usize,
-    /// Most rows per batch.
-    pub max_rows: usize,
-    /// Longest the oldest request waits for company once a lane is free.
-    pub timeout: Duration,
-}
 
 /// Carries out an entry's fate: the entry back if it is kept; otherwise
 /// `None`, after answering DEADLINE_EXCEEDED if it expired.
@@ -71,6 +62,10 @@ impl QueuedBatch {
     /// Rows so far.
     pub fn rows(&self) -> usize {
         self.builder.rows()
+    }
+
+    fn fill(&self) -> Fill {
+        Fill { requests: self.len(), rows: self.rows() }
     }
 
     /// Requests so far.
@@ -122,7 +117,7 @@ impl QueuedBatch {
 /// Sealed batches waiting for a lane, plus the one still accepting requests.
 #[derive(Debug)]
 pub struct BatchQueue {
-    limits: BatchLimits,
+    policy: Arc<dyn FlushPolicy>,
     num_dense: usize,
     num_sparse: usize,
     sealed: VecDeque<QueuedBatch>,
@@ -131,9 +126,9 @@ pub struct BatchQueue {
 
 impl BatchQueue {
     /// An empty queue for a model with the given feature counts.
-    pub fn new(limits: BatchLimits, num_dense: usize, num_sparse: usize) -> Self {
+    pub fn new(policy: Arc<dyn FlushPolicy>, num_dense: usize, num_sparse: usize) -> Self {
         Self {
-            limits,
+            policy,
             num_dense,
             num_sparse,
             sealed: VecDeque::new(),
@@ -144,12 +139,11 @@ impl BatchQueue {
     /// Adds a request to the open batch (reordering `samples` into it),
     /// sealing batches at their limits.
     pub fn add(&mut self, entry: Entry, samples: &RequestSamples) {
-        let rows = entry.rows;
-        if !self.open.is_empty() && self.open.rows() + rows > self.limits.max_rows {
+        if !self.open.is_empty() && !self.policy.fits(self.open.fill(), entry.rows) {
             self.seal();
         }
         self.open.push(entry, samples);
-        if self.open.len() >= self.limits.max_requests || self.open.rows() >= self.limits.max_rows {
+        if self.policy.is_full(self.open.fill()) {
             self.seal();
         }
     }
@@ -176,7 +170,7 @@ impl BatchQueue {
         if !self.sealed.is_empty() {
             return None;
         }
-        self.open.oldest().map(|t| t + self.limits.timeout)
+        self.open.oldest().map(|t| self.policy.due_at(t))
     }
 
     /// The next batch a free lane should run, if one is due at `now`
@@ -213,10 +207,8 @@ impl BatchQueue {
     /// forwards stay full. Returns how many abandoned entries it met (and
     /// removed) on the way.
     fn top_up(&mut self, batch: &mut QueuedBatch, now: Instant) -> usize {
-        let limits = self.limits;
-        let fits = |batch: &QueuedBatch, entry: &Entry| {
-            batch.len() < limits.max_requests && batch.rows() + entry.rows <= limits.max_rows
-        };
+        let policy = Arc::clone(&self.policy);
+        let fits = |batch: &QueuedBatch, entry: &Entry| policy.fits(batch.fill(), entry.rows);
         let mut removed = 0;
         loop {
             let from_open = self.sealed.is_empty();
@@ -440,6 +432,7 @@ pub enum NextJob {
 mod tests {
     use super::*;
     use crate::admission::Admission;
+    use crate::flush::{ContinuousBatching, PerRequest};
     use crate::job::Ticket;
     use crate::memory::MemoryBudget;
     use narsil_core::{assemble, RequestSamples};
@@ -480,11 +473,9 @@ mod tests {
     }
 
     fn queue(max_requests: usize, max_rows: usize, timeout_ms: u64) -> BatchQueue {
-        BatchQueue::new(
-            BatchLimits { max_requests, max_rows, timeout: Duration::from_millis(timeout_ms) },
-            1,
-            2,
-        )
+        let policy =
+            ContinuousBatching { max_requests, max_rows, timeout: Duration::from_millis(timeout_ms) };
+        BatchQueue::new(Arc::new(policy), 1, 2)
     }
 
     #[test]
@@ -534,7 +525,7 @@ mod tests {
     fn one_request_per_batch_in_worker_mode() {
         let admission = Admission::new(100, 1000);
         let now = Instant::now();
-        let mut q = queue(1, 100, 0);
+        let mut q = BatchQueue::new(Arc::new(PerRequest), 1, 2);
         let _rx: Vec<_> = (0..3)
             .map(|t| {
                 let (e, e_samples, rx) = entry(&admission, 2, t, now);

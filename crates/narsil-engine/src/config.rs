@@ -1,18 +1,65 @@
 //! Engine settings, checked once at startup.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use narsil_core::request::RequestLimits;
 
+use crate::flush::{ContinuousBatching, FlushPolicy, PerRequest};
 use crate::memory::MemoryBudget;
 
-/// How queued requests become forward passes.
+/// How queued requests become forward passes: each mode is a flush policy
+/// ([`crate::flush`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExecutionMode {
     /// Fuse queued requests into one forward (continuous batching).
     Batch,
     /// One request per forward, on the next free lane.
     Worker,
+}
+
+impl ExecutionMode {
+    /// Every mode, as the command line offers them.
+    pub const ALL: [Self; 2] = [Self::Batch, Self::Worker];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Batch => "batch",
+            Self::Worker => "worker",
+        }
+    }
+
+    /// One line on what it does, for `--help`.
+    pub fn help(self) -> &'static str {
+        match self {
+            Self::Batch => "Fuse queued requests into one forward (continuous batching)",
+            Self::Worker => "One forward per request on the next free lane",
+        }
+    }
+
+    /// The flush policy it stands for, with `config`'s limits.
+    pub fn flush_policy(self, config: &EngineConfig) -> Arc<dyn FlushPolicy> {
+        match self {
+            Self::Batch => Arc::new(ContinuousBatching {
+                max_requests: config.max_batch_requests,
+                max_rows: config.max_batch_rows,
+                timeout: config.batch_timeout,
+            }),
+            Self::Worker => Arc::new(PerRequest),
+        }
+    }
+}
+
+impl std::str::FromStr for ExecutionMode {
+    type Err = String;
+
+    fn from_str(name: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|m| m.name() == name).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
+            format!("unknown execution mode {name:?}; one of {}", names.join(", "))
+        })
+    }
 }
 
 /// Everything the engine needs to know besides the model.
@@ -55,14 +102,6 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Requests one forward may carry in this mode.
-    pub fn requests_per_batch(&self) -> usize {
-        match self.mode {
-            ExecutionMode::Batch => self.max_batch_requests,
-            ExecutionMode::Worker => 1,
-        }
-    }
-
     /// Checks the settings against each other.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let positive = [

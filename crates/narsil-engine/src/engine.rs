@@ -27,7 +27,7 @@ use tokio::sync::{oneshot, watch};
 use tracing::Instrument;
 
 use crate::admission::{Admission, QueueFull, QueueLimit};
-use crate::collector::{BatchLimits, BatchQueue, Collector};
+use crate::collector::{BatchQueue, Collector};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, LaneFailed, StartError};
 use crate::health::BackendHealth;
@@ -73,15 +73,7 @@ impl Engine {
         let stats = Arc::new(Stats::labelled(&[("model", &schema.name), ("version", &schema.version)]));
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
         let collector = Arc::new(Collector::new(
-            BatchQueue::new(
-                BatchLimits {
-                    max_requests: config.requests_per_batch(),
-                    max_rows: config.max_batch_rows,
-                    timeout: config.batch_timeout,
-                },
-                schema.num_dense,
-                schema.num_sparse(),
-            ),
+            BatchQueue::new(config.mode.flush_policy(&config), schema.num_dense, schema.num_sparse()),
             config.max_forward_threads,
             Arc::clone(&stats),
         ));

@@ -11,6 +11,8 @@
 //!   budget); rejects at once with the limit that refused ([`QueueFull`]).
 //! * `collector`: reorders each request into the open key-major batch as
 //!   it is submitted; a lane that frees up takes the next due batch itself.
+//! * [`flush`]: when a batch is full and when the open one is due
+//!   (continuous batching, or one request per forward): pure policies.
 //! * `lanes`: one thread per model instance; loads, warms up, runs, replies.
 //! * `engine`: the handle the RPC layer calls, and startup/shutdown.
 //! * `parallelism`: how many threads a forward may use, from how busy the
@@ -23,6 +25,7 @@ mod collector;
 mod config;
 mod engine;
 mod error;
+pub mod flush;
 mod health;
 mod job;
 mod lanes;

@@ -27,17 +27,10 @@ use crate::kserve_proto as pb;
 use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::kserve_proto::model_infer_request::InferInputTensor;
 use crate::kserve_proto::model_metadata_response::TensorMetadata;
-use crate::models::registry::VersionState;
-use crate::models::ModelRegistry;
-
-/// Input tensor names.
-pub const DENSE: &str = "dense";
-/// Ids per bag.
-pub const LENGTHS: &str = "lengths";
-/// Sparse ids.
-pub const IDS: &str = "ids";
-/// Weights of the weighted features' ids.
-pub const WEIGHTS: &str = "weights";
+use crate::lifecycle::registry::VersionState;
+use crate::lifecycle::ModelRegistry;
+use crate::wire::kserve::{DENSE, IDS, LENGTHS, WEIGHTS};
+use crate::wire::le;
 
 /// The protocol's name for each part of a request.
 pub fn field_name(field: InputField) -> &'static str {
@@ -253,12 +246,8 @@ impl Input<'_> {
             return Err(self.error(format!("has datatype {}, expected FP32", self.tensor.datatype)));
         }
         let values = match self.raw {
-            Some(bytes) => {
-                if !bytes.len().is_multiple_of(4) {
-                    return Err(self.error(format!("has {} raw bytes, not whole FP32 values", bytes.len())));
-                }
-                bytes.chunks_exact(4).map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes"))).collect()
-            }
+            Some(bytes) => le::f32s(bytes)
+                .ok_or_else(|| self.error(format!("has {} raw bytes, not whole FP32 values", bytes.len())))?,
             None => self.tensor.contents.as_ref().map(|c| c.fp32_contents.clone()).unwrap_or_default(),
         };
         self.counted(values)
@@ -271,20 +260,17 @@ impl Input<'_> {
             other => return Err(self.error(format!("has datatype {other}, expected INT64 or INT32"))),
         };
         let values = match (self.raw, width) {
-            (Some(bytes), _) if !bytes.len().is_multiple_of(width) => {
-                return Err(self.error(format!(
+            (Some(bytes), _) => match width {
+                8 => le::i64s(bytes),
+                _ => le::i32s_wide(bytes),
+            }
+            .ok_or_else(|| {
+                self.error(format!(
                     "has {} raw bytes, not whole {} values",
                     bytes.len(),
                     self.tensor.datatype
-                )))
-            }
-            (Some(bytes), 8) => {
-                bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect()
-            }
-            (Some(bytes), _) => bytes
-                .chunks_exact(4)
-                .map(|w| i64::from(i32::from_le_bytes(w.try_into().expect("4 bytes"))))
-                .collect(),
+                ))
+            })?,
             (None, 8) => self.tensor.contents.as_ref().map(|c| c.int64_contents.clone()).unwrap_or_default(),
             (None, _) => self
                 .tensor
@@ -394,66 +380,10 @@ pub fn decode(request: &pb::ModelInferRequest, schema: &ModelSchema) -> Result<R
     Ok(RequestSamples { num_samples, dense: dense.floats()?, lengths, ids, weights, ..Default::default() })
 }
 
-/// A `narsil.v1` request as a ModelInfer request with raw contents: dense
-/// FP32 [B, D], lengths INT64 [B, F] (omitted when the request has none),
-/// ids INT64 [N] and weights FP32 [M] when there are any. Used by
-/// `narsil load --protocol kserve` and the tests.
-pub fn encode(
-    request: &crate::proto::PredictRequest,
-    num_dense: usize,
-    num_sparse: usize,
-) -> pb::ModelInferRequest {
-    let b = request.batch_size as i64;
-    let mut inputs = Vec::new();
-    let mut raw: Vec<tonic::codegen::Bytes> = Vec::new();
-    let mut add = |name: &str, datatype: &str, shape: Vec<i64>, bytes: Vec<u8>| {
-        inputs.push(InferInputTensor {
-            name: name.into(),
-            datatype: datatype.into(),
-            shape,
-            ..Default::default()
-        });
-        raw.push(bytes.into());
-    };
-    add(
-        DENSE,
-        "FP32",
-        vec![b, num_dense as i64],
-        request.dense.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    );
-    if !request.sparse_lengths.is_empty() {
-        let bytes = request.sparse_lengths.iter().flat_map(|&l| i64::from(l).to_le_bytes()).collect();
-        add(LENGTHS, "INT64", vec![b, num_sparse as i64], bytes);
-    }
-    add(
-        IDS,
-        "INT64",
-        vec![request.sparse_ids.len() as i64],
-        request.sparse_ids.iter().flat_map(|v| v.to_le_bytes()).collect(),
-    );
-    if !request.sparse_weights.is_empty() {
-        let bytes = request.sparse_weights.iter().flat_map(|v| v.to_le_bytes()).collect();
-        add(WEIGHTS, "FP32", vec![request.sparse_weights.len() as i64], bytes);
-    }
-    pb::ModelInferRequest {
-        model_name: request.model.clone(),
-        model_version: request.model_version.clone(),
-        id: request.request_id.clone(),
-        inputs,
-        raw_input_contents: raw,
-        ..Default::default()
-    }
-}
-
-/// The first output's scores of a ModelInfer answer.
-pub fn first_scores(response: &pb::ModelInferResponse) -> Option<Vec<f32>> {
-    let bytes = response.raw_output_contents.first()?;
-    Some(bytes.chunks_exact(4).map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes"))).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::kserve::encode;
     use pb::model_infer_request::InferInputTensor;
 
     fn tensor(

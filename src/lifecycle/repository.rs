@@ -9,10 +9,17 @@
 //! it under a dot-name (or outside the repository) and renaming it into place.
 //! Each version's [`Fingerprint`] (its files' names, sizes and times) lets a
 //! version that failed to load be tried again once its files change.
+//!
+//! Where the versions come from is a [`RepositorySource`] (scan, then
+//! localize a version into a local directory the loader reads), as Triton's
+//! `FileSystem` and `LocalizePath`: a local directory ([`LocalDirectory`])
+//! today. A new source (an object store) is one implementation in a file
+//! of its own, declared here and chosen in [`open`].
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The model file names a version directory may hold, in the order looked for.
 pub const MODEL_FILES: [&str; 2] = ["model.pt", "model.safetensors"];
@@ -34,6 +41,68 @@ pub struct Fingerprint(u64);
 
 /// Every model of the repository and its versions, by number.
 pub type Scan = BTreeMap<String, BTreeMap<u64, VersionDir>>;
+
+/// Where a repository's models and versions come from.
+pub trait RepositorySource: Send + Sync {
+    /// Every model and its versions, each with a fingerprint. Called on
+    /// every poll, so it should be cheap.
+    fn scan(&self) -> std::io::Result<Scan>;
+
+    /// A local directory holding the files of `version` (one of
+    /// [`RepositorySource::scan`]'s), valid while the answer lives: a remote
+    /// source downloads into a temporary directory that goes with it.
+    fn localize(&self, version: &VersionDir) -> std::io::Result<Localized>;
+
+    /// Where it is, for logs and errors.
+    fn describe(&self) -> String;
+}
+
+/// A version's files in a local directory.
+pub struct Localized {
+    /// The directory.
+    pub dir: PathBuf,
+    /// Whatever keeps the directory (a temporary download) until dropped.
+    pub keep: Option<Box<dyn Send + Sync>>,
+}
+
+impl Localized {
+    /// The version's model file in it (see [`MODEL_FILES`]).
+    pub fn model_file(&self) -> Option<PathBuf> {
+        MODEL_FILES.iter().map(|f| self.dir.join(f)).find(|f| f.is_file())
+    }
+}
+
+/// The repository at `location`: a local directory (the only source today).
+pub fn open(location: &Path) -> Arc<dyn RepositorySource> {
+    Arc::new(LocalDirectory::new(location.to_path_buf()))
+}
+
+/// A repository in a local directory; versions are read where they are.
+#[derive(Debug, Clone)]
+pub struct LocalDirectory {
+    dir: PathBuf,
+}
+
+impl LocalDirectory {
+    /// The repository at `dir`.
+    pub fn new(dir: PathBuf) -> Self {
+        Self { dir }
+    }
+}
+
+impl RepositorySource for LocalDirectory {
+    fn scan(&self) -> std::io::Result<Scan> {
+        scan(&self.dir)
+    }
+
+    fn localize(&self, version: &VersionDir) -> std::io::Result<Localized> {
+        Ok(Localized { dir: version.path.clone(), keep: None })
+    }
+
+    fn describe(&self) -> String {
+        self.dir.display().to_string()
+    }
+}
 
 /// Reads the repository at `dir`.
 pub fn scan(dir: &Path) -> std::io::Result<Scan> {

@@ -6,7 +6,7 @@ use narsil_core::InputField;
 use narsil_engine::EngineError;
 use tonic::{Code, Status};
 
-use crate::cli::serve_flag;
+use crate::flags::serve_flag;
 
 /// A protocol's wire name for each part of a request (`InputField::name` for
 /// `narsil.v1`).
@@ -49,7 +49,7 @@ mod tests {
         let status = to_status(invalid.clone());
         assert_eq!(status.code(), Code::InvalidArgument);
         assert_eq!(status.message(), "invalid dense: bad");
-        let status = super::to_status(invalid, crate::grpc::torchrec::field_name);
+        let status = super::to_status(invalid, crate::protocols::torchrec::field_name);
         assert_eq!(status.message(), "invalid float_features.values: bad");
         let full = QueueFull { limit: QueueLimit::Rows, queued: 90, max: 100, needed: 20 };
         let status = to_status(EngineError::Overloaded(full));

@@ -1,46 +1,16 @@
-//! The model backend flags (shared by `narsil serve` and
-//! `narsil bench-forward`) and how they build a [`BackendFactory`].
+//! The backend flags of `narsil serve` and `narsil bench-forward`: which
+//! model, which backend, where it runs. Checked here, with the flags named;
+//! loading is [`crate::lifecycle::loader`]'s.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::ValueEnum;
-use narsil_core::mock::{MockConfig, MockFactory};
-use narsil_core::{BackendFactory, ModelSchema};
+use narsil_core::mock::MockConfig;
+use narsil_core::BackendFactory;
 
-/// Which model backend serves requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    /// Fixed-latency mock with deterministic scores (measures the engine).
-    Mock,
-    /// TorchScript DLRM through libtorch (Cargo feature `torch`).
-    Torch,
-    /// Pure-Rust DLRM through Burn (Cargo feature `burn`).
-    Burn,
-}
-
-impl BackendKind {
-    /// The flag value naming this backend.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Mock => "mock",
-            Self::Torch => "torch",
-            Self::Burn => "burn",
-        }
-    }
-}
-
-/// `--dense-precision`: the arithmetic of the dense arch, interaction and
-/// over arch (embedding tables keep their own type, INT8 in the default
-/// model; scores are FP32 either way).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DensePrecisionArg {
-    /// FP32.
-    Fp32,
-    /// bf16 inputs with FP32 accumulation (torch; needs AVX512-BF16 or AMX on CPU).
-    Bf16,
-}
+use crate::lifecycle::loader::LoadOptions;
+pub use crate::lifecycle::loader::{BackendKind, DensePrecision};
 
 /// Which model to load, where to run it, and the mock's settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -72,8 +42,8 @@ pub struct BackendArgs {
     #[arg(long, env = "NARSIL_FBGEMM_DIR")]
     pub fbgemm_dir: Option<PathBuf>,
     /// torch: precision of the dense arithmetic.
-    #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecisionArg::Fp32)]
-    pub dense_precision: DensePrecisionArg,
+    #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]
+    pub dense_precision: DensePrecision,
     /// Mock backend: fixed latency of one forward, milliseconds.
     #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
     pub mock_latency_ms: f64,
@@ -86,8 +56,9 @@ pub struct BackendArgs {
 }
 
 impl BackendArgs {
-    /// Checks the rules between these flags.
-    pub fn validate(&self) -> anyhow::Result<()> {
+    /// Checks the rules between these flags that hold for any model file
+    /// (a repository's versions each bring their own).
+    pub fn validate_options(&self) -> anyhow::Result<()> {
         for (name, value) in [
             ("mock-latency-ms", self.mock_latency_ms),
             ("mock-latency-per-row-us", self.mock_latency_per_row_us),
@@ -102,7 +73,13 @@ impl BackendArgs {
         if self.device != "cpu" && self.device != "cuda" && !self.device.starts_with("cuda:") {
             anyhow::bail!("--device must be `cpu`, `cuda` or `cuda:N`, got `{}`", self.device);
         }
-        if self.dense_precision == DensePrecisionArg::Bf16 && self.kind() != BackendKind::Torch {
+        Ok(())
+    }
+
+    /// Checks the rules between these flags.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.validate_options()?;
+        if self.dense_precision == DensePrecision::Bf16 && self.kind() != BackendKind::Torch {
             anyhow::bail!(
                 "--dense-precision bf16 is supported by --backend torch only (burn-flex runs bf16 matmuls through FP32); \
                  remove it or use --backend torch"
@@ -131,77 +108,30 @@ impl BackendArgs {
         match (self.backend, &self.model) {
             (Some(kind), _) => kind,
             (None, None) => BackendKind::Mock,
-            (None, Some(model)) if model.extension().is_some_and(|e| e == "safetensors") => BackendKind::Burn,
-            (None, Some(_)) => BackendKind::Torch,
+            (None, Some(model)) => BackendKind::for_file(model),
+        }
+    }
+
+    /// How every model is loaded (the flags other than the model's own).
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions {
+            device: self.device.clone(),
+            intra_op_threads: self.intra_op_threads,
+            fbgemm_dir: self.fbgemm_dir.clone(),
+            dense_precision: self.dense_precision,
+            mock: MockConfig {
+                latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
+                per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),
+            },
+            mock_table_rows: self.mock_table_rows,
         }
     }
 
     /// Loads (or, for the mock, configures) the backend these flags ask for.
     pub fn build(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
         self.validate()?;
-        match self.kind() {
-            BackendKind::Mock => {
-                let schema = ModelSchema::dlrm("mock", "cpu", self.mock_table_rows);
-                let config = MockConfig {
-                    latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
-                    per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),
-                };
-                Ok(Arc::new(MockFactory::new(schema, config)))
-            }
-            BackendKind::Torch => self.build_torch(),
-            BackendKind::Burn => self.build_burn(),
-        }
+        self.load_options().load(self.kind(), self.model.as_deref(), self.model_config.as_deref())
     }
-
-    #[cfg(feature = "burn")]
-    fn build_burn(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
-        if self.device != "cpu" {
-            anyhow::bail!("--backend burn runs on the CPU in this build; remove --device");
-        }
-        let factory = match &self.model {
-            Some(path) => narsil_burn::BurnFactory::load(path)?,
-            None => {
-                tracing::info!(
-                    "no --model: generating a seeded random DLRM (26 x 100,000 x 64, seed 0) for --backend burn"
-                );
-                narsil_burn::BurnFactory::random(&narsil_burn::DlrmShape::default(), 0)?
-            }
-        };
-        Ok(Arc::new(factory))
-    }
-
-    #[cfg(not(feature = "burn"))]
-    fn build_burn(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
-        Err(not_compiled(self.kind()))
-    }
-
-    #[cfg(feature = "torch")]
-    fn build_torch(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
-        let mut config = narsil_torch::TorchConfig::new(self.model.clone().expect("validated"));
-        config.device = self.device.clone();
-        config.model_config = self.model_config.clone();
-        config.intra_op_threads = self.intra_op_threads;
-        config.fbgemm_dir = self.fbgemm_dir.clone();
-        config.dense_precision = match self.dense_precision {
-            DensePrecisionArg::Fp32 => narsil_torch::DensePrecision::Fp32,
-            DensePrecisionArg::Bf16 => narsil_torch::DensePrecision::Bf16,
-        };
-        Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
-    }
-
-    #[cfg(not(feature = "torch"))]
-    fn build_torch(&self) -> anyhow::Result<Arc<dyn BackendFactory>> {
-        Err(not_compiled(self.kind()))
-    }
-}
-
-#[cfg(not(all(feature = "torch", feature = "burn")))]
-fn not_compiled(kind: BackendKind) -> anyhow::Error {
-    anyhow::anyhow!(
-        "--backend {0} is not compiled into this binary; rebuild with `cargo build --release --features {0}` \
-         (scripts/serve.sh does this for torch)",
-        kind.name()
-    )
 }
 
 #[cfg(test)]

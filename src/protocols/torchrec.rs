@@ -13,18 +13,8 @@ use super::deadline;
 use super::infer::Infer;
 use crate::torchrec_proto as pb;
 use crate::torchrec_proto::predictor_server::Predictor;
-
-/// Response metadata naming the version of the model that computed the
-/// scores (TorchRec's response message has no field for it); as request
-/// metadata, the version to run (default: the highest ready one).
-pub const MODEL_VERSION_HEADER: &str = "narsil-model-version";
-
-/// Request metadata naming the model to run (default: the server's default
-/// model).
-pub const MODEL_HEADER: &str = "narsil-model";
-
-/// The key TorchRec clients read scores from.
-pub const SCORES_KEY: &str = narsil_core::schema::DEFAULT_OUTPUT;
+use crate::wire::le;
+use crate::wire::torchrec::{MODEL_HEADER, MODEL_VERSION_HEADER};
 
 /// `predictor.Predictor` over the engine.
 pub struct TorchRecService {
@@ -108,13 +98,9 @@ pub fn field_name(field: InputField) -> &'static str {
 /// Little-endian f32 values of a bytes field, or an error naming it when its
 /// length is not a whole number of them.
 fn floats(bytes: &[u8], field: InputField) -> Result<Vec<f32>, InvalidInput> {
-    if !bytes.len().is_multiple_of(4) {
-        return Err(InvalidInput::new(
-            field,
-            format!("has {} bytes, not a whole number of 4-byte values", bytes.len()),
-        ));
-    }
-    Ok(bytes.chunks_exact(4).map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes"))).collect())
+    le::f32s(bytes).ok_or_else(|| {
+        InvalidInput::new(field, format!("has {} bytes, not a whole number of 4-byte values", bytes.len()))
+    })
 }
 
 /// A TorchRec integer field holding `count` values, as int32 or int64.
@@ -124,26 +110,24 @@ fn floats(bytes: &[u8], field: InputField) -> Result<Vec<f32>, InvalidInput> {
 /// either width of lengths is easy to send). The width is unambiguous: the
 /// field must hold exactly `count` values (samples x features for lengths,
 /// the lengths' sum for ids), so its byte count is `4 * count` or
-/// `8 * count`, never both unless both are zero. Plain `chunks_exact` maps,
-/// which vectorize.
+/// `8 * count`, never both unless both are zero.
 fn integers(bytes: &[u8], count: usize, field: InputField, what: &str) -> Result<Vec<i64>, InvalidInput> {
-    match bytes.len() {
-        n if n == 4 * count => Ok(bytes
-            .chunks_exact(4)
-            .map(|w| i64::from(i32::from_le_bytes(w.try_into().expect("4 bytes"))))
-            .collect()),
-        n if n == 8 * count => {
-            Ok(bytes.chunks_exact(8).map(|w| i64::from_le_bytes(w.try_into().expect("8 bytes"))).collect())
-        }
-        n => Err(InvalidInput::new(
+    let decoded = match bytes.len() {
+        n if n == 4 * count => le::i32s_wide(bytes),
+        n if n == 8 * count => le::i64s(bytes),
+        _ => None,
+    };
+    decoded.ok_or_else(|| {
+        let n = bytes.len();
+        InvalidInput::new(
             field,
             format!(
                 "has {n} bytes, but {count} {what} take {} bytes as int32 or {} as int64",
                 4 * count,
                 8 * count
             ),
-        )),
-    }
+        )
+    })
 }
 
 /// Key-major lengths (see [`integers`]); a negative one, or one past u32, is
@@ -164,15 +148,6 @@ fn lengths(
         ));
     }
     Ok(wide.into_iter().map(|l| l as u32).collect())
-}
-
-/// int32 little-endian values as int64 ones, as TorchRec's Python client
-/// sends ids (the tests send both widths with it).
-pub fn widened(int32_bytes: &[u8]) -> Vec<u8> {
-    int32_bytes
-        .chunks_exact(4)
-        .flat_map(|w| i64::from(i32::from_le_bytes([w[0], w[1], w[2], w[3]])).to_le_bytes())
-        .collect()
 }
 
 /// A TorchRec request as the engine's key-major batch (shapes against the
@@ -285,78 +260,10 @@ fn group(
     Ok((lengths, ids))
 }
 
-/// The same samples as a TorchRec request: dense bytes as they are, bags
-/// reordered key-major, ids as int32 (the protocol's width). Used by
-/// `narsil load --protocol torchrec` and the tests.
-pub fn encode(request: &crate::proto::PredictRequest, num_sparse: usize) -> pb::PredictionRequest {
-    encode_weighted(request, num_sparse, num_sparse)
-}
-
-/// [`encode`] for a model whose features from `num_unweighted` on are
-/// weighted: those go in `id_score_list_features`, with their weights.
-pub fn encode_weighted(
-    request: &crate::proto::PredictRequest,
-    num_unweighted: usize,
-    num_sparse: usize,
-) -> pb::PredictionRequest {
-    let b = request.batch_size as usize;
-    let lengths: Vec<u32> = if request.sparse_lengths.is_empty() {
-        vec![1; b * num_sparse]
-    } else {
-        request.sparse_lengths.clone()
-    };
-    // Where each (sample-major) bag's ids, and a weighted bag's weights, start.
-    let (mut id_starts, mut weight_starts) = (Vec::with_capacity(lengths.len()), vec![0; lengths.len()]);
-    let (mut ids_seen, mut weights_seen) = (0usize, 0usize);
-    for (bag, &len) in lengths.iter().enumerate() {
-        id_starts.push(ids_seen);
-        ids_seen += len as usize;
-        if bag % num_sparse >= num_unweighted {
-            weight_starts[bag] = weights_seen;
-            weights_seen += len as usize;
-        }
-    }
-    let group = |features: std::ops::Range<usize>, with_weights: bool| {
-        let (mut key_lengths, mut key_ids, mut key_weights) = (Vec::new(), Vec::new(), Vec::new());
-        for f in features.clone() {
-            for s in 0..b {
-                let bag = s * num_sparse + f;
-                let len = lengths[bag] as usize;
-                key_lengths.extend_from_slice(&(len as i32).to_le_bytes());
-                for &id in &request.sparse_ids[id_starts[bag]..id_starts[bag] + len] {
-                    key_ids.extend_from_slice(&(id as i32).to_le_bytes());
-                }
-                if with_weights {
-                    for w in &request.sparse_weights[weight_starts[bag]..weight_starts[bag] + len] {
-                        key_weights.extend_from_slice(&w.to_le_bytes());
-                    }
-                }
-            }
-        }
-        pb::SparseFeatures {
-            num_features: features.len() as i32,
-            lengths: key_lengths.into(),
-            values: key_ids.into(),
-            weights: key_weights.into(),
-        }
-    };
-    let num_dense = request.dense.len().checked_div(b).unwrap_or(0);
-    pb::PredictionRequest {
-        batch_size: b as i32,
-        float_features: Some(pb::FloatFeatures {
-            num_features: num_dense as i32,
-            values: request.dense.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>().into(),
-        }),
-        id_list_features: Some(group(0..num_unweighted, false)),
-        id_score_list_features: (num_unweighted < num_sparse)
-            .then(|| group(num_unweighted..num_sparse, true)),
-        ..Default::default()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::torchrec::{encode, widened};
 
     fn bytes<T: Copy>(values: &[T], to: impl Fn(T) -> [u8; 4]) -> Vec<u8> {
         values.iter().flat_map(|&v| to(v)).collect()

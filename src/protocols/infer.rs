@@ -19,7 +19,7 @@ use tonic::Status;
 use narsil_engine::EngineError;
 
 use super::memory_layer;
-use crate::models::{LiveVersion, ModelRegistry};
+use crate::lifecycle::{LiveVersion, ModelRegistry};
 
 /// Which model and version a call names (empty: the default model, its
 /// highest ready version), or why its names could not be read.

@@ -6,13 +6,13 @@
 //! so requests of different models, or of two versions, never share a
 //! forward. A request holds its version's [`LiveVersion`] from routing to
 //! its answer; a retired version leaves the routing table at once and is
-//! shut down (its lanes joined, its model's memory released) only once the
-//! last request holding it has been answered. Nothing here loads models:
+//! shut down (its lanes joined, its model's memory released) by the
+//! [`super::reaper`] when the last request holding it drops it. Nothing here
+//! loads models:
 //! [`super::watcher`] does, and calls [`ModelRegistry::install`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, RwLock};
 
 use narsil_core::{InputField, InvalidInput, ModelSchema};
 use narsil_engine::{Engine, EngineError, EngineHandle};
@@ -22,16 +22,34 @@ use prometheus_client::metrics::gauge::Gauge;
 use serde::Serialize;
 use tokio::sync::watch;
 
+use super::reaper::{Reaper, ReaperSender, Retired};
 use super::repository::Fingerprint;
 
-/// A version that serves: its engine, and the engine's owner until it is
-/// retired.
+/// A version that serves: its engine, and the engine's owner. Dropped by
+/// its last holder once retired, it hands the engine to the [`Reaper`].
 pub struct LiveVersion {
     /// The version number (0 for a `--model` served without a repository).
     pub number: u64,
     /// Where its requests go.
     pub engine: EngineHandle,
-    owner: Mutex<Option<Engine>>,
+    model: String,
+    owner: Option<Engine>,
+    reaper: Option<ReaperSender>,
+}
+
+impl Drop for LiveVersion {
+    fn drop(&mut self) {
+        let Some(engine) = self.owner.take() else { return };
+        let retired = Retired { model: std::mem::take(&mut self.model), number: self.number, engine };
+        match &self.reaper {
+            Some(reaper) => {
+                if let Err(refused) = reaper.send(retired) {
+                    refused.0.stop_detached();
+                }
+            }
+            None => retired.stop_detached(),
+        }
+    }
 }
 
 enum VersionSlot {
@@ -122,7 +140,7 @@ pub struct ModelRegistry {
     models: RwLock<BTreeMap<String, ModelSlot>>,
     default_model: Option<String>,
     changed: Arc<watch::Sender<u64>>,
-    retiring: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    reaper: Reaper,
     metrics: RegistryMetrics,
 }
 
@@ -152,12 +170,13 @@ fn labels(pairs: &[(&str, &str)]) -> Labels {
 
 impl ModelRegistry {
     /// An empty registry; requests naming no model go to `default_model`.
+    /// Must be called inside a tokio runtime (it starts the reaper).
     pub fn new(default_model: Option<String>) -> Arc<Self> {
         Arc::new(Self {
             models: RwLock::default(),
             default_model,
             changed: Arc::new(watch::Sender::new(0)),
-            retiring: Mutex::default(),
+            reaper: Reaper::start(),
             metrics: RegistryMetrics::new(),
         })
     }
@@ -294,7 +313,13 @@ impl ModelRegistry {
     /// backend from now on.
     pub fn install(&self, model: &str, number: u64, engine: Engine) {
         let handle = engine.handle();
-        let live = Arc::new(LiveVersion { number, engine: handle.clone(), owner: Mutex::new(Some(engine)) });
+        let live = Arc::new(LiveVersion {
+            number,
+            engine: handle.clone(),
+            model: model.into(),
+            owner: Some(engine),
+            reaper: self.reaper.sender(),
+        });
         self.metrics.loads.get_or_create(&labels(&[("model", model), ("outcome", "ok")])).inc();
         {
             let mut models = self.write();
@@ -315,26 +340,13 @@ impl ModelRegistry {
         self.bump();
     }
 
-    /// Takes version `number` of `model` out of routing, and shuts it down
-    /// once the requests holding it are answered. Forgets it if it failed.
+    /// Takes version `number` of `model` out of routing; the reaper shuts
+    /// it down once the requests holding it are answered. Forgets it if it
+    /// failed.
     pub fn retire(&self, model: &str, number: u64) {
         let removed = self.write().get_mut(model).and_then(|slot| slot.versions.remove(&number));
-        if let Some(VersionSlot::Ready(live)) = removed {
+        if let Some(VersionSlot::Ready(_)) = removed {
             tracing::info!(model, version = number, "version retired; draining");
-            let model = model.to_string();
-            let drain = tokio::spawn(async move {
-                while Arc::strong_count(&live) > 1 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                let engine = live.owner.lock().unwrap_or_else(|p| p.into_inner()).take();
-                if let Some(engine) = engine {
-                    engine.shutdown().await;
-                }
-                tracing::info!(model, version = number, "version unloaded");
-            });
-            let mut retiring = self.retiring.lock().unwrap_or_else(|p| p.into_inner());
-            retiring.retain(|task| !task.is_finished());
-            retiring.push(drain);
         }
         self.bump();
     }
@@ -445,12 +457,7 @@ impl ModelRegistry {
         for (model, number) in all {
             self.retire(&model, number);
         }
-        let tasks = std::mem::take(&mut *self.retiring.lock().unwrap_or_else(|p| p.into_inner()));
-        for task in tasks {
-            if let Err(e) = task.await {
-                tracing::error!(error = %e, "a version's shutdown ended abnormally");
-            }
-        }
+        self.reaper.finish().await;
     }
 }
 

@@ -11,7 +11,7 @@ use tonic::codegen::http;
 use tonic::{Code, Status};
 use tower::util::MapResponseLayer;
 
-use crate::models::ModelRegistry;
+use crate::lifecycle::ModelRegistry;
 
 const TOO_LARGE: &str = "Error, decoded message length too large: found ";
 
@@ -35,7 +35,7 @@ pub fn rewrite(models: &ModelRegistry, mut response: http::Response<Body>) -> ht
     let Some(invalid) = Status::from_header_map(response.headers()).as_ref().and_then(oversized) else {
         return response;
     };
-    let status = crate::grpc::status::to_status(models.refuse(invalid), InputField::name);
+    let status = crate::protocols::status::to_status(models.refuse(invalid), InputField::name);
     let headers = response.headers_mut();
     headers.remove("grpc-status");
     headers.remove("grpc-message");

@@ -27,7 +27,7 @@ use tonic::codegen::http::{Request, Response};
 use tonic::codegen::{Bytes, Service};
 use tonic::Status;
 
-use crate::models::ModelRegistry;
+use crate::lifecycle::ModelRegistry;
 
 tokio::task_local! {
     static RECEIVED: RefCell<Option<Lease>>;

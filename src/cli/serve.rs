@@ -1,65 +1,25 @@
-//! Command-line interface: `narsil serve`, `narsil load` and
-//! `narsil bench-forward`. Every flag has
-//! a long name, an environment variable (`NARSIL_…`) and a documented default;
-//! rules between flags are checked right after parsing.
+//! `narsil serve`: its flags, the rules between them, and serving until
+//! SIGINT/SIGTERM.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::ValueEnum;
 use narsil_core::request::{IdPolicy, RequestLimits};
-use narsil_engine::Setting;
 use narsil_engine::{EngineConfig, ExecutionMode, MemoryBudget};
 
-use crate::backends::BackendArgs;
-use crate::forward_bench::ForwardBenchArgs;
-use crate::load::LoadArgs;
-use crate::models::repository::VersionPolicy;
-use crate::models::watcher::RepositorySource;
-use crate::server::RepositoryServe;
+use crate::flags::backend::BackendArgs;
+use crate::flags::serve_flag;
+use crate::lifecycle::repository::{self, VersionPolicy};
+use crate::lifecycle::watcher::Repository;
+use crate::server::{Listen, RepositoryServe, Server};
 
-/// Narsil: gRPC serving for recommendation models, with continuous batching.
-#[derive(Debug, Parser)]
-#[command(name = "narsil", version, about)]
-pub struct Cli {
-    #[command(subcommand)]
-    command: Command,
-    /// Log filter (tracing syntax), e.g. `info` or `narsil_engine=debug`.
-    #[arg(long, env = "NARSIL_LOG", default_value = "info", global = true)]
-    log_level: String,
-    /// Log format.
-    #[arg(long, env = "NARSIL_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
-    log_format: LogFormat,
-}
-
-#[derive(Debug, Subcommand)]
-enum Command {
-    /// Serve a model over gRPC.
-    Serve(Box<ServeArgs>),
-    /// Drive load against a running server and report latency and throughput.
-    Load(Box<LoadArgs>),
-    /// Time a backend's forward alone, in process, at fixed fused batch sizes.
-    BenchForward(Box<ForwardBenchArgs>),
-}
-
-/// Log output format.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    /// Human-readable lines.
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-/// How requests become forward passes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum ModeArg {
-    /// Fuse queued requests into one forward (continuous batching).
-    Batch,
-    /// One forward per request on the next free lane.
-    Worker,
+/// `--execution-mode`: the engine's modes, by name.
+fn execution_mode() -> impl clap::builder::TypedValueParser<Value = ExecutionMode> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    let names = ExecutionMode::ALL.map(|m| PossibleValue::new(m.name()).help(m.help()));
+    PossibleValuesParser::new(names).map(|name| name.parse::<ExecutionMode>().expect("a listed mode"))
 }
 
 /// Out-of-range sparse id handling.
@@ -102,8 +62,8 @@ pub struct ServeArgs {
     #[arg(long, env = "NARSIL_MODEL_CONTROL", requires_all = ["model_repository", "metrics_addr"])]
     pub model_control: bool,
     /// Execution mode.
-    #[arg(long, env = "NARSIL_EXECUTION_MODE", value_enum, default_value_t = ModeArg::Batch)]
-    pub execution_mode: ModeArg,
+    #[arg(long, env = "NARSIL_EXECUTION_MODE", default_value = "batch", value_parser = execution_mode())]
+    pub execution_mode: ExecutionMode,
     /// Most requests fused into one forward (batch mode). `--batch-size` is
     /// an older name for it.
     #[arg(long, alias = "batch-size", env = "NARSIL_MAX_BATCH_REQUESTS", default_value_t = 16)]
@@ -185,18 +145,13 @@ impl ServeArgs {
             ms => ms.map(|ms| Duration::from_secs_f64(ms / 1e3)),
         };
         if self.model_repository.is_some() {
-            // Every version names its own model file; check the rest.
-            let mut backend = self.backend.clone();
-            backend.model = Some("model.pt".into());
-            backend.validate()?;
+            // Every version brings its own model file; check the rest.
+            self.backend.validate_options()?;
         } else {
             self.backend.validate()?;
         }
         let config = EngineConfig {
-            mode: match self.execution_mode {
-                ModeArg::Batch => ExecutionMode::Batch,
-                ModeArg::Worker => ExecutionMode::Worker,
-            },
+            mode: self.execution_mode,
             max_batch_requests: self.max_batch_requests,
             max_batch_rows: self.max_batch_rows,
             unhealthy_after_failures: self.unhealthy_after_failures,
@@ -246,10 +201,10 @@ impl ServeArgs {
             secs => Some(Duration::from_secs_f64(secs)),
         };
         Ok(Some(RepositoryServe {
-            source: RepositorySource {
-                dir: dir.clone(),
+            repository: Repository {
+                source: repository::open(dir),
                 policy: self.version_policy.clone(),
-                backend: self.backend.clone(),
+                load: self.backend.load_options(),
                 engine,
             },
             default_model: self.default_model.clone(),
@@ -259,93 +214,44 @@ impl ServeArgs {
     }
 }
 
-/// The `narsil serve` flag that sets an engine setting.
-pub fn serve_flag(setting: Setting) -> &'static str {
-    match setting {
-        Setting::Lanes => "--lanes",
-        Setting::MaxForwardThreads => "--max-forward-threads",
-        Setting::MaxBatchRequests => "--max-batch-requests",
-        Setting::MaxBatchRows => "--max-batch-rows",
-        Setting::MaxQueueRequests => "--max-queue-requests",
-        Setting::MaxQueueRows => "--max-queue-rows",
-        Setting::MaxQueueBytes => "--max-queue-bytes",
-        Setting::MaxRequestSamples => "--max-request-samples",
-        Setting::QueueTimeout => "--queue-timeout-ms",
-    }
-}
-
 impl ServeArgs {
     /// The defaults, as if no flag were given (for tests and embedding).
     pub fn defaults() -> Self {
-        Cli::parse_from(["narsil", "serve"]).serve_args().expect("serve")
+        <super::Cli as clap::Parser>::parse_from(["narsil", "serve"]).serve_args().expect("serve")
     }
 }
 
-impl Cli {
-    fn serve_args(self) -> Option<ServeArgs> {
-        match self.command {
-            Command::Serve(args) => Some(*args),
-            _ => None,
-        }
-    }
-}
-
-fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .map_err(|e| anyhow::anyhow!("--log-level `{filter}`: {e}"))?;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-    Ok(())
-}
-
-/// Entry point of the `narsil` binary.
-pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    if let Err(e) = init_logging(&cli.log_level, cli.log_format) {
-        eprintln!("error: {e:#}");
-        return ExitCode::from(2);
-    }
-    let command = match cli.command {
-        // Synchronous, and measured: no async runtime threads beside it.
-        Command::BenchForward(args) => return exit_code(crate::forward_bench::run(*args)),
-        command => command,
+/// `narsil serve`: build the backend (or watch the repository), serve,
+/// drain on SIGINT/SIGTERM.
+pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
+    let config = args.engine_config()?;
+    let drain_grace = args.drain_grace()?;
+    let listen = Listen {
+        addr: args.addr,
+        metrics_addr: args.metrics_addr,
+        max_message_bytes: args.max_message_bytes,
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(runtime) => runtime,
-        Err(e) => {
-            eprintln!("error: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+    let server = match args.repository(config.clone())? {
+        Some(served) => {
+            tracing::info!(repository = %served.repository.source.describe(), mode = ?config.mode,
+                lanes = config.lanes, "starting");
+            Server::start_repository(listen, served).await?
+        }
+        None => {
+            tracing::info!(backend = args.backend.kind().name(), mode = ?config.mode, lanes = config.lanes,
+                batch_size = config.max_batch_requests, "starting");
+            Server::start(listen, args.backend.build()?, config).await?
         }
     };
-    exit_code(runtime.block_on(async move {
-        match command {
-            Command::Serve(args) => crate::server::serve_until_signal(*args).await,
-            Command::Load(args) => crate::load::run(*args).await,
-            Command::BenchForward(_) => unreachable!("run above, without the runtime"),
-        }
-    }))
-}
-
-fn exit_code(result: anyhow::Result<()>) -> ExitCode {
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    server.with_drain_grace(drain_grace).run(crate::server::signal::signal()).await
 }
 
 #[cfg(test)]
 mod tests {
+    use clap::Parser;
+
     use super::*;
+    use crate::cli::{Cli, Command};
 
     fn serve(args: &[&str]) -> ServeArgs {
         let mut argv = vec!["narsil", "serve"];
@@ -374,7 +280,7 @@ mod tests {
 
     #[test]
     fn the_backend_follows_the_model_file_unless_named() {
-        use crate::backends::BackendKind;
+        use crate::flags::backend::BackendKind;
         assert_eq!(serve(&[]).backend.kind(), BackendKind::Mock);
         assert_eq!(serve(&["--model", "m/model.pt"]).backend.kind(), BackendKind::Torch);
         assert_eq!(serve(&["--model", "m/weights.safetensors"]).backend.kind(), BackendKind::Burn);

@@ -10,28 +10,28 @@
 //! explicit unload takes that away.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use narsil_core::{BackendError, BackendFactory, ModelBackend, ModelSchema};
 use narsil_engine::{Engine, EngineConfig};
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot};
 
+use super::loader::LoadOptions;
 use super::registry::{ModelRegistry, OperatorMarks, VersionState};
-use super::repository::{self, VersionDir, VersionPolicy, MODEL_FILES};
-use crate::backends::BackendArgs;
+use super::repository::{Localized, RepositorySource, VersionDir, VersionPolicy, MODEL_FILES};
 
 /// Where versions come from and how each is served.
 #[derive(Clone)]
-pub struct RepositorySource {
-    /// The repository directory.
-    pub dir: PathBuf,
+pub struct Repository {
+    /// Where the models and their versions are.
+    pub source: Arc<dyn RepositorySource>,
     /// Which versions of each model are served.
     pub policy: VersionPolicy,
-    /// Device, threads and precision for every version (the model file
-    /// comes from the version directory).
-    pub backend: BackendArgs,
+    /// Device, threads and precision for every version (the model file,
+    /// and so the backend, come from the version directory).
+    pub load: LoadOptions,
     /// Lanes, batching and queue limits of every version's engine.
     pub engine: EngineConfig,
 }
@@ -58,26 +58,27 @@ struct Plan {
 
 /// The repository watcher.
 pub struct Watcher {
-    source: RepositorySource,
+    source: Repository,
     registry: Arc<ModelRegistry>,
 }
 
 impl Watcher {
     /// A watcher feeding `registry` from `source`.
-    pub fn new(source: RepositorySource, registry: Arc<ModelRegistry>) -> Self {
+    pub fn new(source: Repository, registry: Arc<ModelRegistry>) -> Self {
         Self { source, registry }
     }
 
     /// Reconciles at once, then again every `poll` (if any), on SIGHUP and
-    /// on each rescan request, until `stop` turns true. A reconcile under
-    /// way finishes first.
+    /// on each rescan request, until `stop` resolves. A reconcile under way
+    /// finishes first.
     pub fn spawn(
         self,
         poll: Option<Duration>,
-        mut stop: watch::Receiver<bool>,
+        stop: impl Future<Output = ()> + Send + 'static,
     ) -> (RescanHandle, tokio::task::JoinHandle<()>) {
         let (requests, mut incoming) = mpsc::channel::<oneshot::Sender<()>>(16);
         let task = tokio::spawn(async move {
+            tokio::pin!(stop);
             let mut hangup = hangup_signal();
             self.reconcile().await;
             loop {
@@ -89,7 +90,7 @@ impl Watcher {
                 };
                 tokio::select! {
                     biased;
-                    _ = async { stop.wait_for(|stopped| *stopped).await.map(|_| ()) } => return,
+                    () = &mut stop => return,
                     Some(done) = incoming.recv() => {
                         self.reconcile().await;
                         let _ = done.send(());
@@ -107,11 +108,12 @@ impl Watcher {
 
     /// Brings every model in step with the repository once.
     pub async fn reconcile(&self) {
-        let dir = self.source.dir.clone();
-        let scan = match tokio::task::spawn_blocking(move || repository::scan(&dir)).await {
+        let source = Arc::clone(&self.source.source);
+        let scan = match tokio::task::spawn_blocking(move || source.scan()).await {
             Ok(Ok(scan)) => scan,
             Ok(Err(e)) => {
-                tracing::error!(dir = %self.source.dir.display(), error = %e, "cannot read the model repository");
+                let repository = self.source.source.describe();
+                tracing::error!(%repository, error = %e, "cannot read the model repository");
                 return;
             }
             Err(e) => {
@@ -216,14 +218,22 @@ impl Watcher {
     }
 
     async fn start_engine(&self, model: &str, number: u64, dir: &VersionDir) -> Result<Engine, String> {
-        let Some(file) = dir.model_file.clone() else {
-            return Err(format!("{} holds no model file ({})", dir.path.display(), MODEL_FILES.join(" or ")));
-        };
-        let mut args = self.source.backend.clone();
-        args.model = Some(file);
-        args.backend = None;
-        let built = on_loader_thread(move || args.build()).await?;
-        let inner = built.map_err(|e| format!("{e:#}"))?;
+        let no_model_file =
+            format!("{} holds no model file ({})", dir.path.display(), MODEL_FILES.join(" or "));
+        if dir.model_file.is_none() {
+            return Err(no_model_file);
+        }
+        let (source, version, load) =
+            (Arc::clone(&self.source.source), dir.clone(), self.source.load.clone());
+        let built = on_loader_thread(move || {
+            let files = source
+                .localize(&version)
+                .map_err(|e| format!("cannot localize {}: {e}", version.path.display()))?;
+            let file = files.model_file().ok_or(no_model_file)?;
+            Ok::<_, String>((load.load_file(&file).map_err(|e| format!("{e:#}"))?, files))
+        })
+        .await?;
+        let (inner, files) = built?;
         let mut schema = inner.schema().clone();
         schema.name = model.into();
         schema.version = number.to_string();
@@ -231,7 +241,7 @@ impl Watcher {
             same_interface(&serving, &schema)
                 .map_err(|difference| format!("does not match the served schema: {difference}"))?;
         }
-        let factory = Arc::new(VersionedFactory { inner, schema });
+        let factory = Arc::new(VersionedFactory { inner, schema, _files: files });
         let engine = Engine::start(factory, self.source.engine.clone()).map_err(|e| format!("{e:#}"))?;
         if let Err(failure) = engine.handle().wait_ready().await {
             engine.shutdown().await;
@@ -287,10 +297,12 @@ pub fn same_interface(serving: &ModelSchema, new: &ModelSchema) -> Result<(), St
     Ok(())
 }
 
-/// A loaded model under the repository's name and version number.
+/// A loaded model under the repository's name and version number, holding
+/// its localized files while it serves (lanes may read them).
 struct VersionedFactory {
     inner: Arc<dyn BackendFactory>,
     schema: ModelSchema,
+    _files: Localized,
 }
 
 impl BackendFactory for VersionedFactory {

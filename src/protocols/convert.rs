@@ -51,7 +51,7 @@ pub fn predict_response(
 }
 
 /// The model's schema as a wire response.
-pub fn model_info(schema: &ModelSchema, max_batch_size: usize) -> proto::ModelInfoResponse {
+pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::ModelInfoResponse {
     proto::ModelInfoResponse {
         name: schema.name.clone(),
         version: schema.version.clone(),
@@ -67,7 +67,7 @@ pub fn model_info(schema: &ModelSchema, max_batch_size: usize) -> proto::ModelIn
                 weighted: f.weighted,
             })
             .collect(),
-        max_batch_size: max_batch_size as u32,
+        max_batch_size: max_request_samples as u32,
         outputs: schema.outputs.clone(),
         versions: Vec::new(),
     }

@@ -2,7 +2,7 @@
 //! served model's metrics as OpenMetrics text; `GET /healthz` answers 200
 //! while grpc.health's overall status is SERVING and 503 otherwise (for
 //! balancers that check over HTTP, like HAProxy); `/v1/models…` lists and
-//! controls models ([`crate::models::control`]).
+//! controls models ([`crate::lifecycle::control`]).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +14,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio::net::TcpListener;
 
-use crate::models::control::{self, ModelControl};
+use crate::lifecycle::control::{self, ModelControl};
 
 /// OpenMetrics' content type, which Prometheus scrapes natively.
 pub const CONTENT_TYPE_OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

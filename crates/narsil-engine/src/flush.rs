@@ -1,0 +1,115 @@
+//! When queued requests go to a lane: the flush policy. It is pure and
+//! clock-injected (every decision takes the time it is asked at), so a
+//! policy is tested without threads or sleeps. The queue asks it whether a
+//! request may join a batch, when a batch is full, and when the open batch
+//! is due; order, sweeping and top-up are the queue's (`collector.rs`).
+//!
+//! Two policies: [`ContinuousBatching`] (batch mode) and [`PerRequest`]
+//! (worker mode). A new one is a type implementing [`FlushPolicy`] here and
+//! the [`crate::ExecutionMode`] that picks it (config.rs); the command line
+//! lists the modes from there.
+
+use std::time::{Duration, Instant};
+
+/// What a queued batch holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fill {
+    /// Requests (or parts of split requests).
+    pub requests: usize,
+    /// Rows (samples).
+    pub rows: usize,
+}
+
+/// When queued requests are fused and sent.
+pub trait FlushPolicy: Send + Sync + std::fmt::Debug {
+    /// Whether a request of `rows` rows may join a batch holding `fill`
+    /// (asked for non-empty batches only: an empty one takes any request).
+    fn fits(&self, fill: Fill, rows: usize) -> bool;
+
+    /// Whether a batch holding `fill` takes no more requests: it is sealed,
+    /// and goes to the next free lane.
+    fn is_full(&self, fill: Fill) -> bool;
+
+    /// When an open batch that is not full, whose oldest request was
+    /// admitted at `oldest`, goes to a free lane.
+    fn due_at(&self, oldest: Instant) -> Instant;
+}
+
+/// Continuous batching: requests that arrive while the lanes are busy are
+/// fused, up to `max_requests` and `max_rows`; a free lane takes the open
+/// batch once its oldest request has waited `timeout` (zero: at once, so a
+/// lone request on an idle server never waits).
+#[derive(Debug, Clone, Copy)]
+pub struct ContinuousBatching {
+    /// Most requests per batch.
+    pub max_requests: usize,
+    /// Most rows per batch.
+    pub max_rows: usize,
+    /// Longest the oldest request waits for company once a lane is free.
+    pub timeout: Duration,
+}
+
+impl FlushPolicy for ContinuousBatching {
+    fn fits(&self, fill: Fill, rows: usize) -> bool {
+        fill.requests < self.max_requests && fill.rows + rows <= self.max_rows
+    }
+
+    fn is_full(&self, fill: Fill) -> bool {
+        fill.requests >= self.max_requests || fill.rows >= self.max_rows
+    }
+
+    fn due_at(&self, oldest: Instant) -> Instant {
+        oldest + self.timeout
+    }
+}
+
+/// Worker mode: every request (or part of a split one) is a forward of its
+/// own, on the next free lane.
+#[derive(Debug, Clone, Copy)]
+pub struct PerRequest;
+
+impl FlushPolicy for PerRequest {
+    fn fits(&self, _fill: Fill, _rows: usize) -> bool {
+        false
+    }
+
+    fn is_full(&self, fill: Fill) -> bool {
+        fill.requests >= 1
+    }
+
+    fn due_at(&self, oldest: Instant) -> Instant {
+        oldest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill(requests: usize, rows: usize) -> Fill {
+        Fill { requests, rows }
+    }
+
+    #[test]
+    fn continuous_batching_fuses_up_to_its_limits_and_waits_its_timeout() {
+        let policy = ContinuousBatching { max_requests: 4, max_rows: 100, timeout: Duration::from_millis(2) };
+        assert!(policy.fits(fill(1, 60), 40), "exactly max_rows fits");
+        assert!(!policy.fits(fill(1, 60), 41), "one row more does not");
+        assert!(!policy.fits(fill(4, 4), 1), "max_requests reached");
+        assert!(!policy.is_full(fill(3, 99)));
+        assert!(policy.is_full(fill(4, 4)) && policy.is_full(fill(1, 100)));
+        let now = Instant::now();
+        assert_eq!(policy.due_at(now), now + Duration::from_millis(2));
+        let at_once = ContinuousBatching { timeout: Duration::ZERO, ..policy };
+        assert_eq!(at_once.due_at(now), now, "a lone request is not held back");
+    }
+
+    #[test]
+    fn per_request_sends_every_request_alone_and_at_once() {
+        let now = Instant::now();
+        assert!(!PerRequest.fits(fill(1, 1), 1));
+        assert!(PerRequest.is_full(fill(1, 5000)));
+        assert!(!PerRequest.is_full(fill(0, 0)));
+        assert_eq!(PerRequest.due_at(now), now);
+    }
+}

@@ -1,0 +1,23 @@
+//! The command line's vocabulary, shared by the commands that take it and
+//! the messages that point a user at it: the `narsil serve` flag behind each
+//! engine setting ([`serve_flag`]), and the backend flags of `narsil serve`
+//! and `narsil bench-forward` ([`backend`]).
+
+pub mod backend;
+
+use narsil_engine::Setting;
+
+/// The `narsil serve` flag that sets an engine setting.
+pub fn serve_flag(setting: Setting) -> &'static str {
+    match setting {
+        Setting::Lanes => "--lanes",
+        Setting::MaxForwardThreads => "--max-forward-threads",
+        Setting::MaxBatchRequests => "--max-batch-requests",
+        Setting::MaxBatchRows => "--max-batch-rows",
+        Setting::MaxQueueRequests => "--max-queue-requests",
+        Setting::MaxQueueRows => "--max-queue-rows",
+        Setting::MaxQueueBytes => "--max-queue-bytes",
+        Setting::MaxRequestSamples => "--max-request-samples",
+        Setting::QueueTimeout => "--queue-timeout-ms",
+    }
+}

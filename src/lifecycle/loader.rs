@@ -1,0 +1,172 @@
+//! Loading a model file into a backend: which backend a file needs, and the
+//! settings every model is loaded with (device, threads, precision, the
+//! mock's latency). The command line makes these from its flags
+//! (`flags::backend`); the repository watcher loads every version with them.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use clap::ValueEnum;
+use narsil_core::mock::{MockConfig, MockFactory};
+use narsil_core::{BackendFactory, ModelSchema};
+
+/// Which model backend serves requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Fixed-latency mock with deterministic scores (measures the engine).
+    Mock,
+    /// TorchScript DLRM through libtorch (Cargo feature `torch`).
+    Torch,
+    /// Pure-Rust DLRM through Burn (Cargo feature `burn`).
+    Burn,
+}
+
+impl BackendKind {
+    /// The flag value naming this backend.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mock => "mock",
+            Self::Torch => "torch",
+            Self::Burn => "burn",
+        }
+    }
+
+    /// The backend a model file needs: `burn` for `.safetensors`, `torch`
+    /// for any other.
+    pub fn for_file(model: &Path) -> Self {
+        match model.extension() {
+            Some(e) if e == "safetensors" => Self::Burn,
+            _ => Self::Torch,
+        }
+    }
+}
+
+/// The arithmetic of the dense arch, interaction and over arch (embedding
+/// tables keep their own type, INT8 in the default model; scores are FP32
+/// either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DensePrecision {
+    /// FP32.
+    Fp32,
+    /// bf16 inputs with FP32 accumulation (torch; needs AVX512-BF16 or AMX on CPU).
+    Bf16,
+}
+
+/// How every model is loaded, whatever its file.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Device for forward passes: `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+    /// Threads each forward may use inside the backend (torch).
+    pub intra_op_threads: usize,
+    /// torch: directory of fbgemm_gpu's shared libraries (default: next to
+    /// the libtorch Narsil was built with).
+    pub fbgemm_dir: Option<PathBuf>,
+    /// torch: precision of the dense arithmetic.
+    pub dense_precision: DensePrecision,
+    /// The mock backend's latency.
+    pub mock: MockConfig,
+    /// The mock backend's rows per table (valid ids).
+    pub mock_table_rows: u64,
+}
+
+impl LoadOptions {
+    /// Loads `model` (none: the mock, or Burn's seeded random DLRM) into
+    /// `kind`; `model_config` is a TorchRec-signature model's schema when it
+    /// is not the `model.json` beside the file.
+    pub fn load(
+        &self,
+        kind: BackendKind,
+        model: Option<&Path>,
+        model_config: Option<&Path>,
+    ) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        if self.dense_precision == DensePrecision::Bf16 && kind != BackendKind::Torch {
+            anyhow::bail!(
+                "bf16 dense precision is supported by torch models only (burn-flex runs bf16 matmuls \
+                 through FP32); this model needs {}",
+                kind.name()
+            );
+        }
+        match kind {
+            BackendKind::Mock => {
+                let schema = ModelSchema::dlrm("mock", "cpu", self.mock_table_rows);
+                Ok(Arc::new(MockFactory::new(schema, self.mock)))
+            }
+            BackendKind::Torch => {
+                let model = model.ok_or_else(|| anyhow::anyhow!("a torch model needs a TorchScript file"))?;
+                self.load_torch(model, model_config)
+            }
+            BackendKind::Burn => self.load_burn(model),
+        }
+    }
+
+    /// Loads a model file with the backend it needs ([`BackendKind::for_file`]).
+    pub fn load_file(&self, model: &Path) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        self.load(BackendKind::for_file(model), Some(model), None)
+    }
+
+    #[cfg(feature = "burn")]
+    fn load_burn(&self, model: Option<&Path>) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        if self.device != "cpu" {
+            anyhow::bail!("--backend burn runs on the CPU in this build; remove --device");
+        }
+        let factory = match model {
+            Some(path) => narsil_burn::BurnFactory::load(path)?,
+            None => {
+                tracing::info!(
+                    "no --model: generating a seeded random DLRM (26 x 100,000 x 64, seed 0) for --backend burn"
+                );
+                narsil_burn::BurnFactory::random(&narsil_burn::DlrmShape::default(), 0)?
+            }
+        };
+        Ok(Arc::new(factory))
+    }
+
+    #[cfg(not(feature = "burn"))]
+    fn load_burn(&self, _model: Option<&Path>) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        Err(not_compiled(BackendKind::Burn))
+    }
+
+    #[cfg(feature = "torch")]
+    fn load_torch(
+        &self,
+        model: &Path,
+        model_config: Option<&Path>,
+    ) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        let mut config = narsil_torch::TorchConfig::new(model.to_path_buf());
+        config.device = self.device.clone();
+        config.model_config = model_config.map(Path::to_path_buf);
+        config.intra_op_threads = self.intra_op_threads;
+        config.fbgemm_dir = self.fbgemm_dir.clone();
+        config.dense_precision = match self.dense_precision {
+            DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
+            DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,
+        };
+        Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
+    }
+
+    #[cfg(not(feature = "torch"))]
+    fn load_torch(&self, _model: &Path, _config: Option<&Path>) -> anyhow::Result<Arc<dyn BackendFactory>> {
+        Err(not_compiled(BackendKind::Torch))
+    }
+}
+
+#[cfg(not(all(feature = "torch", feature = "burn")))]
+fn not_compiled(kind: BackendKind) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--backend {0} is not compiled into this binary; rebuild with `cargo build --release --features {0}` \
+         (scripts/serve.sh does this for torch)",
+        kind.name()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_file_names_its_backend() {
+        assert_eq!(BackendKind::for_file(Path::new("m/1/model.safetensors")), BackendKind::Burn);
+        assert_eq!(BackendKind::for_file(Path::new("m/1/model.pt")), BackendKind::Torch);
+    }
+}

@@ -1,0 +1,15 @@
+//! Model lifecycle: loading a model file into a backend ([`loader`]), the
+//! repository and where its versions come from ([`repository`]), the models
+//! and versions being served ([`registry`]), the watcher that loads,
+//! switches and retires versions ([`watcher`]), the task that stops a
+//! retired version once its last request is answered ([`reaper`]), and the
+//! HTTP control calls ([`control`]).
+
+pub mod control;
+pub mod loader;
+pub mod reaper;
+pub mod registry;
+pub mod repository;
+pub mod watcher;
+
+pub use registry::{LiveVersion, ModelRegistry};

@@ -1,0 +1,56 @@
+//! The served protocols: `narsil.v1` ([`narsil_v1`]), TorchRec's
+//! ([`torchrec`]) and KServe v2 ([`kserve`]). Each decodes its message into
+//! the engine's request, encodes the answer, and names its fields; routing,
+//! deadlines, admission and outcome counting are the one entry they all
+//! call ([`infer`]). Below them, two tower layers bound what a message may
+//! cost before it is decoded ([`message_limit`], [`memory_layer`]).
+//!
+//! [`services`] is the one table of served protocols. A new protocol is its
+//! module here (decode, encode, field names, service) and its line in that
+//! table, plus its `.proto` and its line in `build.rs`: 4 files.
+
+pub mod convert;
+pub mod deadline;
+pub mod infer;
+pub mod kserve;
+pub mod memory_layer;
+pub mod message_limit;
+pub mod narsil_v1;
+pub mod status;
+pub mod torchrec;
+
+use tonic::server::NamedService;
+use tonic::service::Routes;
+
+use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceServiceServer;
+use crate::proto::predictor_server::PredictorServer;
+use crate::torchrec_proto::predictor_server::PredictorServer as TorchRecPredictorServer;
+
+/// Every served protocol over `infer`, messages up to `max_message_bytes`
+/// each way, and their service names (grpc.health reports the server's
+/// status under each).
+pub fn services(infer: &infer::Infer, max_message_bytes: usize) -> (Routes, Vec<&'static str>) {
+    let limit = max_message_bytes;
+    let routes = Routes::default()
+        .add_service(
+            PredictorServer::new(narsil_v1::PredictorService::new(infer.clone()))
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        )
+        .add_service(
+            TorchRecPredictorServer::new(torchrec::TorchRecService::new(infer.clone()))
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        )
+        .add_service(
+            GrpcInferenceServiceServer::new(kserve::KServeService::new(infer.clone()))
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        );
+    let names = vec![
+        PredictorServer::<narsil_v1::PredictorService>::NAME,
+        TorchRecPredictorServer::<torchrec::TorchRecService>::NAME,
+        GrpcInferenceServiceServer::<kserve::KServeService>::NAME,
+    ];
+    (routes, names)
+}

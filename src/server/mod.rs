@@ -1,0 +1,297 @@
+//! The serving process: bind, start the models (one fixed `--model`, or a
+//! repository and its watcher), report health, serve the three protocols
+//! until asked to stop, then drain.
+//!
+//! The admin address (`--metrics-addr`) serves metrics, `/healthz` and the
+//! model calls over HTTP until the drain is over.
+//!
+//! Health ([`health`]: `grpc.health.v1`, and `/healthz`) says NOT_SERVING
+//! until every model that should serve has a warm version, then follows
+//! their backends (NOT_SERVING after `--unhealthy-after-failures` failed
+//! forwards in a row, SERVING again after a successful one); each model also
+//! has its own status under its name. When a stop is asked for ([`drain`]),
+//! health turns NOT_SERVING for good at once; calls are still accepted for
+//! `--drain-grace-secs`; then the listener closes, every call in flight is
+//! answered, and the models stop.
+
+pub mod admin_http;
+pub mod drain;
+pub mod health;
+pub mod signal;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use narsil_core::BackendFactory;
+use narsil_engine::{Engine, EngineConfig, EngineHandle, MemoryBudget};
+use tokio::net::TcpListener;
+use tonic::transport::server::TcpIncoming;
+
+use self::drain::Drain;
+use self::health::Health;
+use crate::lifecycle::control::ModelControl;
+use crate::lifecycle::watcher::{Repository, Watcher};
+use crate::lifecycle::ModelRegistry;
+use crate::protocols::infer::Infer;
+use crate::protocols::memory_layer::MemoryLayer;
+use crate::protocols::{self, message_limit};
+
+/// Where and how the server listens.
+#[derive(Debug, Clone, Copy)]
+pub struct Listen {
+    /// gRPC address.
+    pub addr: SocketAddr,
+    /// Prometheus (and model control) address, if any.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Largest gRPC message accepted, bytes.
+    pub max_message_bytes: usize,
+}
+
+/// A model repository to serve, and how it is watched.
+#[derive(Clone)]
+pub struct RepositoryServe {
+    /// The repository and how its versions are served.
+    pub repository: Repository,
+    /// The model requests naming none go to (default: the only model).
+    pub default_model: Option<String>,
+    /// How often the repository is rescanned; none: only on SIGHUP and
+    /// control calls.
+    pub poll: Option<Duration>,
+    /// Whether the load/unload control calls are on.
+    pub control: bool,
+}
+
+/// What the server serves.
+enum Served {
+    /// One fixed `--model`, whose engine started with the server; if it
+    /// fails to load, the server stops.
+    Fixed(EngineHandle),
+    /// A repository, whose versions the watcher loads and switches.
+    Repository { watcher: Box<Watcher>, poll: Option<Duration>, control: bool },
+}
+
+/// Bound listeners and started models, ready to serve.
+pub struct Server {
+    listener: TcpListener,
+    metrics_listener: Option<TcpListener>,
+    models: Arc<ModelRegistry>,
+    served: Served,
+    max_message_bytes: usize,
+    /// The bound on request memory every engine shares.
+    memory: MemoryBudget,
+    drain_grace: Duration,
+}
+
+async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} ({what})"))
+}
+
+async fn bind_all(listen: Listen) -> anyhow::Result<(TcpListener, Option<TcpListener>)> {
+    let listener = bind(listen.addr, "--addr").await?;
+    let metrics_listener = match listen.metrics_addr {
+        Some(addr) => Some(bind(addr, "--metrics-addr").await?),
+        None => None,
+    };
+    Ok((listener, metrics_listener))
+}
+
+impl Server {
+    /// Binds the addresses and starts the engine over `factory`: a
+    /// repository of one model and one version. Lanes load in the
+    /// background; health turns SERVING once they are warm.
+    pub async fn start(
+        listen: Listen,
+        factory: Arc<dyn BackendFactory>,
+        config: EngineConfig,
+    ) -> anyhow::Result<Self> {
+        let (listener, metrics_listener) = bind_all(listen).await?;
+        let name = factory.schema().name.clone();
+        let memory = config.memory.clone();
+        let engine = Engine::start(factory, config)?;
+        let handle = engine.handle();
+        let models = ModelRegistry::new(Some(name.clone()));
+        models.install(&name, 0, engine);
+        Ok(Self {
+            listener,
+            metrics_listener,
+            models,
+            served: Served::Fixed(handle),
+            max_message_bytes: listen.max_message_bytes,
+            memory,
+            drain_grace: Duration::ZERO,
+        })
+    }
+
+    /// Binds the addresses and serves the models of a repository. Versions
+    /// load in the background once [`Server::run`] starts; health turns
+    /// SERVING once every model has a warm version.
+    pub async fn start_repository(listen: Listen, repository: RepositoryServe) -> anyhow::Result<Self> {
+        let source = &repository.repository.source;
+        let found = source.scan().with_context(|| {
+            format!("cannot read the model repository {} (--model-repository)", source.describe())
+        })?;
+        let names: Vec<&String> = found.keys().collect();
+        let default_model = match repository.default_model {
+            Some(name) if found.contains_key(&name) => Some(name),
+            Some(name) => anyhow::bail!(
+                "--default-model {name:?} is not a model of {}; it holds {names:?}",
+                source.describe()
+            ),
+            None if names.len() == 1 => Some(names[0].clone()),
+            None => {
+                tracing::info!(models = ?names, "no --default-model: requests must name their model");
+                None
+            }
+        };
+        let (listener, metrics_listener) = bind_all(listen).await?;
+        let models = ModelRegistry::new(default_model);
+        let memory = repository.repository.engine.memory.clone();
+        let watcher = Box::new(Watcher::new(repository.repository, Arc::clone(&models)));
+        Ok(Self {
+            listener,
+            metrics_listener,
+            models,
+            served: Served::Repository { watcher, poll: repository.poll, control: repository.control },
+            max_message_bytes: listen.max_message_bytes,
+            memory,
+            drain_grace: Duration::ZERO,
+        })
+    }
+
+    /// After a stop is asked for, health turns NOT_SERVING at once, but
+    /// calls are still accepted and served for `grace` before the listener
+    /// closes and the drain begins, so that load balancers stop sending first.
+    pub fn with_drain_grace(mut self, grace: Duration) -> Self {
+        self.drain_grace = grace;
+        self
+    }
+
+    /// The gRPC address actually bound (useful with port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener.local_addr().expect("bound listener has an address")
+    }
+
+    /// The metrics address actually bound, if metrics are served.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics_listener.as_ref().map(|l| l.local_addr().expect("bound listener has an address"))
+    }
+
+    /// The engine of a server of one fixed model (schema, readiness,
+    /// counters); none for a repository.
+    pub fn engine(&self) -> Option<EngineHandle> {
+        match &self.served {
+            Served::Fixed(handle) => Some(handle.clone()),
+            Served::Repository { .. } => None,
+        }
+    }
+
+    /// The served models.
+    pub fn models(&self) -> Arc<ModelRegistry> {
+        Arc::clone(&self.models)
+    }
+
+    /// Serves until `shutdown` resolves, then drains: every accepted call is
+    /// answered before this returns. A server of one fixed model fails if
+    /// its model cannot load.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        let addr = self.local_addr();
+        let models = Arc::clone(&self.models);
+        let drain = Drain::default();
+        let (protocols, names) =
+            protocols::services(&Infer::new(Arc::clone(&models)), self.max_message_bytes);
+        let (reporter, health_service) = tonic_health::server::health_reporter();
+        let health = Health::new(reporter, &names).await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .context("cannot build the reflection service")?;
+
+        // What asks for a stop: the signal, or the fixed model failing to load.
+        tokio::spawn({
+            let drain = drain.clone();
+            async move {
+                tokio::select! {
+                    () = shutdown => drain.begin(None),
+                    () = drain.draining() => {}
+                }
+            }
+        });
+        let mut control = ModelControl { registry: Arc::clone(&models), rescan: None, enabled: false };
+        let watcher_task = match self.served {
+            Served::Fixed(handle) => {
+                let drain = drain.clone();
+                tokio::spawn(async move {
+                    if let Err(failure) = handle.wait_ready().await {
+                        drain.begin(Some(failure));
+                    }
+                });
+                None
+            }
+            Served::Repository { watcher, poll, control: enabled } => {
+                let (rescan, task) = watcher.spawn(poll, drain.draining());
+                control.rescan = Some(rescan);
+                control.enabled = enabled;
+                Some(task)
+            }
+        };
+        let following = health.follow(Arc::clone(&models));
+        let stop_listening = {
+            let (drain, health, models) = (drain.clone(), health.clone(), Arc::clone(&models));
+            let grace = self.drain_grace;
+            async move {
+                drain.draining().await;
+                health.drain(&models).await;
+                if !grace.is_zero() && drain.failure().is_none() {
+                    // Load balancers see NOT_SERVING and stop sending; what
+                    // still arrives meanwhile is served.
+                    let grace_ms = grace.as_millis() as u64;
+                    tracing::info!(grace_ms, "NOT_SERVING; still serving through the drain grace period");
+                    tokio::time::sleep(grace).await;
+                }
+            }
+        };
+        tracing::info!(%addr, "listening");
+        let admin = self.metrics_listener.map(|listener| {
+            let admin = listener.local_addr().expect("bound");
+            tracing::info!(addr = %admin, "serving /metrics, /healthz and /v1/models");
+            tokio::spawn(admin_http::serve(listener, control, health.serving(), drain.drained()))
+        });
+        let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
+        let served = tonic::transport::Server::builder()
+            .layer(message_limit::layer(Arc::clone(&models)))
+            .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models)))
+            .add_routes(protocols)
+            .add_service(health_service)
+            .add_service(reflection)
+            .serve_with_incoming_shutdown(incoming, stop_listening)
+            .await;
+        following.abort();
+        drain.begin(None);
+        if let Some(task) = watcher_task {
+            if let Err(e) = task.await {
+                tracing::error!(error = %e, "the repository watcher ended abnormally");
+            }
+        }
+        models.shutdown().await;
+        drain.finish();
+        if let Some(admin) = admin {
+            match admin.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::error!(error = %e, "metrics endpoint failed"),
+                Err(e) => tracing::error!(error = %e, "metrics endpoint ended abnormally"),
+            }
+        }
+        served.context("gRPC server failed")?;
+        match drain.failure() {
+            Some(lane_failure) => Err(anyhow::Error::new(lane_failure).context("model failed to load")),
+            None => {
+                tracing::info!("drained; bye");
+                Ok(())
+            }
+        }
+    }
+}
