@@ -168,7 +168,13 @@ impl LaneContext {
             }
         };
         let fused_requests = job.waiters.len();
-        for (waiter, outputs) in job.waiters.into_iter().zip(job.batch.split_outputs(&scores)) {
+        // A lone request with one output keeps the forward's buffer.
+        let answers: Vec<Vec<Vec<f32>>> = if fused_requests == 1 && scores.len() == rows {
+            vec![vec![scores]]
+        } else {
+            job.batch.split_outputs(&scores).collect()
+        };
+        for (waiter, outputs) in job.waiters.into_iter().zip(answers) {
             let _ = waiter.reply.send(Ok(Prediction {
                 outputs,
                 forwards: 1,

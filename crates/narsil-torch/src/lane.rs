@@ -156,12 +156,14 @@ fn append_scores(output: &Tensor, rows: usize, scores: &mut Vec<f32>) -> Result<
         .and_then(|t| t.f_to_kind(Kind::Float))
         .and_then(|t| t.f_reshape([-1]))
         .map_err(torch_error)?;
-    let values = Vec::<f32>::try_from(&output).map_err(torch_error)?;
-    if values.len() != rows {
-        return Err(BackendError::WrongScoreCount { rows, got: values.len() });
+    let got = output.numel();
+    if got != rows {
+        return Err(BackendError::WrongScoreCount { rows, got });
     }
-    scores.extend(values);
-    Ok(())
+    // Straight into the answer's buffer: one copy out of the tensor.
+    let start = scores.len();
+    scores.resize(start + rows, 0.0);
+    output.f_copy_data(&mut scores[start..], rows).map_err(torch_error)
 }
 
 fn torch_error(e: tch::TchError) -> BackendError {
