@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Narsil vs TorchRec's own C++ inference server, side by side, in one run.
 
-For every configuration (cores x ids per bag), each server is started in
-turn, waited for, measured at every --concurrency, and stopped:
+For every configuration (cores x ids per bag x id distribution), each
+server is started in turn, waited for, measured at every --concurrency, and
+stopped. `--id-distribution uniform zipf:1.05` measures uniformly random ids
+and skewed (Zipf) traffic, whose hot ids repeat within and across requests:
 
   * Narsil batch fp32 / bf16 - `narsil serve --backend torch
     --dense-precision {fp32,bf16}` on model_default.pt
@@ -106,11 +108,11 @@ def servers(args, cores, torchrec_bin):
     return out
 
 
-def measure(args, name, command, cores, ids_per_bag):
+def measure(args, name, command, cores, ids_per_bag, distribution):
     addr = TORCHREC_ADDR if name.startswith("TorchRec C++") else f"127.0.0.1:{free_port()}"
     server_cores = "0" if cores == 1 else "0,1"
     load_core = 1 if cores == 1 else None
-    print(f"  [{cores} core(s), {ids_per_bag} id(s)/bag] starting {name} on {addr}", file=sys.stderr, flush=True)
+    print(f"  [{cores} core(s), {ids_per_bag} id(s)/bag, {distribution} ids] starting {name} on {addr}", file=sys.stderr, flush=True)
     process = subprocess.Popen(["taskset", "-c", server_cores] + command(addr), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
     rows = []
@@ -120,7 +122,7 @@ def measure(args, name, command, cores, ids_per_bag):
             load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
                     "--concurrency", str(concurrency), "--requests", str(args.requests),
                     "--warmup", str(args.warmup), "--samples-per-request", str(args.batch_size),
-                    "--ids-per-feature", str(ids_per_bag), "--json"]
+                    "--ids-per-feature", str(ids_per_bag), "--id-distribution", distribution, "--json"]
             out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"load against {name} failed:\n{out.stderr[-2000:]}")
@@ -138,14 +140,19 @@ def measure(args, name, command, cores, ids_per_bag):
     return rows
 
 
+def config(row):
+    """The table a row belongs to: cores, ids per bag, id distribution."""
+    return row["cores"], row["ids_per_bag"], row.get("id_distribution", "uniform")
+
+
 def print_tables(rows):
-    configs = list(dict.fromkeys((r["cores"], r["ids_per_bag"]) for r in rows))
-    for cores, ids in configs:
-        print(f"\n### {cores} core(s), {ids} id(s) per bag\n")
+    configs = list(dict.fromkeys(config(r) for r in rows))
+    for cores, ids, distribution in configs:
+        print(f"\n### {cores} core(s), {ids} id(s) per bag, {distribution} ids\n")
         print("| Server | Concurrency | Req/s | Samples/s | p50 ms | p99 ms | vs TorchRec C++ fp32 req/s | "
               "vs TorchRec C++ same precision | peak RSS MiB |")
         print("|---|---|---|---|---|---|---|---|---|")
-        mine = [r for r in rows if r["cores"] == cores and r["ids_per_bag"] == ids]
+        mine = [r for r in rows if config(r) == (cores, ids, distribution)]
         for r in mine:
             def ratio(server):
                 ref = next((x for x in mine if x["server"] == server and x["concurrency"] == r["concurrency"]), None)
@@ -167,7 +174,7 @@ def chart(rows, path):
     except ImportError:
         print("matplotlib missing: no chart (run scripts/setup_python.sh)", file=sys.stderr)
         return
-    configs = list(dict.fromkeys((r["cores"], r["ids_per_bag"]) for r in rows))
+    configs = list(dict.fromkeys(config(r) for r in rows))
     concurrencies = list(dict.fromkeys(r["concurrency"] for r in rows))
     fig, axes = plt.subplots(len(concurrencies), 1, figsize=(11, 3.6 * len(concurrencies)), squeeze=False)
     names = list(dict.fromkeys(r["server"] for r in rows))
@@ -175,10 +182,10 @@ def chart(rows, path):
     for ax, concurrency in zip(axes[:, 0], concurrencies):
         for i, name in enumerate(names):
             values = [next((r["req_per_s"] for r in rows if r["server"] == name and r["concurrency"] == concurrency
-                            and (r["cores"], r["ids_per_bag"]) == c), 0) for c in configs]
+                            and config(r) == c), 0) for c in configs]
             ax.bar([x + i * width for x in range(len(configs))], values, width, label=name)
         ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(configs))])
-        ax.set_xticklabels([f"{c} core(s), {i} id(s)/bag" for c, i in configs])
+        ax.set_xticklabels([f"{c} core(s), {i} id(s)/bag, {d}" for c, i, d in configs])
         ax.set(ylabel="req/s (100 samples each)", title=f"concurrency {concurrency}")
         ax.grid(alpha=0.3, axis="y")
     axes[0, 0].legend(fontsize=8, ncol=2)
@@ -195,6 +202,8 @@ def main():
     p.add_argument("--cores", type=int, nargs="+", choices=[1, 2], default=[1, 2])
     p.add_argument("--ids-per-bag", type=int, nargs="+", default=[1, 4],
                    help="ids per bag: 1 one-hot, above 1 multi-hot (bag sizes uniform in [0, 2n-1])")
+    p.add_argument("--id-distribution", nargs="+", default=["uniform"],
+                   help="ids sent (narsil load --id-distribution): uniform, zipf:ALPHA (e.g. zipf:1.05)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--narsil-batch-size", type=int, default=16, help="most requests per fused forward")
     p.add_argument("--lanes-on-two-cores", type=int, default=2)
@@ -226,8 +235,9 @@ def main():
     rows = []
     for cores in args.cores:
         for ids_per_bag in args.ids_per_bag:
-            for name, command in servers(args, cores, torchrec_bin):
-                rows.extend(measure(args, name, command, cores, ids_per_bag))
+            for distribution in args.id_distribution:
+                for name, command in servers(args, cores, torchrec_bin):
+                    rows.extend(measure(args, name, command, cores, ids_per_bag, distribution))
 
     print(f"# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; {args.batch_size} samples/request; "
           f"Narsil batch size {args.narsil_batch_size}, batch timeout 0; load: narsil load --protocol torchrec, "

@@ -17,7 +17,8 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::flags::backend::{BackendArgs, DensePrecision};
-use crate::load::workload::random_request;
+use crate::load::ids::IdDistributions;
+use crate::load::workload::{id_samplers, random_request};
 use crate::protocols::convert::{model_info, request_samples};
 
 /// `narsil bench-forward` flags.
@@ -41,6 +42,10 @@ pub struct ForwardBenchArgs {
     /// Untimed forwards per batch size before measuring.
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
+    /// Ids sent: `uniform` or `zipf:ALPHA`, for every feature or one per
+    /// feature (as `narsil load --id-distribution`).
+    #[arg(long, default_value = "uniform")]
+    pub id_distribution: IdDistributions,
     /// Distinct random requests the batches are fused from (as `narsil load`
     /// sends: its default is also 64). Fewer would keep the embedding rows
     /// touched warm in cache and flatter the backend.
@@ -86,6 +91,7 @@ pub struct ForwardReport {
     pub device: String,
     pub intra_op_threads: usize,
     pub ids_per_feature: u32,
+    pub id_distribution: String,
     pub dense_precision: String,
     pub load_ms: f64,
     /// Resident memory once the model is loaded and one lane created, MiB.
@@ -143,12 +149,13 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
     }
     writeln!(
         out,
-        "backend {} on {}, {} intra-op thread(s), {} id(s) per bag; loaded in {:.0} ms; \
+        "backend {} on {}, {} intra-op thread(s), {} id(s) per bag ({}); loaded in {:.0} ms; \
          RSS {:.0} MiB after load, peak {:.0} MiB",
         report.backend,
         report.device,
         report.intra_op_threads,
         report.ids_per_feature,
+        report.id_distribution,
         report.load_ms,
         report.rss_after_load_mib.unwrap_or(f64::NAN),
         report.peak_rss_mib.unwrap_or(f64::NAN)
@@ -208,10 +215,11 @@ fn measure(
     };
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
+    let ids = id_samplers(&info, &args.id_distribution, 7)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut random = |samples: usize, index: usize| -> anyhow::Result<RequestSamples> {
         let mut request =
-            request_samples(random_request(&info, samples, args.ids_per_feature, &mut rng, index));
+            request_samples(random_request(&info, samples, args.ids_per_feature, &ids, &mut rng, index));
         request.validate(&schema, limits)?;
         Ok(request)
     };
@@ -268,6 +276,7 @@ fn measure(
         device: schema.device.clone(),
         intra_op_threads: args.backend.intra_op_threads,
         ids_per_feature: args.ids_per_feature,
+        id_distribution: args.id_distribution.to_string(),
         dense_precision: format!("{:?}", args.backend.dense_precision).to_lowercase(),
         load_ms,
         rss_after_load_mib,

@@ -81,3 +81,34 @@ async fn reported_queue_and_compute_times_are_plausible() {
     assert_eq!(response.fused_rows, 3);
     server.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narsil_load_sends_skewed_ids_the_server_accepts() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        load: narsil::load::LoadArgs,
+    }
+    let server = start(batch_mode(1, 16), 1).await.ready().await;
+    let args = <Cli as clap::Parser>::parse_from([
+        "load",
+        "--addr",
+        &server.url,
+        "--id-distribution",
+        "zipf:1.05",
+        "--ids-per-feature",
+        "3",
+        "--requests",
+        "80",
+        "--concurrency",
+        "8",
+        "--warmup",
+        "0",
+        "--samples-per-request",
+        "20",
+    ]);
+    let report = narsil::load::drive(&args.load).await.unwrap();
+    assert_eq!((report.requests, report.ok), (80, 80), "every id is inside its table: {:?}", report.by_code);
+    assert_eq!(report.id_distribution, "zipf:1.05");
+    server.stop().await.unwrap();
+}

@@ -15,6 +15,7 @@
 //! (KServe v2), reading the shape from ModelMetadata and ids below
 //! `--table-rows`.
 
+pub mod ids;
 pub mod report;
 pub mod workload;
 
@@ -25,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tonic::transport::{Channel, Endpoint};
 
+use self::ids::IdDistributions;
 use crate::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient as KServeClient;
 use crate::kserve_proto::{ModelInferRequest, ModelMetadataRequest};
 use crate::proto::predictor_client::PredictorClient;
@@ -75,6 +77,12 @@ pub struct LoadArgs {
     /// Ids per (sample, feature) bag; above 1, bag sizes vary in [0, 2N-1] (multi-hot).
     #[arg(long, env = "NARSIL_LOAD_IDS_PER_FEATURE", default_value_t = 1)]
     pub ids_per_feature: u32,
+    /// Which ids are sent: `uniform`, or `zipf:ALPHA` (skewed traffic: rank
+    /// r drawn with probability proportional to 1/(r+1)^ALPHA, hot ids
+    /// scattered over the table); one for every feature, or one per feature,
+    /// comma-separated. Seeded by --seed.
+    #[arg(long, env = "NARSIL_LOAD_ID_DISTRIBUTION", default_value = "uniform")]
+    pub id_distribution: IdDistributions,
     /// Distinct prebuilt requests cycled through.
     #[arg(long, env = "NARSIL_LOAD_DISTINCT_REQUESTS", default_value_t = 64)]
     pub distinct_requests: usize,

@@ -102,6 +102,8 @@ pub struct Report {
     pub rate: Option<f64>,
     /// Samples per request.
     pub batch_size: usize,
+    /// How ids were drawn (`--id-distribution`).
+    pub id_distribution: String,
     /// Backend the server reported.
     pub backend: String,
     /// Measured phase length, seconds.
@@ -165,6 +167,7 @@ impl Report {
             concurrency: args.concurrency,
             rate: args.rate,
             batch_size: args.samples_per_request,
+            id_distribution: args.id_distribution.to_string(),
             backend: info.backend.clone(),
             elapsed_s: secs,
             requests: r.by_code.values().sum(),
@@ -224,12 +227,13 @@ impl Report {
             "server      no timings (this protocol's answers carry none)\n".to_string()
         };
         format!(
-            "narsil load: {load}, {} samples/request, backend {}\n\
+            "narsil load: {load}, {} samples/request, ids {}, backend {}\n\
              requests    {} in {:.2} s ({})\n\
              throughput  {:.1} req/s, {:.0} samples/s\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
              {server}{}",
             self.batch_size,
+            self.id_distribution,
             self.backend,
             self.requests,
             self.elapsed_s,

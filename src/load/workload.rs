@@ -1,13 +1,14 @@
 //! Builds the load generator's requests: random valid samples for the
-//! schema the server reports.
+//! schema the server reports, ids drawn per `--id-distribution` ([`super::ids`]).
 
 use rand::{Rng, SeedableRng};
 
+use super::ids::{IdDistributions, IdSampler};
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
 
 /// `args.distinct_requests` requests of `args.samples_per_request` samples each, with
-/// dense values in [0, 1) and ids uniform over each table.
+/// dense values in [0, 1) and ids drawn per `args.id_distribution`.
 pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<Vec<PredictRequest>> {
     if info.max_batch_size != 0 && args.samples_per_request > info.max_batch_size as usize {
         anyhow::bail!(
@@ -19,18 +20,31 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
     if info.sparse_features.iter().any(|f| f.num_rows == 0) {
         anyhow::bail!("the server reports a sparse feature with an empty table");
     }
+    let ids = id_samplers(info, &args.id_distribution, args.seed)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     Ok((0..args.distinct_requests.max(1))
-        .map(|i| random_request(info, args.samples_per_request, args.ids_per_feature, &mut rng, i))
+        .map(|i| random_request(info, args.samples_per_request, args.ids_per_feature, &ids, &mut rng, i))
         .collect())
 }
 
-/// One request of `batch_size` random samples. With `ids_per_feature` above
-/// 1, bag sizes are uniform in `[0, 2 * ids_per_feature - 1]`.
+/// One id sampler per sparse feature of `info`.
+pub fn id_samplers(
+    info: &ModelInfoResponse,
+    distributions: &IdDistributions,
+    seed: u64,
+) -> anyhow::Result<Vec<IdSampler>> {
+    let rows: Vec<u64> = info.sparse_features.iter().map(|f| f.num_rows).collect();
+    distributions.samplers(&rows, seed)
+}
+
+/// One request of `batch_size` random samples, feature `f`'s ids from
+/// `ids[f]`. With `ids_per_feature` above 1, bag sizes are uniform in
+/// `[0, 2 * ids_per_feature - 1]`.
 pub fn random_request(
     info: &ModelInfoResponse,
     batch_size: usize,
     ids_per_feature: u32,
+    ids: &[IdSampler],
     rng: &mut impl Rng,
     index: usize,
 ) -> PredictRequest {
@@ -39,12 +53,12 @@ pub fn random_request(
     let mut sparse_ids = Vec::with_capacity(batch_size * info.sparse_features.len());
     let mut sparse_weights = Vec::new();
     for _ in 0..batch_size {
-        for feature in &info.sparse_features {
+        for (feature, sampler) in info.sparse_features.iter().zip(ids) {
             let len =
                 if ids_per_feature <= 1 { ids_per_feature } else { rng.random_range(0..2 * ids_per_feature) };
             sparse_lengths.push(len);
             for _ in 0..len {
-                sparse_ids.push(rng.random_range(0..feature.num_rows) as i64);
+                sparse_ids.push(sampler.sample(rng));
                 if feature.weighted {
                     sparse_weights.push(rng.random::<f32>());
                 }
