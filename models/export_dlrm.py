@@ -42,10 +42,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from split_model import DenseNetwork, write_split
+
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 
 
 def log(msg: str) -> None:
@@ -83,24 +85,12 @@ class DlrmPredictor(nn.Module):
         super().__init__()
         self.keys = keys
         self.embeddings = dlrm.sparse_arch.embedding_bag_collection
-        self.dense_arch = dlrm.dense_arch
-        self.over_arch = dlrm.over_arch
-        self.num_vectors = len(keys) + 1
-        self.dim = dlrm.sparse_arch.D
-        rows, cols = torch.triu_indices(self.num_vectors, self.num_vectors, 1)
-        self.register_buffer("upper_triangle", rows * self.num_vectors + cols)
+        self.dense_network = DenseNetwork(dlrm, len(keys))
 
     def forward(self, dense: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        dtype = self.over_arch.model[-1].weight.dtype
         sparse = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths)
-        dense_embedding = self.dense_arch(dense.to(dtype))
-        pooled = self.embeddings(sparse).values().to(dtype)  # [B, F * D], key order
-        batch = dense_embedding.shape[0]
-        vectors = torch.cat([dense_embedding, pooled], dim=1).view(batch, self.num_vectors, self.dim)
-        products = torch.bmm(vectors, vectors.transpose(1, 2)).view(batch, -1)
-        interactions = torch.index_select(products, 1, self.upper_triangle)
-        logits = self.over_arch(torch.cat([dense_embedding, interactions], dim=1))
-        return torch.sigmoid(logits.float()).reshape(-1)
+        pooled = self.embeddings(sparse).values()  # [B, F * D], key order
+        return self.dense_network(dense, pooled)
 
 
 class WithSchema(nn.Module):
@@ -226,6 +216,8 @@ def main() -> int:
                    help="seed of the golden requests (default: --seed); the same one gives two models the same inputs")
     p.add_argument("--golden-batch-sizes", type=int_list, default=[1, 100, 7, 100, 16, 3, 64, 100])
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    p.add_argument("--split", action="store_true",
+                   help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
     p.add_argument("--publish", type=Path, metavar="REPOSITORY",
                    help="also publish the INT8 model into this model repository (narsil serve "
                         "--model-repository) as REPOSITORY/<--name>/<--version>/model.pt")
@@ -238,7 +230,8 @@ def main() -> int:
     if args.over_arch[-1] != 1:
         p.error("--over-arch must end with 1 (one logit per sample)")
     out: Path = args.out
-    if (out / "manifest.json").exists() and not args.force:
+    split_missing = args.split and not (out / "split" / "schema.json").exists()
+    if (out / "manifest.json").exists() and not args.force and not split_missing:
         log(f"{out} already holds an export; pass --force to overwrite")
         if args.publish:
             publish(out, args.publish, args.name, args.version)
@@ -298,12 +291,18 @@ def main() -> int:
             })
     (out / "golden.json").write_text(json.dumps({"schema": json.loads(schema), "requests": golden}))
 
+    if args.split:
+        log("writing the split model (tables apart from the dense network)")
+        write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
+                    golden_requests(args), key_major, log)
+
     manifest = {
         "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,
         "num_dense": args.num_dense, "num_sparse": args.num_sparse, "num_rows": args.num_rows,
         "embedding_dim": args.embedding_dim, "dense_arch": args.dense_arch, "over_arch": args.over_arch,
         "torch": torch.__version__,
-        "files": ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json"],
+        "files": ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json"]
+        + (["split/"] if args.split else []),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s")

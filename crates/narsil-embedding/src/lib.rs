@@ -1,0 +1,19 @@
+//! Narsil's embedding stage, between the collector and the dense network
+//! of a split model (tables apart from the dense network; models/README.md,
+//! "Split models"):
+//!
+//! * [`schema`]: a split model's `schema.json`: dense features, tables,
+//!   sparse features mapped to tables, outputs; checked when read.
+//! * [`table`]: a table's rows, read from its file and checked against the
+//!   schema (size, layout), with errors naming the table and the file.
+//! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's
+//!   input, with FBGEMM's arithmetic (AVX2 + FMA when the CPU has them,
+//!   chosen at run time; a scalar path otherwise).
+
+pub mod pool;
+pub mod schema;
+pub mod table;
+
+pub use pool::{pool_int8, OutOfRange, Pooling};
+pub use schema::{PoolingMode, SchemaError, SplitSchema, Storage, TableSpec};
+pub use table::{Table, TableError};

@@ -1,0 +1,297 @@
+//! Pooling bags of INT8 row-wise rows, with FBGEMM's arithmetic.
+//!
+//! A row is an fp16 scale, an fp16 bias and `dim` uint8 values (FBGEMM's
+//! inference layout). Per id, FBGEMM's lookup (`EmbeddingSpMDM` for uint8)
+//! folds the id's weight into the scale and the bias, then accumulates each
+//! value as `acc = fma(scale, q, acc + bias)` in FP32; mean pooling then
+//! multiplies by `1 / len`. Both paths here do exactly that, so they agree
+//! with each other bit for bit; the AVX2 path (8 values per instruction, up
+//! to 64 values in registers across a bag) is chosen at run time when the
+//! CPU has AVX2, FMA and F16C.
+
+use crate::schema::PoolingMode;
+
+/// How a feature's bags are pooled.
+#[derive(Debug, Clone, Copy)]
+pub struct Pooling<'a> {
+    /// Sum or mean.
+    pub mode: PoolingMode,
+    /// One weight per id, if the feature is weighted.
+    pub weights: Option<&'a [f32]>,
+}
+
+/// An id that is not a row of the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("id {id} is not a row of a table of {rows} rows")]
+pub struct OutOfRange {
+    /// The id.
+    pub id: i64,
+    /// The table's rows.
+    pub rows: u64,
+}
+
+/// Pools one feature's bags: bag `b` holds the next `lengths[b]` ids of
+/// `ids` (and weights), and its vector of `dim` values is written to
+/// `out[b * stride..b * stride + dim]`. `table` is `rows` rows of
+/// `row_bytes` bytes.
+#[allow(clippy::too_many_arguments)]
+pub fn pool_int8(
+    table: &[u8],
+    row_bytes: usize,
+    dim: usize,
+    lengths: &[u32],
+    ids: &[i64],
+    pooling: Pooling<'_>,
+    out: &mut [f32],
+    stride: usize,
+) -> Result<(), OutOfRange> {
+    let rows = (table.len() / row_bytes) as u64;
+    if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+        return Err(OutOfRange { id, rows });
+    }
+    assert!(4 + dim <= row_bytes, "a row holds its scale, bias and values");
+    let kernel = kernel();
+    let mut start = 0;
+    for (bag, &len) in lengths.iter().enumerate() {
+        let end = start + len as usize;
+        let acc = &mut out[bag * stride..bag * stride + dim];
+        acc.fill(0.0);
+        let bag_weights = pooling.weights.map(|w| &w[start..end]);
+        kernel(table, row_bytes, &ids[start..end], bag_weights, acc);
+        if pooling.mode == PoolingMode::Mean && len > 0 {
+            let scale = 1.0 / len as f32;
+            acc.iter_mut().for_each(|v| *v *= scale);
+        }
+        start = end;
+    }
+    Ok(())
+}
+
+/// Accumulates a bag's rows into `acc` (zeroed, `dim` values).
+type Kernel = fn(&[u8], usize, &[i64], Option<&[f32]>, &mut [f32]);
+
+fn kernel() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static CHOSEN: OnceLock<Kernel> = OnceLock::new();
+        *CHOSEN.get_or_init(|| if avx2::available() { avx2::accumulate } else { accumulate_scalar })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        accumulate_scalar
+    }
+}
+
+/// The scale and bias of a row, its weight folded in.
+fn scale_bias(row: &[u8], weight: f32) -> (f32, f32) {
+    let scale = f16_to_f32(u16::from_le_bytes([row[0], row[1]]));
+    let bias = f16_to_f32(u16::from_le_bytes([row[2], row[3]]));
+    (scale * weight, bias * weight)
+}
+
+/// The portable path.
+pub fn accumulate_scalar(
+    table: &[u8],
+    row_bytes: usize,
+    ids: &[i64],
+    weights: Option<&[f32]>,
+    acc: &mut [f32],
+) {
+    let dim = acc.len();
+    for (i, &id) in ids.iter().enumerate() {
+        let row = &table[id as usize * row_bytes..(id as usize + 1) * row_bytes];
+        let (scale, bias) = scale_bias(row, weights.map_or(1.0, |w| w[i]));
+        for (a, &q) in acc.iter_mut().zip(&row[4..4 + dim]) {
+            *a = scale.mul_add(f32::from(q), *a + bias);
+        }
+    }
+}
+
+/// IEEE half to single precision (exact).
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h >> 15) << 31;
+    let exponent = u32::from((h >> 10) & 0x1f);
+    let mantissa = u32::from(h & 0x3ff);
+    let bits = match (exponent, mantissa) {
+        (0, 0) => sign,
+        (0, m) => {
+            // Subnormal: normalise.
+            let shift = m.leading_zeros() - 21;
+            sign | ((127 - 15 + 1 - shift) << 23) | (((m << shift) & 0x3ff) << 13)
+        }
+        (0x1f, m) => sign | 0x7f80_0000 | (m << 13),
+        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
+    };
+    f32::from_bits(bits)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    }
+
+    /// Dispatches on the row width: up to 64 values (8 registers) stay in
+    /// registers across the whole bag; wider or ragged rows go 8 at a time
+    /// through memory, with a scalar tail.
+    pub fn accumulate(table: &[u8], row_bytes: usize, ids: &[i64], weights: Option<&[f32]>, acc: &mut [f32]) {
+        // SAFETY: chosen only when `available()` said the CPU has these
+        // instructions; every load below stays inside its row (checked by
+        // the caller: ids are rows, `4 + dim <= row_bytes`).
+        unsafe {
+            match acc.len() {
+                8 => in_registers::<1>(table, row_bytes, ids, weights, acc),
+                16 => in_registers::<2>(table, row_bytes, ids, weights, acc),
+                32 => in_registers::<4>(table, row_bytes, ids, weights, acc),
+                64 => in_registers::<8>(table, row_bytes, ids, weights, acc),
+                _ => through_memory(table, row_bytes, ids, weights, acc),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scale_bias(row: *const u8, weight: f32) -> (__m256, __m256) {
+        let halves = _mm_cvtsi32_si128(std::ptr::read_unaligned(row as *const i32));
+        let both = _mm_cvtph_ps(halves); // [scale, bias, 0, 0]
+        let scale = _mm_cvtss_f32(both) * weight;
+        let bias = _mm_cvtss_f32(_mm_shuffle_ps(both, both, 1)) * weight;
+        (_mm256_set1_ps(scale), _mm256_set1_ps(bias))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn eight(values: *const u8) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(values as *const __m128i)))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn in_registers<const N: usize>(
+        table: &[u8],
+        row_bytes: usize,
+        ids: &[i64],
+        weights: Option<&[f32]>,
+        acc: &mut [f32],
+    ) {
+        let mut sums = [_mm256_setzero_ps(); N];
+        for (i, &id) in ids.iter().enumerate() {
+            let row = table.as_ptr().add(id as usize * row_bytes);
+            let (scale, bias) = scale_bias(row, weights.map_or(1.0, |w| w[i]));
+            for (g, sum) in sums.iter_mut().enumerate() {
+                *sum = _mm256_fmadd_ps(scale, eight(row.add(4 + 8 * g)), _mm256_add_ps(*sum, bias));
+            }
+        }
+        for (g, sum) in sums.iter().enumerate() {
+            _mm256_storeu_ps(acc.as_mut_ptr().add(8 * g), *sum);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn through_memory(
+        table: &[u8],
+        row_bytes: usize,
+        ids: &[i64],
+        weights: Option<&[f32]>,
+        acc: &mut [f32],
+    ) {
+        let dim = acc.len();
+        let whole = dim / 8 * 8;
+        for (i, &id) in ids.iter().enumerate() {
+            let row = table.as_ptr().add(id as usize * row_bytes);
+            let weight = weights.map_or(1.0, |w| w[i]);
+            let (scale, bias) = scale_bias(row, weight);
+            for g in (0..whole).step_by(8) {
+                let sum = _mm256_loadu_ps(acc.as_ptr().add(g));
+                let sum = _mm256_fmadd_ps(scale, eight(row.add(4 + g)), _mm256_add_ps(sum, bias));
+                _mm256_storeu_ps(acc.as_mut_ptr().add(g), sum);
+            }
+            let (scale, bias) = super::scale_bias(std::slice::from_raw_parts(row, 4), weight);
+            for j in whole..dim {
+                acc[j] = scale.mul_add(f32::from(*row.add(4 + j)), acc[j] + bias);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rows` random rows of `dim` values in the INT8 row-wise layout.
+    fn table(rows: usize, dim: usize, seed: u64) -> (Vec<u8>, usize) {
+        let row_bytes = (4 + dim).div_ceil(16) * 16;
+        let mut state = seed;
+        let mut next = move || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        let mut data = vec![0u8; rows * row_bytes];
+        for row in data.chunks_mut(row_bytes) {
+            // Scale in [2^-10, 2^-6), bias in (-0.1, 0.1) as fp16.
+            let scale = 0x1400 + (next() % 0x1000) as u16;
+            let bias = (next() % 0x2e66) as u16 | if next() % 2 == 0 { 0x8000 } else { 0 };
+            row[..2].copy_from_slice(&scale.to_le_bytes());
+            row[2..4].copy_from_slice(&bias.to_le_bytes());
+            for q in &mut row[4..4 + dim] {
+                *q = next() as u8;
+            }
+        }
+        (data, row_bytes)
+    }
+
+    #[test]
+    fn half_precision_converts_exactly() {
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0xc000), -2.0);
+        assert_eq!(f16_to_f32(0x3555), 0.333_251_95);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24), "smallest subnormal");
+        assert_eq!(f16_to_f32(0x8000), -0.0);
+        assert!(f16_to_f32(0x7c00).is_infinite());
+    }
+
+    #[test]
+    fn a_bag_is_the_sum_of_its_dequantized_rows_and_mean_divides_by_its_length() {
+        let (data, row_bytes) = table(5, 8, 1);
+        let row = |id: usize| -> Vec<f32> {
+            let r = &data[id * row_bytes..];
+            let (s, b) = scale_bias(r, 1.0);
+            r[4..12].iter().map(|&q| f32::from(q) * s + b).collect()
+        };
+        let mut out = vec![f32::NAN; 3 * 8];
+        let lengths = [2, 0, 1];
+        let ids = [1, 3, 4];
+        let sum = Pooling { mode: PoolingMode::Sum, weights: None };
+        pool_int8(&data, row_bytes, 8, &lengths, &ids, sum, &mut out, 8).unwrap();
+        for j in 0..8 {
+            assert!((out[j] - (row(1)[j] + row(3)[j])).abs() < 1e-5);
+            assert_eq!(out[8 + j], 0.0, "an empty bag pools to zeros");
+            assert!((out[16 + j] - row(4)[j]).abs() < 1e-6);
+        }
+        let mean = Pooling { mode: PoolingMode::Mean, weights: None };
+        let mut averaged = vec![0.0; 3 * 8];
+        pool_int8(&data, row_bytes, 8, &lengths, &ids, mean, &mut averaged, 8).unwrap();
+        assert!((averaged[0] - out[0] / 2.0).abs() < 1e-6);
+        let error = pool_int8(&data, row_bytes, 8, &[1], &[5], sum, &mut out, 8).unwrap_err();
+        assert_eq!(error, OutOfRange { id: 5, rows: 5 });
+    }
+
+    #[test]
+    fn the_vector_path_equals_the_scalar_path_bit_for_bit() {
+        for dim in [8, 16, 32, 64, 12, 100, 128] {
+            let (data, row_bytes) = table(50, dim, dim as u64);
+            let ids: Vec<i64> = (0..40).map(|i| (i * 7 % 50) as i64).collect();
+            let weights: Vec<f32> = (0..40).map(|i| 0.25 + i as f32 / 16.0).collect();
+            for weights in [None, Some(&weights[..])] {
+                let mut scalar = vec![0.0; dim];
+                accumulate_scalar(&data, row_bytes, &ids, weights, &mut scalar);
+                let mut chosen = vec![0.0; dim];
+                kernel()(&data, row_bytes, &ids, weights, &mut chosen);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&scalar), bits(&chosen), "dim {dim}, weighted {}", weights.is_some());
+            }
+        }
+    }
+}

@@ -1,0 +1,230 @@
+//! A split model's `schema.json` (written by `models/export_dlrm.py
+//! --split`): what the dense network takes and where each table's rows are.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The format this reader understands.
+pub const SPLIT_FORMAT: &str = "narsil-split-1";
+
+/// How a table's rows are stored in its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Storage {
+    /// FBGEMM's row-wise INT8 inference layout: an fp16 scale and an fp16
+    /// bias, then `dim` uint8 values, padded to a multiple of 16 bytes.
+    Int8Rowwise,
+}
+
+impl Storage {
+    /// Bytes of one row of `dim` values.
+    pub fn row_bytes(self, dim: usize) -> usize {
+        match self {
+            Self::Int8Rowwise => (4 + dim).div_ceil(16) * 16,
+        }
+    }
+}
+
+/// One table.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct TableSpec {
+    /// Its name (features name it).
+    pub name: String,
+    /// Rows (valid ids are `0..rows`).
+    pub rows: u64,
+    /// Values per row.
+    pub dim: usize,
+    /// How rows are stored.
+    pub storage: Storage,
+    /// Bytes per row in the file.
+    pub row_bytes: usize,
+    /// The file, relative to the model directory.
+    pub file: PathBuf,
+    /// SHA-256 of the file's contents, hex: a table's identity, so that two
+    /// model versions with the same table share it.
+    pub sha256: String,
+}
+
+/// How a feature's bag of rows becomes one vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolingMode {
+    /// The sum of the rows (weighted by the ids' weights, if any).
+    Sum,
+    /// The sum divided by the bag's length (an empty bag pools to zeros).
+    Mean,
+}
+
+/// One sparse feature.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct FeatureSpec {
+    /// Its name, as requests send it (schema order).
+    pub name: String,
+    /// The table its ids index; several features may share one.
+    pub table: String,
+    /// How its bags are pooled.
+    pub pooling: PoolingMode,
+    /// Whether each id comes with a weight.
+    pub weighted: bool,
+}
+
+/// A split model's schema.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct SplitSchema {
+    /// [`SPLIT_FORMAT`].
+    pub format: String,
+    /// Model name.
+    pub name: String,
+    /// Model version.
+    pub version: String,
+    /// Dense features per sample.
+    pub num_dense: usize,
+    /// Every table.
+    pub tables: Vec<TableSpec>,
+    /// Every sparse feature, in the order requests send them and the dense
+    /// network takes their pooled vectors.
+    pub features: Vec<FeatureSpec>,
+    /// Output names.
+    pub outputs: Vec<String>,
+    /// The dense network's file, relative to the model directory.
+    pub dense_network: PathBuf,
+}
+
+/// Why a schema cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SchemaError {
+    /// The file cannot be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The schema file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a schema.
+    #[error("{path} is not a split model schema: {source}")]
+    Parse {
+        /// The schema file.
+        path: PathBuf,
+        /// Why.
+        source: serde_json::Error,
+    },
+    /// The schema contradicts itself.
+    #[error("{path}: {message}")]
+    Invalid {
+        /// The schema file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl SplitSchema {
+    /// Reads and checks `dir/schema.json`.
+    pub fn read(dir: &Path) -> Result<Self, SchemaError> {
+        let path = dir.join("schema.json");
+        let text = std::fs::read_to_string(&path)
+            .map_err(|source| SchemaError::Read { path: path.clone(), source })?;
+        let schema: Self = serde_json::from_str(&text)
+            .map_err(|source| SchemaError::Parse { path: path.clone(), source })?;
+        schema.check().map_err(|message| SchemaError::Invalid { path, message })?;
+        Ok(schema)
+    }
+
+    /// The rules between the schema's parts.
+    pub fn check(&self) -> Result<(), String> {
+        if self.format != SPLIT_FORMAT {
+            return Err(format!("format {:?}, this reader knows {SPLIT_FORMAT:?}", self.format));
+        }
+        for (i, table) in self.tables.iter().enumerate() {
+            if self.tables[..i].iter().any(|t| t.name == table.name) {
+                return Err(format!("table {:?} is listed twice", table.name));
+            }
+            if table.rows == 0 || table.dim == 0 {
+                return Err(format!(
+                    "table {:?} has {} rows of {} values",
+                    table.name, table.rows, table.dim
+                ));
+            }
+            let expected = table.storage.row_bytes(table.dim);
+            if table.row_bytes != expected {
+                return Err(format!(
+                    "table {:?}: row_bytes {} but {:?} rows of {} values take {expected}",
+                    table.name, table.row_bytes, table.storage, table.dim
+                ));
+            }
+        }
+        if self.features.is_empty() {
+            return Err("no sparse features".into());
+        }
+        let dim = self.table(&self.features[0].table).map(|t| t.dim);
+        for feature in &self.features {
+            let Some(table) = self.table(&feature.table) else {
+                return Err(format!(
+                    "feature {:?} names table {:?}, which is not listed",
+                    feature.name, feature.table
+                ));
+            };
+            if Some(table.dim) != dim {
+                return Err(format!(
+                    "feature {:?} pools {} values, the first feature {:?}: every pooled vector must be as wide",
+                    feature.name, table.dim, dim
+                ));
+            }
+        }
+        if self.outputs.is_empty() {
+            return Err("no outputs".into());
+        }
+        Ok(())
+    }
+
+    /// The table named `name`.
+    pub fn table(&self, name: &str) -> Option<&TableSpec> {
+        self.tables.iter().find(|t| t.name == name)
+    }
+
+    /// Values in each pooled vector.
+    pub fn pooled_dim(&self) -> usize {
+        self.table(&self.features[0].table).map_or(0, |t| t.dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schema() -> SplitSchema {
+        serde_json::from_str(
+            r#"{"format": "narsil-split-1", "name": "m", "version": "1", "num_dense": 2,
+                "tables": [{"name": "t", "rows": 10, "dim": 64, "storage": "int8_rowwise", "row_bytes": 80,
+                            "file": "tables/t.bin", "sha256": "00"}],
+                "features": [{"name": "a", "table": "t", "pooling": "sum", "weighted": false},
+                             {"name": "b", "table": "t", "pooling": "mean", "weighted": true}],
+                "outputs": ["default"], "dense_network": "dense.pt"}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_valid_schema_lets_features_share_a_table() {
+        let schema = schema();
+        assert_eq!(schema.check(), Ok(()));
+        assert_eq!(schema.pooled_dim(), 64);
+        assert_eq!(Storage::Int8Rowwise.row_bytes(64), 80);
+        assert_eq!(Storage::Int8Rowwise.row_bytes(8), 16);
+    }
+
+    #[test]
+    fn contradictions_are_named() {
+        let mut bad = schema();
+        bad.features[1].table = "u".into();
+        assert!(bad.check().unwrap_err().contains("names table \"u\""));
+        let mut bad = schema();
+        bad.tables[0].row_bytes = 68;
+        assert!(bad.check().unwrap_err().contains("row_bytes 68"));
+        let mut bad = schema();
+        bad.format = "other".into();
+        assert!(bad.check().unwrap_err().contains("narsil-split-1"));
+    }
+}

@@ -1,0 +1,88 @@
+//! Narsil's pooling against FBGEMM's lookup on the same rows and ids: the
+//! split export of the test model (`scripts/test.sh` writes it with
+//! `models/export_dlrm.py --split`) carries, for its small golden requests,
+//! the pooled embeddings FBGEMM's INT8 table-batched embedding computed.
+
+use std::path::{Path, PathBuf};
+
+use narsil_embedding::{pool_int8, Pooling, PoolingMode, SplitSchema, Table};
+use serde::Deserialize;
+
+#[derive(Deserialize)]
+struct Golden {
+    requests: Vec<GoldenRequest>,
+}
+
+#[derive(Deserialize)]
+struct GoldenRequest {
+    batch_size: usize,
+    lengths: Vec<u32>,
+    ids: Vec<i64>,
+    pooled: Option<Vec<f32>>,
+}
+
+fn split_model() -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/generated/test-small/split");
+    assert!(
+        dir.join("schema.json").exists(),
+        "{} is missing: run scripts/test.sh (it exports the test model with --split)",
+        dir.display()
+    );
+    dir
+}
+
+#[test]
+fn pooling_equals_fbgemm_on_the_exported_tables() {
+    let dir = split_model();
+    let schema = SplitSchema::read(&dir).unwrap();
+    let tables: Vec<Table> = schema.tables.iter().map(|spec| Table::load(&dir, spec).unwrap()).collect();
+    let golden: Golden =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let features = schema.features.len();
+    let dim = schema.pooled_dim();
+    let mut compared = 0;
+    let mut max_diff = 0f32;
+    for request in golden.requests.iter().filter(|r| r.pooled.is_some()) {
+        let b = request.batch_size;
+        let mut out = vec![f32::NAN; b * features * dim];
+        // The wire is sample-major: bag (sample s, feature f) is number s * F + f.
+        let mut starts = Vec::with_capacity(b * features);
+        let mut at = 0;
+        for &len in &request.lengths {
+            starts.push(at);
+            at += len as usize;
+        }
+        for (f, feature) in schema.features.iter().enumerate() {
+            let table = tables.iter().find(|t| t.name == feature.table).unwrap();
+            let lengths: Vec<u32> = (0..b).map(|s| request.lengths[s * features + f]).collect();
+            let ids: Vec<i64> = (0..b)
+                .flat_map(|s| {
+                    let bag = s * features + f;
+                    request.ids[starts[bag]..starts[bag] + request.lengths[bag] as usize].iter().copied()
+                })
+                .collect();
+            let pooling = Pooling { mode: PoolingMode::Sum, weights: None };
+            let stride = features * dim;
+            pool_int8(
+                table.bytes(),
+                table.row_bytes,
+                dim,
+                &lengths,
+                &ids,
+                pooling,
+                &mut out[f * dim..],
+                stride,
+            )
+            .unwrap();
+        }
+        let expected = request.pooled.as_ref().unwrap();
+        assert_eq!(out.len(), expected.len());
+        for (got, want) in out.iter().zip(expected) {
+            max_diff = max_diff.max((got - want).abs());
+        }
+        compared += 1;
+    }
+    assert!(compared >= 2, "the golden file has pooled embeddings for its small requests");
+    // FBGEMM accumulates `fma(scale, q, acc + bias)` in FP32, as Narsil does.
+    assert_eq!(max_diff, 0.0, "pooled embeddings differ from FBGEMM's by up to {max_diff}");
+}

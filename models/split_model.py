@@ -1,0 +1,123 @@
+"""Narsil's split model form: embedding tables apart from the dense network.
+
+A split model is a directory (models/README.md, "Split models"):
+
+  schema.json      dense features, tables (rows, dimension, storage, file,
+                   sha256), sparse features (each mapped to a table, pooling,
+                   weighted), outputs, the dense network's file
+  tables/T.bin     one file per table, rows end to end in the table's storage
+  dense.pt         TorchScript: forward(dense f32[B, D], pooled f32[B, F*E])
+                   -> f32[B] (probabilities), the pooled embeddings in feature
+                   order, each E wide
+  golden.json      requests, the pooled embeddings FBGEMM computed for the
+                   small ones, and the scores of the split model
+
+Storage `int8_rowwise` is FBGEMM's inference layout for row-wise INT8
+(IntNBitTableBatchedEmbeddingBagsCodegen): each row is an fp16 scale and an
+fp16 bias, then E uint8 values, padded to a multiple of 16 bytes; a value
+dequantizes as `q * scale + bias` in FP32 and bags sum in FP32.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import List
+
+import torch
+from torch import nn
+
+SPLIT_FORMAT = "narsil-split-1"
+# Golden requests up to this many samples also carry their pooled embeddings.
+POOLED_GOLDEN_MAX_SAMPLES = 16
+
+
+class DenseNetwork(nn.Module):
+    """DLRM after the embedding lookup: dense arch, pairwise-dot interaction
+    of the dense embedding with every pooled one (upper triangle, as one
+    `index_select` over the flattened products), over arch, sigmoid.
+
+    The arithmetic runs in the dtype of the over arch's weights; scores are
+    FP32."""
+
+    def __init__(self, dlrm: nn.Module, num_features: int) -> None:
+        super().__init__()
+        self.dense_arch = dlrm.dense_arch
+        self.over_arch = dlrm.over_arch
+        self.num_vectors = num_features + 1
+        self.dim = dlrm.sparse_arch.D
+        rows, cols = torch.triu_indices(self.num_vectors, self.num_vectors, 1)
+        self.register_buffer("upper_triangle", rows * self.num_vectors + cols)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        dtype = self.over_arch.model[-1].weight.dtype
+        dense_embedding = self.dense_arch(dense.to(dtype))
+        batch = dense_embedding.shape[0]
+        vectors = torch.cat([dense_embedding, pooled.to(dtype)], dim=1).view(batch, self.num_vectors, self.dim)
+        products = torch.bmm(vectors, vectors.transpose(1, 2)).view(batch, -1)
+        interactions = torch.index_select(products, 1, self.upper_triangle)
+        logits = self.over_arch(torch.cat([dense_embedding, interactions], dim=1))
+        return torch.sigmoid(logits.float()).reshape(-1)
+
+
+def int8_tables(quantized: nn.Module) -> List[torch.Tensor]:
+    """Every table of a quantized DLRM as FBGEMM's fused INT8 rows
+    (`[rows, row_bytes]` uint8), in feature order."""
+    tables = []
+    for module in quantized.sparse_arch.embedding_bag_collection._emb_modules:
+        for fused, _ in module.split_embedding_weights(split_scale_shifts=False):
+            tables.append(fused.contiguous())
+    return tables
+
+
+def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str], name: str, version: str,
+                num_dense: int, requests: List[dict], key_major, log) -> None:
+    """Writes `out` (a split model) from `quantized`'s INT8 tables and
+    `dlrm`'s dense network, and checks its scores against the single-file
+    INT8 model's on `requests`."""
+    (out / "tables").mkdir(parents=True, exist_ok=True)
+    tables = int8_tables(quantized)
+    dim = dlrm.sparse_arch.D
+    if len(tables) != len(keys):
+        raise SystemExit(f"split export: {len(tables)} tables for {len(keys)} features")
+    described = []
+    for key, fused in zip(keys, tables):
+        rows, row_bytes = fused.shape
+        data = fused.numpy().tobytes()
+        file = f"tables/{key}.bin"
+        (out / file).write_bytes(data)
+        described.append({"name": key, "rows": rows, "dim": dim, "storage": "int8_rowwise",
+                          "row_bytes": row_bytes, "file": file, "sha256": hashlib.sha256(data).hexdigest()})
+    log(f"wrote {len(tables)} INT8 tables ({sum(t.numel() for t in tables) / 2**20:.1f} MiB) into {out / 'tables'}")
+    dense_network = torch.jit.script(DenseNetwork(dlrm, len(keys)).eval())
+    dense_network.save(str(out / "dense.pt"))
+    schema = {
+        "format": SPLIT_FORMAT, "name": name, "version": version, "num_dense": num_dense,
+        "tables": described,
+        "features": [{"name": key, "table": key, "pooling": "sum", "weighted": False} for key in keys],
+        "outputs": ["default"],
+        "dense_network": "dense.pt",
+    }
+    (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
+
+    from export_dlrm import DlrmPredictor  # the single-file model's arithmetic
+    single = DlrmPredictor(quantized, keys).eval()
+    embeddings = quantized.sparse_arch.embedding_bag_collection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    golden = []
+    with torch.inference_mode():
+        for request in requests:
+            dense, lengths, ids = key_major(request)
+            pooled = embeddings(KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths)).values()
+            scores = dense_network(dense, pooled)
+            expected = single(dense, lengths, ids)
+            diff = (scores - expected).abs().max().item()
+            if diff > 1e-6:
+                raise SystemExit(f"split export check failed: split scores differ from the INT8 model's by {diff}")
+            entry = {"batch_size": request["batch_size"], "dense": request["dense"].reshape(-1).tolist(),
+                     "lengths": request["lengths"].reshape(-1).tolist(), "ids": request["ids"].tolist(),
+                     "scores": scores.tolist()}
+            if request["batch_size"] <= POOLED_GOLDEN_MAX_SAMPLES:
+                entry["pooled"] = pooled.reshape(-1).tolist()
+            golden.append(entry)
+    (out / "golden.json").write_text(json.dumps({"requests": golden}))
+    log(f"wrote the split model {out} (dense network, schema, golden scores equal to the INT8 model's)")
