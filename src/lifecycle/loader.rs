@@ -142,6 +142,10 @@ impl LoadOptions {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,
         };
+        // A directory is a split model (tables apart from the dense network).
+        if model.is_dir() {
+            return Ok(Arc::new(narsil_torch::SplitFactory::load(config)?));
+        }
         Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
     }
 

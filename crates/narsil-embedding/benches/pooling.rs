@@ -20,8 +20,8 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("pool_int8");
     for ids_per_bag in [1u32, 4] {
         let bags = 1600;
-        let lengths: Vec<u32> =
-            (0..bags).map(|_| if ids_per_bag == 1 { 1 } else { (next() % 8) as u32 }).collect();
+        let lengths: Vec<i32> =
+            (0..bags).map(|_| if ids_per_bag == 1 { 1 } else { (next() % 8) as i32 }).collect();
         let total: usize = lengths.iter().map(|&l| l as usize).sum();
         let ids: Vec<i64> = (0..total).map(|_| (next() % rows) as i64).collect();
         let mut out = vec![0.0f32; bags * dim];

@@ -39,7 +39,7 @@ pub fn pool_int8(
     table: &[u8],
     row_bytes: usize,
     dim: usize,
-    lengths: &[u32],
+    lengths: &[i32],
     ids: &[i64],
     pooling: Pooling<'_>,
     out: &mut [f32],
@@ -53,7 +53,8 @@ pub fn pool_int8(
     let kernel = kernel();
     let mut start = 0;
     for (bag, &len) in lengths.iter().enumerate() {
-        let end = start + len as usize;
+        let len = len.max(0) as usize;
+        let end = start + len;
         let acc = &mut out[bag * stride..bag * stride + dim];
         acc.fill(0.0);
         let bag_weights = pooling.weights.map(|w| &w[start..end]);

@@ -54,7 +54,7 @@ fn pooling_equals_fbgemm_on_the_exported_tables() {
         }
         for (f, feature) in schema.features.iter().enumerate() {
             let table = tables.iter().find(|t| t.name == feature.table).unwrap();
-            let lengths: Vec<u32> = (0..b).map(|s| request.lengths[s * features + f]).collect();
+            let lengths: Vec<i32> = (0..b).map(|s| request.lengths[s * features + f] as i32).collect();
             let ids: Vec<i64> = (0..b)
                 .flat_map(|s| {
                     let bag = s * features + f;

@@ -123,6 +123,25 @@ at::Tensor* narsil_script_module_forward(NarsilScriptModule* m, const at::Tensor
   }
 }
 
+// forward(inputs[0], ..., inputs[num_inputs - 1]) -> a new tensor (the
+// caller takes ownership): a split model's dense network, forward(dense, pooled).
+at::Tensor* narsil_script_module_forward_tensors(NarsilScriptModule* m, int num_inputs,
+                                                 const at::Tensor* const* inputs, char** error) {
+  try {
+    std::vector<c10::IValue> values;
+    values.reserve(num_inputs);
+    for (int i = 0; i < num_inputs; ++i) values.emplace_back(*inputs[i]);
+    auto output = m->module.forward(std::move(values));
+    if (!output.isTensor()) {
+      throw std::runtime_error("the model's forward returned " + output.tagKind() + ", not a tensor");
+    }
+    return new at::Tensor(std::move(output).toTensor());
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return nullptr;
+  }
+}
+
 // forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]: the batch holds
 // `inputs[i]` under `names[i]`; `outputs[o]` receives a new tensor (the
 // caller takes ownership) for the result's `output_names[o]`. Returns 0, or

@@ -11,6 +11,8 @@
 //! * [`lane`]: one lane's forward: key-major batch in, scores out (pinned
 //!   host staging and asynchronous copies on CUDA).
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
+//! * [`split`]: split models (a directory: INT8 tables pooled by
+//!   `narsil-embedding`, then a TorchScript dense network).
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
 
 pub mod device;
@@ -21,10 +23,12 @@ pub mod model;
 pub mod precision;
 pub mod roofline;
 pub mod script_module;
+pub mod split;
 
 pub use factory::{TorchConfig, TorchFactory};
 pub use model::TorchModel;
 pub use precision::{cpu_bf16_instructions, DensePrecision};
+pub use split::SplitFactory;
 
 /// The libtorch `lib` directory this crate was built against (also the rpath
 /// the binaries carry).

@@ -44,6 +44,12 @@ extern "C" {
         ids: *const RawTensor,
         error: *mut *mut c_char,
     ) -> *mut RawTensor;
+    fn narsil_script_module_forward_tensors(
+        module: *mut RawModule,
+        num_inputs: c_int,
+        inputs: *const *const RawTensor,
+        error: *mut *mut c_char,
+    ) -> *mut RawTensor;
     fn narsil_script_module_free(module: *mut RawModule);
 }
 
@@ -119,6 +125,22 @@ impl ScriptModule {
         // heap `at::Tensor` whose ownership passes to the returned Tensor.
         let output = unsafe {
             narsil_script_module_forward(self.raw, dense.as_ptr(), lengths.as_ptr(), ids.as_ptr(), &mut error)
+        };
+        if output.is_null() {
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+        }
+        Ok(unsafe { Tensor::from_ptr(output) })
+    }
+
+    /// `forward(inputs...) -> Tensor`, tensors in, one tensor out (a split
+    /// model's dense network: `forward(dense, pooled)`).
+    pub fn forward_tensors(&self, inputs: &[&Tensor]) -> Result<Tensor, LibtorchError> {
+        let raw: Vec<*const RawTensor> = inputs.iter().map(|t| t.as_ptr()).collect();
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: the tensors outlive the call; a non-null result is a new
+        // heap `at::Tensor` whose ownership passes to the returned Tensor.
+        let output = unsafe {
+            narsil_script_module_forward_tensors(self.raw, raw.len() as c_int, raw.as_ptr(), &mut error)
         };
         if output.is_null() {
             return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));

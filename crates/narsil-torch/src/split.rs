@@ -1,0 +1,231 @@
+//! Split models (tables apart from the dense network; models/README.md,
+//! "Split models") served by libtorch: for each fused batch the lane pools
+//! every feature's bags from the tables with Narsil's embedding stage
+//! (`narsil-embedding`, FBGEMM's arithmetic), then runs the TorchScript
+//! dense network on the dense features and the pooled embeddings.
+//!
+//! The tables are read once per process and shared by every lane. The
+//! pooling runs on the lane, right before the dense forward, on the
+//! intra-op threads' calling thread.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
+
+use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema, SparseFeature};
+use narsil_embedding::{pool_int8, Pooling, SplitSchema, Table};
+use tch::{Device, Tensor};
+
+use crate::device::parse_device;
+use crate::factory::TorchConfig;
+use crate::lane::enter_inference_mode;
+use crate::precision::DensePrecision;
+use crate::script_module::ScriptModule;
+
+/// A loaded split model: its tables and its dense network.
+struct SplitModel {
+    schema: ModelSchema,
+    /// Each feature's table (index into `tables`) and pooling.
+    features: Vec<(usize, narsil_embedding::PoolingMode)>,
+    tables: Vec<Table>,
+    pooled_dim: usize,
+    dense_network: ScriptModule,
+}
+
+/// Loads a split model once and creates lanes that share it.
+pub struct SplitFactory {
+    model: Arc<SplitModel>,
+    config: TorchConfig,
+}
+
+fn load_error(dir: &Path, error: impl std::fmt::Display) -> BackendError {
+    BackendError::load(dir, error.to_string())
+}
+
+impl SplitFactory {
+    /// Reads the schema and every table of the split model in directory
+    /// `config.model`, and loads its dense network.
+    pub fn load(config: TorchConfig) -> Result<Self, BackendError> {
+        let started = Instant::now();
+        let dir = config.model.clone();
+        if config.intra_op_threads == 0 {
+            return Err(BackendError::setup("intra-op threads must be at least 1"));
+        }
+        if config.model_config.is_some() {
+            return Err(BackendError::load(
+                &dir,
+                "a split model states its schema in schema.json; remove --model-config",
+            ));
+        }
+        if config.dense_precision != DensePrecision::Fp32 {
+            return Err(BackendError::load(&dir, "split models are served in FP32 dense precision for now"));
+        }
+        let device = parse_device(&config.device)?;
+        if device != Device::Cpu {
+            return Err(BackendError::load(&dir, "split models run on the CPU for now"));
+        }
+        let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
+        if let Some(weighted) = split.features.iter().find(|f| f.weighted) {
+            return Err(load_error(
+                &dir,
+                format!(
+                    "feature {:?} is weighted: split models with weighted features are not served yet",
+                    weighted.name
+                ),
+            ));
+        }
+        let tables: Vec<Table> = split
+            .tables
+            .iter()
+            .map(|spec| Table::load(&dir, spec))
+            .collect::<Result<_, _>>()
+            .map_err(|e| load_error(&dir, e))?;
+        let features = split
+            .features
+            .iter()
+            .map(|f| {
+                (
+                    split.tables.iter().position(|t| t.name == f.table).expect("checked by the schema"),
+                    f.pooling,
+                )
+            })
+            .collect();
+        let schema = ModelSchema {
+            name: split.name.clone(),
+            version: split.version.clone(),
+            backend: "torch".into(),
+            device: config.device.clone(),
+            num_dense: split.num_dense,
+            sparse: split
+                .features
+                .iter()
+                .map(|f| SparseFeature::new(f.name.clone(), split.table(&f.table).expect("checked").rows))
+                .collect(),
+            outputs: split.outputs.clone(),
+        };
+        tch::set_num_threads(config.intra_op_threads as i32);
+        let network = dir.join(&split.dense_network);
+        let loaded = ScriptModule::load(&network, device, config.dense_precision).map_err(|e| {
+            BackendError::load(&network, "not a TorchScript dense network libtorch can load").caused_by(e)
+        })?;
+        let bytes: usize = tables.iter().map(|t| t.bytes().len()).sum();
+        tracing::info!(
+            model = %dir.display(),
+            tables = tables.len(),
+            table_mib = bytes / (1 << 20),
+            features = schema.num_sparse(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "split model loaded"
+        );
+        let model = SplitModel {
+            schema,
+            features,
+            tables,
+            pooled_dim: split.pooled_dim(),
+            dense_network: loaded.module,
+        };
+        let factory = Self { model: Arc::new(model), config };
+        // A dense network that does not take this schema's shape fails now,
+        // not on a client's request.
+        let batch = narsil_core::backend::warmup_batch(factory.schema(), 2);
+        SplitLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads).forward(&batch).map_err(
+            |e| {
+                BackendError::load(
+                    &network,
+                    "the dense network does not take this schema's dense and pooled inputs",
+                )
+                .caused_by(e)
+            },
+        )?;
+        Ok(factory)
+    }
+}
+
+impl BackendFactory for SplitFactory {
+    fn schema(&self) -> &ModelSchema {
+        &self.model.schema
+    }
+
+    fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+        enter_inference_mode();
+        Ok(Box::new(SplitLane::new(Arc::clone(&self.model), self.config.intra_op_threads)))
+    }
+
+    fn warmup_rows(&self) -> Vec<usize> {
+        self.config.warmup_rows.clone()
+    }
+}
+
+/// A lane of a split model: its pooled-embedding buffer, reused.
+struct SplitLane {
+    model: Arc<SplitModel>,
+    pooled: Vec<f32>,
+    min_threads: usize,
+    threads: usize,
+}
+
+impl SplitLane {
+    fn new(model: Arc<SplitModel>, min_threads: usize) -> Self {
+        let min_threads = min_threads.max(1);
+        tch::set_num_threads(min_threads as i32);
+        Self { model, pooled: Vec::new(), min_threads, threads: min_threads }
+    }
+}
+
+fn torch_error(e: tch::TchError) -> BackendError {
+    BackendError::forward("libtorch").caused_by(e)
+}
+
+impl ModelBackend for SplitLane {
+    fn set_threads(&mut self, threads: usize) {
+        let threads = threads.max(self.min_threads);
+        if threads != self.threads {
+            tch::set_num_threads(threads as i32);
+            self.threads = threads;
+        }
+    }
+
+    fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        let model = &*self.model;
+        let (rows, dim, features) = (batch.rows, model.pooled_dim, model.features.len());
+        let width = features * dim;
+        self.pooled.resize(rows * width, 0.0);
+        for (f, &(table, mode)) in model.features.iter().enumerate() {
+            let table = &model.tables[table];
+            let pooling = Pooling { mode, weights: None };
+            let (lengths, ids) = (batch.feature_lengths(f), batch.feature_ids(f));
+            pool_int8(
+                table.bytes(),
+                table.row_bytes,
+                dim,
+                lengths,
+                ids,
+                pooling,
+                &mut self.pooled[f * dim..],
+                width,
+            )
+            .map_err(|e| {
+                BackendError::forward(format!("feature {}", model.schema.sparse[f].name)).caused_by(e)
+            })?;
+        }
+        let dense = Tensor::f_from_slice(&batch.dense)
+            .and_then(|t| t.f_reshape([rows as i64, batch.num_dense as i64]))
+            .map_err(torch_error)?;
+        let pooled = Tensor::f_from_slice(&self.pooled)
+            .and_then(|t| t.f_reshape([rows as i64, width as i64]))
+            .map_err(torch_error)?;
+        let output = model
+            .dense_network
+            .forward_tensors(&[&dense, &pooled])
+            .map_err(|e| BackendError::forward("the dense network").caused_by(e))?;
+        let output =
+            output.f_to_kind(tch::Kind::Float).and_then(|t| t.f_reshape([-1])).map_err(torch_error)?;
+        let got = output.numel();
+        if got != rows * model.schema.outputs.len() {
+            return Err(BackendError::WrongScoreCount { rows, got });
+        }
+        let mut scores = vec![0.0; got];
+        output.f_copy_data(&mut scores, got).map_err(torch_error)?;
+        Ok(scores)
+    }
+}

@@ -1,0 +1,99 @@
+//! Split models end to end over real gRPC on loopback: the test model's
+//! split form (`models/export_dlrm.py --split`, written by `scripts/test.sh`),
+//! its tables pooled by Narsil's embedding stage and its TorchScript dense
+//! network, must answer the single-file INT8 model's golden scores, alone
+//! and fused, in batch and worker modes, over narsil.v1 and TorchRec's
+//! protocol; a table file that does not match the schema fails at load,
+//! naming the table and the file.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{batch_mode, start_with, wire, worker_mode, TestServer};
+use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
+use narsil_engine::EngineConfig;
+use narsil_torch::{SplitFactory, TorchConfig};
+
+/// The same pooled embeddings as FBGEMM (bit for bit) and the same dense
+/// arithmetic; the dense network is frozen here, not in Python.
+const TOLERANCE: f32 = 1e-6;
+
+async fn start_split(config: EngineConfig) -> TestServer {
+    let factory = SplitFactory::load(TorchConfig::new(test_model_dir().join("split"))).unwrap();
+    start_with(Arc::new(factory), config).await.ready().await
+}
+
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    let diff = max_abs_diff(got, want)
+        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
+}
+
+/// Returns whether any of the concurrent requests shared a forward.
+async fn golden_scores_alone_and_fused(config: EngineConfig) -> bool {
+    let server = start_split(config).await;
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let mut client = server.client().await;
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = client.predict(wire(g, "")).await.unwrap().into_inner();
+        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i} alone"));
+    }
+    let mut torchrec = narsil::torchrec_proto::predictor_client::PredictorClient::new(server.channel().await);
+    for (i, g) in golden.requests.iter().enumerate() {
+        let request = narsil::wire::torchrec::encode(&wire(g, ""), 26);
+        let mut response = torchrec.predict(request).await.unwrap().into_inner();
+        let scores = response.predictions.remove(narsil::wire::torchrec::SCORES_KEY).unwrap().data;
+        assert_close(&scores, &g.scores_int8, &format!("golden request {i} over TorchRec's protocol"));
+    }
+    let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+    let channel = server.channel().await;
+    let mut fused = false;
+    for round in 0..4 {
+        let responses = common::predict_all(&channel, &requests).await;
+        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+            assert_close(&response.scores, &g.scores_int8, &format!("round {round} client {i}"));
+        }
+        fused |= responses.iter().any(|r| r.fused_requests > 1);
+    }
+    server.stop().await.unwrap();
+    fused
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_model_serves_the_single_file_models_scores_in_batch_mode() {
+    assert!(
+        golden_scores_alone_and_fused(batch_mode(1, 16)).await,
+        "16 concurrent requests never shared a forward"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_model_serves_the_single_file_models_scores_in_worker_mode() {
+    assert!(!golden_scores_alone_and_fused(worker_mode(2)).await, "worker mode fused requests");
+}
+
+#[test]
+fn a_truncated_table_fails_at_load_naming_the_table_and_the_file() {
+    let source = test_model_dir().join("split");
+    let copy = std::env::temp_dir().join(format!("narsil-split-{}", std::process::id()));
+    std::fs::create_dir_all(copy.join("tables")).unwrap();
+    for entry in std::fs::read_dir(&source).unwrap().chain(std::fs::read_dir(source.join("tables")).unwrap())
+    {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            let relative = path.strip_prefix(&source).unwrap();
+            std::fs::copy(&path, copy.join(relative)).unwrap();
+        }
+    }
+    let table = copy.join("tables/cat_7.bin");
+    let bytes = std::fs::read(&table).unwrap();
+    std::fs::write(&table, &bytes[..bytes.len() - 80]).unwrap();
+    let error = match SplitFactory::load(TorchConfig::new(&copy)) {
+        Ok(_) => panic!("a truncated table loaded"),
+        Err(e) => narsil_core::error_chain(&e),
+    };
+    assert!(error.contains("cat_7") && error.contains("tables/cat_7.bin"), "{error}");
+    std::fs::remove_dir_all(copy).unwrap();
+}
