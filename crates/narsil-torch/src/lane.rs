@@ -31,10 +31,34 @@ pub fn enter_inference_mode() {
 pub struct TorchLane {
     model: Arc<TorchModel>,
     staging: Option<PinnedStaging>,
+    threads: IntraOpThreads,
+}
+
+/// A lane thread's libtorch intra-op thread count (per calling thread:
+/// OpenMP), changed only when it changes.
+pub(crate) struct IntraOpThreads {
     /// `--intra-op-threads`: the fewest threads a forward uses.
-    min_threads: usize,
-    /// The intra-op threads this lane's thread is set to now.
-    threads: usize,
+    min: usize,
+    /// What the calling thread is set to now.
+    now: usize,
+}
+
+impl IntraOpThreads {
+    /// Sets the calling thread to `min` (at least 1) threads.
+    pub(crate) fn new(min: usize) -> Self {
+        let min = min.max(1);
+        tch::set_num_threads(min as i32);
+        Self { min, now: min }
+    }
+
+    /// Sets the calling thread to `threads`, or the minimum if higher.
+    pub(crate) fn set(&mut self, threads: usize) {
+        let threads = threads.max(self.min);
+        if threads != self.now {
+            tch::set_num_threads(threads as i32);
+            self.now = threads;
+        }
+    }
 }
 
 impl TorchLane {
@@ -46,9 +70,7 @@ impl TorchLane {
             Device::Cpu => None,
             device => Some(PinnedStaging::new(device)),
         };
-        let min_threads = min_threads.max(1);
-        tch::set_num_threads(min_threads as i32);
-        Self { model, staging, min_threads, threads: min_threads }
+        Self { model, staging, threads: IntraOpThreads::new(min_threads) }
     }
 
     fn inputs(&mut self, batch: &KeyedBatch) -> Result<[Tensor; 3], BackendError> {
@@ -75,11 +97,7 @@ impl ModelBackend for TorchLane {
     /// libtorch's intra-op thread count is per calling thread (OpenMP), so
     /// each lane sets its own; only a change is passed on.
     fn set_threads(&mut self, threads: usize) {
-        let threads = threads.max(self.min_threads);
-        if threads != self.threads {
-            tch::set_num_threads(threads as i32);
-            self.threads = threads;
-        }
+        self.threads.set(threads);
     }
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {

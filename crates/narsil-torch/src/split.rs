@@ -18,7 +18,7 @@ use tch::{Device, Tensor};
 
 use crate::device::parse_device;
 use crate::factory::TorchConfig;
-use crate::lane::enter_inference_mode;
+use crate::lane::{enter_inference_mode, IntraOpThreads};
 use crate::precision::DensePrecision;
 use crate::script_module::ScriptModule;
 
@@ -160,15 +160,12 @@ impl BackendFactory for SplitFactory {
 struct SplitLane {
     model: Arc<SplitModel>,
     pooled: Vec<f32>,
-    min_threads: usize,
-    threads: usize,
+    threads: IntraOpThreads,
 }
 
 impl SplitLane {
     fn new(model: Arc<SplitModel>, min_threads: usize) -> Self {
-        let min_threads = min_threads.max(1);
-        tch::set_num_threads(min_threads as i32);
-        Self { model, pooled: Vec::new(), min_threads, threads: min_threads }
+        Self { model, pooled: Vec::new(), threads: IntraOpThreads::new(min_threads) }
     }
 }
 
@@ -196,11 +193,7 @@ fn torch_error(e: tch::TchError) -> BackendError {
 
 impl ModelBackend for SplitLane {
     fn set_threads(&mut self, threads: usize) {
-        let threads = threads.max(self.min_threads);
-        if threads != self.threads {
-            tch::set_num_threads(threads as i32);
-            self.threads = threads;
-        }
+        self.threads.set(threads);
     }
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
