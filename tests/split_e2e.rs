@@ -97,3 +97,18 @@ fn a_truncated_table_fails_at_load_naming_the_table_and_the_file() {
     assert!(error.contains("cat_7") && error.contains("tables/cat_7.bin"), "{error}");
     std::fs::remove_dir_all(copy).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mapped_tables_serve_the_same_scores() {
+    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    config.table_store = narsil_torch::TableStore::Mmap;
+    let server =
+        start_with(Arc::new(SplitFactory::load(config).unwrap()), batch_mode(1, 16)).await.ready().await;
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let mut client = server.client().await;
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = client.predict(wire(g, "")).await.unwrap().into_inner();
+        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}, mapped tables"));
+    }
+    server.stop().await.unwrap();
+}

@@ -10,7 +10,7 @@ use narsil_core::mock::MockConfig;
 use narsil_core::BackendFactory;
 
 use crate::lifecycle::loader::LoadOptions;
-pub use crate::lifecycle::loader::{BackendKind, DensePrecision};
+pub use crate::lifecycle::loader::{BackendKind, DensePrecision, TableStore};
 
 /// Which model to load, where to run it, and the mock's settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -44,6 +44,11 @@ pub struct BackendArgs {
     /// torch: precision of the dense arithmetic.
     #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]
     pub dense_precision: DensePrecision,
+    /// Split models (a `--model` directory): where their tables live.
+    /// `memory` reads them into the process; `mmap` maps their files, so the
+    /// page cache holds the hot rows and tables larger than RAM are served.
+    #[arg(long, env = "NARSIL_TABLE_STORE", value_enum, default_value_t = TableStore::Memory)]
+    pub table_store: TableStore,
     /// Mock backend: fixed latency of one forward, milliseconds.
     #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
     pub mock_latency_ms: f64,
@@ -119,6 +124,7 @@ impl BackendArgs {
             intra_op_threads: self.intra_op_threads,
             fbgemm_dir: self.fbgemm_dir.clone(),
             dense_precision: self.dense_precision,
+            table_store: self.table_store,
             mock: MockConfig {
                 latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
                 per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),

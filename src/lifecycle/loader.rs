@@ -52,6 +52,17 @@ pub enum DensePrecision {
     Bf16,
 }
 
+/// Where a split model's tables live (`--table-store`; see
+/// `narsil_embedding::table`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TableStore {
+    /// Read into process memory (needs their size in RAM).
+    Memory,
+    /// Mapped from their files; the page cache holds the hot rows (serves
+    /// tables larger than RAM).
+    Mmap,
+}
+
 /// How every model is loaded, whatever its file.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -64,6 +75,8 @@ pub struct LoadOptions {
     pub fbgemm_dir: Option<PathBuf>,
     /// torch: precision of the dense arithmetic.
     pub dense_precision: DensePrecision,
+    /// Split models: where their tables live (`memory` or `mmap`).
+    pub table_store: TableStore,
     /// The mock backend's latency.
     pub mock: MockConfig,
     /// The mock backend's rows per table (valid ids).
@@ -138,6 +151,10 @@ impl LoadOptions {
         config.model_config = model_config.map(Path::to_path_buf);
         config.intra_op_threads = self.intra_op_threads;
         config.fbgemm_dir = self.fbgemm_dir.clone();
+        config.table_store = match self.table_store {
+            TableStore::Memory => narsil_torch::TableStore::Memory,
+            TableStore::Mmap => narsil_torch::TableStore::Mmap,
+        };
         config.dense_precision = match self.dense_precision {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,

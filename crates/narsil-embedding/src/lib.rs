@@ -4,8 +4,9 @@
 //!
 //! * [`schema`]: a split model's `schema.json`: dense features, tables,
 //!   sparse features mapped to tables, outputs; checked when read.
-//! * [`table`]: a table's rows, read from its file and checked against the
-//!   schema (size, layout), with errors naming the table and the file.
+//! * [`table`]: a table's rows, read into memory or mapped from its file
+//!   (`memory` and `mmap` stores), checked against the schema, with errors
+//!   naming the table and the file.
 //! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's
 //!   input, with FBGEMM's arithmetic (AVX2 + FMA when the CPU has them,
 //!   chosen at run time; a scalar path otherwise).
@@ -16,4 +17,4 @@ pub mod table;
 
 pub use pool::{pool_int8, OutOfRange, Pooling};
 pub use schema::{PoolingMode, SchemaError, SplitSchema, Storage, TableSpec};
-pub use table::{Table, TableError};
+pub use table::{Table, TableError, TableStore};

@@ -1,13 +1,102 @@
-//! An embedding table's rows, read from its file in a split model's
-//! `tables/` and checked against the schema: a file that is truncated,
-//! too long, or missing fails with the table's name and the file's path.
+//! An embedding table's rows, from its file in a split model's `tables/`,
+//! checked against the schema: a file that is truncated, too long, or
+//! missing fails with the table's name and the file's path.
+//!
+//! Two stores (`narsil serve --table-store`):
+//!
+//! * `memory` (default): the file is read into the process once; every
+//!   lookup is a memory read. Needs the tables' size in RAM.
+//! * `mmap`: the file is mapped read-only and the kernel's page cache holds
+//!   the rows that are read, so tables larger than RAM are served, at the
+//!   cost of a page fault (a disk read) when a row is not cached. The map is
+//!   advised `MADV_RANDOM`: lookups hit rows at random, so the kernel's
+//!   read-ahead would fill the cache with neighbours nobody asked for and
+//!   evict hot rows.
 
 use std::path::{Path, PathBuf};
 
 use crate::schema::{Storage, TableSpec};
 
-/// A table held in process memory.
-#[derive(Debug)]
+/// Where a table's rows live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TableStore {
+    /// Read into process memory.
+    #[default]
+    Memory,
+    /// Mapped from the file; the page cache holds the hot rows.
+    Mmap,
+}
+
+impl std::str::FromStr for TableStore {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "memory" => Ok(Self::Memory),
+            "mmap" => Ok(Self::Mmap),
+            _ => Err(format!("`{text}` is not a table store: use `memory` or `mmap`")),
+        }
+    }
+}
+
+impl std::fmt::Display for TableStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Memory => "memory",
+            Self::Mmap => "mmap",
+        })
+    }
+}
+
+/// A table's rows, in memory or mapped.
+enum Rows {
+    Memory(Vec<u8>),
+    Mapped(Mapping),
+}
+
+/// A read-only private map of a whole file.
+struct Mapping {
+    address: *mut libc::c_void,
+    len: usize,
+}
+
+// SAFETY: the map is read-only and unmapped only on drop.
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn new(file: &std::fs::File, len: usize) -> std::io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return Err(std::io::Error::other("cannot map an empty file"));
+        }
+        // SAFETY: a fresh read-only private map of `len` bytes of an open
+        // file; checked for failure before use.
+        let address = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0)
+        };
+        if address == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: advice on our own map; failure only loses the hint.
+        unsafe { libc::madvise(address, len, libc::MADV_RANDOM) };
+        Ok(Self { address, len })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` readable bytes at `address` for the map's lifetime.
+        unsafe { std::slice::from_raw_parts(self.address as *const u8, self.len) }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped, once.
+        unsafe { libc::munmap(self.address, self.len) };
+    }
+}
+
+/// A table's rows and shape.
 pub struct Table {
     /// Its name.
     pub name: String,
@@ -19,7 +108,21 @@ pub struct Table {
     pub row_bytes: usize,
     /// How rows are stored.
     pub storage: Storage,
-    data: Vec<u8>,
+    rows_data: Rows,
+}
+
+impl std::fmt::Debug for Table {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let store = match self.rows_data {
+            Rows::Memory(_) => TableStore::Memory,
+            Rows::Mapped(_) => TableStore::Mmap,
+        };
+        f.debug_struct("Table")
+            .field("name", &self.name)
+            .field("rows", &self.rows)
+            .field("store", &store)
+            .finish()
+    }
 }
 
 /// Why a table cannot be loaded.
@@ -54,8 +157,9 @@ pub enum TableError {
 }
 
 impl Table {
-    /// Reads the table `spec` describes from the model directory `dir`.
-    pub fn load(dir: &Path, spec: &TableSpec) -> Result<Self, TableError> {
+    /// Opens the table `spec` describes in the model directory `dir`, in
+    /// `store`.
+    pub fn load(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Self, TableError> {
         let path = dir.join(&spec.file);
         let read_error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
         let expected = spec.rows * spec.row_bytes as u64;
@@ -70,27 +174,40 @@ impl Table {
                 row_bytes: spec.row_bytes,
             });
         }
-        let data = std::fs::read(&path).map_err(read_error)?;
-        Ok(Self::from_rows(spec, data))
+        let rows_data = match store {
+            TableStore::Memory => Rows::Memory(std::fs::read(&path).map_err(read_error)?),
+            TableStore::Mmap => {
+                let file = std::fs::File::open(&path).map_err(read_error)?;
+                Rows::Mapped(Mapping::new(&file, expected as usize).map_err(read_error)?)
+            }
+        };
+        Ok(Self::with_rows(spec, rows_data))
     }
 
     /// A table over rows already in memory (`data.len()` must be
     /// `rows * row_bytes`).
     pub fn from_rows(spec: &TableSpec, data: Vec<u8>) -> Self {
         assert_eq!(data.len() as u64, spec.rows * spec.row_bytes as u64, "table {:?} rows", spec.name);
+        Self::with_rows(spec, Rows::Memory(data))
+    }
+
+    fn with_rows(spec: &TableSpec, rows_data: Rows) -> Self {
         Self {
             name: spec.name.clone(),
             rows: spec.rows,
             dim: spec.dim,
             row_bytes: spec.row_bytes,
             storage: spec.storage,
-            data,
+            rows_data,
         }
     }
 
     /// Every row, end to end.
     pub fn bytes(&self) -> &[u8] {
-        &self.data
+        match &self.rows_data {
+            Rows::Memory(data) => data,
+            Rows::Mapped(mapping) => mapping.bytes(),
+        }
     }
 }
 
@@ -115,14 +232,31 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("narsil-table-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("tables")).unwrap();
         std::fs::write(dir.join("tables/cat_3.bin"), vec![0u8; 16 * 9]).unwrap();
-        let error = Table::load(&dir, &spec(10)).unwrap_err().to_string();
-        assert!(
-            error.contains("cat_3") && error.contains("tables/cat_3.bin") && error.contains("144 bytes"),
-            "{error}"
-        );
-        assert_eq!(Table::load(&dir, &spec(9)).unwrap().bytes().len(), 144);
-        let missing = Table::load(&dir.join("elsewhere"), &spec(9)).unwrap_err().to_string();
+        for store in [TableStore::Memory, TableStore::Mmap] {
+            let error = Table::load(&dir, &spec(10), store).unwrap_err().to_string();
+            assert!(
+                error.contains("cat_3") && error.contains("tables/cat_3.bin") && error.contains("144 bytes"),
+                "{error}"
+            );
+        }
+        let missing =
+            Table::load(&dir.join("elsewhere"), &spec(9), TableStore::Mmap).unwrap_err().to_string();
         assert!(missing.contains("cat_3") && missing.contains("cannot read"), "{missing}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn memory_and_mapped_tables_hold_the_same_rows() {
+        let dir = std::env::temp_dir().join(format!("narsil-table-rows-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("tables")).unwrap();
+        let rows: Vec<u8> = (0..16 * 9).map(|i| (i * 7) as u8).collect();
+        std::fs::write(dir.join("tables/cat_3.bin"), &rows).unwrap();
+        let memory = Table::load(&dir, &spec(9), TableStore::Memory).unwrap();
+        let mapped = Table::load(&dir, &spec(9), TableStore::Mmap).unwrap();
+        assert_eq!(memory.bytes(), &rows[..]);
+        assert_eq!(mapped.bytes(), &rows[..]);
+        assert_eq!("mmap".parse(), Ok(TableStore::Mmap));
+        assert!("disk".parse::<TableStore>().unwrap_err().contains("memory"));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

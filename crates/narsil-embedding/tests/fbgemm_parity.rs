@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use narsil_embedding::{pool_int8, Pooling, PoolingMode, SplitSchema, Table};
+use narsil_embedding::{pool_int8, Pooling, PoolingMode, SplitSchema, Table, TableStore};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -35,7 +35,10 @@ fn split_model() -> PathBuf {
 fn pooling_equals_fbgemm_on_the_exported_tables() {
     let dir = split_model();
     let schema = SplitSchema::read(&dir).unwrap();
-    let tables: Vec<Table> = schema.tables.iter().map(|spec| Table::load(&dir, spec).unwrap()).collect();
+    // Mapped: the same rows as read into memory (tested in the crate), so
+    // this also checks that lookups through a map see the file.
+    let tables: Vec<Table> =
+        schema.tables.iter().map(|spec| Table::load(&dir, spec, TableStore::Mmap).unwrap()).collect();
     let golden: Golden =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     let features = schema.features.len();

@@ -50,6 +50,8 @@ pub struct TorchConfig {
     pub warmup_rows: Vec<usize>,
     /// Precision of the dense arithmetic.
     pub dense_precision: DensePrecision,
+    /// Where a split model's tables live (memory or mapped).
+    pub table_store: narsil_embedding::TableStore,
 }
 
 impl TorchConfig {
@@ -64,6 +66,7 @@ impl TorchConfig {
             fbgemm_dir: None,
             warmup_rows: vec![1, 100, 1600],
             dense_precision: DensePrecision::Fp32,
+            table_store: narsil_embedding::TableStore::Memory,
         }
     }
 }

@@ -27,6 +27,7 @@ pub mod split;
 
 pub use factory::{TorchConfig, TorchFactory};
 pub use model::TorchModel;
+pub use narsil_embedding::TableStore;
 pub use precision::{cpu_bf16_instructions, DensePrecision};
 pub use split::SplitFactory;
 

@@ -77,7 +77,7 @@ impl SplitFactory {
         let tables: Vec<Table> = split
             .tables
             .iter()
-            .map(|spec| Table::load(&dir, spec))
+            .map(|spec| Table::load(&dir, spec, config.table_store))
             .collect::<Result<_, _>>()
             .map_err(|e| load_error(&dir, e))?;
         let features = split
@@ -112,6 +112,7 @@ impl SplitFactory {
         tracing::info!(
             model = %dir.display(),
             tables = tables.len(),
+            store = %config.table_store,
             table_mib = bytes / (1 << 20),
             features = schema.num_sparse(),
             elapsed_ms = started.elapsed().as_millis() as u64,
