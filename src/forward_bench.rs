@@ -17,6 +17,8 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::flags::backend::{BackendArgs, DensePrecision};
+use narsil_embedding::{count_ids, IdCount};
+
 use crate::load::ids::IdDistributions;
 use crate::load::workload::{id_samplers, random_request};
 use crate::protocols::convert::{model_info, request_samples};
@@ -73,6 +75,11 @@ pub struct ForwardResult {
     pub p99_ms: f64,
     /// samples/s over the MLP-arithmetic limit in the forward's precision.
     pub fraction_of_mlp_limit: Option<f64>,
+    /// Mean ids per forward, over every sparse feature.
+    pub ids_per_forward: f64,
+    /// Ids per forward over distinct ids per table and forward: what
+    /// fetching each distinct row once would save (1: nothing repeats).
+    pub dedup_ratio: f64,
 }
 
 /// This core's GEMM peak through libtorch, `[1600 x 512] x [512 x 512]`
@@ -178,15 +185,23 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
     }
     writeln!(
         out,
-        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
-        "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms", "of limit"
+        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms", "of limit", "ids", "dedup"
     )?;
     for r in &report.results {
         let fraction = r.fraction_of_mlp_limit.map_or("-".into(), |f| format!("{f:.2}"));
         writeln!(
             out,
-            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9}",
-            r.rows, r.forwards, r.samples_per_s, r.mean_ms, r.p50_ms, r.p99_ms, fraction
+            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9} {:>9.0} {:>6.2}x",
+            r.rows,
+            r.forwards,
+            r.samples_per_s,
+            r.mean_ms,
+            r.p50_ms,
+            r.p99_ms,
+            fraction,
+            r.ids_per_forward,
+            r.dedup_ratio
         )?;
     }
     Ok(())
@@ -242,6 +257,15 @@ fn measure(
                 assemble(schema.num_dense, schema.num_sparse(), requests)
             })
             .collect();
+        let mut scratch = Vec::new();
+        let ids = batches
+            .iter()
+            .flat_map(|batch| {
+                (0..batch.num_sparse)
+                    .map(|f| count_ids([batch.feature_ids(f)], &mut scratch))
+                    .collect::<Vec<_>>()
+            })
+            .fold(IdCount::default(), IdCount::add);
         for batch in batches.iter().cycle().take(args.warmup) {
             lane.forward(batch)?;
         }
@@ -268,6 +292,8 @@ fn measure(
             mean_ms: total.as_secs_f64() * 1e3 / times.len() as f64,
             p50_ms: pct(0.5),
             p99_ms: pct(0.99),
+            ids_per_forward: ids.looked_up as f64 / batches.len() as f64,
+            dedup_ratio: ids.ratio(),
         });
     }
     Ok(ForwardReport {

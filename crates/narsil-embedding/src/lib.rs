@@ -7,14 +7,18 @@
 //! * [`table`]: a table's rows, read into memory or mapped from its file
 //!   (`memory` and `mmap` stores), checked against the schema, with errors
 //!   naming the table and the file.
+//! * [`dedup`]: distinct ids per table in a fused batch (what fetching
+//!   each row once saves).
 //! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's
 //!   input, with FBGEMM's arithmetic (AVX2 + FMA when the CPU has them,
 //!   chosen at run time; a scalar path otherwise).
 
+pub mod dedup;
 pub mod pool;
 pub mod schema;
 pub mod table;
 
+pub use dedup::{count_ids, IdCount};
 pub use pool::{pool_int8, OutOfRange, Pooling};
 pub use schema::{PoolingMode, SchemaError, SplitSchema, Storage, TableSpec};
 pub use table::{Table, TableError, TableStore};
