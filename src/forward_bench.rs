@@ -258,14 +258,12 @@ fn measure(
             })
             .collect();
         let mut scratch = Vec::new();
-        let ids = batches
-            .iter()
-            .flat_map(|batch| {
-                (0..batch.num_sparse)
-                    .map(|f| count_ids([batch.feature_ids(f)], &mut scratch))
-                    .collect::<Vec<_>>()
-            })
-            .fold(IdCount::default(), IdCount::add);
+        let mut ids = IdCount::default();
+        for batch in &batches {
+            for f in 0..batch.num_sparse {
+                ids = ids.add(count_ids([batch.feature_ids(f)], &mut scratch));
+            }
+        }
         for batch in batches.iter().cycle().take(args.warmup) {
             lane.forward(batch)?;
         }

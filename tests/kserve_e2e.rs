@@ -11,21 +11,13 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{batch_mode, start_with, wire};
+use common::{assert_close, batch_mode, start_with, wire};
 use narsil::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::wire::kserve::{encode, first_scores};
 use narsil::wire::torchrec::SCORES_KEY;
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
+use narsil_core::golden::{test_model_dir, Golden};
 use narsil_torch::{TorchConfig, TorchFactory};
-
-const TOLERANCE: f32 = 1e-6;
-
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want)
-        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
-    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kserve_requests_fuse_with_the_other_protocols_and_score_like_them() {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{wire, MAX_MESSAGE_BYTES};
+use common::{assert_close, wire, MAX_MESSAGE_BYTES};
 use narsil::cli::ServeArgs;
 use narsil::lifecycle::registry::ModelStatus;
 use narsil::lifecycle::ModelRegistry;
@@ -24,12 +24,9 @@ use narsil::proto::ModelInfoRequest;
 use narsil::server::{Listen, Server};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::wire::torchrec::{encode, MODEL_HEADER, MODEL_VERSION_HEADER, SCORES_KEY};
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
+use narsil_core::golden::{test_model_dir, Golden};
 use tokio::sync::oneshot;
 use tonic::Code;
-
-/// Same libtorch and kernels as Python, fused or alone.
-const TOLERANCE: f32 = 1e-6;
 
 /// Export `a` (test-small) or `b` (test-small-b).
 fn export(which: char) -> PathBuf {
@@ -111,12 +108,6 @@ impl RepoServer {
         let _ = self.stop.take().unwrap().send(());
         self.task.await.unwrap().unwrap();
     }
-}
-
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want)
-        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
-    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
 }
 
 /// One answered request of the load.

@@ -11,24 +11,14 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{batch_mode, start_with, wire, worker_mode, TestServer};
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
+use common::{assert_close, batch_mode, start_with, wire, worker_mode, TestServer};
+use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
 use narsil_engine::EngineConfig;
 use narsil_torch::{SplitFactory, TorchConfig};
-
-/// The same pooled embeddings as FBGEMM (bit for bit) and the same dense
-/// arithmetic; the dense network is frozen here, not in Python.
-const TOLERANCE: f32 = 1e-6;
 
 async fn start_split(config: EngineConfig) -> TestServer {
     let factory = SplitFactory::load(TorchConfig::new(test_model_dir().join("split"))).unwrap();
     start_with(Arc::new(factory), config).await.ready().await
-}
-
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want)
-        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
-    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
 }
 
 /// Returns whether any of the concurrent requests shared a forward.

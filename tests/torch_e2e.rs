@@ -8,24 +8,15 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{batch_mode, start_with, wire, worker_mode, TestServer};
+use common::{assert_close, batch_mode, start_with, wire, worker_mode, TestServer};
 use narsil::proto::ModelInfoRequest;
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
+use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
 use narsil_engine::EngineConfig;
 use narsil_torch::{TorchConfig, TorchFactory};
-
-/// Same libtorch and kernels as Python, and as the request alone.
-const TOLERANCE: f32 = 1e-6;
 
 async fn start_torch(config: EngineConfig) -> TestServer {
     let factory = TorchFactory::load(TorchConfig::new(test_model_dir().join("model_default.pt"))).unwrap();
     start_with(Arc::new(factory), config).await.ready().await
-}
-
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want)
-        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
-    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
 }
 
 /// Returns how many forwards the requests took, all told.

@@ -16,21 +16,18 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::{batch_mode, wire, worker_mode, TestServer};
+use common::{assert_close, batch_mode, wire, worker_mode, TestServer, SCORE_TOLERANCE};
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::{ModelInfoRequest, PredictResponse};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::wire::torchrec::{encode_weighted, MODEL_VERSION_HEADER};
 use narsil_core::conformance::{self, concurrent_lanes, golden_outputs, golden_parity};
-use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
+use narsil_core::golden::{Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
 use narsil_core::{error_chain, BackendFactory, ModelSchema};
 use narsil_engine::EngineConfig;
 use narsil_torch::{TorchConfig, TorchFactory};
 use tonic::Code;
-
-/// Same libtorch and kernels as Python, and as the request alone.
-const TOLERANCE: f32 = 1e-6;
 
 fn model_dir(name: &str) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/generated").join(name);
@@ -48,12 +45,6 @@ fn load(name: &str) -> TorchFactory {
 
 async fn serve(name: &str, config: EngineConfig) -> TestServer {
     common::start_with(Arc::new(load(name)), config).await.ready().await
-}
-
-fn assert_close(got: &[f32], want: &[f32], what: &str) {
-    let diff = max_abs_diff(got, want)
-        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
-    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff} > {TOLERANCE}");
 }
 
 /// Every output of a narsil.v1 response against the golden request's.
@@ -119,9 +110,9 @@ fn both_models_pass_the_backend_conformance_kit() {
         let factory = load(name);
         let golden = Golden::read(&model_dir(name)).unwrap();
         let schema = factory.schema().clone();
-        golden_parity(&factory, &golden, |g| golden_outputs(&schema, g), TOLERANCE);
+        golden_parity(&factory, &golden, |g| golden_outputs(&schema, g), SCORE_TOLERANCE);
         let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
-        concurrent_lanes(&factory, &requests, 2, 2, TOLERANCE);
+        concurrent_lanes(&factory, &requests, 2, 2, SCORE_TOLERANCE);
     }
 }
 

@@ -47,7 +47,7 @@ pub struct BackendArgs {
     /// Split models (a `--model` directory): where their tables live.
     /// `memory` reads them into the process; `mmap` maps their files, so the
     /// page cache holds the hot rows and tables larger than RAM are served.
-    #[arg(long, env = "NARSIL_TABLE_STORE", value_enum, default_value_t = TableStore::Memory)]
+    #[arg(long, env = "NARSIL_TABLE_STORE", default_value = "memory")]
     pub table_store: TableStore,
     /// Mock backend: fixed latency of one forward, milliseconds.
     #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]

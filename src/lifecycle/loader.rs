@@ -9,6 +9,7 @@ use std::sync::Arc;
 use clap::ValueEnum;
 use narsil_core::mock::{MockConfig, MockFactory};
 use narsil_core::{BackendFactory, ModelSchema};
+pub use narsil_embedding::TableStore;
 
 /// Which model backend serves requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -50,17 +51,6 @@ pub enum DensePrecision {
     Fp32,
     /// bf16 inputs with FP32 accumulation (torch; needs AVX512-BF16 or AMX on CPU).
     Bf16,
-}
-
-/// Where a split model's tables live (`--table-store`; see
-/// `narsil_embedding::table`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum TableStore {
-    /// Read into process memory (needs their size in RAM).
-    Memory,
-    /// Mapped from their files; the page cache holds the hot rows (serves
-    /// tables larger than RAM).
-    Mmap,
 }
 
 /// How every model is loaded, whatever its file.
@@ -151,10 +141,7 @@ impl LoadOptions {
         config.model_config = model_config.map(Path::to_path_buf);
         config.intra_op_threads = self.intra_op_threads;
         config.fbgemm_dir = self.fbgemm_dir.clone();
-        config.table_store = match self.table_store {
-            TableStore::Memory => narsil_torch::TableStore::Memory,
-            TableStore::Mmap => narsil_torch::TableStore::Mmap,
-        };
+        config.table_store = self.table_store;
         config.dense_precision = match self.dense_precision {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,

@@ -267,3 +267,17 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// How far a served score may be from Python's golden one, or from the same
+/// request's score alone: the same libtorch kernels compute both (a split
+/// model's pooling equals FBGEMM's bit for bit); a fused batch's GEMM
+/// blocking may change the last bits.
+pub const SCORE_TOLERANCE: f32 = 1e-6;
+
+/// Asserts that `got` holds as many scores as `want`, each within
+/// [`SCORE_TOLERANCE`].
+pub fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    let diff = narsil_core::golden::max_abs_diff(got, want)
+        .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
+    assert!(diff <= SCORE_TOLERANCE, "{what}: max |diff| {diff} > {SCORE_TOLERANCE}");
+}

@@ -168,7 +168,7 @@ impl TorchLane {
 
 /// One output's `rows` scores (`[B]` or `[B, 1]`, any float dtype, any
 /// device) appended to `scores` as `f32`.
-fn append_scores(output: &Tensor, rows: usize, scores: &mut Vec<f32>) -> Result<(), BackendError> {
+pub(crate) fn append_scores(output: &Tensor, rows: usize, scores: &mut Vec<f32>) -> Result<(), BackendError> {
     let output = output
         .f_to_device(Device::Cpu)
         .and_then(|t| t.f_to_kind(Kind::Float))
@@ -184,7 +184,7 @@ fn append_scores(output: &Tensor, rows: usize, scores: &mut Vec<f32>) -> Result<
     output.f_copy_data(&mut scores[start..], rows).map_err(torch_error)
 }
 
-fn torch_error(e: tch::TchError) -> BackendError {
+pub(crate) fn torch_error(e: tch::TchError) -> BackendError {
     BackendError::forward("libtorch").caused_by(e)
 }
 

@@ -18,7 +18,7 @@ use tch::{Device, Tensor};
 
 use crate::device::parse_device;
 use crate::factory::TorchConfig;
-use crate::lane::{enter_inference_mode, IntraOpThreads};
+use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThreads};
 use crate::precision::DensePrecision;
 use crate::script_module::ScriptModule;
 
@@ -65,6 +65,15 @@ impl SplitFactory {
             return Err(BackendError::load(&dir, "split models run on the CPU for now"));
         }
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
+        if split.outputs.len() != 1 {
+            return Err(load_error(
+                &dir,
+                format!(
+                    "outputs {:?}: split models with other than one output are not served yet",
+                    split.outputs
+                ),
+            ));
+        }
         if let Some(weighted) = split.features.iter().find(|f| f.weighted) {
             return Err(load_error(
                 &dir,
@@ -188,10 +197,6 @@ fn borrowed(values: &[f32], rows: usize, cols: usize) -> Result<Tensor, BackendE
     .map_err(torch_error)
 }
 
-fn torch_error(e: tch::TchError) -> BackendError {
-    BackendError::forward("libtorch").caused_by(e)
-}
-
 impl ModelBackend for SplitLane {
     fn set_threads(&mut self, threads: usize) {
         self.threads.set(threads);
@@ -229,14 +234,8 @@ impl ModelBackend for SplitLane {
             .dense_network
             .forward_tensors(&[&dense, &pooled])
             .map_err(|e| BackendError::forward("the dense network").caused_by(e))?;
-        let output =
-            output.f_to_kind(tch::Kind::Float).and_then(|t| t.f_reshape([-1])).map_err(torch_error)?;
-        let got = output.numel();
-        if got != rows * model.schema.outputs.len() {
-            return Err(BackendError::WrongScoreCount { rows, got });
-        }
-        let mut scores = vec![0.0; got];
-        output.f_copy_data(&mut scores, got).map_err(torch_error)?;
+        let mut scores = Vec::with_capacity(rows);
+        append_scores(&output, rows, &mut scores)?;
         drop((dense, pooled, output));
         Ok(scores)
     }
