@@ -13,8 +13,9 @@ table-batched embeddings), scripts it and writes, into --out:
 
 With --publish REPOSITORY it also publishes the INT8 model into a model
 repository (`narsil serve --model-repository`) as
-REPOSITORY/<--name>/<--version>/model.pt, written under a dot-name and renamed
-into place.
+REPOSITORY/<--name>/<--version>/model.pt (with --split: the split model, its
+schema.json, tables/ and dense.pt, the tables hard-linked where the file
+system allows), written under a dot-name and renamed into place.
 
 Both TorchScript files take, in TorchRec's key-major KeyedJaggedTensor layout,
   forward(dense: f32[B, D], lengths: i32[T*B], ids: i64[N]) -> f32[B]
@@ -220,7 +221,8 @@ def main() -> int:
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
     p.add_argument("--publish", type=Path, metavar="REPOSITORY",
                    help="also publish the INT8 model into this model repository (narsil serve "
-                        "--model-repository) as REPOSITORY/<--name>/<--version>/model.pt")
+                        "--model-repository) as REPOSITORY/<--name>/<--version>/model.pt, or the split "
+                        "model with --split")
     args = p.parse_args()
     if args.publish and not args.version.isdigit():
         p.error(f"--publish needs a numeric --version (a repository version directory), got {args.version!r}")
@@ -234,7 +236,7 @@ def main() -> int:
     if (out / "manifest.json").exists() and not args.force and not split_missing:
         log(f"{out} already holds an export; pass --force to overwrite")
         if args.publish:
-            publish(out, args.publish, args.name, args.version)
+            publish(out, args.publish, args.name, args.version, args.split)
         return 0
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -307,20 +309,34 @@ def main() -> int:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s")
     if args.publish:
-        publish(out, args.publish, args.name, args.version)
+        publish(out, args.publish, args.name, args.version, args.split)
     return 0
 
 
-def publish(out: Path, repository: Path, name: str, version: str):
-    """Copies the INT8 model into a model repository as `name` version
-    `version`, the way the repository expects a version to appear: written
-    under a dot-name (ignored by the server), then renamed into place."""
+def link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def publish(out: Path, repository: Path, name: str, version: str, split: bool):
+    """Copies the INT8 model (or its split form) into a model repository as
+    `name` version `version`, the way the repository expects a version to
+    appear: written under a dot-name (ignored by the server), then renamed
+    into place."""
     final = repository / name / version
     if final.exists():
         log(f"{final} already exists; not published again")
         return
     staging = repository / name / f".{version}.publishing"
     shutil.rmtree(staging, ignore_errors=True)
+    if split:
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(out / "split", staging, copy_function=link_or_copy)
+        os.rename(staging, final)
+        log(f"published the split model {final}")
+        return
     staging.mkdir(parents=True)
     shutil.copy2(out / "model_default.pt", staging / "model.pt")
     os.rename(staging, final)

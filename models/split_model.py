@@ -20,6 +20,7 @@ dequantizes as `q * scale + bias` in FP32 and bags sum in FP32.
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import List
 
@@ -74,7 +75,10 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     """Writes `out` (a split model) from `quantized`'s INT8 tables and
     `dlrm`'s dense network, and checks its scores against the single-file
     INT8 model's on `requests`."""
-    (out / "tables").mkdir(parents=True, exist_ok=True)
+    # Fresh files, never rewritten in place: a published version may share
+    # them as hard links.
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "tables").mkdir(parents=True)
     tables = int8_tables(quantized)
     dim = dlrm.sparse_arch.D
     if len(tables) != len(keys):

@@ -17,7 +17,7 @@ use rand::SeedableRng;
 use serde::Serialize;
 
 use crate::flags::backend::{BackendArgs, DensePrecision};
-use narsil_embedding::{count_ids, IdCount};
+use narsil_embedding::{DistinctIds, IdCount};
 
 use crate::load::ids::IdDistributions;
 use crate::load::workload::{id_samplers, random_request};
@@ -257,11 +257,13 @@ fn measure(
                 assemble(schema.num_dense, schema.num_sparse(), requests)
             })
             .collect();
-        let mut scratch = Vec::new();
+        let mut distinct = DistinctIds::default();
         let mut ids = IdCount::default();
         for batch in &batches {
             for f in 0..batch.num_sparse {
-                ids = ids.add(count_ids([batch.feature_ids(f)], &mut scratch));
+                distinct.clear();
+                distinct.add(batch.feature_ids(f));
+                ids = ids.add(distinct.count());
             }
         }
         for batch in batches.iter().cycle().take(args.warmup) {

@@ -487,3 +487,69 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
         "RSS grew from {first} KiB after cycle 1 to {last} KiB after cycle 10: {rss:?}"
     );
 }
+
+/// Publishes a copy of the split model `split` as `version` of `model`,
+/// after `edit` has changed the copy.
+fn publish_split(repo: &Path, model: &str, version: u64, split: &Path, edit: impl FnOnce(&Path)) {
+    let staging = repo.join(model).join(format!(".incoming-{version}"));
+    std::fs::create_dir_all(staging.join("tables")).unwrap();
+    for dir in ["", "tables"] {
+        for entry in std::fs::read_dir(split.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                std::fs::copy(&path, staging.join(dir).join(path.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+    edit(&staging);
+    std::fs::rename(&staging, repo.join(model).join(version.to_string())).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_versions_share_the_tables_they_have_in_common() {
+    let repo = tempfile::tempdir().unwrap();
+    let split = export('a').join("split");
+    let table_bytes = |name: &str| std::fs::metadata(split.join("tables").join(name)).unwrap().len() as f64;
+    let all_tables: f64 = (0..26).map(|f| table_bytes(&format!("cat_{f}.bin"))).sum();
+    publish_split(repo.path(), "dlrm", 1, &split, |_| {});
+    let server =
+        RepoServer::start(repo.path(), |args| args.version_policy = "latest:2".parse().unwrap()).await;
+    let ready = |versions: &'static [&'static str]| {
+        move |l: &[ModelStatus]| {
+            states(l, "dlrm") == versions.iter().map(|v| (v.to_string(), "READY")).collect()
+        }
+    };
+    server.wait_until("version 1", ready(&["1"])).await;
+    let held =
+        || async { common::metric(&common::scrape(server.metrics_addr).await, "narsil_table_bytes_held") };
+    assert_eq!(held().await, all_tables);
+
+    // Version 2 has the same tables: both versions live, the tables once.
+    publish_split(repo.path(), "dlrm", 2, &split, |_| {});
+    server.wait_until("versions 1 and 2", ready(&["1", "2"])).await;
+    assert_eq!(held().await, all_tables);
+    let golden = Golden::read(&export('a')).unwrap();
+    let mut client = server.client().await;
+    for version in ["1", "2"] {
+        let mut request = wire(&golden.requests[1], "split");
+        request.model_version = version.into();
+        let response = client.predict(request).await.unwrap().into_inner();
+        assert_close(&response.scores, &golden.requests[1].scores_int8, &format!("version {version}"));
+    }
+
+    // Version 3 changes one table: only that one is read again, and
+    // version 1 (retired by latest:2) gives nothing back that 2 still holds.
+    publish_split(repo.path(), "dlrm", 3, &split, |dir| {
+        let table = dir.join("tables/cat_3.bin");
+        let mut rows = std::fs::read(&table).unwrap();
+        rows[4] ^= 1;
+        std::fs::write(&table, rows).unwrap();
+        let schema = std::fs::read_to_string(dir.join("schema.json")).unwrap();
+        let mut schema: serde_json::Value = serde_json::from_str(&schema).unwrap();
+        schema["tables"][3]["sha256"] = "a new table".into();
+        std::fs::write(dir.join("schema.json"), schema.to_string()).unwrap();
+    });
+    server.wait_until("versions 2 and 3", ready(&["2", "3"])).await;
+    assert_eq!(held().await, all_tables + table_bytes("cat_3.bin"));
+    server.stop().await;
+}

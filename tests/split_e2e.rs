@@ -21,8 +21,26 @@ async fn start_split(config: EngineConfig) -> TestServer {
     start_with(Arc::new(factory), config).await.ready().await
 }
 
-/// Returns whether any of the concurrent requests shared a forward.
-async fn golden_scores_alone_and_fused(config: EngineConfig) -> bool {
+/// What the embedding stage counted for table `cat_0`.
+struct TableCounts {
+    ids: f64,
+    distinct: f64,
+}
+
+impl TableCounts {
+    async fn scrape(server: &TestServer) -> Self {
+        let text = server.scrape().await;
+        assert!(common::metric(&text, r#"narsil_table_fetch_seconds_count{table="cat_25"}"#) > 0.0, "{text}");
+        Self {
+            ids: common::metric(&text, r#"narsil_table_ids_total{table="cat_0"}"#),
+            distinct: common::metric(&text, r#"narsil_table_distinct_ids_total{table="cat_0"}"#),
+        }
+    }
+}
+
+/// Returns whether any of the concurrent requests shared a forward, and
+/// what the stage counted during the concurrent rounds.
+async fn golden_scores_alone_and_fused(config: EngineConfig) -> (bool, TableCounts) {
     let server = start_split(config).await;
     let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = server.client().await;
@@ -38,6 +56,7 @@ async fn golden_scores_alone_and_fused(config: EngineConfig) -> bool {
         assert_close(&scores, &g.scores_int8, &format!("golden request {i} over TorchRec's protocol"));
     }
     let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+    let before = TableCounts::scrape(&server).await;
     let channel = server.channel().await;
     let mut fused = false;
     for round in 0..4 {
@@ -47,21 +66,35 @@ async fn golden_scores_alone_and_fused(config: EngineConfig) -> bool {
         }
         fused |= responses.iter().any(|r| r.fused_requests > 1);
     }
+    let after = TableCounts::scrape(&server).await;
+    let counts = TableCounts { ids: after.ids - before.ids, distinct: after.distinct - before.distinct };
+    assert!(
+        counts.ids >= counts.distinct && counts.distinct > 0.0,
+        "{} ids, {} distinct",
+        counts.ids,
+        counts.distinct
+    );
     server.stop().await.unwrap();
-    fused
+    (fused, counts)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_model_serves_the_single_file_models_scores_in_batch_mode() {
+    let (fused, counts) = golden_scores_alone_and_fused(batch_mode(1, 16)).await;
+    assert!(fused, "16 concurrent requests never shared a forward");
+    // The 16 concurrent requests repeat the golden requests: a fused
+    // forward looks their ids up once.
     assert!(
-        golden_scores_alone_and_fused(batch_mode(1, 16)).await,
-        "16 concurrent requests never shared a forward"
+        counts.ids > counts.distinct,
+        "no id deduplicated: {} ids, {} distinct",
+        counts.ids,
+        counts.distinct
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_model_serves_the_single_file_models_scores_in_worker_mode() {
-    assert!(!golden_scores_alone_and_fused(worker_mode(2)).await, "worker mode fused requests");
+    assert!(!golden_scores_alone_and_fused(worker_mode(2)).await.0, "worker mode fused requests");
 }
 
 #[test]
@@ -100,5 +133,7 @@ async fn mapped_tables_serve_the_same_scores() {
         let response = client.predict(wire(g, "")).await.unwrap().into_inner();
         assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}, mapped tables"));
     }
+    let text = server.scrape().await;
+    assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
     server.stop().await.unwrap();
 }

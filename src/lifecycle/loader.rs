@@ -146,8 +146,13 @@ impl LoadOptions {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,
         };
-        // A directory is a split model (tables apart from the dense network).
+        // A directory, or a repository version's schema.json, is a split
+        // model (tables apart from the dense network).
         if model.is_dir() {
+            return Ok(Arc::new(narsil_torch::SplitFactory::load(config)?));
+        }
+        if model.file_name().is_some_and(|name| name == super::repository::SPLIT_SCHEMA) {
+            config.model = model.parent().unwrap_or(Path::new(".")).to_path_buf();
             return Ok(Arc::new(narsil_torch::SplitFactory::load(config)?));
         }
         Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
@@ -176,5 +181,6 @@ mod tests {
     fn the_file_names_its_backend() {
         assert_eq!(BackendKind::for_file(Path::new("m/1/model.safetensors")), BackendKind::Burn);
         assert_eq!(BackendKind::for_file(Path::new("m/1/model.pt")), BackendKind::Torch);
+        assert_eq!(BackendKind::for_file(Path::new("m/1/schema.json")), BackendKind::Torch);
     }
 }

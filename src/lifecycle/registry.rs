@@ -151,6 +151,8 @@ struct RegistryMetrics {
     loads: Family<Labels, Counter>,
     versions: Family<Labels, Gauge>,
     unrouted: Family<Labels, Counter>,
+    tables_held: Gauge,
+    table_bytes_held: Gauge,
 }
 
 impl RegistryMetrics {
@@ -160,7 +162,18 @@ impl RegistryMetrics {
         registry.register("requests", "Requests by outcome", unrouted.clone());
         registry.register("model_loads", "Version loads by model and outcome (ok, failed)", loads.clone());
         registry.register("model_versions", "Versions of each model by state", versions.clone());
-        Self { registry, loads, versions, unrouted }
+        let (tables_held, table_bytes_held) = (Gauge::default(), Gauge::default());
+        registry.register(
+            "tables_held",
+            "Embedding tables of split models held by the process (a table shared by versions counts once)",
+            tables_held.clone(),
+        );
+        registry.register(
+            "table_bytes_held",
+            "Bytes of the embedding tables held by the process, in memory or mapped (shared tables once)",
+            table_bytes_held.clone(),
+        );
+        Self { registry, loads, versions, unrouted, tables_held, table_bytes_held }
     }
 }
 
@@ -440,6 +453,9 @@ impl ModelRegistry {
                 self.metrics.versions.get_or_create(&labels(&[("model", name), ("state", &state)])).inc();
             }
         }
+        let held = narsil_embedding::shared::held();
+        self.metrics.tables_held.set(held.tables as i64);
+        self.metrics.table_bytes_held.set(held.bytes as i64);
         let mut own = String::new();
         prometheus_client::encoding::text::encode(&mut own, &self.metrics.registry)
             .expect("writing to a String cannot fail");

@@ -3,7 +3,9 @@
 //!
 //! A version directory holds one model file, `model.pt` (TorchScript, served
 //! by libtorch, with a `model.json` beside it when it has TorchRec's
-//! signature) or `model.safetensors` (Burn), plus whatever that model needs.
+//! signature), `model.safetensors` (Burn) or `schema.json` (a split model:
+//! the version directory is the model, its tables in `tables/`), plus
+//! whatever that model needs.
 //! Only directories named by a number are versions; anything else, and every
 //! name starting with a dot, is ignored, so a version is published by writing
 //! it under a dot-name (or outside the repository) and renaming it into place.
@@ -22,7 +24,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The model file names a version directory may hold, in the order looked for.
-pub const MODEL_FILES: [&str; 2] = ["model.pt", "model.safetensors"];
+pub const MODEL_FILES: [&str; 3] = ["model.pt", "model.safetensors", SPLIT_SCHEMA];
+
+/// The file that makes a version directory a split model.
+pub const SPLIT_SCHEMA: &str = "schema.json";
 
 /// A version directory as found on disk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -223,6 +228,7 @@ mod tests {
         touch(&root.join("dlrm/6")); // a file, not a directory
         touch(&root.join(".hidden/1/model.pt"));
         touch(&root.join("ranker/2/model.pt"));
+        touch(&root.join("ranker/3/schema.json"));
         let found = scan(root).unwrap();
         assert_eq!(found.keys().collect::<Vec<_>>(), ["dlrm", "ranker"]);
         let dlrm = &found["dlrm"];
@@ -230,6 +236,7 @@ mod tests {
         assert_eq!(dlrm[&1].model_file, Some(root.join("dlrm/1/model.pt")));
         assert_eq!(dlrm[&12].model_file, Some(root.join("dlrm/12/model.safetensors")));
         assert_eq!(dlrm[&5].model_file, None);
+        assert_eq!(found["ranker"][&3].model_file, Some(root.join("ranker/3/schema.json")));
     }
 
     #[test]

@@ -142,6 +142,11 @@ pub trait BackendFactory: Send + Sync {
     fn warmup_rows(&self) -> Vec<usize> {
         vec![1, 100]
     }
+
+    /// Adds the backend's own metrics (the embedding stage's per-table
+    /// counters, say) to the engine's `registry`, whose samples carry the
+    /// model and version labels.
+    fn register_metrics(&self, _registry: &mut prometheus_client::registry::Registry) {}
 }
 
 /// A valid batch of `rows` rows for warm-up: zero dense values and id 0 in

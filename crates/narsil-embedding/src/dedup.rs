@@ -3,6 +3,9 @@
 //! fetched once, however many bags name it. The ratio of ids looked up to
 //! distinct ids is what deduplication saves a store that fetches rows.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
 /// Ids looked up and how many of them are distinct.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct IdCount {
@@ -28,17 +31,77 @@ impl IdCount {
     }
 }
 
-/// Counts the ids of one table (every feature that indexes it, chained);
-/// `scratch` is reused between calls.
-pub fn count_ids<'a>(ids: impl IntoIterator<Item = &'a [i64]>, scratch: &mut Vec<i64>) -> IdCount {
-    scratch.clear();
-    for part in ids {
-        scratch.extend_from_slice(part);
+/// A multiplicative hash for ids: one multiply and a shift, enough to
+/// spread both the low bits (bucket) and the high bits (tag) the map uses.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(self.0 ^ b as u64);
+        }
     }
-    let looked_up = scratch.len();
-    scratch.sort_unstable();
-    scratch.dedup();
-    IdCount { looked_up, distinct: scratch.len() }
+
+    fn write_i64(&mut self, id: i64) {
+        self.write_u64(id as u64);
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        let h = value.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = h ^ (h >> 29);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// The distinct ids of one table in a fused batch, in first-seen order,
+/// and for every id looked up its slot: its position among the distinct
+/// ids (where its fetched row lands). Reused between batches.
+#[derive(Default)]
+pub struct DistinctIds {
+    slot_of: HashMap<i64, u32, BuildHasherDefault<IdHasher>>,
+    distinct: Vec<i64>,
+    slots: Vec<i64>,
+}
+
+impl DistinctIds {
+    /// Forgets the last batch's ids (keeping the memory).
+    pub fn clear(&mut self) {
+        self.slot_of.clear();
+        self.distinct.clear();
+        self.slots.clear();
+    }
+
+    /// Adds the ids of one feature's bags.
+    pub fn add(&mut self, ids: &[i64]) {
+        self.slots.reserve(ids.len());
+        for &id in ids {
+            let next = self.distinct.len() as u32;
+            let slot = *self.slot_of.entry(id).or_insert(next);
+            if slot == next {
+                self.distinct.push(id);
+            }
+            self.slots.push(slot as i64);
+        }
+    }
+
+    /// The distinct ids, first-seen order.
+    pub fn distinct(&self) -> &[i64] {
+        &self.distinct
+    }
+
+    /// Every id added so far as its slot, in the order added.
+    pub fn slots(&self) -> &[i64] {
+        &self.slots
+    }
+
+    /// Ids added and distinct ids.
+    pub fn count(&self) -> IdCount {
+        IdCount { looked_up: self.slots.len(), distinct: self.distinct.len() }
+    }
 }
 
 #[cfg(test)]
@@ -46,12 +109,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn repeated_ids_across_the_features_of_a_table_count_once() {
-        let mut scratch = Vec::new();
-        let count = count_ids([&[5i64, 9, 5][..], &[9, 1][..]], &mut scratch);
+    fn repeated_ids_across_the_features_of_a_table_get_one_slot() {
+        let mut ids = DistinctIds::default();
+        ids.add(&[5, 9, 5]);
+        ids.add(&[9, 1]);
+        assert_eq!(ids.distinct(), &[5, 9, 1]);
+        assert_eq!(ids.slots(), &[0, 1, 0, 1, 2]);
+        let count = ids.count();
         assert_eq!(count, IdCount { looked_up: 5, distinct: 3 });
         assert!((count.ratio() - 5.0 / 3.0).abs() < 1e-12);
-        assert_eq!(count_ids([&[][..]], &mut scratch).ratio(), 0.0);
         assert_eq!(count.add(count), IdCount { looked_up: 10, distinct: 6 });
+        ids.clear();
+        assert_eq!(ids.count().ratio(), 0.0);
+        ids.add(&[1 << 40, 2 << 40, 1 << 40]);
+        assert_eq!(ids.count(), IdCount { looked_up: 3, distinct: 2 });
     }
 }

@@ -7,18 +7,31 @@
 //! * [`table`]: a table's rows, read into memory or mapped from its file
 //!   (`memory` and `mmap` stores), checked against the schema, with errors
 //!   naming the table and the file.
+//! * [`store`]: the trait every table store implements (rows in this
+//!   process, or fetched by distinct id).
+//! * [`shared`]: tables shared by content across the model versions of a
+//!   process.
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
 //!   each row once saves).
 //! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's
 //!   input, with FBGEMM's arithmetic (AVX2 + FMA when the CPU has them,
 //!   chosen at run time; a scalar path otherwise).
+//! * [`stage`]: the stage itself: per fused batch and table, dedup, fetch,
+//!   pool; with [`metrics`] per table.
 
 pub mod dedup;
+pub mod metrics;
 pub mod pool;
 pub mod schema;
+pub mod shared;
+pub mod stage;
+pub mod store;
 pub mod table;
 
-pub use dedup::{count_ids, IdCount};
+pub use dedup::{DistinctIds, IdCount};
+pub use metrics::StageMetrics;
 pub use pool::{pool_int8, OutOfRange, Pooling};
 pub use schema::{PoolingMode, SchemaError, SplitSchema, Storage, TableSpec};
+pub use stage::{EmbeddingStage, StageError, StageScratch};
+pub use store::{FetchError, RowStore};
 pub use table::{Table, TableError, TableStore};

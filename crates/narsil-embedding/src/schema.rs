@@ -9,7 +9,7 @@ use serde::Deserialize;
 pub const SPLIT_FORMAT: &str = "narsil-split-1";
 
 /// How a table's rows are stored in its file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Storage {
     /// FBGEMM's row-wise INT8 inference layout: an fp16 scale and an fp16

@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use crate::schema::{Storage, TableSpec};
 
 /// Where a table's rows live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TableStore {
     /// Read into process memory.
     #[default]
@@ -113,14 +113,10 @@ pub struct Table {
 
 impl std::fmt::Debug for Table {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let store = match self.rows_data {
-            Rows::Memory(_) => TableStore::Memory,
-            Rows::Mapped(_) => TableStore::Mmap,
-        };
         f.debug_struct("Table")
             .field("name", &self.name)
             .field("rows", &self.rows)
-            .field("store", &store)
+            .field("store", &self.store())
             .finish()
     }
 }
@@ -199,6 +195,14 @@ impl Table {
             row_bytes: spec.row_bytes,
             storage: spec.storage,
             rows_data,
+        }
+    }
+
+    /// Where its rows live.
+    pub fn store(&self) -> TableStore {
+        match self.rows_data {
+            Rows::Memory(_) => TableStore::Memory,
+            Rows::Mapped(_) => TableStore::Mmap,
         }
     }
 

@@ -70,7 +70,9 @@ impl Engine {
     pub fn start(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> Result<Self, StartError> {
         config.validate()?;
         let schema = factory.schema().clone();
-        let stats = Arc::new(Stats::labelled(&[("model", &schema.name), ("version", &schema.version)]));
+        let mut stats = Stats::labelled(&[("model", &schema.name), ("version", &schema.version)]);
+        factory.register_metrics(stats.registry_mut());
+        let stats = Arc::new(stats);
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
         let collector = Arc::new(Collector::new(
             BatchQueue::new(config.mode.flush_policy(&config), schema.num_dense, schema.num_sparse()),

@@ -219,6 +219,11 @@ impl Stats {
         self
     }
 
+    /// The registry the engine's metrics are in (for a backend's own).
+    pub fn registry_mut(&mut self) -> &mut Registry {
+        &mut self.registry
+    }
+
     /// Counts one request's outcome.
     pub fn record(&self, outcome: Outcome) {
         self.by_outcome[outcome as usize].inc();

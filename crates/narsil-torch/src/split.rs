@@ -1,19 +1,19 @@
 //! Split models (tables apart from the dense network; models/README.md,
-//! "Split models") served by libtorch: for each fused batch the lane pools
-//! every feature's bags from the tables with Narsil's embedding stage
-//! (`narsil-embedding`, FBGEMM's arithmetic), then runs the TorchScript
-//! dense network on the dense features and the pooled embeddings.
+//! "Split models") served by libtorch: for each fused batch the lane runs
+//! Narsil's embedding stage (`narsil-embedding`: per table dedup, fetch and
+//! pooling with FBGEMM's arithmetic), then the TorchScript dense network on
+//! the dense features and the pooled embeddings.
 //!
-//! The tables are read once per process and shared by every lane. The
-//! pooling runs on the lane, right before the dense forward, on the
-//! intra-op threads' calling thread.
+//! The stage and its tables are shared by every lane (and the tables by
+//! every model version that has the same ones). It runs on the lane, right
+//! before the dense forward, on the intra-op threads' calling thread.
 
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema, SparseFeature};
-use narsil_embedding::{pool_int8, Pooling, SplitSchema, Table};
+use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
 use crate::device::parse_device;
@@ -22,13 +22,10 @@ use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThrea
 use crate::precision::DensePrecision;
 use crate::script_module::ScriptModule;
 
-/// A loaded split model: its tables and its dense network.
+/// A loaded split model: its embedding stage and its dense network.
 struct SplitModel {
     schema: ModelSchema,
-    /// Each feature's table (index into `tables`) and pooling.
-    features: Vec<(usize, narsil_embedding::PoolingMode)>,
-    tables: Vec<Table>,
-    pooled_dim: usize,
+    stage: EmbeddingStage,
     dense_network: ScriptModule,
 }
 
@@ -74,31 +71,19 @@ impl SplitFactory {
                 ),
             ));
         }
-        if let Some(weighted) = split.features.iter().find(|f| f.weighted) {
-            return Err(load_error(
-                &dir,
-                format!(
-                    "feature {:?} is weighted: split models with weighted features are not served yet",
-                    weighted.name
-                ),
-            ));
+        if let Some(i) = split.features.iter().position(|f| f.weighted) {
+            if let Some(unweighted) = split.features[i..].iter().find(|f| !f.weighted) {
+                return Err(load_error(
+                    &dir,
+                    format!(
+                        "feature {:?} is unweighted but follows the weighted feature {:?}: list the weighted features last, as requests send them",
+                        unweighted.name, split.features[i].name
+                    ),
+                ));
+            }
         }
-        let tables: Vec<Table> = split
-            .tables
-            .iter()
-            .map(|spec| Table::load(&dir, spec, config.table_store))
-            .collect::<Result<_, _>>()
-            .map_err(|e| load_error(&dir, e))?;
-        let features = split
-            .features
-            .iter()
-            .map(|f| {
-                (
-                    split.tables.iter().position(|t| t.name == f.table).expect("checked by the schema"),
-                    f.pooling,
-                )
-            })
-            .collect();
+        let (stage, opened) =
+            EmbeddingStage::open(&dir, &split, config.table_store).map_err(|e| load_error(&dir, e))?;
         let schema = ModelSchema {
             name: split.name.clone(),
             version: split.version.clone(),
@@ -108,7 +93,10 @@ impl SplitFactory {
             sparse: split
                 .features
                 .iter()
-                .map(|f| SparseFeature::new(f.name.clone(), split.table(&f.table).expect("checked").rows))
+                .map(|f| SparseFeature {
+                    weighted: f.weighted,
+                    ..SparseFeature::new(f.name.clone(), split.table(&f.table).expect("checked").rows)
+                })
                 .collect(),
             outputs: split.outputs.clone(),
         };
@@ -117,23 +105,17 @@ impl SplitFactory {
         let loaded = ScriptModule::load(&network, device, config.dense_precision).map_err(|e| {
             BackendError::load(&network, "not a TorchScript dense network libtorch can load").caused_by(e)
         })?;
-        let bytes: usize = tables.iter().map(|t| t.bytes().len()).sum();
         tracing::info!(
             model = %dir.display(),
-            tables = tables.len(),
+            tables_read = opened.read,
+            tables_shared = opened.shared,
             store = %config.table_store,
-            table_mib = bytes / (1 << 20),
+            table_mib = opened.bytes >> 20,
             features = schema.num_sparse(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "split model loaded"
         );
-        let model = SplitModel {
-            schema,
-            features,
-            tables,
-            pooled_dim: split.pooled_dim(),
-            dense_network: loaded.module,
-        };
+        let model = SplitModel { schema, stage, dense_network: loaded.module };
         let factory = Self { model: Arc::new(model), config };
         // A dense network that does not take this schema's shape fails now,
         // not on a client's request.
@@ -164,18 +146,29 @@ impl BackendFactory for SplitFactory {
     fn warmup_rows(&self) -> Vec<usize> {
         self.config.warmup_rows.clone()
     }
+
+    fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.model.stage.metrics().register(registry);
+    }
 }
 
-/// A lane of a split model: its pooled-embedding buffer, reused.
+/// A lane of a split model: its stage buffers and pooled embeddings,
+/// reused.
 struct SplitLane {
     model: Arc<SplitModel>,
+    scratch: StageScratch,
     pooled: Vec<f32>,
     threads: IntraOpThreads,
 }
 
 impl SplitLane {
     fn new(model: Arc<SplitModel>, min_threads: usize) -> Self {
-        Self { model, pooled: Vec::new(), threads: IntraOpThreads::new(min_threads) }
+        Self {
+            model,
+            scratch: StageScratch::default(),
+            pooled: Vec::new(),
+            threads: IntraOpThreads::new(min_threads),
+        }
     }
 }
 
@@ -204,27 +197,11 @@ impl ModelBackend for SplitLane {
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         let model = &*self.model;
-        let (rows, dim, features) = (batch.rows, model.pooled_dim, model.features.len());
-        let width = features * dim;
-        self.pooled.resize(rows * width, 0.0);
-        for (f, &(table, mode)) in model.features.iter().enumerate() {
-            let table = &model.tables[table];
-            let pooling = Pooling { mode, weights: None };
-            let (lengths, ids) = (batch.feature_lengths(f), batch.feature_ids(f));
-            pool_int8(
-                table.bytes(),
-                table.row_bytes,
-                dim,
-                lengths,
-                ids,
-                pooling,
-                &mut self.pooled[f * dim..],
-                width,
-            )
-            .map_err(|e| {
-                BackendError::forward(format!("feature {}", model.schema.sparse[f].name)).caused_by(e)
-            })?;
-        }
+        let (rows, width) = (batch.rows, model.stage.pooled_width());
+        model
+            .stage
+            .pool(batch, &mut self.scratch, &mut self.pooled)
+            .map_err(|e| BackendError::forward("the embedding stage").caused_by(e))?;
         // Both inputs are borrowed, not copied (the pooled block is 6.5 KiB
         // per row): the tensors are dropped before this returns, while the
         // batch and the lane's buffer are still untouched.

@@ -1,0 +1,102 @@
+//! What the embedding stage records per table, as Prometheus metrics
+//! (labelled `table`, beside the model and version labels of the engine
+//! that registers them):
+//!
+//! * `narsil_table_ids_total`: ids looked up;
+//! * `narsil_table_distinct_ids_total`: distinct ids per fused batch,
+//!   summed (ids over distinct ids is the dedup ratio);
+//! * `narsil_table_rows_fetched_total`: rows read from the store (one per
+//!   distinct id);
+//! * `narsil_table_fetch_seconds`: time to fetch and pool one fused
+//!   batch's rows of the table;
+//! * `narsil_table_major_faults_total`: for stores that can wait on the
+//!   disk (`mmap`), the major page faults taken while looking up: when it
+//!   grows, the working set no longer fits in the page cache.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::{Registry, Unit};
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct TableLabel {
+    table: String,
+}
+
+fn fetch_buckets() -> Histogram {
+    // 2 µs to ~0.5 s.
+    Histogram::new(exponential_buckets(2e-6, 2.0, 18))
+}
+
+/// One table's counters (shared with the families that expose them).
+#[derive(Debug, Clone)]
+pub(crate) struct TableCounters {
+    pub ids: Counter,
+    pub distinct_ids: Counter,
+    pub rows_fetched: Counter,
+    pub fetch_seconds: Histogram,
+    pub major_faults: Counter,
+}
+
+/// The stage's metric families.
+#[derive(Debug)]
+pub struct StageMetrics {
+    ids: Family<TableLabel, Counter>,
+    distinct_ids: Family<TableLabel, Counter>,
+    rows_fetched: Family<TableLabel, Counter>,
+    fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
+    major_faults: Family<TableLabel, Counter>,
+}
+
+impl Default for StageMetrics {
+    fn default() -> Self {
+        Self {
+            ids: Family::default(),
+            distinct_ids: Family::default(),
+            rows_fetched: Family::default(),
+            fetch_seconds: Family::new_with_constructor(fetch_buckets),
+            major_faults: Family::default(),
+        }
+    }
+}
+
+impl StageMetrics {
+    /// Table `table`'s counters, created at zero.
+    pub(crate) fn table(&self, table: &str) -> TableCounters {
+        let label = TableLabel { table: table.to_string() };
+        TableCounters {
+            ids: self.ids.get_or_create(&label).clone(),
+            distinct_ids: self.distinct_ids.get_or_create(&label).clone(),
+            rows_fetched: self.rows_fetched.get_or_create(&label).clone(),
+            fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
+            major_faults: self.major_faults.get_or_create(&label).clone(),
+        }
+    }
+
+    /// Adds every family to `registry` (whose prefix is `narsil`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register("table_ids", "Ids looked up in a table", self.ids.clone());
+        registry.register(
+            "table_distinct_ids",
+            "Distinct ids per fused batch in a table, summed (ids / distinct ids = the dedup ratio)",
+            self.distinct_ids.clone(),
+        );
+        registry.register(
+            "table_rows_fetched",
+            "Rows read from a table's store (once per distinct id of a fused batch)",
+            self.rows_fetched.clone(),
+        );
+        registry.register_with_unit(
+            "table_fetch",
+            "Time to fetch and pool one fused batch's rows of a table",
+            Unit::Seconds,
+            self.fetch_seconds.clone(),
+        );
+        registry.register(
+            "table_major_faults",
+            "Major page faults while looking up a memory-mapped table (disk reads: the working set exceeds the page cache)",
+            self.major_faults.clone(),
+        );
+    }
+}

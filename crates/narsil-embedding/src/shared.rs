@@ -1,0 +1,133 @@
+//! Tables shared by content across the model versions of one process: a
+//! version whose table has the same identity as a table some live version
+//! already holds gets that table, not a second copy. A new dense network,
+//! or a version that changes a few tables, reloads only what changed, and
+//! a live switch between two such versions holds the shared tables once.
+//!
+//! A table's identity is its schema's `sha256` (written by the exporter
+//! from the file's bytes) with its shape (rows, row bytes, storage) and the
+//! store it is held in. The file is not hashed again at load (that would
+//! read a table larger than RAM end to end): model versions are immutable
+//! once published, and a table without a `sha256` is never shared.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::schema::{Storage, TableSpec};
+use crate::table::{Table, TableError, TableStore};
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Identity {
+    sha256: String,
+    rows: u64,
+    row_bytes: usize,
+    storage: Storage,
+    store: TableStore,
+}
+
+/// Tables some live model version holds, by identity.
+static LIVE: Mutex<Option<HashMap<Identity, Weak<Table>>>> = Mutex::new(None);
+
+/// A table and whether it was already held (shared) or read now.
+pub struct Opened {
+    /// The table.
+    pub table: Arc<Table>,
+    /// Whether a live version already held it.
+    pub shared: bool,
+}
+
+fn live(identity: &Identity) -> Option<Arc<Table>> {
+    let mut guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    map.retain(|_, table| table.strong_count() > 0);
+    map.get(identity).and_then(Weak::upgrade)
+}
+
+/// Tables the process holds for its live model versions, each shared
+/// table once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Tables.
+    pub tables: usize,
+    /// Their bytes (in memory, or mapped).
+    pub bytes: u64,
+}
+
+/// What the live model versions hold now (tables without an identity are
+/// not counted: they are never shared).
+pub fn held() -> Held {
+    let guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let live = guard.iter().flat_map(|map| map.values()).filter_map(Weak::upgrade);
+    live.fold(Held::default(), |held, table| Held {
+        tables: held.tables + 1,
+        bytes: held.bytes + table.bytes().len() as u64,
+    })
+}
+
+/// Opens the table `spec` describes in model directory `dir`, in `store`,
+/// sharing it with any live version that holds the same table.
+pub fn open_shared(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Opened, TableError> {
+    if spec.sha256.is_empty() {
+        return Ok(Opened { table: Arc::new(Table::load(dir, spec, store)?), shared: false });
+    }
+    let identity = Identity {
+        sha256: spec.sha256.clone(),
+        rows: spec.rows,
+        row_bytes: spec.row_bytes,
+        storage: spec.storage,
+        store,
+    };
+    if let Some(table) = live(&identity) {
+        return Ok(Opened { table, shared: true });
+    }
+    // Read without the lock (a table can take seconds); a version that read
+    // the same table meanwhile wins, and this copy is dropped.
+    let table = Arc::new(Table::load(dir, spec, store)?);
+    let mut guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(existing) = map.get(&identity).and_then(Weak::upgrade) {
+        return Ok(Opened { table: existing, shared: true });
+    }
+    map.insert(identity, Arc::downgrade(&table));
+    Ok(Opened { table, shared: false })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(sha256: &str) -> TableSpec {
+        TableSpec {
+            name: "t".into(),
+            rows: 4,
+            dim: 8,
+            storage: Storage::Int8Rowwise,
+            row_bytes: 16,
+            file: "tables/t.bin".into(),
+            sha256: sha256.into(),
+        }
+    }
+
+    #[test]
+    fn a_table_with_the_same_identity_is_shared_while_a_version_holds_it() {
+        let dir = std::env::temp_dir().join(format!("narsil-shared-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("tables")).unwrap();
+        std::fs::write(dir.join("tables/t.bin"), vec![3u8; 64]).unwrap();
+        let first = open_shared(&dir, &spec("ab12"), TableStore::Memory).unwrap();
+        assert!(!first.shared);
+        let second = open_shared(&dir, &spec("ab12"), TableStore::Memory).unwrap();
+        assert!(second.shared && Arc::ptr_eq(&first.table, &second.table));
+        // Another identity, another store, or no identity: a table of its own.
+        for (sha, store) in
+            [("cd34", TableStore::Memory), ("ab12", TableStore::Mmap), ("", TableStore::Memory)]
+        {
+            let other = open_shared(&dir, &spec(sha), store).unwrap();
+            assert!(!other.shared && !Arc::ptr_eq(&first.table, &other.table), "{sha} {store}");
+        }
+        // Once no version holds it, it is read again.
+        drop((first, second));
+        assert!(!open_shared(&dir, &spec("ab12"), TableStore::Memory).unwrap().shared);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
