@@ -16,11 +16,16 @@ probabilities per task.
 
 --kind dlrm       TorchRec's DLRMPredictModule: one output, "default".
 --kind multitask  a two-task ranking model ("click", "conversion") over
-                  unweighted and weighted (id-score) features.
+                  unweighted and weighted (id-score) features; cat_0 and
+                  cat_1 share one table, and the last unweighted feature is
+                  mean-pooled.
 
 Writes into --out: model.pt, model.json (the schema Narsil reads beside the
 model; see models/README.md), golden.json (fixed random requests with every
-output's scores, computed here with the saved file) and manifest.json.
+output's scores, computed here with the saved file) and manifest.json; with
+--split also OUT/split, the same model as a split model (its INT8 tables
+apart from its dense network, models/README.md), checked against model.pt's
+golden scores.
 """
 
 import argparse
@@ -42,26 +47,33 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from split_model import DenseNetwork, write_torchrec_split
+
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 
 
 def log(msg: str) -> None:
     print(f"[export_torchrec] {msg}", file=sys.stderr, flush=True)
 
 
-def tables(names: List[str], args: argparse.Namespace) -> List[EmbeddingBagConfig]:
+def tables(names: List[str], args: argparse.Namespace, varied: bool = False) -> List[EmbeddingBagConfig]:
+    """One sum-pooled table per feature; `varied`: the first two features
+    share one table and the last is mean-pooled."""
     bound = args.embedding_init
+    groups = [[name] for name in names]
+    if varied:
+        groups = [names[:2]] + groups[2:]
     return [
         EmbeddingBagConfig(
-            name=f"t_{name}",
+            name="t_" + "_".join(group),
             embedding_dim=args.embedding_dim,
             num_embeddings=args.num_rows,
-            feature_names=[name],
-            pooling=PoolingType.SUM,
+            feature_names=group,
+            pooling=PoolingType.MEAN if varied and group[-1] == names[-1] else PoolingType.SUM,
             init_fn=lambda w: nn.init.uniform_(w, -bound, bound),
         )
-        for name in names
+        for group in groups
     ]
 
 
@@ -90,6 +102,23 @@ class TwoTowerTasks(nn.Module):
         }
 
 
+class TwoTaskDense(nn.Module):
+    """TwoTowerTasks after its lookups: forward(dense, pooled) -> [2, B]
+    (click, then conversion)."""
+
+    def __init__(self, model: TwoTowerTasks) -> None:
+        super().__init__()
+        self.dense_arch = model.dense_arch
+        self.shared = model.shared
+        self.click = model.click
+        self.conversion = model.conversion
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        hidden = self.shared(torch.cat([self.dense_arch(dense), pooled], dim=1))
+        return torch.stack([torch.sigmoid(self.click(hidden)).reshape(-1),
+                            torch.sigmoid(self.conversion(hidden)).reshape(-1)])
+
+
 class MultiTaskPredictModule(PredictModule):
     """TorchRec's predict interface around TwoTowerTasks."""
 
@@ -113,12 +142,13 @@ class MultiTaskPredictModule(PredictModule):
         return self.predict_module(batch["float_features"], id_list, id_score_list)
 
 
-def package(module: nn.Module, sample: Dict[str, torch.Tensor]) -> torch.jit.ScriptModule:
+def package(module: nn.Module, sample: Dict[str, torch.Tensor]):
     """TorchRec's packaging: quantize the tables, FX-trace with TorchRec's
-    tracer (lookups and jagged tensors stay leaves), script."""
+    tracer (lookups and jagged tensors stay leaves), script. Returns the
+    quantized module and the scripted one."""
     quantized = quantize_inference_model(module)
     quantized(sample)
-    return torch.jit.script(torchrec_symbolic_trace(quantized))
+    return quantized, torch.jit.script(torchrec_symbolic_trace(quantized))
 
 
 def golden_requests(args: argparse.Namespace, unweighted: List[str], weighted: List[str]) -> List[dict]:
@@ -168,6 +198,36 @@ def batch_of(request: dict, num_unweighted: int) -> Dict[str, torch.Tensor]:
     return batch
 
 
+def write_split(out: Path, quantized: nn.Module, args: argparse.Namespace, unweighted: List[str],
+                weighted: List[str], outputs: List[str], requests: List[dict], golden: List[dict]) -> None:
+    """The packaged model's split form: its quantized collections' tables
+    and its layers after the lookups, checked against `golden`."""
+    model = quantized.predict_module
+    if args.kind == "dlrm":
+        ebcs = [model.sparse_arch.embedding_bag_collection]
+        dense_network = DenseNetwork(model, len(unweighted))
+    else:
+        ebcs = [model.ebc, model.weighted_ebc]
+        dense_network = TwoTaskDense(model)
+
+    def pooled_of(request: dict):
+        batch = batch_of(request, len(unweighted))
+        groups = [KeyedJaggedTensor(keys=unweighted, lengths=batch["id_list_features.lengths"],
+                                    values=batch["id_list_features.values"])]
+        if weighted:
+            groups.append(KeyedJaggedTensor(keys=weighted, lengths=batch["id_score_list_features.lengths"],
+                                            values=batch["id_score_list_features.values"],
+                                            weights=batch["id_score_list_features.weights"]))
+        pooled = {}
+        for collection, features in zip(ebcs, groups):
+            pooled.update(collection(features).to_dict())
+        return batch["float_features"], pooled
+
+    log("writing the split model (tables apart from the dense network)")
+    write_torchrec_split(out, ebcs, dense_network, unweighted + weighted, f"torchrec-{args.kind}", "1",
+                         args.num_dense, outputs, list(zip(requests, golden)), pooled_of, log)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
@@ -180,9 +240,14 @@ def main() -> int:
     p.add_argument("--embedding-init", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    p.add_argument("--split", action="store_true",
+                   help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
     args = p.parse_args()
     out: Path = args.out
-    if (out / "manifest.json").exists() and not args.force:
+    if args.kind == "multitask" and args.num_sparse < 3:
+        p.error("--kind multitask needs --num-sparse of at least 3 (a shared table and a mean-pooled feature)")
+    split_missing = args.split and not (out / "split" / "schema.json").exists()
+    if (out / "manifest.json").exists() and not args.force and not split_missing:
         log(f"{out} already holds an export; pass --force to overwrite")
         return 0
     out.mkdir(parents=True, exist_ok=True)
@@ -191,7 +256,8 @@ def main() -> int:
 
     unweighted = [f"cat_{i}" for i in range(args.num_sparse)]
     weighted = [f"wcat_{i}" for i in range(args.num_weighted)] if args.kind == "multitask" else []
-    ebc = EmbeddingBagCollection(tables=tables(unweighted, args), device=torch.device("cpu"))
+    ebc = EmbeddingBagCollection(tables=tables(unweighted, args, varied=args.kind == "multitask"),
+                                 device=torch.device("cpu"))
     if args.kind == "dlrm":
         module = DLRMPredictModule(
             embedding_bag_collection=ebc,
@@ -213,7 +279,7 @@ def main() -> int:
     requests = golden_requests(args, unweighted, weighted)
     log(f"packaging a TorchRec-signature {args.kind} model ({len(unweighted)} + {len(weighted)} weighted "
         f"features x {args.num_rows:,} rows x {args.embedding_dim})")
-    scripted = package(module, batch_of(requests[1], len(unweighted)))
+    quantized, scripted = package(module, batch_of(requests[1], len(unweighted)))
     scripted.save(str(out / "model.pt"))
 
     config = {
@@ -239,8 +305,11 @@ def main() -> int:
                 "outputs": {name: predictions[name].reshape(-1).tolist() for name in outputs},
             })
     (out / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+    if args.split:
+        write_split(out / "split", quantized, args, unweighted, weighted, outputs, requests, golden)
+        (out / "split" / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
     manifest = {"export_format": EXPORT_FORMAT, "kind": args.kind, "seed": args.seed, "torch": torch.__version__,
-                "files": ["model.pt", "model.json", "golden.json"]}
+                "files": ["model.pt", "model.json", "golden.json"] + (["split/"] if args.split else [])}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s")
     return 0

@@ -125,3 +125,98 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
             golden.append(entry)
     (out / "golden.json").write_text(json.dumps({"requests": golden}))
     log(f"wrote the split model {out} (dense network, schema, golden scores equal to the INT8 model's)")
+
+
+def named_int8_tables(quantized_ebc: nn.Module) -> dict:
+    """Every table of a TorchRec quantized EmbeddingBagCollection as FBGEMM's
+    fused INT8 rows (`[rows, row_bytes]` uint8), by table name."""
+    tables = {}
+    for module in quantized_ebc._emb_modules:
+        names = [spec[0] for spec in module.embedding_specs]
+        for name, (fused, _) in zip(names, module.split_embedding_weights(split_scale_shifts=False)):
+            tables[name] = fused.contiguous()
+    return tables
+
+
+class WireOrderPooled(nn.Module):
+    """A dense network whose pooled input comes in the wire's feature order
+    (the order requests send them), put back into the order the model
+    concatenates its lookups in (TorchRec groups a collection's outputs by
+    pooling mode, so the two can differ)."""
+
+    def __init__(self, inner: nn.Module, order: List[int], dim: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.dim = dim
+        self.permute = order != list(range(len(order)))
+        self.register_buffer("order", torch.tensor(order, dtype=torch.int64))
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        if self.permute:
+            batch = pooled.shape[0]
+            pooled = pooled.view(batch, -1, self.dim).index_select(1, self.order).reshape(batch, -1)
+        return self.inner(dense, pooled)
+
+
+def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Module, wire_features: List[str],
+                         name: str, version: str, num_dense: int, outputs: List[str], golden: list,
+                         pooled_of, log) -> None:
+    """Writes `out` (a split model) from TorchRec quantized
+    EmbeddingBagCollections `ebcs` (their tables and feature-to-table
+    mapping) and `dense_network` (forward(dense, pooled in the model's
+    concatenation order) -> [outputs, B] or [B]). `golden` holds pairs of a
+    request and its single-file scores (`outputs` by name); `pooled_of`
+    gives a request's dense tensor and its pooled embeddings per feature
+    name. Checks the split scores against the single-file model's."""
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "tables").mkdir(parents=True)
+    described, features, model_order, weighted = [], {}, [], set()
+    for ebc in ebcs:
+        rows = named_int8_tables(ebc)
+        if ebc.is_weighted():
+            weighted.update(f for c in ebc.embedding_bag_configs() for f in c.feature_names)
+        for config in ebc.embedding_bag_configs():
+            fused = rows[config.name]
+            data = fused.numpy().tobytes()
+            file = f"tables/{config.name}.bin"
+            (out / file).write_bytes(data)
+            described.append({"name": config.name, "rows": fused.shape[0], "dim": config.embedding_dim,
+                              "storage": "int8_rowwise", "row_bytes": fused.shape[1], "file": file,
+                              "sha256": hashlib.sha256(data).hexdigest()})
+            for feature in config.feature_names:
+                features[feature] = {"name": feature, "table": config.name,
+                                     "pooling": config.pooling.value.lower(), "weighted": ebc.is_weighted()}
+        # The order the collection returns its pooled features in.
+        model_order += list(ebc(empty_features(ebc)).keys())
+    dim = described[0]["dim"]
+    wrapped = torch.jit.script(WireOrderPooled(dense_network, [wire_features.index(f) for f in model_order], dim).eval())
+    wrapped.save(str(out / "dense.pt"))
+    schema = {
+        "format": SPLIT_FORMAT, "name": name, "version": version, "num_dense": num_dense,
+        "tables": described,
+        "features": [features[f] for f in wire_features],
+        "outputs": outputs,
+        "dense_network": "dense.pt",
+    }
+    (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
+    log(f"wrote {len(described)} INT8 tables for {len(wire_features)} features "
+        f"({sum(t['rows'] * t['row_bytes'] for t in described) / 2**20:.2f} MiB) into {out}")
+    with torch.inference_mode():
+        for i, (request, expected) in enumerate(golden):
+            dense, pooled = pooled_of(request)
+            scores = wrapped(dense, torch.cat([pooled[f] for f in wire_features], dim=1)).reshape(len(outputs), -1)
+            for k, output in enumerate(outputs):
+                diff = (scores[k] - torch.tensor(expected["outputs"][output])).abs().max().item()
+                if diff > 1e-6:
+                    raise SystemExit(f"split export check failed: request {i} output {output} differs from the "
+                                     f"single-file model's by {diff}")
+    log(f"wrote the split model {out} (its scores equal the single-file model's on every golden request)")
+
+
+def empty_features(ebc: nn.Module):
+    """A batch of one sample with empty bags for every feature of `ebc`."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+    keys = [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
+    weights = torch.zeros(0) if ebc.is_weighted() else None
+    return KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64),
+                             lengths=torch.zeros(len(keys), dtype=torch.int32), weights=weights)

@@ -11,8 +11,8 @@ require_rust
 use_project_torch
 export_model test-small --num-rows 1000 --split
 export_model test-small-b --num-rows 1000 --seed 1 --golden-seed 0
-export_torchrec_model test-torchrec-dlrm --kind dlrm
-export_torchrec_model test-torchrec-multitask --kind multitask
+export_torchrec_model test-torchrec-dlrm --kind dlrm --split
+export_torchrec_model test-torchrec-multitask --kind multitask --split
 step "building the tests (workspace, all targets, --features torch)"
 cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked --no-run
 # A cold build writes gigabytes; on a 2-vCPU machine their writeback competes

@@ -26,7 +26,7 @@ use narsil_core::golden::{Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
 use narsil_core::{error_chain, BackendFactory, ModelSchema};
 use narsil_engine::EngineConfig;
-use narsil_torch::{TorchConfig, TorchFactory};
+use narsil_torch::{SplitFactory, TorchConfig, TorchFactory};
 use tonic::Code;
 
 fn model_dir(name: &str) -> PathBuf {
@@ -39,12 +39,19 @@ fn model_dir(name: &str) -> PathBuf {
     dir
 }
 
-fn load(name: &str) -> TorchFactory {
-    TorchFactory::load(TorchConfig::new(model_dir(name).join("model.pt"))).unwrap()
+/// `name` is an export (its model.pt) or an export's split form
+/// (`NAME/split`: its tables pooled by Narsil's embedding stage).
+fn load(name: &str) -> Arc<dyn BackendFactory> {
+    let dir = model_dir(name);
+    if name.ends_with("/split") {
+        Arc::new(SplitFactory::load(TorchConfig::new(dir)).unwrap())
+    } else {
+        Arc::new(TorchFactory::load(TorchConfig::new(dir.join("model.pt"))).unwrap())
+    }
 }
 
 async fn serve(name: &str, config: EngineConfig) -> TestServer {
-    common::start_with(Arc::new(load(name)), config).await.ready().await
+    common::start_with(load(name), config).await.ready().await
 }
 
 /// Every output of a narsil.v1 response against the golden request's.
@@ -103,22 +110,43 @@ async fn multitask_weighted_model_serves_every_output_in_batch_and_worker_modes(
     golden_over_both_protocols("test-torchrec-multitask", worker_mode(2)).await;
 }
 
+/// The split forms: shared, mean-pooled and weighted features and two
+/// outputs through the embedding stage, against the single-file model's
+/// golden scores.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_forms_serve_the_packaged_models_scores_in_batch_and_worker_modes() {
+    for name in ["test-torchrec-dlrm/split", "test-torchrec-multitask/split"] {
+        golden_over_both_protocols(name, batch_mode(1, 16)).await;
+        golden_over_both_protocols(name, worker_mode(2)).await;
+    }
+}
+
 /// In process: alone and fused against Python, and several lanes at once.
 #[test]
-fn both_models_pass_the_backend_conformance_kit() {
-    for name in ["test-torchrec-dlrm", "test-torchrec-multitask"] {
+fn every_model_and_its_split_form_pass_the_backend_conformance_kit() {
+    for name in [
+        "test-torchrec-dlrm",
+        "test-torchrec-multitask",
+        "test-torchrec-dlrm/split",
+        "test-torchrec-multitask/split",
+    ] {
         let factory = load(name);
         let golden = Golden::read(&model_dir(name)).unwrap();
         let schema = factory.schema().clone();
-        golden_parity(&factory, &golden, |g| golden_outputs(&schema, g), SCORE_TOLERANCE);
-        let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
-        concurrent_lanes(&factory, &requests, 2, 2, SCORE_TOLERANCE);
+        golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), SCORE_TOLERANCE);
+        let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
+        concurrent_lanes(&*factory, &requests, 2, 2, SCORE_TOLERANCE);
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fused_outputs_equal_alone_with_16_concurrent_clients() {
-    let name = "test-torchrec-multitask";
+    for name in ["test-torchrec-multitask", "test-torchrec-multitask/split"] {
+        fused_equal_alone(name).await;
+    }
+}
+
+async fn fused_equal_alone(name: &str) {
     let server = serve(name, batch_mode(1, 16)).await;
     let schema = server.engine.schema().clone();
     let golden = Golden::read(&model_dir(name)).unwrap();

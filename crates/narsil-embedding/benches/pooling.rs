@@ -1,40 +1,128 @@
 //! INT8 row-wise pooling, one thread: the default DLRM's shape (64 values
-//! per row, 80-byte rows), bags of 1 and of ~4 ids, 100k-row tables.
+//! per row, 80-byte rows), bags of 1 and of ~4 ids, 100k-row tables; and
+//! the whole embedding stage (26 such tables, a fused batch of 1,600 rows,
+//! one id per bag) against pooling the same bags without deduplication,
+//! which is what the stage's dedup and metrics cost a local store.
+
+use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use narsil_embedding::{pool_int8, Pooling, PoolingMode};
+use narsil_core::{assemble, RequestSamples};
+use narsil_embedding::schema::{FeatureSpec, SPLIT_FORMAT};
+use narsil_embedding::{
+    pool_int8, EmbeddingStage, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table,
+    TableSpec,
+};
 
-fn bench(c: &mut Criterion) {
-    let (rows, dim, row_bytes) = (100_000usize, 64usize, 80usize);
+const ROWS: usize = 100_000;
+const DIM: usize = 64;
+const ROW_BYTES: usize = 80;
+
+fn random() -> impl FnMut() -> usize {
     let mut state = 7u64;
-    let mut next = move || {
+    move || {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (state >> 33) as usize
-    };
-    let mut table = vec![0u8; rows * row_bytes];
-    for row in table.chunks_mut(row_bytes) {
+    }
+}
+
+fn table_rows(next: &mut impl FnMut() -> usize) -> Vec<u8> {
+    let mut table = vec![0u8; ROWS * ROW_BYTES];
+    for row in table.chunks_mut(ROW_BYTES) {
         row[..2].copy_from_slice(&0x2000u16.to_le_bytes());
         row[2..4].copy_from_slice(&0x2400u16.to_le_bytes());
-        row[4..4 + dim].iter_mut().for_each(|q| *q = next() as u8);
+        row[4..4 + DIM].iter_mut().for_each(|q| *q = next() as u8);
     }
+    table
+}
+
+fn pooling(c: &mut Criterion) {
+    let mut next = random();
+    let table = table_rows(&mut next);
     let mut group = c.benchmark_group("pool_int8");
     for ids_per_bag in [1u32, 4] {
         let bags = 1600;
         let lengths: Vec<i32> =
             (0..bags).map(|_| if ids_per_bag == 1 { 1 } else { (next() % 8) as i32 }).collect();
         let total: usize = lengths.iter().map(|&l| l as usize).sum();
-        let ids: Vec<i64> = (0..total).map(|_| (next() % rows) as i64).collect();
-        let mut out = vec![0.0f32; bags * dim];
+        let ids: Vec<i64> = (0..total).map(|_| (next() % ROWS) as i64).collect();
+        let mut out = vec![0.0f32; bags * DIM];
         group.throughput(Throughput::Elements(total as u64));
         group.bench_with_input(BenchmarkId::new("ids_per_bag", ids_per_bag), &ids_per_bag, |b, _| {
             b.iter(|| {
                 let pooling = Pooling { mode: PoolingMode::Sum, weights: None };
-                pool_int8(&table, row_bytes, dim, &lengths, &ids, pooling, &mut out, dim).unwrap();
+                pool_int8(&table, ROW_BYTES, DIM, &lengths, &ids, pooling, &mut out, DIM).unwrap();
             })
         });
     }
     group.finish();
 }
 
-criterion_group!(benches, bench);
+fn stage(c: &mut Criterion) {
+    const FEATURES: usize = 26;
+    const SAMPLES: usize = 1600;
+    let mut next = random();
+    let specs: Vec<TableSpec> = (0..FEATURES)
+        .map(|f| TableSpec {
+            name: format!("cat_{f}"),
+            rows: ROWS as u64,
+            dim: DIM,
+            storage: Storage::Int8Rowwise,
+            row_bytes: ROW_BYTES,
+            file: format!("tables/cat_{f}.bin").into(),
+            sha256: String::new(),
+        })
+        .collect();
+    let schema = SplitSchema {
+        format: SPLIT_FORMAT.into(),
+        name: "bench".into(),
+        version: "1".into(),
+        num_dense: 1,
+        features: specs
+            .iter()
+            .map(|t| FeatureSpec {
+                name: t.name.clone(),
+                table: t.name.clone(),
+                pooling: PoolingMode::Sum,
+                weighted: false,
+            })
+            .collect(),
+        tables: specs.clone(),
+        outputs: vec!["default".into()],
+        dense_network: "dense.pt".into(),
+    };
+    let tables: Vec<Arc<Table>> =
+        specs.iter().map(|s| Arc::new(Table::from_rows(s, table_rows(&mut next)))).collect();
+    let request = RequestSamples {
+        num_samples: SAMPLES,
+        dense: vec![0.0; SAMPLES],
+        lengths: vec![1; SAMPLES * FEATURES],
+        ids: (0..SAMPLES * FEATURES).map(|_| (next() % ROWS) as i64).collect(),
+        ..Default::default()
+    };
+    let batch = assemble(1, FEATURES, [&request]);
+    let stores: Vec<Arc<dyn RowStore>> = tables.iter().map(|t| Arc::clone(t) as Arc<dyn RowStore>).collect();
+    let stage = EmbeddingStage::new(&schema, stores);
+    let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+    let mut group = c.benchmark_group("embedding_stage");
+    group.throughput(Throughput::Elements((SAMPLES * FEATURES) as u64));
+    group.bench_function("26_tables_1600_rows_dedup_and_pool", |b| {
+        b.iter(|| stage.pool(&batch, &mut scratch, &mut pooled).unwrap())
+    });
+    let width = FEATURES * DIM;
+    let mut out = vec![0.0f32; SAMPLES * width];
+    group.bench_function("26_tables_1600_rows_pool_only", |b| {
+        b.iter(|| {
+            for (f, table) in tables.iter().enumerate() {
+                let pooling = Pooling { mode: PoolingMode::Sum, weights: None };
+                let (lengths, ids) = (batch.feature_lengths(f), batch.feature_ids(f));
+                pool_int8(table.bytes(), ROW_BYTES, DIM, lengths, ids, pooling, &mut out[f * DIM..], width)
+                    .unwrap();
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, pooling, stage);
 criterion_main!(benches);

@@ -62,15 +62,6 @@ impl SplitFactory {
             return Err(BackendError::load(&dir, "split models run on the CPU for now"));
         }
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
-        if split.outputs.len() != 1 {
-            return Err(load_error(
-                &dir,
-                format!(
-                    "outputs {:?}: split models with other than one output are not served yet",
-                    split.outputs
-                ),
-            ));
-        }
         if let Some(i) = split.features.iter().position(|f| f.weighted) {
             if let Some(unweighted) = split.features[i..].iter().find(|f| !f.weighted) {
                 return Err(load_error(
@@ -211,8 +202,11 @@ impl ModelBackend for SplitLane {
             .dense_network
             .forward_tensors(&[&dense, &pooled])
             .map_err(|e| BackendError::forward("the dense network").caused_by(e))?;
-        let mut scores = Vec::with_capacity(rows);
-        append_scores(&output, rows, &mut scores)?;
+        // One output: [B]; several: [outputs, B], output after output as
+        // the engine splits them.
+        let values = rows * model.schema.outputs.len();
+        let mut scores = Vec::with_capacity(values);
+        append_scores(&output, values, &mut scores)?;
         drop((dense, pooled, output));
         Ok(scores)
     }
