@@ -124,5 +124,21 @@ fn stage(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, pooling, stage);
+fn dedup(c: &mut Criterion) {
+    let mut next = random();
+    let ids: Vec<i64> = (0..1600).map(|_| (next() % ROWS) as i64).collect();
+    let mut distinct = narsil_embedding::DistinctIds::default();
+    let mut group = c.benchmark_group("distinct_ids");
+    group.throughput(Throughput::Elements(ids.len() as u64));
+    group.bench_function("1600_uniform_ids", |b| {
+        b.iter(|| {
+            distinct.clear();
+            distinct.add(&ids);
+            distinct.count()
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, pooling, stage, dedup);
 criterion_main!(benches);

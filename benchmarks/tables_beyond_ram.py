@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""Split-model tables larger than the memory a server may use, served from
+memory-mapped files (`--table-store mmap`).
+
+1. Writes a split model with the default DLRM's dense network and 26 tables
+   of `--rows` rows (80-byte INT8 rows; each table is the default model's
+   table repeated, so no FP32 weights are ever built): 8.3 GB at 4M rows.
+2. For each memory limit and id distribution: drops the tables' pages from
+   the page cache, starts `narsil serve --table-store mmap` (one lane,
+   pinned to core 0) inside a cgroup-v1 memory cgroup limited to that many
+   MiB (page cache included: the mapped rows the server touches are charged
+   to it, so only that much of the tables stays cached), and runs
+   `narsil load` (closed loop, pinned to core 1, cycling through
+   `--distinct-requests` prebuilt requests) for `--warmup-seconds` (not
+   measured: it fills the page cache, with another seed's requests of the
+   same distribution) and then for `--duration` seconds.
+3. Reports throughput, p50/p99, and from the server's metrics the major page
+   faults (disk reads) per request and the dedup ratio, as JSON lines and a
+   table.
+
+Needs root (cgroup v1 memory controller at /sys/fs/cgroup/memory), a release
+build with `--features torch`, and `models/generated/default/split`
+(`scripts/serve.sh` exports it; or `models/export_dlrm.py --out
+models/generated/default --split`). Standard library only.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+
+from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_binary, wait_serving
+
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+def write_model(source, out, rows):
+    """A split model in `out` with `source`'s dense network and schema, each
+    table `rows` rows long (the source table repeated)."""
+    schema = json.load(open(os.path.join(source, "schema.json")))
+    os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+    for table in schema["tables"]:
+        path = os.path.join(out, table["file"])
+        size = rows * table["row_bytes"]
+        if not (os.path.exists(path) and os.path.getsize(path) == size):
+            block = open(os.path.join(source, table["file"]), "rb").read()
+            with open(path + ".partial", "wb") as f:
+                left = size
+                while left:
+                    f.write(block[:left])
+                    left -= min(left, len(block))
+            os.rename(path + ".partial", path)
+        table["rows"] = rows
+        table["sha256"] = f"repeated-{table['sha256']}-{rows}"
+    schema["name"] = "dlrm-big"
+    json.dump(schema, open(os.path.join(out, "schema.json"), "w"), indent=2)
+    dense = os.path.join(out, schema["dense_network"])
+    if not os.path.exists(dense):
+        shutil.copy(os.path.join(source, schema["dense_network"]), dense)
+    return sum(rows * t["row_bytes"] for t in schema["tables"]), schema
+
+
+def drop_cached(out, schema):
+    """Drops the tables' pages from the page cache (written back first: the
+    kernel drops only clean, unmapped pages). A page left cached would be
+    charged to whoever cached it, not to the server's cgroup."""
+    for table in schema["tables"]:
+        fd = os.open(os.path.join(out, table["file"]), os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def metrics(admin):
+    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        name = series.split("{", 1)[0]
+        sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
+
+
+def run(args, model_dir, limit_mib, distribution):
+    cgroup = os.path.join(CGROUP_ROOT, f"narsil-bench-{os.getpid()}")
+    os.makedirs(cgroup, exist_ok=True)
+    with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(limit_mib << 20) if limit_mib else "-1")
+    addr, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    serve = pinned([args.binary, "serve", "--backend", "torch", "--model", model_dir, "--table-store", "mmap",
+                    "--addr", addr, "--metrics-addr", admin, "--lanes", "1", "--intra-op-threads", "1"], 0)
+    # Joins the cgroup before exec, so every page the server touches is charged to it.
+    script = f'echo $$ > {cgroup}/cgroup.procs && exec "$@"'
+    server = subprocess.Popen(["sh", "-c", script, "sh"] + serve, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    try:
+        wait_serving(args.binary, addr, server)
+
+        def load(duration, seed):
+            cmd = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(args.concurrency),
+                   "--samples-per-request", str(args.samples), "--duration", str(duration), "--warmup", "0",
+                   "--id-distribution", distribution, "--distinct-requests", str(args.distinct_requests),
+                   "--seed", str(seed), "--json"]
+            out = subprocess.run(pinned(cmd, 1), capture_output=True, text=True, check=True).stdout
+            return json.loads(out)
+
+        if args.warmup_seconds:
+            # Other requests of the same traffic (another seed: the same hot
+            # ids, other draws) fill the page cache first.
+            load(args.warmup_seconds, 1)
+        before = metrics(admin)
+        report = load(args.duration, 2)
+        after = metrics(admin)
+        peak = int(open(os.path.join(cgroup, "memory.max_usage_in_bytes")).read()) >> 20
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        os.rmdir(cgroup)
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    requests = max(1, report["ok"])
+    return {
+        "limit_mib": limit_mib or "none", "ids": distribution, "req_per_s": round(report["req_per_s"], 1),
+        "p50_ms": round(report["p50_ms"], 2), "p99_ms": round(report["p99_ms"], 2),
+        "non_ok": report["requests"] - report["ok"],
+        "major_faults_per_request": round(delta.get("narsil_table_major_faults_total", 0) / requests, 1),
+        "dedup_ratio": round(delta.get("narsil_table_ids_total", 0)
+                             / max(1.0, delta.get("narsil_table_distinct_ids_total", 0)), 2),
+        "cgroup_peak_mib": peak,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--binary", default=DEFAULT_BINARY)
+    p.add_argument("--source", default=os.path.join(ROOT, "models/generated/default/split"))
+    p.add_argument("--out", default="/var/tmp/narsil-tables-beyond-ram",
+                   help="where the big split model is written (kept between runs; on disk, not tmpfs)")
+    p.add_argument("--rows", type=int, default=4_000_000, help="rows per table")
+    p.add_argument("--limits-mib", default="0,1024", help="memory limits to run under, MiB (0: none)")
+    p.add_argument("--distributions", default="zipf:1.05,uniform")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--samples", type=int, default=100, help="samples per request")
+    p.add_argument("--duration", type=float, default=20)
+    p.add_argument("--warmup-seconds", type=float, default=0,
+                   help="load with other requests of the same distribution first, unmeasured, to fill the cache")
+    p.add_argument("--distinct-requests", type=int, default=8000,
+                   help="prebuilt requests the load cycles through: enough that the rows of the ones repeated "
+                        "within a run are not what the cache holds")
+    args = p.parse_args()
+    require_binary(args.binary, "--features torch")
+    if not os.path.isdir(CGROUP_ROOT):
+        raise SystemExit(f"no cgroup-v1 memory controller at {CGROUP_ROOT}")
+    if not os.path.exists(os.path.join(args.source, "schema.json")):
+        raise SystemExit(f"no split model at {args.source}: models/export_dlrm.py --out "
+                         f"{os.path.dirname(args.source)} --split")
+    started = time.time()
+    total, schema = write_model(args.source, args.out, args.rows)
+    print(json.dumps({"machine": machine(), "table_bytes": total, "rows_per_table": args.rows,
+                      "tables": len(schema["tables"]), "written_s": round(time.time() - started, 1)}), flush=True)
+    results = []
+    for limit in [int(x) for x in args.limits_mib.split(",")]:
+        for distribution in args.distributions.split(","):
+            drop_cached(args.out, schema)
+            result = run(args, args.out, limit, distribution)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    print(f"\ntables {total / 2**30:.1f} GiB ({args.rows:,} rows x {len(schema['tables'])}), c{args.concurrency}, "
+          f"{args.samples} samples per request, {args.warmup_seconds:g} s warm-up, {args.duration:g} s measured")
+    print("| memory limit | ids | req/s | p50 ms | p99 ms | major faults / request | dedup | cgroup peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        limit = "none" if r["limit_mib"] == "none" else f"{r['limit_mib']} MiB"
+        print(f"| {limit} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+              f"{r['major_faults_per_request']} | {r['dedup_ratio']} | {r['cgroup_peak_mib']} |")
+
+
+if __name__ == "__main__":
+    main()
