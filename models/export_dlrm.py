@@ -48,7 +48,7 @@ from split_model import DenseNetwork, write_split
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 3
+EXPORT_FORMAT = 4
 
 
 def log(msg: str) -> None:
@@ -219,6 +219,8 @@ def main() -> int:
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
+    p.add_argument("--split-fp32", action="store_true",
+                   help="also write the split form with the FP32 tables (before quantization) into OUT/split_fp32")
     p.add_argument("--publish", type=Path, metavar="REPOSITORY",
                    help="also publish the INT8 model into this model repository (narsil serve "
                         "--model-repository) as REPOSITORY/<--name>/<--version>/model.pt, or the split "
@@ -232,7 +234,8 @@ def main() -> int:
     if args.over_arch[-1] != 1:
         p.error("--over-arch must end with 1 (one logit per sample)")
     out: Path = args.out
-    split_missing = args.split and not (out / "split" / "schema.json").exists()
+    split_missing = (args.split and not (out / "split" / "schema.json").exists()) or (
+        args.split_fp32 and not (out / "split_fp32" / "schema.json").exists())
     if (out / "manifest.json").exists() and not args.force and not split_missing:
         log(f"{out} already holds an export; pass --force to overwrite")
         if args.publish:
@@ -297,6 +300,10 @@ def main() -> int:
         log("writing the split model (tables apart from the dense network)")
         write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
                     golden_requests(args), key_major, log)
+    if args.split_fp32:
+        log("writing the split model with FP32 tables")
+        write_split(out / "split_fp32", dlrm, quantized, keys, args.name, args.version, args.num_dense,
+                    golden_requests(args), key_major, log, storage="fp32")
 
     manifest = {
         "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,
@@ -304,7 +311,7 @@ def main() -> int:
         "embedding_dim": args.embedding_dim, "dense_arch": args.dense_arch, "over_arch": args.over_arch,
         "torch": torch.__version__,
         "files": ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json"]
-        + (["split/"] if args.split else []),
+        + (["split/"] if args.split else []) + (["split_fp32/"] if args.split_fp32 else []),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s")

@@ -15,7 +15,8 @@ A split model is a directory (models/README.md, "Split models"):
 Storage `int8_rowwise` is FBGEMM's inference layout for row-wise INT8
 (IntNBitTableBatchedEmbeddingBagsCodegen): each row is an fp16 scale and an
 fp16 bias, then E uint8 values, padded to a multiple of 16 bytes; a value
-dequantizes as `q * scale + bias` in FP32 and bags sum in FP32.
+dequantizes as `q * scale + bias` in FP32 and bags sum in FP32. Storage
+`fp32` is E little-endian FP32 values per row.
 """
 
 import hashlib
@@ -70,28 +71,37 @@ def int8_tables(quantized: nn.Module) -> List[torch.Tensor]:
     return tables
 
 
+def fp32_tables(dlrm: nn.Module) -> List[torch.Tensor]:
+    """Every table of an FP32 DLRM as little-endian FP32 rows
+    (`[rows, 4 * dim]` uint8), in feature order."""
+    bags = dlrm.sparse_arch.embedding_bag_collection.embedding_bags
+    return [bags[name].weight.detach().contiguous().view(torch.uint8) for name in bags]
+
+
 def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str], name: str, version: str,
-                num_dense: int, requests: List[dict], key_major, log) -> None:
-    """Writes `out` (a split model) from `quantized`'s INT8 tables and
-    `dlrm`'s dense network, and checks its scores against the single-file
-    INT8 model's on `requests`."""
+                num_dense: int, requests: List[dict], key_major, log, storage: str = "int8_rowwise") -> None:
+    """Writes `out` (a split model) from `quantized`'s INT8 tables (or, for
+    `storage` "fp32", `dlrm`'s FP32 tables) and `dlrm`'s dense network, and
+    checks its scores against the single-file model's (INT8 or FP32) on
+    `requests`."""
     # Fresh files, never rewritten in place: a published version may share
     # them as hard links.
     shutil.rmtree(out, ignore_errors=True)
     (out / "tables").mkdir(parents=True)
-    tables = int8_tables(quantized)
+    source = quantized if storage == "int8_rowwise" else dlrm
+    tables = int8_tables(quantized) if storage == "int8_rowwise" else fp32_tables(dlrm)
     dim = dlrm.sparse_arch.D
     if len(tables) != len(keys):
         raise SystemExit(f"split export: {len(tables)} tables for {len(keys)} features")
     described = []
-    for key, fused in zip(keys, tables):
-        rows, row_bytes = fused.shape
-        data = fused.numpy().tobytes()
+    for key, rows_bytes in zip(keys, tables):
+        rows, row_bytes = rows_bytes.shape
+        data = rows_bytes.numpy().tobytes()
         file = f"tables/{key}.bin"
         (out / file).write_bytes(data)
-        described.append({"name": key, "rows": rows, "dim": dim, "storage": "int8_rowwise",
+        described.append({"name": key, "rows": rows, "dim": dim, "storage": storage,
                           "row_bytes": row_bytes, "file": file, "sha256": hashlib.sha256(data).hexdigest()})
-    log(f"wrote {len(tables)} INT8 tables ({sum(t.numel() for t in tables) / 2**20:.1f} MiB) into {out / 'tables'}")
+    log(f"wrote {len(tables)} {storage} tables ({sum(t.numel() for t in tables) / 2**20:.1f} MiB) into {out / 'tables'}")
     dense_network = torch.jit.script(DenseNetwork(dlrm, len(keys)).eval())
     dense_network.save(str(out / "dense.pt"))
     schema = {
@@ -104,8 +114,9 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
 
     from export_dlrm import DlrmPredictor  # the single-file model's arithmetic
-    single = DlrmPredictor(quantized, keys).eval()
-    embeddings = quantized.sparse_arch.embedding_bag_collection
+    single = DlrmPredictor(source, keys).eval()
+    embeddings = source.sparse_arch.embedding_bag_collection
+    exact = storage == "int8_rowwise"
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     golden = []
     with torch.inference_mode():
@@ -116,15 +127,15 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
             expected = single(dense, lengths, ids)
             diff = (scores - expected).abs().max().item()
             if diff > 1e-6:
-                raise SystemExit(f"split export check failed: split scores differ from the INT8 model's by {diff}")
+                raise SystemExit(f"split export check failed: split scores differ from the single-file model's by {diff}")
             entry = {"batch_size": request["batch_size"], "dense": request["dense"].reshape(-1).tolist(),
                      "lengths": request["lengths"].reshape(-1).tolist(), "ids": request["ids"].tolist(),
                      "scores": scores.tolist()}
-            if request["batch_size"] <= POOLED_GOLDEN_MAX_SAMPLES:
+            if exact and request["batch_size"] <= POOLED_GOLDEN_MAX_SAMPLES:
                 entry["pooled"] = pooled.reshape(-1).tolist()
             golden.append(entry)
     (out / "golden.json").write_text(json.dumps({"requests": golden}))
-    log(f"wrote the split model {out} (dense network, schema, golden scores equal to the INT8 model's)")
+    log(f"wrote the split model {out} (dense network, schema, golden scores equal to the single-file model's)")
 
 
 def named_int8_tables(quantized_ebc: nn.Module) -> dict:

@@ -9,7 +9,7 @@ source scripts/lib.sh
 
 require_rust
 use_project_torch
-export_model test-small --num-rows 1000 --split
+export_model test-small --num-rows 1000 --split --split-fp32
 export_model test-small-b --num-rows 1000 --seed 1 --golden-seed 0
 export_torchrec_model test-torchrec-dlrm --kind dlrm --split
 export_torchrec_model test-torchrec-multitask --kind multitask --split

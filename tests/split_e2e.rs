@@ -3,7 +3,8 @@
 //! its tables pooled by Narsil's embedding stage and its TorchScript dense
 //! network, must answer the single-file INT8 model's golden scores, alone
 //! and fused, in batch and worker modes, over narsil.v1 and TorchRec's
-//! protocol; a table file that does not match the schema fails at load,
+//! protocol; FP32 tables (`--split-fp32`) answer the FP32 model's scores;
+//! a table file that does not match the schema fails at load,
 //! naming the table and the file.
 #![cfg(feature = "torch")]
 
@@ -136,4 +137,26 @@ async fn mapped_tables_serve_the_same_scores() {
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
     server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fp32_tables_serve_the_fp32_models_scores_alone_and_fused() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    for store in [narsil_torch::TableStore::Memory, narsil_torch::TableStore::Mmap] {
+        let mut config = TorchConfig::new(test_model_dir().join("split_fp32"));
+        config.table_store = store;
+        let factory = SplitFactory::load(config).unwrap();
+        let server = start_with(Arc::new(factory), batch_mode(1, 16)).await.ready().await;
+        let mut client = server.client().await;
+        for (i, g) in golden.requests.iter().enumerate() {
+            let response = client.predict(wire(g, "")).await.unwrap().into_inner();
+            assert_close(&response.scores, &g.scores_fp32, &format!("golden request {i} alone, {store}"));
+        }
+        let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+        let responses = common::predict_all(&server.channel().await, &requests).await;
+        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+            assert_close(&response.scores, &g.scores_fp32, &format!("client {i}, {store}"));
+        }
+        server.stop().await.unwrap();
+    }
 }

@@ -15,7 +15,7 @@
 //!   each row once saves).
 //! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's
 //!   input, with FBGEMM's arithmetic (AVX2 + FMA when the CPU has them,
-//!   chosen at run time; a scalar path otherwise).
+//!   chosen at run time; a scalar path otherwise), and of FP32 rows.
 //! * [`stage`]: the stage itself: per fused batch and table, dedup, fetch,
 //!   pool; with [`metrics`] per table.
 
@@ -30,7 +30,7 @@ pub mod table;
 
 pub use dedup::{DistinctIds, IdCount};
 pub use metrics::StageMetrics;
-pub use pool::{pool_int8, OutOfRange, Pooling};
+pub use pool::{pool_int8, pool_rows, OutOfRange, Pooling};
 pub use schema::{PoolingMode, SchemaError, SplitSchema, Storage, TableSpec};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
 pub use store::{FetchError, RowStore};

@@ -1,4 +1,5 @@
-//! Pooling bags of INT8 row-wise rows, with FBGEMM's arithmetic.
+//! Pooling bags of rows: INT8 row-wise rows with FBGEMM's arithmetic, and
+//! FP32 rows (`acc += weight * value`, FP32).
 //!
 //! A row is an fp16 scale, an fp16 bias and `dim` uint8 values (FBGEMM's
 //! inference layout). Per id, FBGEMM's lookup (`EmbeddingSpMDM` for uint8)
@@ -9,7 +10,7 @@
 //! to 64 values in registers across a bag) is chosen at run time when the
 //! CPU has AVX2, FMA and F16C.
 
-use crate::schema::PoolingMode;
+use crate::schema::{PoolingMode, Storage};
 
 /// How a feature's bags are pooled.
 #[derive(Debug, Clone, Copy)]
@@ -30,12 +31,28 @@ pub struct OutOfRange {
     pub rows: u64,
 }
 
-/// Pools one feature's bags: bag `b` holds the next `lengths[b]` ids of
-/// `ids` (and weights), and its vector of `dim` values is written to
-/// `out[b * stride..b * stride + dim]`. `table` is `rows` rows of
-/// `row_bytes` bytes.
+/// Pools one feature's bags of INT8 row-wise rows: bag `b` holds the next
+/// `lengths[b]` ids of `ids` (and weights), and its vector of `dim` values
+/// is written to `out[b * stride..b * stride + dim]`. `table` is `rows`
+/// rows of `row_bytes` bytes.
 #[allow(clippy::too_many_arguments)]
 pub fn pool_int8(
+    table: &[u8],
+    row_bytes: usize,
+    dim: usize,
+    lengths: &[i32],
+    ids: &[i64],
+    pooling: Pooling<'_>,
+    out: &mut [f32],
+    stride: usize,
+) -> Result<(), OutOfRange> {
+    pool_rows(Storage::Int8Rowwise, table, row_bytes, dim, lengths, ids, pooling, out, stride)
+}
+
+/// [`pool_int8`] for rows stored as `storage`.
+#[allow(clippy::too_many_arguments)]
+pub fn pool_rows(
+    storage: Storage,
     table: &[u8],
     row_bytes: usize,
     dim: usize,
@@ -49,8 +66,11 @@ pub fn pool_int8(
     if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
         return Err(OutOfRange { id, rows });
     }
-    assert!(4 + dim <= row_bytes, "a row holds its scale, bias and values");
-    let kernel = kernel();
+    assert!(storage.row_bytes(dim) <= row_bytes, "a row holds its values");
+    let kernel = match storage {
+        Storage::Int8Rowwise => kernel(),
+        Storage::Fp32 => accumulate_fp32,
+    };
     let mut start = 0;
     // Rows are read at random: ask for the rows PREFETCH_IDS ids ahead
     // while this bag's are summed, as FBGEMM's lookup does.
@@ -131,6 +151,25 @@ pub fn accumulate_scalar(
         let (scale, bias) = scale_bias(row, weights.map_or(1.0, |w| w[i]));
         for (a, &q) in acc.iter_mut().zip(&row[4..4 + dim]) {
             *a = scale.mul_add(f32::from(q), *a + bias);
+        }
+    }
+}
+
+/// FP32 rows: `acc += weight * value`, in FP32.
+pub fn accumulate_fp32(
+    table: &[u8],
+    row_bytes: usize,
+    ids: &[i64],
+    weights: Option<&[f32]>,
+    acc: &mut [f32],
+) {
+    let dim = acc.len();
+    for (i, &id) in ids.iter().enumerate() {
+        let row = &table[id as usize * row_bytes..id as usize * row_bytes + 4 * dim];
+        let values = row.chunks_exact(4).map(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]));
+        match weights {
+            None => acc.iter_mut().zip(values).for_each(|(a, v)| *a += v),
+            Some(w) => acc.iter_mut().zip(values).for_each(|(a, v)| *a += w[i] * v),
         }
     }
 }
@@ -303,6 +342,23 @@ mod tests {
         assert!((averaged[0] - out[0] / 2.0).abs() < 1e-6);
         let error = pool_int8(&data, row_bytes, 8, &[1], &[5], sum, &mut out, 8).unwrap_err();
         assert_eq!(error, OutOfRange { id: 5, rows: 5 });
+    }
+
+    #[test]
+    fn fp32_bags_sum_weight_and_average_their_rows() {
+        let rows: [[f32; 3]; 3] = [[1.0, 2.0, 3.0], [0.5, -1.0, 4.0], [10.0, 0.0, -2.0]];
+        let table: Vec<u8> = rows.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
+        let (lengths, ids) = ([2, 0, 1], [0i64, 2, 1]);
+        let mut out = vec![f32::NAN; 9];
+        let sum = Pooling { mode: PoolingMode::Sum, weights: None };
+        pool_rows(Storage::Fp32, &table, 12, 3, &lengths, &ids, sum, &mut out, 3).unwrap();
+        assert_eq!(out, [11.0, 2.0, 1.0, 0.0, 0.0, 0.0, 0.5, -1.0, 4.0]);
+        let weights = [2.0, 0.5, -1.0];
+        let mean = Pooling { mode: PoolingMode::Mean, weights: Some(&weights) };
+        pool_rows(Storage::Fp32, &table, 12, 3, &lengths, &ids, mean, &mut out, 3).unwrap();
+        assert_eq!(out, [3.5, 2.0, 2.5, 0.0, 0.0, 0.0, -0.5, 1.0, -4.0]);
+        let error = pool_rows(Storage::Fp32, &table, 12, 3, &[1], &[3], sum, &mut out, 3).unwrap_err();
+        assert_eq!(error, OutOfRange { id: 3, rows: 3 });
     }
 
     #[test]

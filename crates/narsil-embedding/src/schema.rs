@@ -15,6 +15,8 @@ pub enum Storage {
     /// FBGEMM's row-wise INT8 inference layout: an fp16 scale and an fp16
     /// bias, then `dim` uint8 values, padded to a multiple of 16 bytes.
     Int8Rowwise,
+    /// `dim` little-endian FP32 values.
+    Fp32,
 }
 
 impl Storage {
@@ -22,6 +24,7 @@ impl Storage {
     pub fn row_bytes(self, dim: usize) -> usize {
         match self {
             Self::Int8Rowwise => (4 + dim).div_ceil(16) * 16,
+            Self::Fp32 => 4 * dim,
         }
     }
 }
@@ -213,6 +216,7 @@ mod tests {
         assert_eq!(schema.pooled_dim(), 64);
         assert_eq!(Storage::Int8Rowwise.row_bytes(64), 80);
         assert_eq!(Storage::Int8Rowwise.row_bytes(8), 16);
+        assert_eq!(Storage::Fp32.row_bytes(64), 256);
     }
 
     #[test]

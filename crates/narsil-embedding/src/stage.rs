@@ -21,7 +21,7 @@ use narsil_core::KeyedBatch;
 
 use crate::dedup::DistinctIds;
 use crate::metrics::{StageMetrics, TableCounters};
-use crate::pool::{pool_int8, OutOfRange, Pooling};
+use crate::pool::{pool_rows, OutOfRange, Pooling};
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::shared::open_shared;
 use crate::store::{FetchError, RowStore};
@@ -202,7 +202,8 @@ impl EmbeddingStage {
             };
             slot_start += ids.len();
             let pooling = Pooling { mode: feature.pooling, weights };
-            pool_int8(
+            pool_rows(
+                spec.storage,
                 rows,
                 spec.row_bytes,
                 spec.dim,
@@ -241,6 +242,7 @@ fn thread_major_faults() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::pool_int8;
     use crate::schema::{FeatureSpec, Storage};
     use crate::table::Table;
     use narsil_core::{assemble, RequestSamples};
