@@ -48,7 +48,7 @@ from split_model import DenseNetwork, write_split
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 4
+EXPORT_FORMAT = 5
 
 
 def log(msg: str) -> None:
@@ -264,6 +264,7 @@ def main() -> int:
     log("writing FP32 weights (safetensors)")
     from safetensors.torch import save_file
     weights = fp32_weights(dlrm, args)
+    dense_weights = {k: v for k, v in weights.items() if not k.startswith("embedding.")}
     save_file(weights, str(out / "weights_fp32.safetensors"), metadata={"narsil_schema": schema})
 
     log("scripting the FP32 model")
@@ -299,11 +300,11 @@ def main() -> int:
     if args.split:
         log("writing the split model (tables apart from the dense network)")
         write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
-                    golden_requests(args), key_major, log)
+                    golden_requests(args), key_major, log, dense_weights)
     if args.split_fp32:
         log("writing the split model with FP32 tables")
         write_split(out / "split_fp32", dlrm, quantized, keys, args.name, args.version, args.num_dense,
-                    golden_requests(args), key_major, log, storage="fp32")
+                    golden_requests(args), key_major, log, dense_weights, storage="fp32")
 
     manifest = {
         "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,

@@ -9,6 +9,8 @@ A split model is a directory (models/README.md, "Split models"):
   dense.pt         TorchScript: forward(dense f32[B, D], pooled f32[B, F*E])
                    -> f32[B] (probabilities), the pooled embeddings in feature
                    order, each E wide
+  dense.safetensors  (DLRM exports) the same layers' FP32 weights by name
+                   (dense.{i}.*, over.{i}.*), for the Burn backend
   golden.json      requests, the pooled embeddings FBGEMM computed for the
                    small ones, and the scores of the split model
 
@@ -79,11 +81,13 @@ def fp32_tables(dlrm: nn.Module) -> List[torch.Tensor]:
 
 
 def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str], name: str, version: str,
-                num_dense: int, requests: List[dict], key_major, log, storage: str = "int8_rowwise") -> None:
+                num_dense: int, requests: List[dict], key_major, log, dense_weights: dict,
+                storage: str = "int8_rowwise") -> None:
     """Writes `out` (a split model) from `quantized`'s INT8 tables (or, for
-    `storage` "fp32", `dlrm`'s FP32 tables) and `dlrm`'s dense network, and
-    checks its scores against the single-file model's (INT8 or FP32) on
-    `requests`."""
+    `storage` "fp32", `dlrm`'s FP32 tables) and `dlrm`'s dense network (as
+    TorchScript, and as `dense_weights`, its FP32 weights by name, for
+    Narsil's Burn backend), and checks its scores against the single-file
+    model's (INT8 or FP32) on `requests`."""
     # Fresh files, never rewritten in place: a published version may share
     # them as hard links.
     shutil.rmtree(out, ignore_errors=True)
@@ -104,12 +108,15 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     log(f"wrote {len(tables)} {storage} tables ({sum(t.numel() for t in tables) / 2**20:.1f} MiB) into {out / 'tables'}")
     dense_network = torch.jit.script(DenseNetwork(dlrm, len(keys)).eval())
     dense_network.save(str(out / "dense.pt"))
+    from safetensors.torch import save_file
+    save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
         "format": SPLIT_FORMAT, "name": name, "version": version, "num_dense": num_dense,
         "tables": described,
         "features": [{"name": key, "table": key, "pooling": "sum", "weighted": False} for key in keys],
         "outputs": ["default"],
         "dense_network": "dense.pt",
+        "dense_weights": "dense.safetensors",
     }
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
 

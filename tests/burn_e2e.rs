@@ -1,7 +1,9 @@
 //! The Burn backend end to end over real gRPC on loopback, with the FP32
 //! weights of the small model `scripts/test.sh` exports: Python's FP32 golden
 //! scores within 1e-5 in both execution modes, and fused == alone within 1e-6
-//! with 16 concurrent clients.
+//! with 16 concurrent clients; and the same model's split form (INT8 tables
+//! through the embedding stage, `dense.safetensors`) with the INT8 model's
+//! scores and the stage's metrics.
 #![cfg(feature = "burn")]
 
 mod common;
@@ -72,5 +74,27 @@ async fn fused_scores_equal_alone_with_16_concurrent_clients() {
         rounds_fused += usize::from(responses.iter().any(|r| r.fused_requests > 1));
     }
     assert!(rounds_fused > 0, "16 concurrent requests on one lane never shared a forward");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_model_serves_the_int8_scores_and_counts_its_lookups() {
+    let factory =
+        BurnFactory::load_split(&test_model_dir().join("split"), narsil_embedding::TableStore::Mmap).unwrap();
+    let server = start_with(Arc::new(factory), batch_mode(1, 16)).await.ready().await;
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let mut client = server.client().await;
+    let mut ids = 0;
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = client.predict(wire(g, "g")).await.unwrap().into_inner();
+        let diff = max_abs_diff(&response.scores, &g.scores_int8).unwrap();
+        assert!(diff <= 1e-5, "golden request {i}: max |burn split - python int8| = {diff}");
+        // cat_0's bags: the first of each sample's 26 lengths.
+        ids += g.lengths.chunks(26).map(|sample| sample[0] as usize).sum::<usize>();
+    }
+    let text = server.scrape().await;
+    // Warm-up forwards look ids up too: at least the golden requests' ids.
+    assert!(common::metric(&text, r#"narsil_table_ids_total{table="cat_0"}"#) >= ids as f64, "{text}");
+    assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
     server.stop().await.unwrap();
 }

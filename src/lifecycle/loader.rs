@@ -33,10 +33,13 @@ impl BackendKind {
     }
 
     /// The backend a model file needs: `burn` for `.safetensors`, `torch`
-    /// for any other.
+    /// for any other; a split model's `schema.json` goes to `torch` when
+    /// this binary has it, else to `burn` (which serves split models whose
+    /// schema names `dense_weights`).
     pub fn for_file(model: &Path) -> Self {
         match model.extension() {
             Some(e) if e == "safetensors" => Self::Burn,
+            _ if !cfg!(feature = "torch") && is_split(model) => Self::Burn,
             _ => Self::Torch,
         }
     }
@@ -114,6 +117,9 @@ impl LoadOptions {
             anyhow::bail!("--backend burn runs on the CPU in this build; remove --device");
         }
         let factory = match model {
+            Some(path) if is_split(path) => {
+                narsil_burn::BurnFactory::load_split(split_dir(path), self.table_store)?
+            }
             Some(path) => narsil_burn::BurnFactory::load(path)?,
             None => {
                 tracing::info!(
@@ -148,11 +154,8 @@ impl LoadOptions {
         };
         // A directory, or a repository version's schema.json, is a split
         // model (tables apart from the dense network).
-        if model.is_dir() {
-            return Ok(Arc::new(narsil_torch::SplitFactory::load(config)?));
-        }
-        if model.file_name().is_some_and(|name| name == super::repository::SPLIT_SCHEMA) {
-            config.model = model.parent().unwrap_or(Path::new(".")).to_path_buf();
+        if is_split(model) {
+            config.model = split_dir(model).to_path_buf();
             return Ok(Arc::new(narsil_torch::SplitFactory::load(config)?));
         }
         Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
@@ -161,6 +164,22 @@ impl LoadOptions {
     #[cfg(not(feature = "torch"))]
     fn load_torch(&self, _model: &Path, _config: Option<&Path>) -> anyhow::Result<Arc<dyn BackendFactory>> {
         Err(not_compiled(BackendKind::Torch))
+    }
+}
+
+/// Whether `model` is a split model: its directory, or its `schema.json`
+/// (a model repository's version).
+fn is_split(model: &Path) -> bool {
+    model.is_dir() || model.file_name().is_some_and(|name| name == super::repository::SPLIT_SCHEMA)
+}
+
+/// A split model's directory, given it or its `schema.json`.
+#[cfg(any(feature = "torch", feature = "burn"))]
+fn split_dir(model: &Path) -> &Path {
+    if model.is_dir() {
+        model
+    } else {
+        model.parent().unwrap_or(Path::new("."))
     }
 }
 
@@ -181,6 +200,9 @@ mod tests {
     fn the_file_names_its_backend() {
         assert_eq!(BackendKind::for_file(Path::new("m/1/model.safetensors")), BackendKind::Burn);
         assert_eq!(BackendKind::for_file(Path::new("m/1/model.pt")), BackendKind::Torch);
-        assert_eq!(BackendKind::for_file(Path::new("m/1/schema.json")), BackendKind::Torch);
+        let split = if cfg!(feature = "torch") { BackendKind::Torch } else { BackendKind::Burn };
+        let repo = tempfile::tempdir().unwrap();
+        std::fs::write(repo.path().join("schema.json"), "{}").unwrap();
+        assert_eq!(BackendKind::for_file(&repo.path().join("schema.json")), split);
     }
 }

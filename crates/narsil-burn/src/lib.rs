@@ -3,15 +3,14 @@
 //!
 //! * [`weights`]: the FP32 weights, from `weights_fp32.safetensors` (written
 //!   by `models/export_dlrm.py`) or a seeded random DLRM of any shape.
-//! * [`pooling`]: sum-pooled embedding bags over the key-major batch, a tight
-//!   loop over each table's contiguous rows (no per-id tensor op).
+//!   The tables are pooled by Narsil's embedding stage (`narsil_embedding`),
+//!   the one the libtorch backend's split models use.
 //! * [`model`]: dense arch, interaction and over arch as Burn tensor ops.
-//! * [`factory`]: the [`narsil_core::BackendFactory`]; lanes share one copy
-//!   of the weights.
+//! * [`factory`]: the [`narsil_core::BackendFactory`], over those weights or
+//!   a split model's tables and `dense_weights`; lanes share one copy.
 
 pub mod factory;
 pub mod model;
-pub mod pooling;
 pub mod weights;
 
 pub use factory::BurnFactory;

@@ -1,7 +1,9 @@
 //! The DLRM forward as TorchRec computes it, on Burn's `burn-flex` backend:
 //!
 //! 1. dense arch: `relu(x W^T + b)` per layer, `[rows, num_dense] -> [rows, dim]`;
-//! 2. sum-pooled embedding bags ([`crate::pooling`]): `[rows, T, dim]`;
+//! 2. pooled embedding bags, from Narsil's embedding stage
+//!    (`narsil_embedding`, the same stage the libtorch backend's split models
+//!    use): `[rows, T, dim]`;
 //! 3. interaction: `z = [dense; pooled]` is `[rows, T+1, dim]`, `z z^T` is
 //!    `[rows, T+1, T+1]`; its upper triangle without the diagonal, row-major
 //!    (`torch.triu_indices(T+1, T+1, 1)`), follows the dense embedding:
@@ -17,9 +19,9 @@ use burn_backend::ops::{ActivationOps, FloatTensorOps, IntTensorOps, ModuleOps};
 use burn_backend::{Shape, TensorData};
 use burn_flex::{Flex, FlexDevice, FlexTensor};
 use narsil_core::{BackendError, KeyedBatch};
+use narsil_embedding::{EmbeddingStage, StageScratch};
 
-use crate::pooling::sum_pool;
-use crate::weights::{DlrmWeights, LinearWeights};
+use crate::weights::LinearWeights;
 
 /// The backend the forward runs on.
 type B = Flex;
@@ -60,7 +62,8 @@ impl Linear {
 pub struct BurnDlrm {
     dense: Vec<Linear>,
     over: Vec<Linear>,
-    tables: Vec<Vec<f32>>,
+    stage: EmbeddingStage,
+    features: usize,
     dim: usize,
     num_dense: usize,
     /// Flat indices of the upper triangle (without diagonal) of a
@@ -70,28 +73,46 @@ pub struct BurnDlrm {
 }
 
 impl BurnDlrm {
-    /// Moves the weights into Burn tensors (the tables stay plain buffers for
-    /// the pooling loop).
-    pub fn new(weights: DlrmWeights) -> Self {
+    /// Moves the dense and over arch into Burn tensors; `stage` pools the
+    /// `features` sparse features' bags, `dim` values each.
+    pub fn new(
+        dense: &[LinearWeights],
+        over: &[LinearWeights],
+        stage: EmbeddingStage,
+        features: usize,
+        dim: usize,
+    ) -> Self {
         let device = FlexDevice;
-        let n = weights.tables.len() + 1;
+        let n = features + 1;
         let triu: Vec<i64> = (0..n).flat_map(|r| (r + 1..n).map(move |c| (r * n + c) as i64)).collect();
         let triu_len = triu.len();
         Self {
-            dense: weights.dense.iter().map(|l| Linear::new(l, &device)).collect(),
-            over: weights.over.iter().map(|l| Linear::new(l, &device)).collect(),
-            dim: weights.dim,
-            num_dense: weights.schema.num_dense,
-            tables: weights.tables,
+            dense: dense.iter().map(|l| Linear::new(l, &device)).collect(),
+            over: over.iter().map(|l| Linear::new(l, &device)).collect(),
+            stage,
+            features,
+            dim,
+            num_dense: dense[0].inputs,
             triu: B::int_from_data(TensorData::new(triu, [triu_len]), &device),
             device,
         }
     }
 
-    /// Scores every row of `batch`.
-    pub fn forward(&self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+    /// The embedding stage (its metrics, for the engine's).
+    pub fn stage(&self) -> &EmbeddingStage {
+        &self.stage
+    }
+
+    /// Scores every row of `batch`; `scratch` and `pooled` are the lane's
+    /// buffers for the embedding stage.
+    pub fn forward(
+        &self,
+        batch: &KeyedBatch,
+        scratch: &mut StageScratch,
+        pooled: &mut Vec<f32>,
+    ) -> Result<Vec<f32>, BackendError> {
         let rows = batch.rows;
-        let features = self.tables.len();
+        let features = self.features;
         if batch.num_dense != self.num_dense || batch.num_sparse != features {
             return Err(BackendError::forward(format!(
                 "batch has {} dense and {} sparse features; the model takes {} and {features}",
@@ -104,9 +125,13 @@ impl BurnDlrm {
             x = B::relu(layer.forward(x));
         }
 
-        let mut pooled = Vec::new();
-        sum_pool(batch, &self.tables, self.dim, &mut pooled);
-        let pooled = B::float_from_data(TensorData::new(pooled, [rows, features, self.dim]), &self.device);
+        self.stage
+            .pool(batch, scratch, pooled)
+            .map_err(|e| BackendError::forward("the embedding stage").caused_by(e))?;
+        // Burn takes its tensors' data by value: the block moves in (the
+        // lane's buffer is allocated again next forward, as a fresh one was).
+        let pooled = TensorData::new(std::mem::take(pooled), [rows, features, self.dim]);
+        let pooled = B::float_from_data(pooled, &self.device);
         let dense_row = B::float_reshape(x.clone(), Shape::new([rows, 1, self.dim]));
         let z = B::float_cat(vec![dense_row, pooled], 1);
         let dots = B::float_matmul(z.clone(), B::float_swap_dims(z, 1, 2));

@@ -120,35 +120,12 @@ impl DlrmWeights {
     /// Loads `weights_fp32.safetensors`. Errors name the missing or
     /// mis-shaped tensor.
     pub fn load(path: &Path) -> Result<Self, BackendError> {
-        let cannot_read = |e: std::io::Error| {
-            BackendError::load(path, "cannot read; export one with models/export_dlrm.py").caused_by(e)
-        };
-        let handle = std::fs::File::open(path).map_err(cannot_read)?;
-        // Mapped rather than read: the tensors are copied out once, and the
-        // file's pages stay in the page cache instead of doubling the heap.
-        // SAFETY: the mapping is read-only and dropped before this returns;
-        // a weights file must not be rewritten while a server loads it.
-        let bytes = unsafe { memmap2::Mmap::map(&handle) }.map_err(cannot_read)?;
-        let file = SafeTensors::deserialize(&bytes)
-            .map_err(|e| BackendError::load(path, "not a safetensors file (TorchScript models, TorchRec-signature ones included, need --backend torch)").caused_by(e))?;
+        let bytes = map(path)?;
+        let tensors = Tensors::read(path, &bytes)?;
         let (_, metadata) = SafeTensors::read_metadata(&bytes)
             .map_err(|e| BackendError::load(path, "unreadable header").caused_by(e))?;
+        let file = &tensors.file;
         let at = |what: String| BackendError::load(path, what);
-        let tensor = |name: &str, dims: usize| -> Result<(Vec<usize>, Vec<f32>), BackendError> {
-            let view = file.tensor(name).map_err(|_| at(format!("missing tensor `{name}`")))?;
-            if view.dtype() != Dtype::F32 {
-                return Err(at(format!("tensor `{name}` is {:?}, expected F32", view.dtype())));
-            }
-            if view.shape().len() != dims {
-                return Err(at(format!(
-                    "tensor `{name}` has shape {:?}, expected {dims} dims",
-                    view.shape()
-                )));
-            }
-            let data =
-                view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-            Ok((view.shape().to_vec(), data))
-        };
 
         // Sparse features: embedding.cat_0, embedding.cat_1, ... in index order.
         let mut feature_names: BTreeMap<usize, String> = BTreeMap::new();
@@ -171,7 +148,7 @@ impl DlrmWeights {
         let mut dim = None;
         for feature in feature_names.values() {
             let name = format!("embedding.{feature}");
-            let (shape, data) = tensor(&name, 2)?;
+            let (shape, data) = tensors.tensor(&name, 2)?;
             if *dim.get_or_insert(shape[1]) != shape[1] || shape[0] == 0 {
                 return Err(at(format!(
                     "tensor `{name}` has shape {shape:?}; every table needs [rows > 0, dim]"
@@ -181,38 +158,7 @@ impl DlrmWeights {
             tables.push(data);
         }
         let dim = dim.expect("at least one table");
-
-        let load_layers =
-            |prefix: &str, mut inputs: Option<usize>| -> Result<Vec<LinearWeights>, BackendError> {
-                let mut layers = Vec::new();
-                while file.tensor(&format!("{prefix}.{}.weight", layers.len())).is_ok() {
-                    let i = layers.len();
-                    let (w_shape, weight) = tensor(&format!("{prefix}.{i}.weight"), 2)?;
-                    let (b_shape, bias) = tensor(&format!("{prefix}.{i}.bias"), 1)?;
-                    let (outputs, layer_inputs) = (w_shape[0], w_shape[1]);
-                    if inputs.is_some_and(|n| n != layer_inputs) || b_shape[0] != outputs {
-                        return Err(at(format!(
-                            "tensor `{prefix}.{i}.weight` has shape {w_shape:?} (bias {b_shape:?}); \
-                         expected [out, {}] and bias [out]",
-                            inputs.map_or("in".to_string(), |n| n.to_string())
-                        )));
-                    }
-                    layers.push(LinearWeights { inputs: layer_inputs, outputs, weight, bias });
-                    inputs = Some(outputs);
-                }
-                if layers.is_empty() {
-                    return Err(at(format!("missing tensor `{prefix}.0.weight`")));
-                }
-                Ok(layers)
-            };
-        let dense = load_layers("dense", None)?;
-        if dense.last().expect("non-empty").outputs != dim {
-            return Err(at(format!(
-                "the dense arch ends with {} outputs, not the embedding dim {dim}",
-                dense.last().expect("non-empty").outputs
-            )));
-        }
-        let over = load_layers("over", Some(DlrmShape::interaction_width(sparse.len(), dim)))?;
+        let (dense, over) = tensors.dense_and_over(sparse.len(), dim)?;
         let tasks = over.last().expect("non-empty").outputs;
 
         let described: Option<serde_json::Value> = metadata
@@ -246,6 +192,121 @@ impl DlrmWeights {
             },
         };
         Ok(Self { schema, dim, tables, dense, over })
+    }
+}
+
+/// A DLRM's dense arch and over arch alone (a split model's
+/// `dense.safetensors`: `dense.{i}.*` and `over.{i}.*`, no tables), checked
+/// against `num_dense` inputs, `num_sparse` pooled vectors of `dim` values
+/// and `outputs` outputs.
+pub fn load_dense_network(
+    path: &Path,
+    num_dense: usize,
+    num_sparse: usize,
+    dim: usize,
+    outputs: usize,
+) -> Result<(Vec<LinearWeights>, Vec<LinearWeights>), BackendError> {
+    let bytes = map(path)?;
+    let (dense, over) = Tensors::read(path, &bytes)?.dense_and_over(num_sparse, dim)?;
+    let tasks = over.last().expect("non-empty").outputs;
+    if dense[0].inputs != num_dense || tasks != outputs {
+        return Err(BackendError::load(
+            path,
+            format!(
+                "the dense network takes {} dense features and gives {tasks} outputs; the schema has {num_dense} and {outputs}",
+                dense[0].inputs
+            ),
+        ));
+    }
+    Ok((dense, over))
+}
+
+/// A safetensors file mapped read-only: the tensors are copied out once,
+/// and the file's pages stay in the page cache instead of doubling the heap.
+fn map(path: &Path) -> Result<memmap2::Mmap, BackendError> {
+    let cannot_read = |e: std::io::Error| {
+        BackendError::load(path, "cannot read; export one with models/export_dlrm.py").caused_by(e)
+    };
+    let handle = std::fs::File::open(path).map_err(cannot_read)?;
+    // SAFETY: the mapping is read-only and dropped once the tensors are
+    // copied out; a weights file must not be rewritten while a server loads it.
+    unsafe { memmap2::Mmap::map(&handle) }.map_err(cannot_read)
+}
+
+/// A safetensors file's FP32 tensors, with errors naming the file.
+struct Tensors<'a> {
+    file: SafeTensors<'a>,
+    path: &'a Path,
+}
+
+impl<'a> Tensors<'a> {
+    fn read(path: &'a Path, bytes: &'a [u8]) -> Result<Self, BackendError> {
+        let file = SafeTensors::deserialize(bytes)
+            .map_err(|e| BackendError::load(path, "not a safetensors file (TorchScript models, TorchRec-signature ones included, need --backend torch)").caused_by(e))?;
+        Ok(Self { file, path })
+    }
+
+    fn at(&self, what: String) -> BackendError {
+        BackendError::load(self.path, what)
+    }
+
+    /// Tensor `name` of `dims` dimensions: its shape and values.
+    fn tensor(&self, name: &str, dims: usize) -> Result<(Vec<usize>, Vec<f32>), BackendError> {
+        let view = self.file.tensor(name).map_err(|_| self.at(format!("missing tensor `{name}`")))?;
+        if view.dtype() != Dtype::F32 {
+            return Err(self.at(format!("tensor `{name}` is {:?}, expected F32", view.dtype())));
+        }
+        if view.shape().len() != dims {
+            return Err(
+                self.at(format!("tensor `{name}` has shape {:?}, expected {dims} dims", view.shape()))
+            );
+        }
+        let data =
+            view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        Ok((view.shape().to_vec(), data))
+    }
+
+    /// Layers `prefix.0`, `prefix.1`, ... (at least one), each taking the
+    /// previous one's outputs (the first `inputs`, if given).
+    fn layers(&self, prefix: &str, mut inputs: Option<usize>) -> Result<Vec<LinearWeights>, BackendError> {
+        let mut layers = Vec::new();
+        while self.file.tensor(&format!("{prefix}.{}.weight", layers.len())).is_ok() {
+            let i = layers.len();
+            let (w_shape, weight) = self.tensor(&format!("{prefix}.{i}.weight"), 2)?;
+            let (b_shape, bias) = self.tensor(&format!("{prefix}.{i}.bias"), 1)?;
+            let (outputs, layer_inputs) = (w_shape[0], w_shape[1]);
+            if inputs.is_some_and(|n| n != layer_inputs) || b_shape[0] != outputs {
+                return Err(self.at(format!(
+                    "tensor `{prefix}.{i}.weight` has shape {w_shape:?} (bias {b_shape:?}); \
+                     expected [out, {}] and bias [out]",
+                    inputs.map_or("in".to_string(), |n| n.to_string())
+                )));
+            }
+            layers.push(LinearWeights { inputs: layer_inputs, outputs, weight, bias });
+            inputs = Some(outputs);
+        }
+        if layers.is_empty() {
+            return Err(self.at(format!("missing tensor `{prefix}.0.weight`")));
+        }
+        Ok(layers)
+    }
+
+    /// The dense arch (ending with `dim` outputs) and the over arch (taking
+    /// the interaction of `num_sparse` pooled vectors).
+    fn dense_and_over(
+        &self,
+        num_sparse: usize,
+        dim: usize,
+    ) -> Result<(Vec<LinearWeights>, Vec<LinearWeights>), BackendError> {
+        let dense = self.layers("dense", None)?;
+        let last = dense.last().expect("non-empty").outputs;
+        if last != dim {
+            return Err(
+                self.at(format!("the dense arch ends with {last} outputs, not the embedding dim {dim}"))
+            );
+        }
+        let over = self.layers("over", Some(DlrmShape::interaction_width(num_sparse, dim)))?;
+        Ok((dense, over))
     }
 }
 

@@ -34,6 +34,55 @@ fn scores_match_python_fp32_alone_and_fused_equals_alone() {
     concurrent_lanes(&factory, &requests, 2, 2, FUSED_VS_ALONE);
 }
 
+/// Split models through the embedding stage and the Burn dense network:
+/// FP32 tables against the FP32 model, INT8 tables (in either store)
+/// against the INT8 model.
+#[test]
+fn split_models_match_python_alone_and_fused_equals_alone() {
+    use narsil_embedding::TableStore;
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let cases: [(&str, TableStore, fn(&narsil_core::golden::GoldenRequest) -> Vec<f32>); 3] = [
+        ("split_fp32", TableStore::Memory, |g| g.scores_fp32.clone()),
+        ("split", TableStore::Memory, |g| g.scores_int8.clone()),
+        ("split", TableStore::Mmap, |g| g.scores_int8.clone()),
+    ];
+    for (i, (dir, store, want)) in cases.into_iter().enumerate() {
+        let factory = BurnFactory::load_split(&test_model_dir().join(dir), store).unwrap();
+        assert_eq!(factory.schema().backend, "burn");
+        golden_parity(&factory, &golden, want, VS_PYTHON);
+        // Batching checks once: the stage is the same for every case.
+        if i == 0 {
+            let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+            fused_equals_alone(&factory, &requests, 2, FUSED_VS_ALONE);
+            concurrent_lanes(&factory, &requests, 2, 2, FUSED_VS_ALONE);
+        }
+    }
+}
+
+#[test]
+fn a_split_model_without_dense_weights_is_refused_naming_what_to_do() {
+    let source = test_model_dir().join("split");
+    let copy = tempfile::tempdir().unwrap();
+    std::fs::create_dir(copy.path().join("tables")).unwrap();
+    for dir in ["", "tables"] {
+        for entry in std::fs::read_dir(source.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_file() {
+                std::fs::copy(&path, copy.path().join(dir).join(path.file_name().unwrap())).unwrap();
+            }
+        }
+    }
+    let schema = std::fs::read_to_string(copy.path().join("schema.json")).unwrap();
+    let mut schema: serde_json::Value = serde_json::from_str(&schema).unwrap();
+    schema.as_object_mut().unwrap().remove("dense_weights");
+    std::fs::write(copy.path().join("schema.json"), schema.to_string()).unwrap();
+    let error = match BurnFactory::load_split(copy.path(), Default::default()) {
+        Ok(_) => panic!("loaded without dense weights"),
+        Err(e) => narsil_core::error_chain(&e),
+    };
+    assert!(error.contains("dense_weights") && error.contains("--backend torch"), "{error}");
+}
+
 #[test]
 fn schema_is_read_from_the_tensors() {
     let factory = exported();

@@ -90,6 +90,7 @@ fn stage(c: &mut Criterion) {
         tables: specs.clone(),
         outputs: vec!["default".into()],
         dense_network: "dense.pt".into(),
+        dense_weights: None,
     };
     let tables: Vec<Arc<Table>> =
         specs.iter().map(|s| Arc::new(Table::from_rows(s, table_rows(&mut next)))).collect();

@@ -90,8 +90,13 @@ pub struct SplitSchema {
     pub features: Vec<FeatureSpec>,
     /// Output names.
     pub outputs: Vec<String>,
-    /// The dense network's file, relative to the model directory.
+    /// The dense network's file, relative to the model directory
+    /// (TorchScript, for the libtorch backend).
     pub dense_network: PathBuf,
+    /// The same dense network's FP32 weights by name (safetensors, DLRM
+    /// layout: `dense.{i}.*`, `over.{i}.*`), for the Burn backend; optional.
+    #[serde(default)]
+    pub dense_weights: Option<PathBuf>,
 }
 
 /// Why a schema cannot be used.

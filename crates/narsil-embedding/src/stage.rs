@@ -294,6 +294,7 @@ mod tests {
             ],
             outputs: vec!["default".into()],
             dense_network: "dense.pt".into(),
+            dense_weights: None,
         }
     }
 
