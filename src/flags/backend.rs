@@ -23,7 +23,9 @@ pub struct BackendArgs {
     /// models/export_dlrm.py, or a module with TorchRec's inference
     /// signature and a model.json beside it); FP32 safetensors
     /// (`weights_fp32.safetensors`) for burn, which without one serves a
-    /// seeded random DLRM of the default shape.
+    /// seeded random DLRM of the default shape. A directory is a split model
+    /// (tables apart from the dense network, `export_*.py --split`), for
+    /// torch, or for burn when its schema names `dense_weights`.
     #[arg(long, env = "NARSIL_MODEL")]
     pub model: Option<PathBuf>,
     /// Schema of a TorchRec-signature model (torch), when it is not the
