@@ -11,9 +11,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema, SparseFeature};
-use narsil_embedding::schema::{FeatureSpec, SPLIT_FORMAT};
 use narsil_embedding::{
-    EmbeddingStage, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table, TableSpec, TableStore,
+    EmbeddingStage, RowStore, SplitSchema, StageScratch, Storage, Table, TableSpec, TableStore,
 };
 
 use crate::model::BurnDlrm;
@@ -67,25 +66,13 @@ impl BurnFactory {
                 Arc::new(Table::from_rows(spec, bytes)) as Arc<dyn RowStore>
             })
             .collect();
-        let split = SplitSchema {
-            format: SPLIT_FORMAT.into(),
-            name: schema.name.clone(),
-            version: schema.version.clone(),
-            num_dense: schema.num_dense,
-            features: specs
-                .iter()
-                .map(|t| FeatureSpec {
-                    name: t.name.clone(),
-                    table: t.name.clone(),
-                    pooling: PoolingMode::Sum,
-                    weighted: false,
-                })
-                .collect(),
-            tables: specs,
-            outputs: schema.outputs.clone(),
-            dense_network: Default::default(),
-            dense_weights: None,
-        };
+        let split = SplitSchema::one_table_per_feature(
+            &schema.name,
+            &schema.version,
+            schema.num_dense,
+            specs,
+            schema.outputs.clone(),
+        );
         let stage = EmbeddingStage::new(&split, stores);
         let model = BurnDlrm::new(&dense, &over, stage, schema.num_sparse(), dim);
         Self { model: Arc::new(model), schema }

@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use narsil_core::{assemble, RequestSamples};
-use narsil_embedding::schema::{FeatureSpec, SPLIT_FORMAT};
 use narsil_embedding::{
     pool_int8, EmbeddingStage, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table,
     TableSpec,
@@ -73,25 +72,7 @@ fn stage(c: &mut Criterion) {
             sha256: String::new(),
         })
         .collect();
-    let schema = SplitSchema {
-        format: SPLIT_FORMAT.into(),
-        name: "bench".into(),
-        version: "1".into(),
-        num_dense: 1,
-        features: specs
-            .iter()
-            .map(|t| FeatureSpec {
-                name: t.name.clone(),
-                table: t.name.clone(),
-                pooling: PoolingMode::Sum,
-                weighted: false,
-            })
-            .collect(),
-        tables: specs.clone(),
-        outputs: vec!["default".into()],
-        dense_network: "dense.pt".into(),
-        dense_weights: None,
-    };
+    let schema = SplitSchema::one_table_per_feature("bench", "1", 1, specs.clone(), vec!["default".into()]);
     let tables: Vec<Arc<Table>> =
         specs.iter().map(|s| Arc::new(Table::from_rows(s, table_rows(&mut next)))).collect();
     let request = RequestSamples {

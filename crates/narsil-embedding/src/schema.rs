@@ -129,6 +129,36 @@ pub enum SchemaError {
 }
 
 impl SplitSchema {
+    /// A schema whose every table is one feature's own (named after it),
+    /// sum-pooled and unweighted, with no files: for tables built in memory.
+    pub fn one_table_per_feature(
+        name: &str,
+        version: &str,
+        num_dense: usize,
+        tables: Vec<TableSpec>,
+        outputs: Vec<String>,
+    ) -> Self {
+        Self {
+            format: SPLIT_FORMAT.into(),
+            name: name.into(),
+            version: version.into(),
+            num_dense,
+            features: tables
+                .iter()
+                .map(|t| FeatureSpec {
+                    name: t.name.clone(),
+                    table: t.name.clone(),
+                    pooling: PoolingMode::Sum,
+                    weighted: false,
+                })
+                .collect(),
+            tables,
+            outputs,
+            dense_network: PathBuf::new(),
+            dense_weights: None,
+        }
+    }
+
     /// Reads and checks `dir/schema.json`.
     pub fn read(dir: &Path) -> Result<Self, SchemaError> {
         let path = dir.join("schema.json");
@@ -178,6 +208,14 @@ impl SplitSchema {
                 return Err(format!(
                     "feature {:?} pools {} values, the first feature {:?}: every pooled vector must be as wide",
                     feature.name, table.dim, dim
+                ));
+            }
+        }
+        if let Some(i) = self.features.iter().position(|f| f.weighted) {
+            if let Some(unweighted) = self.features[i..].iter().find(|f| !f.weighted) {
+                return Err(format!(
+                    "feature {:?} is unweighted but follows the weighted feature {:?}: list the weighted features last, as requests send them",
+                    unweighted.name, self.features[i].name
                 ));
             }
         }
@@ -232,6 +270,10 @@ mod tests {
         let mut bad = schema();
         bad.tables[0].row_bytes = 68;
         assert!(bad.check().unwrap_err().contains("row_bytes 68"));
+        let mut bad = schema();
+        bad.features[0].weighted = true;
+        bad.features[1].weighted = false;
+        assert!(bad.check().unwrap_err().contains("weighted features last"));
         let mut bad = schema();
         bad.format = "other".into();
         assert!(bad.check().unwrap_err().contains("narsil-split-1"));

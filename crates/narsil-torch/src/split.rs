@@ -62,17 +62,6 @@ impl SplitFactory {
             return Err(BackendError::load(&dir, "split models run on the CPU for now"));
         }
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
-        if let Some(i) = split.features.iter().position(|f| f.weighted) {
-            if let Some(unweighted) = split.features[i..].iter().find(|f| !f.weighted) {
-                return Err(load_error(
-                    &dir,
-                    format!(
-                        "feature {:?} is unweighted but follows the weighted feature {:?}: list the weighted features last, as requests send them",
-                        unweighted.name, split.features[i].name
-                    ),
-                ));
-            }
-        }
         let (stage, opened) =
             EmbeddingStage::open(&dir, &split, config.table_store).map_err(|e| load_error(&dir, e))?;
         let schema = ModelSchema {
