@@ -11,7 +11,10 @@
 //!   batch's rows of the table;
 //! * `narsil_table_major_faults_total`: for stores that can wait on the
 //!   disk (`mmap`), the major page faults taken while looking up: when it
-//!   grows, the working set no longer fits in the page cache.
+//!   grows, the working set no longer fits in the page cache;
+//! * `narsil_table_read_ahead_seconds` (no `table` label): reading a fused
+//!   batch's mapped rows ahead in parallel, which the stage does while
+//!   lookups take major faults.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -47,6 +50,7 @@ pub struct StageMetrics {
     rows_fetched: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
+    read_ahead_seconds: Histogram,
 }
 
 impl Default for StageMetrics {
@@ -57,6 +61,7 @@ impl Default for StageMetrics {
             rows_fetched: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
+            read_ahead_seconds: fetch_buckets(),
         }
     }
 }
@@ -72,6 +77,11 @@ impl StageMetrics {
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
         }
+    }
+
+    /// Time spent reading batches' mapped rows ahead.
+    pub(crate) fn read_ahead_seconds(&self) -> &Histogram {
+        &self.read_ahead_seconds
     }
 
     /// Adds every family to `registry` (whose prefix is `narsil`).
@@ -97,6 +107,12 @@ impl StageMetrics {
             "table_major_faults",
             "Major page faults while looking up a memory-mapped table (disk reads: the working set exceeds the page cache)",
             self.major_faults.clone(),
+        );
+        registry.register_with_unit(
+            "table_read_ahead",
+            "Time to read a fused batch's memory-mapped rows ahead in parallel (done while lookups take major faults)",
+            Unit::Seconds,
+            self.read_ahead_seconds.clone(),
         );
     }
 }

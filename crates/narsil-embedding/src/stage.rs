@@ -10,10 +10,16 @@
 //! A store that fetches rows gets each distinct id once, and the bags are
 //! pooled from the fetched copies through each id's slot.
 //!
+//! Once lookups of a memory-mapped table wait on the disk (the last batch
+//! took major faults), the next batch's distinct rows are read ahead by
+//! [`READERS`] threads at once before pooling: page reads in flight
+//! together instead of one synchronous fault at a time on the lane.
+//!
 //! One stage serves every lane of a model version (its tables and metrics
 //! are shared); each lane brings its own [`StageScratch`].
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -68,7 +74,8 @@ pub enum StageError {
 /// A lane's buffers, reused from batch to batch.
 #[derive(Default)]
 pub struct StageScratch {
-    distinct: DistinctIds,
+    /// Per table: the batch's distinct ids.
+    distinct: Vec<DistinctIds>,
     fetched: Vec<u8>,
 }
 
@@ -89,7 +96,14 @@ pub struct EmbeddingStage {
     features: Vec<FeatureLookup>,
     dim: usize,
     metrics: StageMetrics,
+    /// Whether the last batch's lookups waited on the disk: the next one
+    /// reads its mapped rows ahead first ([`READERS`] threads).
+    faulting: AtomicBool,
 }
+
+/// Threads that read a batch's mapped rows ahead, in parallel, once lookups
+/// wait on the disk: that many page reads in flight instead of one.
+const READERS: usize = 16;
 
 impl EmbeddingStage {
     /// A stage over `schema` whose table `i` is `stores[i]`.
@@ -114,7 +128,7 @@ impl EmbeddingStage {
             .iter()
             .map(|f| FeatureLookup { name: f.name.clone(), pooling: f.pooling, weighted: f.weighted })
             .collect();
-        Self { tables, features, dim: schema.pooled_dim(), metrics }
+        Self { tables, features, dim: schema.pooled_dim(), metrics, faulting: AtomicBool::new(false) }
     }
 
     /// Opens every table of the split model in `dir` in `store`, sharing
@@ -155,40 +169,115 @@ impl EmbeddingStage {
     ) -> Result<(), StageError> {
         let width = self.pooled_width();
         pooled.resize(batch.rows * width, 0.0);
-        for table in &self.tables {
-            self.pool_table(table, batch, scratch, pooled, width)?;
+        scratch.distinct.resize_with(self.tables.len(), DistinctIds::default);
+        for (table, distinct) in self.tables.iter().zip(&mut scratch.distinct) {
+            self.collect(table, batch, distinct)?;
         }
+        let mut faults = 0;
+        if self.faulting.load(Ordering::Relaxed) {
+            faults += self.read_ahead(&scratch.distinct);
+        }
+        for (table, distinct) in self.tables.iter().zip(&scratch.distinct) {
+            faults += self.pool_table(table, batch, distinct, &mut scratch.fetched, pooled, width)?;
+        }
+        self.faulting.store(faults > 0, Ordering::Relaxed);
         Ok(())
     }
 
+    /// Range-checks and deduplicates the ids of `table`'s features.
+    fn collect(
+        &self,
+        table: &StageTable,
+        batch: &KeyedBatch,
+        distinct: &mut DistinctIds,
+    ) -> Result<(), StageError> {
+        distinct.clear();
+        let rows = table.spec.rows;
+        for &f in &table.features {
+            let ids = batch.feature_ids(f);
+            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+                let source = OutOfRange { id, rows };
+                return Err(StageError::OutOfRange { feature: self.features[f].name.clone(), source });
+            }
+            distinct.add(ids);
+        }
+        let count = distinct.count();
+        table.counters.ids.inc_by(count.looked_up as u64);
+        table.counters.distinct_ids.inc_by(count.distinct as u64);
+        table.counters.rows_fetched.inc_by(count.distinct as u64);
+        Ok(())
+    }
+
+    /// Touches every distinct row of the tables whose reads can wait on the
+    /// disk, from [`READERS`] threads at once, so that their page reads are
+    /// in flight together; returns the major faults taken (counted per
+    /// table).
+    fn read_ahead(&self, distinct: &[DistinctIds]) -> u64 {
+        let started = Instant::now();
+        let work: Vec<(usize, &[u8], usize, &[i64])> = self
+            .tables
+            .iter()
+            .zip(distinct)
+            .enumerate()
+            .filter(|(_, (table, _))| table.store.may_fault())
+            .filter_map(|(t, (table, ids))| {
+                Some((t, table.store.local_rows()?, table.spec.row_bytes, ids.distinct()))
+            })
+            .collect();
+        let mut faults = vec![0u64; self.tables.len()];
+        std::thread::scope(|scope| {
+            let readers: Vec<_> = (0..READERS)
+                .map(|reader| {
+                    let work = &work;
+                    scope.spawn(move || {
+                        let mut faults = vec![0u64; work.len()];
+                        for (w, &(_, rows, row_bytes, ids)) in work.iter().enumerate() {
+                            let before = thread_major_faults();
+                            for &id in ids.iter().skip(reader).step_by(READERS) {
+                                // A row can span two pages: its first and last byte.
+                                let start = id as usize * row_bytes;
+                                std::hint::black_box((rows[start], rows[start + row_bytes - 1]));
+                            }
+                            faults[w] = thread_major_faults().saturating_sub(before);
+                        }
+                        faults
+                    })
+                })
+                .collect();
+            for reader in readers {
+                let taken = reader.join().expect("a read-ahead thread only reads");
+                for (w, n) in taken.into_iter().enumerate() {
+                    faults[work[w].0] += n;
+                }
+            }
+        });
+        for (table, &n) in self.tables.iter().zip(&faults) {
+            table.counters.major_faults.inc_by(n);
+        }
+        self.metrics.read_ahead_seconds().observe(started.elapsed().as_secs_f64());
+        faults.iter().sum()
+    }
+
+    /// Pools `table`'s bags (its ids deduplicated in `distinct`); returns
+    /// the major faults the lookups took.
     fn pool_table(
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
-        scratch: &mut StageScratch,
+        distinct: &DistinctIds,
+        fetched: &mut Vec<u8>,
         pooled: &mut [f32],
         width: usize,
-    ) -> Result<(), StageError> {
+    ) -> Result<u64, StageError> {
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let spec = &table.spec;
-        let out_of_range =
-            |f: usize, source| StageError::OutOfRange { feature: self.features[f].name.clone(), source };
-        scratch.distinct.clear();
-        for &f in &table.features {
-            let ids = batch.feature_ids(f);
-            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= spec.rows) {
-                return Err(out_of_range(f, OutOfRange { id, rows: spec.rows }));
-            }
-            scratch.distinct.add(ids);
-        }
-        let count = scratch.distinct.count();
         let local = table.store.local_rows();
         if local.is_none() {
-            scratch.fetched.resize(count.distinct * spec.row_bytes, 0);
-            table.store.fetch(scratch.distinct.distinct(), spec.row_bytes, &mut scratch.fetched).map_err(
-                |source| StageError::Fetch { table: spec.name.clone(), store: table.store.kind(), source },
-            )?;
+            fetched.resize(distinct.distinct().len() * spec.row_bytes, 0);
+            table.store.fetch(distinct.distinct(), spec.row_bytes, fetched).map_err(|source| {
+                StageError::Fetch { table: spec.name.clone(), store: table.store.kind(), source }
+            })?;
         }
         let mut slot_start = 0;
         for &f in &table.features {
@@ -198,7 +287,7 @@ impl EmbeddingStage {
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
             let (rows, ids) = match local {
                 Some(rows) => (rows, ids),
-                None => (&scratch.fetched[..], &scratch.distinct.slots()[slot_start..slot_start + ids.len()]),
+                None => (&fetched[..], &distinct.slots()[slot_start..slot_start + ids.len()]),
             };
             slot_start += ids.len();
             let pooling = Pooling { mode: feature.pooling, weights };
@@ -213,17 +302,12 @@ impl EmbeddingStage {
                 &mut pooled[f * self.dim..],
                 width,
             )
-            .map_err(|source| out_of_range(f, source))?;
+            .map_err(|source| StageError::OutOfRange { feature: feature.name.clone(), source })?;
         }
-        let counters = &table.counters;
-        counters.ids.inc_by(count.looked_up as u64);
-        counters.distinct_ids.inc_by(count.distinct as u64);
-        counters.rows_fetched.inc_by(count.distinct as u64);
-        if let Some(before) = faults_before {
-            counters.major_faults.inc_by(thread_major_faults().saturating_sub(before));
-        }
-        counters.fetch_seconds.observe(started.elapsed().as_secs_f64());
-        Ok(())
+        let faults = faults_before.map_or(0, |before| thread_major_faults().saturating_sub(before));
+        table.counters.major_faults.inc_by(faults);
+        table.counters.fetch_seconds.observe(started.elapsed().as_secs_f64());
+        Ok(faults)
     }
 }
 
@@ -376,6 +460,41 @@ mod tests {
         }
         // The weighted feature's weights matter, and mean pooling divides.
         assert_ne!(expected[16..24], expected[..8]);
+    }
+
+    #[test]
+    fn reading_mapped_rows_ahead_pools_the_same_bags() {
+        let schema = schema();
+        let dir = tempfile_dir("narsil-stage-read-ahead");
+        std::fs::create_dir_all(dir.join("tables")).unwrap();
+        let stores: Vec<Arc<dyn RowStore>> = schema
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(i, spec)| {
+                std::fs::write(dir.join(&spec.file), rows(spec, 3 + i as u8).bytes()).unwrap();
+                Arc::new(Table::load(&dir, spec, TableStore::Mmap).unwrap()) as Arc<dyn RowStore>
+            })
+            .collect();
+        let stage = EmbeddingStage::new(&schema, stores);
+        let batch = batch();
+        let (mut scratch, mut plain, mut ahead) = (StageScratch::default(), Vec::new(), Vec::new());
+        stage.pool(&batch, &mut scratch, &mut plain).unwrap();
+        stage.faulting.store(true, Ordering::Relaxed);
+        stage.pool(&batch, &mut scratch, &mut ahead).unwrap();
+        assert_eq!(plain, ahead);
+        let mut registry = prometheus_client::registry::Registry::with_prefix("narsil");
+        stage.metrics().register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(text.contains("narsil_table_read_ahead_seconds_count 1\n"), "{text}");
+        // The rows were cached: no fault, so the next batch does not read ahead.
+        assert!(!stage.faulting.load(Ordering::Relaxed));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    fn tempfile_dir(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("{name}-{}", std::process::id()))
     }
 
     #[test]
