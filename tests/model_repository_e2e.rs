@@ -492,15 +492,7 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
 /// after `edit` has changed the copy.
 fn publish_split(repo: &Path, model: &str, version: u64, split: &Path, edit: impl FnOnce(&Path)) {
     let staging = repo.join(model).join(format!(".incoming-{version}"));
-    std::fs::create_dir_all(staging.join("tables")).unwrap();
-    for dir in ["", "tables"] {
-        for entry in std::fs::read_dir(split.join(dir)).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_file() {
-                std::fs::copy(&path, staging.join(dir).join(path.file_name().unwrap())).unwrap();
-            }
-        }
-    }
+    narsil_core::golden::copy_split_model(split, &staging).unwrap();
     edit(&staging);
     std::fs::rename(&staging, repo.join(model).join(version.to_string())).unwrap();
 }

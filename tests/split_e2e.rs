@@ -13,7 +13,7 @@ mod common;
 use std::sync::Arc;
 
 use common::{assert_close, batch_mode, start_with, wire, worker_mode, TestServer};
-use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
+use narsil_core::golden::{copy_split_model, test_model_dir, Golden, GoldenRequest};
 use narsil_engine::EngineConfig;
 use narsil_torch::{SplitFactory, TorchConfig};
 
@@ -102,15 +102,7 @@ async fn split_model_serves_the_single_file_models_scores_in_worker_mode() {
 fn a_truncated_table_fails_at_load_naming_the_table_and_the_file() {
     let source = test_model_dir().join("split");
     let copy = std::env::temp_dir().join(format!("narsil-split-{}", std::process::id()));
-    std::fs::create_dir_all(copy.join("tables")).unwrap();
-    for entry in std::fs::read_dir(&source).unwrap().chain(std::fs::read_dir(source.join("tables")).unwrap())
-    {
-        let path = entry.unwrap().path();
-        if path.is_file() {
-            let relative = path.strip_prefix(&source).unwrap();
-            std::fs::copy(&path, copy.join(relative)).unwrap();
-        }
-    }
+    copy_split_model(&source, &copy).unwrap();
     let table = copy.join("tables/cat_7.bin");
     let bytes = std::fs::read(&table).unwrap();
     std::fs::write(&table, &bytes[..bytes.len() - 80]).unwrap();

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema, SparseFeature};
+use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
 use narsil_embedding::{
     EmbeddingStage, RowStore, SplitSchema, StageScratch, Storage, Table, TableSpec, TableStore,
 };
@@ -102,19 +102,7 @@ impl BurnFactory {
         let (dense, over) =
             load_dense_network(&dir.join(weights), split.num_dense, features, dim, split.outputs.len())?;
         let (stage, opened) = EmbeddingStage::open(dir, &split, store).map_err(|e| load_error(&e))?;
-        let schema = ModelSchema {
-            name: split.name.clone(),
-            version: split.version.clone(),
-            backend: "burn".into(),
-            device: "cpu".into(),
-            num_dense: split.num_dense,
-            sparse: split
-                .features
-                .iter()
-                .map(|f| SparseFeature::new(f.name.clone(), split.table(&f.table).expect("checked").rows))
-                .collect(),
-            outputs: split.outputs.clone(),
-        };
+        let schema = split.model_schema("burn", "cpu");
         tracing::info!(
             model = %dir.display(),
             tables_read = opened.read,

@@ -63,15 +63,7 @@ fn split_models_match_python_alone_and_fused_equals_alone() {
 fn a_split_model_without_dense_weights_is_refused_naming_what_to_do() {
     let source = test_model_dir().join("split");
     let copy = tempfile::tempdir().unwrap();
-    std::fs::create_dir(copy.path().join("tables")).unwrap();
-    for dir in ["", "tables"] {
-        for entry in std::fs::read_dir(source.join(dir)).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_file() {
-                std::fs::copy(&path, copy.path().join(dir).join(path.file_name().unwrap())).unwrap();
-            }
-        }
-    }
+    narsil_core::golden::copy_split_model(&source, copy.path()).unwrap();
     let schema = std::fs::read_to_string(copy.path().join("schema.json")).unwrap();
     let mut schema: serde_json::Value = serde_json::from_str(&schema).unwrap();
     schema.as_object_mut().unwrap().remove("dense_weights");

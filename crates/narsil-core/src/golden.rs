@@ -91,6 +91,21 @@ pub fn test_model_dir() -> PathBuf {
     dir
 }
 
+/// Copies the split model in `source` (its files and `tables/`) into `dest`,
+/// for tests that change a copy.
+pub fn copy_split_model(source: &Path, dest: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dest.join("tables"))?;
+    for dir in ["", "tables"] {
+        for entry in std::fs::read_dir(source.join(dir))? {
+            let path = entry?.path();
+            if path.is_file() {
+                std::fs::copy(&path, dest.join(dir).join(path.file_name().expect("a file has a name")))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The largest `|got - want|`, or `None` when the lengths differ.
 pub fn max_abs_diff(got: &[f32], want: &[f32]) -> Option<f32> {
     (got.len() == want.len()).then(|| got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max))

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use narsil_core::{assemble, RequestSamples};
 use narsil_embedding::{
-    pool_int8, EmbeddingStage, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table,
+    pool_rows, EmbeddingStage, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table,
     TableSpec,
 };
 
@@ -50,7 +50,18 @@ fn pooling(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("ids_per_bag", ids_per_bag), &ids_per_bag, |b, _| {
             b.iter(|| {
                 let pooling = Pooling { mode: PoolingMode::Sum, weights: None };
-                pool_int8(&table, ROW_BYTES, DIM, &lengths, &ids, pooling, &mut out, DIM).unwrap();
+                pool_rows(
+                    Storage::Int8Rowwise,
+                    &table,
+                    ROW_BYTES,
+                    DIM,
+                    &lengths,
+                    &ids,
+                    pooling,
+                    &mut out,
+                    DIM,
+                )
+                .unwrap();
             })
         });
     }
@@ -98,8 +109,18 @@ fn stage(c: &mut Criterion) {
             for (f, table) in tables.iter().enumerate() {
                 let pooling = Pooling { mode: PoolingMode::Sum, weights: None };
                 let (lengths, ids) = (batch.feature_lengths(f), batch.feature_ids(f));
-                pool_int8(table.bytes(), ROW_BYTES, DIM, lengths, ids, pooling, &mut out[f * DIM..], width)
-                    .unwrap();
+                pool_rows(
+                    Storage::Int8Rowwise,
+                    table.bytes(),
+                    ROW_BYTES,
+                    DIM,
+                    lengths,
+                    ids,
+                    pooling,
+                    &mut out[f * DIM..],
+                    width,
+                )
+                .unwrap();
             }
         })
     });

@@ -30,7 +30,7 @@ pub mod table;
 
 pub use dedup::{DistinctIds, IdCount};
 pub use metrics::StageMetrics;
-pub use pool::{pool_int8, pool_rows, OutOfRange, Pooling};
+pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use schema::{PoolingMode, SchemaError, SplitSchema, Storage, TableSpec};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
 pub use store::{FetchError, RowStore};

@@ -31,25 +31,10 @@ pub struct OutOfRange {
     pub rows: u64,
 }
 
-/// Pools one feature's bags of INT8 row-wise rows: bag `b` holds the next
-/// `lengths[b]` ids of `ids` (and weights), and its vector of `dim` values
-/// is written to `out[b * stride..b * stride + dim]`. `table` is `rows`
-/// rows of `row_bytes` bytes.
-#[allow(clippy::too_many_arguments)]
-pub fn pool_int8(
-    table: &[u8],
-    row_bytes: usize,
-    dim: usize,
-    lengths: &[i32],
-    ids: &[i64],
-    pooling: Pooling<'_>,
-    out: &mut [f32],
-    stride: usize,
-) -> Result<(), OutOfRange> {
-    pool_rows(Storage::Int8Rowwise, table, row_bytes, dim, lengths, ids, pooling, out, stride)
-}
-
-/// [`pool_int8`] for rows stored as `storage`.
+/// Pools one feature's bags of rows stored as `storage`: bag `b` holds
+/// the next `lengths[b]` ids of `ids` (and weights), and its vector of
+/// `dim` values is written to `out[b * stride..b * stride + dim]`. `table`
+/// is `rows` rows of `row_bytes` bytes.
 #[allow(clippy::too_many_arguments)]
 pub fn pool_rows(
     storage: Storage,
@@ -330,7 +315,7 @@ mod tests {
         let lengths = [2, 0, 1];
         let ids = [1, 3, 4];
         let sum = Pooling { mode: PoolingMode::Sum, weights: None };
-        pool_int8(&data, row_bytes, 8, &lengths, &ids, sum, &mut out, 8).unwrap();
+        pool_rows(Storage::Int8Rowwise, &data, row_bytes, 8, &lengths, &ids, sum, &mut out, 8).unwrap();
         for j in 0..8 {
             assert!((out[j] - (row(1)[j] + row(3)[j])).abs() < 1e-5);
             assert_eq!(out[8 + j], 0.0, "an empty bag pools to zeros");
@@ -338,9 +323,10 @@ mod tests {
         }
         let mean = Pooling { mode: PoolingMode::Mean, weights: None };
         let mut averaged = vec![0.0; 3 * 8];
-        pool_int8(&data, row_bytes, 8, &lengths, &ids, mean, &mut averaged, 8).unwrap();
+        pool_rows(Storage::Int8Rowwise, &data, row_bytes, 8, &lengths, &ids, mean, &mut averaged, 8).unwrap();
         assert!((averaged[0] - out[0] / 2.0).abs() < 1e-6);
-        let error = pool_int8(&data, row_bytes, 8, &[1], &[5], sum, &mut out, 8).unwrap_err();
+        let error =
+            pool_rows(Storage::Int8Rowwise, &data, row_bytes, 8, &[1], &[5], sum, &mut out, 8).unwrap_err();
         assert_eq!(error, OutOfRange { id: 5, rows: 5 });
     }
 

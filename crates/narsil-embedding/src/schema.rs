@@ -230,6 +230,31 @@ impl SplitSchema {
         self.tables.iter().find(|t| t.name == name)
     }
 
+    /// The schema a backend serving this model reports: its features in
+    /// request order, each with its table's rows (every feature names a
+    /// listed table: [`Self::check`]).
+    pub fn model_schema(&self, backend: &str, device: &str) -> narsil_core::ModelSchema {
+        narsil_core::ModelSchema {
+            name: self.name.clone(),
+            version: self.version.clone(),
+            backend: backend.into(),
+            device: device.into(),
+            num_dense: self.num_dense,
+            sparse: self
+                .features
+                .iter()
+                .map(|f| narsil_core::SparseFeature {
+                    weighted: f.weighted,
+                    ..narsil_core::SparseFeature::new(
+                        f.name.clone(),
+                        self.table(&f.table).map_or(0, |t| t.rows),
+                    )
+                })
+                .collect(),
+            outputs: self.outputs.clone(),
+        }
+    }
+
     /// Values in each pooled vector.
     pub fn pooled_dim(&self) -> usize {
         self.table(&self.features[0].table).map_or(0, |t| t.dim)

@@ -81,7 +81,7 @@ pub struct StageScratch {
 
 /// How a stage's tables were opened.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Opened {
+pub struct OpenedTables {
     /// Tables read (or mapped) now.
     pub read: usize,
     /// Tables another live model version already held.
@@ -133,8 +133,12 @@ impl EmbeddingStage {
 
     /// Opens every table of the split model in `dir` in `store`, sharing
     /// those a live model version already holds (see [`crate::shared`]).
-    pub fn open(dir: &Path, schema: &SplitSchema, store: TableStore) -> Result<(Self, Opened), TableError> {
-        let mut opened = Opened::default();
+    pub fn open(
+        dir: &Path,
+        schema: &SplitSchema,
+        store: TableStore,
+    ) -> Result<(Self, OpenedTables), TableError> {
+        let mut opened = OpenedTables::default();
         let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
         for spec in &schema.tables {
             let table = open_shared(dir, spec, store)?;
@@ -326,7 +330,7 @@ fn thread_major_faults() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::pool_int8;
+    use crate::pool::pool_rows;
     use crate::schema::{FeatureSpec, Storage};
     use crate::table::Table;
     use narsil_core::{assemble, RequestSamples};
@@ -425,7 +429,8 @@ mod tests {
                 .weighted
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
             let pooling = Pooling { mode: feature.pooling, weights };
-            pool_int8(
+            pool_rows(
+                Storage::Int8Rowwise,
                 table.bytes(),
                 16,
                 8,

@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use narsil_embedding::{pool_int8, Pooling, PoolingMode, SplitSchema, Table, TableStore};
+use narsil_embedding::{pool_rows, Pooling, PoolingMode, SplitSchema, Storage, Table, TableStore};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -66,7 +66,8 @@ fn pooling_equals_fbgemm_on_the_exported_tables() {
                 .collect();
             let pooling = Pooling { mode: PoolingMode::Sum, weights: None };
             let stride = features * dim;
-            pool_int8(
+            pool_rows(
+                Storage::Int8Rowwise,
                 table.bytes(),
                 table.row_bytes,
                 dim,

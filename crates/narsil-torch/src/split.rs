@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema, SparseFeature};
+use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
 use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
@@ -64,22 +64,7 @@ impl SplitFactory {
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
         let (stage, opened) =
             EmbeddingStage::open(&dir, &split, config.table_store).map_err(|e| load_error(&dir, e))?;
-        let schema = ModelSchema {
-            name: split.name.clone(),
-            version: split.version.clone(),
-            backend: "torch".into(),
-            device: config.device.clone(),
-            num_dense: split.num_dense,
-            sparse: split
-                .features
-                .iter()
-                .map(|f| SparseFeature {
-                    weighted: f.weighted,
-                    ..SparseFeature::new(f.name.clone(), split.table(&f.table).expect("checked").rows)
-                })
-                .collect(),
-            outputs: split.outputs.clone(),
-        };
+        let schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
         let network = dir.join(&split.dense_network);
         let loaded = ScriptModule::load(&network, device, config.dense_precision).map_err(|e| {
