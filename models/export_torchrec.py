@@ -25,7 +25,8 @@ model; see models/README.md), golden.json (fixed random requests with every
 output's scores, computed here with the saved file) and manifest.json; with
 --split also OUT/split, the same model as a split model (its INT8 tables
 apart from its dense network, models/README.md), checked against model.pt's
-golden scores.
+golden scores, and OUT/extracted, the split form models/extract_split.py
+makes from model.pt alone.
 """
 
 import argparse
@@ -47,10 +48,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from extract_split import extract
 from split_model import DenseNetwork, write_torchrec_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 
 
 def log(msg: str) -> None:
@@ -241,12 +243,13 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true",
-                   help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
+                   help="also write the split form (INT8 tables apart from the dense network) into OUT/split, "
+                        "and the one extracted from model.pt into OUT/extracted")
     args = p.parse_args()
     out: Path = args.out
     if args.kind == "multitask" and args.num_sparse < 3:
         p.error("--kind multitask needs --num-sparse of at least 3 (a shared table and a mean-pooled feature)")
-    split_missing = args.split and not (out / "split" / "schema.json").exists()
+    split_missing = args.split and not all((out / d / "schema.json").exists() for d in ("split", "extracted"))
     if (out / "manifest.json").exists() and not args.force and not split_missing:
         log(f"{out} already holds an export; pass --force to overwrite")
         return 0
@@ -308,8 +311,10 @@ def main() -> int:
     if args.split:
         write_split(out / "split", quantized, args, unweighted, weighted, outputs, requests, golden)
         (out / "split" / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+        log("extracting a split model from model.pt alone (models/extract_split.py)")
+        extract(out, out / "extracted")
     manifest = {"export_format": EXPORT_FORMAT, "kind": args.kind, "seed": args.seed, "torch": torch.__version__,
-                "files": ["model.pt", "model.json", "golden.json"] + (["split/"] if args.split else [])}
+                "files": ["model.pt", "model.json", "golden.json"] + (["split/", "extracted/"] if args.split else [])}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s")
     return 0

@@ -39,11 +39,13 @@ fn model_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// `name` is an export (its model.pt) or an export's split form
-/// (`NAME/split`: its tables pooled by Narsil's embedding stage).
+/// `name` is an export (its model.pt) or an export's split form, its
+/// tables pooled by Narsil's embedding stage: `NAME/split`, written from the
+/// model before packaging, or `NAME/extracted`, extracted from the packaged
+/// model.pt by models/extract_split.py.
 fn load(name: &str) -> Arc<dyn BackendFactory> {
     let dir = model_dir(name);
-    if name.ends_with("/split") {
+    if name.ends_with("/split") || name.ends_with("/extracted") {
         Arc::new(SplitFactory::load(TorchConfig::new(dir)).unwrap())
     } else {
         Arc::new(TorchFactory::load(TorchConfig::new(dir.join("model.pt"))).unwrap())
@@ -110,12 +112,17 @@ async fn multitask_weighted_model_serves_every_output_in_batch_and_worker_modes(
     golden_over_both_protocols("test-torchrec-multitask", worker_mode(2)).await;
 }
 
-/// The split forms: shared, mean-pooled and weighted features and two
-/// outputs through the embedding stage, against the single-file model's
-/// golden scores.
+/// The split forms, written before packaging and extracted after: shared,
+/// mean-pooled and weighted features and two outputs through the embedding
+/// stage, against the single-file model's golden scores.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_forms_serve_the_packaged_models_scores_in_batch_and_worker_modes() {
-    for name in ["test-torchrec-dlrm/split", "test-torchrec-multitask/split"] {
+    for name in [
+        "test-torchrec-dlrm/split",
+        "test-torchrec-multitask/split",
+        "test-torchrec-dlrm/extracted",
+        "test-torchrec-multitask/extracted",
+    ] {
         golden_over_both_protocols(name, batch_mode(1, 16)).await;
         golden_over_both_protocols(name, worker_mode(2)).await;
     }
@@ -129,6 +136,8 @@ fn every_model_and_its_split_form_pass_the_backend_conformance_kit() {
         "test-torchrec-multitask",
         "test-torchrec-dlrm/split",
         "test-torchrec-multitask/split",
+        "test-torchrec-dlrm/extracted",
+        "test-torchrec-multitask/extracted",
     ] {
         let factory = load(name);
         let golden = Golden::read(&model_dir(name)).unwrap();
@@ -141,7 +150,9 @@ fn every_model_and_its_split_form_pass_the_backend_conformance_kit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fused_outputs_equal_alone_with_16_concurrent_clients() {
-    for name in ["test-torchrec-multitask", "test-torchrec-multitask/split"] {
+    for name in
+        ["test-torchrec-multitask", "test-torchrec-multitask/split", "test-torchrec-multitask/extracted"]
+    {
         fused_equal_alone(name).await;
     }
 }

@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""Turns a TorchRec-packaged single-file model into a split model
+(models/README.md, "Split models"): its INT8 tables apart from its dense
+network, with the same scores.
+
+  extract_split.py MODEL_DIR [--out DIR]
+
+MODEL_DIR holds what Narsil serves for a TorchRec-signature model:
+`model.pt` (TorchScript, `forward(batch: Dict[str, Tensor])`, packaged the
+way `torchrec/inference` does it: quantized table-batched lookups, FX-traced,
+scripted) and `model.json` (its features and outputs). With `golden.json`
+beside them (requests and their scores), the split model's scores are
+checked against them and the file is copied into the split model.
+
+How, and what it relies on:
+  * Every lookup is FBGEMM's `int_nbit_split_embedding_codegen_lookup_function`
+    over a table-batched module's buffers (`weights_host`, `weights_offsets`,
+    `D_offsets`, `rows_per_table`, `weights_tys`), rows on the host, every
+    table INT8 row-wise. Features whose `weights_offsets` are equal share a
+    table. Anything else (FP16 or INT4 tables, tables on a GPU, lookups that
+    are not FBGEMM's) is refused with a message naming it.
+  * Pooling mode (sum or mean) is read from each lookup call's arguments;
+    which features are weighted from model.json, checked by measurement.
+  * Which request feature feeds which lookup column is measured, not parsed:
+    the model runs once per feature with one id in that feature's bag and
+    every other bag empty, returning its lookups' outputs; the one non-zero
+    block names the feature's place. So the extraction does not depend on
+    how a TorchRec version permutes or splits its jagged tensors.
+  * The dense network is the packaged module itself, its lookups' outputs
+    replaced by inputs (`narsil.pooled.N` in the batch dict), and everything
+    its outputs do not depend on (the lookups, their bounds checks, the
+    jagged-tensor bookkeeping that fed them) removed from its graph; the
+    table buffers are emptied.
+"""
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import torch
+from torch import nn
+
+import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
+
+from split_model import SPLIT_FORMAT
+
+LOOKUP = "fbgemm::int_nbit_split_embedding_codegen_lookup_function"
+# Positional arguments of the lookup (fbgemm_gpu's
+# int_nbit_split_embedding_codegen_lookup_function).
+WEIGHTS_HOST, POOLING_MODE, OUTPUT_DTYPE = 0, 14, 16
+SPARSE_TYPE_INT8, SPARSE_TYPE_FP32 = 2, 0
+POOLING = {0: "sum", 1: "mean"}
+LOCATION_HOST = 3
+ROW_ALIGNMENT = 16
+
+
+def log(msg: str) -> None:
+    print(f"[extract_split] {msg}", file=sys.stderr, flush=True)
+
+
+class Lookup:
+    """One table-batched lookup of the packaged model: its module's path,
+    its pooling, and per column block (feature position) the block's width
+    and table."""
+
+    def __init__(self, node, module: torch.jit.ScriptModule) -> None:
+        inputs = list(node.inputs())
+        path = []
+        value = inputs[WEIGHTS_HOST]
+        while value.node().kind() == "prim::GetAttr":
+            path.append(value.node().s("name"))
+            value = value.node().input()
+        path.reverse()
+        if len(path) < 2 or path[-1] != "weights_host":
+            raise SystemExit(f"a {LOOKUP} call does not read a module's weights_host buffer ({'.'.join(path)})")
+        self.path = ".".join(path[:-1])
+        self.tbe = module
+        for name in path[:-1]:
+            self.tbe = getattr(self.tbe, name)
+        self.pooling = POOLING.get(constant(inputs[POOLING_MODE], "pooling_mode", self.path))
+        if self.pooling is None:
+            raise SystemExit(f"{self.path}: pooling mode {constant(inputs[POOLING_MODE], 'pooling_mode', self.path)} "
+                             "is neither sum (0) nor mean (1)")
+        output_dtype = constant(inputs[OUTPUT_DTYPE], "output_dtype", self.path)
+        if output_dtype != SPARSE_TYPE_FP32:
+            raise SystemExit(f"{self.path}: lookup output dtype {output_dtype}, only FP32 (0) is extracted")
+        tys = self.tbe.weights_tys.tolist()
+        if any(t != SPARSE_TYPE_INT8 for t in tys):
+            raise SystemExit(f"{self.path}: weights_tys {sorted(set(tys))}; only INT8 row-wise tables "
+                             f"(SparseType {SPARSE_TYPE_INT8}) are extracted")
+        if any(p != LOCATION_HOST for p in self.tbe.weights_placements.tolist()):
+            raise SystemExit(f"{self.path}: tables placed off the host (weights_placements "
+                             f"{self.tbe.weights_placements.tolist()})")
+        d_offsets = self.tbe.D_offsets.tolist()
+        self.dims = [b - a for a, b in zip(d_offsets, d_offsets[1:])]
+        self.offsets = self.tbe.weights_offsets.tolist()
+        self.rows = self.tbe.rows_per_table.tolist()
+
+    def table_rows(self, position: int) -> torch.Tensor:
+        """The rows of the table at column block `position`, FBGEMM's fused
+        INT8 layout (`[rows, row_bytes]` uint8)."""
+        row_bytes = int8_row_bytes(self.dims[position])
+        start = self.offsets[position]
+        end = start + self.rows[position] * row_bytes
+        host = self.tbe.weights_host
+        if end > host.numel():
+            raise SystemExit(f"{self.path}: table at block {position} ends at byte {end}, past weights_host "
+                             f"({host.numel()} bytes)")
+        return host[start:end].view(self.rows[position], row_bytes)
+
+
+def int8_row_bytes(dim: int) -> int:
+    """FBGEMM's INT8 row: fp16 scale and bias, then `dim` bytes, padded."""
+    return (dim + 4 + ROW_ALIGNMENT - 1) // ROW_ALIGNMENT * ROW_ALIGNMENT
+
+
+def constant(value, what: str, where: str) -> int:
+    if value.node().kind() != "prim::Constant":
+        raise SystemExit(f"{where}: the lookup's {what} is not a constant")
+    return value.toIValue()
+
+
+def lookup_nodes(graph) -> list:
+    nodes = [n for n in graph.nodes() if n.kind() == LOOKUP]
+    if len(graph.findAllNodes(LOOKUP)) != len(nodes):
+        raise SystemExit(f"a {LOOKUP} call sits inside a branch or loop; only straight-line lookups are extracted")
+    if not nodes:
+        raise SystemExit(f"the model calls no {LOOKUP}: nothing to extract")
+    return nodes
+
+
+def inlined(path: Path) -> torch.jit.ScriptModule:
+    module = torch.jit.load(str(path))
+    torch._C._jit_pass_inline(module.graph)
+    return module
+
+
+def returning_lookups(path: Path) -> Tuple[torch.jit.ScriptModule, List[Lookup]]:
+    """The packaged model, its forward changed to return its lookups'
+    outputs (in graph order) instead of its scores."""
+    module = inlined(path)
+    graph = module.graph
+    nodes = lookup_nodes(graph)
+    lookups = [Lookup(n, module) for n in nodes]
+    ret = graph.return_node()
+    outputs = graph.create("prim::ListConstruct", [n.output() for n in nodes])
+    outputs.output().setType(torch._C.ListType(torch._C.TensorType.get()))
+    outputs.insertBefore(ret)
+    ret.replaceInput(0, outputs.output())
+    torch._C._jit_pass_dce(graph)
+    return module, lookups
+
+
+def without_lookups(path: Path) -> torch.jit.ScriptModule:
+    """The packaged model with lookup N's output read from the batch dict's
+    `narsil.pooled.N`, the lookups and their bounds checks removed and the
+    table buffers emptied."""
+    module = inlined(path)
+    graph = module.graph
+    batch = list(graph.inputs())[1]
+    for i, node in enumerate(lookup_nodes(graph)):
+        key = graph.insertConstant(f"narsil.pooled.{i}")
+        key.node().moveBefore(node)
+        read = graph.create("aten::__getitem__", [batch, key])
+        read.output().setType(node.output().type())
+        read.insertBefore(node)
+        node.output().replaceAllUsesWith(read.output())
+        node.destroy()
+    for node in graph.findAllNodes("fbgemm::bounds_check_indices"):
+        node.destroy()
+    keep_only_what_the_outputs_read(graph)
+    torch._C._jit_pass_dce(graph)
+    for name, buffer in list(module.named_buffers()):
+        if name.endswith(("weights_host", "weights_uvm", "lxu_cache_weights")):
+            owner = module
+            for part in name.split(".")[:-1]:
+                owner = getattr(owner, part)
+            setattr(owner, name.split(".")[-1], torch.empty([0] * buffer.dim(), dtype=buffer.dtype))
+    return module
+
+
+def keep_only_what_the_outputs_read(graph) -> None:
+    """Removes every top-level node the graph's outputs do not depend on.
+    TorchScript's dead-code elimination keeps writes to objects and failed
+    assertions as effects, so the jagged-tensor bookkeeping that fed the
+    removed lookups would stay and run. Here a node is kept when its outputs
+    (or, for a node with blocks, anything its blocks use) reach the return;
+    an object or list created in the graph and kept brings every node that
+    uses it (its writes). Whatever this removes wrongly shows up as a failed
+    run or a score that differs from the packaged model's, both checked."""
+    top = list(graph.nodes())
+    top_set = set(top)
+
+    def top_level(node):
+        while node not in top_set and node.kind() != "prim::Return":
+            node = node.owningBlock().owningNode()
+        return node
+
+    def used_values(node):
+        values = list(node.inputs())
+        for block in node.blocks():
+            for inner in block.nodes():
+                values += used_values(inner)
+            values += list(block.returnNode().inputs())
+        return values
+
+    mutable = ("prim::CreateObject", "prim::ListConstruct", "prim::DictConstruct", "aten::__getitem__")
+    live, work = set(), [graph.return_node()]
+    while work:
+        node = work.pop()
+        for value in used_values(node):
+            producer = value.node()
+            if producer.kind() == "prim::Param" or producer not in top_set:
+                continue
+            if producer not in live:
+                live.add(producer)
+                work.append(producer)
+            if producer.kind() in mutable and not isinstance(value.type(), torch._C.TensorType):
+                for use in value.uses():
+                    user = top_level(use.user)
+                    if user in top_set and user not in live:
+                        live.add(user)
+                        work.append(user)
+    for node in reversed(top):
+        if node not in live:
+            node.destroy()
+
+
+class PackagedDense(nn.Module):
+    """Narsil's dense-network interface over a packaged model without its
+    lookups: forward(dense f32[B, D], pooled f32[B, sum of dims] in request
+    feature order) -> f32[outputs, B]."""
+
+    def __init__(self, inner: torch.jit.ScriptModule, columns: List[torch.Tensor], outputs: List[str]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.outputs = outputs
+        self.columns = columns
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        batch: Dict[str, torch.Tensor] = {"float_features": dense}
+        for i, columns in enumerate(self.columns):
+            batch["narsil.pooled." + str(i)] = pooled.index_select(1, columns)
+        result = self.inner(batch)
+        assert torch.jit.isinstance(result, Dict[str, torch.Tensor])
+        return torch.stack([result[name] for name in self.outputs])
+
+
+def wire_batch(config: dict, request: dict) -> Dict[str, torch.Tensor]:
+    """A golden request (sample-major) as TorchRec's input dict: each
+    feature group key-major, ids int32."""
+    features = config["sparse_features"]
+    b = request["batch_size"]
+    lengths = torch.tensor(request["lengths"], dtype=torch.int32).view(b, len(features))
+    bags = torch.split(torch.tensor(request["ids"], dtype=torch.int32), lengths.reshape(-1).tolist())
+    weighted_lengths = [int(lengths[s, j]) for s in range(b) for j, f in enumerate(features) if f["weighted"]]
+    weights = iter(torch.split(torch.tensor(request.get("weights", []), dtype=torch.float32), weighted_lengths))
+    weight_of = {(s, j): next(weights) for s in range(b) for j, f in enumerate(features) if f["weighted"]}
+    batch = {"float_features": torch.tensor(request["dense"], dtype=torch.float32).view(b, config["dense_features"])}
+    for group, weighted in (("id_list_features", False), ("id_score_list_features", True)):
+        order = [(s, j) for j, f in enumerate(features) if f["weighted"] == weighted for s in range(b)]
+        if not order:
+            continue
+        batch[f"{group}.lengths"] = torch.stack([lengths[s, j] for s, j in order]).to(torch.int32)
+        batch[f"{group}.values"] = torch.cat([bags[s * len(features) + j] for s, j in order])
+        if weighted:
+            batch[f"{group}.weights"] = torch.cat([weight_of[o] for o in order])
+    return batch
+
+
+def one_id_request(config: dict, feature: int, row: int, weight: float = 1.0) -> dict:
+    features = config["sparse_features"]
+    lengths = [1 if j == feature else 0 for j in range(len(features))]
+    return {"batch_size": 1, "dense": [0.0] * config["dense_features"], "lengths": lengths, "ids": [row],
+            "weights": [weight] if features[feature]["weighted"] else []}
+
+
+def block(output: torch.Tensor, lookup: "Lookup", position: int) -> torch.Tensor:
+    start = sum(lookup.dims[:position])
+    return output[:, start:start + lookup.dims[position]]
+
+
+def place_features(probe: torch.jit.ScriptModule, lookups: List[Lookup], config: dict) -> List[Tuple[int, int]]:
+    """For each request feature, the (lookup, column block) it feeds,
+    measured by looking up one id in that feature alone; a weighted
+    feature's block must scale with the id's weight."""
+    places = []
+    with torch.inference_mode():
+        for j, feature in enumerate(config["sparse_features"]):
+            found = set()
+            for row in range(min(8, feature["num_rows"])):
+                outputs = probe(wire_batch(config, one_id_request(config, j, row)))
+                found = {(i, p) for i, (lookup, output) in enumerate(zip(lookups, outputs))
+                         for p in range(len(lookup.dims)) if block(output, lookup, p).abs().sum() > 0}
+                if found:
+                    break
+            if len(found) != 1:
+                raise SystemExit(f"feature {feature['name']}: one id in its bag alone changed "
+                                 f"{len(found)} lookup column blocks {sorted(found)}, expected exactly one")
+            i, p = found.pop()
+            places.append((i, p))
+            halved = probe(wire_batch(config, one_id_request(config, j, row, weight=0.5)))[i]
+            scales = (block(halved, lookups[i], p).abs().sum() / block(outputs[i], lookups[i], p).abs().sum()).item()
+            expected = 0.5 if feature["weighted"] else 1.0
+            if abs(scales - expected) > 1e-3:
+                raise SystemExit(f"feature {feature['name']}: model.json says weighted={feature['weighted']} but "
+                                 f"halving its id's weight scaled its pooled embedding by {scales:.3f}")
+    return places
+
+
+def extract(model_dir: Path, out: Path) -> None:
+    config = json.loads((model_dir / "model.json").read_text())
+    features = config["sparse_features"]
+    outputs = config.get("outputs", ["default"])
+    probe, lookups = returning_lookups(model_dir / "model.pt")
+    log(f"{len(lookups)} table-batched lookups: " + ", ".join(
+        f"{l.path} ({len(l.dims)} features, {l.pooling})" for l in lookups))
+    places = place_features(probe, lookups, config)
+
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "tables").mkdir(parents=True)
+    tables: Dict[Tuple[int, int], dict] = {}  # (lookup, weights offset) -> table
+    described, schema_features = [], []
+    for j, feature in enumerate(features):
+        i, p = places[j]
+        lookup = lookups[i]
+        key = (i, lookup.offsets[p])
+        if key not in tables:
+            rows = lookup.table_rows(p)
+            tables[key] = {"rows": rows, "dim": lookup.dims[p], "features": []}
+        tables[key]["features"].append(feature["name"])
+    names = {}
+    for key, table in tables.items():
+        name = "t_" + "_".join(table["features"])
+        names[key] = name
+        data = table["rows"].contiguous().numpy().tobytes()
+        file = f"tables/{name}.bin"
+        (out / file).write_bytes(data)
+        described.append({"name": name, "rows": table["rows"].shape[0], "dim": table["dim"],
+                          "storage": "int8_rowwise", "row_bytes": table["rows"].shape[1], "file": file,
+                          "sha256": hashlib.sha256(data).hexdigest()})
+    for j, feature in enumerate(features):
+        i, p = places[j]
+        schema_features.append({"name": feature["name"], "table": names[(i, lookups[i].offsets[p])],
+                                "pooling": lookups[i].pooling, "weighted": feature["weighted"]})
+    log(f"wrote {len(described)} INT8 tables ({sum(t['rows'] * t['row_bytes'] for t in described) / 2**20:.2f} MiB) "
+        f"for {len(features)} features into {out / 'tables'}")
+
+    # Lookup i's input columns: its blocks in order, each the columns of the
+    # request feature placed there.
+    feature_start = [0]
+    for j in range(len(features)):
+        i, p = places[j]
+        feature_start.append(feature_start[-1] + lookups[i].dims[p])
+    columns = []
+    for i, lookup in enumerate(lookups):
+        block_of = {p: j for j, (li, p) in enumerate(places) if li == i}
+        if sorted(block_of) != list(range(len(lookup.dims))):
+            raise SystemExit(f"{lookup.path}: column blocks {sorted(set(range(len(lookup.dims))) - set(block_of))} "
+                             "are fed by no request feature")
+        cols = [c for p in range(len(lookup.dims)) for c in range(feature_start[block_of[p]], feature_start[block_of[p] + 1])]
+        columns.append(torch.tensor(cols, dtype=torch.int64))
+    dense = torch.jit.script(PackagedDense(without_lookups(model_dir / "model.pt"), columns, outputs))
+    dense.save(str(out / "dense.pt"))
+    schema = {"format": SPLIT_FORMAT, "name": f"{model_dir.name}-extracted", "version": "1",
+              "num_dense": config["dense_features"], "tables": described, "features": schema_features,
+              "outputs": outputs, "dense_network": "dense.pt"}
+    (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
+
+    golden_path = model_dir / "golden.json"
+    if not golden_path.exists():
+        log(f"no {golden_path}: scores not checked")
+        return
+    golden = json.loads(golden_path.read_text())
+    dense = torch.jit.load(str(out / "dense.pt"))
+    worst = 0.0
+    with torch.inference_mode():
+        for n, request in enumerate(golden["requests"]):
+            batch = wire_batch(config, request)
+            pooled_blocks = probe(batch)
+            per_feature = [block(pooled_blocks[i], lookups[i], p) for i, p in places]
+            scores = dense(batch["float_features"], torch.cat(per_feature, dim=1))
+            for k, output in enumerate(outputs):
+                diff = (scores[k] - torch.tensor(request["outputs"][output])).abs().max().item()
+                worst = max(worst, diff)
+                if diff > 1e-6:
+                    raise SystemExit(f"extraction check failed: golden request {n} output {output} differs "
+                                     f"from the packaged model's by {diff}")
+    shutil.copyfile(golden_path, out / "golden.json")
+    log(f"wrote the split model {out}: scores of {len(golden['requests'])} golden requests within {worst:.1e} "
+        "of the packaged model's")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model_dir", type=Path, help="a directory with model.pt and model.json (and golden.json)")
+    p.add_argument("--out", type=Path, help="the split model's directory (default MODEL_DIR/extracted)")
+    args = p.parse_args()
+    for name in ("model.pt", "model.json"):
+        if not (args.model_dir / name).exists():
+            p.error(f"{args.model_dir / name} does not exist")
+    started = time.time()
+    extract(args.model_dir, args.out or args.model_dir / "extracted")
+    log(f"done in {time.time() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
