@@ -136,7 +136,7 @@ async fn fp32_tables_serve_the_fp32_models_scores_alone_and_fused() {
     let golden = Golden::read(&test_model_dir()).unwrap();
     for store in [narsil_torch::TableStore::Memory, narsil_torch::TableStore::Mmap] {
         let mut config = TorchConfig::new(test_model_dir().join("split_fp32"));
-        config.table_store = store;
+        config.table_store = store.clone();
         let factory = SplitFactory::load(config).unwrap();
         let server = start_with(Arc::new(factory), batch_mode(1, 16)).await.ready().await;
         let mut client = server.client().await;

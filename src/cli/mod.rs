@@ -1,9 +1,10 @@
-//! Command-line interface: `narsil serve`, `narsil load` and
-//! `narsil bench-forward`. Every flag has
+//! Command-line interface: `narsil serve`, `narsil load`,
+//! `narsil bench-forward` and `narsil tables`. Every flag has
 //! a long name, an environment variable (`NARSIL_…`) and a documented default;
 //! rules between flags are checked right after parsing.
 
 mod serve;
+mod tables;
 
 use std::process::ExitCode;
 
@@ -35,6 +36,9 @@ enum Command {
     Load(Box<LoadArgs>),
     /// Time a backend's forward alone, in process, at fixed fused batch sizes.
     BenchForward(Box<ForwardBenchArgs>),
+    /// Manage a split model's tables in a store (`tables load`: onto a
+    /// Redis Cluster).
+    Tables(Box<tables::TablesArgs>),
 }
 
 /// Log output format.
@@ -79,6 +83,8 @@ pub fn main() -> ExitCode {
     let command = match cli.command {
         // Synchronous, and measured: no async runtime threads beside it.
         Command::BenchForward(args) => return exit_code(crate::forward_bench::run(*args), cli.log_format),
+        // Blocking: the Redis client runs its own runtime.
+        Command::Tables(args) => return exit_code(tables::run(*args), cli.log_format),
         command => command,
     };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -92,7 +98,7 @@ pub fn main() -> ExitCode {
         match command {
             Command::Serve(args) => serve::serve_until_signal(*args).await,
             Command::Load(args) => crate::load::run(*args).await,
-            Command::BenchForward(_) => unreachable!("run above, without the runtime"),
+            Command::BenchForward(_) | Command::Tables(_) => unreachable!("run above, without the runtime"),
         }
     });
     exit_code(result, cli.log_format)

@@ -48,7 +48,9 @@ pub struct BackendArgs {
     pub dense_precision: DensePrecision,
     /// Split models (a `--model` directory): where their tables live.
     /// `memory` reads them into the process; `mmap` maps their files, so the
-    /// page cache holds the hot rows and tables larger than RAM are served.
+    /// page cache holds the hot rows and tables larger than RAM are served;
+    /// `redis://HOST:PORT[,HOST:PORT...]` reads rows from the Redis Cluster
+    /// at these seeds, where `narsil tables load` put them.
     #[arg(long, env = "NARSIL_TABLE_STORE", default_value = "memory")]
     pub table_store: TableStore,
     /// Mock backend: fixed latency of one forward, milliseconds.
@@ -126,7 +128,7 @@ impl BackendArgs {
             intra_op_threads: self.intra_op_threads,
             fbgemm_dir: self.fbgemm_dir.clone(),
             dense_precision: self.dense_precision,
-            table_store: self.table_store,
+            table_store: self.table_store.clone(),
             mock: MockConfig {
                 latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
                 per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),

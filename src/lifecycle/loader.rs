@@ -118,7 +118,7 @@ impl LoadOptions {
         }
         let factory = match model {
             Some(path) if is_split(path) => {
-                narsil_burn::BurnFactory::load_split(split_dir(path), self.table_store)?
+                narsil_burn::BurnFactory::load_split(split_dir(path), self.table_store.clone())?
             }
             Some(path) => narsil_burn::BurnFactory::load(path)?,
             None => {
@@ -147,7 +147,7 @@ impl LoadOptions {
         config.model_config = model_config.map(Path::to_path_buf);
         config.intra_op_threads = self.intra_op_threads;
         config.fbgemm_dir = self.fbgemm_dir.clone();
-        config.table_store = self.table_store;
+        config.table_store = self.table_store.clone();
         config.dense_precision = match self.dense_precision {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,

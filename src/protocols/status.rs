@@ -21,6 +21,7 @@ pub fn to_status(error: EngineError, names: FieldNames) -> Status {
         EngineError::NotReady | EngineError::NoServingVersion(_) | EngineError::ShuttingDown => {
             Code::Unavailable
         }
+        EngineError::Backend(narsil_core::BackendError::Unavailable { .. }) => Code::Unavailable,
         EngineError::Backend(_) => Code::Internal,
     };
     let message = match &error {

@@ -56,6 +56,7 @@ impl BurnFactory {
                 row_bytes: Storage::Fp32.row_bytes(dim),
                 file: Default::default(),
                 sha256: String::new(),
+                redis: None,
             })
             .collect();
         let stores: Vec<Arc<dyn RowStore>> = specs
@@ -101,7 +102,7 @@ impl BurnFactory {
         let (dim, features) = (split.pooled_dim(), split.features.len());
         let (dense, over) =
             load_dense_network(&dir.join(weights), split.num_dense, features, dim, split.outputs.len())?;
-        let (stage, opened) = EmbeddingStage::open(dir, &split, store).map_err(|e| load_error(&e))?;
+        let (stage, opened) = EmbeddingStage::open(dir, &split, &store).map_err(|e| load_error(&e))?;
         let schema = split.model_schema("burn", "cpu");
         tracing::info!(
             model = %dir.display(),

@@ -125,9 +125,7 @@ impl BurnDlrm {
             x = B::relu(layer.forward(x));
         }
 
-        self.stage
-            .pool(batch, scratch, pooled)
-            .map_err(|e| BackendError::forward("the embedding stage").caused_by(e))?;
+        self.stage.pool(batch, scratch, pooled).map_err(BackendError::from)?;
         // Burn takes its tensors' data by value: the block moves in (the
         // lane's buffer is allocated again next forward, as a fresh one was).
         let pooled = TensorData::new(std::mem::take(pooled), [rows, features, self.dim]);

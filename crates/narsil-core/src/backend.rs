@@ -50,6 +50,16 @@ pub enum BackendError {
         #[source]
         source: Option<ErrorSource>,
     },
+    /// A store the forward reads from (a remote table store) did not
+    /// deliver in time or is unreachable: the request may succeed later.
+    #[error("{reason}")]
+    Unavailable {
+        /// What could not be read.
+        reason: String,
+        /// The library error underneath, if any.
+        #[source]
+        source: Option<ErrorSource>,
+    },
     /// A forward returned a different number of scores than rows times
     /// outputs.
     #[error("forward returned {got} scores for {rows} rows")]
@@ -87,7 +97,10 @@ impl BackendError {
     pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
         let cause: ErrorSource = Arc::new(cause);
         match &mut self {
-            Self::Load { source, .. } | Self::Setup { source, .. } | Self::Forward { source, .. } => {
+            Self::Load { source, .. }
+            | Self::Setup { source, .. }
+            | Self::Forward { source, .. }
+            | Self::Unavailable { source, .. } => {
                 *source = Some(cause);
             }
             Self::WrongScoreCount { .. } | Self::Panicked { .. } => {}

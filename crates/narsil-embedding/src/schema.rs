@@ -47,6 +47,19 @@ pub struct TableSpec {
     /// SHA-256 of the file's contents, hex: a table's identity, so that two
     /// model versions with the same table share it.
     pub sha256: String,
+    /// Where `narsil tables load` put the rows on a Redis Cluster (the
+    /// `redis` store reads them there).
+    #[serde(default)]
+    pub redis: Option<RedisTableSpec>,
+}
+
+/// A table's rows on a Redis Cluster (see [`crate::redis_store`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+pub struct RedisTableSpec {
+    /// Every row key starts with it: `narsil/MODEL/VERSION/TABLE`.
+    pub prefix: String,
+    /// Hash-tag buckets the rows are spread over (`id % buckets`).
+    pub buckets: u32,
 }
 
 /// How a feature's bag of rows becomes one vector.

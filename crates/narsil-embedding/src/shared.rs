@@ -76,7 +76,7 @@ pub fn open_shared(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Op
         rows: spec.rows,
         row_bytes: spec.row_bytes,
         storage: spec.storage,
-        store,
+        store: store.clone(),
     };
     if let Some(table) = live(&identity) {
         return Ok(Opened { table, shared: true });
@@ -106,6 +106,7 @@ mod tests {
             row_bytes: 16,
             file: "tables/t.bin".into(),
             sha256: sha256.into(),
+            redis: None,
         }
     }
 
@@ -122,7 +123,7 @@ mod tests {
         for (sha, store) in
             [("cd34", TableStore::Memory), ("ab12", TableStore::Mmap), ("", TableStore::Memory)]
         {
-            let other = open_shared(&dir, &spec(sha), store).unwrap();
+            let other = open_shared(&dir, &spec(sha), store.clone()).unwrap();
             assert!(!other.shared && !Arc::ptr_eq(&first.table, &other.table), "{sha} {store}");
         }
         // Once no version holds it, it is read again.

@@ -28,6 +28,7 @@ use narsil_core::KeyedBatch;
 use crate::dedup::DistinctIds;
 use crate::metrics::{StageMetrics, TableCounters};
 use crate::pool::{pool_rows, OutOfRange, Pooling};
+use crate::redis_store::{RedisCluster, RedisRows};
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::shared::open_shared;
 use crate::store::{FetchError, RowStore};
@@ -69,6 +70,18 @@ pub enum StageError {
         /// Why.
         source: FetchError,
     },
+}
+
+impl From<StageError> for narsil_core::BackendError {
+    /// A store that could not deliver rows makes the requests
+    /// `Unavailable` (a retry may succeed: the cluster fails over); any
+    /// other stage error is a failed forward.
+    fn from(error: StageError) -> Self {
+        match error {
+            StageError::Fetch { .. } => Self::Unavailable { reason: error.to_string(), source: None },
+            StageError::OutOfRange { .. } => Self::forward("the embedding stage").caused_by(error),
+        }
+    }
 }
 
 /// A lane's buffers, reused from batch to batch.
@@ -132,16 +145,36 @@ impl EmbeddingStage {
     }
 
     /// Opens every table of the split model in `dir` in `store`, sharing
-    /// those a live model version already holds (see [`crate::shared`]).
+    /// those a live model version already holds (see [`crate::shared`]);
+    /// for the `redis` store, checks each table is loaded on the cluster.
     pub fn open(
         dir: &Path,
         schema: &SplitSchema,
-        store: TableStore,
+        store: &TableStore,
     ) -> Result<(Self, OpenedTables), TableError> {
         let mut opened = OpenedTables::default();
         let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
+        if let TableStore::Redis(seeds) = store {
+            let cluster = RedisCluster::shared(seeds)
+                .map_err(|source| TableError::Store { table: schema.tables[0].name.clone(), source })?;
+            for spec in &schema.tables {
+                let store_error = |source| TableError::Store { table: spec.name.clone(), source };
+                let redis = spec.redis.as_ref().ok_or_else(|| {
+                    store_error(FetchError(format!(
+                        "schema.json names no Redis location for it: load the tables first \
+                         (`narsil tables load {} --store {seeds}`)",
+                        dir.display()
+                    )))
+                })?;
+                stores.push(Arc::new(
+                    RedisRows::open(&spec.name, redis, spec.rows, cluster.clone()).map_err(store_error)?,
+                ));
+                opened.read += 1;
+            }
+            return Ok((Self::new(schema, stores), opened));
+        }
         for spec in &schema.tables {
-            let table = open_shared(dir, spec, store)?;
+            let table = open_shared(dir, spec, store.clone())?;
             if table.shared {
                 opened.shared += 1;
             } else {
@@ -362,6 +395,7 @@ mod tests {
             row_bytes: 16,
             file: format!("tables/{name}.bin").into(),
             sha256: String::new(),
+            redis: None,
         };
         let feature = |name: &str, table: &str, pooling, weighted| FeatureSpec {
             name: name.into(),

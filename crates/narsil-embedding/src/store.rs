@@ -33,7 +33,7 @@ impl RowStore for Table {
     fn kind(&self) -> &'static str {
         match self.store() {
             TableStore::Memory => "memory",
-            TableStore::Mmap => "mmap",
+            TableStore::Mmap | TableStore::Redis(_) => "mmap",
         }
     }
 

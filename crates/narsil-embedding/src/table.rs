@@ -2,7 +2,8 @@
 //! checked against the schema: a file that is truncated, too long, or
 //! missing fails with the table's name and the file's path.
 //!
-//! Two stores (`narsil serve --table-store`):
+//! Two local stores (`narsil serve --table-store`; the third, `redis`, is
+//! [`crate::redis_store`]):
 //!
 //! * `memory` (default): the file is read into the process once; every
 //!   lookup is a memory read. Needs the tables' size in RAM.
@@ -15,16 +16,21 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::redis_store::RedisSeeds;
 use crate::schema::{Storage, TableSpec};
+use crate::store::FetchError;
 
 /// Where a table's rows live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub enum TableStore {
     /// Read into process memory.
     #[default]
     Memory,
     /// Mapped from the file; the page cache holds the hot rows.
     Mmap,
+    /// On the Redis Cluster at these seeds, where `narsil tables load` put
+    /// them.
+    Redis(RedisSeeds),
 }
 
 impl std::str::FromStr for TableStore {
@@ -34,17 +40,21 @@ impl std::str::FromStr for TableStore {
         match text {
             "memory" => Ok(Self::Memory),
             "mmap" => Ok(Self::Mmap),
-            _ => Err(format!("`{text}` is not a table store: use `memory` or `mmap`")),
+            _ if text.starts_with("redis://") => Ok(Self::Redis(RedisSeeds::parse(text)?)),
+            _ => Err(format!(
+                "`{text}` is not a table store: use `memory`, `mmap` or `redis://HOST:PORT[,HOST:PORT...]`"
+            )),
         }
     }
 }
 
 impl std::fmt::Display for TableStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Self::Memory => "memory",
-            Self::Mmap => "mmap",
-        })
+        match self {
+            Self::Memory => f.write_str("memory"),
+            Self::Mmap => f.write_str("mmap"),
+            Self::Redis(seeds) => seeds.fmt(f),
+        }
     }
 }
 
@@ -150,11 +160,20 @@ pub enum TableError {
         /// Bytes per row.
         row_bytes: usize,
     },
+    /// The table is not in the store that holds it elsewhere (or that
+    /// store cannot be reached).
+    #[error("table {table:?}: {source}")]
+    Store {
+        /// The table.
+        table: String,
+        /// Why.
+        source: FetchError,
+    },
 }
 
 impl Table {
     /// Opens the table `spec` describes in the model directory `dir`, in
-    /// `store`.
+    /// `store` (`memory` or `mmap`).
     pub fn load(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Self, TableError> {
         let path = dir.join(&spec.file);
         let read_error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
@@ -175,6 +194,10 @@ impl Table {
             TableStore::Mmap => {
                 let file = std::fs::File::open(&path).map_err(read_error)?;
                 Rows::Mapped(Mapping::new(&file, expected as usize).map_err(read_error)?)
+            }
+            TableStore::Redis(_) => {
+                let source = FetchError("a Redis table has no local rows".into());
+                return Err(TableError::Store { table: spec.name.clone(), source });
             }
         };
         Ok(Self::with_rows(spec, rows_data))
@@ -228,6 +251,7 @@ mod tests {
             row_bytes: 16,
             file: "tables/cat_3.bin".into(),
             sha256: String::new(),
+            redis: None,
         }
     }
 

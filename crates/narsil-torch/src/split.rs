@@ -63,7 +63,7 @@ impl SplitFactory {
         }
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
         let (stage, opened) =
-            EmbeddingStage::open(&dir, &split, config.table_store).map_err(|e| load_error(&dir, e))?;
+            EmbeddingStage::open(&dir, &split, &config.table_store).map_err(|e| load_error(&dir, e))?;
         let schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
         let network = dir.join(&split.dense_network);
@@ -163,10 +163,7 @@ impl ModelBackend for SplitLane {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         let model = &*self.model;
         let (rows, width) = (batch.rows, model.stage.pooled_width());
-        model
-            .stage
-            .pool(batch, &mut self.scratch, &mut self.pooled)
-            .map_err(|e| BackendError::forward("the embedding stage").caused_by(e))?;
+        model.stage.pool(batch, &mut self.scratch, &mut self.pooled).map_err(BackendError::from)?;
         // Both inputs are borrowed, not copied (the pooled block is 6.5 KiB
         // per row): the tensors are dropped before this returns, while the
         // batch and the lane's buffer are still untouched.

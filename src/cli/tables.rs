@@ -1,0 +1,117 @@
+//! `narsil tables load`: puts a split model's tables on a Redis Cluster
+//! for the `redis` table store, then records where in the model's
+//! `schema.json`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use narsil_embedding::redis_store::{load_table, DEFAULT_BUCKETS};
+use narsil_embedding::{RedisCluster, RedisSeeds, RedisTableSpec, SplitSchema, Table, TableStore};
+
+/// `narsil tables ...`.
+#[derive(Debug, Args)]
+pub struct TablesArgs {
+    #[command(subcommand)]
+    command: TablesCommand,
+}
+
+#[derive(Debug, Subcommand)]
+enum TablesCommand {
+    /// Write a split model's tables to a Redis Cluster (every row, then a
+    /// check that every row is there), and name the cluster's keys in the
+    /// model's schema.json. Idempotent: running it again rewrites the same
+    /// keys, so an interrupted load is finished by running it again.
+    Load(LoadTablesArgs),
+}
+
+/// `narsil tables load`.
+#[derive(Debug, Args)]
+pub struct LoadTablesArgs {
+    /// The split model directory (its schema.json and tables/).
+    model: PathBuf,
+    /// The cluster: `redis://HOST:PORT[,HOST:PORT...]` (seed nodes).
+    #[arg(long)]
+    store: String,
+    /// Hash-tag buckets per table: a fused batch reads a table with one
+    /// MGET per bucket its ids fall in; more buckets spread a table over
+    /// more hash slots (and masters).
+    #[arg(long, default_value_t = DEFAULT_BUCKETS, value_parser = clap::value_parser!(u32).range(1..=16384))]
+    buckets: u32,
+}
+
+/// Runs `narsil tables ...` (blocking: the Redis client has its own
+/// runtime).
+pub fn run(args: TablesArgs) -> anyhow::Result<()> {
+    match args.command {
+        TablesCommand::Load(args) => load(&args),
+    }
+}
+
+fn load(args: &LoadTablesArgs) -> anyhow::Result<()> {
+    let seeds = RedisSeeds::parse(&args.store).map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+    let schema = SplitSchema::read(&args.model).with_context(|| format!("{}", args.model.display()))?;
+    let cluster = RedisCluster::connect(&seeds, Duration::from_secs(30))?;
+    let started = Instant::now();
+    let (mut rows, mut bytes) = (0u64, 0u64);
+    let mut specs = Vec::with_capacity(schema.tables.len());
+    for (i, spec) in schema.tables.iter().enumerate() {
+        let table = Table::load(&args.model, spec, TableStore::Mmap)?;
+        let redis = RedisTableSpec {
+            prefix: format!("narsil/{}/{}/{}", schema.name, schema.version, spec.name),
+            buckets: args.buckets,
+        };
+        let table_started = Instant::now();
+        let mut last_print = Instant::now();
+        let label = format!("[{}/{}] {}", i + 1, schema.tables.len(), spec.name);
+        let loaded = load_table(&cluster, &redis, table.bytes(), spec.row_bytes, |written| {
+            if last_print.elapsed() > Duration::from_millis(500) {
+                eprint!("\r{label}: {written}/{} rows", spec.rows);
+                let _ = std::io::stderr().flush();
+                last_print = Instant::now();
+            }
+        })?;
+        eprintln!(
+            "\r{label}: {} rows, {:.1} MiB in {:.1} s, every row checked",
+            loaded.rows,
+            loaded.bytes as f64 / (1 << 20) as f64,
+            table_started.elapsed().as_secs_f64()
+        );
+        rows += loaded.rows;
+        bytes += loaded.bytes;
+        specs.push((spec.name.clone(), redis));
+    }
+    record_locations(&args.model, &specs)?;
+    println!(
+        "loaded {} tables ({rows} rows, {:.1} MiB) of {} version {} onto {seeds} in {:.1} s; {} names them",
+        specs.len(),
+        bytes as f64 / (1 << 20) as f64,
+        schema.name,
+        schema.version,
+        started.elapsed().as_secs_f64(),
+        args.model.join("schema.json").display()
+    );
+    Ok(())
+}
+
+/// Adds each table's `redis` location to `dir/schema.json`, keeping every
+/// other field as it is (written to a temporary file, then renamed).
+fn record_locations(dir: &Path, specs: &[(String, RedisTableSpec)]) -> anyhow::Result<()> {
+    let path = dir.join("schema.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let mut schema: serde_json::Value = serde_json::from_str(&text)?;
+    let tables = schema["tables"].as_array_mut().context("schema.json has no tables")?;
+    for table in tables {
+        let name = table["name"].as_str().unwrap_or_default().to_owned();
+        if let Some((_, redis)) = specs.iter().find(|(n, _)| *n == name) {
+            table["redis"] = serde_json::to_value(redis)?;
+        }
+    }
+    let temporary = dir.join("schema.json.tmp");
+    std::fs::write(&temporary, serde_json::to_string_pretty(&schema)? + "\n")
+        .with_context(|| format!("writing {}", temporary.display()))?;
+    std::fs::rename(&temporary, &path).with_context(|| format!("replacing {}", path.display()))?;
+    Ok(())
+}
