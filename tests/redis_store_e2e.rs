@@ -2,8 +2,10 @@
 //! replicas, started by `scripts/redis_cluster.sh`): a split model's tables
 //! loaded by `narsil tables load`, served with scores equal to the memory
 //! store's, bit for bit; a model whose tables were never loaded fails at
-//! start-up naming the command that loads them; with the cluster gone,
-//! requests get UNAVAILABLE, never a score.
+//! start-up naming the command that loads them; rows pushed while two
+//! `narsil serve` processes answer load reach both (no failed request, then
+//! the new rows' scores); with the cluster gone, requests get UNAVAILABLE,
+//! never a score.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -154,6 +156,125 @@ fn a_model_whose_tables_were_never_loaded_fails_naming_the_load_command() {
     let error = narsil_core::error_chain(&SplitFactory::load(config).err().expect("rows gone"));
     assert!(error.contains("not loaded") && error.contains("narsil tables load"), "{error}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A copy of `dir` whose every table's row `i` is the old row `i + 1`
+/// (new values for every id), not shared by content with anything.
+fn rotated_copy(dir: &Path, name: &str) -> PathBuf {
+    let new = split_copy(name);
+    let mut schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("schema.json")).unwrap()).unwrap();
+    for table in schema["tables"].as_array_mut().unwrap() {
+        let file = new.join(table["file"].as_str().unwrap());
+        let row_bytes = table["row_bytes"].as_u64().unwrap() as usize;
+        let mut rows = std::fs::read(&file).unwrap();
+        rows.rotate_left(row_bytes);
+        std::fs::write(&file, rows).unwrap();
+        table["sha256"] = "".into();
+    }
+    std::fs::write(new.join("schema.json"), serde_json::to_string_pretty(&schema).unwrap()).unwrap();
+    new
+}
+
+/// `narsil serve` on the split model `dir` with the Redis store.
+fn serve_process(dir: &Path, seeds: &str, port: u16) -> common::KillOnDrop {
+    let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--log-level", "warn"])
+        .arg("--model")
+        .arg(dir)
+        .args(["--table-store", seeds, "--metrics-addr", &format!("127.0.0.1:{}", common::free_port())])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    common::KillOnDrop(child)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_pushed_under_load_reach_two_replicas_with_no_failed_request() {
+    let cluster = Cluster::start("push");
+    let dir = split_copy("push");
+    tables_load(&dir, &cluster.seeds);
+    let new = rotated_copy(&dir, "push-new");
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let expected = {
+        let memory = factory(&new, TableStore::Memory);
+        conformance::scores_alone(&memory, &conformance::requests(&memory, &golden, IdPolicy::Reject))
+    };
+    assert_ne!(expected[3], golden.requests[3].scores_int8, "the new rows change the scores");
+
+    let ports = [common::free_port(), common::free_port()];
+    let _replicas: Vec<_> = ports.iter().map(|&port| serve_process(&dir, &cluster.seeds, port)).collect();
+    let mut channels = Vec::new();
+    for port in ports {
+        let channel =
+            common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
+        let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
+        for (i, g) in golden.requests.iter().enumerate() {
+            let scores = client.predict(wire(g, "")).await.unwrap().into_inner().scores;
+            assert_close(&scores, &g.scores_int8, &format!("replica {port}, request {i} before the push"));
+        }
+        channels.push(channel);
+    }
+
+    // Load on both replicas while the rows are pushed: every call answered.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = channels
+        .iter()
+        .map(|channel| {
+            let (channel, stop, requests) = (channel.clone(), stop.clone(), golden.requests.clone());
+            tokio::spawn(async move {
+                let mut client = narsil::proto::predictor_client::PredictorClient::new(channel);
+                let mut answered = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    for g in &requests {
+                        client.predict(wire(g, "")).await.expect("a call failed during the push");
+                        answered += 1;
+                    }
+                }
+                answered
+            })
+        })
+        .collect();
+    let (dir2, new2, seeds) = (dir.clone(), new.clone(), cluster.seeds.clone());
+    let push = tokio::task::spawn_blocking(move || {
+        Command::new(env!("CARGO_BIN_EXE_narsil"))
+            .args(["tables", "push"])
+            .arg(&dir2)
+            .args(["--store", &seeds, "--from"])
+            .arg(&new2)
+            .args(["--rows-per-second", "20000"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(push.status.success(), "tables push: {}", String::from_utf8_lossy(&push.stderr));
+    assert!(String::from_utf8_lossy(&push.stdout).contains("pushed 26000 changed rows"));
+    let pushed = Instant::now();
+
+    // Then both replicas answer the new rows' scores.
+    for (channel, port) in channels.iter().zip(ports) {
+        let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
+        loop {
+            let mut all_new = true;
+            for (g, want) in golden.requests.iter().zip(&expected) {
+                let scores = client.predict(wire(g, "")).await.unwrap().into_inner().scores;
+                all_new &= common::bits(&scores) == common::bits(want);
+            }
+            if all_new {
+                break;
+            }
+            assert!(pushed.elapsed() < Duration::from_secs(10), "replica {port} still answers old rows");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        println!("replica {port}: new rows' scores {:?} after the push finished", pushed.elapsed());
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for task in load {
+        assert!(task.await.unwrap() > 0, "each replica answered calls during the push");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+    std::fs::remove_dir_all(new).unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

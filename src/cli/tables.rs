@@ -1,6 +1,7 @@
 //! `narsil tables load`: puts a split model's tables on a Redis Cluster
 //! for the `redis` table store, then records where in the model's
-//! `schema.json`.
+//! `schema.json`. `narsil tables push`: writes new rows for a live model
+//! there, and tells every serving process to drop its cached copies.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -25,6 +26,33 @@ enum TablesCommand {
     /// model's schema.json. Idempotent: running it again rewrites the same
     /// keys, so an interrupted load is finished by running it again.
     Load(LoadTablesArgs),
+    /// Write new rows for a model whose tables are on a Redis Cluster,
+    /// while it is served: the rows where NEW's tables differ from MODEL's,
+    /// then their ids on the invalidation channel, so that every replica
+    /// reads them afresh (no restart, no reload).
+    Push(PushTablesArgs),
+}
+
+/// `narsil tables push`.
+#[derive(Debug, Args)]
+pub struct PushTablesArgs {
+    /// The split model whose tables are loaded (its schema.json names
+    /// their keys; its table files are what the cluster holds).
+    model: PathBuf,
+    /// The cluster: `redis://HOST:PORT[,HOST:PORT...]`.
+    #[arg(long)]
+    store: String,
+    /// A split model directory with the new rows: tables of the same
+    /// names and shapes.
+    #[arg(long)]
+    from: PathBuf,
+    /// Rows written (and invalidated) per step.
+    #[arg(long, default_value_t = 1000)]
+    rows_per_step: usize,
+    /// Pace: at most this many rows per second (0: as fast as the cluster
+    /// takes them).
+    #[arg(long, default_value_t = 0)]
+    rows_per_second: u64,
 }
 
 /// `narsil tables load`.
@@ -47,6 +75,7 @@ pub struct LoadTablesArgs {
 pub fn run(args: TablesArgs) -> anyhow::Result<()> {
     match args.command {
         TablesCommand::Load(args) => load(&args),
+        TablesCommand::Push(args) => push(&args),
     }
 }
 
@@ -92,6 +121,50 @@ fn load(args: &LoadTablesArgs) -> anyhow::Result<()> {
         schema.version,
         started.elapsed().as_secs_f64(),
         args.model.join("schema.json").display()
+    );
+    Ok(())
+}
+
+fn push(args: &PushTablesArgs) -> anyhow::Result<()> {
+    let seeds = RedisSeeds::parse(&args.store).map_err(|e| anyhow::anyhow!("--store: {e}"))?;
+    let schema = SplitSchema::read(&args.model).with_context(|| format!("{}", args.model.display()))?;
+    let new_schema =
+        SplitSchema::read(&args.from).with_context(|| format!("--from {}", args.from.display()))?;
+    let cluster = RedisCluster::connect(&seeds, Duration::from_secs(30))?;
+    let started = Instant::now();
+    let (mut compared, mut pushed) = (0u64, 0u64);
+    for spec in &schema.tables {
+        let redis = spec.redis.as_ref().with_context(|| {
+            format!("table {:?} is not on a cluster: run `narsil tables load` first", spec.name)
+        })?;
+        let new_spec =
+            new_schema.table(&spec.name).with_context(|| format!("--from has no table {:?}", spec.name))?;
+        if (new_spec.rows, new_spec.row_bytes, new_spec.storage) != (spec.rows, spec.row_bytes, spec.storage)
+        {
+            anyhow::bail!("table {:?}: --from's shape differs (rows, row bytes, storage)", spec.name);
+        }
+        let old = Table::load(&args.model, spec, TableStore::Mmap)?;
+        let new = Table::load(&args.from, new_spec, TableStore::Mmap)?;
+        let changed: Vec<u64> = (0..spec.rows)
+            .filter(|&id| {
+                let range = id as usize * spec.row_bytes..(id as usize + 1) * spec.row_bytes;
+                old.bytes()[range.clone()] != new.bytes()[range]
+            })
+            .collect();
+        compared += spec.rows;
+        for step in changed.chunks(args.rows_per_step.max(1)) {
+            narsil_embedding::redis_store::push_rows(&cluster, redis, new.bytes(), spec.row_bytes, step)?;
+            pushed += step.len() as u64;
+            if args.rows_per_second > 0 {
+                let due = Duration::from_secs_f64(pushed as f64 / args.rows_per_second as f64);
+                std::thread::sleep(due.saturating_sub(started.elapsed()));
+            }
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    println!(
+        "pushed {pushed} changed rows of {compared} onto {seeds} in {seconds:.2} s ({:.0} rows/s), each invalidated",
+        pushed as f64 / seconds.max(1e-9)
     );
     Ok(())
 }

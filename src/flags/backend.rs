@@ -53,6 +53,11 @@ pub struct BackendArgs {
     /// at these seeds, where `narsil tables load` put them.
     #[arg(long, env = "NARSIL_TABLE_STORE", default_value = "memory")]
     pub table_store: TableStore,
+    /// `redis` table store: the hot-row cache's bound in bytes (rows and
+    /// their bookkeeping), shared by every lane, table and model version;
+    /// 0 reads every row from the cluster.
+    #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis_store::DEFAULT_CACHE_BYTES)]
+    pub table_cache_bytes: u64,
     /// Mock backend: fixed latency of one forward, milliseconds.
     #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
     pub mock_latency_ms: f64,
@@ -128,7 +133,13 @@ impl BackendArgs {
             intra_op_threads: self.intra_op_threads,
             fbgemm_dir: self.fbgemm_dir.clone(),
             dense_precision: self.dense_precision,
-            table_store: self.table_store.clone(),
+            table_store: match &self.table_store {
+                TableStore::Redis(redis) => TableStore::Redis(narsil_embedding::RedisStoreConfig {
+                    seeds: redis.seeds.clone(),
+                    cache_bytes: self.table_cache_bytes,
+                }),
+                local => local.clone(),
+            },
             mock: MockConfig {
                 latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
                 per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),

@@ -6,7 +6,10 @@
 //! * `narsil_table_distinct_ids_total`: distinct ids per fused batch,
 //!   summed (ids over distinct ids is the dedup ratio);
 //! * `narsil_table_rows_fetched_total`: rows read from the store (one per
-//!   distinct id);
+//!   distinct id, less those the hot-row cache held);
+//! * `narsil_table_cache_hits_total`: distinct ids served from the hot-row
+//!   cache of a remote store (`redis`); over the distinct ids, the hit
+//!   rate;
 //! * `narsil_table_fetch_seconds`: time to fetch and pool one fused
 //!   batch's rows of the table;
 //! * `narsil_table_major_faults_total`: for stores that can wait on the
@@ -38,6 +41,7 @@ pub(crate) struct TableCounters {
     pub ids: Counter,
     pub distinct_ids: Counter,
     pub rows_fetched: Counter,
+    pub cache_hits: Counter,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
 }
@@ -48,6 +52,7 @@ pub struct StageMetrics {
     ids: Family<TableLabel, Counter>,
     distinct_ids: Family<TableLabel, Counter>,
     rows_fetched: Family<TableLabel, Counter>,
+    cache_hits: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
     read_ahead_seconds: Histogram,
@@ -59,6 +64,7 @@ impl Default for StageMetrics {
             ids: Family::default(),
             distinct_ids: Family::default(),
             rows_fetched: Family::default(),
+            cache_hits: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
             read_ahead_seconds: fetch_buckets(),
@@ -74,6 +80,7 @@ impl StageMetrics {
             ids: self.ids.get_or_create(&label).clone(),
             distinct_ids: self.distinct_ids.get_or_create(&label).clone(),
             rows_fetched: self.rows_fetched.get_or_create(&label).clone(),
+            cache_hits: self.cache_hits.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
         }
@@ -96,6 +103,11 @@ impl StageMetrics {
             "table_rows_fetched",
             "Rows read from a table's store (once per distinct id of a fused batch)",
             self.rows_fetched.clone(),
+        );
+        registry.register(
+            "table_cache_hits",
+            "Distinct ids of a fused batch served from the hot-row cache of a remote store (over distinct ids: the hit rate)",
+            self.cache_hits.clone(),
         );
         registry.register_with_unit(
             "table_fetch",

@@ -14,21 +14,46 @@
 //! The key `{PREFIX/meta}rows` holds the row count, written last by a load,
 //! so a store that lacks it was never fully loaded.
 //!
-//! A fetch sends one `MGET` per bucket that holds ids of the batch, all at
-//! once over the cluster client's multiplexed connections (the client
-//! pipelines the commands bound for one node), and waits for them together,
-//! bounded by the store's timeout. A missing row is an error, never a zero.
+//! A fetch looks the batch's distinct ids up in the process's hot-row cache
+//! ([`crate::row_cache`]) and sends one `MGET` per bucket that holds missed
+//! ids, all at once over the cluster client's multiplexed connections (the
+//! client pipelines the commands bound for one node), waiting for them
+//! together, bounded by the store's timeout. A missing row is an error,
+//! never a zero.
+//!
+//! Online updates (`narsil tables push`): the pusher writes new rows, then
+//! publishes their ids on the channel [`INVALIDATION_CHANNEL`] (Redis
+//! Cluster forwards a `PUBLISH` to every node). Each process subscribes
+//! through one node and removes those rows from its cache, so its next
+//! batch reads them from the cluster. What a fused batch can observe: each
+//! row either before or after the update (never a mix within a row); rows
+//! of one batch may be from either side. The cache is used only while the
+//! subscription is up: when it drops, the cache is cleared and every row is
+//! read from the cluster until the process has subscribed again, so a lost
+//! invalidation can never leave an old row cached. A fetch that began
+//! before an invalidation of its table does not cache what it read (the
+//! table's epoch moved), so an old row cannot come back after its
+//! invalidation.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use futures_util::future::try_join_all;
+use futures_util::StreamExt;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 
+use crate::row_cache::RowCache;
 use crate::schema::RedisTableSpec;
 use crate::store::{FetchError, RowStore};
+
+/// The channel row invalidations are published on.
+pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";
+
+/// The hot-row cache's bound unless `--table-cache-bytes` says otherwise.
+pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;
 
 /// How long a fetch (every bucket of one table for one batch) may take
 /// before the batch fails.
@@ -75,36 +100,132 @@ impl std::fmt::Display for RedisSeeds {
     }
 }
 
+/// The `redis` store as `--table-store` and `--table-cache-bytes` chose it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RedisStoreConfig {
+    /// The cluster's seed nodes.
+    pub seeds: RedisSeeds,
+    /// The hot-row cache's bound (0: no cache).
+    pub cache_bytes: u64,
+}
+
+impl std::fmt::Display for RedisStoreConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (cache {} MiB)", self.seeds, self.cache_bytes >> 20)
+    }
+}
+
+/// What the subscriber and the tables share: the cache, each table's
+/// epoch, and whether invalidations are arriving.
+struct Invalidation {
+    cache: Option<RowCache>,
+    subscribed: AtomicBool,
+    tables: Mutex<HashMap<String, Weak<TableState>>>,
+}
+
+/// A table's number in the cache and its invalidation epoch.
+struct TableState {
+    number: u32,
+    epoch: AtomicU64,
+}
+
+static NEXT_TABLE: AtomicU32 = AtomicU32::new(0);
+
+impl Invalidation {
+    /// The cache, while invalidations are arriving.
+    fn cache(&self) -> Option<&RowCache> {
+        self.cache.as_ref().filter(|_| self.subscribed.load(Ordering::Acquire))
+    }
+
+    /// Applies one published message: `PREFIX\n` then ids as little-endian
+    /// u64s.
+    fn apply(&self, payload: &[u8]) {
+        let Some(newline) = payload.iter().position(|&b| b == b'\n') else { return };
+        let prefix = String::from_utf8_lossy(&payload[..newline]);
+        let state =
+            self.tables.lock().unwrap_or_else(|e| e.into_inner()).get(&*prefix).and_then(Weak::upgrade);
+        let (Some(state), Some(cache)) = (state, &self.cache) else { return };
+        state.epoch.fetch_add(1, Ordering::AcqRel);
+        for id in payload[newline + 1..].chunks_exact(8) {
+            cache.remove(state.number, u64::from_le_bytes(id.try_into().expect("8 bytes")));
+        }
+    }
+
+    /// Subscribes through one seed after another for as long as the
+    /// process holds the cluster; while not subscribed the cache is empty
+    /// and unused.
+    async fn subscribe_forever(self: Arc<Self>, seeds: RedisSeeds) {
+        loop {
+            for url in seeds.urls() {
+                if let Ok(mut pubsub) = subscribe(url).await {
+                    self.subscribed.store(true, Ordering::Release);
+                    let mut messages = pubsub.on_message();
+                    while let Some(message) = messages.next().await {
+                        self.apply(message.get_payload_bytes());
+                    }
+                    self.subscribed.store(false, Ordering::Release);
+                    if let Some(cache) = &self.cache {
+                        cache.clear();
+                    }
+                    tracing::warn!(node = %url, "lost the row-invalidation subscription; reading every row from the cluster until it is back");
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+async fn subscribe(url: &str) -> redis::RedisResult<redis::aio::PubSub> {
+    let client = redis::Client::open(url)?;
+    let mut pubsub = tokio::time::timeout(Duration::from_secs(1), client.get_async_pubsub())
+        .await
+        .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "subscribe timed out")))??;
+    pubsub.subscribe(INVALIDATION_CHANNEL).await?;
+    Ok(pubsub)
+}
+
 /// A connection to one Redis Cluster, shared by every table and lane of
-/// the process that uses it. It runs its own small runtime: lanes are
-/// plain threads and block on their fetches.
+/// the process that uses it, with the process's hot-row cache. It runs its
+/// own small runtime: lanes are plain threads and block on their fetches.
 pub struct RedisCluster {
     runtime: tokio::runtime::Runtime,
     connection: ClusterConnection,
     timeout: Duration,
     seeds: RedisSeeds,
+    invalidation: Arc<Invalidation>,
 }
 
-/// Clusters some live table uses, by seeds.
-static LIVE: Mutex<Option<HashMap<RedisSeeds, Weak<RedisCluster>>>> = Mutex::new(None);
+/// Clusters some live table uses, by configuration.
+static LIVE: Mutex<Option<HashMap<RedisStoreConfig, Weak<RedisCluster>>>> = Mutex::new(None);
 
 impl RedisCluster {
-    /// The process's connection to the cluster at `seeds`, opened now if
-    /// no live table holds one.
-    pub fn shared(seeds: &RedisSeeds) -> Result<Arc<Self>, FetchError> {
+    /// The process's connection to the cluster `config` names, opened now
+    /// (with its cache and invalidation subscriber) if no live table holds
+    /// one.
+    pub fn shared(config: &RedisStoreConfig) -> Result<Arc<Self>, FetchError> {
         let mut guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
         let live = guard.get_or_insert_with(HashMap::new);
         live.retain(|_, cluster| cluster.strong_count() > 0);
-        if let Some(cluster) = live.get(seeds).and_then(Weak::upgrade) {
+        if let Some(cluster) = live.get(config).and_then(Weak::upgrade) {
             return Ok(cluster);
         }
-        let cluster = Arc::new(Self::connect(seeds, DEFAULT_FETCH_TIMEOUT)?);
-        live.insert(seeds.clone(), Arc::downgrade(&cluster));
+        let mut cluster = Self::connect(&config.seeds, DEFAULT_FETCH_TIMEOUT)?;
+        if config.cache_bytes > 0 {
+            cluster.invalidation = Arc::new(Invalidation {
+                cache: Some(RowCache::new(config.cache_bytes, 80)),
+                subscribed: AtomicBool::new(false),
+                tables: Mutex::default(),
+            });
+            let subscriber = cluster.invalidation.clone().subscribe_forever(config.seeds.clone());
+            cluster.runtime.spawn(subscriber);
+        }
+        let cluster = Arc::new(cluster);
+        live.insert(config.clone(), Arc::downgrade(&cluster));
         Ok(cluster)
     }
 
-    /// A new connection to the cluster at `seeds`; each request may take
-    /// `timeout`.
+    /// A new connection to the cluster at `seeds`, without a cache; each
+    /// request may take `timeout`.
     pub fn connect(seeds: &RedisSeeds, timeout: Duration) -> Result<Self, FetchError> {
         let error =
             |what: &str, e: redis::RedisError| FetchError(format!("Redis Cluster {seeds}: {what}: {e}"));
@@ -124,7 +245,23 @@ impl RedisCluster {
             block_on(&runtime, async { tokio::time::timeout(timeout, client.get_async_connection()).await })
                 .map_err(|_| FetchError(format!("Redis Cluster {seeds}: no answer within {timeout:?}")))?
                 .map_err(|e| error("cannot connect", e))?;
-        Ok(Self { runtime, connection, timeout, seeds: seeds.clone() })
+        let invalidation = Arc::new(Invalidation {
+            cache: None,
+            subscribed: AtomicBool::new(false),
+            tables: Mutex::default(),
+        });
+        Ok(Self { runtime, connection, timeout, seeds: seeds.clone(), invalidation })
+    }
+
+    /// Whether the hot-row cache is in use now (configured, and
+    /// invalidations arriving).
+    pub fn caching(&self) -> bool {
+        self.invalidation.cache().is_some()
+    }
+
+    /// The hot-row cache's bytes now, if there is one.
+    pub fn cache_bytes(&self) -> Option<u64> {
+        self.invalidation.cache.as_ref().map(RowCache::bytes)
     }
 
     /// The seeds it was opened with.
@@ -184,6 +321,7 @@ pub struct RedisRows {
     name: String,
     spec: RedisTableSpec,
     cluster: Arc<RedisCluster>,
+    state: Arc<TableState>,
 }
 
 impl RedisRows {
@@ -200,7 +338,21 @@ impl RedisRows {
         let loaded: Option<u64> =
             cluster.run("reading the row count", |mut c| async move { command.query_async(&mut c).await })?;
         match loaded {
-            Some(n) if n == rows => Ok(Self { name: name.into(), spec: spec.clone(), cluster }),
+            Some(n) if n == rows => {
+                let mut tables = cluster.invalidation.tables.lock().unwrap_or_else(|e| e.into_inner());
+                tables.retain(|_, state| state.strong_count() > 0);
+                let state = match tables.get(&spec.prefix).and_then(Weak::upgrade) {
+                    Some(state) => state,
+                    None => {
+                        let number = NEXT_TABLE.fetch_add(1, Ordering::Relaxed);
+                        let state = Arc::new(TableState { number, epoch: AtomicU64::new(0) });
+                        tables.insert(spec.prefix.clone(), Arc::downgrade(&state));
+                        state
+                    }
+                };
+                drop(tables);
+                Ok(Self { name: name.into(), spec: spec.clone(), cluster, state })
+            }
             Some(n) => Err(FetchError(format!(
                 "table {name:?}: the cluster holds {n} rows under {}, the schema says {rows}",
                 spec.prefix
@@ -222,11 +374,23 @@ impl RowStore for RedisRows {
         None
     }
 
-    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<(), FetchError> {
+    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError> {
+        let cache = self.cluster.invalidation.cache();
+        let epoch = self.state.epoch.load(Ordering::Acquire);
         let buckets = self.spec.buckets as usize;
         let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); buckets];
+        let mut cached = 0;
         for (i, &id) in ids.iter().enumerate() {
-            by_bucket[id as usize % buckets].push(i);
+            match cache.and_then(|cache| cache.get(self.state.number, id as u64)) {
+                Some(row) if row.len() == row_bytes => {
+                    out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
+                    cached += 1;
+                }
+                _ => by_bucket[id as usize % buckets].push(i),
+            }
+        }
+        if cached == ids.len() {
+            return Ok(cached);
         }
         let by_bucket: Vec<Vec<usize>> = by_bucket.into_iter().filter(|b| !b.is_empty()).collect();
         let commands: Vec<redis::Cmd> = by_bucket
@@ -261,7 +425,14 @@ impl RowStore for RedisRows {
                 out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
             }
         }
-        Ok(())
+        // Rows read before an invalidation of this table arrived may be
+        // old: cache them only if none arrived meanwhile.
+        if let Some(cache) = cache.filter(|_| self.state.epoch.load(Ordering::Acquire) == epoch) {
+            for &i in by_bucket.iter().flatten() {
+                cache.insert(self.state.number, ids[i] as u64, &out[i * row_bytes..(i + 1) * row_bytes]);
+            }
+        }
+        Ok(cached)
     }
 
     fn may_fault(&self) -> bool {
@@ -332,6 +503,48 @@ pub fn load_table(
     let command = redis::cmd("SET").arg(rows_key(spec)).arg(count).clone();
     cluster.run("writing the row count", |mut c| async move { command.query_async::<()>(&mut c).await })?;
     Ok(Loaded { rows: count, bytes: count * row_bytes as u64 })
+}
+
+/// Writes the rows `ids` of a table (`rows`: every row of its new
+/// version, `row_bytes` each) under `spec`, then publishes their ids so
+/// that every serving process drops its cached copies.
+pub fn push_rows(
+    cluster: &RedisCluster,
+    spec: &RedisTableSpec,
+    rows: &[u8],
+    row_bytes: usize,
+    ids: &[u64],
+) -> Result<(), FetchError> {
+    let buckets = u64::from(spec.buckets);
+    let mut by_bucket: HashMap<u64, Vec<u64>> = HashMap::new();
+    for &id in ids {
+        by_bucket.entry(id % buckets).or_default().push(id);
+    }
+    let commands: Vec<redis::Cmd> = by_bucket
+        .values()
+        .map(|ids| {
+            let mut command = redis::cmd("MSET");
+            for &id in ids {
+                let start = id as usize * row_bytes;
+                command.arg(row_key(spec, id)).arg(&rows[start..start + row_bytes]);
+            }
+            command
+        })
+        .collect();
+    cluster.run("writing rows", |connection| {
+        try_join_all(commands.into_iter().map(move |command| {
+            let mut connection = connection.clone();
+            async move { command.query_async::<()>(&mut connection).await }
+        }))
+    })?;
+    let mut message = Vec::with_capacity(spec.prefix.len() + 1 + ids.len() * 8);
+    message.extend_from_slice(spec.prefix.as_bytes());
+    message.push(b'\n');
+    for &id in ids {
+        message.extend_from_slice(&id.to_le_bytes());
+    }
+    let command = redis::cmd("PUBLISH").arg(INVALIDATION_CHANNEL).arg(message).clone();
+    cluster.run("publishing the updated ids", |mut c| async move { command.query_async::<()>(&mut c).await })
 }
 
 /// How many of the rows `0..count` have a key under `spec` (`EXISTS` over

@@ -154,8 +154,9 @@ impl EmbeddingStage {
     ) -> Result<(Self, OpenedTables), TableError> {
         let mut opened = OpenedTables::default();
         let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
-        if let TableStore::Redis(seeds) = store {
-            let cluster = RedisCluster::shared(seeds)
+        if let TableStore::Redis(config) = store {
+            let seeds = &config.seeds;
+            let cluster = RedisCluster::shared(config)
                 .map_err(|source| TableError::Store { table: schema.tables[0].name.clone(), source })?;
             for spec in &schema.tables {
                 let store_error = |source| TableError::Store { table: spec.name.clone(), source };
@@ -241,7 +242,6 @@ impl EmbeddingStage {
         let count = distinct.count();
         table.counters.ids.inc_by(count.looked_up as u64);
         table.counters.distinct_ids.inc_by(count.distinct as u64);
-        table.counters.rows_fetched.inc_by(count.distinct as u64);
         Ok(())
     }
 
@@ -310,11 +310,17 @@ impl EmbeddingStage {
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let spec = &table.spec;
         let local = table.store.local_rows();
+        let distinct_ids = distinct.distinct().len() as u64;
         if local.is_none() {
             fetched.resize(distinct.distinct().len() * spec.row_bytes, 0);
-            table.store.fetch(distinct.distinct(), spec.row_bytes, fetched).map_err(|source| {
-                StageError::Fetch { table: spec.name.clone(), store: table.store.kind(), source }
-            })?;
+            let cached =
+                table.store.fetch(distinct.distinct(), spec.row_bytes, fetched).map_err(|source| {
+                    StageError::Fetch { table: spec.name.clone(), store: table.store.kind(), source }
+                })? as u64;
+            table.counters.cache_hits.inc_by(cached);
+            table.counters.rows_fetched.inc_by(distinct_ids - cached);
+        } else {
+            table.counters.rows_fetched.inc_by(distinct_ids);
         }
         let mut slot_start = 0;
         for &f in &table.features {
@@ -378,7 +384,7 @@ mod tests {
         fn local_rows(&self) -> Option<&[u8]> {
             None
         }
-        fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<(), FetchError> {
+        fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError> {
             self.0.fetch(ids, row_bytes, out)
         }
         fn may_fault(&self) -> bool {

@@ -22,7 +22,9 @@ pub trait RowStore: Send + Sync {
 
     /// Copies the rows of `ids` (distinct, each a valid row) into `out`:
     /// row `i` at `i * row_bytes`, `out.len() == ids.len() * row_bytes`.
-    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<(), FetchError>;
+    /// Returns how many came from a cache in this process rather than the
+    /// store.
+    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError>;
 
     /// Whether reading a row can wait on the disk (the stage then counts
     /// the major page faults of its lookups).
@@ -41,13 +43,13 @@ impl RowStore for Table {
         Some(self.bytes())
     }
 
-    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<(), FetchError> {
+    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError> {
         let rows = self.bytes();
         for (&id, row) in ids.iter().zip(out.chunks_exact_mut(row_bytes)) {
             let start = id as usize * row_bytes;
             row.copy_from_slice(&rows[start..start + row_bytes]);
         }
-        Ok(())
+        Ok(0)
     }
 
     fn may_fault(&self) -> bool {

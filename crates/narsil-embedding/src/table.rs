@@ -16,7 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::redis_store::RedisSeeds;
+use crate::redis_store::{RedisSeeds, RedisStoreConfig, DEFAULT_CACHE_BYTES};
 use crate::schema::{Storage, TableSpec};
 use crate::store::FetchError;
 
@@ -28,9 +28,9 @@ pub enum TableStore {
     Memory,
     /// Mapped from the file; the page cache holds the hot rows.
     Mmap,
-    /// On the Redis Cluster at these seeds, where `narsil tables load` put
-    /// them.
-    Redis(RedisSeeds),
+    /// On a Redis Cluster, where `narsil tables load` put them, through a
+    /// hot-row cache.
+    Redis(RedisStoreConfig),
 }
 
 impl std::str::FromStr for TableStore {
@@ -40,7 +40,10 @@ impl std::str::FromStr for TableStore {
         match text {
             "memory" => Ok(Self::Memory),
             "mmap" => Ok(Self::Mmap),
-            _ if text.starts_with("redis://") => Ok(Self::Redis(RedisSeeds::parse(text)?)),
+            _ if text.starts_with("redis://") => Ok(Self::Redis(RedisStoreConfig {
+                seeds: RedisSeeds::parse(text)?,
+                cache_bytes: DEFAULT_CACHE_BYTES,
+            })),
             _ => Err(format!(
                 "`{text}` is not a table store: use `memory`, `mmap` or `redis://HOST:PORT[,HOST:PORT...]`"
             )),
@@ -53,7 +56,7 @@ impl std::fmt::Display for TableStore {
         match self {
             Self::Memory => f.write_str("memory"),
             Self::Mmap => f.write_str("mmap"),
-            Self::Redis(seeds) => seeds.fmt(f),
+            Self::Redis(config) => config.fmt(f),
         }
     }
 }
