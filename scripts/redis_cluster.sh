@@ -10,7 +10,7 @@
 # loopback ports from P (default: the first free run of ports from 7100),
 # each in DIR/PORT (its config, log, pid and cluster state; no persistence:
 # tables are reloaded with `narsil tables load`), joins them into a cluster,
-# waits until every slot is served and every replica attached, and prints the seed list for
+# waits until every slot is served and every replica has synced, and prints the seed list for
 # `--table-store` (also in DIR/seeds). `stop` shuts every node of DIR down
 # and removes DIR.
 set -euo pipefail
@@ -82,6 +82,8 @@ pidfile $dir/$p/redis.pid
 logfile $dir/$p/redis.log
 save ""
 appendonly no
+repl-diskless-sync-delay 0
+cluster-replica-validity-factor 0
 EOF
     redis-server "$dir/$p/redis.conf"
     addrs+=("127.0.0.1:$p")
@@ -98,6 +100,11 @@ EOF
   for _ in $(seq 200); do
     if redis-cli -p "$port" cluster info 2>/dev/null | grep -q "cluster_state:ok" &&
       [ "$(redis-cli -p "$port" cluster nodes 2>/dev/null | grep -c slave)" -eq $((masters * replicas)) ]; then
+      local synced=1 replica
+      for replica in "${addrs[@]:$masters}"; do
+        redis-cli -p "${replica#*:}" info replication 2>/dev/null | grep -q "master_link_status:up" || synced=0
+      done
+      if [ "$synced" -eq 0 ]; then sleep 0.05; continue; fi
       local seeds
       seeds=$(printf 'redis://%s,' "${addrs[@]:0:$masters}")
       echo "${seeds%,}" >"$dir/seeds"

@@ -4,8 +4,9 @@
 //! store's, bit for bit; a model whose tables were never loaded fails at
 //! start-up naming the command that loads them; rows pushed while two
 //! `narsil serve` processes answer load reach both (no failed request, then
-//! the new rows' scores); with the cluster gone, requests get UNAVAILABLE,
-//! never a score.
+//! the new rows' scores); with the cluster unreachable, requests get
+//! UNAVAILABLE (never a score from missing rows) and health NOT_SERVING,
+//! and both recover when it answers again.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -278,24 +279,143 @@ async fn rows_pushed_under_load_reach_two_replicas_with_no_failed_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_cluster_gone_requests_get_unavailable_not_a_score() {
-    let cluster = Cluster::start("gone");
-    let dir = split_copy("gone");
+async fn a_master_killed_under_load_gives_no_wrong_score_and_service_recovers_after_failover() {
+    let cluster = Cluster::start("failover");
+    let dir = split_copy("failover");
+    tables_load(&dir, &cluster.seeds);
+    // No cache: every batch reads the cluster.
+    let store = match cluster.store() {
+        TableStore::Redis(mut config) => {
+            config.cache_bytes = 0;
+            TableStore::Redis(config)
+        }
+        other => other,
+    };
+    let server = start_with(Arc::new(factory(&dir, store)), batch_mode(1, 16)).await.ready().await;
+    let golden = Arc::new(Golden::read(&test_model_dir()).unwrap());
+    let channel = server.channel().await;
+    let started = Instant::now();
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (channel, golden) = (channel.clone(), golden.clone());
+            tokio::spawn(async move {
+                let mut client = narsil::proto::predictor_client::PredictorClient::new(channel);
+                let mut outcomes = Vec::new();
+                let mut i = c;
+                while started.elapsed() < Duration::from_secs(14) {
+                    let g = &golden.requests[i % golden.requests.len()];
+                    let result = client.predict(wire(g, "")).await;
+                    let at = started.elapsed();
+                    match result {
+                        Ok(response) => {
+                            assert_close(
+                                &response.into_inner().scores,
+                                &g.scores_int8,
+                                "a score during failover",
+                            );
+                            outcomes.push((at, None));
+                        }
+                        Err(status) => outcomes.push((at, Some(status.code()))),
+                    }
+                    i += 1;
+                }
+                outcomes
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let port = cluster.seeds.split(',').next().unwrap().rsplit(':').next().unwrap();
+    let pid = std::fs::read_to_string(cluster.dir.join(port).join("redis.pid")).unwrap();
+    // SAFETY: killing a Redis master this test started.
+    unsafe { libc::kill(pid.trim().parse().unwrap(), libc::SIGKILL) };
+    let killed = started.elapsed();
+    let mut outcomes = Vec::new();
+    for client in clients {
+        outcomes.extend(client.await.unwrap());
+    }
+    let failed: Vec<_> = outcomes.iter().filter_map(|(at, code)| code.map(|code| (*at, code))).collect();
+    for (at, code) in &failed {
+        assert_eq!(*code, Code::Unavailable, "at {at:?}");
+        assert!(*at >= killed, "a failure before the kill, at {at:?}");
+    }
+    let window = failed.last().map(|(at, _)| *at - killed);
+    let ok_after =
+        outcomes.iter().filter(|(at, code)| code.is_none() && Some(*at) > failed.last().map(|f| f.0)).count();
+    println!(
+        "{} calls, {} UNAVAILABLE, non-OK window {window:?} after the kill, {ok_after} OK after it",
+        outcomes.len(),
+        failed.len()
+    );
+    assert!(window.unwrap_or_default() < Duration::from_secs(10), "failover window {window:?}");
+    assert!(ok_after > 0, "served again after the failover");
+    server.stop().await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Sends `signal` to every node of the cluster.
+fn signal_nodes(cluster: &Cluster, signal: i32) {
+    for entry in std::fs::read_dir(&cluster.dir).unwrap() {
+        let pid_file = entry.unwrap().path().join("redis.pid");
+        if let Ok(pid) = std::fs::read_to_string(pid_file) {
+            // SAFETY: signalling a Redis node this test started.
+            unsafe { libc::kill(pid.trim().parse().unwrap(), signal) };
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers() {
+    let cluster = Cluster::start("unreachable");
+    let dir = split_copy("unreachable");
     tables_load(&dir, &cluster.seeds);
     let server = start_with(Arc::new(factory(&dir, cluster.store())), batch_mode(1, 16)).await.ready().await;
     let golden = Golden::read(&test_model_dir()).unwrap();
+    let channel = server.channel().await;
     let mut client = server.client().await;
     let g = &golden.requests[3];
     let response = client.predict(wire(g, "")).await.unwrap().into_inner();
-    assert_close(&response.scores, &g.scores_int8, "before the cluster stops");
+    assert_close(&response.scores, &g.scores_int8, "before the cluster stops answering");
+    assert_eq!(common::health_status(channel.clone()).await.unwrap(), 1, "SERVING");
 
-    cluster.stop();
-    for attempt in 0..3 {
+    // Every node stops answering (as behind a partition): nothing cached
+    // for these requests' other rows, so each call needs the cluster.
+    signal_nodes(&cluster, libc::SIGSTOP);
+    let stopped = Instant::now();
+    let mut not_serving_after = None;
+    for attempt in 0..12 {
         let started = Instant::now();
-        let status = client.predict(wire(g, "")).await.expect_err("no rows, no score");
-        assert_eq!(status.code(), Code::Unavailable, "attempt {attempt}: {status:?}");
-        assert!(status.message().contains("redis"), "{status:?}");
-        assert!(started.elapsed() < Duration::from_secs(5), "answered in {:?}", started.elapsed());
+        let request = &golden.requests[attempt % golden.requests.len()];
+        match client.predict(wire(request, "")).await {
+            Err(status) => {
+                assert_eq!(status.code(), Code::Unavailable, "attempt {attempt}: {status:?}");
+                assert!(status.message().contains("redis"), "{status:?}");
+            }
+            // Rows the hot-row cache holds are still served, correctly.
+            Ok(response) => {
+                assert_close(&response.into_inner().scores, &request.scores_int8, "from the cache")
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(3), "answered in {:?}", started.elapsed());
+        if not_serving_after.is_none() && common::health_status(channel.clone()).await.unwrap() == 2 {
+            not_serving_after = Some(stopped.elapsed());
+        }
+    }
+    let not_serving_after =
+        not_serving_after.expect("health turned NOT_SERVING while the cluster was unreachable");
+    let text = server.scrape().await;
+    assert!(common::metric(&text, r#"narsil_table_store_errors_total{table="cat_0"}"#) > 0.0, "{text}");
+    println!("NOT_SERVING {not_serving_after:?} after the cluster stopped answering");
+
+    signal_nodes(&cluster, libc::SIGCONT);
+    let resumed = Instant::now();
+    while common::health_status(channel.clone()).await.unwrap() != 1 {
+        assert!(resumed.elapsed() < Duration::from_secs(15), "health did not return to SERVING");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!("SERVING {:?} after the cluster answered again", resumed.elapsed());
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = client.predict(wire(g, "")).await.unwrap().into_inner();
+        assert_close(&response.scores, &g.scores_int8, &format!("request {i} after recovery"));
     }
     server.stop().await.unwrap();
     std::fs::remove_dir_all(dir).unwrap();

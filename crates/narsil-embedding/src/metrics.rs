@@ -10,6 +10,8 @@
 //! * `narsil_table_cache_hits_total`: distinct ids served from the hot-row
 //!   cache of a remote store (`redis`); over the distinct ids, the hit
 //!   rate;
+//! * `narsil_table_store_errors_total`: fetches the store failed (the
+//!   batch's requests got UNAVAILABLE);
 //! * `narsil_table_fetch_seconds`: time to fetch and pool one fused
 //!   batch's rows of the table;
 //! * `narsil_table_major_faults_total`: for stores that can wait on the
@@ -42,6 +44,7 @@ pub(crate) struct TableCounters {
     pub distinct_ids: Counter,
     pub rows_fetched: Counter,
     pub cache_hits: Counter,
+    pub store_errors: Counter,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
 }
@@ -53,6 +56,7 @@ pub struct StageMetrics {
     distinct_ids: Family<TableLabel, Counter>,
     rows_fetched: Family<TableLabel, Counter>,
     cache_hits: Family<TableLabel, Counter>,
+    store_errors: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
     read_ahead_seconds: Histogram,
@@ -65,6 +69,7 @@ impl Default for StageMetrics {
             distinct_ids: Family::default(),
             rows_fetched: Family::default(),
             cache_hits: Family::default(),
+            store_errors: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
             read_ahead_seconds: fetch_buckets(),
@@ -81,6 +86,7 @@ impl StageMetrics {
             distinct_ids: self.distinct_ids.get_or_create(&label).clone(),
             rows_fetched: self.rows_fetched.get_or_create(&label).clone(),
             cache_hits: self.cache_hits.get_or_create(&label).clone(),
+            store_errors: self.store_errors.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
         }
@@ -108,6 +114,11 @@ impl StageMetrics {
             "table_cache_hits",
             "Distinct ids of a fused batch served from the hot-row cache of a remote store (over distinct ids: the hit rate)",
             self.cache_hits.clone(),
+        );
+        registry.register(
+            "table_store_errors",
+            "Fetches a table's store failed (their batch's requests got UNAVAILABLE)",
+            self.store_errors.clone(),
         );
         registry.register_with_unit(
             "table_fetch",

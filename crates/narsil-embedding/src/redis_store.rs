@@ -55,9 +55,15 @@ pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";
 /// The hot-row cache's bound unless `--table-cache-bytes` says otherwise.
 pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;
 
-/// How long a fetch (every bucket of one table for one batch) may take
-/// before the batch fails.
-pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a fetch (every bucket of one table for one batch, retries
+/// included) may take before the batch fails: a fetch takes about a
+/// millisecond, so this only bounds how long a batch waits on a node that
+/// stopped answering (5 failed batches in a row turn health NOT_SERVING,
+/// `--unhealthy-after-failures`).
+pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// How long connecting to the cluster may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Buckets per table `narsil tables load` writes unless told otherwise.
 pub const DEFAULT_BUCKETS: u32 = 64;
@@ -227,6 +233,7 @@ impl RedisCluster {
     /// A new connection to the cluster at `seeds`, without a cache; each
     /// request may take `timeout`.
     pub fn connect(seeds: &RedisSeeds, timeout: Duration) -> Result<Self, FetchError> {
+        let connect_timeout = timeout.max(CONNECT_TIMEOUT);
         let error =
             |what: &str, e: redis::RedisError| FetchError(format!("Redis Cluster {seeds}: {what}: {e}"));
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -236,7 +243,7 @@ impl RedisCluster {
             .build()
             .map_err(|e| FetchError(format!("cannot start the Redis client's runtime: {e}")))?;
         let client = ClusterClientBuilder::new(seeds.urls().to_vec())
-            .connection_timeout(timeout)
+            .connection_timeout(connect_timeout)
             .response_timeout(timeout)
             .retries(2)
             .build()

@@ -315,6 +315,7 @@ impl EmbeddingStage {
             fetched.resize(distinct.distinct().len() * spec.row_bytes, 0);
             let cached =
                 table.store.fetch(distinct.distinct(), spec.row_bytes, fetched).map_err(|source| {
+                    table.counters.store_errors.inc();
                     StageError::Fetch { table: spec.name.clone(), store: table.store.kind(), source }
                 })? as u64;
             table.counters.cache_hits.inc_by(cached);

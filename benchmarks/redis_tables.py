@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Split-model tables on a Redis Cluster (`--table-store redis://...`),
+against the same replicas with the in-memory store.
+
+1. Starts a Redis Cluster (scripts/redis_cluster.sh: 3 masters, 3 replicas
+   on loopback) and loads the default DLRM's split tables onto it
+   (`narsil tables load`, timed), in a copy of the model.
+2. For each store (`memory`; `redis` with its hot-row cache at each
+   --cache-percent of the rows' bytes) and each id distribution: starts two
+   `narsil serve` replicas behind HAProxy (deploy/haproxy/haproxy.cfg.in,
+   per-call balancing) and runs `narsil load` against HAProxy (closed loop,
+   --concurrency clients, --warmup-seconds not measured, then --duration
+   seconds). Reports throughput, p50/p99, non-OK calls, and from the
+   replicas' metrics the cache hit rate (hits over distinct ids) and rows
+   fetched from the store per request.
+3. With --updates K (redis, --update-cache-percent, Zipf): the same
+   measurement while `narsil tables push` writes every row of a changed
+   copy of the tables at K rows/s (each step invalidated over pub/sub).
+4. With --failover: the same measurement with a master killed (SIGKILL)
+   --failover-at seconds into it: non-OK calls, and the throughput over the
+   run.
+
+Needs a release build with `--features torch` and
+models/generated/default/split (`scripts/serve.sh` exports it). Standard
+library only. Every process shares the machine's cores: on a 2-core
+machine the cluster, the two replicas, HAProxy and the load generator
+compete, so the numbers are a lower bound and noisy.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, require_binary, wait_serving
+
+CLUSTER = os.path.join(ROOT, "scripts", "redis_cluster.sh")
+ENTRY_OVERHEAD = 48  # crates/narsil-embedding/src/row_cache.rs
+
+
+def metrics(admin):
+    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        series, value = line.rsplit(" ", 1)
+        name = series.split("{", 1)[0]
+        sums[name] = sums.get(name, 0.0) + float(value)
+    return sums
+
+
+class Replicas:
+    """Two `narsil serve` replicas behind HAProxy."""
+
+    def __init__(self, args, model, store, cache_bytes):
+        self.procs, self.admins, ports = [], [], []
+        for _ in range(2):
+            port, admin = free_port(), f"127.0.0.1:{free_port()}"
+            cmd = [args.binary, "serve", "--log-level", "warn", "--backend", "torch", "--model", model,
+                   "--addr", f"127.0.0.1:{port}", "--metrics-addr", admin, "--lanes", "1",
+                   "--intra-op-threads", "1", "--table-store", store, "--table-cache-bytes", str(cache_bytes)]
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+            self.admins.append(admin)
+            ports.append(port)
+        for proc, port in zip(self.procs, ports):
+            wait_serving(args.binary, f"127.0.0.1:{port}", proc, timeout=300)
+        front = free_port()
+        config = open(os.path.join(ROOT, "deploy", "haproxy", "haproxy.cfg.in")).read()
+        servers = "\n".join(f"    server r{i} 127.0.0.1:{p} port {a.rsplit(':', 1)[1]}"
+                            for i, (p, a) in enumerate(zip(ports, self.admins)))
+        self.cfg = tempfile.NamedTemporaryFile("w", suffix=".cfg", delete=False)
+        self.cfg.write(config.replace("@FRONT_PORT@", str(front)).replace("@SERVERS@", servers))
+        self.cfg.close()
+        self.haproxy = subprocess.Popen(["haproxy", "-db", "-f", self.cfg.name], stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL)
+        self.addr = f"127.0.0.1:{front}"
+        wait_serving(args.binary, self.addr, self.haproxy)
+
+    def metrics(self):
+        total = {}
+        for admin in self.admins:
+            for k, v in metrics(admin).items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def stop(self):
+        self.haproxy.terminate()
+        self.haproxy.wait(timeout=10)
+        os.unlink(self.cfg.name)
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(timeout=60)
+
+
+def load(args, addr, distribution, duration, seed):
+    cmd = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(args.concurrency),
+           "--connections", "4", "--samples-per-request", str(args.samples), "--duration", str(duration),
+           "--warmup", "0", "--id-distribution", distribution, "--distinct-requests", str(args.distinct_requests),
+           "--seed", str(seed), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"narsil load failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def measure(args, model, store, cache_bytes, distribution, during=None):
+    replicas = Replicas(args, model, store, cache_bytes)
+    try:
+        if args.warmup_seconds:
+            load(args, replicas.addr, distribution, args.warmup_seconds, 1)
+        before = replicas.metrics()
+        side = threading.Thread(target=during) if during else None
+        if side:
+            side.start()
+        report = load(args, replicas.addr, distribution, args.duration, 2)
+        if side:
+            side.join()
+        after = replicas.metrics()
+    finally:
+        replicas.stop()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    ok = max(1, report["ok"])
+    distinct = max(1.0, delta.get("narsil_table_distinct_ids_total", 0))
+    return {
+        "store": store.split(":")[0], "cache_mib": round(cache_bytes / 2**20, 1), "ids": distribution,
+        "req_per_s": round(report["req_per_s"], 1), "p50_ms": round(report["p50_ms"], 2),
+        "p99_ms": round(report["p99_ms"], 2), "non_ok": report["requests"] - report["ok"],
+        "cache_hit_rate": round(delta.get("narsil_table_cache_hits_total", 0) / distinct, 3),
+        "rows_fetched_per_request": round(delta.get("narsil_table_rows_fetched_total", 0) / ok, 1),
+        "dedup_ratio": round(delta.get("narsil_table_ids_total", 0) / distinct, 2),
+        "store_errors": delta.get("narsil_table_store_errors_total", 0),
+    }
+
+
+def rotated_copy(model, out):
+    """A copy of `model`'s tables with every row moved up by one."""
+    schema = json.load(open(os.path.join(model, "schema.json")))
+    os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+    for table in schema["tables"]:
+        rows = open(os.path.join(model, table["file"]), "rb").read()
+        k = table["row_bytes"]
+        open(os.path.join(out, table["file"]), "wb").write(rows[k:] + rows[:k])
+        table["sha256"] = ""
+    json.dump(schema, open(os.path.join(out, "schema.json"), "w"))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--binary", default=DEFAULT_BINARY)
+    p.add_argument("--source", default=os.path.join(ROOT, "models/generated/default/split"))
+    p.add_argument("--ids", nargs="+", default=["zipf:1.05", "uniform"])
+    p.add_argument("--cache-percent", type=float, nargs="+", default=[1, 10, 50])
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--samples", type=int, default=100, help="samples per request")
+    p.add_argument("--distinct-requests", type=int, default=2000)
+    p.add_argument("--warmup-seconds", type=float, default=10)
+    p.add_argument("--duration", type=float, default=20)
+    p.add_argument("--updates", type=int, default=10000, help="rows/s pushed during the update run (0: none)")
+    p.add_argument("--update-cache-percent", type=float, default=10)
+    p.add_argument("--failover", action="store_true")
+    p.add_argument("--failover-at", type=float, default=5)
+    p.add_argument("--json-out")
+    args = p.parse_args()
+    require_binary(args.binary, "--features torch")
+    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_haproxy.sh")], check=True)
+    work = tempfile.mkdtemp(prefix="narsil-redis-bench-")
+    cluster = os.path.join(work, "cluster")
+    model = os.path.join(work, "model")
+    results = []
+    try:
+        seeds = subprocess.run(["bash", CLUSTER, "start", cluster], check=True, capture_output=True,
+                               text=True).stdout.strip()
+        shutil.copytree(args.source, model)
+        started = time.time()
+        loaded = subprocess.run([args.binary, "tables", "load", model, "--store", seeds], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        print(f"{loaded} ({time.time() - started:.1f} s with the cluster on this machine)", flush=True)
+        schema = json.load(open(os.path.join(model, "schema.json")))
+        table_bytes = sum(t["rows"] * (t["row_bytes"] + ENTRY_OVERHEAD) for t in schema["tables"])
+
+        def run(store, cache_percent, ids, during=None, what=""):
+            cache = int(table_bytes * cache_percent / 100)
+            row = measure(args, model, store, cache, ids, during)
+            row["cache_percent"] = cache_percent if store != "memory" else "-"
+            row["run"] = what or "steady"
+            print(json.dumps(row), flush=True)
+            results.append(row)
+
+        for ids in args.ids:
+            run("memory", 0, ids)
+            for percent in args.cache_percent:
+                run(seeds, percent, ids)
+        if args.updates:
+            new = os.path.join(work, "new")
+            rotated_copy(model, new)
+
+            def push():
+                time.sleep(1)
+                out = subprocess.run([args.binary, "tables", "push", model, "--store", seeds, "--from", new,
+                                      "--rows-per-second", str(args.updates)], capture_output=True, text=True)
+                print(f"  push: {out.stdout.strip() or out.stderr[-500:]}", flush=True)
+
+            run(seeds, args.update_cache_percent, "zipf:1.05", push, f"updates {args.updates} rows/s")
+        if args.failover:
+            def kill():
+                time.sleep(args.failover_at)
+                port = seeds.split(",")[0].rsplit(":", 1)[1]
+                pid = int(open(os.path.join(cluster, port, "redis.pid")).read())
+                os.kill(pid, signal.SIGKILL)
+                print(f"  killed master {port}", flush=True)
+
+            run(seeds, args.update_cache_percent, "zipf:1.05", kill, "master killed")
+    finally:
+        subprocess.run(["bash", CLUSTER, "stop", cluster])
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n| run | store | cache % | ids | req/s | p50 ms | p99 ms | non-OK | cache hit rate | rows fetched/request |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['run']} | {r['store']} | {r['cache_percent']} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | "
+              f"{r['p99_ms']} | {r['non_ok']} | {r['cache_hit_rate']} | {r['rows_fetched_per_request']} |")
+    if args.json_out:
+        json.dump({"machine": machine(), "args": vars(args), "results": results}, open(args.json_out, "w"), indent=2)
+
+
+if __name__ == "__main__":
+    main()
