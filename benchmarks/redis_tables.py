@@ -14,11 +14,13 @@ against the same replicas with the in-memory store.
    replicas' metrics the cache hit rate (hits over distinct ids) and rows
    fetched from the store per request.
 3. With --updates K (redis, --update-cache-percent, Zipf): the same
-   measurement while `narsil tables push` writes every row of a changed
-   copy of the tables at K rows/s (each step invalidated over pub/sub).
+   measurement while `narsil tables push` writes changed rows (the first
+   tables' worth of the measured duration) at K rows/s, each step
+   invalidated over pub/sub.
 4. With --failover: the same measurement with a master killed (SIGKILL)
-   --failover-at seconds into it: non-OK calls, and the throughput over the
-   run.
+   --failover-at seconds into it: non-OK calls (a closed-loop client whose
+   calls HAProxy refuses at once while no replica is healthy counts many),
+   and the window from the kill until both replicas are healthy again.
 
 Needs a release build with `--features torch` and
 models/generated/default/split (`scripts/serve.sh` exports it). Standard
@@ -42,6 +44,13 @@ from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, require_binary, w
 
 CLUSTER = os.path.join(ROOT, "scripts", "redis_cluster.sh")
 ENTRY_OVERHEAD = 48  # crates/narsil-embedding/src/row_cache.rs
+
+
+def healthz(admin):
+    try:
+        return urllib.request.urlopen(f"http://{admin}/healthz", timeout=1).status == 200
+    except Exception:
+        return False
 
 
 def metrics(admin):
@@ -117,7 +126,7 @@ def measure(args, model, store, cache_bytes, distribution, during=None):
         if args.warmup_seconds:
             load(args, replicas.addr, distribution, args.warmup_seconds, 1)
         before = replicas.metrics()
-        side = threading.Thread(target=during) if during else None
+        side = threading.Thread(target=during, args=(replicas,)) if during else None
         if side:
             side.start()
         report = load(args, replicas.addr, distribution, args.duration, 2)
@@ -140,14 +149,19 @@ def measure(args, model, store, cache_bytes, distribution, during=None):
     }
 
 
-def rotated_copy(model, out):
-    """A copy of `model`'s tables with every row moved up by one."""
+def rotated_copy(model, out, rows_to_change):
+    """A copy of `model`'s tables whose first tables (about
+    `rows_to_change` rows) have every row moved up by one."""
     schema = json.load(open(os.path.join(model, "schema.json")))
     os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+    changed = 0
     for table in schema["tables"]:
         rows = open(os.path.join(model, table["file"]), "rb").read()
         k = table["row_bytes"]
-        open(os.path.join(out, table["file"]), "wb").write(rows[k:] + rows[:k])
+        if changed < rows_to_change:
+            rows = rows[k:] + rows[:k]
+            changed += table["rows"]
+        open(os.path.join(out, table["file"]), "wb").write(rows)
         table["sha256"] = ""
     json.dump(schema, open(os.path.join(out, "schema.json"), "w"))
 
@@ -195,29 +209,53 @@ def main():
             results.append(row)
 
         for ids in args.ids:
+            # The memory store before and after the Redis runs: on a small
+            # machine the spread between the two is the noise.
             run("memory", 0, ids)
             for percent in args.cache_percent:
                 run(seeds, percent, ids)
+            run("memory", 0, ids, what="steady (again)")
         if args.updates:
             new = os.path.join(work, "new")
-            rotated_copy(model, new)
+            # Changed rows for about the measured duration at that rate.
+            rotated_copy(model, new, int(args.updates * (args.duration - 2)))
 
-            def push():
+            def push(_replicas):
                 time.sleep(1)
                 out = subprocess.run([args.binary, "tables", "push", model, "--store", seeds, "--from", new,
-                                      "--rows-per-second", str(args.updates)], capture_output=True, text=True)
+                                      "--rows-per-second", str(args.updates)], capture_output=True, text=True,
+                                     timeout=args.duration + 60)
                 print(f"  push: {out.stdout.strip() or out.stderr[-500:]}", flush=True)
 
             run(seeds, args.update_cache_percent, "zipf:1.05", push, f"updates {args.updates} rows/s")
         if args.failover:
-            def kill():
+            def kill(replicas):
                 time.sleep(args.failover_at)
                 port = seeds.split(",")[0].rsplit(":", 1)[1]
                 pid = int(open(os.path.join(cluster, port, "redis.pid")).read())
                 os.kill(pid, signal.SIGKILL)
+                killed = time.time()
                 print(f"  killed master {port}", flush=True)
+                # The window: from the kill until both replicas say healthy
+                # again (HAProxy sends nothing to a NOT_SERVING replica).
+                unhealthy_seen, healthy_again = None, None
+                while time.time() - killed < args.duration:
+                    states = [healthz(a) for a in replicas.admins]
+                    if not all(states) and unhealthy_seen is None:
+                        unhealthy_seen = time.time() - killed
+                    if unhealthy_seen is not None and all(states):
+                        healthy_again = time.time() - killed
+                        break
+                    time.sleep(0.05)
+                window["unhealthy_after_s"] = unhealthy_seen and round(unhealthy_seen, 2)
+                window["healthy_again_after_s"] = healthy_again and round(healthy_again, 2)
+                print(f"  a replica NOT_SERVING {unhealthy_seen} s after the kill, both SERVING again "
+                      f"{healthy_again} s after it", flush=True)
+
+            window = {}
 
             run(seeds, args.update_cache_percent, "zipf:1.05", kill, "master killed")
+            results[-1].update(window)
     finally:
         subprocess.run(["bash", CLUSTER, "stop", cluster])
         shutil.rmtree(work, ignore_errors=True)

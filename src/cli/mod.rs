@@ -36,8 +36,8 @@ enum Command {
     Load(Box<LoadArgs>),
     /// Time a backend's forward alone, in process, at fixed fused batch sizes.
     BenchForward(Box<ForwardBenchArgs>),
-    /// Manage a split model's tables in a store (`tables load`: onto a
-    /// Redis Cluster).
+    /// Manage a split model's tables on a Redis Cluster (`tables load`,
+    /// `tables push`).
     Tables(Box<tables::TablesArgs>),
 }
 
@@ -60,7 +60,10 @@ impl Cli {
 }
 
 fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+    // The Redis client logs every reconnect attempt (hundreds a second
+    // while a node is down); the store reports the failures that matter.
+    let quieted = if filter.contains("redis") { filter.to_owned() } else { format!("{filter},redis=error") };
+    let filter = tracing_subscriber::EnvFilter::try_new(&quieted)
         .map_err(|e| anyhow::anyhow!("--log-level `{filter}`: {e}"))?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

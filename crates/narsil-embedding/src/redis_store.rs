@@ -28,8 +28,9 @@
 //! batch reads them from the cluster. What a fused batch can observe: each
 //! row either before or after the update (never a mix within a row); rows
 //! of one batch may be from either side. The cache is used only while the
-//! subscription is up: when it drops, the cache is cleared and every row is
-//! read from the cluster until the process has subscribed again, so a lost
+//! subscription is up (its node answers a ping every second): when it
+//! drops, the cache is cleared and every row is read from the cluster until
+//! the process has subscribed again, so a lost
 //! invalidation can never leave an old row cached. A fetch that began
 //! before an invalidation of its table does not cache what it read (the
 //! table's epoch moved), so an old row cannot come back after its
@@ -51,6 +52,10 @@ use crate::store::{FetchError, RowStore};
 
 /// The channel row invalidations are published on.
 pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";
+
+/// How often the invalidation subscription is checked, and how long its
+/// node may take to answer.
+const SUBSCRIPTION_PING: Duration = Duration::from_secs(1);
 
 /// The hot-row cache's bound unless `--table-cache-bytes` says otherwise.
 pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;
@@ -163,11 +168,26 @@ impl Invalidation {
     async fn subscribe_forever(self: Arc<Self>, seeds: RedisSeeds) {
         loop {
             for url in seeds.urls() {
-                if let Ok(mut pubsub) = subscribe(url).await {
+                if let Ok(pubsub) = subscribe(url).await {
                     self.subscribed.store(true, Ordering::Release);
-                    let mut messages = pubsub.on_message();
-                    while let Some(message) = messages.next().await {
-                        self.apply(message.get_payload_bytes());
+                    let (mut sink, mut messages) = pubsub.split();
+                    // A node that stops answering keeps its connection
+                    // open: a ping every second that goes unanswered ends
+                    // the subscription too.
+                    let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
+                    loop {
+                        tokio::select! {
+                            message = messages.next() => match message {
+                                Some(message) => self.apply(message.get_payload_bytes()),
+                                None => break,
+                            },
+                            _ = ping.tick() => {
+                                let answered = tokio::time::timeout(SUBSCRIPTION_PING, sink.ping::<redis::Value>()).await;
+                                if !matches!(answered, Ok(Ok(_))) {
+                                    break;
+                                }
+                            }
+                        }
                     }
                     self.subscribed.store(false, Ordering::Release);
                     if let Some(cache) = &self.cache {
