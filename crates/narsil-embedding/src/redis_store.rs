@@ -503,23 +503,7 @@ pub fn load_table(
     }
     let mut written = 0u64;
     for group in chunks.chunks(LOAD_IN_FLIGHT) {
-        let commands: Vec<redis::Cmd> = group
-            .iter()
-            .map(|ids| {
-                let mut command = redis::cmd("MSET");
-                for &id in ids {
-                    let start = id as usize * row_bytes;
-                    command.arg(row_key(spec, id)).arg(&rows[start..start + row_bytes]);
-                }
-                command
-            })
-            .collect();
-        cluster.run("writing rows", |connection| {
-            try_join_all(commands.into_iter().map(move |command| {
-                let mut connection = connection.clone();
-                async move { command.query_async::<()>(&mut connection).await }
-            }))
-        })?;
+        write_rows(cluster, spec, rows, row_bytes, group.iter().map(Vec::as_slice))?;
         written += group.iter().map(|ids| ids.len() as u64).sum::<u64>();
         progress(written);
     }
@@ -530,6 +514,35 @@ pub fn load_table(
     let command = redis::cmd("SET").arg(rows_key(spec)).arg(count).clone();
     cluster.run("writing the row count", |mut c| async move { command.query_async::<()>(&mut c).await })?;
     Ok(Loaded { rows: count, bytes: count * row_bytes as u64 })
+}
+
+/// Writes the rows of each group of `ids` (each group within one bucket)
+/// with one `MSET` per group, all at once.
+fn write_rows<'a>(
+    cluster: &RedisCluster,
+    spec: &RedisTableSpec,
+    rows: &[u8],
+    row_bytes: usize,
+    groups: impl Iterator<Item = &'a [u64]>,
+) -> Result<(), FetchError> {
+    let commands: Vec<redis::Cmd> = groups
+        .map(|ids| {
+            let mut command = redis::cmd("MSET");
+            for &id in ids {
+                let start = id as usize * row_bytes;
+                command.arg(row_key(spec, id)).arg(&rows[start..start + row_bytes]);
+            }
+            command
+        })
+        .collect();
+    cluster
+        .run("writing rows", |connection| {
+            try_join_all(commands.into_iter().map(move |command| {
+                let mut connection = connection.clone();
+                async move { command.query_async::<()>(&mut connection).await }
+            }))
+        })
+        .map(drop)
 }
 
 /// Writes the rows `ids` of a table (`rows`: every row of its new
@@ -547,23 +560,7 @@ pub fn push_rows(
     for &id in ids {
         by_bucket.entry(id % buckets).or_default().push(id);
     }
-    let commands: Vec<redis::Cmd> = by_bucket
-        .values()
-        .map(|ids| {
-            let mut command = redis::cmd("MSET");
-            for &id in ids {
-                let start = id as usize * row_bytes;
-                command.arg(row_key(spec, id)).arg(&rows[start..start + row_bytes]);
-            }
-            command
-        })
-        .collect();
-    cluster.run("writing rows", |connection| {
-        try_join_all(commands.into_iter().map(move |command| {
-            let mut connection = connection.clone();
-            async move { command.query_async::<()>(&mut connection).await }
-        }))
-    })?;
+    write_rows(cluster, spec, rows, row_bytes, by_bucket.values().map(Vec::as_slice))?;
     let mut message = Vec::with_capacity(spec.prefix.len() + 1 + ids.len() * 8);
     message.extend_from_slice(spec.prefix.as_bytes());
     message.push(b'\n');
