@@ -6,7 +6,9 @@
 //! `narsil serve` processes answer load reach both (no failed request, then
 //! the new rows' scores); with the cluster unreachable, requests get
 //! UNAVAILABLE (never a score from missing rows) and health NOT_SERVING,
-//! and both recover when it answers again.
+//! a batch's fetch gives up at its callers' deadline, and both recover
+//! when it answers again; a row the cluster lost fails its batch unless
+//! the operator chose `--missing-rows zero`, which pools it as zeros.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -20,6 +22,7 @@ use common::{assert_close, batch_mode, start_with, wire, SCORE_TOLERANCE};
 use narsil_core::conformance::{self, golden_parity};
 use narsil_core::golden::{copy_split_model, test_model_dir, Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
+use narsil_embedding::MissingRows;
 use narsil_torch::{SplitFactory, TableStore, TorchConfig};
 use tonic::Code;
 
@@ -86,6 +89,28 @@ fn tables_load(dir: &Path, seeds: &str) -> String {
         .unwrap();
     assert!(output.status.success(), "tables load: {}", String::from_utf8_lossy(&output.stderr));
     String::from_utf8(output.stdout).unwrap()
+}
+
+/// The store the cluster gives, with `--missing-rows` and
+/// `--table-fetch-timeout-ms` set.
+fn store_with(cluster: &Cluster, missing_rows: MissingRows, fetch_timeout: Duration) -> TableStore {
+    let TableStore::Redis(mut config) = cluster.store() else { unreachable!("a redis:// store") };
+    config.missing_rows = missing_rows;
+    config.fetch_timeout = fetch_timeout;
+    TableStore::Redis(config)
+}
+
+/// One forward of `request` alone on a new lane of `factory`, whose
+/// callers wait until `deadline`.
+fn forward_alone(
+    factory: &SplitFactory,
+    request: &narsil_core::RequestSamples,
+    deadline: Option<Instant>,
+) -> Result<Vec<f32>, narsil_core::BackendError> {
+    let schema = narsil_core::BackendFactory::schema(factory);
+    let mut batch = narsil_core::assemble(schema.num_dense, schema.num_sparse(), [request]);
+    batch.deadline = deadline;
+    narsil_core::BackendFactory::create_lane(factory, 0).unwrap().forward(&batch)
 }
 
 fn factory(dir: &Path, store: TableStore) -> SplitFactory {
@@ -157,6 +182,63 @@ fn a_model_whose_tables_were_never_loaded_fails_naming_the_load_command() {
     let error = narsil_core::error_chain(&SplitFactory::load(config).err().expect("rows gone"));
     assert!(error.contains("not loaded") && error.contains("narsil tables load"), "{error}");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_row_the_cluster_lost_fails_its_batch_unless_the_operator_chose_zeros() {
+    let cluster = Cluster::start("missing");
+    let dir = split_copy("missing");
+    tables_load(&dir, &cluster.seeds);
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let memory = factory(&dir, TableStore::Memory);
+    let requests = conformance::requests(&memory, &golden, IdPolicy::Reject);
+    // Sample 0's first id of feature 0 (table cat_0, the schema's first).
+    let request = &requests[0];
+    assert!(request.lengths[0] > 0);
+    let id = request.ids[0] as u64;
+    let schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("schema.json")).unwrap()).unwrap();
+    let table = &schema["tables"][0];
+    assert_eq!(table["name"], "cat_0");
+    let (prefix, buckets) =
+        (table["redis"]["prefix"].as_str().unwrap(), table["redis"]["buckets"].as_u64().unwrap());
+    let key = format!("{{{prefix}/{}}}{id}", id % buckets);
+    let port = cluster.seeds.split(',').next().unwrap().rsplit(':').next().unwrap();
+    let deleted = Command::new("redis-cli").args(["-c", "-p", port, "del", &key]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&deleted.stdout).trim(), "1", "{key} deleted");
+
+    // The default: the batch fails, naming the row and the policy.
+    let erroring = factory(&dir, store_with(&cluster, MissingRows::Error, Duration::from_secs(1)));
+    let error = forward_alone(&erroring, request, None).unwrap_err();
+    assert!(matches!(error, narsil_core::BackendError::Unavailable { .. }), "{error:?}");
+    let message = narsil_core::error_chain(&error);
+    assert!(
+        message.contains(&format!("row {id} is missing")) && message.contains("--missing-rows zero"),
+        "{message}"
+    );
+
+    // `zero`: the scores of the same model with that row zeroed.
+    let zeroed_copy = split_copy("missing-zeroed");
+    let file = zeroed_copy.join(table["file"].as_str().unwrap());
+    let row_bytes = table["row_bytes"].as_u64().unwrap() as usize;
+    let mut rows = std::fs::read(&file).unwrap();
+    rows[id as usize * row_bytes..(id as usize + 1) * row_bytes].fill(0);
+    std::fs::write(&file, rows).unwrap();
+    let mut zeroed_schema = schema.clone();
+    zeroed_schema["tables"][0]["sha256"] = "".into();
+    std::fs::write(zeroed_copy.join("schema.json"), zeroed_schema.to_string()).unwrap();
+    let expected = forward_alone(&factory(&zeroed_copy, TableStore::Memory), request, None).unwrap();
+    let zeroing = factory(&dir, store_with(&cluster, MissingRows::Zero, Duration::from_secs(1)));
+    let scores = forward_alone(&zeroing, request, None).unwrap();
+    assert_eq!(common::bits(&scores), common::bits(&expected), "the lost row pooled as zeros");
+    assert_ne!(common::bits(&scores), common::bits(&forward_alone(&memory, request, None).unwrap()));
+    let mut registry = prometheus_client::registry::Registry::with_prefix("narsil");
+    narsil_core::BackendFactory::register_metrics(&zeroing, &mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert_eq!(common::metric(&text, r#"narsil_table_missing_rows_total{table="cat_0"}"#), 1.0, "{text}");
+    std::fs::remove_dir_all(dir).unwrap();
+    std::fs::remove_dir_all(zeroed_copy).unwrap();
 }
 
 /// A copy of `dir` whose every table's row `i` is the old row `i + 1`
@@ -370,6 +452,16 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
     tables_load(&dir, &cluster.seeds);
     let server = start_with(Arc::new(factory(&dir, cluster.store())), batch_mode(1, 16)).await.ready().await;
     let golden = Golden::read(&test_model_dir()).unwrap();
+    // Without a cache, and with a fetch timeout far beyond any deadline.
+    let patient = {
+        let TableStore::Redis(mut config) = store_with(&cluster, MissingRows::Error, Duration::from_secs(30))
+        else {
+            unreachable!()
+        };
+        config.cache_bytes = 0;
+        factory(&dir, TableStore::Redis(config))
+    };
+    let patient_request = &conformance::requests(&patient, &golden, IdPolicy::Reject)[0];
     let channel = server.channel().await;
     let mut client = server.client().await;
     let g = &golden.requests[3];
@@ -402,6 +494,14 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
     }
     let not_serving_after =
         not_serving_after.expect("health turned NOT_SERVING while the cluster was unreachable");
+    // A batch whose callers all wait 200 ms gives its fetch up then, not
+    // after the store's 30 s timeout.
+    let started = Instant::now();
+    let error =
+        forward_alone(&patient, patient_request, Some(started + Duration::from_millis(200))).unwrap_err();
+    let waited = started.elapsed();
+    assert!(waited < Duration::from_secs(5), "gave up after {waited:?}");
+    assert!(narsil_core::error_chain(&error).contains("every caller's deadline passed"), "{error:?}");
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_store_errors_total{table="cat_0"}"#) > 0.0, "{text}");
     println!("NOT_SERVING {not_serving_after:?} after the cluster stopped answering");

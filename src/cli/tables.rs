@@ -65,7 +65,7 @@ pub struct LoadTablesArgs {
     store: String,
     /// Hash-tag buckets per table: a fused batch reads a table with one
     /// MGET per bucket its ids fall in; more buckets spread a table over
-    /// more hash slots (and masters).
+    /// more hash slots (and masters), fewer send fewer commands per batch.
     #[arg(long, default_value_t = DEFAULT_BUCKETS, value_parser = clap::value_parser!(u32).range(1..=16384))]
     buckets: u32,
 }

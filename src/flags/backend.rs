@@ -58,6 +58,17 @@ pub struct BackendArgs {
     /// 0 reads every row from the cluster.
     #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis_store::DEFAULT_CACHE_BYTES)]
     pub table_cache_bytes: u64,
+    /// `redis` table store: the longest one batch's fetch (every table,
+    /// retries included) may take, milliseconds; a batch whose callers all
+    /// set deadlines gives up at the latest of them if that comes first.
+    #[arg(long, env = "NARSIL_TABLE_FETCH_TIMEOUT_MS", default_value_t = narsil_embedding::redis_store::DEFAULT_FETCH_TIMEOUT.as_millis() as u64)]
+    pub table_fetch_timeout_ms: u64,
+    /// `redis` table store: what a row the cluster does not hold becomes.
+    /// `error` fails the batch (UNAVAILABLE: no score computed from a
+    /// missing row); `zero` pools it as zeros and counts it in
+    /// `narsil_table_missing_rows_total`.
+    #[arg(long, env = "NARSIL_MISSING_ROWS", default_value = "error")]
+    pub missing_rows: narsil_embedding::MissingRows,
     /// Mock backend: fixed latency of one forward, milliseconds.
     #[arg(long, env = "NARSIL_MOCK_LATENCY_MS", default_value_t = 5.0)]
     pub mock_latency_ms: f64,
@@ -83,6 +94,9 @@ impl BackendArgs {
         }
         if self.intra_op_threads == 0 {
             anyhow::bail!("--intra-op-threads must be at least 1");
+        }
+        if self.table_fetch_timeout_ms == 0 {
+            anyhow::bail!("--table-fetch-timeout-ms must be at least 1");
         }
         if self.device != "cpu" && self.device != "cuda" && !self.device.starts_with("cuda:") {
             anyhow::bail!("--device must be `cpu`, `cuda` or `cuda:N`, got `{}`", self.device);
@@ -137,6 +151,8 @@ impl BackendArgs {
                 TableStore::Redis(redis) => TableStore::Redis(narsil_embedding::RedisStoreConfig {
                     seeds: redis.seeds.clone(),
                     cache_bytes: self.table_cache_bytes,
+                    fetch_timeout: Duration::from_millis(self.table_fetch_timeout_ms),
+                    missing_rows: self.missing_rows,
                 }),
                 local => local.clone(),
             },

@@ -43,6 +43,11 @@ pub struct KeyedBatch {
     pub feature_offsets: Vec<usize>,
     /// Rows contributed by each fused request, in order.
     pub request_rows: Vec<usize>,
+    /// When the last of its callers stops waiting (the latest of the fused
+    /// requests' deadlines; `None` when some request has none): work for
+    /// the batch past it is wasted, so a store that reads rows over the
+    /// network gives up then.
+    pub deadline: Option<std::time::Instant>,
 }
 
 impl KeyedBatch {
@@ -276,6 +281,7 @@ impl BatchBuilder {
             weights: self.weights.concat(),
             feature_offsets,
             request_rows: self.request_rows,
+            deadline: None,
         }
     }
 }

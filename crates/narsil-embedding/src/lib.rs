@@ -10,8 +10,9 @@
 //! * [`store`]: the trait every table store implements (rows in this
 //!   process, or fetched by distinct id).
 //! * [`redis_store`]: tables on a Redis Cluster (the `redis` store),
-//!   loading them there and pushing updates; [`row_cache`]: its hot-row
-//!   cache.
+//!   loading them there and pushing updates; [`redis_rows`]: reading a
+//!   batch's rows of every table in one round trip; [`row_cache`]: its
+//!   hot-row cache.
 //! * [`shared`]: tables shared by content across the model versions of a
 //!   process.
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
@@ -25,6 +26,7 @@
 pub mod dedup;
 pub mod metrics;
 pub mod pool;
+pub mod redis_rows;
 pub mod redis_store;
 pub mod row_cache;
 pub mod schema;
@@ -36,8 +38,9 @@ pub mod table;
 pub use dedup::{DistinctIds, IdCount};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
-pub use redis_store::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
+pub use redis_rows::RedisRows;
+pub use redis_store::{MissingRows, RedisCluster, RedisSeeds, RedisStoreConfig};
 pub use schema::{PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage, TableSpec};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
-pub use store::{FetchError, RowStore};
+pub use store::{FetchError, Fetched, RowStore};
 pub use table::{Table, TableError, TableStore};

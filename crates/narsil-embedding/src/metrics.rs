@@ -12,8 +12,12 @@
 //!   rate;
 //! * `narsil_table_store_errors_total`: fetches the store failed (the
 //!   batch's requests got UNAVAILABLE);
-//! * `narsil_table_fetch_seconds`: time to fetch and pool one fused
-//!   batch's rows of the table;
+//! * `narsil_table_missing_rows_total`: rows a remote store lacked, pooled
+//!   as zeros (`--missing-rows zero`);
+//! * `narsil_table_fetch_seconds`: time to look up and pool one fused
+//!   batch's rows of the table (for a remote store, once they arrived);
+//! * `narsil_table_remote_fetch_seconds` (no `table` label): reading one
+//!   fused batch's rows of every remote table, cache lookups included;
 //! * `narsil_table_major_faults_total`: for stores that can wait on the
 //!   disk (`mmap`), the major page faults taken while looking up: when it
 //!   grows, the working set no longer fits in the page cache;
@@ -45,6 +49,7 @@ pub(crate) struct TableCounters {
     pub rows_fetched: Counter,
     pub cache_hits: Counter,
     pub store_errors: Counter,
+    pub missing_rows: Counter,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
 }
@@ -57,9 +62,11 @@ pub struct StageMetrics {
     rows_fetched: Family<TableLabel, Counter>,
     cache_hits: Family<TableLabel, Counter>,
     store_errors: Family<TableLabel, Counter>,
+    missing_rows: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
     read_ahead_seconds: Histogram,
+    remote_fetch_seconds: Histogram,
 }
 
 impl Default for StageMetrics {
@@ -70,9 +77,11 @@ impl Default for StageMetrics {
             rows_fetched: Family::default(),
             cache_hits: Family::default(),
             store_errors: Family::default(),
+            missing_rows: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
             read_ahead_seconds: fetch_buckets(),
+            remote_fetch_seconds: fetch_buckets(),
         }
     }
 }
@@ -87,6 +96,7 @@ impl StageMetrics {
             rows_fetched: self.rows_fetched.get_or_create(&label).clone(),
             cache_hits: self.cache_hits.get_or_create(&label).clone(),
             store_errors: self.store_errors.get_or_create(&label).clone(),
+            missing_rows: self.missing_rows.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
         }
@@ -95,6 +105,11 @@ impl StageMetrics {
     /// Time spent reading batches' mapped rows ahead.
     pub(crate) fn read_ahead_seconds(&self) -> &Histogram {
         &self.read_ahead_seconds
+    }
+
+    /// Time spent reading batches' rows from remote stores.
+    pub(crate) fn remote_fetch_seconds(&self) -> &Histogram {
+        &self.remote_fetch_seconds
     }
 
     /// Adds every family to `registry` (whose prefix is `narsil`).
@@ -120,11 +135,22 @@ impl StageMetrics {
             "Fetches a table's store failed (their batch's requests got UNAVAILABLE)",
             self.store_errors.clone(),
         );
+        registry.register(
+            "table_missing_rows",
+            "Rows a remote store lacked, pooled as zeros (--missing-rows zero)",
+            self.missing_rows.clone(),
+        );
         registry.register_with_unit(
             "table_fetch",
-            "Time to fetch and pool one fused batch's rows of a table",
+            "Time to look up and pool one fused batch's rows of a table (for a remote store, once they arrived)",
             Unit::Seconds,
             self.fetch_seconds.clone(),
+        );
+        registry.register_with_unit(
+            "table_remote_fetch",
+            "Time to read one fused batch's rows of every remote table (one round trip), cache lookups included",
+            Unit::Seconds,
+            self.remote_fetch_seconds.clone(),
         );
         registry.register(
             "table_major_faults",

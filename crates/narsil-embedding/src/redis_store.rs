@@ -10,7 +10,9 @@
 //! `BUCKET` is `id % buckets`. The braces are Redis Cluster's hash tag: the
 //! rows of one bucket share a hash slot, so the distinct ids of a fused
 //! batch that fall in one bucket are read with one `MGET`, and a table
-//! spreads over `buckets` slots (64 by default), hence over every master.
+//! spreads over `buckets` slots (16 by default): the model's tables
+//! together over every master. A batch sends tables x buckets commands at
+//! most: 64 buckets took twice as long per batch as 16.
 //! The key `{PREFIX/meta}rows` holds the row count, written last by a load,
 //! so a store that lacks it was never fully loaded.
 //!
@@ -18,8 +20,9 @@
 //! ([`crate::row_cache`]) and sends one `MGET` per bucket that holds missed
 //! ids, all at once over the cluster client's multiplexed connections (the
 //! client pipelines the commands bound for one node), waiting for them
-//! together, bounded by the store's timeout. A missing row is an error,
-//! never a zero.
+//! together, bounded by the store's timeout and the batch's deadline (see
+//! [`crate::redis_rows`]). A missing row is an error unless the operator
+//! chose `--missing-rows zero`.
 //!
 //! Online updates (`narsil tables push`): the pusher writes new rows, then
 //! publishes their ids on the channel [`INVALIDATION_CHANNEL`] (Redis
@@ -39,7 +42,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::try_join_all;
 use futures_util::StreamExt;
@@ -48,7 +51,7 @@ use redis::cluster_async::ClusterConnection;
 
 use crate::row_cache::RowCache;
 use crate::schema::RedisTableSpec;
-use crate::store::{FetchError, RowStore};
+use crate::store::FetchError;
 
 /// The channel row invalidations are published on.
 pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";
@@ -60,8 +63,9 @@ const SUBSCRIPTION_PING: Duration = Duration::from_secs(1);
 /// The hot-row cache's bound unless `--table-cache-bytes` says otherwise.
 pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;
 
-/// How long a fetch (every bucket of one table for one batch, retries
-/// included) may take before the batch fails: a fetch takes about a
+/// How long a fetch (every table of one batch, retries included) may take
+/// before the batch fails, unless `--table-fetch-timeout-ms` says
+/// otherwise or the batch's deadline comes first: a fetch takes about a
 /// millisecond, so this only bounds how long a batch waits on a node that
 /// stopped answering (5 failed batches in a row turn health NOT_SERVING,
 /// `--unhealthy-after-failures`).
@@ -71,7 +75,7 @@ pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_millis(250);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Buckets per table `narsil tables load` writes unless told otherwise.
-pub const DEFAULT_BUCKETS: u32 = 64;
+pub const DEFAULT_BUCKETS: u32 = 16;
 
 /// The cluster's seed nodes, as given to `--table-store`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -111,40 +115,113 @@ impl std::fmt::Display for RedisSeeds {
     }
 }
 
-/// The `redis` store as `--table-store` and `--table-cache-bytes` chose it.
+/// What a fetch does with a row the cluster does not hold (a table loaded
+/// partly, or a key removed by hand).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum MissingRows {
+    /// The batch fails (its requests get UNAVAILABLE): no score is ever
+    /// computed from a row that is not there.
+    #[default]
+    Error,
+    /// The row pools as zeros (every value 0, as a freshly initialised
+    /// row), counted by `narsil_table_missing_rows_total`.
+    Zero,
+}
+
+impl std::str::FromStr for MissingRows {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "error" => Ok(Self::Error),
+            "zero" => Ok(Self::Zero),
+            _ => Err(format!("`{text}` is not a missing-rows policy: use `error` or `zero`")),
+        }
+    }
+}
+
+impl std::fmt::Display for MissingRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Error => "error",
+            Self::Zero => "zero",
+        })
+    }
+}
+
+/// The `redis` store as `--table-store`, `--table-cache-bytes`,
+/// `--table-fetch-timeout-ms` and `--missing-rows` chose it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RedisStoreConfig {
     /// The cluster's seed nodes.
     pub seeds: RedisSeeds,
     /// The hot-row cache's bound (0: no cache).
     pub cache_bytes: u64,
+    /// The longest a batch's fetch may take when its callers' deadlines
+    /// allow more (or some caller set none).
+    pub fetch_timeout: Duration,
+    /// What a row the cluster lacks becomes.
+    pub missing_rows: MissingRows,
+}
+
+impl RedisStoreConfig {
+    /// The cluster at `seeds` with the default cache, timeout and policy.
+    pub fn new(seeds: RedisSeeds) -> Self {
+        Self {
+            seeds,
+            cache_bytes: DEFAULT_CACHE_BYTES,
+            fetch_timeout: DEFAULT_FETCH_TIMEOUT,
+            missing_rows: MissingRows::Error,
+        }
+    }
 }
 
 impl std::fmt::Display for RedisStoreConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} (cache {} MiB)", self.seeds, self.cache_bytes >> 20)
+        write!(
+            f,
+            "{} (cache {} MiB, fetch timeout {:?}, missing rows: {})",
+            self.seeds,
+            self.cache_bytes >> 20,
+            self.fetch_timeout,
+            self.missing_rows
+        )
     }
 }
 
 /// What the subscriber and the tables share: the cache, each table's
 /// epoch, and whether invalidations are arriving.
-struct Invalidation {
+pub(crate) struct Invalidation {
     cache: Option<RowCache>,
     subscribed: AtomicBool,
     tables: Mutex<HashMap<String, Weak<TableState>>>,
 }
 
 /// A table's number in the cache and its invalidation epoch.
-struct TableState {
-    number: u32,
-    epoch: AtomicU64,
+pub(crate) struct TableState {
+    pub(crate) number: u32,
+    pub(crate) epoch: AtomicU64,
 }
 
 static NEXT_TABLE: AtomicU32 = AtomicU32::new(0);
 
 impl Invalidation {
+    /// The state of the table stored under `prefix`, shared by every
+    /// version and lane that reads it.
+    pub(crate) fn table(&self, prefix: &str) -> Arc<TableState> {
+        let mut tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        tables.retain(|_, state| state.strong_count() > 0);
+        if let Some(state) = tables.get(prefix).and_then(Weak::upgrade) {
+            return state;
+        }
+        let number = NEXT_TABLE.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(TableState { number, epoch: AtomicU64::new(0) });
+        tables.insert(prefix.to_string(), Arc::downgrade(&state));
+        state
+    }
+
     /// The cache, while invalidations are arriving.
-    fn cache(&self) -> Option<&RowCache> {
+    pub(crate) fn cache(&self) -> Option<&RowCache> {
         self.cache.as_ref().filter(|_| self.subscribed.load(Ordering::Acquire))
     }
 
@@ -214,11 +291,13 @@ async fn subscribe(url: &str) -> redis::RedisResult<redis::aio::PubSub> {
 /// the process that uses it, with the process's hot-row cache. It runs its
 /// own small runtime: lanes are plain threads and block on their fetches.
 pub struct RedisCluster {
-    runtime: tokio::runtime::Runtime,
-    connection: ClusterConnection,
+    /// Taken only by `drop`.
+    runtime: Option<tokio::runtime::Runtime>,
+    pub(crate) connection: ClusterConnection,
     timeout: Duration,
     seeds: RedisSeeds,
-    invalidation: Arc<Invalidation>,
+    pub(crate) invalidation: Arc<Invalidation>,
+    pub(crate) missing_rows: MissingRows,
 }
 
 /// Clusters some live table uses, by configuration.
@@ -235,7 +314,8 @@ impl RedisCluster {
         if let Some(cluster) = live.get(config).and_then(Weak::upgrade) {
             return Ok(cluster);
         }
-        let mut cluster = Self::connect(&config.seeds, DEFAULT_FETCH_TIMEOUT)?;
+        let mut cluster = Self::connect(&config.seeds, config.fetch_timeout)?;
+        cluster.missing_rows = config.missing_rows;
         if config.cache_bytes > 0 {
             cluster.invalidation = Arc::new(Invalidation {
                 cache: Some(RowCache::new(config.cache_bytes, 80)),
@@ -243,7 +323,7 @@ impl RedisCluster {
                 tables: Mutex::default(),
             });
             let subscriber = cluster.invalidation.clone().subscribe_forever(config.seeds.clone());
-            cluster.runtime.spawn(subscriber);
+            cluster.runtime().spawn(subscriber);
         }
         let cluster = Arc::new(cluster);
         live.insert(config.clone(), Arc::downgrade(&cluster));
@@ -277,7 +357,18 @@ impl RedisCluster {
             subscribed: AtomicBool::new(false),
             tables: Mutex::default(),
         });
-        Ok(Self { runtime, connection, timeout, seeds: seeds.clone(), invalidation })
+        Ok(Self {
+            runtime: Some(runtime),
+            connection,
+            timeout,
+            seeds: seeds.clone(),
+            invalidation,
+            missing_rows: MissingRows::Error,
+        })
+    }
+
+    fn runtime(&self) -> &tokio::runtime::Runtime {
+        self.runtime.as_ref().expect("the runtime lives until drop")
     }
 
     /// Whether the hot-row cache is in use now (configured, and
@@ -306,14 +397,45 @@ impl RedisCluster {
     where
         F: std::future::Future<Output = redis::RedisResult<T>> + Send,
     {
+        self.run_until(what, None, work)
+    }
+
+    /// [`Self::run`], given up at `deadline` too if that comes before the
+    /// timeout (retries included: they happen inside `work`).
+    pub fn run_until<T: Send, F>(
+        &self,
+        what: &str,
+        deadline: Option<Instant>,
+        work: impl FnOnce(ClusterConnection) -> F,
+    ) -> Result<T, FetchError>
+    where
+        F: std::future::Future<Output = redis::RedisResult<T>> + Send,
+    {
+        let seeds = &self.seeds;
+        let timeout =
+            deadline.map_or(self.timeout, |d| self.timeout.min(d.saturating_duration_since(Instant::now())));
+        if timeout.is_zero() {
+            return Err(FetchError(format!("Redis Cluster {seeds}: {what}: every caller's deadline passed")));
+        }
         let future = work(self.connection.clone());
-        let timeout = self.timeout;
-        match block_on(&self.runtime, async { tokio::time::timeout(timeout, future).await }) {
+        match block_on(self.runtime(), async { tokio::time::timeout(timeout, future).await }) {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(FetchError(format!("Redis Cluster {}: {what}: {e}", self.seeds))),
-            Err(_) => {
-                Err(FetchError(format!("Redis Cluster {}: {what}: no answer within {timeout:?}", self.seeds)))
-            }
+            Ok(Err(e)) => Err(FetchError(format!("Redis Cluster {seeds}: {what}: {e}"))),
+            Err(_) if timeout < self.timeout => Err(FetchError(format!(
+                "Redis Cluster {seeds}: {what}: no answer within {timeout:?}, when every caller's deadline passed"
+            ))),
+            Err(_) => Err(FetchError(format!("Redis Cluster {seeds}: {what}: no answer within {timeout:?}"))),
+        }
+    }
+}
+
+impl Drop for RedisCluster {
+    /// Stops the client's runtime without waiting for it: the last model
+    /// version that used the cluster may be dropped inside an async
+    /// context, where waiting would panic.
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
         }
     }
 }
@@ -341,130 +463,6 @@ pub fn row_key(spec: &RedisTableSpec, id: u64) -> String {
 /// The key that holds the table's row count once it is loaded.
 pub fn rows_key(spec: &RedisTableSpec) -> String {
     format!("{{{}/meta}}rows", spec.prefix)
-}
-
-/// A table whose rows are on a Redis Cluster.
-pub struct RedisRows {
-    name: String,
-    spec: RedisTableSpec,
-    cluster: Arc<RedisCluster>,
-    state: Arc<TableState>,
-}
-
-impl RedisRows {
-    /// The table `name` at `spec` on `cluster`, checked to be loaded with
-    /// `rows` rows.
-    pub fn open(
-        name: &str,
-        spec: &RedisTableSpec,
-        rows: u64,
-        cluster: Arc<RedisCluster>,
-    ) -> Result<Self, FetchError> {
-        let key = rows_key(spec);
-        let command = redis::cmd("GET").arg(&key).clone();
-        let loaded: Option<u64> =
-            cluster.run("reading the row count", |mut c| async move { command.query_async(&mut c).await })?;
-        match loaded {
-            Some(n) if n == rows => {
-                let mut tables = cluster.invalidation.tables.lock().unwrap_or_else(|e| e.into_inner());
-                tables.retain(|_, state| state.strong_count() > 0);
-                let state = match tables.get(&spec.prefix).and_then(Weak::upgrade) {
-                    Some(state) => state,
-                    None => {
-                        let number = NEXT_TABLE.fetch_add(1, Ordering::Relaxed);
-                        let state = Arc::new(TableState { number, epoch: AtomicU64::new(0) });
-                        tables.insert(spec.prefix.clone(), Arc::downgrade(&state));
-                        state
-                    }
-                };
-                drop(tables);
-                Ok(Self { name: name.into(), spec: spec.clone(), cluster, state })
-            }
-            Some(n) => Err(FetchError(format!(
-                "table {name:?}: the cluster holds {n} rows under {}, the schema says {rows}",
-                spec.prefix
-            ))),
-            None => Err(FetchError(format!(
-                "table {name:?}: not loaded on {} (no {key}): run `narsil tables load`",
-                cluster.seeds()
-            ))),
-        }
-    }
-}
-
-impl RowStore for RedisRows {
-    fn kind(&self) -> &'static str {
-        "redis"
-    }
-
-    fn local_rows(&self) -> Option<&[u8]> {
-        None
-    }
-
-    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError> {
-        let cache = self.cluster.invalidation.cache();
-        let epoch = self.state.epoch.load(Ordering::Acquire);
-        let buckets = self.spec.buckets as usize;
-        let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); buckets];
-        let mut cached = 0;
-        for (i, &id) in ids.iter().enumerate() {
-            match cache.and_then(|cache| cache.get(self.state.number, id as u64)) {
-                Some(row) if row.len() == row_bytes => {
-                    out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
-                    cached += 1;
-                }
-                _ => by_bucket[id as usize % buckets].push(i),
-            }
-        }
-        if cached == ids.len() {
-            return Ok(cached);
-        }
-        let by_bucket: Vec<Vec<usize>> = by_bucket.into_iter().filter(|b| !b.is_empty()).collect();
-        let commands: Vec<redis::Cmd> = by_bucket
-            .iter()
-            .map(|indices| {
-                let mut command = redis::cmd("MGET");
-                for &i in indices {
-                    command.arg(row_key(&self.spec, ids[i] as u64));
-                }
-                command
-            })
-            .collect();
-        let replies: Vec<Vec<Option<Vec<u8>>>> = self.cluster.run("reading rows", |connection| {
-            try_join_all(commands.into_iter().map(move |command| {
-                let mut connection = connection.clone();
-                async move { command.query_async(&mut connection).await }
-            }))
-        })?;
-        for (indices, values) in by_bucket.iter().zip(replies) {
-            for (&i, value) in indices.iter().zip(values) {
-                let row = value.ok_or_else(|| {
-                    FetchError(format!("table {:?}: row {} is missing from the cluster", self.name, ids[i]))
-                })?;
-                if row.len() != row_bytes {
-                    return Err(FetchError(format!(
-                        "table {:?}: row {} holds {} bytes, not {row_bytes}",
-                        self.name,
-                        ids[i],
-                        row.len()
-                    )));
-                }
-                out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
-            }
-        }
-        // Rows read before an invalidation of this table arrived may be
-        // old: cache them only if none arrived meanwhile.
-        if let Some(cache) = cache.filter(|_| self.state.epoch.load(Ordering::Acquire) == epoch) {
-            for &i in by_bucket.iter().flatten() {
-                cache.insert(self.state.number, ids[i] as u64, &out[i * row_bytes..(i + 1) * row_bytes]);
-            }
-        }
-        Ok(cached)
-    }
-
-    fn may_fault(&self) -> bool {
-        false
-    }
 }
 
 /// What loading a table wrote.

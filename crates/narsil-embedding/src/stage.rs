@@ -8,7 +8,9 @@
 //! `mmap`) are pooled straight from those rows: reading a row twice costs a
 //! cache hit, not a fetch, so deduplication there only feeds the metrics.
 //! A store that fetches rows gets each distinct id once, and the bags are
-//! pooled from the fetched copies through each id's slot.
+//! pooled from the fetched copies through each id's slot. Tables on a
+//! Redis Cluster are fetched together before any is pooled: one round
+//! trip per batch, not one per table.
 //!
 //! Once lookups of a memory-mapped table wait on the disk (the last batch
 //! took major faults), the next batch's distinct rows are read ahead by
@@ -28,10 +30,11 @@ use narsil_core::KeyedBatch;
 use crate::dedup::DistinctIds;
 use crate::metrics::{StageMetrics, TableCounters};
 use crate::pool::{pool_rows, OutOfRange, Pooling};
-use crate::redis_store::{RedisCluster, RedisRows};
+use crate::redis_rows::{fetch_tables, RedisRows, TableFetch};
+use crate::redis_store::RedisCluster;
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::shared::open_shared;
-use crate::store::{FetchError, RowStore};
+use crate::store::{FetchError, Fetched, RowStore};
 use crate::table::{TableError, TableStore};
 
 struct StageTable {
@@ -89,7 +92,8 @@ impl From<StageError> for narsil_core::BackendError {
 pub struct StageScratch {
     /// Per table: the batch's distinct ids.
     distinct: Vec<DistinctIds>,
-    fetched: Vec<u8>,
+    /// Per table whose store fetches: the rows of its distinct ids.
+    fetched: Vec<Vec<u8>>,
 }
 
 /// How a stage's tables were opened.
@@ -215,8 +219,9 @@ impl EmbeddingStage {
         if self.faulting.load(Ordering::Relaxed) {
             faults += self.read_ahead(&scratch.distinct);
         }
-        for (table, distinct) in self.tables.iter().zip(&scratch.distinct) {
-            faults += self.pool_table(table, batch, distinct, &mut scratch.fetched, pooled, width)?;
+        self.fetch(batch, scratch)?;
+        for ((table, distinct), fetched) in self.tables.iter().zip(&scratch.distinct).zip(&scratch.fetched) {
+            faults += self.pool_table(table, batch, distinct, fetched, pooled, width)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         Ok(())
@@ -295,14 +300,78 @@ impl EmbeddingStage {
         faults.iter().sum()
     }
 
-    /// Pools `table`'s bags (its ids deduplicated in `distinct`); returns
-    /// the major faults the lookups took.
+    /// Copies the distinct rows of every table whose store fetches into
+    /// `scratch.fetched`: the Redis tables together, the others one by
+    /// one.
+    fn fetch(&self, batch: &KeyedBatch, scratch: &mut StageScratch) -> Result<(), StageError> {
+        scratch.fetched.resize_with(self.tables.len(), Vec::new);
+        let mut redis = Vec::new();
+        let mut redis_tables = Vec::new();
+        for (t, ((table, distinct), out)) in
+            self.tables.iter().zip(&scratch.distinct).zip(&mut scratch.fetched).enumerate()
+        {
+            if table.store.local_rows().is_some() {
+                continue;
+            }
+            let ids = distinct.distinct();
+            out.resize(ids.len() * table.spec.row_bytes, 0);
+            let row_bytes = table.spec.row_bytes;
+            if let Some(rows) = table.store.as_redis() {
+                redis.push(TableFetch { rows, ids, row_bytes, out });
+                redis_tables.push(t);
+                continue;
+            }
+            let fetched = table.store.fetch(ids, row_bytes, out, batch.deadline);
+            self.count_fetch(t, ids.len(), fetched)?;
+        }
+        if !redis.is_empty() {
+            let started = Instant::now();
+            let fetched = fetch_tables(&mut redis, batch.deadline);
+            self.metrics.remote_fetch_seconds().observe(started.elapsed().as_secs_f64());
+            match fetched {
+                Ok(fetched) => {
+                    for ((t, part), fetched) in redis_tables.into_iter().zip(&redis).zip(fetched) {
+                        self.count_fetch(t, part.ids.len(), Ok(fetched))?;
+                    }
+                }
+                Err(error) => {
+                    for &t in &redis_tables[1..] {
+                        self.tables[t].counters.store_errors.inc();
+                    }
+                    self.count_fetch(redis_tables[0], 0, Err(error))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts table `t`'s fetch of `distinct` rows, or its failure.
+    fn count_fetch(
+        &self,
+        t: usize,
+        distinct: usize,
+        fetched: Result<Fetched, FetchError>,
+    ) -> Result<(), StageError> {
+        let table = &self.tables[t];
+        let fetched = fetched.map_err(|source| {
+            table.counters.store_errors.inc();
+            StageError::Fetch { table: table.spec.name.clone(), store: table.store.kind(), source }
+        })?;
+        table.counters.cache_hits.inc_by(fetched.cached as u64);
+        table.counters.missing_rows.inc_by(fetched.zeroed as u64);
+        table.counters.rows_fetched.inc_by((distinct - fetched.cached) as u64);
+        Ok(())
+    }
+
+    /// Pools `table`'s bags (its ids deduplicated in `distinct`, the rows
+    /// of a fetching store in `fetched`); returns the major faults the
+    /// lookups took.
     fn pool_table(
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
         distinct: &DistinctIds,
-        fetched: &mut Vec<u8>,
+        fetched: &[u8],
         pooled: &mut [f32],
         width: usize,
     ) -> Result<u64, StageError> {
@@ -310,18 +379,8 @@ impl EmbeddingStage {
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let spec = &table.spec;
         let local = table.store.local_rows();
-        let distinct_ids = distinct.distinct().len() as u64;
-        if local.is_none() {
-            fetched.resize(distinct.distinct().len() * spec.row_bytes, 0);
-            let cached =
-                table.store.fetch(distinct.distinct(), spec.row_bytes, fetched).map_err(|source| {
-                    table.counters.store_errors.inc();
-                    StageError::Fetch { table: spec.name.clone(), store: table.store.kind(), source }
-                })? as u64;
-            table.counters.cache_hits.inc_by(cached);
-            table.counters.rows_fetched.inc_by(distinct_ids - cached);
-        } else {
-            table.counters.rows_fetched.inc_by(distinct_ids);
+        if local.is_some() {
+            table.counters.rows_fetched.inc_by(distinct.distinct().len() as u64);
         }
         let mut slot_start = 0;
         for &f in &table.features {
@@ -331,7 +390,7 @@ impl EmbeddingStage {
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
             let (rows, ids) = match local {
                 Some(rows) => (rows, ids),
-                None => (&fetched[..], &distinct.slots()[slot_start..slot_start + ids.len()]),
+                None => (fetched, &distinct.slots()[slot_start..slot_start + ids.len()]),
             };
             slot_start += ids.len();
             let pooling = Pooling { mode: feature.pooling, weights };
@@ -385,8 +444,14 @@ mod tests {
         fn local_rows(&self) -> Option<&[u8]> {
             None
         }
-        fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError> {
-            self.0.fetch(ids, row_bytes, out)
+        fn fetch(
+            &self,
+            ids: &[i64],
+            row_bytes: usize,
+            out: &mut [u8],
+            deadline: Option<Instant>,
+        ) -> Result<Fetched, FetchError> {
+            self.0.fetch(ids, row_bytes, out, deadline)
         }
         fn may_fault(&self) -> bool {
             false

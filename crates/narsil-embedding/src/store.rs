@@ -4,12 +4,24 @@
 //! rows of a fused batch's distinct ids (a store on other machines copies
 //! them into the stage's buffer, once per distinct id).
 
+use std::time::Instant;
+
+use crate::redis_rows::RedisRows;
 use crate::table::{Table, TableStore};
 
 /// A store's failure to deliver rows.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct FetchError(pub String);
+
+/// What a fetch delivered besides the rows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fetched {
+    /// Rows served from a cache in this process rather than the store.
+    pub cached: usize,
+    /// Rows the store lacks, delivered as zeros (`--missing-rows zero`).
+    pub zeroed: usize,
+}
 
 /// A table's rows, wherever they live.
 pub trait RowStore: Send + Sync {
@@ -21,14 +33,25 @@ pub trait RowStore: Send + Sync {
     fn local_rows(&self) -> Option<&[u8]>;
 
     /// Copies the rows of `ids` (distinct, each a valid row) into `out`:
-    /// row `i` at `i * row_bytes`, `out.len() == ids.len() * row_bytes`.
-    /// Returns how many came from a cache in this process rather than the
-    /// store.
-    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError>;
+    /// row `i` at `i * row_bytes`, `out.len() == ids.len() * row_bytes`,
+    /// giving up at `deadline` (when the batch's callers stop waiting).
+    fn fetch(
+        &self,
+        ids: &[i64],
+        row_bytes: usize,
+        out: &mut [u8],
+        deadline: Option<Instant>,
+    ) -> Result<Fetched, FetchError>;
 
     /// Whether reading a row can wait on the disk (the stage then counts
     /// the major page faults of its lookups).
     fn may_fault(&self) -> bool;
+
+    /// The table, when it is on a Redis Cluster: the stage then reads every
+    /// such table of a batch together ([`crate::redis_rows::fetch_tables`]).
+    fn as_redis(&self) -> Option<&RedisRows> {
+        None
+    }
 }
 
 impl RowStore for Table {
@@ -43,13 +66,19 @@ impl RowStore for Table {
         Some(self.bytes())
     }
 
-    fn fetch(&self, ids: &[i64], row_bytes: usize, out: &mut [u8]) -> Result<usize, FetchError> {
+    fn fetch(
+        &self,
+        ids: &[i64],
+        row_bytes: usize,
+        out: &mut [u8],
+        _deadline: Option<Instant>,
+    ) -> Result<Fetched, FetchError> {
         let rows = self.bytes();
         for (&id, row) in ids.iter().zip(out.chunks_exact_mut(row_bytes)) {
             let start = id as usize * row_bytes;
             row.copy_from_slice(&rows[start..start + row_bytes]);
         }
-        Ok(0)
+        Ok(Fetched::default())
     }
 
     fn may_fault(&self) -> bool {

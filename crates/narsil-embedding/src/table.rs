@@ -16,7 +16,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::redis_store::{RedisSeeds, RedisStoreConfig, DEFAULT_CACHE_BYTES};
+use crate::redis_store::{RedisSeeds, RedisStoreConfig};
 use crate::schema::{Storage, TableSpec};
 use crate::store::FetchError;
 
@@ -40,10 +40,9 @@ impl std::str::FromStr for TableStore {
         match text {
             "memory" => Ok(Self::Memory),
             "mmap" => Ok(Self::Mmap),
-            _ if text.starts_with("redis://") => Ok(Self::Redis(RedisStoreConfig {
-                seeds: RedisSeeds::parse(text)?,
-                cache_bytes: DEFAULT_CACHE_BYTES,
-            })),
+            _ if text.starts_with("redis://") => {
+                Ok(Self::Redis(RedisStoreConfig::new(RedisSeeds::parse(text)?)))
+            }
             _ => Err(format!(
                 "`{text}` is not a table store: use `memory`, `mmap` or `redis://HOST:PORT[,HOST:PORT...]`"
             )),

@@ -102,9 +102,17 @@ impl QueuedBatch {
     /// memory leases go with the job until its forward ends). Runs on the
     /// lane, outside the collector's lock.
     pub fn into_job(self, threads: usize) -> Job {
+        let mut batch = self.builder.finish();
+        // The latest deadline, if every fused request has one.
+        batch.deadline = self
+            .entries
+            .iter()
+            .map(|e| e.deadline)
+            .collect::<Option<Vec<_>>>()
+            .and_then(|d| d.into_iter().max());
         Job {
             threads,
-            batch: self.builder.finish(),
+            batch,
             waiters: self
                 .entries
                 .into_iter()
@@ -460,6 +468,7 @@ mod tests {
             reply,
             admitted: at,
             expires: None,
+            deadline: None,
             ticket: Ticket::new(),
             permit,
         };
@@ -568,6 +577,27 @@ mod tests {
         assert!(job.is_none());
         assert_eq!(removed, 1);
         assert!(matches!(ra.try_recv().unwrap(), Err(EngineError::DeadlineExceeded)));
+    }
+
+    #[test]
+    fn fused_batch_carries_the_latest_deadline_only_when_every_request_has_one() {
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let fused_deadline = |deadlines: &[Option<Duration>]| {
+            let mut q = queue(16, 100, 0);
+            let mut receivers = Vec::new();
+            for (tag, deadline) in deadlines.iter().enumerate() {
+                let (mut e, samples, rx) = entry(&admission, 1, tag as i64, now);
+                e.deadline = deadline.map(|d| now + d);
+                q.add(e, &samples);
+                receivers.push(rx);
+            }
+            due(&mut q, now).0.unwrap().batch.deadline
+        };
+        let (short, long) = (Some(Duration::from_millis(50)), Some(Duration::from_millis(900)));
+        assert_eq!(fused_deadline(&[short, long, short]), Some(now + Duration::from_millis(900)));
+        assert_eq!(fused_deadline(&[short]), Some(now + Duration::from_millis(50)));
+        assert_eq!(fused_deadline(&[short, None]), None, "one caller waits without a deadline");
     }
 
     #[test]

@@ -294,8 +294,17 @@ impl EngineHandle {
             .map(|(part, (permit, lease))| {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
-                let entry =
-                    Entry { id, rows: part.num_samples, lease, reply, admitted, expires, ticket, permit };
+                let entry = Entry {
+                    id,
+                    rows: part.num_samples,
+                    lease,
+                    reply,
+                    admitted,
+                    expires,
+                    deadline,
+                    ticket,
+                    permit,
+                };
                 ((entry, part), answer)
             })
             .unzip();

@@ -113,6 +113,8 @@ pub struct Entry {
     /// When it may no longer start: the earlier of the caller's deadline and
     /// the queue timeout.
     pub expires: Option<Instant>,
+    /// When its caller stops waiting for the answer (`None`: no deadline).
+    pub deadline: Option<Instant>,
     /// Shared with the caller and the request's other parts.
     pub ticket: Arc<Ticket>,
     /// Its place in the admission queue, given back when the entry is

@@ -1,0 +1,216 @@
+//! Reading a fused batch's rows from a Redis Cluster: every table of the
+//! batch at once, in one round trip.
+//!
+//! [`fetch_tables`] looks each table's distinct ids up in the hot-row cache
+//! ([`crate::row_cache`]), then sends one `MGET` per (table, bucket) that
+//! holds missed ids, for every table together, [`IN_FLIGHT`] at a time:
+//! the cluster client pipelines the commands bound for one node over its
+//! connection, so a batch waits for a few round trips, not one per table.
+//! The wait is bounded by the store's fetch timeout and by the batch's
+//! deadline (the latest of its callers'): past it nobody waits for the
+//! answer. The client's own retries (a moved slot, a failed-over master)
+//! happen inside that bound.
+//!
+//! A row the cluster does not hold fails the batch, or, with
+//! `--missing-rows zero`, is pooled as zeros (all-zero bytes are a zero
+//! vector in every storage type: INT8 rows with scale and bias 0, FP32
+//! rows of 0.0) and counted.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::{StreamExt, TryStreamExt};
+
+use crate::redis_store::{row_key, rows_key, MissingRows, RedisCluster, TableState};
+use crate::schema::RedisTableSpec;
+use crate::store::{FetchError, Fetched, RowStore};
+
+/// Commands of one fetch in flight at once. Unbounded (every table's
+/// buckets, 416 commands for the default DLRM), or 128, the Redis client
+/// did not recover from a master's failover within 10 s
+/// (`tests/redis_store_e2e.rs`); 48 did, in 4 s. The bound cost about 12%
+/// of a replica's throughput when the cluster shares its machine.
+const IN_FLIGHT: usize = 32;
+
+/// A table whose rows are on a Redis Cluster.
+pub struct RedisRows {
+    name: String,
+    spec: RedisTableSpec,
+    cluster: Arc<RedisCluster>,
+    state: Arc<TableState>,
+}
+
+impl RedisRows {
+    /// The table `name` at `spec` on `cluster`, checked to be loaded with
+    /// `rows` rows.
+    pub fn open(
+        name: &str,
+        spec: &RedisTableSpec,
+        rows: u64,
+        cluster: Arc<RedisCluster>,
+    ) -> Result<Self, FetchError> {
+        let key = rows_key(spec);
+        let command = redis::cmd("GET").arg(&key).clone();
+        let loaded: Option<u64> =
+            cluster.run("reading the row count", |mut c| async move { command.query_async(&mut c).await })?;
+        match loaded {
+            Some(n) if n == rows => {
+                let state = cluster.invalidation.table(&spec.prefix);
+                Ok(Self { name: name.into(), spec: spec.clone(), cluster, state })
+            }
+            Some(n) => Err(FetchError(format!(
+                "table {name:?}: the cluster holds {n} rows under {}, the schema says {rows}",
+                spec.prefix
+            ))),
+            None => Err(FetchError(format!(
+                "table {name:?}: not loaded on {} (no {key}): run `narsil tables load`",
+                cluster.seeds()
+            ))),
+        }
+    }
+
+    /// The cluster it reads from.
+    pub fn cluster(&self) -> &Arc<RedisCluster> {
+        &self.cluster
+    }
+}
+
+/// One table's part of a batch's fetch.
+pub struct TableFetch<'a> {
+    /// The table.
+    pub rows: &'a RedisRows,
+    /// Its distinct ids in the batch.
+    pub ids: &'a [i64],
+    /// Bytes per row.
+    pub row_bytes: usize,
+    /// Where row `i` goes: `out[i * row_bytes..]`.
+    pub out: &'a mut [u8],
+}
+
+/// Copies the rows of every part (tables of one cluster) into their `out`
+/// buffers, reading what the cache lacks in one round trip that ends by
+/// `deadline` at the latest. Returns what each part got from the cache and
+/// how many rows it lacked (zeros).
+pub fn fetch_tables(
+    parts: &mut [TableFetch<'_>],
+    deadline: Option<Instant>,
+) -> Result<Vec<Fetched>, FetchError> {
+    let Some(cluster) = parts.first().map(|p| Arc::clone(&p.rows.cluster)) else { return Ok(Vec::new()) };
+    let cache = cluster.invalidation.cache();
+    let mut fetched = vec![Fetched::default(); parts.len()];
+    // Per part, the indices of `ids` to read, grouped by bucket.
+    let mut reads: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut epochs = Vec::with_capacity(parts.len());
+    for (p, part) in parts.iter_mut().enumerate() {
+        let table = part.rows;
+        debug_assert!(Arc::ptr_eq(&table.cluster, &cluster), "one cluster per fetch");
+        epochs.push(table.state.epoch.load(Ordering::Acquire));
+        let buckets = table.spec.buckets as usize;
+        let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); buckets];
+        let row_bytes = part.row_bytes;
+        for (i, &id) in part.ids.iter().enumerate() {
+            match cache.and_then(|cache| cache.get(table.state.number, id as u64)) {
+                Some(row) if row.len() == row_bytes => {
+                    part.out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
+                    fetched[p].cached += 1;
+                }
+                _ => by_bucket[id as usize % buckets].push(i),
+            }
+        }
+        reads.extend(by_bucket.into_iter().filter(|b| !b.is_empty()).map(|b| (p, b)));
+    }
+    if reads.is_empty() {
+        return Ok(fetched);
+    }
+    let commands: Vec<redis::Cmd> = reads
+        .iter()
+        .map(|(p, indices)| {
+            let part = &parts[*p];
+            let mut command = redis::cmd("MGET");
+            for &i in indices {
+                command.arg(row_key(&part.rows.spec, part.ids[i] as u64));
+            }
+            command
+        })
+        .collect();
+    let replies: Vec<Vec<Option<Vec<u8>>>> = cluster.run_until("reading rows", deadline, |connection| {
+        futures_util::stream::iter(commands.into_iter().map(move |command| {
+            let mut connection = connection.clone();
+            async move { command.query_async(&mut connection).await }
+        }))
+        .buffered(IN_FLIGHT)
+        .try_collect()
+    })?;
+    // Rows read before an invalidation of their table arrived may be old:
+    // cache a table's rows only if none arrived meanwhile.
+    let cache_for: Vec<Option<_>> = parts
+        .iter()
+        .zip(&epochs)
+        .map(|(part, &epoch)| cache.filter(|_| part.rows.state.epoch.load(Ordering::Acquire) == epoch))
+        .collect();
+    for ((p, indices), values) in reads.iter().zip(replies) {
+        let part = &mut parts[*p];
+        let row_bytes = part.row_bytes;
+        for (&i, value) in indices.iter().zip(values) {
+            let row = &mut part.out[i * row_bytes..(i + 1) * row_bytes];
+            match value {
+                Some(value) if value.len() == row_bytes => {
+                    row.copy_from_slice(&value);
+                    if let Some(cache) = cache_for[*p] {
+                        cache.insert(part.rows.state.number, part.ids[i] as u64, row);
+                    }
+                }
+                Some(value) => {
+                    return Err(FetchError(format!(
+                        "table {:?}: row {} holds {} bytes, not {row_bytes}",
+                        part.rows.name,
+                        part.ids[i],
+                        value.len()
+                    )))
+                }
+                // Not cached: a load or a push may write it.
+                None if cluster.missing_rows == MissingRows::Zero => {
+                    row.fill(0);
+                    fetched[*p].zeroed += 1;
+                }
+                None => {
+                    return Err(FetchError(format!(
+                        "table {:?}: row {} is missing from the cluster (serve with --missing-rows zero to pool it as zeros)",
+                        part.rows.name, part.ids[i]
+                    )))
+                }
+            }
+        }
+    }
+    Ok(fetched)
+}
+
+impl RowStore for RedisRows {
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+
+    fn local_rows(&self) -> Option<&[u8]> {
+        None
+    }
+
+    fn fetch(
+        &self,
+        ids: &[i64],
+        row_bytes: usize,
+        out: &mut [u8],
+        deadline: Option<Instant>,
+    ) -> Result<Fetched, FetchError> {
+        let mut part = [TableFetch { rows: self, ids, row_bytes, out }];
+        Ok(fetch_tables(&mut part, deadline)?[0])
+    }
+
+    fn may_fault(&self) -> bool {
+        false
+    }
+
+    fn as_redis(&self) -> Option<&RedisRows> {
+        Some(self)
+    }
+}
