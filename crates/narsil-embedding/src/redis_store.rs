@@ -17,12 +17,11 @@
 //! so a store that lacks it was never fully loaded.
 //!
 //! A fetch looks the batch's distinct ids up in the process's hot-row cache
-//! ([`crate::row_cache`]) and sends one `MGET` per bucket that holds missed
-//! ids, all at once over the cluster client's multiplexed connections (the
-//! client pipelines the commands bound for one node), waiting for them
-//! together, bounded by the store's timeout and the batch's deadline (see
-//! [`crate::redis_rows`]). A missing row is an error unless the operator
-//! chose `--missing-rows zero`.
+//! ([`crate::row_cache`]) and sends one `MGET` per table and bucket that
+//! holds missed ids, every table's together over the cluster client's
+//! multiplexed connections, bounded by the store's timeout and the batch's
+//! deadline ([`crate::redis_rows`]). A missing row is an error unless the
+//! operator chose `--missing-rows zero`.
 //!
 //! Online updates (`narsil tables push`): the pusher writes new rows, then
 //! publishes their ids on the channel [`INVALIDATION_CHANNEL`] (Redis
@@ -293,7 +292,7 @@ async fn subscribe(url: &str) -> redis::RedisResult<redis::aio::PubSub> {
 pub struct RedisCluster {
     /// Taken only by `drop`.
     runtime: Option<tokio::runtime::Runtime>,
-    pub(crate) connection: ClusterConnection,
+    connection: ClusterConnection,
     timeout: Duration,
     seeds: RedisSeeds,
     pub(crate) invalidation: Arc<Invalidation>,
