@@ -11,7 +11,7 @@
 //!   process, or fetched by distinct id).
 //! * [`redis_store`]: tables on a Redis Cluster (the `redis` store),
 //!   loading them there and pushing updates; [`redis_rows`]: reading a
-//!   batch's rows of every table in one round trip; [`row_cache`]: its
+//!   batch's rows of every table together; [`row_cache`]: its
 //!   hot-row cache.
 //! * [`shared`]: tables shared by content across the model versions of a
 //!   process.

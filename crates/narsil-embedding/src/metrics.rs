@@ -148,7 +148,7 @@ impl StageMetrics {
         );
         registry.register_with_unit(
             "table_remote_fetch",
-            "Time to read one fused batch's rows of every remote table (one round trip), cache lookups included",
+            "Time to read one fused batch's rows of every remote table, cache lookups included",
             Unit::Seconds,
             self.remote_fetch_seconds.clone(),
         );

@@ -1,9 +1,10 @@
 //! Reading a fused batch's rows from a Redis Cluster: every table of the
-//! batch at once, in one round trip.
+//! batch together, not one table after another.
 //!
 //! [`fetch_tables`] looks each table's distinct ids up in the hot-row cache
 //! ([`crate::row_cache`]), then sends one `MGET` per (table, bucket) that
-//! holds missed ids, for every table together, [`IN_FLIGHT`] at a time:
+//! holds missed ids, for every table together,
+//! [`IN_FLIGHT`](crate::redis_store::IN_FLIGHT) at a time:
 //! the cluster client pipelines the commands bound for one node over its
 //! connection, so a batch waits for a few round trips, not one per table.
 //! The wait is bounded by the store's fetch timeout and by the batch's
@@ -20,18 +21,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use futures_util::{StreamExt, TryStreamExt};
-
 use crate::redis_store::{row_key, rows_key, MissingRows, RedisCluster, TableState};
 use crate::schema::RedisTableSpec;
 use crate::store::{FetchError, Fetched, RowStore};
-
-/// Commands of one fetch in flight at once. Unbounded (every table's
-/// buckets, 416 commands for the default DLRM), or 128, the Redis client
-/// did not recover from a master's failover within 10 s
-/// (`tests/redis_store_e2e.rs`); 48 did, in 4 s. The bound cost about 12%
-/// of a replica's throughput when the cluster shares its machine.
-const IN_FLIGHT: usize = 32;
 
 /// A table whose rows are on a Redis Cluster.
 pub struct RedisRows {
@@ -69,11 +61,6 @@ impl RedisRows {
             ))),
         }
     }
-
-    /// The cluster it reads from.
-    pub fn cluster(&self) -> &Arc<RedisCluster> {
-        &self.cluster
-    }
 }
 
 /// One table's part of a batch's fetch.
@@ -89,7 +76,7 @@ pub struct TableFetch<'a> {
 }
 
 /// Copies the rows of every part (tables of one cluster) into their `out`
-/// buffers, reading what the cache lacks in one round trip that ends by
+/// buffers, reading what the cache lacks in one call that ends by
 /// `deadline` at the latest. Returns what each part got from the cache and
 /// how many rows it lacked (zeros).
 pub fn fetch_tables(
@@ -134,14 +121,7 @@ pub fn fetch_tables(
             command
         })
         .collect();
-    let replies: Vec<Vec<Option<Vec<u8>>>> = cluster.run_until("reading rows", deadline, |connection| {
-        futures_util::stream::iter(commands.into_iter().map(move |command| {
-            let mut connection = connection.clone();
-            async move { command.query_async(&mut connection).await }
-        }))
-        .buffered(IN_FLIGHT)
-        .try_collect()
-    })?;
+    let replies: Vec<Vec<Option<Vec<u8>>>> = cluster.run_all("reading rows", deadline, commands)?;
     // Rows read before an invalidation of their table arrived may be old:
     // cache a table's rows only if none arrived meanwhile.
     let cache_for: Vec<Option<_>> = parts

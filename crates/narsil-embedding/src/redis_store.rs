@@ -43,8 +43,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use futures_util::future::try_join_all;
-use futures_util::StreamExt;
+use futures_util::{StreamExt, TryStreamExt};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 
@@ -72,6 +71,14 @@ pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// How long connecting to the cluster may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Commands of one call ([`RedisCluster::run_all`]) in flight at once.
+/// Unbounded (every table's buckets of a batch, 416 commands for the
+/// default DLRM), or 128, the Redis client did not recover from a master's
+/// failover within 10 s (`tests/redis_store_e2e.rs`); 48 did, in 4 s. The
+/// bound cost about 12% of a replica's throughput when the cluster shares
+/// its machine.
+pub const IN_FLIGHT: usize = 32;
 
 /// Buckets per table `narsil tables load` writes unless told otherwise.
 pub const DEFAULT_BUCKETS: u32 = 16;
@@ -426,6 +433,25 @@ impl RedisCluster {
             Err(_) => Err(FetchError(format!("Redis Cluster {seeds}: {what}: no answer within {timeout:?}"))),
         }
     }
+
+    /// Runs `commands`, [`IN_FLIGHT`] at a time (the client pipelines those
+    /// bound for one node, nodes in parallel), all within one
+    /// [`Self::run_until`] bound; their replies in order.
+    pub fn run_all<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        what: &str,
+        deadline: Option<Instant>,
+        commands: Vec<redis::Cmd>,
+    ) -> Result<Vec<T>, FetchError> {
+        self.run_until(what, deadline, |connection| {
+            futures_util::stream::iter(commands.into_iter().map(move |command| {
+                let mut connection = connection.clone();
+                async move { command.query_async::<T>(&mut connection).await }
+            }))
+            .buffered(IN_FLIGHT)
+            .try_collect()
+        })
+    }
 }
 
 impl Drop for RedisCluster {
@@ -475,8 +501,6 @@ pub struct Loaded {
 
 /// Rows per `MSET` when loading.
 const LOAD_CHUNK_ROWS: usize = 512;
-/// `MSET`s in flight at once when loading.
-const LOAD_IN_FLIGHT: usize = 32;
 
 /// Writes every row of a table (`rows`: its file's bytes, `row_bytes`
 /// each) under `spec`, calling `progress` with the rows written so far,
@@ -491,15 +515,9 @@ pub fn load_table(
     mut progress: impl FnMut(u64),
 ) -> Result<Loaded, FetchError> {
     let count = (rows.len() / row_bytes) as u64;
-    let buckets = u64::from(spec.buckets);
-    // Chunks of rows of one bucket (one hash slot): ids b, b + buckets, ...
-    let mut chunks: Vec<Vec<u64>> = Vec::new();
-    for bucket in 0..buckets.min(count) {
-        let ids: Vec<u64> = (bucket..count).step_by(buckets as usize).collect();
-        chunks.extend(ids.chunks(LOAD_CHUNK_ROWS).map(<[u64]>::to_vec));
-    }
+    let chunks = bucket_chunks(spec, count, LOAD_CHUNK_ROWS);
     let mut written = 0u64;
-    for group in chunks.chunks(LOAD_IN_FLIGHT) {
+    for group in chunks.chunks(IN_FLIGHT) {
         write_rows(cluster, spec, rows, row_bytes, group.iter().map(Vec::as_slice))?;
         written += group.iter().map(|ids| ids.len() as u64).sum::<u64>();
         progress(written);
@@ -513,8 +531,20 @@ pub fn load_table(
     Ok(Loaded { rows: count, bytes: count * row_bytes as u64 })
 }
 
+/// The ids `0..count` of a table under `spec`, bucket by bucket (one hash
+/// slot each: ids b, b + buckets, ...), in chunks of at most `chunk`.
+fn bucket_chunks(spec: &RedisTableSpec, count: u64, chunk: usize) -> Vec<Vec<u64>> {
+    let buckets = u64::from(spec.buckets);
+    let mut chunks = Vec::new();
+    for bucket in 0..buckets.min(count) {
+        let ids: Vec<u64> = (bucket..count).step_by(buckets as usize).collect();
+        chunks.extend(ids.chunks(chunk).map(<[u64]>::to_vec));
+    }
+    chunks
+}
+
 /// Writes the rows of each group of `ids` (each group within one bucket)
-/// with one `MSET` per group, all at once.
+/// with one `MSET` per group.
 fn write_rows<'a>(
     cluster: &RedisCluster,
     spec: &RedisTableSpec,
@@ -532,14 +562,7 @@ fn write_rows<'a>(
             command
         })
         .collect();
-    cluster
-        .run("writing rows", |connection| {
-            try_join_all(commands.into_iter().map(move |command| {
-                let mut connection = connection.clone();
-                async move { command.query_async::<()>(&mut connection).await }
-            }))
-        })
-        .map(drop)
+    cluster.run_all::<()>("writing rows", None, commands).map(drop)
 }
 
 /// Writes the rows `ids` of a table (`rows`: every row of its new
@@ -571,27 +594,19 @@ pub fn push_rows(
 /// How many of the rows `0..count` have a key under `spec` (`EXISTS` over
 /// each bucket's keys).
 pub fn count_present(cluster: &RedisCluster, spec: &RedisTableSpec, count: u64) -> Result<u64, FetchError> {
-    let buckets = u64::from(spec.buckets);
-    let mut commands = Vec::new();
-    for bucket in 0..buckets.min(count) {
-        let ids: Vec<u64> = (bucket..count).step_by(buckets as usize).collect();
-        for chunk in ids.chunks(LOAD_CHUNK_ROWS * 4) {
+    let commands: Vec<redis::Cmd> = bucket_chunks(spec, count, LOAD_CHUNK_ROWS * 4)
+        .iter()
+        .map(|chunk| {
             let mut command = redis::cmd("EXISTS");
             for &id in chunk {
                 command.arg(row_key(spec, id));
             }
-            commands.push(command);
-        }
-    }
+            command
+        })
+        .collect();
     let mut present = 0;
-    for group in commands.chunks(LOAD_IN_FLIGHT) {
-        let group = group.to_vec();
-        let counts: Vec<u64> = cluster.run("counting rows", |connection| {
-            try_join_all(group.into_iter().map(move |command| {
-                let mut connection = connection.clone();
-                async move { command.query_async(&mut connection).await }
-            }))
-        })?;
+    for group in commands.chunks(IN_FLIGHT) {
+        let counts: Vec<u64> = cluster.run_all("counting rows", None, group.to_vec())?;
         present += counts.iter().sum::<u64>();
     }
     Ok(present)

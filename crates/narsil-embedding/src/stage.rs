@@ -9,8 +9,8 @@
 //! cache hit, not a fetch, so deduplication there only feeds the metrics.
 //! A store that fetches rows gets each distinct id once, and the bags are
 //! pooled from the fetched copies through each id's slot. Tables on a
-//! Redis Cluster are fetched together before any is pooled: one round
-//! trip per batch, not one per table.
+//! Redis Cluster are fetched together before any is pooled, not one table
+//! after another.
 //!
 //! Once lookups of a memory-mapped table wait on the disk (the last batch
 //! took major faults), the next batch's distinct rows are read ahead by
@@ -314,8 +314,8 @@ impl EmbeddingStage {
                 continue;
             }
             let ids = distinct.distinct();
-            out.resize(ids.len() * table.spec.row_bytes, 0);
             let row_bytes = table.spec.row_bytes;
+            out.resize(ids.len() * row_bytes, 0);
             if let Some(rows) = table.store.as_redis() {
                 redis.push(TableFetch { rows, ids, row_bytes, out });
                 redis_tables.push(t);

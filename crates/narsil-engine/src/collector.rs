@@ -103,13 +103,10 @@ impl QueuedBatch {
     /// lane, outside the collector's lock.
     pub fn into_job(self, threads: usize) -> Job {
         let mut batch = self.builder.finish();
-        // The latest deadline, if every fused request has one.
-        batch.deadline = self
-            .entries
-            .iter()
-            .map(|e| e.deadline)
-            .collect::<Option<Vec<_>>>()
-            .and_then(|d| d.into_iter().max());
+        // The latest deadline, if every fused request has one (a request
+        // without one stops the fold with `None`).
+        batch.deadline =
+            self.entries.iter().try_fold(None, |latest, e| Some(latest.max(Some(e.deadline?)))).flatten();
         Job {
             threads,
             batch,
