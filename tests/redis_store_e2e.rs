@@ -130,7 +130,9 @@ fn scores_through_the_redis_store_equal_the_memory_stores_bit_for_bit() {
 
     let golden = Golden::read(&test_model_dir()).unwrap();
     let memory = factory(&dir, TableStore::Memory);
-    let redis = factory(&dir, cluster.store());
+    // A generous fetch timeout: this test compares scores, and runs beside
+    // six other clusters on the same cores.
+    let redis = factory(&dir, store_with(&cluster, MissingRows::Error, Duration::from_secs(5)));
     golden_parity(&redis, &golden, |g| g.scores_int8.clone(), SCORE_TOLERANCE);
     let requests = conformance::requests(&redis, &golden, IdPolicy::Reject);
     let from_memory = conformance::scores_alone(&memory, &requests);
