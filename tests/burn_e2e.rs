@@ -98,3 +98,32 @@ async fn split_model_serves_the_int8_scores_and_counts_its_lookups() {
     assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
     server.stop().await.unwrap();
 }
+
+/// `narsil verify`, run as the binary against a live server.
+fn narsil_verify(url: &str, scores: &str, tolerance: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["verify", "--addr", url, "--scores", scores, "--tolerance", tolerance, "--wait-secs", "10"])
+        .arg("--golden")
+        .arg(test_model_dir())
+        .output()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narsil_verify_accepts_the_served_scores_and_names_the_request_that_differs() {
+    let server = start_burn(batch_mode(1, 16)).await;
+    let url = server.url.clone();
+    let (served, other) = tokio::task::spawn_blocking(move || {
+        (narsil_verify(&url, "fp32", "1e-5"), narsil_verify(&url, "int8", "1e-7"))
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&served.stdout);
+    assert!(served.status.success(), "{stdout}{}", String::from_utf8_lossy(&served.stderr));
+    assert!(stdout.contains("golden requests (fp32 scores) match"), "{stdout}");
+    // The FP32 model's scores are not the INT8 model's: verify must say so.
+    let stderr = String::from_utf8_lossy(&other.stderr);
+    assert!(!other.status.success(), "verify passed against the wrong scores");
+    assert!(stderr.contains("golden request 0: max |served - golden|"), "{stderr}");
+    server.stop().await.unwrap();
+}

@@ -1,10 +1,11 @@
 //! Command-line interface: `narsil serve`, `narsil load`,
-//! `narsil bench-forward` and `narsil tables`. Every flag has
+//! `narsil bench-forward`, `narsil tables` and `narsil verify`. Every flag has
 //! a long name, an environment variable (`NARSIL_…`) and a documented default;
 //! rules between flags are checked right after parsing.
 
 mod serve;
 mod tables;
+mod verify;
 
 use std::process::ExitCode;
 
@@ -39,6 +40,9 @@ enum Command {
     /// Manage a split model's tables on a Redis Cluster (`tables load`,
     /// `tables push`).
     Tables(Box<tables::TablesArgs>),
+    /// Send an exported model's golden requests to a running server and
+    /// check its scores against Python's.
+    Verify(Box<verify::VerifyArgs>),
 }
 
 /// Log output format.
@@ -101,6 +105,7 @@ pub fn main() -> ExitCode {
         match command {
             Command::Serve(args) => serve::serve_until_signal(*args).await,
             Command::Load(args) => crate::load::run(*args).await,
+            Command::Verify(args) => verify::run(*args).await,
             Command::BenchForward(_) | Command::Tables(_) => unreachable!("run above, without the runtime"),
         }
     });

@@ -27,4 +27,21 @@ pub mod proto {
 
     /// Encoded descriptors of every served protocol, for server reflection.
     pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/narsil_descriptor.bin"));
+
+    impl PredictRequest {
+        /// An exported model's golden request (`golden.json`) as a
+        /// `narsil.v1` request for the server's default model.
+        pub fn from_golden(g: &narsil_core::golden::GoldenRequest, request_id: &str) -> Self {
+            Self {
+                batch_size: g.batch_size as u32,
+                dense: g.dense.clone(),
+                sparse_lengths: g.lengths.clone(),
+                sparse_ids: g.ids.clone(),
+                sparse_weights: g.weights.clone(),
+                request_id: request_id.into(),
+                model: String::new(),
+                model_version: String::new(),
+            }
+        }
+    }
 }

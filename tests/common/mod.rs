@@ -188,16 +188,7 @@ pub fn bits(scores: &[f32]) -> Vec<u32> {
 
 /// A golden request (from the exported test model) as a `narsil.v1` request.
 pub fn wire(g: &narsil_core::golden::GoldenRequest, id: &str) -> PredictRequest {
-    PredictRequest {
-        batch_size: g.batch_size as u32,
-        dense: g.dense.clone(),
-        sparse_lengths: g.lengths.clone(),
-        sparse_ids: g.ids.clone(),
-        request_id: id.into(),
-        model: String::new(),
-        model_version: String::new(),
-        sparse_weights: g.weights.clone(),
-    }
+    PredictRequest::from_golden(g, id)
 }
 
 /// The sum of the samples of `sample` (`name{labels}`) in Prometheus text:

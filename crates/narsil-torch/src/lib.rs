@@ -31,8 +31,45 @@ pub use narsil_embedding::TableStore;
 pub use precision::{cpu_bf16_instructions, DensePrecision};
 pub use split::SplitFactory;
 
-/// The libtorch `lib` directory this crate was built against (also the rpath
-/// the binaries carry).
+/// The libtorch `lib` directory this process loaded `libtorch_cpu.so` from
+/// (the binary links it: found through its rpath, or `LD_LIBRARY_PATH` where
+/// the libraries were moved, as in the `narsil-torch` container image); the
+/// directory it was built against if the mapping cannot be read.
 pub fn libtorch_lib_dir() -> std::path::PathBuf {
-    env!("NARSIL_LIBTORCH_LIB").into()
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        std::fs::read_to_string("/proc/self/maps")
+            .ok()
+            .and_then(|maps| loaded_library_dir(&maps, "libtorch_cpu.so"))
+            .unwrap_or_else(|| env!("NARSIL_LIBTORCH_LIB").into())
+    })
+    .clone()
+}
+
+/// The directory of the first mapping of a file named `name` in a
+/// `/proc/PID/maps` text.
+fn loaded_library_dir(maps: &str, name: &str) -> Option<std::path::PathBuf> {
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .map(std::path::Path::new)
+        .find(|path| path.file_name().is_some_and(|file| file == name))
+        .and_then(|path| path.parent().map(std::path::Path::to_path_buf))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lib_dir_is_where_this_process_mapped_libtorch() {
+        let maps = "7f00-7f01 r--p 00000000 fd:01 12 /opt/narsil/site-packages/torch/lib/libtorch_cpu.so\n\
+                    7f02-7f03 r--p 00000000 00:00 0 [heap]\n";
+        assert_eq!(
+            loaded_library_dir(maps, "libtorch_cpu.so"),
+            Some("/opt/narsil/site-packages/torch/lib".into())
+        );
+        assert_eq!(loaded_library_dir(maps, "libc10.so"), None);
+        // This test binary links libtorch: its own mapping is found.
+        assert!(libtorch_lib_dir().join("libtorch_cpu.so").is_file());
+    }
 }
