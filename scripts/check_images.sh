@@ -80,3 +80,4 @@ check_image() {
 for kind in "${kinds[@]}"; do
   check_image "$kind"
 done
+step "images checked (${kinds[*]}) in $SECONDS s, build included"

@@ -8,7 +8,6 @@
 
 IMAGE_BIN=/usr/local/bin/narsil
 IMAGE_SITE=/opt/narsil/site-packages
-IMAGE_USER=65532:65532
 
 image_name() {
   case "$1" in
@@ -29,14 +28,7 @@ image_tag() {
 }
 
 require_podman() {
-  command -v podman >/dev/null 2>&1 && return
-  command -v apt-get >/dev/null 2>&1 || die "podman not found and no apt-get: install podman"
-  local sudo=""
-  [ "$(id -u)" = 0 ] || sudo=sudo
-  step "installing podman (apt-get)"
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman >/dev/null \
-    || { $sudo apt-get update -q >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q podman >/dev/null; } \
-    || die "could not install podman (apt-get install podman)"
+  command -v podman >/dev/null 2>&1 || apt_install podman
 }
 
 # check_repository KIND DIR: writes the check's model repository to

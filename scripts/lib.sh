@@ -6,6 +6,18 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 step() { printf '\n==> %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
+# apt_install PACKAGE...: installs Debian packages (sudo when not root),
+# refreshing the package lists only if the first try fails.
+apt_install() {
+  command -v apt-get >/dev/null 2>&1 || die "no apt-get: install $* yourself"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo=sudo
+  step "installing $* (apt-get)"
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null \
+    || { $sudo apt-get update -q >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$@" >/dev/null; } \
+    || die "could not install $* (apt-get install $*)"
+}
+
 # Puts rustup's cargo on PATH if it is installed but not on PATH yet.
 require_rust() {
   if ! command -v cargo >/dev/null 2>&1 && [ -x "$HOME/.cargo/bin/cargo" ]; then

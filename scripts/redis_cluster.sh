@@ -21,12 +21,7 @@ usage() { sed -n '4,6p' "$0" | sed 's/^# //' >&2; exit 2; }
 
 install_redis() {
   command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 && return
-  step "installing redis-server from Debian"
-  local sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null \
-    || { $sudo apt-get update -q >/dev/null && $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null; } \
-    || die "could not install redis-server (apt-get install redis-server)"
+  apt_install redis-server
 }
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }

@@ -105,7 +105,10 @@ fn expected<'a>(request: &'a GoldenRequest, which: &str) -> Option<&'a Vec<f32>>
 
 /// A channel to `addr` once its overall grpc.health status is SERVING.
 async fn wait_serving(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
-    let endpoint = Endpoint::from_shared(addr.to_owned()).with_context(|| format!("bad --addr {addr}"))?;
+    let endpoint = Endpoint::from_shared(addr.to_owned())
+        .with_context(|| format!("bad --addr {addr}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(30));
     let started = Instant::now();
     loop {
         let last = match endpoint.connect().await {

@@ -106,9 +106,18 @@ pub fn copy_split_model(source: &Path, dest: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The largest `|got - want|`, or `None` when the lengths differ.
+/// The largest `|got - want|` (NaN when a score is NaN, so that no
+/// tolerance accepts it), or `None` when the lengths differ.
 pub fn max_abs_diff(got: &[f32], want: &[f32]) -> Option<f32> {
-    (got.len() == want.len()).then(|| got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, f32::max))
+    (got.len() == want.len()).then(|| {
+        got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0.0, |worst: f32, d| {
+            if worst.is_nan() || d.is_nan() {
+                f32::NAN
+            } else {
+                worst.max(d)
+            }
+        })
+    })
 }
 
 #[cfg(test)]
@@ -119,6 +128,9 @@ mod tests {
     fn max_abs_diff_finds_the_largest_gap_and_rejects_length_mismatch() {
         assert_eq!(max_abs_diff(&[1.0, 2.0], &[1.5, 2.0]), Some(0.5));
         assert_eq!(max_abs_diff(&[1.0], &[1.0, 2.0]), None);
+        // f32::max would drop a NaN and report 0.5: a NaN score must fail.
+        assert!(max_abs_diff(&[f32::NAN, 1.0], &[0.5, 1.5]).unwrap().is_nan());
+        assert!(max_abs_diff(&[1.0, f32::NAN], &[0.5, 1.5]).unwrap().is_nan());
     }
 
     #[test]
