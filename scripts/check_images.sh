@@ -2,13 +2,13 @@
 # Checks that Narsil's container images are complete: builds them
 # (scripts/build_images.sh; --no-build checks the images already built),
 # exports each image's root file system (`podman create` + `podman export`)
-# and, in a chroot of it, starts the image's own entry point with the image's
-# own environment and user on a model repository at /models, gets the
-# golden scores of both its models over gRPC (`narsil verify`, run from the
-# image too) and stops it with SIGTERM. A library missing from an image
+# and, in a chroot of it made read-only, starts the image's own entry point
+# with the image's own environment and user on a model repository at
+# /models, gets the golden scores of both its models over gRPC (`narsil
+# verify`, run from the image too) and stops it with SIGTERM. A library missing from an image
 # fails here. The chroot stands in for a container runtime: `podman run`
-# needs rights this check does not assume (it mounts /proc in the chroot,
-# so it runs as root).
+# needs rights this check does not assume (it mounts the root read-only and
+# /proc in the chroot, so it runs as root).
 #
 # Usage: scripts/check_images.sh [small|torch|all] [--no-build]   (default: all)
 set -euo pipefail
@@ -35,6 +35,7 @@ ROOT=""
 cleanup() {
   if [ -n "$ROOT" ]; then
     mountpoint -q "$ROOT/proc" && umount "$ROOT/proc"
+    mountpoint -q "$ROOT" && umount "$ROOT"
     rm -rf "$ROOT"
   fi
   return 0
@@ -53,8 +54,6 @@ check_image() {
   container=$(podman create "$ref")
   podman export "$container" | tar -x -C "$ROOT"
   podman rm "$container" >/dev/null
-  mkdir -p "$ROOT/proc"
-  mount -t proc proc "$ROOT/proc"
 
   local env=() entrypoint=() cmd=() user
   mapfile -t env < <(podman image inspect --format '{{range .Config.Env}}{{println .}}{{end}}' "$ref" | sed '/^$/d')
@@ -65,6 +64,11 @@ check_image() {
 
   step "serving the check repository from $ref (chroot, user ${user:-root}: ${entrypoint[*]} ${cmd[*]})"
   check_repository "$kind" "$ROOT" >"$ROOT/checks"
+  # Read-only from here on, as with Kubernetes' readOnlyRootFilesystem.
+  mkdir -p "$ROOT/proc"
+  mount --bind "$ROOT" "$ROOT"
+  mount -o remount,bind,ro "$ROOT"
+  mount -t proc proc "$ROOT/proc"
   local chroot
   chroot=$(command -v chroot)
   VERIFY_CMD=(env -i "${env[@]}" "$chroot" --userspec="${user:-0:0}" "$ROOT" "$IMAGE_BIN" verify)
