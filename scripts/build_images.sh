@@ -12,7 +12,8 @@
 #
 # Usage: scripts/build_images.sh [small|torch|all]   (default: all)
 # Tags: NAME:VERSION-COMMIT (written to target/images/NAME/TAG), NAME:VERSION
-# (the one deploy/'s manifests name) and NAME:latest. Files staged under
+# (the one deploy/'s manifests name) and NAME:latest; the image of the
+# previous build's VERSION-COMMIT tag is removed. Files staged under
 # target/images/NAME/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,8 @@ build_image() {
 
   step "building the $name binary (cargo --profile image ${features[*]})"
   cargo build --profile image --bin narsil -j "$NARSIL_BUILD_JOBS" --locked "${features[@]}"
+  local previous=""
+  previous=$(cat "$work/TAG" 2>/dev/null) || true
   rm -rf "$work"
   mkdir -p "$work/context/rootfs"
   # Both images build to target/image/narsil: keep this one's copy.
@@ -63,6 +66,10 @@ build_image() {
     --label "org.opencontainers.image.revision=$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
     -t "$name:$tag" -t "$name:${tag%%-*}" -t "$name:latest" "$work/context" >/dev/null
   echo "$tag" >"$work/TAG"
+  # The image this script built before goes (the torch one is 2.9 GB).
+  if [ -n "$previous" ] && [ "$previous" != "$tag" ]; then
+    podman rmi "$name:$previous" >/dev/null 2>&1 || true
+  fi
   local bytes
   bytes=$(podman image inspect --format '{{.Size}}' "$name:$tag")
   step "built $name:$tag ($((bytes / 1000000)) MB); its largest files:"
