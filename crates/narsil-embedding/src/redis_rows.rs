@@ -93,8 +93,7 @@ pub fn fetch_tables(
         let table = part.rows;
         debug_assert!(Arc::ptr_eq(&table.cluster, &cluster), "one cluster per fetch");
         epochs.push(table.state.epoch.load(Ordering::Acquire));
-        let buckets = table.spec.buckets as usize;
-        let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); buckets];
+        let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); table.spec.buckets as usize];
         let row_bytes = part.row_bytes;
         for (i, &id) in part.ids.iter().enumerate() {
             match cache.and_then(|cache| cache.get(table.state.number, id as u64)) {
@@ -102,7 +101,7 @@ pub fn fetch_tables(
                     part.out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
                     fetched[p].cached += 1;
                 }
-                _ => by_bucket[id as usize % buckets].push(i),
+                _ => by_bucket[table.spec.bucket(id as u64) as usize].push(i),
             }
         }
         reads.extend(by_bucket.into_iter().filter(|b| !b.is_empty()).map(|b| (p, b)));

@@ -482,7 +482,7 @@ where
 
 /// The key of row `id` of the table `spec` describes.
 pub fn row_key(spec: &RedisTableSpec, id: u64) -> String {
-    format!("{{{}/{}}}{id}", spec.prefix, id % u64::from(spec.buckets))
+    format!("{{{}/{}}}{id}", spec.prefix, spec.bucket(id))
 }
 
 /// The key that holds the table's row count once it is loaded.
@@ -575,10 +575,9 @@ pub fn push_rows(
     row_bytes: usize,
     ids: &[u64],
 ) -> Result<(), FetchError> {
-    let buckets = u64::from(spec.buckets);
     let mut by_bucket: HashMap<u64, Vec<u64>> = HashMap::new();
     for &id in ids {
-        by_bucket.entry(id % buckets).or_default().push(id);
+        by_bucket.entry(spec.bucket(id)).or_default().push(id);
     }
     write_rows(cluster, spec, rows, row_bytes, by_bucket.values().map(Vec::as_slice))?;
     let mut message = Vec::with_capacity(spec.prefix.len() + 1 + ids.len() * 8);

@@ -62,6 +62,14 @@ pub struct RedisTableSpec {
     pub buckets: u32,
 }
 
+impl RedisTableSpec {
+    /// The bucket (the hash tag, so the hash slot) of row `id`: ids of one
+    /// bucket can share one multi-key command.
+    pub fn bucket(&self, id: u64) -> u64 {
+        id % u64::from(self.buckets)
+    }
+}
+
 /// How a feature's bag of rows becomes one vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
