@@ -45,14 +45,14 @@ def stage_of(name):
     return "other operators"
 
 
-def inputs(rows, ids_per_bag, seed):
+def inputs(rows, ids_per_bag, seed, table_rows):
     g = torch.Generator().manual_seed(seed)
     dense = torch.randn(rows, 13, generator=g)
     if ids_per_bag == 1:
         lengths = torch.ones(26 * rows, dtype=torch.int32)
     else:
         lengths = torch.randint(0, 2 * ids_per_bag, (26 * rows,), generator=g, dtype=torch.int32)
-    ids = torch.randint(0, 100_000, (int(lengths.sum()),), generator=g)
+    ids = torch.randint(0, table_rows, (int(lengths.sum()),), generator=g)
     return dense, lengths, ids
 
 
@@ -62,6 +62,7 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[100, 1600])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--ids-per-bag", type=int, default=1)
+    p.add_argument("--table-rows", type=int, default=100_000, help="rows of every table: ids are uniform below it")
     p.add_argument("--samples", type=int, default=32000, help="rows profiled per size")
     p.add_argument("--top", type=int, default=12, help="operators listed")
     args = p.parse_args()
@@ -69,7 +70,7 @@ def main():
     for precision in args.precisions:
         model = prepare(torch.jit.load(args.model), precision)
         for rows in args.rows:
-            batches = [inputs(rows, args.ids_per_bag, s) for s in range(8)]
+            batches = [inputs(rows, args.ids_per_bag, s, args.table_rows) for s in range(8)]
             forwards = max(8, args.samples // rows)
             with torch.inference_mode():
                 for i in range(10):

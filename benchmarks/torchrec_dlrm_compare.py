@@ -14,6 +14,8 @@ and skewed (Zipf) traffic, whose hot ids repeat within and across requests:
     frozen as Narsil freezes it; the bf16 file runs the arithmetic Narsil's
     bf16 runs), with libtorch's huge pages on (THP_MEM_ALLOC_ENABLE=1, which
     Narsil sets for itself) unless --torchrec-no-thp
+  * with --split-model DIR: Narsil split fp32 - the same weights in the split
+    form (tables served by Narsil's embedding stage, --split-table-store)
   * with --baselines: Narsil worker fp32, Narsil burn (FP32), and the Python
     baseline (benchmarks/baselines/torchrec_python_server.py)
 
@@ -92,6 +94,10 @@ def servers(args, cores, torchrec_bin):
     for precision in args.precisions:
         out.append((f"Narsil batch {precision}", lambda addr, p=precision: narsil + torch_model + [
             "--dense-precision", p, "--execution-mode", "batch", "--addr", addr]))
+    if args.split_model:
+        out.append(("Narsil split fp32", lambda addr: narsil + [
+            "--backend", "torch", "--model", args.split_model, "--table-store", args.split_table_store,
+            "--execution-mode", "batch", "--addr", addr]))
     if torchrec_bin:
         for precision in args.precisions:
             model = torchrec_model(args, precision)
@@ -122,7 +128,8 @@ def measure(args, name, command, cores, ids_per_bag, distribution):
             load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
                     "--concurrency", str(concurrency), "--requests", str(args.requests),
                     "--warmup", str(args.warmup), "--samples-per-request", str(args.batch_size),
-                    "--ids-per-feature", str(ids_per_bag), "--id-distribution", distribution, "--json"]
+                    "--ids-per-feature", str(ids_per_bag), "--id-distribution", distribution,
+                    "--table-rows", str(args.table_rows), "--json"]
             out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
             if out.returncode != 0:
                 raise SystemExit(f"load against {name} failed:\n{out.stderr[-2000:]}")
@@ -210,6 +217,11 @@ def main():
     p.add_argument("--batch-size", type=int, default=100, help="samples per request")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--split-model", help="also Narsil on this split model (the same weights as --model in the "
+                   "split form, e.g. written by benchmarks/big_tables.py)")
+    p.add_argument("--split-table-store", default="memory", help="--table-store of the split model's server")
+    p.add_argument("--table-rows", type=int, default=100_000,
+                   help="rows per table of --model: the ids sent are drawn from 0..table-rows")
     p.add_argument("--baselines", action="store_true",
                    help="also Narsil worker, Narsil burn and the Python baseline")
     p.add_argument("--skip-torchrec", action="store_true")

@@ -5,7 +5,8 @@
 //! start-up naming the command that loads them; rows pushed while two
 //! `narsil serve` processes answer load reach both (no failed request, then
 //! the new rows' scores); with the cluster unreachable, requests get
-//! UNAVAILABLE (never a score from missing rows) and health NOT_SERVING,
+//! UNAVAILABLE (never a score from missing rows) and health NOT_SERVING
+//! (without any traffic, from the store's own pings),
 //! a batch's fetch gives up at its callers' deadline, and both recover
 //! when it answers again; a row the cluster lost fails its batch unless
 //! the operator chose `--missing-rows zero`, which pools it as zeros.
@@ -471,12 +472,18 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
     assert_close(&response.scores, &g.scores_int8, "before the cluster stops answering");
     assert_eq!(common::health_status(channel.clone()).await.unwrap(), 1, "SERVING");
 
-    // Every node stops answering (as behind a partition): nothing cached
-    // for these requests' other rows, so each call needs the cluster.
+    // Every node stops answering (as behind a partition). With no traffic
+    // at all, health turns NOT_SERVING: the store's own pings tell it.
     signal_nodes(&cluster, libc::SIGSTOP);
     let stopped = Instant::now();
-    let mut not_serving_after = None;
-    for attempt in 0..12 {
+    while common::health_status(channel.clone()).await.unwrap() != 2 {
+        assert!(stopped.elapsed() < Duration::from_secs(10), "still SERVING with the cluster stopped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let not_serving_after = stopped.elapsed();
+    // Nothing cached for these requests' other rows, so each call needs
+    // the cluster: UNAVAILABLE, within a bound.
+    for attempt in 0..6 {
         let started = Instant::now();
         let request = &golden.requests[attempt % golden.requests.len()];
         match client.predict(wire(request, "")).await {
@@ -490,12 +497,7 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
             }
         }
         assert!(started.elapsed() < Duration::from_secs(3), "answered in {:?}", started.elapsed());
-        if not_serving_after.is_none() && common::health_status(channel.clone()).await.unwrap() == 2 {
-            not_serving_after = Some(stopped.elapsed());
-        }
     }
-    let not_serving_after =
-        not_serving_after.expect("health turned NOT_SERVING while the cluster was unreachable");
     // A batch whose callers all wait 200 ms gives its fetch up then, not
     // after the store's 30 s timeout.
     let started = Instant::now();
@@ -506,7 +508,7 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
     assert!(narsil_core::error_chain(&error).contains("every caller's deadline passed"), "{error:?}");
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_store_errors_total{table="cat_0"}"#) > 0.0, "{text}");
-    println!("NOT_SERVING {not_serving_after:?} after the cluster stopped answering");
+    println!("NOT_SERVING {not_serving_after:?} after the cluster stopped answering, with no traffic");
 
     signal_nodes(&cluster, libc::SIGCONT);
     let resumed = Instant::now();

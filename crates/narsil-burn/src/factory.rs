@@ -133,6 +133,10 @@ impl BackendFactory for BurnFactory {
     fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.model.stage().metrics().register(registry);
     }
+
+    fn watch_dependencies(&self, watcher: narsil_core::DependencyWatcher) {
+        self.model.stage().watch_store(watcher);
+    }
 }
 
 /// A lane's handle on the shared model, and its embedding-stage buffers.

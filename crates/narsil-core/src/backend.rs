@@ -160,7 +160,17 @@ pub trait BackendFactory: Send + Sync {
     /// counters, say) to the engine's `registry`, whose samples carry the
     /// model and version labels.
     fn register_metrics(&self, _registry: &mut prometheus_client::registry::Registry) {}
+
+    /// Hands `watcher` whether what the backend's forwards need outside the
+    /// process (a remote table store) answers: once now, then at every
+    /// change, for as long as it returns true. Backends that need nothing
+    /// outside the process never call it.
+    fn watch_dependencies(&self, _watcher: DependencyWatcher) {}
 }
+
+/// Told whether a backend's outside dependencies answer (true) or not;
+/// returns false once it no longer wants to be told (its engine is gone).
+pub type DependencyWatcher = Box<dyn Fn(bool) -> bool + Send + Sync>;
 
 /// A valid batch of `rows` rows for warm-up: zero dense values and id 0 in
 /// every bag.

@@ -27,7 +27,7 @@ pub mod model_config;
 pub mod request;
 pub mod schema;
 
-pub use backend::{error_chain, BackendError, BackendFactory, ModelBackend};
+pub use backend::{error_chain, BackendError, BackendFactory, DependencyWatcher, ModelBackend};
 pub use batch::{assemble, BatchBuilder, KeyedBatch};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use schema::{ModelSchema, SparseFeature};

@@ -37,6 +37,13 @@
 //! before an invalidation of its table does not cache what it read (the
 //! table's epoch moved), so an old row cannot come back after its
 //! invalidation.
+//!
+//! Health: the process pings every master four times a second; when none
+//! has answered for [`UNREACHABLE_AFTER`], every engine serving from the
+//! cluster is told the store does not answer (grpc.health NOT_SERVING, with
+//! or without traffic), and told again at the first answer. One master
+//! down (a failover) leaves the others answering: it alone never turns a
+//! replica NOT_SERVING, as every replica would turn at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -44,8 +51,10 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use futures_util::{StreamExt, TryStreamExt};
+use narsil_core::DependencyWatcher;
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 
 use crate::row_cache::RowCache;
 use crate::schema::RedisTableSpec;
@@ -57,6 +66,14 @@ pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";
 /// How often the invalidation subscription is checked, and how long its
 /// node may take to answer.
 const SUBSCRIPTION_PING: Duration = Duration::from_secs(1);
+
+/// How often the masters are pinged to tell whether the store answers.
+const REACHABILITY_PING: Duration = Duration::from_millis(250);
+
+/// How long no master may answer before the store counts as unreachable:
+/// with pings every 250 ms, NOT_SERVING follows 1 to 1.5 s after the last
+/// answer.
+pub const UNREACHABLE_AFTER: Duration = Duration::from_secs(1);
 
 /// The hot-row cache's bound unless `--table-cache-bytes` says otherwise.
 pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;
@@ -284,6 +301,52 @@ impl Invalidation {
     }
 }
 
+/// Whether the cluster answers, and the engines to tell when that changes.
+struct Reachability {
+    state: Mutex<(bool, Vec<DependencyWatcher>)>,
+}
+
+impl Reachability {
+    fn new() -> Self {
+        Self { state: Mutex::new((true, Vec::new())) }
+    }
+
+    fn watch(&self, watcher: DependencyWatcher) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if watcher(state.0) {
+            state.1.push(watcher);
+        }
+    }
+
+    fn set(&self, answers: bool) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.0 != answers {
+            state.0 = answers;
+            state.1.retain(|watcher| watcher(answers));
+        }
+    }
+
+    /// Pings every master each [`REACHABILITY_PING`]; the store answers
+    /// while one of them has within [`UNREACHABLE_AFTER`].
+    async fn ping_masters_forever(self: Arc<Self>, mut connection: ClusterConnection) {
+        let routing =
+            RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, Some(ResponsePolicy::OneSucceeded)));
+        let mut ping = tokio::time::interval(REACHABILITY_PING);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_answer = Instant::now();
+        loop {
+            ping.tick().await;
+            let answer = connection.route_command(redis::cmd("PING"), routing.clone());
+            if let Ok(Ok(_)) = tokio::time::timeout(REACHABILITY_PING, answer).await {
+                last_answer = Instant::now();
+                self.set(true);
+            } else if last_answer.elapsed() >= UNREACHABLE_AFTER {
+                self.set(false);
+            }
+        }
+    }
+}
+
 async fn subscribe(url: &str) -> redis::RedisResult<redis::aio::PubSub> {
     let client = redis::Client::open(url)?;
     let mut pubsub = tokio::time::timeout(Duration::from_secs(1), client.get_async_pubsub())
@@ -304,6 +367,7 @@ pub struct RedisCluster {
     seeds: RedisSeeds,
     pub(crate) invalidation: Arc<Invalidation>,
     pub(crate) missing_rows: MissingRows,
+    reachability: Arc<Reachability>,
 }
 
 /// Clusters some live table uses, by configuration.
@@ -331,6 +395,8 @@ impl RedisCluster {
             let subscriber = cluster.invalidation.clone().subscribe_forever(config.seeds.clone());
             cluster.runtime().spawn(subscriber);
         }
+        let pinger = cluster.reachability.clone().ping_masters_forever(cluster.connection.clone());
+        cluster.runtime().spawn(pinger);
         let cluster = Arc::new(cluster);
         live.insert(config.clone(), Arc::downgrade(&cluster));
         Ok(cluster)
@@ -370,7 +436,15 @@ impl RedisCluster {
             seeds: seeds.clone(),
             invalidation,
             missing_rows: MissingRows::Error,
+            reachability: Arc::new(Reachability::new()),
         })
+    }
+
+    /// Tells `watcher` whether the cluster answers, now and at each change
+    /// (for a cluster opened with [`RedisCluster::shared`]; one from
+    /// [`RedisCluster::connect`] is not watched and always says it does).
+    pub fn watch_reachability(&self, watcher: DependencyWatcher) {
+        self.reachability.watch(watcher);
     }
 
     fn runtime(&self) -> &tokio::runtime::Runtime {
@@ -623,6 +697,25 @@ mod tests {
         assert!(RedisSeeds::parse("127.0.0.1:7000").unwrap_err().contains("redis://"));
         assert!(RedisSeeds::parse("redis://127.0.0.1").unwrap_err().contains("no :PORT"));
         assert!(RedisSeeds::parse("redis://h:x").unwrap_err().contains("not HOST:PORT"));
+    }
+
+    #[test]
+    fn watchers_hear_the_state_now_and_each_change_until_they_decline() {
+        use std::sync::atomic::AtomicUsize;
+        let reachability = Reachability::new();
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (h, c) = (heard.clone(), calls.clone());
+        reachability.watch(Box::new(move |answers| {
+            h.lock().unwrap().push(answers);
+            c.fetch_add(1, Ordering::Relaxed) < 2
+        }));
+        reachability.set(true);
+        reachability.set(false);
+        reachability.set(false);
+        reachability.set(true);
+        reachability.set(false);
+        assert_eq!(*heard.lock().unwrap(), [true, false, true], "no repeats; nothing after it declined");
     }
 
     #[test]

@@ -116,6 +116,8 @@ pub struct EmbeddingStage {
     /// Whether the last batch's lookups waited on the disk: the next one
     /// reads its mapped rows ahead first ([`READERS`] threads).
     faulting: AtomicBool,
+    /// The Redis Cluster its tables are on, if they are.
+    cluster: Option<Arc<RedisCluster>>,
 }
 
 /// Threads that read a batch's mapped rows ahead, in parallel, once lookups
@@ -145,7 +147,14 @@ impl EmbeddingStage {
             .iter()
             .map(|f| FeatureLookup { name: f.name.clone(), pooling: f.pooling, weighted: f.weighted })
             .collect();
-        Self { tables, features, dim: schema.pooled_dim(), metrics, faulting: AtomicBool::new(false) }
+        Self {
+            tables,
+            features,
+            dim: schema.pooled_dim(),
+            metrics,
+            faulting: AtomicBool::new(false),
+            cluster: None,
+        }
     }
 
     /// Opens every table of the split model in `dir` in `store`, sharing
@@ -176,7 +185,8 @@ impl EmbeddingStage {
                 ));
                 opened.read += 1;
             }
-            return Ok((Self::new(schema, stores), opened));
+            let stage = Self { cluster: Some(cluster), ..Self::new(schema, stores) };
+            return Ok((stage, opened));
         }
         for spec in &schema.tables {
             let table = open_shared(dir, spec, store.clone())?;
@@ -194,6 +204,15 @@ impl EmbeddingStage {
     /// Values in the pooled input per row: features times the pooled width.
     pub fn pooled_width(&self) -> usize {
         self.features.len() * self.dim
+    }
+
+    /// Tells `watcher` whether the store its tables are on answers (see
+    /// [`narsil_core::BackendFactory::watch_dependencies`]); tables in this
+    /// process always do, and never call it.
+    pub fn watch_store(&self, watcher: narsil_core::DependencyWatcher) {
+        if let Some(cluster) = &self.cluster {
+            cluster.watch_reachability(watcher);
+        }
     }
 
     /// The per-table metrics, to register with the engine's.

@@ -80,6 +80,7 @@ impl Engine {
             Arc::clone(&stats),
         ));
         let health = Arc::new(BackendHealth::new(config.unhealthy_after_failures));
+        factory.watch_dependencies(dependency_watcher(&health, &stats));
         let lane_threads = lanes::spawn(
             config.lanes,
             LaneShared {
@@ -132,6 +133,27 @@ impl Engine {
             tracing::error!("a lane thread ended abnormally");
         }
     }
+}
+
+/// Turns the backend unhealthy while its outside dependencies do not
+/// answer, for as long as this engine lives.
+fn dependency_watcher(health: &Arc<BackendHealth>, stats: &Arc<Stats>) -> narsil_core::DependencyWatcher {
+    let (health, stats) = (Arc::downgrade(health), Arc::downgrade(stats));
+    let answered = std::sync::atomic::AtomicBool::new(true);
+    Box::new(move |answer| {
+        let (Some(health), Some(stats)) = (health.upgrade(), stats.upgrade()) else { return false };
+        if let Some(healthy) = health.set_dependencies(answer) {
+            stats.backend_healthy.set(i64::from(healthy));
+        }
+        if answered.swap(answer, Ordering::Relaxed) != answer {
+            if answer {
+                tracing::info!("the backend's table store answers again");
+            } else {
+                tracing::error!("the backend's table store does not answer: unhealthy until it does");
+            }
+        }
+        true
+    })
 }
 
 impl EngineHandle {

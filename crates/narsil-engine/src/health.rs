@@ -2,7 +2,11 @@
 //! forwards: after `unhealthy_after` failed forwards in a row it is
 //! unhealthy (grpc.health turns NOT_SERVING, so load balancers stop sending
 //! it requests), and the next successful forward (a request's, or an idle
-//! lane's probe) makes it healthy again.
+//! lane's probe) makes it healthy again. It is unhealthy too while what its
+//! forwards need outside the process does not answer (a table store that
+//! watches its cluster, [`narsil_core::BackendFactory::watch_dependencies`]):
+//! that turns a replica NOT_SERVING without any traffic, and sooner than
+//! failed forwards would.
 //!
 //! [`HealthTracker`] is the pure state; [`BackendHealth`] shares it between
 //! lanes and publishes each change on a watch channel.
@@ -11,32 +15,49 @@ use std::sync::Mutex;
 
 use tokio::sync::watch;
 
-/// Consecutive failures; the verdict follows from them.
+/// Consecutive failures and whether the dependencies answer; the verdict
+/// follows from them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthTracker {
     /// Failed forwards in a row that make the backend unhealthy; 0 never does.
     unhealthy_after: u32,
     consecutive_failures: u32,
+    dependencies_answer: bool,
 }
 
 impl HealthTracker {
     /// A healthy backend that turns unhealthy after `unhealthy_after`
     /// failures in a row (never with 0).
     pub fn new(unhealthy_after: u32) -> Self {
-        Self { unhealthy_after, consecutive_failures: 0 }
+        Self { unhealthy_after, consecutive_failures: 0, dependencies_answer: true }
     }
 
     /// Records one forward's outcome; returns the new verdict when it changed.
     pub fn record(&mut self, succeeded: bool) -> Option<bool> {
+        self.change(|t| {
+            t.consecutive_failures = if succeeded { 0 } else { t.consecutive_failures.saturating_add(1) }
+        })
+    }
+
+    /// Records whether the dependencies answer; returns the new verdict
+    /// when it changed. Failed forwards counted meanwhile still count: once
+    /// the dependencies answer again, a successful forward (an idle lane's
+    /// probe) confirms the backend before it is healthy.
+    pub fn set_dependencies(&mut self, answer: bool) -> Option<bool> {
+        self.change(|t| t.dependencies_answer = answer)
+    }
+
+    fn change(&mut self, update: impl FnOnce(&mut Self)) -> Option<bool> {
         let was = self.is_healthy();
-        self.consecutive_failures = if succeeded { 0 } else { self.consecutive_failures.saturating_add(1) };
+        update(self);
         let now = self.is_healthy();
         (now != was).then_some(now)
     }
 
     /// The current verdict.
     pub fn is_healthy(&self) -> bool {
-        self.unhealthy_after == 0 || self.consecutive_failures < self.unhealthy_after
+        self.dependencies_answer
+            && (self.unhealthy_after == 0 || self.consecutive_failures < self.unhealthy_after)
     }
 }
 
@@ -56,7 +77,17 @@ impl BackendHealth {
     /// Records a forward's outcome; returns the new verdict when it changed
     /// (and publishes it).
     pub fn record(&self, succeeded: bool) -> Option<bool> {
-        let changed = self.tracker.lock().unwrap_or_else(|p| p.into_inner()).record(succeeded);
+        self.publish(|tracker| tracker.record(succeeded))
+    }
+
+    /// Records whether the dependencies answer; returns the new verdict
+    /// when it changed (and publishes it).
+    pub fn set_dependencies(&self, answer: bool) -> Option<bool> {
+        self.publish(|tracker| tracker.set_dependencies(answer))
+    }
+
+    fn publish(&self, update: impl FnOnce(&mut HealthTracker) -> Option<bool>) -> Option<bool> {
+        let changed = update(&mut self.tracker.lock().unwrap_or_else(|p| p.into_inner()));
         if let Some(healthy) = changed {
             self.published.send_replace(healthy);
         }
@@ -107,6 +138,21 @@ mod tests {
             assert_eq!(h.record(false), None);
         }
         assert!(h.is_healthy());
+    }
+
+    #[test]
+    fn dependencies_that_stop_answering_make_it_unhealthy_without_any_forward() {
+        let mut h = HealthTracker::new(5);
+        assert_eq!(h.set_dependencies(false), Some(false));
+        assert_eq!(h.record(true), None, "a forward served from cached rows changes nothing");
+        assert_eq!(h.set_dependencies(true), Some(true));
+        // Failed forwards while they did not answer still count.
+        h.set_dependencies(false);
+        for _ in 0..5 {
+            h.record(false);
+        }
+        assert_eq!(h.set_dependencies(true), None, "five failures in a row still stand");
+        assert_eq!(h.record(true), Some(true), "a successful probe confirms it");
     }
 
     #[test]

@@ -115,6 +115,10 @@ impl BackendFactory for SplitFactory {
     fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
         self.model.stage.metrics().register(registry);
     }
+
+    fn watch_dependencies(&self, watcher: narsil_core::DependencyWatcher) {
+        self.model.stage.watch_store(watcher);
+    }
 }
 
 /// A lane of a split model: its stage buffers and pooled embeddings,
