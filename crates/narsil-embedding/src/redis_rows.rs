@@ -29,7 +29,7 @@ use crate::store::{FetchError, Fetched, RowStore};
 pub struct RedisRows {
     name: String,
     spec: RedisTableSpec,
-    cluster: Arc<RedisCluster>,
+    pub(crate) cluster: Arc<RedisCluster>,
     state: Arc<TableState>,
 }
 

@@ -116,8 +116,6 @@ pub struct EmbeddingStage {
     /// Whether the last batch's lookups waited on the disk: the next one
     /// reads its mapped rows ahead first ([`READERS`] threads).
     faulting: AtomicBool,
-    /// The Redis Cluster its tables are on, if they are.
-    cluster: Option<Arc<RedisCluster>>,
 }
 
 /// Threads that read a batch's mapped rows ahead, in parallel, once lookups
@@ -147,14 +145,7 @@ impl EmbeddingStage {
             .iter()
             .map(|f| FeatureLookup { name: f.name.clone(), pooling: f.pooling, weighted: f.weighted })
             .collect();
-        Self {
-            tables,
-            features,
-            dim: schema.pooled_dim(),
-            metrics,
-            faulting: AtomicBool::new(false),
-            cluster: None,
-        }
+        Self { tables, features, dim: schema.pooled_dim(), metrics, faulting: AtomicBool::new(false) }
     }
 
     /// Opens every table of the split model in `dir` in `store`, sharing
@@ -185,8 +176,7 @@ impl EmbeddingStage {
                 ));
                 opened.read += 1;
             }
-            let stage = Self { cluster: Some(cluster), ..Self::new(schema, stores) };
-            return Ok((stage, opened));
+            return Ok((Self::new(schema, stores), opened));
         }
         for spec in &schema.tables {
             let table = open_shared(dir, spec, store.clone())?;
@@ -210,8 +200,9 @@ impl EmbeddingStage {
     /// [`narsil_core::BackendFactory::watch_dependencies`]); tables in this
     /// process always do, and never call it.
     pub fn watch_store(&self, watcher: narsil_core::DependencyWatcher) {
-        if let Some(cluster) = &self.cluster {
-            cluster.watch_reachability(watcher);
+        // Every Redis table of a model is on the one cluster the store names.
+        if let Some(rows) = self.tables.iter().find_map(|t| t.store.as_redis()) {
+            rows.cluster.watch_reachability(watcher);
         }
     }
 
