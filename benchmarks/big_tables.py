@@ -40,6 +40,7 @@ import torch
 import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 
 from benchlib import DEFAULT_BINARY, ROOT, free_port, require_binary, wait_serving
+from bf16_numerics import golden_inputs
 from tables_beyond_ram import write_model
 
 DEFAULT = os.path.join(ROOT, "models", "generated", "default")
@@ -105,25 +106,15 @@ def enlarge(model, split_source, rows):
     return big.numel()
 
 
-def key_major(request):
-    """A golden request (sample-major) as the model's (dense, lengths, ids)."""
-    batch_size = request["batch_size"]
-    dense = torch.tensor(request["dense"], dtype=torch.float32).reshape(batch_size, -1)
-    lengths = torch.tensor(request["lengths"], dtype=torch.int64).reshape(batch_size, -1)
-    num_sparse = lengths.shape[1]
-    bags = torch.split(torch.tensor(request["ids"], dtype=torch.int64), lengths.reshape(-1).tolist())
-    ordered = [bags[b * num_sparse + f] for f in range(num_sparse) for b in range(batch_size)]
-    return dense, lengths.t().contiguous().reshape(-1), torch.cat(ordered)
-
-
 def check_scores(model, source, golden, rows, tolerance=1e-5):
     """The enlarged model's scores: the golden ones on the golden requests,
     and the source model's on ids over all `rows` (row r is row r % the
     source's rows). Returns the largest difference."""
     worst = 0.0
+    num_sparse = len(golden["schema"]["sparse"])
     with torch.inference_mode():
         for i, request in enumerate(golden["requests"]):
-            got = model(*key_major(request))
+            got = model(*golden_inputs(request, num_sparse))
             diff = (got - torch.tensor(request["scores_int8"])).abs().max().item()
             if not diff <= tolerance:
                 raise SystemExit(f"enlarged model: golden request {i} differs by {diff}")
@@ -131,7 +122,6 @@ def check_scores(model, source, golden, rows, tolerance=1e-5):
         source_rows = json.loads(source.schema_json)["sparse"][0]["num_rows"]
         generator = torch.Generator().manual_seed(0)
         dense = torch.randn(64, golden["schema"]["num_dense"], generator=generator)
-        num_sparse = len(golden["schema"]["sparse"])
         lengths = torch.ones(64 * num_sparse, dtype=torch.int64)
         ids = torch.randint(0, rows, (64 * num_sparse,), generator=generator)
         diff = (model(dense, lengths, ids) - source(dense, lengths, ids % source_rows)).abs().max().item()
