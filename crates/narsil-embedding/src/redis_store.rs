@@ -52,7 +52,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::{StreamExt, TryStreamExt};
 use narsil_core::DependencyWatcher;
-use redis::cluster::ClusterClientBuilder;
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 
@@ -327,16 +327,26 @@ impl Reachability {
     }
 
     /// Pings every master each [`REACHABILITY_PING`]; the store answers
-    /// while one of them has within [`UNREACHABLE_AFTER`].
-    async fn ping_masters_forever(self: Arc<Self>, mut connection: ClusterConnection) {
+    /// while one of them has within [`UNREACHABLE_AFTER`]. The pings go
+    /// over their own connection: pings to a master that died would
+    /// otherwise add to the rows' connection's reconnecting during a
+    /// failover (a failover test's window once passed 10 s with them there).
+    async fn ping_masters_forever(self: Arc<Self>, client: ClusterClient) {
         let routing =
             RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, Some(ResponsePolicy::OneSucceeded)));
         let mut ping = tokio::time::interval(REACHABILITY_PING);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_answer = Instant::now();
+        let mut connection: Option<ClusterConnection> = None;
         loop {
             ping.tick().await;
-            let answer = connection.route_command(redis::cmd("PING"), routing.clone());
+            let answer = async {
+                let connection = match &mut connection {
+                    Some(connection) => connection,
+                    None => connection.insert(client.get_async_connection().await?),
+                };
+                connection.route_command(redis::cmd("PING"), routing.clone()).await
+            };
             if let Ok(Ok(_)) = tokio::time::timeout(REACHABILITY_PING, answer).await {
                 last_answer = Instant::now();
                 self.set(true);
@@ -395,7 +405,9 @@ impl RedisCluster {
             let subscriber = cluster.invalidation.clone().subscribe_forever(config.seeds.clone());
             cluster.runtime().spawn(subscriber);
         }
-        let pinger = cluster.reachability.clone().ping_masters_forever(cluster.connection.clone());
+        let client = cluster_client(&config.seeds, config.fetch_timeout)
+            .map_err(|e| FetchError(format!("Redis Cluster {}: bad seeds: {e}", config.seeds)))?;
+        let pinger = cluster.reachability.clone().ping_masters_forever(client);
         cluster.runtime().spawn(pinger);
         let cluster = Arc::new(cluster);
         live.insert(config.clone(), Arc::downgrade(&cluster));
@@ -405,7 +417,6 @@ impl RedisCluster {
     /// A new connection to the cluster at `seeds`, without a cache; each
     /// request may take `timeout`.
     pub fn connect(seeds: &RedisSeeds, timeout: Duration) -> Result<Self, FetchError> {
-        let connect_timeout = timeout.max(CONNECT_TIMEOUT);
         let error =
             |what: &str, e: redis::RedisError| FetchError(format!("Redis Cluster {seeds}: {what}: {e}"));
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -414,12 +425,7 @@ impl RedisCluster {
             .enable_all()
             .build()
             .map_err(|e| FetchError(format!("cannot start the Redis client's runtime: {e}")))?;
-        let client = ClusterClientBuilder::new(seeds.urls().to_vec())
-            .connection_timeout(connect_timeout)
-            .response_timeout(timeout)
-            .retries(2)
-            .build()
-            .map_err(|e| error("bad seeds", e))?;
+        let client = cluster_client(seeds, timeout).map_err(|e| error("bad seeds", e))?;
         let connection =
             block_on(&runtime, async { tokio::time::timeout(timeout, client.get_async_connection()).await })
                 .map_err(|_| FetchError(format!("Redis Cluster {seeds}: no answer within {timeout:?}")))?
@@ -537,6 +543,16 @@ impl Drop for RedisCluster {
             runtime.shutdown_background();
         }
     }
+}
+
+/// A client for the cluster at `seeds` whose requests may take `timeout`
+/// (connecting at least [`CONNECT_TIMEOUT`]), retried twice.
+fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> redis::RedisResult<ClusterClient> {
+    ClusterClientBuilder::new(seeds.urls().to_vec())
+        .connection_timeout(timeout.max(CONNECT_TIMEOUT))
+        .response_timeout(timeout)
+        .retries(2)
+        .build()
 }
 
 /// Runs `future` to completion on `runtime`. Lanes (plain threads) block
