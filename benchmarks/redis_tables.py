@@ -10,21 +10,28 @@ against the same replicas with the in-memory store.
    `narsil serve` replicas behind HAProxy (deploy/haproxy/haproxy.cfg.in,
    per-call balancing) and runs `narsil load` against HAProxy (closed loop,
    --concurrency clients, --warmup-seconds not measured, then --duration
-   seconds). Reports throughput, p50/p99, non-OK calls, and from the
+   seconds). Reports throughput, p50/p99, non-OK calls, from the
    replicas' metrics the cache hit rate (hits over distinct ids) and rows
-   fetched from the store per request.
+   fetched from the store per request, and each replica's resident memory
+   (VmRSS) at the end.
 3. With --updates K (redis, --update-cache-percent, Zipf): the same
    measurement while `narsil tables push` writes changed rows (the first
    tables' worth of the measured duration) at K rows/s, each step
-   invalidated over pub/sub.
+   invalidated over pub/sub. Meanwhile --probes times how long an update
+   takes to reach each replica: a row of the last table (which the stream
+   leaves alone) is changed by its own `narsil tables push`, and a
+   one-sample request that reads it is sent to each replica directly
+   (KServe v2, every 5 ms, so the old row is cached there) until its score
+   changes: the time from the push's start and from its end (rows written
+   and the invalidation published) to the new score, per replica.
 4. With --failover: the same measurement with a master killed (SIGKILL)
    --failover-at seconds into it: non-OK calls (a closed-loop client whose
    calls HAProxy refuses at once while no replica is healthy counts many),
    and the window from the kill until both replicas are healthy again.
 
 Needs a release build with `--features torch` and
-models/generated/default/split (`scripts/serve.sh` exports it). Standard
-library only. Every process shares the machine's cores: on a 2-core
+models/generated/default/split (`scripts/serve.sh` exports it). The probes
+need the project's venv (tritonclient, numpy). Every process shares the machine's cores: on a 2-core
 machine the cluster, the two replicas, HAProxy and the load generator
 compete, so the numbers are a lower bound and noisy.
 """
@@ -69,7 +76,8 @@ class Replicas:
     """Two `narsil serve` replicas behind HAProxy."""
 
     def __init__(self, args, model, store, cache_bytes):
-        self.procs, self.admins, ports = [], [], []
+        self.procs, self.admins, self.ports = [], [], []
+        ports = self.ports
         for _ in range(2):
             port, admin = free_port(), f"127.0.0.1:{free_port()}"
             cmd = [args.binary, "serve", "--log-level", "warn", "--backend", "torch", "--model", model,
@@ -98,6 +106,15 @@ class Replicas:
             for k, v in metrics(admin).items():
                 total[k] = total.get(k, 0.0) + v
         return total
+
+    def rss_mib(self):
+        """Each replica's resident memory now."""
+        sizes = []
+        for proc in self.procs:
+            status = open(f"/proc/{proc.pid}/status").read()
+            kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+            sizes.append(round(kib / 1024))
+        return sizes
 
     def stop(self):
         self.haproxy.terminate()
@@ -133,6 +150,7 @@ def measure(args, model, store, cache_bytes, distribution, during=None):
         if side:
             side.join()
         after = replicas.metrics()
+        rss = replicas.rss_mib()
     finally:
         replicas.stop()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -146,6 +164,7 @@ def measure(args, model, store, cache_bytes, distribution, during=None):
         "rows_fetched_per_request": round(delta.get("narsil_table_rows_fetched_total", 0) / ok, 1),
         "dedup_ratio": round(delta.get("narsil_table_ids_total", 0) / distinct, 2),
         "store_errors": delta.get("narsil_table_store_errors_total", 0),
+        "rss_mib": rss,
     }
 
 
@@ -166,11 +185,71 @@ def rotated_copy(model, out, rows_to_change):
     json.dump(schema, open(os.path.join(out, "schema.json"), "w"))
 
 
+def probe_updates(args, replicas, model, seeds, work, count, interval):
+    """Times `count` single-row updates (`interval` s apart) until each
+    replica answers with the new row; returns one dict per probe."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    schema = json.load(open(os.path.join(model, "schema.json")))
+    table = schema["tables"][-1]
+    feature = next(i for i, f in enumerate(schema["features"]) if f["table"] == table["name"])
+    clients = [grpcclient.InferenceServerClient(url=f"127.0.0.1:{port}") for port in replicas.ports]
+    rows = open(os.path.join(model, table["file"]), "rb").read()
+    k = table["row_bytes"]
+
+    def score(client, row_id):
+        ids = np.zeros(len(schema["features"]), dtype=np.int64)
+        ids[feature] = row_id
+        tensors = []
+        for name, array, datatype in (("dense", np.ones((1, schema["num_dense"]), dtype=np.float32), "FP32"),
+                                      ("lengths", np.ones((1, len(ids)), dtype=np.int64), "INT64"),
+                                      ("ids", ids, "INT64")):
+            tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+            tensor.set_data_from_numpy(array)
+            tensors.append(tensor)
+        return float(client.infer(schema["name"], tensors).as_numpy(schema["outputs"][0])[0])
+
+    probes = []
+    for n in range(count):
+        row_id = 1000 + 7919 * n
+        before = [score(c, row_id) for c in clients]
+        # A copy of the model whose last table differs in that row only.
+        new = os.path.join(work, f"probe-{n}")
+        os.makedirs(os.path.join(new, "tables"))
+        for t in schema["tables"]:
+            if t is not table:
+                os.symlink(os.path.join(model, t["file"]), os.path.join(new, t["file"]))
+        other = (row_id + 1) * k
+        changed = rows[:row_id * k] + rows[other:other + k] + rows[(row_id + 1) * k:]
+        open(os.path.join(new, table["file"]), "wb").write(changed)
+        json.dump(dict(schema, tables=[dict(t, sha256="") for t in schema["tables"]]),
+                  open(os.path.join(new, "schema.json"), "w"))
+        started = time.time()
+        subprocess.run([args.binary, "tables", "push", model, "--store", seeds, "--from", new], check=True,
+                       capture_output=True)
+        pushed = time.time()
+        seen = [None] * len(clients)
+        while None in seen and time.time() - pushed < 10:
+            for i, client in enumerate(clients):
+                if seen[i] is None and score(client, row_id) != before[i]:
+                    seen[i] = time.time()
+            time.sleep(0.005)
+        probe = {"push_s": round(pushed - started, 3),
+                 "visible_after_push_end_s": [s and round(s - pushed, 3) for s in seen],
+                 "visible_after_push_start_s": [s and round(s - started, 3) for s in seen]}
+        print(f"  probe {n}: {probe}", flush=True)
+        probes.append(probe)
+        shutil.rmtree(new)
+        time.sleep(interval)
+    return probes
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--binary", default=DEFAULT_BINARY)
     p.add_argument("--source", default=os.path.join(ROOT, "models/generated/default/split"))
-    p.add_argument("--ids", nargs="+", default=["zipf:1.05", "uniform"])
+    p.add_argument("--ids", nargs="*", default=["zipf:1.05", "uniform"], help="steady runs (none: skip them)")
     p.add_argument("--cache-percent", type=float, nargs="+", default=[1, 10, 50])
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--samples", type=int, default=100, help="samples per request")
@@ -179,6 +258,7 @@ def main():
     p.add_argument("--duration", type=float, default=20)
     p.add_argument("--updates", type=int, default=10000, help="rows/s pushed during the update run (0: none)")
     p.add_argument("--update-cache-percent", type=float, default=10)
+    p.add_argument("--probes", type=int, default=5, help="update visibility probes during the update run")
     p.add_argument("--failover", action="store_true")
     p.add_argument("--failover-at", type=float, default=5)
     p.add_argument("--json-out")
@@ -220,14 +300,27 @@ def main():
             # Changed rows for about the measured duration at that rate.
             rotated_copy(model, new, int(args.updates * (args.duration - 2)))
 
-            def push(_replicas):
+            def push(replicas):
                 time.sleep(1)
-                out = subprocess.run([args.binary, "tables", "push", model, "--store", seeds, "--from", new,
-                                      "--rows-per-second", str(args.updates)], capture_output=True, text=True,
-                                     timeout=args.duration + 60)
-                print(f"  push: {out.stdout.strip() or out.stderr[-500:]}", flush=True)
+                stream = subprocess.Popen([args.binary, "tables", "push", model, "--store", seeds, "--from", new,
+                                           "--rows-per-second", str(args.updates)], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True)
+                if args.probes:
+                    interval = max(0.0, (args.duration - 4) / args.probes - 1)
+                    probes.extend(probe_updates(args, replicas, model, seeds, work, args.probes, interval))
+                out, err = stream.communicate(timeout=args.duration + 60)
+                print(f"  push: {out.strip() or err[-500:]}", flush=True)
 
+            probes = []
             run(seeds, args.update_cache_percent, "zipf:1.05", push, f"updates {args.updates} rows/s")
+            if probes:
+                after_end = [s for p in probes for s in p["visible_after_push_end_s"]]
+                after_start = [s for p in probes for s in p["visible_after_push_start_s"]]
+                results[-1]["probes"] = probes
+                results[-1]["visible_max_s"] = None if None in after_start else max(after_start)
+                print(f"  update visibility over {len(probes)} probes x {len(probes[0]['visible_after_push_end_s'])} "
+                      f"replicas: after the push's end {after_end}, after its start max {results[-1]['visible_max_s']} s",
+                      flush=True)
         if args.failover:
             def kill(replicas):
                 time.sleep(args.failover_at)
@@ -259,11 +352,13 @@ def main():
     finally:
         subprocess.run(["bash", CLUSTER, "stop", cluster])
         shutil.rmtree(work, ignore_errors=True)
-    print("\n| run | store | cache % | ids | req/s | p50 ms | p99 ms | non-OK | cache hit rate | rows fetched/request |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| run | store | cache % | ids | req/s | p50 ms | p99 ms | non-OK | cache hit rate | rows fetched/request "
+          "| RSS MiB per replica |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['run']} | {r['store']} | {r['cache_percent']} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | "
-              f"{r['p99_ms']} | {r['non_ok']} | {r['cache_hit_rate']} | {r['rows_fetched_per_request']} |")
+              f"{r['p99_ms']} | {r['non_ok']} | {r['cache_hit_rate']} | {r['rows_fetched_per_request']} | "
+              f"{' / '.join(map(str, r['rss_mib']))} |")
     if args.json_out:
         json.dump({"machine": machine(), "args": vars(args), "results": results}, open(args.json_out, "w"), indent=2)
 

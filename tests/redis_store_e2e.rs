@@ -373,14 +373,20 @@ async fn a_master_killed_under_load_gives_no_wrong_score_and_service_recovers_af
     let dir = split_copy("failover");
     tables_load(&dir, &cluster.seeds);
     // No cache: every batch reads the cluster.
-    let store = match cluster.store() {
-        TableStore::Redis(mut config) => {
-            config.cache_bytes = 0;
-            TableStore::Redis(config)
-        }
-        other => other,
-    };
-    let server = start_with(Arc::new(factory(&dir, store)), batch_mode(1, 16)).await.ready().await;
+    let TableStore::Redis(mut config) = cluster.store() else { unreachable!("a Redis store") };
+    config.cache_bytes = 0;
+    let server = start_with(Arc::new(factory(&dir, TableStore::Redis(config.clone()))), batch_mode(1, 16))
+        .await
+        .ready()
+        .await;
+    // What the health pings conclude, through the server's own connection.
+    let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handle = narsil_embedding::RedisCluster::shared(&config).unwrap();
+    let h = heard.clone();
+    handle.watch_reachability(Box::new(move |answers| {
+        h.lock().unwrap().push(answers);
+        true
+    }));
     let golden = Arc::new(Golden::read(&test_model_dir()).unwrap());
     let channel = server.channel().await;
     let started = Instant::now();
@@ -437,6 +443,10 @@ async fn a_master_killed_under_load_gives_no_wrong_score_and_service_recovers_af
     );
     assert!(window.unwrap_or_default() < Duration::from_secs(10), "failover window {window:?}");
     assert!(ok_after > 0, "served again after the failover");
+    // The other masters answered throughout: one master's failover never
+    // reads as the whole store gone (every replica NOT_SERVING at once).
+    assert_eq!(*heard.lock().unwrap(), [true], "the pings found no master answering");
+    drop(handle);
     server.stop().await.unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -3,10 +3,9 @@
 //!
 //! [`fetch_tables`] looks each table's distinct ids up in the hot-row cache
 //! ([`crate::row_cache`]), then sends one `MGET` per (table, bucket) that
-//! holds missed ids, for every table together,
-//! [`IN_FLIGHT`](crate::redis_store::IN_FLIGHT) at a time:
-//! the cluster client pipelines the commands bound for one node over its
-//! connection, so a batch waits for a few round trips, not one per table.
+//! holds missed ids, for every table together, all at once: the cluster
+//! client pipelines the commands bound for one node over its connection,
+//! so a batch waits for a few round trips, not one per table.
 //! The wait is bounded by the store's fetch timeout and by the batch's
 //! deadline (the latest of its callers'): past it nobody waits for the
 //! answer. The client's own retries (a moved slot, a failed-over master)
@@ -20,6 +19,9 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
+
+use fred::prelude::KeysInterface;
+use fred::types::Value;
 
 use crate::redis_store::{row_key, rows_key, MissingRows, RedisCluster, TableState};
 use crate::schema::RedisTableSpec;
@@ -43,9 +45,7 @@ impl RedisRows {
         cluster: Arc<RedisCluster>,
     ) -> Result<Self, FetchError> {
         let key = rows_key(spec);
-        let command = redis::cmd("GET").arg(&key).clone();
-        let loaded: Option<u64> =
-            cluster.run("reading the row count", |mut c| async move { command.query_async(&mut c).await })?;
+        let loaded: Option<u64> = cluster.run("reading the row count", cluster.client().get(&key))?;
         match loaded {
             Some(n) if n == rows => {
                 let state = cluster.invalidation.table(&spec.prefix);
@@ -109,18 +109,14 @@ pub fn fetch_tables(
     if reads.is_empty() {
         return Ok(fetched);
     }
-    let commands: Vec<redis::Cmd> = reads
-        .iter()
-        .map(|(p, indices)| {
-            let part = &parts[*p];
-            let mut command = redis::cmd("MGET");
-            for &i in indices {
-                command.arg(row_key(&part.rows.spec, part.ids[i] as u64));
-            }
-            command
-        })
-        .collect();
-    let replies: Vec<Vec<Option<Vec<u8>>>> = cluster.run_all("reading rows", deadline, commands)?;
+    let client = cluster.client();
+    let commands = reads.iter().map(|(p, indices)| {
+        let part = &parts[*p];
+        let keys: Vec<String> =
+            indices.iter().map(|&i| row_key(&part.rows.spec, part.ids[i] as u64)).collect();
+        client.mget::<Vec<Value>, _>(keys)
+    });
+    let replies = cluster.run_all("reading rows", deadline, commands)?;
     // Rows read before an invalidation of their table arrived may be old:
     // cache a table's rows only if none arrived meanwhile.
     let cache_for: Vec<Option<_>> = parts
@@ -131,11 +127,13 @@ pub fn fetch_tables(
     for ((p, indices), values) in reads.iter().zip(replies) {
         let part = &mut parts[*p];
         let row_bytes = part.row_bytes;
-        for (&i, value) in indices.iter().zip(values) {
+        for (&i, value) in indices.iter().zip(&values) {
             let row = &mut part.out[i * row_bytes..(i + 1) * row_bytes];
-            match value {
+            // A row's bytes come back as a string when they happen to be
+            // UTF-8: the same bytes.
+            match value.as_bytes() {
                 Some(value) if value.len() == row_bytes => {
-                    row.copy_from_slice(&value);
+                    row.copy_from_slice(value);
                     if let Some(cache) = cache_for[*p] {
                         cache.insert(part.rows.state.number, part.ids[i] as u64, row);
                     }

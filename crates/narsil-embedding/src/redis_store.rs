@@ -50,15 +50,28 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use futures_util::{StreamExt, TryStreamExt};
+use fred::prelude::{
+    Builder, ClientLike, ClusterInterface, Config, EventInterface, KeysInterface, PubsubInterface,
+    ReconnectPolicy, Server, ServerConfig,
+};
+use fred::types::{RespVersion, Value};
 use narsil_core::DependencyWatcher;
-use redis::cluster::{ClusterClient, ClusterClientBuilder};
-use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use tokio::sync::broadcast::error::RecvError;
 
 use crate::row_cache::RowCache;
 use crate::schema::RedisTableSpec;
 use crate::store::FetchError;
+
+/// The Redis client: `fred`'s, chosen over `redis` 1.8 (cluster-async) by
+/// `benchmarks/redis_clients.py` (the store's read pattern on a real
+/// cluster): about 20% less CPU and latency per batch, and with every
+/// command of a batch in flight it reads again 3.5 s after a master is
+/// killed, where `redis` did not within 12 s (it did only with about 50 or
+/// fewer in flight, which cost it throughput).
+pub type Client = fred::clients::Client;
+
+/// The client's error.
+pub type ClientError = fred::error::Error;
 
 /// The channel row invalidations are published on.
 pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";
@@ -89,13 +102,9 @@ pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_millis(250);
 /// How long connecting to the cluster may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Commands of one call ([`RedisCluster::run_all`]) in flight at once.
-/// Unbounded (every table's buckets of a batch, 416 commands for the
-/// default DLRM), or 128, the Redis client did not recover from a master's
-/// failover within 10 s (`tests/redis_store_e2e.rs`); 48 did, in 4 s. The
-/// bound cost about 12% of a replica's throughput when the cluster shares
-/// its machine.
-pub const IN_FLIGHT: usize = 32;
+/// Commands in flight at once while loading or counting a table (a
+/// batch's reads are all sent at once).
+const LOAD_IN_FLIGHT: usize = 32;
 
 /// Buckets per table `narsil tables load` writes unless told otherwise.
 pub const DEFAULT_BUCKETS: u32 = 16;
@@ -128,6 +137,17 @@ impl RedisSeeds {
     /// The seed URLs.
     pub fn urls(&self) -> &[String] {
         &self.0
+    }
+
+    /// The seeds as (host, port).
+    pub fn hosts(&self) -> Vec<(String, u16)> {
+        self.0
+            .iter()
+            .filter_map(|url| {
+                let (host, port) = url.trim_start_matches("redis://").rsplit_once(':')?;
+                Some((host.to_string(), port.parse().ok()?))
+            })
+            .collect()
     }
 }
 
@@ -248,6 +268,19 @@ impl Invalidation {
         self.cache.as_ref().filter(|_| self.subscribed.load(Ordering::Acquire))
     }
 
+    /// Forgets every cached row, for when invalidations may have been
+    /// missed: fetches under way when this happens do not cache what they
+    /// read (every table's epoch moves).
+    fn forget_all(&self) {
+        let tables = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        for state in tables.values().filter_map(Weak::upgrade) {
+            state.epoch.fetch_add(1, Ordering::AcqRel);
+        }
+        if let Some(cache) = &self.cache {
+            cache.clear();
+        }
+    }
+
     /// Applies one published message: `PREFIX\n` then ids as little-endian
     /// u64s.
     fn apply(&self, payload: &[u8]) {
@@ -267,38 +300,73 @@ impl Invalidation {
     /// and unused.
     async fn subscribe_forever(self: Arc<Self>, seeds: RedisSeeds) {
         loop {
-            for url in seeds.urls() {
-                if let Ok(pubsub) = subscribe(url).await {
-                    self.subscribed.store(true, Ordering::Release);
-                    let (mut sink, mut messages) = pubsub.split();
-                    // A node that stops answering keeps its connection
-                    // open: a ping every second that goes unanswered ends
-                    // the subscription too.
-                    let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
-                    loop {
-                        tokio::select! {
-                            message = messages.next() => match message {
-                                Some(message) => self.apply(message.get_payload_bytes()),
-                                None => break,
-                            },
-                            _ = ping.tick() => {
-                                let answered = tokio::time::timeout(SUBSCRIPTION_PING, sink.ping::<redis::Value>()).await;
-                                if !matches!(answered, Ok(Ok(_))) {
-                                    break;
+            for (host, port) in seeds.hosts() {
+                let client = node_client(&Server::new(host.as_str(), port));
+                let mut messages = client.message_rx();
+                if !matches!(tokio::time::timeout(SUBSCRIPTION_PING, subscribe(&client)).await, Ok(Ok(()))) {
+                    quit(client);
+                    continue;
+                }
+                self.subscribed.store(true, Ordering::Release);
+                // A node that stops answering keeps its connection open: a
+                // ping every second that goes unanswered ends the
+                // subscription too, as does a message missed (lagged).
+                let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
+                loop {
+                    tokio::select! {
+                        message = messages.recv() => match message {
+                            Ok(message) => {
+                                if let Some(payload) = message.value.as_bytes() {
+                                    self.apply(payload);
                                 }
+                            }
+                            Err(RecvError::Lagged(_) | RecvError::Closed) => break,
+                        },
+                        _ = ping.tick() => {
+                            let answered = tokio::time::timeout(SUBSCRIPTION_PING, client.ping::<Value>(None)).await;
+                            if !matches!(answered, Ok(Ok(_))) {
+                                break;
                             }
                         }
                     }
-                    self.subscribed.store(false, Ordering::Release);
-                    if let Some(cache) = &self.cache {
-                        cache.clear();
-                    }
-                    tracing::warn!(node = %url, "lost the row-invalidation subscription; reading every row from the cluster until it is back");
                 }
+                self.subscribed.store(false, Ordering::Release);
+                self.forget_all();
+                quit(client);
+                tracing::warn!(node = %format!("{host}:{port}"), "lost the row-invalidation subscription; reading every row from the cluster until it is back");
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+/// A client for one node (the invalidation subscription, health pings):
+/// RESP3 (pings and messages share a subscribed connection), no
+/// reconnecting (a lost connection is noticed, and a new client made).
+fn node_client(server: &Server) -> Client {
+    let config = Config {
+        server: ServerConfig::Centralized { server: server.clone() },
+        version: RespVersion::RESP3,
+        ..Config::default()
+    };
+    let mut builder = Builder::from_config(config);
+    builder
+        .with_connection_config(|c| c.connection_timeout = SUBSCRIPTION_PING)
+        .with_performance_config(|p| p.broadcast_channel_capacity = 1024);
+    builder.build().expect("a single-node configuration is valid")
+}
+
+async fn subscribe(client: &Client) -> Result<(), ClientError> {
+    client.init().await?;
+    client.subscribe(INVALIDATION_CHANNEL).await
+}
+
+/// Closes `client`'s connections without waiting on a node that may not
+/// answer.
+fn quit(client: Client) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(SUBSCRIPTION_PING, client.quit()).await;
+    });
 }
 
 /// Whether the cluster answers, and the engines to tell when that changes.
@@ -326,28 +394,49 @@ impl Reachability {
         }
     }
 
-    /// Pings every master each [`REACHABILITY_PING`]; the store answers
-    /// while one of them has within [`UNREACHABLE_AFTER`]. The pings go
-    /// over their own connection: pings to a master that died would
-    /// otherwise add to the rows' connection's reconnecting during a
-    /// failover (a failover test's window once passed 10 s with them there).
-    async fn ping_masters_forever(self: Arc<Self>, client: ClusterClient) {
-        let routing =
-            RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, Some(ResponsePolicy::OneSucceeded)));
+    /// Pings every master of `cluster`'s slot map each
+    /// [`REACHABILITY_PING`]; the store answers while one of them has
+    /// within [`UNREACHABLE_AFTER`]. Each master is pinged over its own
+    /// single-node connection, made again after a failed ping: the cluster
+    /// client holds commands for every node while it reconnects to a dead
+    /// one, which would make one master's failover look like the whole
+    /// store gone.
+    async fn ping_masters_forever(self: Arc<Self>, cluster: Client) {
         let mut ping = tokio::time::interval(REACHABILITY_PING);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_answer = Instant::now();
-        let mut connection: Option<ClusterConnection> = None;
+        let mut connected: HashMap<Server, Client> = HashMap::new();
         loop {
             ping.tick().await;
-            let answer = async {
-                let connection = match &mut connection {
-                    Some(connection) => connection,
-                    None => connection.insert(client.get_async_connection().await?),
-                };
-                connection.route_command(redis::cmd("PING"), routing.clone()).await
-            };
-            if let Ok(Ok(_)) = tokio::time::timeout(REACHABILITY_PING, answer).await {
+            let masters =
+                cluster.cached_cluster_state().map(|state| state.unique_primary_nodes()).unwrap_or_default();
+            connected.retain(|server, _| masters.contains(server));
+            let pings = masters.into_iter().map(|server| {
+                let known = connected.get(&server).cloned();
+                async move {
+                    let fresh = known.is_none();
+                    let client = known.unwrap_or_else(|| node_client(&server));
+                    let answer = tokio::time::timeout(REACHABILITY_PING, async {
+                        if fresh {
+                            client.init().await?;
+                        }
+                        client.ping::<Value>(None).await
+                    })
+                    .await;
+                    (server, client, matches!(answer, Ok(Ok(_))))
+                }
+            });
+            let mut answered = false;
+            for (server, client, ok) in futures_util::future::join_all(pings).await {
+                if ok {
+                    answered = true;
+                    connected.insert(server, client);
+                } else {
+                    connected.remove(&server);
+                    quit(client);
+                }
+            }
+            if answered {
                 last_answer = Instant::now();
                 self.set(true);
             } else if last_answer.elapsed() >= UNREACHABLE_AFTER {
@@ -357,22 +446,13 @@ impl Reachability {
     }
 }
 
-async fn subscribe(url: &str) -> redis::RedisResult<redis::aio::PubSub> {
-    let client = redis::Client::open(url)?;
-    let mut pubsub = tokio::time::timeout(Duration::from_secs(1), client.get_async_pubsub())
-        .await
-        .map_err(|_| redis::RedisError::from((redis::ErrorKind::Io, "subscribe timed out")))??;
-    pubsub.subscribe(INVALIDATION_CHANNEL).await?;
-    Ok(pubsub)
-}
-
 /// A connection to one Redis Cluster, shared by every table and lane of
 /// the process that uses it, with the process's hot-row cache. It runs its
 /// own small runtime: lanes are plain threads and block on their fetches.
 pub struct RedisCluster {
     /// Taken only by `drop`.
     runtime: Option<tokio::runtime::Runtime>,
-    connection: ClusterConnection,
+    client: Client,
     timeout: Duration,
     seeds: RedisSeeds,
     pub(crate) invalidation: Arc<Invalidation>,
@@ -405,9 +485,7 @@ impl RedisCluster {
             let subscriber = cluster.invalidation.clone().subscribe_forever(config.seeds.clone());
             cluster.runtime().spawn(subscriber);
         }
-        let client = cluster_client(&config.seeds, config.fetch_timeout)
-            .map_err(|e| FetchError(format!("Redis Cluster {}: bad seeds: {e}", config.seeds)))?;
-        let pinger = cluster.reachability.clone().ping_masters_forever(client);
+        let pinger = cluster.reachability.clone().ping_masters_forever(cluster.client.clone());
         cluster.runtime().spawn(pinger);
         let cluster = Arc::new(cluster);
         live.insert(config.clone(), Arc::downgrade(&cluster));
@@ -417,19 +495,17 @@ impl RedisCluster {
     /// A new connection to the cluster at `seeds`, without a cache; each
     /// request may take `timeout`.
     pub fn connect(seeds: &RedisSeeds, timeout: Duration) -> Result<Self, FetchError> {
-        let error =
-            |what: &str, e: redis::RedisError| FetchError(format!("Redis Cluster {seeds}: {what}: {e}"));
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("narsil-redis")
             .enable_all()
             .build()
             .map_err(|e| FetchError(format!("cannot start the Redis client's runtime: {e}")))?;
-        let client = cluster_client(seeds, timeout).map_err(|e| error("bad seeds", e))?;
-        let connection =
-            block_on(&runtime, async { tokio::time::timeout(timeout, client.get_async_connection()).await })
-                .map_err(|_| FetchError(format!("Redis Cluster {seeds}: no answer within {timeout:?}")))?
-                .map_err(|e| error("cannot connect", e))?;
+        let client = cluster_client(seeds, timeout)?;
+        let connect_timeout = timeout.max(CONNECT_TIMEOUT);
+        block_on(&runtime, async { tokio::time::timeout(connect_timeout, client.init()).await })
+            .map_err(|_| FetchError(format!("Redis Cluster {seeds}: no answer within {connect_timeout:?}")))?
+            .map_err(|e| FetchError(format!("Redis Cluster {seeds}: cannot connect: {e}")))?;
         let invalidation = Arc::new(Invalidation {
             cache: None,
             subscribed: AtomicBool::new(false),
@@ -437,7 +513,7 @@ impl RedisCluster {
         });
         Ok(Self {
             runtime: Some(runtime),
-            connection,
+            client,
             timeout,
             seeds: seeds.clone(),
             invalidation,
@@ -473,38 +549,36 @@ impl RedisCluster {
         &self.seeds
     }
 
-    /// Runs `work` against the cluster, bounded by the timeout, blocking
-    /// the calling thread.
-    pub fn run<T: Send, F>(
+    /// The client, for commands to give [`Self::run`].
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Runs `work` (commands of [`Self::client`]) against the cluster,
+    /// bounded by the timeout, blocking the calling thread.
+    pub fn run<T: Send>(
         &self,
         what: &str,
-        work: impl FnOnce(ClusterConnection) -> F,
-    ) -> Result<T, FetchError>
-    where
-        F: std::future::Future<Output = redis::RedisResult<T>> + Send,
-    {
+        work: impl std::future::Future<Output = Result<T, ClientError>> + Send,
+    ) -> Result<T, FetchError> {
         self.run_until(what, None, work)
     }
 
     /// [`Self::run`], given up at `deadline` too if that comes before the
     /// timeout (retries included: they happen inside `work`).
-    pub fn run_until<T: Send, F>(
+    pub fn run_until<T: Send>(
         &self,
         what: &str,
         deadline: Option<Instant>,
-        work: impl FnOnce(ClusterConnection) -> F,
-    ) -> Result<T, FetchError>
-    where
-        F: std::future::Future<Output = redis::RedisResult<T>> + Send,
-    {
+        work: impl std::future::Future<Output = Result<T, ClientError>> + Send,
+    ) -> Result<T, FetchError> {
         let seeds = &self.seeds;
         let timeout =
             deadline.map_or(self.timeout, |d| self.timeout.min(d.saturating_duration_since(Instant::now())));
         if timeout.is_zero() {
             return Err(FetchError(format!("Redis Cluster {seeds}: {what}: every caller's deadline passed")));
         }
-        let future = work(self.connection.clone());
-        match block_on(self.runtime(), async { tokio::time::timeout(timeout, future).await }) {
+        match block_on(self.runtime(), async { tokio::time::timeout(timeout, work).await }) {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => Err(FetchError(format!("Redis Cluster {seeds}: {what}: {e}"))),
             Err(_) if timeout < self.timeout => Err(FetchError(format!(
@@ -514,23 +588,19 @@ impl RedisCluster {
         }
     }
 
-    /// Runs `commands`, [`IN_FLIGHT`] at a time (the client pipelines those
-    /// bound for one node, nodes in parallel), all within one
-    /// [`Self::run_until`] bound; their replies in order.
-    pub fn run_all<T: redis::FromRedisValue + Send + 'static>(
+    /// Runs every command of `commands` at once (the client pipelines
+    /// those bound for one node over its connection, nodes in parallel),
+    /// all within one [`Self::run_until`] bound; their replies in order.
+    pub fn run_all<T: Send, F>(
         &self,
         what: &str,
         deadline: Option<Instant>,
-        commands: Vec<redis::Cmd>,
-    ) -> Result<Vec<T>, FetchError> {
-        self.run_until(what, deadline, |connection| {
-            futures_util::stream::iter(commands.into_iter().map(move |command| {
-                let mut connection = connection.clone();
-                async move { command.query_async::<T>(&mut connection).await }
-            }))
-            .buffered(IN_FLIGHT)
-            .try_collect()
-        })
+        commands: impl IntoIterator<Item = F>,
+    ) -> Result<Vec<T>, FetchError>
+    where
+        F: std::future::Future<Output = Result<T, ClientError>> + Send,
+    {
+        self.run_until(what, deadline, futures_util::future::try_join_all(commands))
     }
 }
 
@@ -546,13 +616,19 @@ impl Drop for RedisCluster {
 }
 
 /// A client for the cluster at `seeds` whose requests may take `timeout`
-/// (connecting at least [`CONNECT_TIMEOUT`]), retried twice.
-fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> redis::RedisResult<ClusterClient> {
-    ClusterClientBuilder::new(seeds.urls().to_vec())
-        .connection_timeout(timeout.max(CONNECT_TIMEOUT))
-        .response_timeout(timeout)
-        .retries(2)
-        .build()
+/// (connecting at least [`CONNECT_TIMEOUT`]), each tried up to three
+/// times (a moved slot, a failed-over master), reconnecting every 100 ms.
+fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> Result<Client, FetchError> {
+    let config = Config { server: ServerConfig::new_clustered(seeds.hosts()), ..Config::default() };
+    let mut builder = Builder::from_config(config);
+    builder
+        .with_connection_config(|c| {
+            c.connection_timeout = timeout.max(CONNECT_TIMEOUT);
+            c.max_command_attempts = 3;
+        })
+        .with_performance_config(|p| p.default_command_timeout = timeout)
+        .set_policy(ReconnectPolicy::new_constant(0, 100));
+    builder.build().map_err(|e| FetchError(format!("Redis Cluster {seeds}: {e}")))
 }
 
 /// Runs `future` to completion on `runtime`. Lanes (plain threads) block
@@ -607,7 +683,7 @@ pub fn load_table(
     let count = (rows.len() / row_bytes) as u64;
     let chunks = bucket_chunks(spec, count, LOAD_CHUNK_ROWS);
     let mut written = 0u64;
-    for group in chunks.chunks(IN_FLIGHT) {
+    for group in chunks.chunks(LOAD_IN_FLIGHT) {
         write_rows(cluster, spec, rows, row_bytes, group.iter().map(Vec::as_slice))?;
         written += group.iter().map(|ids| ids.len() as u64).sum::<u64>();
         progress(written);
@@ -616,8 +692,8 @@ pub fn load_table(
     if present != count {
         return Err(FetchError(format!("{}: {present} of {count} rows present after writing", spec.prefix)));
     }
-    let command = redis::cmd("SET").arg(rows_key(spec)).arg(count).clone();
-    cluster.run("writing the row count", |mut c| async move { command.query_async::<()>(&mut c).await })?;
+    let client = cluster.client();
+    cluster.run("writing the row count", client.set::<(), _, _>(rows_key(spec), count, None, None, false))?;
     Ok(Loaded { rows: count, bytes: count * row_bytes as u64 })
 }
 
@@ -642,17 +718,18 @@ fn write_rows<'a>(
     row_bytes: usize,
     groups: impl Iterator<Item = &'a [u64]>,
 ) -> Result<(), FetchError> {
-    let commands: Vec<redis::Cmd> = groups
-        .map(|ids| {
-            let mut command = redis::cmd("MSET");
-            for &id in ids {
+    let client = cluster.client();
+    let commands = groups.map(|ids| {
+        let pairs: Vec<(String, Value)> = ids
+            .iter()
+            .map(|&id| {
                 let start = id as usize * row_bytes;
-                command.arg(row_key(spec, id)).arg(&rows[start..start + row_bytes]);
-            }
-            command
-        })
-        .collect();
-    cluster.run_all::<()>("writing rows", None, commands).map(drop)
+                (row_key(spec, id), Value::Bytes(rows[start..start + row_bytes].to_vec().into()))
+            })
+            .collect();
+        client.mset(pairs)
+    });
+    cluster.run_all("writing rows", None, commands).map(drop)
 }
 
 /// Writes the rows `ids` of a table (`rows`: every row of its new
@@ -676,26 +753,21 @@ pub fn push_rows(
     for &id in ids {
         message.extend_from_slice(&id.to_le_bytes());
     }
-    let command = redis::cmd("PUBLISH").arg(INVALIDATION_CHANNEL).arg(message).clone();
-    cluster.run("publishing the updated ids", |mut c| async move { command.query_async::<()>(&mut c).await })
+    let publish = cluster.client().publish::<(), _, _>(INVALIDATION_CHANNEL, Value::Bytes(message.into()));
+    cluster.run("publishing the updated ids", publish)
 }
 
 /// How many of the rows `0..count` have a key under `spec` (`EXISTS` over
 /// each bucket's keys).
 pub fn count_present(cluster: &RedisCluster, spec: &RedisTableSpec, count: u64) -> Result<u64, FetchError> {
-    let commands: Vec<redis::Cmd> = bucket_chunks(spec, count, LOAD_CHUNK_ROWS * 4)
-        .iter()
-        .map(|chunk| {
-            let mut command = redis::cmd("EXISTS");
-            for &id in chunk {
-                command.arg(row_key(spec, id));
-            }
-            command
-        })
-        .collect();
+    let chunks = bucket_chunks(spec, count, LOAD_CHUNK_ROWS * 4);
+    let client = cluster.client();
     let mut present = 0;
-    for group in commands.chunks(IN_FLIGHT) {
-        let counts: Vec<u64> = cluster.run_all("counting rows", None, group.to_vec())?;
+    for group in chunks.chunks(LOAD_IN_FLIGHT) {
+        let commands = group.iter().map(|chunk| {
+            client.exists::<u64, _>(chunk.iter().map(|&id| row_key(spec, id)).collect::<Vec<_>>())
+        });
+        let counts = cluster.run_all("counting rows", None, commands)?;
         present += counts.iter().sum::<u64>();
     }
     Ok(present)
