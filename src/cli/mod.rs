@@ -64,9 +64,9 @@ impl Cli {
 }
 
 fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
-    // The Redis client logs every reconnect attempt (hundreds a second
-    // while a node is down); the store reports the failures that matter.
-    let quieted = if filter.contains("redis") { filter.to_owned() } else { format!("{filter},redis=error") };
+    // The Redis client warns of each connection it loses or closes; the
+    // store reports the failures that matter, naming the cluster.
+    let quieted = if filter.contains("fred") { filter.to_owned() } else { format!("{filter},fred=error") };
     let filter = tracing_subscriber::EnvFilter::try_new(&quieted)
         .map_err(|e| anyhow::anyhow!("--log-level `{filter}`: {e}"))?;
     let builder = tracing_subscriber::fmt()

@@ -5,7 +5,7 @@
 //! narsil-redis-clients fill SEEDS [--tables 26] [--rows 20000] [--buckets 16]
 //! narsil-redis-clients read SEEDS --client redis|fred [--in-flight 32]
 //!     [--distinct 100] [--seconds 10] [--timeout-ms 250]
-//!     [--kill-pid PID --kill-at SECONDS]
+//!     [--kill-pid PID --kill-at SECONDS [--signal kill|stop]]
 //! ```
 //!
 //! `fill` writes rows as `narsil tables load` does (`{PREFIX/BUCKET}ID`,
@@ -16,8 +16,8 @@
 //! `--in-flight` of them at once, the batch bounded by `--timeout-ms`. It
 //! prints one JSON line: batches, their p50/p99, the process's CPU time
 //! per batch, failed batches, rows that came back wrong, and with
-//! `--kill-pid` (a master, SIGKILLed `--kill-at` seconds in) the window of
-//! failed batches after the kill.
+//! `--kill-pid` (a master, SIGKILLed, or SIGSTOPped with `--signal stop`,
+//! `--kill-at` seconds in) the window of failed batches after it.
 
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,7 @@ struct Args {
     timeout: Duration,
     kill_pid: Option<i32>,
     kill_at: f64,
+    signal: i32,
 }
 
 fn parse() -> (String, Args) {
@@ -69,6 +70,7 @@ fn parse() -> (String, Args) {
         timeout: Duration::from_millis(250),
         kill_pid: None,
         kill_at: 0.0,
+        signal: libc::SIGKILL,
     };
     for pair in argv[2..].chunks(2) {
         let [flag, value] = pair else { usage() };
@@ -84,6 +86,7 @@ fn parse() -> (String, Args) {
             "--timeout-ms" => args.timeout = Duration::from_millis(number() as u64),
             "--kill-pid" => args.kill_pid = Some(number() as i32),
             "--kill-at" => args.kill_at = number(),
+            "--signal" => args.signal = if value == "stop" { libc::SIGSTOP } else { libc::SIGKILL },
             _ => usage(),
         }
     }
@@ -151,8 +154,14 @@ impl Reader {
                     Config { server: ServerConfig::new_clustered(args.seeds.clone()), ..Config::default() };
                 let client = Builder::from_config(config)
                     .with_connection_config(|c| {
-                        c.connection_timeout = timeout.max(Duration::from_secs(5));
+                        // As the store builds it (crates/narsil-embedding/src/redis_store.rs).
+                        c.connection_timeout = timeout;
+                        c.internal_command_timeout = timeout;
                         c.max_command_attempts = 3;
+                        c.unresponsive = fred::types::config::UnresponsiveConfig {
+                            max_timeout: Some(Duration::from_secs(1)),
+                            interval: Duration::from_millis(250),
+                        };
                     })
                     .with_performance_config(|p| p.default_command_timeout = timeout)
                     .set_policy(ReconnectPolicy::new_constant(0, 100))
@@ -255,7 +264,7 @@ fn read(runtime: &tokio::runtime::Runtime, reader: &Reader, args: &Args) {
     while start.elapsed().as_secs_f64() < args.seconds {
         if let (Some(pid), None) = (args.kill_pid, killed_at) {
             if start.elapsed().as_secs_f64() >= args.kill_at {
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                unsafe { libc::kill(pid, args.signal) };
                 killed_at = Some(start.elapsed().as_secs_f64());
             }
         }

@@ -54,6 +54,7 @@ use fred::prelude::{
     Builder, ClientLike, ClusterInterface, Config, EventInterface, KeysInterface, PubsubInterface,
     ReconnectPolicy, Server, ServerConfig,
 };
+use fred::types::config::UnresponsiveConfig;
 use fred::types::{RespVersion, Value};
 use narsil_core::DependencyWatcher;
 use tokio::sync::broadcast::error::RecvError;
@@ -99,8 +100,13 @@ pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;
 /// `--unhealthy-after-failures`).
 pub const DEFAULT_FETCH_TIMEOUT: Duration = Duration::from_millis(250);
 
-/// How long connecting to the cluster may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the first connection to the cluster (its slot map, then every
+/// master) may take, at least.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long a connection may leave a command unanswered before it is
+/// closed and made again (at least the request timeout).
+const UNRESPONSIVE_AFTER: Duration = Duration::from_secs(1);
 
 /// Commands in flight at once while loading or counting a table (a
 /// batch's reads are all sent at once).
@@ -397,15 +403,20 @@ impl Reachability {
     /// Pings every master of `cluster`'s slot map each
     /// [`REACHABILITY_PING`]; the store answers while one of them has
     /// within [`UNREACHABLE_AFTER`]. Each master is pinged over its own
-    /// single-node connection, made again after a failed ping: the cluster
+    /// single-node connection, made again once it has closed: the cluster
     /// client holds commands for every node while it reconnects to a dead
     /// one, which would make one master's failover look like the whole
-    /// store gone.
+    /// store gone. (A connection to a stopped node stays open, so a long
+    /// stop makes no new connections.) While a master does not answer, the
+    /// cluster client re-reads the slot map (one read at a time), so that
+    /// it follows the failover as soon as the cluster has made it, even
+    /// when no command of its own failed in a way that tells it to.
     async fn ping_masters_forever(self: Arc<Self>, cluster: Client) {
         let mut ping = tokio::time::interval(REACHABILITY_PING);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_answer = Instant::now();
         let mut connected: HashMap<Server, Client> = HashMap::new();
+        let syncing = Arc::new(AtomicBool::new(false));
         loop {
             ping.tick().await;
             let masters =
@@ -426,10 +437,11 @@ impl Reachability {
                     (server, client, matches!(answer, Ok(Ok(_))))
                 }
             });
-            let mut answered = false;
+            let (mut answered, mut silent) = (false, false);
             for (server, client, ok) in futures_util::future::join_all(pings).await {
-                if ok {
-                    answered = true;
+                answered |= ok;
+                silent |= !ok;
+                if ok || client.is_connected() {
                     connected.insert(server, client);
                 } else {
                     connected.remove(&server);
@@ -441,6 +453,13 @@ impl Reachability {
                 self.set(true);
             } else if last_answer.elapsed() >= UNREACHABLE_AFTER {
                 self.set(false);
+            }
+            if silent && !syncing.swap(true, Ordering::AcqRel) {
+                let (cluster, syncing) = (cluster.clone(), syncing.clone());
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(UNRESPONSIVE_AFTER, cluster.sync_cluster()).await;
+                    syncing.store(false, Ordering::Release);
+                });
             }
         }
     }
@@ -615,16 +634,33 @@ impl Drop for RedisCluster {
     }
 }
 
-/// A client for the cluster at `seeds` whose requests may take `timeout`
-/// (connecting at least [`CONNECT_TIMEOUT`]), each tried up to three
-/// times (a moved slot, a failed-over master), reconnecting every 100 ms.
+/// A client for the cluster at `seeds` whose requests may take `timeout`,
+/// each tried up to three times (a moved slot, a failed-over master),
+/// reconnecting every 100 ms. Connecting to a node and reading the slot
+/// map may take `timeout` too: the client reads the map from the seeds in
+/// order, and with a 1 s bound a stopped seed made every read wait 1 s, so
+/// that under load the client never caught up with the failover
+/// (`tests/redis_store_e2e.rs`, a master SIGSTOPped). A connection with a
+/// command unanswered for [`UNRESPONSIVE_AFTER`] (or `timeout`, if longer)
+/// is closed and made again: a node that stopped answering without
+/// closing its connections (a hung machine, a partition) would otherwise
+/// hold its slots' commands after the cluster had failed over to its
+/// replica, as the client learns the new slot map only on reconnecting or
+/// on a redirect.
 fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> Result<Client, FetchError> {
     let config = Config { server: ServerConfig::new_clustered(seeds.hosts()), ..Config::default() };
     let mut builder = Builder::from_config(config);
     builder
         .with_connection_config(|c| {
-            c.connection_timeout = timeout.max(CONNECT_TIMEOUT);
+            // Connecting and reading the slot map give up on a node that
+            // does not answer as fast as a request would, and ask another.
+            c.connection_timeout = timeout;
+            c.internal_command_timeout = timeout;
             c.max_command_attempts = 3;
+            c.unresponsive = UnresponsiveConfig {
+                max_timeout: Some(timeout.max(UNRESPONSIVE_AFTER)),
+                interval: UNRESPONSIVE_AFTER / 4,
+            };
         })
         .with_performance_config(|p| p.default_command_timeout = timeout)
         .set_policy(ReconnectPolicy::new_constant(0, 100));
