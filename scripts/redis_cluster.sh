@@ -112,8 +112,12 @@ EOF
 }
 
 stop() {
-  local dir="$1" conf
+  local dir="$1" conf pid_file
   [ -d "$dir" ] || return 0
+  # A node stopped by a test (SIGSTOP) would never answer its shutdown.
+  for pid_file in "$dir"/*/redis.pid; do
+    [ -f "$pid_file" ] && kill -CONT "$(cat "$pid_file")" 2>/dev/null || true
+  done
   for conf in "$dir"/*/redis.conf; do
     [ -f "$conf" ] || continue
     redis-cli -p "$(sed -n 's/^port //p' "$conf")" shutdown nosave >/dev/null 2>&1 || true
