@@ -31,9 +31,10 @@ against the same replicas with the in-memory store.
 
 Needs a release build with `--features torch` and
 models/generated/default/split (`scripts/serve.sh` exports it). The probes
-need the project's venv (tritonclient, numpy). Every process shares the machine's cores: on a 2-core
-machine the cluster, the two replicas, HAProxy and the load generator
-compete, so the numbers are a lower bound and noisy.
+need the project's venv (tritonclient, numpy). Every process shares the
+machine's cores: on a 2-core machine the cluster, the two replicas,
+HAProxy and the load generator compete, so the numbers are a lower bound
+and noisy.
 """
 
 import argparse
@@ -316,11 +317,11 @@ def main():
             if probes:
                 after_end = [s for p in probes for s in p["visible_after_push_end_s"]]
                 after_start = [s for p in probes for s in p["visible_after_push_start_s"]]
-                results[-1]["probes"] = probes
-                results[-1]["visible_max_s"] = None if None in after_start else max(after_start)
+                worst = None if None in after_end else max(after_end)
+                results[-1].update(probes=probes, visible_after_push_end_max_s=worst)
                 print(f"  update visibility over {len(probes)} probes x {len(probes[0]['visible_after_push_end_s'])} "
-                      f"replicas: after the push's end {after_end}, after its start max {results[-1]['visible_max_s']} s",
-                      flush=True)
+                      f"replicas: after the push's end {after_end} (max {worst} s), after its start up to "
+                      f"{None if None in after_start else max(after_start)} s", flush=True)
         if args.failover:
             def kill(replicas):
                 time.sleep(args.failover_at)
