@@ -28,21 +28,17 @@ import shutil
 import subprocess
 import tempfile
 
-from benchlib import ROOT, machine
+from benchlib import ROOT, machine, pinned
 
 CLUSTER = os.path.join(ROOT, "scripts", "redis_cluster.sh")
 TOOL_DIR = os.path.join(ROOT, "benchmarks", "redis_clients")
 BINARY = os.path.join(ROOT, "target", "release", "narsil-redis-clients")
 
 
-def pinned(cpus, cmd):
-    return ["taskset", "-c", cpus, *cmd] if os.cpu_count() > 1 and shutil.which("taskset") else cmd
-
-
 def start_cluster(work, rest_cpus, args):
     directory = tempfile.mkdtemp(dir=work)
     shutil.rmtree(directory)
-    seeds = subprocess.run(pinned(rest_cpus, ["bash", CLUSTER, "start", directory]), check=True,
+    seeds = subprocess.run(pinned(["bash", CLUSTER, "start", directory], rest_cpus), check=True,
                            capture_output=True, text=True).stdout.strip().splitlines()[-1]
     subprocess.run([BINARY, "fill", seeds, "--tables", str(args.tables), "--rows", str(args.rows)], check=True,
                    capture_output=True)
@@ -50,8 +46,8 @@ def start_cluster(work, rest_cpus, args):
 
 
 def read(seeds, client, in_flight, args, extra=()):
-    cmd = pinned("0", [BINARY, "read", seeds, "--client", client, "--in-flight", str(in_flight), "--tables",
-                       str(args.tables), "--rows", str(args.rows), "--distinct", str(args.distinct), *extra])
+    cmd = pinned([BINARY, "read", seeds, "--client", client, "--in-flight", str(in_flight), "--tables",
+                  str(args.tables), "--rows", str(args.rows), "--distinct", str(args.distinct), *extra], 0)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
@@ -69,7 +65,7 @@ def main():
     env = dict(os.environ, CARGO_TARGET_DIR=os.path.join(ROOT, "target"))
     subprocess.run(["cargo", "build", "--release", "-j2", "--manifest-path", os.path.join(TOOL_DIR, "Cargo.toml")],
                    check=True, env=env)
-    rest = f"1-{os.cpu_count() - 1}" if os.cpu_count() > 1 else "0"
+    rest = f"1-{os.cpu_count() - 1}" if os.cpu_count() > 1 else None
     work = tempfile.mkdtemp(prefix="narsil-redis-clients-")
     results = []
     try:

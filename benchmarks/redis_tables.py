@@ -48,7 +48,7 @@ import threading
 import time
 import urllib.request
 
-from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, require_binary, wait_serving
+from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, require_binary, status_mib, wait_serving
 
 CLUSTER = os.path.join(ROOT, "scripts", "redis_cluster.sh")
 ENTRY_OVERHEAD = 48  # crates/narsil-embedding/src/row_cache.rs
@@ -110,12 +110,7 @@ class Replicas:
 
     def rss_mib(self):
         """Each replica's resident memory now."""
-        sizes = []
-        for proc in self.procs:
-            status = open(f"/proc/{proc.pid}/status").read()
-            kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-            sizes.append(round(kib / 1024))
-        return sizes
+        return [round(status_mib(proc.pid, "VmRSS")) for proc in self.procs]
 
     def stop(self):
         self.haproxy.terminate()

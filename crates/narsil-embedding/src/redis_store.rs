@@ -117,7 +117,7 @@ pub const DEFAULT_BUCKETS: u32 = 16;
 
 /// The cluster's seed nodes, as given to `--table-store`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct RedisSeeds(Arc<[String]>);
+pub struct RedisSeeds(Arc<[(String, u16)]>);
 
 impl RedisSeeds {
     /// Parses `redis://HOST:PORT[,HOST:PORT...]` (later seeds may omit the
@@ -125,41 +125,30 @@ impl RedisSeeds {
     pub fn parse(text: &str) -> Result<Self, String> {
         let rest =
             text.strip_prefix("redis://").ok_or_else(|| format!("`{text}` does not start with redis://"))?;
-        let seeds: Vec<String> = rest
+        let seeds: Vec<(String, u16)> = rest
             .split(',')
             .map(|seed| seed.trim().trim_start_matches("redis://").trim_end_matches('/'))
             .map(|seed| {
                 let (host, port) =
                     seed.rsplit_once(':').ok_or_else(|| format!("seed `{seed}` has no :PORT"))?;
-                if host.is_empty() || port.parse::<u16>().is_err() {
-                    return Err(format!("seed `{seed}` is not HOST:PORT"));
+                match port.parse::<u16>() {
+                    Ok(port) if !host.is_empty() => Ok((host.to_string(), port)),
+                    _ => Err(format!("seed `{seed}` is not HOST:PORT")),
                 }
-                Ok(format!("redis://{seed}"))
             })
             .collect::<Result<_, _>>()?;
         Ok(Self(seeds.into()))
     }
 
-    /// The seed URLs.
-    pub fn urls(&self) -> &[String] {
-        &self.0
-    }
-
     /// The seeds as (host, port).
-    pub fn hosts(&self) -> Vec<(String, u16)> {
-        self.0
-            .iter()
-            .filter_map(|url| {
-                let (host, port) = url.trim_start_matches("redis://").rsplit_once(':')?;
-                Some((host.to_string(), port.parse().ok()?))
-            })
-            .collect()
+    pub fn hosts(&self) -> &[(String, u16)] {
+        &self.0
     }
 }
 
 impl std::fmt::Display for RedisSeeds {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let hosts: Vec<&str> = self.0.iter().map(|url| url.trim_start_matches("redis://")).collect();
+        let hosts: Vec<String> = self.0.iter().map(|(host, port)| format!("{host}:{port}")).collect();
         write!(f, "redis://{}", hosts.join(","))
     }
 }
@@ -307,7 +296,7 @@ impl Invalidation {
     async fn subscribe_forever(self: Arc<Self>, seeds: RedisSeeds) {
         loop {
             for (host, port) in seeds.hosts() {
-                let client = node_client(&Server::new(host.as_str(), port));
+                let client = node_client(&Server::new(host.as_str(), *port));
                 let mut messages = client.message_rx();
                 if !matches!(tokio::time::timeout(SUBSCRIPTION_PING, subscribe(&client)).await, Ok(Ok(()))) {
                     quit(client);
@@ -648,7 +637,7 @@ impl Drop for RedisCluster {
 /// replica, as the client learns the new slot map only on reconnecting or
 /// on a redirect.
 fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> Result<Client, FetchError> {
-    let config = Config { server: ServerConfig::new_clustered(seeds.hosts()), ..Config::default() };
+    let config = Config { server: ServerConfig::new_clustered(seeds.hosts().to_vec()), ..Config::default() };
     let mut builder = Builder::from_config(config);
     builder
         .with_connection_config(|c| {
@@ -816,7 +805,7 @@ mod tests {
     #[test]
     fn seeds_parse_from_the_flag_and_print_back() {
         let seeds = RedisSeeds::parse("redis://127.0.0.1:7000,127.0.0.1:7001").unwrap();
-        assert_eq!(seeds.urls(), ["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"]);
+        assert_eq!(seeds.hosts(), [("127.0.0.1".to_string(), 7000), ("127.0.0.1".to_string(), 7001)]);
         assert_eq!(seeds.to_string(), "redis://127.0.0.1:7000,127.0.0.1:7001");
         assert!(RedisSeeds::parse("127.0.0.1:7000").unwrap_err().contains("redis://"));
         assert!(RedisSeeds::parse("redis://127.0.0.1").unwrap_err().contains("no :PORT"));
