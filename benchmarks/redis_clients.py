@@ -62,6 +62,7 @@ def main():
     p.add_argument("--failover-runs", type=int, default=1)
     p.add_argument("--json-out")
     args = p.parse_args()
+    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_system.sh"), "redis-server"], check=True)
     env = dict(os.environ, CARGO_TARGET_DIR=os.path.join(ROOT, "target"))
     subprocess.run(["cargo", "build", "--release", "-j2", "--manifest-path", os.path.join(TOOL_DIR, "Cargo.toml")],
                    check=True, env=env)

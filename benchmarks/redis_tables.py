@@ -260,7 +260,7 @@ def main():
     p.add_argument("--json-out")
     args = p.parse_args()
     require_binary(args.binary, "--features torch")
-    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_haproxy.sh")], check=True)
+    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_system.sh"), "haproxy", "redis-server"], check=True)
     work = tempfile.mkdtemp(prefix="narsil-redis-bench-")
     cluster = os.path.join(work, "cluster")
     model = os.path.join(work, "model")

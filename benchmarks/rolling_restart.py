@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Zero-loss rolling restart: HAProxy in front of Narsil replicas on one host.
 
-1. Installs HAProxy if missing (scripts/setup_haproxy.sh) and starts
+1. Installs HAProxy if missing (scripts/setup_system.sh haproxy) and starts
    `--replicas` Narsil servers on 127.0.0.1, each with `--drain-grace-secs`,
    and HAProxy (deploy/haproxy/haproxy.cfg.in) balancing gRPC per call and
    checking each replica's `/healthz`.
@@ -104,7 +104,7 @@ def main():
     p.add_argument("--json-out", help="write the results to this file")
     args = p.parse_args()
     require_binary(args.binary, "--features torch")
-    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_haproxy.sh")], check=True)
+    subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup_system.sh"), "haproxy"], check=True)
 
     replicas = [Replica(args, i) for i in range(args.replicas)]
     haproxy = None

@@ -28,7 +28,7 @@ image_tag() {
 }
 
 require_podman() {
-  command -v podman >/dev/null 2>&1 || apt_install podman
+  bash scripts/setup_system.sh podman
 }
 
 # check_repository KIND DIR: writes the check's model repository to

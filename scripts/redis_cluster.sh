@@ -5,7 +5,8 @@
 #   scripts/redis_cluster.sh start DIR [--masters N] [--replicas R] [--port P]
 #   scripts/redis_cluster.sh stop DIR
 #
-# `start` installs Debian's redis-server when it is missing, starts
+# `start` needs Debian's redis-server (`scripts/setup_system.sh` installs
+# it; this script never installs, since tests run it in parallel), starts
 # N x (1 + R) nodes (default 3 masters, 1 replica each) on consecutive
 # loopback ports from P (default: the first free run of ports from 7100),
 # each in DIR/PORT (its config, log, pid and cluster state; no persistence:
@@ -19,9 +20,9 @@ source scripts/lib.sh
 
 usage() { sed -n '4,6p' "$0" | sed 's/^# //' >&2; exit 2; }
 
-install_redis() {
+require_redis() {
   command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 && return
-  apt_install redis-server
+  die "redis-server and redis-cli not found: scripts/setup_system.sh installs them (scripts/test.sh runs it)"
 }
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -52,7 +53,7 @@ start() {
       *) usage ;;
     esac
   done
-  install_redis
+  require_redis
   local nodes=$((masters * (1 + replicas)))
   # Clusters started at once (parallel tests) take turns choosing ports:
   # the lock is held until this cluster's nodes listen.

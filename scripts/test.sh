@@ -2,12 +2,16 @@
 # Runs Narsil's whole test suite: unit tests, end-to-end gRPC tests over
 # loopback (mock and libtorch backends), and the benches compiled and run once
 # in test mode. Sets up the Python venv (libtorch, FBGEMM, TorchRec) and a
-# small exported test model first if they are missing.
+# small exported test model first if they are missing, and the system
+# packages the tests run (scripts/setup_system.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 require_rust
+# System packages the tests run (redis-server), installed here, once and
+# serially: no test installs anything.
+bash scripts/setup_system.sh
 use_project_torch
 export_model test-small --num-rows 1000 --split --split-fp32
 export_model test-small-b --num-rows 1000 --seed 1 --golden-seed 0
