@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crate::config::Setting;
+use crate::setting::Setting;
 
 /// One of the queue's three limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

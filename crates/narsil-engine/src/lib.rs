@@ -31,12 +31,14 @@ mod job;
 mod lanes;
 mod memory;
 mod parallelism;
+mod setting;
 mod stats;
 
 pub use admission::{QueueFull, QueueLimit};
-pub use config::{ConfigError, EngineConfig, ExecutionMode, Setting};
+pub use config::{ConfigError, EngineConfig, ExecutionMode};
 pub use engine::{Engine, EngineHandle};
 pub use error::{EngineError, LaneFailed, StartError};
 pub use job::Prediction;
 pub use memory::{decode_reservation, on_large_free, Lease, MemoryBudget};
+pub use setting::Setting;
 pub use stats::{merge_expositions, StatsSnapshot};
