@@ -19,10 +19,11 @@
 use std::time::Instant;
 
 use narsil_core::{InputField, InvalidInput, ModelSchema, RequestSamples};
+use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
 use super::infer::Infer;
-use super::{deadline, status};
+use super::{deadline, status, ServedProtocol};
 use crate::kserve_proto as pb;
 use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::kserve_proto::model_infer_request::InferInputTensor;
@@ -46,6 +47,14 @@ pub fn field_name(field: InputField) -> &'static str {
 }
 
 /// `inference.GRPCInferenceService` over the engine.
+/// KServe v2: `ModelInfer`'s typed `int64_contents` are packed varints, one
+/// byte decoding to an 8-byte integer.
+pub const SERVED: ServedProtocol = ServedProtocol {
+    service:
+        <pb::grpc_inference_service_server::GrpcInferenceServiceServer<KServeService> as NamedService>::NAME,
+    decode_expansion: &[("ModelInfer", 8)],
+};
+
 pub struct KServeService {
     infer: Infer,
 }

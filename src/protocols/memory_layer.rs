@@ -5,7 +5,8 @@
 //! buffered, the body reserves on the process's [`MemoryBudget`] the most
 //! the message can take while it is received and decoded
 //! ([`decode_reservation`]: its encoded size plus its values decoded, at the
-//! method's worst expansion). A reservation that does not fit ends the call
+//! method's worst expansion, which each protocol declares:
+//! [`ServedProtocol::decode_expansion`]). A reservation that does not fit ends the call
 //! at once with RESOURCE_EXHAUSTED naming `--max-queue-bytes`: the payload is
 //! never buffered. A reservation that fits is a [`Lease`] left for the
 //! call's handler ([`take_lease`]), which hands it to the engine: it shrinks
@@ -16,6 +17,7 @@
 //! call's own future. A lease nobody takes is returned when the call ends.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -27,6 +29,7 @@ use tonic::codegen::http::{Request, Response};
 use tonic::codegen::{Bytes, Service};
 use tonic::Status;
 
+use super::ServedProtocol;
 use crate::lifecycle::ModelRegistry;
 
 tokio::task_local! {
@@ -38,30 +41,42 @@ pub fn take_lease() -> Option<Lease> {
     RECEIVED.try_with(|slot| slot.borrow_mut().take()).ok().flatten()
 }
 
-/// Worst-case decoded bytes per encoded byte of a method's request: packed
-/// varints (`narsil.v1` ids, KServe typed `int64_contents`) decode one byte
-/// to an 8-byte integer; TorchRec's byte fields stay slices of the message
-/// and decode int32 ids to 8 bytes (2x). Other methods take small messages
-/// and are held to their encoded size.
-fn expansion(path: &str) -> usize {
-    match path {
-        "/narsil.v1.Predictor/Predict" | "/inference.GRPCInferenceService/ModelInfer" => 8,
-        "/predictor.Predictor/Predict" => 2,
-        _ => 0,
-    }
-}
-
 /// The layer, for `tonic::transport::Server::builder().layer(…)`.
 #[derive(Clone)]
 pub struct MemoryLayer {
     budget: MemoryBudget,
     models: Arc<ModelRegistry>,
+    expansion: Arc<DecodeExpansion>,
+}
+
+/// Worst-case decoded bytes per encoded byte, by method path, as each
+/// protocol declares them ([`ServedProtocol::decode_expansion`]).
+struct DecodeExpansion(HashMap<String, usize>);
+
+impl DecodeExpansion {
+    fn of(protocols: &[ServedProtocol]) -> Self {
+        let methods = protocols.iter().flat_map(|protocol| {
+            protocol
+                .decode_expansion
+                .iter()
+                .map(|(method, x)| (format!("/{}/{method}", protocol.service), *x))
+        });
+        Self(methods.collect())
+    }
+
+    /// Decoded bytes per encoded byte of a call to `path`: what its protocol
+    /// declared, or 0 (held to its encoded size) for methods that take small
+    /// messages.
+    fn get(&self, path: &str) -> usize {
+        self.0.get(path).copied().unwrap_or(0)
+    }
 }
 
 impl MemoryLayer {
-    /// Reserves on `budget`; refusals are counted in `models`' metrics.
-    pub fn new(budget: MemoryBudget, models: Arc<ModelRegistry>) -> Self {
-        Self { budget, models }
+    /// Reserves on `budget` for the methods of `protocols`; refusals are
+    /// counted in `models`' metrics.
+    pub fn new(budget: MemoryBudget, models: Arc<ModelRegistry>, protocols: &[ServedProtocol]) -> Self {
+        Self { budget, models, expansion: Arc::new(DecodeExpansion::of(protocols)) }
     }
 }
 
@@ -94,7 +109,7 @@ where
     }
 
     fn call(&mut self, request: Request<Body>) -> Self::Future {
-        let expansion = expansion(request.uri().path());
+        let expansion = self.layer.expansion.get(request.uri().path());
         let layer = self.layer.clone();
         let request = request
             .map(|body| Body::new(Reserving { inner: body, header: [0; HEADER], seen: 0, expansion, layer }));
@@ -176,13 +191,26 @@ impl tonic::codegen::Body for Reserving {
 
 #[cfg(test)]
 mod tests {
-    use super::expansion;
+    use super::DecodeExpansion;
+    use crate::protocols::PROTOCOLS;
 
     #[test]
     fn prediction_methods_reserve_their_worst_expansion_and_others_their_size() {
-        assert_eq!(expansion("/narsil.v1.Predictor/Predict"), 8);
-        assert_eq!(expansion("/inference.GRPCInferenceService/ModelInfer"), 8);
-        assert_eq!(expansion("/predictor.Predictor/Predict"), 2);
-        assert_eq!(expansion("/grpc.health.v1.Health/Check"), 0);
+        let expansion = DecodeExpansion::of(&PROTOCOLS);
+        assert_eq!(expansion.get("/narsil.v1.Predictor/Predict"), 8);
+        assert_eq!(expansion.get("/inference.GRPCInferenceService/ModelInfer"), 8);
+        assert_eq!(expansion.get("/predictor.Predictor/Predict"), 2);
+        assert_eq!(expansion.get("/grpc.health.v1.Health/Check"), 0);
+    }
+
+    #[test]
+    fn every_protocol_declares_the_expansion_of_a_method_that_carries_requests() {
+        for protocol in PROTOCOLS {
+            assert!(
+                protocol.decode_expansion.iter().any(|(_, x)| *x > 0),
+                "{} declares no method whose messages the memory bound expands",
+                protocol.service
+            );
+        }
     }
 }

@@ -3,14 +3,22 @@
 use std::time::Instant;
 
 use narsil_core::InputField;
+use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
 use super::infer::Infer;
-use super::{convert, deadline, status};
+use super::{convert, deadline, status, ServedProtocol};
 use crate::proto;
-use crate::proto::predictor_server::Predictor;
+use crate::proto::predictor_server::{Predictor, PredictorServer};
 
 /// The native prediction service.
+/// `narsil.v1`: `Predict`'s packed varint ids decode one byte to an 8-byte
+/// integer.
+pub const SERVED: ServedProtocol = ServedProtocol {
+    service: <PredictorServer<PredictorService> as NamedService>::NAME,
+    decode_expansion: &[("Predict", 8)],
+};
+
 pub struct PredictorService {
     infer: Infer,
 }

@@ -7,16 +7,25 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use narsil_core::{InputField, InvalidInput, RequestSamples, SparseLayout};
+use tonic::server::NamedService;
 use tonic::{Request, Response, Status};
 
 use super::deadline;
 use super::infer::Infer;
+use super::ServedProtocol;
 use crate::torchrec_proto as pb;
 use crate::torchrec_proto::predictor_server::Predictor;
 use crate::wire::le;
 use crate::wire::torchrec::{MODEL_HEADER, MODEL_VERSION_HEADER};
 
 /// `predictor.Predictor` over the engine.
+/// TorchRec's protocol: `Predict`'s byte fields stay slices of the message,
+/// and int32 ids decode to 8 bytes (2x).
+pub const SERVED: ServedProtocol = ServedProtocol {
+    service: <pb::predictor_server::PredictorServer<TorchRecService> as NamedService>::NAME,
+    decode_expansion: &[("Predict", 2)],
+};
+
 pub struct TorchRecService {
     infer: Infer,
 }

@@ -200,8 +200,8 @@ impl Server {
         let addr = self.local_addr();
         let models = Arc::clone(&self.models);
         let drain = Drain::default();
-        let (protocols, names) =
-            protocols::services(&Infer::new(Arc::clone(&models)), self.max_message_bytes);
+        let routes = protocols::services(&Infer::new(Arc::clone(&models)), self.max_message_bytes);
+        let names: Vec<&str> = protocols::PROTOCOLS.iter().map(|protocol| protocol.service).collect();
         let (reporter, health_service) = tonic_health::server::health_reporter();
         let health = Health::new(reporter, &names).await;
         let reflection = tonic_reflection::server::Builder::configure()
@@ -263,8 +263,8 @@ impl Server {
         let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
         let served = tonic::transport::Server::builder()
             .layer(message_limit::layer(Arc::clone(&models)))
-            .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models)))
-            .add_routes(protocols)
+            .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models), &protocols::PROTOCOLS))
+            .add_routes(routes)
             .add_service(health_service)
             .add_service(reflection)
             .serve_with_incoming_shutdown(incoming, stop_listening)
