@@ -43,7 +43,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from split_model import DenseNetwork, write_split
+from split_model import DenseNetwork, DlrmPredictor, write_split
 
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
@@ -63,35 +63,6 @@ def int_list(text: str) -> List[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"need positive integers: {text}")
     return values
-
-
-class DlrmPredictor(nn.Module):
-    """Narsil's model interface around TorchRec's DLRM: builds the
-    KeyedJaggedTensor from flat key-major tensors and returns probabilities.
-
-    It computes exactly what `DLRM.forward` computes (bit for bit in FP32)
-    with three fewer copies: the pooled embeddings stay in the
-    `[B, F * D]` block the embedding collection writes (TorchRec's SparseArch
-    splits it per key and concatenates it again), the dense embedding and the
-    pooled ones are concatenated once, and the upper triangle of the
-    interaction is one `index_select` over the flattened `[B, (F+1)^2]`
-    products instead of a two-index gather.
-
-    The dense arithmetic runs in the dtype of the over arch's weights, so the
-    same file serves FP32 and, once Narsil casts its floating-point weights
-    (`--dense-precision bf16`), bf16; the scores are always FP32.
-    """
-
-    def __init__(self, dlrm: DLRM, keys: List[str]) -> None:
-        super().__init__()
-        self.keys = keys
-        self.embeddings = dlrm.sparse_arch.embedding_bag_collection
-        self.dense_network = DenseNetwork(dlrm, len(keys))
-
-    def forward(self, dense: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        sparse = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths)
-        pooled = self.embeddings(sparse).values()  # [B, F * D], key order
-        return self.dense_network(dense, pooled)
 
 
 class WithSchema(nn.Module):

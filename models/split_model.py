@@ -29,6 +29,8 @@ from typing import List
 
 import torch
 from torch import nn
+from torchrec.models.dlrm import DLRM
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 SPLIT_FORMAT = "narsil-split-1"
 # Golden requests up to this many samples also carry their pooled embeddings.
@@ -61,6 +63,35 @@ class DenseNetwork(nn.Module):
         interactions = torch.index_select(products, 1, self.upper_triangle)
         logits = self.over_arch(torch.cat([dense_embedding, interactions], dim=1))
         return torch.sigmoid(logits.float()).reshape(-1)
+
+
+class DlrmPredictor(nn.Module):
+    """Narsil's model interface around TorchRec's DLRM: builds the
+    KeyedJaggedTensor from flat key-major tensors and returns probabilities.
+
+    It computes exactly what `DLRM.forward` computes (bit for bit in FP32)
+    with three fewer copies: the pooled embeddings stay in the
+    `[B, F * D]` block the embedding collection writes (TorchRec's SparseArch
+    splits it per key and concatenates it again), the dense embedding and the
+    pooled ones are concatenated once, and the upper triangle of the
+    interaction is one `index_select` over the flattened `[B, (F+1)^2]`
+    products instead of a two-index gather.
+
+    The dense arithmetic runs in the dtype of the over arch's weights, so the
+    same file serves FP32 and, once Narsil casts its floating-point weights
+    (`--dense-precision bf16`), bf16; the scores are always FP32.
+    """
+
+    def __init__(self, dlrm: DLRM, keys: List[str]) -> None:
+        super().__init__()
+        self.keys = keys
+        self.embeddings = dlrm.sparse_arch.embedding_bag_collection
+        self.dense_network = DenseNetwork(dlrm, len(keys))
+
+    def forward(self, dense: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        sparse = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths)
+        pooled = self.embeddings(sparse).values()  # [B, F * D], key order
+        return self.dense_network(dense, pooled)
 
 
 def int8_tables(quantized: nn.Module) -> List[torch.Tensor]:
@@ -120,11 +151,9 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     }
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
 
-    from export_dlrm import DlrmPredictor  # the single-file model's arithmetic
     single = DlrmPredictor(source, keys).eval()
     embeddings = source.sparse_arch.embedding_bag_collection
     exact = storage == "int8_rowwise"
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     golden = []
     with torch.inference_mode():
         for request in requests:
@@ -233,7 +262,6 @@ def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Mod
 
 def empty_features(ebc: nn.Module):
     """A batch of one sample with empty bags for every feature of `ebc`."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
     keys = [f for c in ebc.embedding_bag_configs() for f in c.feature_names]
     weights = torch.zeros(0) if ebc.is_weighted() else None
     return KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.int64),
