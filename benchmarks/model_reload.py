@@ -12,6 +12,12 @@
    requests (GET /v1/models shows it READY and the old one gone), and the
    p50/p99 latency and throughput of the steady and the switching window.
 
+`memory`: publishes `--versions` versions in turn, alternating between
+`--model` and `--model-b` (default: the FP32 exports of the two small test
+models), each once its predecessor is gone, under closed-loop load the
+whole time, and reports the server's RSS after each publish: a serving
+process must not keep anything of a version it retired.
+
 `models`: the same server with two models (`alpha`, `beta`, the same file)
 under c8 each, against one model under c16, alternating, to show what
 serving two models on separate lanes costs when cores are the limit.
@@ -30,7 +36,7 @@ import threading
 import time
 import urllib.request
 
-from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_binary, wait_serving
+from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_binary, status_mib, wait_serving
 
 
 def publish(repo, model, version, model_file):
@@ -101,6 +107,39 @@ def switch(args, repo):
     return rounds
 
 
+def memory(args, repo):
+    model_b = args.model_b or os.path.join(ROOT, "models", "generated", "test-small-b", "model_fp32.pt")
+    publish(repo, "dlrm", 1, args.model)
+    server, addr, admin = start_server(args, repo, args.serve_arg)
+    cmd = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(args.concurrency),
+           "--samples-per-request", str(args.samples), "--duration", "100000", "--warmup", "0", "--json"]
+    loader = subprocess.Popen(pinned(cmd, 1), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rss = []
+    try:
+        for version in range(2, args.versions + 2):
+            publish(repo, "dlrm", version, model_b if version % 2 == 0 else args.model)
+            server.send_signal(signal.SIGHUP)
+            deadline = time.time() + 60
+            while True:
+                states = versions(admin)["dlrm"]
+                if states.get(str(version)) == "READY" and str(version - 1) not in states:
+                    break
+                if time.time() > deadline:
+                    raise SystemExit(f"version {version} not serving alone within 60 s: {states}")
+                time.sleep(0.01)
+            time.sleep(args.settle)
+            rss.append(round(status_mib(server.pid, "VmRSS"), 1))
+            print(json.dumps({"publish": version - 1, "rss_mib": rss[-1]}), flush=True)
+    finally:
+        loader.kill()
+        loader.wait()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    tenth = rss[min(9, len(rss) - 1)]
+    return {"model_b": os.path.relpath(model_b, ROOT), "rss_mib_after_each_publish": rss,
+            "rss_mib_growth_publish_10_to_last": round(rss[-1] - tenth, 1)}
+
+
 def models(args, repo):
     for name in ("alpha", "beta"):
         publish(repo, name, 1, args.model)
@@ -131,9 +170,14 @@ def models(args, repo):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", nargs="?", choices=["switch", "models"], default="switch")
+    p.add_argument("scenario", nargs="?", choices=["switch", "memory", "models"], default="switch")
     p.add_argument("--binary", default=DEFAULT_BINARY)
     p.add_argument("--model", default=os.path.join(ROOT, "models", "generated", "default", "model_default.pt"))
+    p.add_argument("--model-b", help="memory: the version published in turn with --model "
+                   "(default: models/generated/test-small-b/model_fp32.pt)")
+    p.add_argument("--versions", type=int, default=50, help="memory: versions published")
+    p.add_argument("--settle", type=float, default=0.5, help="memory: seconds between a switch and reading RSS")
+    p.add_argument("--serve-arg", action="append", default=[], help="memory: extra `narsil serve` argument")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--duration", type=float, default=10.0, help="seconds of each load window")
     p.add_argument("--concurrency", type=int, default=16)
@@ -145,7 +189,7 @@ def main():
         raise SystemExit(f"{args.model} not found: run scripts/serve.sh once to export the default model")
     repo = tempfile.mkdtemp(prefix="narsil-repo-")
     try:
-        rounds = switch(args, repo) if args.scenario == "switch" else models(args, repo)
+        rounds = {"switch": switch, "memory": memory, "models": models}[args.scenario](args, repo)
     finally:
         shutil.rmtree(repo)
     result = {"machine": machine(), "scenario": args.scenario, "model": os.path.relpath(args.model, ROOT),
