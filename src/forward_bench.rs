@@ -263,7 +263,7 @@ fn measure(
             for f in 0..batch.num_sparse {
                 distinct.clear();
                 distinct.add(batch.feature_ids(f));
-                ids = ids.add(distinct.count());
+                ids = ids + distinct.count();
             }
         }
         for batch in batches.iter().cycle().take(args.warmup) {

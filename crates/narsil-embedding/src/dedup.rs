@@ -21,9 +21,13 @@ impl IdCount {
             self.looked_up as f64 / self.distinct as f64
         }
     }
+}
 
-    /// Both counts added.
-    pub fn add(self, other: Self) -> Self {
+/// Both counts added.
+impl std::ops::Add for IdCount {
+    type Output = Self;
+
+    fn add(self, other: Self) -> Self {
         Self { looked_up: self.looked_up + other.looked_up, distinct: self.distinct + other.distinct }
     }
 }
@@ -138,7 +142,7 @@ mod tests {
         let count = ids.count();
         assert_eq!(count, IdCount { looked_up: 5, distinct: 3 });
         assert!((count.ratio() - 5.0 / 3.0).abs() < 1e-12);
-        assert_eq!(count.add(count), IdCount { looked_up: 10, distinct: 6 });
+        assert_eq!(count + count, IdCount { looked_up: 10, distinct: 6 });
         ids.clear();
         assert_eq!(ids.count().ratio(), 0.0);
         ids.add(&[1 << 40, 2 << 40, 1 << 40]);
