@@ -2,7 +2,7 @@
 //! the requests routed to it before still hold its [`LiveVersion`]; the
 //! last of them to let go (its answer sent) drops it, and its `Drop` hands
 //! the engine here, where it is shut down: queue closed, lanes joined, the
-//! model's memory released. Nothing polls: the drop is the signal, and
+//! model's memory released and handed back to the OS. Nothing polls: the drop is the signal, and
 //! [`Reaper::finish`] waits for the channel to close (every version handed
 //! a sender dropped, and each reaped), as mini-redis drains by channel
 //! closure.
@@ -28,6 +28,10 @@ pub struct Retired {
 impl Retired {
     async fn stop(self) {
         self.engine.shutdown().await;
+        // Its weights and its lanes' buffers are freed now: hand them back
+        // (libtorch's allocator keeps freed pages otherwise, and every
+        // retired version would leave some resident).
+        narsil_engine::release_freed_memory();
         tracing::info!(model = self.model, version = self.number, "version unloaded");
     }
 

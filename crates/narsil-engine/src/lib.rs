@@ -39,6 +39,6 @@ pub use config::{ConfigError, EngineConfig, ExecutionMode};
 pub use engine::{Engine, EngineHandle};
 pub use error::{EngineError, LaneFailed, StartError};
 pub use job::Prediction;
-pub use memory::{decode_reservation, on_large_free, Lease, MemoryBudget};
+pub use memory::{decode_reservation, on_freed_memory, release_freed_memory, Lease, MemoryBudget};
 pub use setting::Setting;
 pub use stats::{merge_expositions, StatsSnapshot};

@@ -135,25 +135,33 @@ pub fn decode_reservation(encoded: usize, expansion: usize, budget: &MemoryBudge
 }
 
 /// Batches at least this large hand their memory back to the OS once
-/// their forward is over ([`on_large_free`]).
+/// their forward is over ([`on_freed_memory`]).
 pub const LARGE_BATCH_BYTES: usize = 16 << 20;
 
 static RELEASE: OnceLock<fn()> = OnceLock::new();
 
-/// Sets how freed memory is returned to the OS after a batch of at least
-/// [`LARGE_BATCH_BYTES`] (the process's allocator knows how: `narsil` asks
-/// mimalloc to purge the pages it keeps for reuse). Set once; later calls
-/// are ignored.
-pub fn on_large_free(release: fn()) {
+/// Sets how freed memory is handed back to the OS: after a batch of at least
+/// [`LARGE_BATCH_BYTES`], and after a model version has stopped
+/// ([`release_freed_memory`]). The process's allocators know how: `narsil`
+/// asks mimalloc to purge the pages it keeps for reuse and glibc's malloc
+/// (libtorch's) to return its free pages. Set once; later calls are
+/// ignored.
+pub fn on_freed_memory(release: fn()) {
     let _ = RELEASE.set(release);
+}
+
+/// Hands freed memory back to the OS, as [`on_freed_memory`] set (nothing
+/// when it was not set).
+pub fn release_freed_memory() {
+    if let Some(release) = RELEASE.get() {
+        release();
+    }
 }
 
 /// Called once a batch of `bytes` has been freed.
 pub(crate) fn freed_batch(bytes: usize) {
     if bytes >= LARGE_BATCH_BYTES {
-        if let Some(release) = RELEASE.get() {
-            release();
-        }
+        release_freed_memory();
     }
 }
 
