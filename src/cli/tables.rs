@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use narsil_embedding::redis_store::{load_table, DEFAULT_BUCKETS};
-use narsil_embedding::{RedisCluster, RedisSeeds, RedisTableSpec, SplitSchema, Table, TableStore};
+use narsil_embedding::{LocalRows, RedisCluster, RedisSeeds, RedisTableSpec, SplitSchema, Table};
 
 /// `narsil tables ...`.
 #[derive(Debug, Args)]
@@ -87,7 +87,7 @@ fn load(args: &LoadTablesArgs) -> anyhow::Result<()> {
     let (mut rows, mut bytes) = (0u64, 0u64);
     let mut specs = Vec::with_capacity(schema.tables.len());
     for (i, spec) in schema.tables.iter().enumerate() {
-        let table = Table::load(&args.model, spec, TableStore::Mmap)?;
+        let table = Table::load(&args.model, spec, LocalRows::Mmap)?;
         let redis = RedisTableSpec {
             prefix: format!("narsil/{}/{}/{}", schema.name, schema.version, spec.name),
             buckets: args.buckets,
@@ -143,8 +143,8 @@ fn push(args: &PushTablesArgs) -> anyhow::Result<()> {
         {
             anyhow::bail!("table {:?}: --from's shape differs (rows, row bytes, storage)", spec.name);
         }
-        let old = Table::load(&args.model, spec, TableStore::Mmap)?;
-        let new = Table::load(&args.from, new_spec, TableStore::Mmap)?;
+        let old = Table::load(&args.model, spec, LocalRows::Mmap)?;
+        let new = Table::load(&args.from, new_spec, LocalRows::Mmap)?;
         let changed: Vec<u64> = (0..spec.rows)
             .filter(|&id| {
                 let range = id as usize * spec.row_bytes..(id as usize + 1) * spec.row_bytes;

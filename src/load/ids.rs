@@ -107,8 +107,10 @@ impl IdSampler {
     /// Ids of a table of `rows` rows (at least 1) for feature `feature`.
     pub fn new(distribution: IdDistribution, rows: u64, feature: usize, seed: u64) -> anyhow::Result<Self> {
         anyhow::ensure!(rows > 0, "a table with no rows has no ids to draw");
-        let stride =
-            STRIDES.into_iter().find(|p| !rows.is_multiple_of(*p)).expect("rows is not divisible by four primes");
+        let stride = STRIDES
+            .into_iter()
+            .find(|p| !rows.is_multiple_of(*p))
+            .expect("rows is not divisible by four primes");
         let offset = splitmix(seed ^ splitmix(feature as u64)) % rows;
         let zipf = match distribution {
             IdDistribution::Uniform => None,

@@ -34,6 +34,7 @@ pub mod shared;
 pub mod stage;
 pub mod store;
 pub mod table;
+pub mod table_store;
 
 pub use dedup::{DistinctIds, IdCount};
 pub use metrics::StageMetrics;
@@ -43,4 +44,5 @@ pub use redis_store::{MissingRows, RedisCluster, RedisSeeds, RedisStoreConfig};
 pub use schema::{PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage, TableSpec};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
 pub use store::{FetchError, Fetched, RowStore};
-pub use table::{Table, TableError, TableStore};
+pub use table::{LocalRows, Table, TableError};
+pub use table_store::TableStore;

@@ -187,7 +187,7 @@ impl RowStore for RedisRows {
         false
     }
 
-    fn as_redis(&self) -> Option<&RedisRows> {
-        Some(self)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
 }

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::schema::{Storage, TableSpec};
-use crate::table::{Table, TableError, TableStore};
+use crate::table::{LocalRows, Table, TableError};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Identity {
@@ -23,7 +23,7 @@ struct Identity {
     rows: u64,
     row_bytes: usize,
     storage: Storage,
-    store: TableStore,
+    store: LocalRows,
 }
 
 /// Tables some live model version holds, by identity.
@@ -67,7 +67,7 @@ pub fn held() -> Held {
 
 /// Opens the table `spec` describes in model directory `dir`, in `store`,
 /// sharing it with any live version that holds the same table.
-pub fn open_shared(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Opened, TableError> {
+pub fn open_shared(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Opened, TableError> {
     if spec.sha256.is_empty() {
         return Ok(Opened { table: Arc::new(Table::load(dir, spec, store)?), shared: false });
     }
@@ -76,7 +76,7 @@ pub fn open_shared(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Op
         rows: spec.rows,
         row_bytes: spec.row_bytes,
         storage: spec.storage,
-        store: store.clone(),
+        store,
     };
     if let Some(table) = live(&identity) {
         return Ok(Opened { table, shared: true });
@@ -115,20 +115,19 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("narsil-shared-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("tables")).unwrap();
         std::fs::write(dir.join("tables/t.bin"), vec![3u8; 64]).unwrap();
-        let first = open_shared(&dir, &spec("ab12"), TableStore::Memory).unwrap();
+        let first = open_shared(&dir, &spec("ab12"), LocalRows::Memory).unwrap();
         assert!(!first.shared);
-        let second = open_shared(&dir, &spec("ab12"), TableStore::Memory).unwrap();
+        let second = open_shared(&dir, &spec("ab12"), LocalRows::Memory).unwrap();
         assert!(second.shared && Arc::ptr_eq(&first.table, &second.table));
         // Another identity, another store, or no identity: a table of its own.
-        for (sha, store) in
-            [("cd34", TableStore::Memory), ("ab12", TableStore::Mmap), ("", TableStore::Memory)]
+        for (sha, store) in [("cd34", LocalRows::Memory), ("ab12", LocalRows::Mmap), ("", LocalRows::Memory)]
         {
             let other = open_shared(&dir, &spec(sha), store.clone()).unwrap();
-            assert!(!other.shared && !Arc::ptr_eq(&first.table, &other.table), "{sha} {store}");
+            assert!(!other.shared && !Arc::ptr_eq(&first.table, &other.table), "{sha} {store:?}");
         }
         // Once no version holds it, it is read again.
         drop((first, second));
-        assert!(!open_shared(&dir, &spec("ab12"), TableStore::Memory).unwrap().shared);
+        assert!(!open_shared(&dir, &spec("ab12"), LocalRows::Memory).unwrap().shared);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -35,7 +35,8 @@ use crate::redis_store::RedisCluster;
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::shared::open_shared;
 use crate::store::{FetchError, Fetched, RowStore};
-use crate::table::{TableError, TableStore};
+use crate::table::{LocalRows, TableError};
+use crate::table_store::TableStore;
 
 struct StageTable {
     spec: TableSpec,
@@ -158,35 +159,40 @@ impl EmbeddingStage {
     ) -> Result<(Self, OpenedTables), TableError> {
         let mut opened = OpenedTables::default();
         let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
-        if let TableStore::Redis(config) = store {
-            let seeds = &config.seeds;
-            let cluster = RedisCluster::shared(config)
-                .map_err(|source| TableError::Store { table: schema.tables[0].name.clone(), source })?;
-            for spec in &schema.tables {
-                let store_error = |source| TableError::Store { table: spec.name.clone(), source };
-                let redis = spec.redis.as_ref().ok_or_else(|| {
-                    store_error(FetchError(format!(
-                        "schema.json names no Redis location for it: load the tables first \
-                         (`narsil tables load {} --store {seeds}`)",
-                        dir.display()
-                    )))
-                })?;
-                stores.push(Arc::new(
-                    RedisRows::open(&spec.name, redis, spec.rows, cluster.clone()).map_err(store_error)?,
-                ));
-                opened.read += 1;
+        match store {
+            TableStore::Redis(config) => {
+                let seeds = &config.seeds;
+                let cluster = RedisCluster::shared(config)
+                    .map_err(|source| TableError::Store { table: schema.tables[0].name.clone(), source })?;
+                for spec in &schema.tables {
+                    let store_error = |source| TableError::Store { table: spec.name.clone(), source };
+                    let redis = spec.redis.as_ref().ok_or_else(|| {
+                        store_error(FetchError(format!(
+                            "schema.json names no Redis location for it: load the tables first \
+                             (`narsil tables load {} --store {seeds}`)",
+                            dir.display()
+                        )))
+                    })?;
+                    stores.push(Arc::new(
+                        RedisRows::open(&spec.name, redis, spec.rows, cluster.clone())
+                            .map_err(store_error)?,
+                    ));
+                    opened.read += 1;
+                }
             }
-            return Ok((Self::new(schema, stores), opened));
-        }
-        for spec in &schema.tables {
-            let table = open_shared(dir, spec, store.clone())?;
-            if table.shared {
-                opened.shared += 1;
-            } else {
-                opened.read += 1;
+            TableStore::Memory | TableStore::Mmap => {
+                let local = if *store == TableStore::Mmap { LocalRows::Mmap } else { LocalRows::Memory };
+                for spec in &schema.tables {
+                    let table = open_shared(dir, spec, local)?;
+                    if table.shared {
+                        opened.shared += 1;
+                    } else {
+                        opened.read += 1;
+                    }
+                    opened.bytes += table.table.bytes().len() as u64;
+                    stores.push(table.table);
+                }
             }
-            opened.bytes += table.table.bytes().len() as u64;
-            stores.push(table.table);
         }
         Ok((Self::new(schema, stores), opened))
     }
@@ -201,7 +207,7 @@ impl EmbeddingStage {
     /// process always do, and never call it.
     pub fn watch_store(&self, watcher: narsil_core::DependencyWatcher) {
         // Every Redis table of a model is on the one cluster the store names.
-        if let Some(rows) = self.tables.iter().find_map(|t| t.store.as_redis()) {
+        if let Some(rows) = self.tables.iter().find_map(|t| t.store.as_any().downcast_ref::<RedisRows>()) {
             rows.cluster.watch_reachability(watcher);
         }
     }
@@ -326,7 +332,7 @@ impl EmbeddingStage {
             let ids = distinct.distinct();
             let row_bytes = table.spec.row_bytes;
             out.resize(ids.len() * row_bytes, 0);
-            if let Some(rows) = table.store.as_redis() {
+            if let Some(rows) = table.store.as_any().downcast_ref::<RedisRows>() {
                 redis.push(TableFetch { rows, ids, row_bytes, out });
                 redis_tables.push(t);
                 continue;
@@ -450,6 +456,9 @@ mod tests {
     impl RowStore for Fetching {
         fn kind(&self) -> &'static str {
             "fetching"
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
         }
         fn local_rows(&self) -> Option<&[u8]> {
             None
@@ -594,7 +603,7 @@ mod tests {
             .enumerate()
             .map(|(i, spec)| {
                 std::fs::write(dir.join(&spec.file), rows(spec, 3 + i as u8).bytes()).unwrap();
-                Arc::new(Table::load(&dir, spec, TableStore::Mmap).unwrap()) as Arc<dyn RowStore>
+                Arc::new(Table::load(&dir, spec, LocalRows::Mmap).unwrap()) as Arc<dyn RowStore>
             })
             .collect();
         let stage = EmbeddingStage::new(&schema, stores);

@@ -4,10 +4,8 @@
 //! rows of a fused batch's distinct ids (a store on other machines copies
 //! them into the stage's buffer, once per distinct id).
 
+use std::any::Any;
 use std::time::Instant;
-
-use crate::redis_rows::RedisRows;
-use crate::table::{Table, TableStore};
 
 /// A store's failure to deliver rows.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -47,41 +45,7 @@ pub trait RowStore: Send + Sync {
     /// the major page faults of its lookups).
     fn may_fault(&self) -> bool;
 
-    /// The table, when it is on a Redis Cluster: the stage then reads every
-    /// such table of a batch together ([`crate::redis_rows::fetch_tables`]).
-    fn as_redis(&self) -> Option<&RedisRows> {
-        None
-    }
-}
-
-impl RowStore for Table {
-    fn kind(&self) -> &'static str {
-        match self.store() {
-            TableStore::Memory => "memory",
-            TableStore::Mmap | TableStore::Redis(_) => "mmap",
-        }
-    }
-
-    fn local_rows(&self) -> Option<&[u8]> {
-        Some(self.bytes())
-    }
-
-    fn fetch(
-        &self,
-        ids: &[i64],
-        row_bytes: usize,
-        out: &mut [u8],
-        _deadline: Option<Instant>,
-    ) -> Result<Fetched, FetchError> {
-        let rows = self.bytes();
-        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(row_bytes)) {
-            let start = id as usize * row_bytes;
-            row.copy_from_slice(&rows[start..start + row_bytes]);
-        }
-        Ok(Fetched::default())
-    }
-
-    fn may_fault(&self) -> bool {
-        self.store() == TableStore::Mmap
-    }
+    /// The store as itself, for a stage that reads some stores' tables of a
+    /// batch together (a Redis Cluster's: [`crate::redis_rows::fetch_tables`]).
+    fn as_any(&self) -> &dyn Any;
 }

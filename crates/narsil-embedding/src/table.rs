@@ -2,8 +2,8 @@
 //! checked against the schema: a file that is truncated, too long, or
 //! missing fails with the table's name and the file's path.
 //!
-//! Two local stores (`narsil serve --table-store`; the third, `redis`, is
-//! [`crate::redis_store`]):
+//! Two local stores (`narsil serve --table-store`, [`crate::table_store`];
+//! the third, `redis`, is [`crate::redis_store`]):
 //!
 //! * `memory` (default): the file is read into the process once; every
 //!   lookup is a memory read. Needs the tables' size in RAM.
@@ -15,49 +15,19 @@
 //!   evict hot rows.
 
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
-use crate::redis_store::{RedisSeeds, RedisStoreConfig};
 use crate::schema::{Storage, TableSpec};
-use crate::store::FetchError;
+use crate::store::{FetchError, Fetched, RowStore};
 
-/// Where a table's rows live.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub enum TableStore {
+/// Where a local table's rows live (`--table-store memory` or `mmap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum LocalRows {
     /// Read into process memory.
     #[default]
     Memory,
     /// Mapped from the file; the page cache holds the hot rows.
     Mmap,
-    /// On a Redis Cluster, where `narsil tables load` put them, through a
-    /// hot-row cache.
-    Redis(RedisStoreConfig),
-}
-
-impl std::str::FromStr for TableStore {
-    type Err = String;
-
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "memory" => Ok(Self::Memory),
-            "mmap" => Ok(Self::Mmap),
-            _ if text.starts_with("redis://") => {
-                Ok(Self::Redis(RedisStoreConfig::new(RedisSeeds::parse(text)?)))
-            }
-            _ => Err(format!(
-                "`{text}` is not a table store: use `memory`, `mmap` or `redis://HOST:PORT[,HOST:PORT...]`"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for TableStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Memory => f.write_str("memory"),
-            Self::Mmap => f.write_str("mmap"),
-            Self::Redis(config) => config.fmt(f),
-        }
-    }
 }
 
 /// A table's rows, in memory or mapped.
@@ -174,9 +144,9 @@ pub enum TableError {
 }
 
 impl Table {
-    /// Opens the table `spec` describes in the model directory `dir`, in
-    /// `store` (`memory` or `mmap`).
-    pub fn load(dir: &Path, spec: &TableSpec, store: TableStore) -> Result<Self, TableError> {
+    /// Opens the table `spec` describes in the model directory `dir`, its
+    /// rows read into memory or mapped (`store`).
+    pub fn load(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Self, TableError> {
         let path = dir.join(&spec.file);
         let read_error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
         let expected = spec.rows * spec.row_bytes as u64;
@@ -192,14 +162,10 @@ impl Table {
             });
         }
         let rows_data = match store {
-            TableStore::Memory => Rows::Memory(std::fs::read(&path).map_err(read_error)?),
-            TableStore::Mmap => {
+            LocalRows::Memory => Rows::Memory(std::fs::read(&path).map_err(read_error)?),
+            LocalRows::Mmap => {
                 let file = std::fs::File::open(&path).map_err(read_error)?;
                 Rows::Mapped(Mapping::new(&file, expected as usize).map_err(read_error)?)
-            }
-            TableStore::Redis(_) => {
-                let source = FetchError("a Redis table has no local rows".into());
-                return Err(TableError::Store { table: spec.name.clone(), source });
             }
         };
         Ok(Self::with_rows(spec, rows_data))
@@ -224,10 +190,10 @@ impl Table {
     }
 
     /// Where its rows live.
-    pub fn store(&self) -> TableStore {
+    pub fn store(&self) -> LocalRows {
         match self.rows_data {
-            Rows::Memory(_) => TableStore::Memory,
-            Rows::Mapped(_) => TableStore::Mmap,
+            Rows::Memory(_) => LocalRows::Memory,
+            Rows::Mapped(_) => LocalRows::Mmap,
         }
     }
 
@@ -237,6 +203,42 @@ impl Table {
             Rows::Memory(data) => data,
             Rows::Mapped(mapping) => mapping.bytes(),
         }
+    }
+}
+
+impl RowStore for Table {
+    fn kind(&self) -> &'static str {
+        match self.store() {
+            LocalRows::Memory => "memory",
+            LocalRows::Mmap => "mmap",
+        }
+    }
+
+    fn local_rows(&self) -> Option<&[u8]> {
+        Some(self.bytes())
+    }
+
+    fn fetch(
+        &self,
+        ids: &[i64],
+        row_bytes: usize,
+        out: &mut [u8],
+        _deadline: Option<Instant>,
+    ) -> Result<Fetched, FetchError> {
+        let rows = self.bytes();
+        for (&id, row) in ids.iter().zip(out.chunks_exact_mut(row_bytes)) {
+            let start = id as usize * row_bytes;
+            row.copy_from_slice(&rows[start..start + row_bytes]);
+        }
+        Ok(Fetched::default())
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn may_fault(&self) -> bool {
+        self.store() == LocalRows::Mmap
     }
 }
 
@@ -262,15 +264,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("narsil-table-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("tables")).unwrap();
         std::fs::write(dir.join("tables/cat_3.bin"), vec![0u8; 16 * 9]).unwrap();
-        for store in [TableStore::Memory, TableStore::Mmap] {
+        for store in [LocalRows::Memory, LocalRows::Mmap] {
             let error = Table::load(&dir, &spec(10), store).unwrap_err().to_string();
             assert!(
                 error.contains("cat_3") && error.contains("tables/cat_3.bin") && error.contains("144 bytes"),
                 "{error}"
             );
         }
-        let missing =
-            Table::load(&dir.join("elsewhere"), &spec(9), TableStore::Mmap).unwrap_err().to_string();
+        let missing = Table::load(&dir.join("elsewhere"), &spec(9), LocalRows::Mmap).unwrap_err().to_string();
         assert!(missing.contains("cat_3") && missing.contains("cannot read"), "{missing}");
         std::fs::remove_dir_all(dir).unwrap();
     }
@@ -281,12 +282,10 @@ mod tests {
         std::fs::create_dir_all(dir.join("tables")).unwrap();
         let rows: Vec<u8> = (0..16 * 9).map(|i| (i * 7) as u8).collect();
         std::fs::write(dir.join("tables/cat_3.bin"), &rows).unwrap();
-        let memory = Table::load(&dir, &spec(9), TableStore::Memory).unwrap();
-        let mapped = Table::load(&dir, &spec(9), TableStore::Mmap).unwrap();
+        let memory = Table::load(&dir, &spec(9), LocalRows::Memory).unwrap();
+        let mapped = Table::load(&dir, &spec(9), LocalRows::Mmap).unwrap();
         assert_eq!(memory.bytes(), &rows[..]);
         assert_eq!(mapped.bytes(), &rows[..]);
-        assert_eq!("mmap".parse(), Ok(TableStore::Mmap));
-        assert!("disk".parse::<TableStore>().unwrap_err().contains("memory"));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

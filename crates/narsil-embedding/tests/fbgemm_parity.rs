@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use narsil_embedding::{pool_rows, Pooling, PoolingMode, SplitSchema, Storage, Table, TableStore};
+use narsil_embedding::{pool_rows, LocalRows, Pooling, PoolingMode, SplitSchema, Storage, Table};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -38,7 +38,7 @@ fn pooling_equals_fbgemm_on_the_exported_tables() {
     // Mapped: the same rows as read into memory (tested in the crate), so
     // this also checks that lookups through a map see the file.
     let tables: Vec<Table> =
-        schema.tables.iter().map(|spec| Table::load(&dir, spec, TableStore::Mmap).unwrap()).collect();
+        schema.tables.iter().map(|spec| Table::load(&dir, spec, LocalRows::Mmap).unwrap()).collect();
     let golden: Golden =
         serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
     let features = schema.features.len();
