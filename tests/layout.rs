@@ -100,3 +100,238 @@ fn the_check_sees_every_way_of_naming_a_room() {
     let named = named_rooms("use crate::{flags::x, server};\nlet a = crate::proto::A; narsil_crate::no");
     assert_eq!(named, BTreeSet::from(["flags".into(), "server".into(), "wire".into()]));
 }
+
+/// One source file's module path inside its crate: `src/a/b.rs` and
+/// `src/a/b/mod.rs` are `a::b`; the crate root is the empty path.
+fn module_path(src: &Path, file: &Path) -> Vec<String> {
+    let relative = file.strip_prefix(src).unwrap();
+    let mut parts: Vec<String> =
+        relative.iter().map(|part| part.to_str().unwrap().trim_end_matches(".rs").to_string()).collect();
+    if matches!(parts.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The paths a use tree names: `a::{b, c::d}` gives `a::b` and `a::c::d`.
+fn use_tree(rest: &str, prefix: Vec<String>, found: &mut Vec<Vec<String>>) -> usize {
+    let mut path = prefix;
+    let mut at = 0;
+    loop {
+        let tail = &rest[at..];
+        if let Some(group) = tail.strip_prefix('{') {
+            at += 1;
+            let mut consumed = 0;
+            loop {
+                let inner = group[consumed..].trim_start();
+                consumed = group.len() - inner.len();
+                if inner.starts_with('}') || inner.is_empty() {
+                    return at + consumed + 1;
+                }
+                consumed += use_tree(&group[consumed..], path.clone(), found);
+                let next = group[consumed..].trim_start();
+                consumed = group.len() - next.len();
+                if next.starts_with(',') {
+                    consumed += 1;
+                }
+            }
+        }
+        let name: String = tail.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        if name.is_empty() {
+            found.push(path);
+            return at;
+        }
+        at += name.len();
+        path.push(name);
+        if rest[at..].starts_with("::") {
+            at += 2;
+        } else {
+            found.push(path);
+            return at;
+        }
+    }
+}
+
+/// The module paths a file names (`crate::…`, `super::…`) outside comments
+/// and before its `#[cfg(test)]` items (what tests use is not a dependency
+/// of the module).
+fn named_modules(text: &str, here: &[String], is_mod_file: bool) -> Vec<Vec<String>> {
+    let mut found = Vec::new();
+    let code = text.lines().take_while(|line| line.trim() != "#[cfg(test)]");
+    for line in code.map(|line| line.split("//").next().unwrap_or("")) {
+        for (keyword, base) in [("crate::", Vec::new()), ("super::", Vec::new())] {
+            for (at, _) in line.match_indices(keyword) {
+                let preceded = line[..at].chars().next_back();
+                if preceded.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':' || c == '$') {
+                    continue;
+                }
+                let mut prefix = base.clone();
+                let mut rest = &line[at + keyword.len()..];
+                if keyword == "super::" {
+                    // `super` is the parent of this module; a `mod.rs` or
+                    // `lib.rs` is its module, not a child of it.
+                    let mut levels = 1;
+                    while let Some(more) = rest.strip_prefix("super::") {
+                        levels += 1;
+                        rest = more;
+                    }
+                    let depth = here.len() + usize::from(is_mod_file);
+                    prefix = here[..depth.saturating_sub(levels).min(here.len())].to_vec();
+                }
+                use_tree(rest, prefix, &mut found);
+            }
+        }
+    }
+    found
+}
+
+/// Circles among one crate's source files: each file depends on the
+/// longest module path it names that is a file of the crate. A module naming
+/// its own ancestors (a child using what its parent declares) is not a
+/// dependency between rooms and is left out.
+fn import_circles(crate_dir: &Path) -> Vec<String> {
+    let src = crate_dir.join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let modules: BTreeMap<Vec<String>, std::path::PathBuf> =
+        files.iter().map(|file| (module_path(&src, file), file.clone())).collect();
+    let mut edges: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    for (module, file) in &modules {
+        let is_mod_file = file.file_name().is_some_and(|name| name == "mod.rs");
+        let text = std::fs::read_to_string(file).unwrap();
+        for named in named_modules(&text, module, is_mod_file) {
+            let target =
+                (0..=named.len()).rev().map(|n| named[..n].to_vec()).find(|p| modules.contains_key(p));
+            if let Some(target) = target {
+                let ancestor_or_self = module.starts_with(&target);
+                let descendant = target.starts_with(module);
+                if !ancestor_or_self && !descendant {
+                    edges.entry(module.clone()).or_default().insert(target);
+                }
+            }
+        }
+    }
+    circles(&edges, |module| {
+        format!("{}::{}", crate_dir.file_name().unwrap().to_str().unwrap(), module.join("::"))
+    })
+}
+
+/// Each circle in a dependency graph, once, as `a -> b -> a`.
+fn circles<N: Ord + Clone>(edges: &BTreeMap<N, BTreeSet<N>>, name: impl Fn(&N) -> String) -> Vec<String> {
+    let mut found = BTreeSet::new();
+    for start in edges.keys() {
+        // Depth-first from `start`, through nodes greater than it only, so
+        // each circle is reported from its smallest node.
+        let mut stack = vec![(start.clone(), vec![start.clone()])];
+        while let Some((node, path)) = stack.pop() {
+            for next in edges.get(&node).into_iter().flatten() {
+                if next == start {
+                    let names: Vec<String> = path.iter().chain([start]).map(&name).collect();
+                    found.insert(names.join(" -> "));
+                } else if next > start && !path.contains(next) {
+                    let mut longer = path.clone();
+                    longer.push(next.clone());
+                    stack.push((next.clone(), longer));
+                }
+            }
+        }
+    }
+    found.into_iter().collect()
+}
+
+#[test]
+fn no_crate_has_an_import_circle_between_its_files() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut crates = vec![root.to_path_buf()];
+    for entry in std::fs::read_dir(root.join("crates")).unwrap() {
+        crates.push(entry.unwrap().path());
+    }
+    let found: Vec<String> = crates.iter().flat_map(|dir| import_circles(dir)).collect();
+    assert!(found.is_empty(), "import circles:\n{}", found.join("\n"));
+}
+
+/// Python modules of the repository's scripts each `import` or
+/// `from … import` (anywhere in the file, functions included) names.
+fn python_imports(text: &str) -> BTreeSet<String> {
+    let mut named = BTreeSet::new();
+    for line in text.lines().map(str::trim_start) {
+        let modules = if let Some(rest) = line.strip_prefix("from ") {
+            vec![rest.split_whitespace().next().unwrap_or("")]
+        } else if let Some(rest) = line.strip_prefix("import ") {
+            rest.split(',').map(|part| part.split_whitespace().next().unwrap_or("")).collect()
+        } else {
+            continue;
+        };
+        named.extend(modules.into_iter().map(|m| m.split('.').next().unwrap_or("").to_string()));
+    }
+    named
+}
+
+#[test]
+fn no_python_script_has_an_import_circle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut scripts = BTreeMap::new();
+    for dir in ["models", "benchmarks", "benchmarks/baselines", "benchmarks/torchrec_cpp", "tests/python"] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "py") {
+                scripts.insert(path.file_stem().unwrap().to_str().unwrap().to_string(), path);
+            }
+        }
+    }
+    let edges: BTreeMap<String, BTreeSet<String>> = scripts
+        .iter()
+        .map(|(name, path)| {
+            let text = std::fs::read_to_string(path).unwrap();
+            let ours =
+                python_imports(&text).into_iter().filter(|m| m != name && scripts.contains_key(m)).collect();
+            (name.clone(), ours)
+        })
+        .collect();
+    let found = circles(&edges, |name| format!("{name}.py"));
+    assert!(found.is_empty(), "import circles:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_circle_check_reads_use_trees_and_super() {
+    let here = vec!["a".to_string(), "b".to_string()];
+    let named = named_modules(
+        "use crate::{x::{y, z}, w};\nuse super::c::D; // crate::ignored\n#[cfg(test)]\nuse crate::t;",
+        &here,
+        false,
+    );
+    let as_text: Vec<String> = named.iter().map(|p| p.join("::")).collect();
+    assert_eq!(as_text, ["x::y", "x::z", "w", "a::c::D"]);
+    let mut edges = BTreeMap::new();
+    edges.insert(1, BTreeSet::from([2]));
+    edges.insert(2, BTreeSet::from([3]));
+    edges.insert(3, BTreeSet::from([1]));
+    assert_eq!(circles(&edges, |n| n.to_string()), ["1 -> 2 -> 3 -> 1"]);
+    assert_eq!(
+        python_imports("import os, json\n    from split_model import X\n"),
+        BTreeSet::from(["os".to_string(), "json".to_string(), "split_model".to_string()])
+    );
+}
+
+/// A protocol is its module in `src/protocols/` declaring `SERVED` (its
+/// service name and decode expansion) plus its entry in `PROTOCOLS`: a
+/// module that declares one but is missing from the table would be served
+/// without its health status or its memory bound.
+#[test]
+fn every_protocol_that_declares_itself_is_in_the_protocol_table() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/protocols");
+    let table = std::fs::read_to_string(dir.join("mod.rs")).unwrap();
+    let table =
+        table.split("pub const PROTOCOLS").nth(1).and_then(|rest| rest.split("];").next()).unwrap_or("");
+    let mut declared = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        if text.contains("pub const SERVED: ServedProtocol") {
+            declared.push(path.file_stem().unwrap().to_str().unwrap().to_string());
+        }
+    }
+    assert!(declared.len() >= 3, "found only {declared:?} declaring SERVED");
+    let missing: Vec<_> = declared.iter().filter(|m| !table.contains(&format!("{m}::SERVED"))).collect();
+    assert!(missing.is_empty(), "protocols declaring SERVED but not in protocols::PROTOCOLS: {missing:?}");
+}
