@@ -369,27 +369,38 @@ async fn rows_pushed_under_load_reach_two_replicas_with_no_failed_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_killed_under_load_gives_no_wrong_score_and_service_recovers_after_failover() {
-    fail_a_master_under_load("failover", libc::SIGKILL).await;
+    fail_a_master_under_load("failover", libc::SIGKILL, false).await;
+}
+
+/// Operators often name one node (or a service name) as the only seed: the
+/// store must learn the new topology from the nodes it has seen, not only
+/// from its seeds, when that very seed's master dies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_only_seed_s_master_killed_under_load_gives_no_wrong_score_and_service_recovers() {
+    fail_a_master_under_load("one-seed", libc::SIGKILL, true).await;
 }
 
 /// A master that stops answering without closing its connections (a hung
 /// machine, a partition) rather than dying.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_stopped_under_load_gives_no_wrong_score_and_service_recovers_after_failover() {
-    fail_a_master_under_load("stopped", libc::SIGSTOP).await;
+    fail_a_master_under_load("stopped", libc::SIGSTOP, false).await;
 }
 
 /// Four clients call a server on the cluster (no cache) for 14 s; 2 s in,
-/// one master gets `signal`. Every call is OK with its golden scores or
+/// the first seed's master gets `signal` (with `only_seed`, the store knows
+/// that node alone as its seed). Every call is OK with its golden scores or
 /// UNAVAILABLE after the signal, the non-OK answers end within 10 s, calls
 /// succeed again after them, and the health pings never conclude that the
 /// whole store is gone.
-async fn fail_a_master_under_load(name: &str, signal: i32) {
+async fn fail_a_master_under_load(name: &str, signal: i32, only_seed: bool) {
     let cluster = Cluster::start(name);
     let dir = split_copy(name);
     tables_load(&dir, &cluster.seeds);
+    let first_seed = cluster.seeds.split(',').next().unwrap();
+    let store = if only_seed { first_seed.parse().unwrap() } else { cluster.store() };
     // No cache: every batch reads the cluster.
-    let TableStore::Redis(mut config) = cluster.store() else { unreachable!("a Redis store") };
+    let TableStore::Redis(mut config) = store else { unreachable!("a Redis store") };
     config.cache_bytes = 0;
     let server = start_with(Arc::new(factory(&dir, TableStore::Redis(config.clone()))), batch_mode(1, 16))
         .await
@@ -435,7 +446,7 @@ async fn fail_a_master_under_load(name: &str, signal: i32) {
         })
         .collect();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let port = cluster.seeds.split(',').next().unwrap().rsplit(':').next().unwrap();
+    let port = first_seed.rsplit(':').next().unwrap();
     let pid = std::fs::read_to_string(cluster.dir.join(port).join("redis.pid")).unwrap();
     let pid: i32 = pid.trim().parse().unwrap();
     // SAFETY: signalling a Redis master this test started.
@@ -557,5 +568,34 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
         assert_close(&response.scores, &g.scores_int8, &format!("request {i} after recovery"));
     }
     server.stop().await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A store that cannot be reached when the server starts fails the start
+/// (exit status 1) with a message naming the store and its flag: a
+/// misconfigured address shows at deploy time, not as a server that
+/// answers nothing. (A store that goes away later turns the server
+/// NOT_SERVING until it answers again: the test above.)
+#[test]
+fn a_store_unreachable_at_start_fails_the_start_naming_the_store_and_the_flag() {
+    let dir = split_copy("unreachable-at-start");
+    let output = Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args([
+            "serve",
+            "--log-level",
+            "warn",
+            "--addr",
+            "127.0.0.1:0",
+            "--table-store",
+            "redis://127.0.0.1:1",
+        ])
+        .arg("--model")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("redis://127.0.0.1:1") && stderr.contains("--table-store"), "{stderr}");
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -38,6 +38,14 @@
 //! table's epoch moved), so an old row cannot come back after its
 //! invalidation.
 //!
+//! Start-up: a cluster that does not answer when a model is loaded fails
+//! the load with an error naming the seeds and `--table-store` (`narsil
+//! serve` exits 1): a wrong address or a store that is not up yet shows at
+//! deploy time, where an orchestrator restarts the process, instead of as a
+//! server that listens and answers nothing. Topology: the slot map is
+//! re-read from every node of the last map as well as from the seeds, so a
+//! single seed whose master died does not leave the store blind.
+//!
 //! Health: the process pings every master four times a second; when none
 //! has answered for [`UNREACHABLE_AFTER`], every engine serving from the
 //! cluster is told the store does not answer (grpc.health NOT_SERVING, with
@@ -54,7 +62,7 @@ use fred::prelude::{
     Builder, ClientLike, ClusterInterface, Config, EventInterface, KeysInterface, PubsubInterface,
     ReconnectPolicy, Server, ServerConfig,
 };
-use fred::types::config::UnresponsiveConfig;
+use fred::types::config::{ClusterDiscoveryPolicy, UnresponsiveConfig};
 use fred::types::{RespVersion, Value};
 use narsil_core::DependencyWatcher;
 use tokio::sync::broadcast::error::RecvError;
@@ -503,17 +511,32 @@ impl RedisCluster {
     /// A new connection to the cluster at `seeds`, without a cache; each
     /// request may take `timeout`.
     pub fn connect(seeds: &RedisSeeds, timeout: Duration) -> Result<Self, FetchError> {
+        let client = cluster_client(seeds, timeout)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("narsil-redis")
             .enable_all()
             .build()
             .map_err(|e| FetchError(format!("cannot start the Redis client's runtime: {e}")))?;
-        let client = cluster_client(seeds, timeout)?;
         let connect_timeout = timeout.max(CONNECT_TIMEOUT);
-        block_on(&runtime, async { tokio::time::timeout(connect_timeout, client.init()).await })
-            .map_err(|_| FetchError(format!("Redis Cluster {seeds}: no answer within {connect_timeout:?}")))?
-            .map_err(|e| FetchError(format!("Redis Cluster {seeds}: cannot connect: {e}")))?;
+        let connected =
+            block_on(&runtime, async { tokio::time::timeout(connect_timeout, client.init()).await })
+                .map_err(|_| {
+                    FetchError(format!(
+                        "Redis Cluster {seeds} (--table-store): no answer within {connect_timeout:?}"
+                    ))
+                })
+                .and_then(|answer| {
+                    answer.map_err(|e| {
+                        FetchError(format!("Redis Cluster {seeds} (--table-store): cannot connect: {e}"))
+                    })
+                });
+        if let Err(error) = connected {
+            // Not waited for: a model is loaded inside the server's async
+            // context, where waiting for a runtime to stop panics.
+            runtime.shutdown_background();
+            return Err(error);
+        }
         let invalidation = Arc::new(Invalidation {
             cache: None,
             subscribed: AtomicBool::new(false),
@@ -637,7 +660,14 @@ impl Drop for RedisCluster {
 /// replica, as the client learns the new slot map only on reconnecting or
 /// on a redirect.
 fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> Result<Client, FetchError> {
-    let config = Config { server: ServerConfig::new_clustered(seeds.hosts().to_vec()), ..Config::default() };
+    let mut server = ServerConfig::new_clustered(seeds.hosts().to_vec());
+    // The slot map is re-read from every node of the last map, not only
+    // from the seeds: with one seed whose master died, the seeds alone
+    // would never answer again.
+    server
+        .set_cluster_discovery_policy(ClusterDiscoveryPolicy::UseCache)
+        .map_err(|e| FetchError(format!("Redis Cluster {seeds}: {e}")))?;
+    let config = Config { server, ..Config::default() };
     let mut builder = Builder::from_config(config);
     builder
         .with_connection_config(|c| {
