@@ -6,6 +6,8 @@
 //! (`models/generated/test-small` and `test-small-b`, from scripts/test.sh)
 //! are published as alternating versions, so an answer computed by the
 //! wrong version has the wrong scores.
+// Cases are tables of (name, input, expected) tuples, read best inline.
+#![allow(clippy::type_complexity)]
 #![cfg(feature = "torch")]
 
 mod common;
@@ -123,9 +125,9 @@ async fn five_versions_published_under_load_lose_no_request_and_answer_with_thei
     let repo = tempfile::tempdir().unwrap();
     let (a, b) = (export('a'), export('b'));
     // Odd versions are export a, even ones export b.
-    let export_of = |version: u64| if version % 2 == 1 { &a } else { &b };
+    let export_of = |version: u64| if !version.is_multiple_of(2) { &a } else { &b };
     let goldens = [Golden::read(&a).unwrap(), Golden::read(&b).unwrap()];
-    let golden_of = |version: u64| &goldens[usize::from(version % 2 == 0)];
+    let golden_of = |version: u64| &goldens[usize::from(version.is_multiple_of(2))];
     publish(repo.path(), "dlrm", 1, export_of(1), "model_default.pt");
     let server = RepoServer::start(repo.path(), |_| {}).await;
     server.wait_until("version 1 ready", |l| states(l, "dlrm").get("1") == Some(&"READY")).await;
@@ -187,7 +189,7 @@ async fn five_versions_published_under_load_lose_no_request_and_answer_with_thei
         assert!(failures.is_empty(), "non-OK answers during publishes: {failures:?}");
         answers.extend(mine);
     }
-    let (published, retired) = (published.lock().unwrap(), retired.lock().unwrap());
+    let (published, retired) = (published.lock().unwrap().clone(), retired.lock().unwrap().clone());
     let mut per_version = BTreeMap::<u64, usize>::new();
     for answer in &answers {
         let v = answer.version;

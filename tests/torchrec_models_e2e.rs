@@ -9,6 +9,8 @@
 //!
 //! Both protocols, batch and worker modes, against Python's golden scores;
 //! fused == alone for every output; bad weights and schema mismatches.
+// Cases are tables of (name, input, expected) tuples, read best inline.
+#![allow(clippy::type_complexity)]
 #![cfg(feature = "torch")]
 
 mod common;

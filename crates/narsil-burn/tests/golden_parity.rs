@@ -4,6 +4,8 @@
 //!
 //! Needs an exported model: `scripts/test.sh` writes a small one to
 //! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
+// Cases are tables of (name, input, expected) tuples, read best inline.
+#![allow(clippy::type_complexity)]
 
 use std::path::{Path, PathBuf};
 

@@ -260,8 +260,8 @@ mod avx2 {
                 _mm256_storeu_ps(acc.as_mut_ptr().add(g), sum);
             }
             let (scale, bias) = super::scale_bias(std::slice::from_raw_parts(row, 4), weight);
-            for j in whole..dim {
-                acc[j] = scale.mul_add(f32::from(*row.add(4 + j)), acc[j] + bias);
+            for (j, sum) in acc.iter_mut().enumerate().take(dim).skip(whole) {
+                *sum = scale.mul_add(f32::from(*row.add(4 + j)), *sum + bias);
             }
         }
     }

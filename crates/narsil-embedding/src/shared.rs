@@ -122,7 +122,7 @@ mod tests {
         // Another identity, another store, or no identity: a table of its own.
         for (sha, store) in [("cd34", LocalRows::Memory), ("ab12", LocalRows::Mmap), ("", LocalRows::Memory)]
         {
-            let other = open_shared(&dir, &spec(sha), store.clone()).unwrap();
+            let other = open_shared(&dir, &spec(sha), store).unwrap();
             assert!(!other.shared && !Arc::ptr_eq(&first.table, &other.table), "{sha} {store:?}");
         }
         // Once no version holds it, it is read again.
