@@ -18,7 +18,7 @@ fn main() -> std::process::ExitCode {
 /// keeps for reuse lazily, when the thread that freed them allocates again;
 /// after a batch of tens of MiB (a request with millions of ids) that could
 /// leave them resident for a long time, and a forced collect hands them back
-/// at once (REPORTS.md). glibc's malloc (libtorch's weights and activations)
+/// at once (REPORTS.md#memory-bound-flood). glibc's malloc (libtorch's weights and activations)
 /// keeps the free pages inside its heap until asked: `malloc_trim` returns
 /// them, so a retired version's weights leave the resident set
 /// (REPORTS.md#memory-on-reload).
@@ -34,7 +34,7 @@ fn release_freed_memory() {
 /// when `THP_MEM_ALLOC_ENABLE=1` (read once, at its first allocation). The
 /// embedding tables are read at random rows, so 4 KiB pages cost a TLB miss
 /// per lookup: on the default DLRM huge pages made bf16 forwards 1.2-1.5x
-/// faster (REPORTS.md). Set here, before any thread exists, unless the
+/// faster (REPORTS.md#huge-pages). Set here, before any thread exists, unless the
 /// operator chose otherwise (`THP_MEM_ALLOC_ENABLE=0` turns it off). Needs
 /// the kernel's transparent huge pages set to `madvise` or `always`.
 fn huge_pages_for_libtorch() {

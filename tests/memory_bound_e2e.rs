@@ -22,7 +22,7 @@ use tonic::Code;
 const BUDGET_MIB: f64 = 256.0;
 /// What the server holds beyond the budget at its peak: the allocator's
 /// slack and the buffers of connections and of the flood's in-flight
-/// frames (measured 40-90 MiB on a 2-vCPU machine; REPORTS.md).
+/// frames (measured 40-90 MiB on a 2-vCPU machine; REPORTS.md#memory-bound-flood).
 const CONSTANT_MIB: f64 = 128.0;
 
 /// One sample; its first bag holds `ids` copies of id 0 (a 1-byte varint).

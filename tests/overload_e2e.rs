@@ -5,7 +5,7 @@
 //! nothing that expired may be computed; and memory must stay bounded. The
 //! summary line it prints (latencies included: on this shared 2-vCPU VM host
 //! contention stretched admitted p99 from 130 ms to seconds between runs of
-//! the same binary, so they are measured, not asserted) is what REPORTS.md
+//! the same binary, so they are measured, not asserted) is what REPORTS.md#overload-test
 //! quotes.
 
 mod common;

@@ -20,7 +20,7 @@
 #   * CUDA to CPU: its 3 `.to(torch::kCUDA)` and 3 `.device(torch::kCUDA, 0)`;
 #   * `c10::InferenceMode` in Predict: upstream runs its handler threads with
 #     autograd on (its NoGradGuard only covers main's thread). A fair tuning,
-#     stated in REPORTS.md.
+#     stated in REPORTS.md#torchrec-cpp-server.
 # Everything else is upstream's: one forward per request, a std::cout line
 # per request, fixed port 50051 on 0.0.0.0, int32 lengths and ids.
 set -euo pipefail
