@@ -15,6 +15,9 @@ and `id_score_list_features.weights` f32[N]. It returns one f32[B] tensor of
 probabilities per task.
 
 --kind dlrm       TorchRec's DLRMPredictModule: one output, "default".
+--kind dlrm_dcn   TorchRec's DLRM_DCN (DCNv2 low-rank cross layers in place of
+                  the pairwise dot interaction) with DLRMPredictModule's
+                  signature: one output, "default".
 --kind multitask  a two-task ranking model ("click", "conversion") over
                   unweighted and weighted (id-score) features; cat_0 and
                   cat_1 share one table, and the last unweighted feature is
@@ -43,13 +46,14 @@ import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 from torchrec.fx import symbolic_trace as torchrec_symbolic_trace
 from torchrec.inference.dlrm_predict import DLRMPredictModule
 from torchrec.inference.modules import PredictModule, quantize_inference_model
+from torchrec.models.dlrm import DLRM_DCN
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from extract_split import extract
-from split_model import DenseNetwork, write_torchrec_split
+from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
 EXPORT_FORMAT = 3
@@ -144,6 +148,19 @@ class MultiTaskPredictModule(PredictModule):
         return self.predict_module(batch["float_features"], id_list, id_score_list)
 
 
+class DcnPredictModule(DLRMPredictModule):
+    """DLRMPredictModule's signature and forward around a DLRM_DCN (TorchRec
+    has no predict module of its own for it): `float_features` and
+    `id_list_features.{lengths,values}` in, `default` probabilities out."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, dim: int, keys: List[str]) -> None:
+        module = DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=num_dense,
+                          dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1],
+                          dcn_num_layers=2, dcn_low_rank_dim=8, dense_device=torch.device("cpu"))
+        PredictModule.__init__(self, module, torch.device("cpu"))
+        self.id_list_features_keys: List[str] = keys
+
+
 def package(module: nn.Module, sample: Dict[str, torch.Tensor]):
     """TorchRec's packaging: quantize the tables, FX-trace with TorchRec's
     tracer (lookups and jagged tensors stay leaves), script. Returns the
@@ -208,6 +225,9 @@ def write_split(out: Path, quantized: nn.Module, args: argparse.Namespace, unwei
     if args.kind == "dlrm":
         ebcs = [model.sparse_arch.embedding_bag_collection]
         dense_network = DenseNetwork(model, len(unweighted))
+    elif args.kind == "dlrm_dcn":
+        ebcs = [model.sparse_arch.embedding_bag_collection]
+        dense_network = DcnDenseNetwork(model)
     else:
         ebcs = [model.ebc, model.weighted_ebc]
         dense_network = TwoTaskDense(model)
@@ -233,7 +253,7 @@ def write_split(out: Path, quantized: nn.Module, args: argparse.Namespace, unwei
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--kind", choices=["dlrm", "multitask"], default="dlrm")
+    p.add_argument("--kind", choices=["dlrm", "dlrm_dcn", "multitask"], default="dlrm")
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--num-sparse", type=int, default=26, help="unweighted features")
     p.add_argument("--num-weighted", type=int, default=4, help="weighted features (multitask)")
@@ -270,6 +290,9 @@ def main() -> int:
             id_list_features_keys=unweighted,
             dense_device=torch.device("cpu"),
         )
+        outputs = ["default"]
+    elif args.kind == "dlrm_dcn":
+        module = DcnPredictModule(ebc, args.num_dense, args.embedding_dim, unweighted)
         outputs = ["default"]
     else:
         weighted_ebc = EmbeddingBagCollection(tables=tables(weighted, args), is_weighted=True,

@@ -65,6 +65,30 @@ class DenseNetwork(nn.Module):
         return torch.sigmoid(logits.float()).reshape(-1)
 
 
+class DcnDenseNetwork(nn.Module):
+    """TorchRec's DLRM_DCN after the embedding lookup: dense arch, the DCNv2
+    low-rank cross layers over the dense embedding concatenated with every
+    pooled one (the `[B, (F + 1) * D]` block `InteractionDCNArch` builds),
+    over arch, sigmoid.
+
+    The arithmetic runs in the dtype of the over arch's weights; scores are
+    FP32."""
+
+    def __init__(self, dcn: nn.Module) -> None:
+        super().__init__()
+        self.dense_arch = dcn.dense_arch
+        # FX-traced, as TorchRec's packaging traces it: the loop over layers
+        # unrolled (TorchScript cannot index a ParameterList by a variable).
+        self.crossnet = torch.fx.symbolic_trace(dcn.inter_arch.crossnet)
+        self.over_arch = dcn.over_arch
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        dtype = self.over_arch.model[-1].weight.dtype
+        combined = torch.cat([self.dense_arch(dense.to(dtype)), pooled.to(dtype)], dim=1)
+        logits = self.over_arch(self.crossnet(combined))
+        return torch.sigmoid(logits.float()).reshape(-1)
+
+
 class DlrmPredictor(nn.Module):
     """Narsil's model interface around TorchRec's DLRM: builds the
     KeyedJaggedTensor from flat key-major tensors and returns probabilities.

@@ -4,11 +4,13 @@
 //! schema from the `model.json` beside them:
 //!
 //! * TorchRec's `DLRMPredictModule` (one output, `default`);
+//! * TorchRec's `DLRM_DCN` (DCNv2 cross layers) behind the same signature;
 //! * a two-task model (`click`, `conversion`) with weighted (id-score-list)
 //!   features.
 //!
 //! Both protocols, batch and worker modes, against Python's golden scores;
-//! fused == alone for every output; bad weights and schema mismatches.
+//! fused == alone for every output; bf16 dense arithmetic on every kind and
+//! form; bad weights and schema mismatches.
 // Cases are tables of (name, input, expected) tuples, read best inline.
 #![allow(clippy::type_complexity)]
 #![cfg(feature = "torch")]
@@ -26,9 +28,9 @@ use narsil::wire::torchrec::{encode_weighted, MODEL_VERSION_HEADER};
 use narsil_core::conformance::{self, concurrent_lanes, golden_outputs, golden_parity};
 use narsil_core::golden::{Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
-use narsil_core::{error_chain, BackendFactory, ModelSchema};
+use narsil_core::{error_chain, BackendError, BackendFactory, ModelSchema};
 use narsil_engine::EngineConfig;
-use narsil_torch::{SplitFactory, TorchConfig, TorchFactory};
+use narsil_torch::{cpu_bf16_instructions, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
 use tonic::Code;
 
 fn model_dir(name: &str) -> PathBuf {
@@ -46,11 +48,23 @@ fn model_dir(name: &str) -> PathBuf {
 /// model before packaging, or `NAME/extracted`, extracted from the packaged
 /// model.pt by models/extract_split.py.
 fn load(name: &str) -> Arc<dyn BackendFactory> {
+    load_with(name, |_| {}).unwrap()
+}
+
+/// [`load`] with the config changed by `configure` first.
+fn load_with(
+    name: &str,
+    configure: impl Fn(&mut TorchConfig),
+) -> Result<Arc<dyn BackendFactory>, BackendError> {
     let dir = model_dir(name);
     if name.ends_with("/split") || name.ends_with("/extracted") {
-        Arc::new(SplitFactory::load(TorchConfig::new(dir)).unwrap())
+        let mut config = TorchConfig::new(dir);
+        configure(&mut config);
+        Ok(Arc::new(SplitFactory::load(config)?))
     } else {
-        Arc::new(TorchFactory::load(TorchConfig::new(dir.join("model.pt"))).unwrap())
+        let mut config = TorchConfig::new(dir.join("model.pt"));
+        configure(&mut config);
+        Ok(Arc::new(TorchFactory::load(config)?))
     }
 }
 
@@ -109,6 +123,12 @@ async fn torchrec_dlrm_serves_python_golden_scores_in_batch_and_worker_modes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn torchrec_dlrm_dcn_serves_python_golden_scores_in_batch_and_worker_modes() {
+    golden_over_both_protocols("test-torchrec-dcn", batch_mode(1, 16)).await;
+    golden_over_both_protocols("test-torchrec-dcn", worker_mode(2)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn multitask_weighted_model_serves_every_output_in_batch_and_worker_modes() {
     golden_over_both_protocols("test-torchrec-multitask", batch_mode(1, 16)).await;
     golden_over_both_protocols("test-torchrec-multitask", worker_mode(2)).await;
@@ -121,8 +141,10 @@ async fn multitask_weighted_model_serves_every_output_in_batch_and_worker_modes(
 async fn split_forms_serve_the_packaged_models_scores_in_batch_and_worker_modes() {
     for name in [
         "test-torchrec-dlrm/split",
+        "test-torchrec-dcn/split",
         "test-torchrec-multitask/split",
         "test-torchrec-dlrm/extracted",
+        "test-torchrec-dcn/extracted",
         "test-torchrec-multitask/extracted",
     ] {
         golden_over_both_protocols(name, batch_mode(1, 16)).await;
@@ -130,23 +152,63 @@ async fn split_forms_serve_the_packaged_models_scores_in_batch_and_worker_modes(
     }
 }
 
+/// Every TorchRec-packaged model and both of its split forms.
+const EVERY_MODEL_AND_FORM: [&str; 9] = [
+    "test-torchrec-dlrm",
+    "test-torchrec-dcn",
+    "test-torchrec-multitask",
+    "test-torchrec-dlrm/split",
+    "test-torchrec-dcn/split",
+    "test-torchrec-multitask/split",
+    "test-torchrec-dlrm/extracted",
+    "test-torchrec-dcn/extracted",
+    "test-torchrec-multitask/extracted",
+];
+
 /// In process: alone and fused against Python, and several lanes at once.
 #[test]
 fn every_model_and_its_split_form_pass_the_backend_conformance_kit() {
-    for name in [
-        "test-torchrec-dlrm",
-        "test-torchrec-multitask",
-        "test-torchrec-dlrm/split",
-        "test-torchrec-multitask/split",
-        "test-torchrec-dlrm/extracted",
-        "test-torchrec-multitask/extracted",
-    ] {
+    for name in EVERY_MODEL_AND_FORM {
         let factory = load(name);
         let golden = Golden::read(&model_dir(name)).unwrap();
         let schema = factory.schema().clone();
         golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), SCORE_TOLERANCE);
         let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
         concurrent_lanes(&*factory, &requests, 2, 2, SCORE_TOLERANCE);
+    }
+}
+
+/// bf16 dense arithmetic against Python's FP32 scores (the bound of the
+/// single-file bf16 path, `golden_parity.rs` in narsil-torch).
+const BF16_TOLERANCE_VS_FP32: f32 = 5e-3;
+/// bf16, one request fused with others vs alone (oneDNN's blocking changes
+/// with the row count).
+const BF16_FUSED_VS_ALONE: f32 = 1e-3;
+
+/// `--dense-precision bf16` on every kind TorchRec packages (DLRM, DLRM_DCN,
+/// two-task with weighted features) and both split forms: within
+/// [`BF16_TOLERANCE_VS_FP32`] of the FP32 golden scores alone, and fused
+/// (the golden requests four times over) within [`BF16_FUSED_VS_ALONE`] of
+/// alone. On a CPU without bf16 instructions it is emulated (the same
+/// numerics, slower), so this runs on every CPU.
+#[test]
+fn every_model_and_form_runs_in_bf16_close_to_fp32_alone_and_fused() {
+    let emulated = cpu_bf16_instructions().is_empty();
+    if emulated {
+        eprintln!("bf16 emulated: this CPU has neither AVX512-BF16 nor AMX-BF16");
+    }
+    for name in EVERY_MODEL_AND_FORM {
+        let factory = load_with(name, |config| {
+            config.dense_precision = DensePrecision::Bf16;
+            config.bf16_emulated = emulated;
+        })
+        .unwrap_or_else(|e| panic!("{name} in bf16: {}", error_chain(&e)));
+        let golden = Golden::read(&model_dir(name)).unwrap();
+        let schema = factory.schema().clone();
+        let worst = golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), BF16_TOLERANCE_VS_FP32);
+        let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
+        let fused = conformance::fused_equals_alone(&*factory, &requests, 4, BF16_FUSED_VS_ALONE);
+        eprintln!("{name} bf16: max |diff| vs FP32 golden {worst:e}, fused vs alone {fused:e}");
     }
 }
 

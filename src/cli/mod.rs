@@ -1,6 +1,8 @@
 //! Command-line interface: `narsil serve`, `narsil load`,
 //! `narsil bench-forward`, `narsil tables` and `narsil verify`. Every flag has
-//! a long name, an environment variable (`NARSIL_…`) and a documented default;
+//! a long name and a documented default, and the flags of a running server
+//! (`narsil serve`, its backend and engine) an environment variable
+//! (`NARSIL_…`) too (docs/reference/cli.md and environment.md list them);
 //! rules between flags are checked right after parsing.
 
 mod serve;

@@ -6,6 +6,7 @@
 //
 // Errors: every function that can fail takes `char** error`; on failure it
 // stores a malloc'd message there (the caller frees it) and returns null.
+#include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/runtime/graph_iterator.h>
 #include <torch/script.h>
 
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -64,6 +66,30 @@ void floating_point_to_bf16(torch::jit::Module& module) {
   for (const auto& buffer : module.named_buffers(/*recurse=*/true)) cast(buffer.value);
 }
 
+// In bf16 a layer's input arrives in whatever precision its producer had:
+// FP32 for the float features a TorchRec-packaged model passes straight to
+// its dense arch (`mat1 and mat2 must have the same dtype`), bf16 after a
+// bf16 layer. Every linear layer (and matmul) whose weight is a bf16
+// constant of the frozen graph gets its input cast to bf16 (a no-op when it
+// is bf16 already); models that cast their inputs themselves are unchanged.
+int layer_inputs_to_bf16(std::shared_ptr<torch::jit::Graph> graph) {
+  std::vector<torch::jit::Node*> layers;
+  torch::jit::DepthFirstGraphNodeIterator nodes(graph);
+  while (auto* node = nodes.next()) {
+    if (node->kind() != c10::aten::linear && node->kind() != c10::aten::matmul) continue;
+    const auto weight = torch::jit::toIValue(node->input(1));
+    if (weight && weight->isTensor() && weight->toTensor().scalar_type() == c10::kBFloat16) {
+      layers.push_back(node);
+    }
+  }
+  for (auto* layer : layers) {
+    torch::jit::WithInsertPoint guard(layer);
+    auto* cast = graph->insert(c10::aten::to, {layer->input(0), c10::kBFloat16});
+    layer->replaceInput(0, cast);
+  }
+  return static_cast<int>(layers.size());
+}
+
 }  // namespace
 
 struct NarsilScriptModule {
@@ -75,9 +101,10 @@ extern "C" {
 // Loads `path` onto the CPU (`cuda_index` < 0) or CUDA device `cuda_index`.
 // `*schema_json` receives the result of the module's `narsil_schema()`
 // method, or null when it has none. With `bf16`, floating-point parameters
-// are cast to bf16 and INT8 embedding lookups return bf16
-// (`*bf16_lookups` counts them). The module is then frozen (weights and
-// attributes become constants, so the graph optimizer can fold them).
+// are cast to bf16 and the module is frozen (weights and attributes become
+// constants, so the graph optimizer can fold them); then INT8 embedding
+// lookups return bf16 (`*bf16_lookups` counts them) and linear layers cast
+// their inputs to bf16. In FP32 the module is frozen as it is.
 // `*dict_signature` is set to 1 when forward takes one `Dict[str, Tensor]`
 // (TorchRec's inference signature), 0 otherwise.
 NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, int bf16, char** schema_json,
@@ -97,7 +124,11 @@ NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, 
     }
     if (bf16) floating_point_to_bf16(module);
     auto frozen = torch::jit::freeze(module);
-    if (bf16) *bf16_lookups = pooled_embeddings_in_bf16(frozen.get_method("forward").graph());
+    if (bf16) {
+      const auto graph = frozen.get_method("forward").graph();
+      *bf16_lookups = pooled_embeddings_in_bf16(graph);
+      layer_inputs_to_bf16(graph);
+    }
     return new NarsilScriptModule{std::move(frozen)};
   } catch (const std::exception& e) {
     if (*schema_json) std::free(*schema_json);

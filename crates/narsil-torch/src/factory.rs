@@ -15,9 +15,14 @@ use crate::model::TorchModel;
 use crate::precision::{cpu_bf16_instructions, DensePrecision};
 
 /// bf16 on a CPU without bf16 instructions would be emulated, slower than
-/// FP32: refused rather than served slowly.
-fn require_cpu_bf16() -> Result<(), BackendError> {
+/// FP32: refused rather than served slowly, unless the config asks for
+/// emulation ([`TorchConfig::bf16_emulated`]).
+pub(crate) fn require_cpu_bf16(config: &TorchConfig) -> Result<(), BackendError> {
     let found = cpu_bf16_instructions();
+    if config.bf16_emulated {
+        tracing::warn!(instructions = %found.join(", "), "bf16 dense arithmetic emulated where the CPU lacks it");
+        return Ok(());
+    }
     if found.is_empty() {
         return Err(BackendError::setup(
             "--dense-precision bf16 needs a CPU with AVX512-BF16 or AMX-BF16 instructions, and this one has \
@@ -52,6 +57,11 @@ pub struct TorchConfig {
     pub dense_precision: DensePrecision,
     /// Where a split model's tables live (memory or mapped).
     pub table_store: narsil_embedding::TableStore,
+    /// Runs bf16 dense arithmetic even on a CPU without bf16 instructions
+    /// (libtorch emulates it, slower than FP32; the numerics are the same:
+    /// bf16 operands, FP32 accumulation). For checking bf16 numerics on any
+    /// CPU; no serving flag sets it.
+    pub bf16_emulated: bool,
 }
 
 impl TorchConfig {
@@ -67,6 +77,7 @@ impl TorchConfig {
             warmup_rows: vec![1, 100, 1600],
             dense_precision: DensePrecision::Fp32,
             table_store: narsil_embedding::TableStore::Memory,
+            bf16_emulated: false,
         }
     }
 }
@@ -90,7 +101,7 @@ impl TorchFactory {
         // After the libraries: opening libtorch.so is what registers CUDA.
         let device = parse_device(&config.device)?;
         if config.dense_precision == DensePrecision::Bf16 && device == tch::Device::Cpu {
-            require_cpu_bf16()?;
+            require_cpu_bf16(&config)?;
         }
         tch::set_num_threads(config.intra_op_threads as i32);
         let model = TorchModel::load(
@@ -142,6 +153,16 @@ fn probe(model: &Arc<TorchModel>, config: &TorchConfig) -> Result<(), BackendErr
     let batch = narsil_core::backend::warmup_batch(model.schema(), 2);
     // The lane checks every output's score count itself (WrongScoreCount).
     TorchLane::new(Arc::clone(model), config.intra_op_threads).forward(&batch).map(drop).map_err(|e| {
+        // A layer bf16 cannot reach (an op without a bf16 kernel, a dtype
+        // the model fixes itself) names the precision, not the schema.
+        if config.dense_precision == DensePrecision::Bf16 && narsil_core::error_chain(&e).contains("BFloat16") {
+            return BackendError::load(
+                &config.model,
+                "the model cannot run with --dense-precision bf16 (a 2-row forward failed on a bf16 tensor); \
+                 serve it with --dense-precision fp32",
+            )
+            .caused_by(e);
+        }
         let schema = model.schema();
         let source = model.schema_source().map_or("its narsil_schema()".into(), |p| p.display().to_string());
         BackendError::load(

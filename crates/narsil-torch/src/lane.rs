@@ -220,7 +220,13 @@ impl PinnedBuffer {
     /// Copies `data` into the pinned buffer and starts its asynchronous copy
     /// to the device.
     fn upload<T: tch::kind::Element>(&mut self, data: &[T]) -> Result<Tensor, BackendError> {
-        debug_assert_eq!(T::KIND, self.kind);
+        if T::KIND != self.kind {
+            return Err(BackendError::forward(format!(
+                "a {:?} input staged in a {:?} buffer",
+                T::KIND,
+                self.kind
+            )));
+        }
         let len = data.len();
         let capacity = self.host.as_ref().map_or(0, Tensor::numel);
         if capacity < len.max(1) {

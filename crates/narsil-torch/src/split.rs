@@ -4,6 +4,11 @@
 //! pooling with FBGEMM's arithmetic), then the TorchScript dense network on
 //! the dense features and the pooled embeddings.
 //!
+//! In bf16 (`--dense-precision bf16`, CPUs with AVX512-BF16 or AMX-BF16)
+//! the dense network's floating-point parameters are cast to bf16 at load
+//! (as the single-file path does) and its two inputs as they enter it; the
+//! stage pools in FP32 either way.
+//!
 //! The stage and its tables are shared by every lane (and the tables by
 //! every model version that has the same ones). It runs on the lane, right
 //! before the dense forward, on the intra-op threads' calling thread.
@@ -17,7 +22,7 @@ use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
 use crate::device::parse_device;
-use crate::factory::TorchConfig;
+use crate::factory::{require_cpu_bf16, TorchConfig};
 use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThreads};
 use crate::precision::DensePrecision;
 use crate::script_module::ScriptModule;
@@ -27,6 +32,10 @@ struct SplitModel {
     schema: ModelSchema,
     stage: EmbeddingStage,
     dense_network: ScriptModule,
+    /// The dense network's parameters and inputs: FP32, or bf16 (the
+    /// pooled block and the dense features cast as they enter it; FP32
+    /// accumulation in oneDNN's GEMMs; scores returned in FP32).
+    precision: DensePrecision,
 }
 
 /// Loads a split model once and creates lanes that share it.
@@ -54,12 +63,12 @@ impl SplitFactory {
                 "a split model states its schema in schema.json; remove --model-config",
             ));
         }
-        if config.dense_precision != DensePrecision::Fp32 {
-            return Err(BackendError::load(&dir, "split models are served in FP32 dense precision for now"));
-        }
         let device = parse_device(&config.device)?;
         if device != Device::Cpu {
             return Err(BackendError::load(&dir, "split models run on the CPU for now"));
+        }
+        if config.dense_precision == DensePrecision::Bf16 {
+            require_cpu_bf16(&config)?;
         }
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
         let (stage, opened) =
@@ -75,12 +84,14 @@ impl SplitFactory {
             tables_read = opened.read,
             tables_shared = opened.shared,
             store = %config.table_store,
+            dense_precision = %config.dense_precision,
             table_mib = opened.bytes >> 20,
             features = schema.num_sparse(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "split model loaded"
         );
-        let model = SplitModel { schema, stage, dense_network: loaded.module };
+        let model =
+            SplitModel { schema, stage, dense_network: loaded.module, precision: config.dense_precision };
         let factory = Self { model: Arc::new(model), config };
         // A dense network that does not take this schema's shape fails now,
         // not on a client's request.
@@ -142,11 +153,25 @@ impl SplitLane {
 }
 
 /// `values` as a `[rows, cols]` FP32 CPU tensor over the same memory.
-fn borrowed(values: &[f32], rows: usize, cols: usize) -> Result<Tensor, BackendError> {
-    assert_eq!(values.len(), rows * cols, "a [{rows}, {cols}] block");
-    // SAFETY: `values` holds rows * cols contiguous f32s and outlives the
-    // tensor, which the caller drops before `values` is changed or freed;
-    // libtorch neither frees nor writes memory it did not allocate.
+///
+/// # Safety
+///
+/// The tensor does not own or borrow-check `values`: the caller must drop
+/// it, and every tensor that may alias it (views, shallow clones, a
+/// network's output that returns its input), before `values` is changed or
+/// freed.
+unsafe fn borrowed(values: &[f32], rows: usize, cols: usize) -> Result<Tensor, BackendError> {
+    if values.len() != rows * cols {
+        return Err(BackendError::forward(format!(
+            "a [{rows}, {cols}] input block holds {} values, not {}",
+            values.len(),
+            rows * cols
+        )));
+    }
+    // SAFETY: `values` holds rows * cols contiguous f32s (checked above)
+    // that live as long as the caller keeps the tensor (this function's
+    // contract); libtorch neither frees nor writes memory it did not
+    // allocate.
     unsafe {
         Tensor::f_from_blob(
             values.as_ptr().cast(),
@@ -159,6 +184,15 @@ fn borrowed(values: &[f32], rows: usize, cols: usize) -> Result<Tensor, BackendE
     .map_err(torch_error)
 }
 
+/// `input` as the dense network takes it: itself in FP32, a bf16 copy in
+/// bf16.
+fn in_precision(input: Tensor, precision: DensePrecision) -> Result<Tensor, BackendError> {
+    match precision {
+        DensePrecision::Fp32 => Ok(input),
+        DensePrecision::Bf16 => input.f_to_kind(tch::Kind::BFloat16).map_err(torch_error),
+    }
+}
+
 impl ModelBackend for SplitLane {
     fn set_threads(&mut self, threads: usize) {
         self.threads.set(threads);
@@ -169,10 +203,13 @@ impl ModelBackend for SplitLane {
         let (rows, width) = (batch.rows, model.stage.pooled_width());
         model.stage.pool(batch, &mut self.scratch, &mut self.pooled).map_err(BackendError::from)?;
         // Both inputs are borrowed, not copied (the pooled block is 6.5 KiB
-        // per row): the tensors are dropped before this returns, while the
-        // batch and the lane's buffer are still untouched.
-        let dense = borrowed(&batch.dense, rows, batch.num_dense)?;
-        let pooled = borrowed(&self.pooled, rows, width)?;
+        // per row).
+        // SAFETY: the two tensors and the network's output (which may alias
+        // them) are dropped below, before this returns, while `batch` is
+        // borrowed and `self.pooled` is not touched; the network keeps no
+        // reference to its inputs (a TorchScript module in inference mode).
+        let dense = in_precision(unsafe { borrowed(&batch.dense, rows, batch.num_dense)? }, model.precision)?;
+        let pooled = in_precision(unsafe { borrowed(&self.pooled, rows, width)? }, model.precision)?;
         let output = model
             .dense_network
             .forward_tensors(&[&dense, &pooled])

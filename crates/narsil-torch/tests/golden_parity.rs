@@ -9,7 +9,7 @@ use narsil_core::conformance::{self, concurrent_lanes, fused_equals_alone, golde
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
 use narsil_core::request::IdPolicy;
 use narsil_core::{assemble, error_chain, BackendFactory};
-use narsil_torch::{cpu_bf16_instructions, DensePrecision, TorchConfig, TorchFactory};
+use narsil_torch::{cpu_bf16_instructions, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
 
 /// Same libtorch and kernels as the Python side.
 const TOLERANCE: f32 = 1e-6;
@@ -102,28 +102,70 @@ const BF16_TOLERANCE_VS_FP32: f32 = 5e-3;
 /// activation the other way.
 const BF16_FUSED_VS_ALONE: f32 = 1e-3;
 
-/// With bf16 instructions, `--dense-precision bf16` stays within
-/// [`BF16_TOLERANCE_VS_FP32`] of Python's FP32-dense scores, and a request's
-/// scores fused (with the golden requests four times over: 1,564 rows) stay
-/// within [`BF16_FUSED_VS_ALONE`] of its scores alone. Without them, loading
-/// is refused with a message naming the flag.
+/// `--dense-precision bf16` on this test's model (`file` in the test model's
+/// directory); on a CPU without bf16
+/// instructions, emulated (same numerics, slower), so the numerics are
+/// checked on every CPU.
+fn bf16_config(file: &str) -> TorchConfig {
+    let mut config = TorchConfig::new(test_model_dir().join(file));
+    config.dense_precision = DensePrecision::Bf16;
+    config.bf16_emulated = cpu_bf16_instructions().is_empty();
+    if config.bf16_emulated {
+        eprintln!("bf16 emulated: this CPU has neither AVX512-BF16 nor AMX-BF16");
+    }
+    config
+}
+
+/// `--dense-precision bf16` stays within [`BF16_TOLERANCE_VS_FP32`] of
+/// Python's FP32-dense scores, and a request's scores fused (with the
+/// golden requests four times over: 1,564 rows) stay within
+/// [`BF16_FUSED_VS_ALONE`] of its scores alone.
 #[test]
 fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
-    let mut config = TorchConfig::new(test_model_dir().join("model_default.pt"));
-    config.dense_precision = DensePrecision::Bf16;
-    let factory = match TorchFactory::load(config) {
-        Err(err) => {
-            let err = error_chain(&err);
-            assert!(cpu_bf16_instructions().is_empty(), "this CPU has bf16 instructions, yet: {err}");
-            assert!(err.contains("--dense-precision") && err.contains("AVX512-BF16"), "{err}");
-            return;
-        }
-        Ok(factory) => factory,
-    };
+    let factory = TorchFactory::load(bf16_config("model_default.pt")).unwrap();
     let golden = golden();
     let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), BF16_TOLERANCE_VS_FP32);
     eprintln!("bf16 vs FP32 golden: max |diff| {worst:e}");
     let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
     let fused_worst = fused_equals_alone(&factory, &requests, 4, BF16_FUSED_VS_ALONE);
     eprintln!("bf16 fused (golden requests four times over) vs alone: max |diff| {fused_worst:e}");
+}
+
+/// A split model in bf16 (its tables pooled by Narsil's stage in FP32, the
+/// dense network and its inputs in bf16) keeps the same bounds as the
+/// single-file model in bf16, alone and fused.
+#[test]
+fn bf16_split_model_stays_close_to_fp32_alone_and_fused() {
+    let factory = SplitFactory::load(bf16_config("split")).unwrap();
+    let golden = golden();
+    let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), BF16_TOLERANCE_VS_FP32);
+    eprintln!("split bf16 vs FP32 golden: max |diff| {worst:e}");
+    let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+    let fused_worst = fused_equals_alone(&factory, &requests, 4, BF16_FUSED_VS_ALONE);
+    eprintln!("split bf16 fused (golden requests four times over) vs alone: max |diff| {fused_worst:e}");
+}
+
+/// Without bf16 instructions (and without asking for emulation), bf16 is
+/// refused at load with a message naming the flag, for single-file and
+/// split models alike; with them, both load.
+#[test]
+fn bf16_is_refused_on_a_cpu_without_bf16_instructions_naming_the_flag() {
+    let mut single = bf16_config("model_default.pt");
+    let mut split = bf16_config("split");
+    single.bf16_emulated = false;
+    split.bf16_emulated = false;
+    let results = [
+        ("single-file", TorchFactory::load(single).err().map(|e| error_chain(&e))),
+        ("split", SplitFactory::load(split).err().map(|e| error_chain(&e))),
+    ];
+    for (form, error) in results {
+        match (cpu_bf16_instructions().is_empty(), error) {
+            (true, Some(err)) => {
+                assert!(err.contains("--dense-precision") && err.contains("AVX512-BF16"), "{err}")
+            }
+            (true, None) => panic!("{form}: bf16 loaded on a CPU without bf16 instructions"),
+            (false, Some(err)) => panic!("{form}: this CPU has bf16 instructions, yet: {err}"),
+            (false, None) => {}
+        }
+    }
 }
