@@ -23,7 +23,7 @@ use common::{assert_close, batch_mode, start_with, wire, SCORE_TOLERANCE};
 use narsil_core::conformance::{self, golden_parity};
 use narsil_core::golden::{copy_split_model, test_model_dir, Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
-use narsil_embedding::MissingRows;
+use narsil_embedding::{MissingRows, RedisSeeds, RedisStoreConfig};
 use narsil_torch::{SplitFactory, TableStore, TorchConfig};
 use tonic::Code;
 
@@ -54,6 +54,11 @@ impl Cluster {
 
     fn store(&self) -> TableStore {
         self.seeds.parse().unwrap()
+    }
+
+    /// The `redis` store's configuration for these seeds, to change.
+    fn config(&self) -> RedisStoreConfig {
+        RedisStoreConfig::new(RedisSeeds::parse(&self.seeds).unwrap())
     }
 
     fn stop(&self) {
@@ -95,10 +100,10 @@ fn tables_load(dir: &Path, seeds: &str) -> String {
 /// The store the cluster gives, with `--missing-rows` and
 /// `--table-fetch-timeout-ms` set.
 fn store_with(cluster: &Cluster, missing_rows: MissingRows, fetch_timeout: Duration) -> TableStore {
-    let TableStore::Redis(mut config) = cluster.store() else { unreachable!("a redis:// store") };
+    let mut config = cluster.config();
     config.missing_rows = missing_rows;
     config.fetch_timeout = fetch_timeout;
-    TableStore::Redis(config)
+    TableStore::new(config)
 }
 
 /// One forward of `request` alone on a new lane of `factory`, whose
@@ -398,11 +403,11 @@ async fn fail_a_master_under_load(name: &str, signal: i32, only_seed: bool) {
     let dir = split_copy(name);
     tables_load(&dir, &cluster.seeds);
     let first_seed = cluster.seeds.split(',').next().unwrap();
-    let store = if only_seed { first_seed.parse().unwrap() } else { cluster.store() };
+    let seeds = if only_seed { first_seed } else { &cluster.seeds };
     // No cache: every batch reads the cluster.
-    let TableStore::Redis(mut config) = store else { unreachable!("a Redis store") };
+    let mut config = RedisStoreConfig::new(RedisSeeds::parse(seeds).unwrap());
     config.cache_bytes = 0;
-    let server = start_with(Arc::new(factory(&dir, TableStore::Redis(config.clone()))), batch_mode(1, 16))
+    let server = start_with(Arc::new(factory(&dir, TableStore::new(config.clone()))), batch_mode(1, 16))
         .await
         .ready()
         .await;
@@ -503,12 +508,10 @@ async fn an_unreachable_cluster_gives_unavailable_and_not_serving_then_recovers(
     let golden = Golden::read(&test_model_dir()).unwrap();
     // Without a cache, and with a fetch timeout far beyond any deadline.
     let patient = {
-        let TableStore::Redis(mut config) = store_with(&cluster, MissingRows::Error, Duration::from_secs(30))
-        else {
-            unreachable!()
-        };
+        let mut config = cluster.config();
+        config.fetch_timeout = Duration::from_secs(30);
         config.cache_bytes = 0;
-        factory(&dir, TableStore::Redis(config))
+        factory(&dir, TableStore::new(config))
     };
     let patient_request = &conformance::requests(&patient, &golden, IdPolicy::Reject)[0];
     let channel = server.channel().await;

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use narsil_core::mock::MockConfig;
 use narsil_core::BackendFactory;
+use narsil_embedding::StoreFlags;
 
 use crate::lifecycle::loader::LoadOptions;
 pub use crate::lifecycle::loader::{BackendKind, DensePrecision, TableStore};
@@ -56,12 +57,12 @@ pub struct BackendArgs {
     /// `redis` table store: the hot-row cache's bound in bytes (rows and
     /// their bookkeeping), shared by every lane, table and model version;
     /// 0 reads every row from the cluster.
-    #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis_store::DEFAULT_CACHE_BYTES)]
+    #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis::DEFAULT_CACHE_BYTES)]
     pub table_cache_bytes: u64,
     /// `redis` table store: the longest one batch's fetch (every table,
     /// retries included) may take, milliseconds; a batch whose callers all
     /// set deadlines gives up at the latest of them if that comes first.
-    #[arg(long, env = "NARSIL_TABLE_FETCH_TIMEOUT_MS", default_value_t = narsil_embedding::redis_store::DEFAULT_FETCH_TIMEOUT.as_millis() as u64)]
+    #[arg(long, env = "NARSIL_TABLE_FETCH_TIMEOUT_MS", default_value_t = narsil_embedding::redis::DEFAULT_FETCH_TIMEOUT.as_millis() as u64)]
     pub table_fetch_timeout_ms: u64,
     /// `redis` table store: what a row the cluster does not hold becomes.
     /// `error` fails the batch (UNAVAILABLE: no score computed from a
@@ -147,15 +148,11 @@ impl BackendArgs {
             intra_op_threads: self.intra_op_threads,
             fbgemm_dir: self.fbgemm_dir.clone(),
             dense_precision: self.dense_precision,
-            table_store: match &self.table_store {
-                TableStore::Redis(redis) => TableStore::Redis(narsil_embedding::RedisStoreConfig {
-                    seeds: redis.seeds.clone(),
-                    cache_bytes: self.table_cache_bytes,
-                    fetch_timeout: Duration::from_millis(self.table_fetch_timeout_ms),
-                    missing_rows: self.missing_rows,
-                }),
-                local => local.clone(),
-            },
+            table_store: self.table_store.with_flags(&StoreFlags {
+                cache_bytes: self.table_cache_bytes,
+                fetch_timeout: Duration::from_millis(self.table_fetch_timeout_ms),
+                missing_rows: self.missing_rows,
+            }),
             mock: MockConfig {
                 latency: Duration::from_secs_f64(self.mock_latency_ms / 1e3),
                 per_row: Duration::from_secs_f64(self.mock_latency_per_row_us / 1e6),
@@ -198,6 +195,22 @@ mod tests {
         assert!(error(&["--intra-op-threads", "0"]).contains("--intra-op-threads"));
         assert!(error(&["--mock-latency-ms=-1"]).contains("--mock-latency-ms"));
         assert!(error(&["--backend", "burn", "--dense-precision", "bf16"]).contains("--dense-precision"));
+    }
+
+    #[test]
+    fn store_flags_reach_the_store_that_takes_them() {
+        let store = |args: &[&str]| {
+            let mut argv = vec!["narsil"];
+            argv.extend_from_slice(args);
+            Cli::parse_from(argv).backend.load_options().table_store.to_string()
+        };
+        let flags = ["--table-cache-bytes", "0", "--table-fetch-timeout-ms", "40", "--missing-rows", "zero"];
+        assert_eq!(
+            store(&[&["--table-store", "redis://h:1"][..], &flags].concat()),
+            "redis://h:1 (cache 0 MiB, fetch timeout 40ms, missing rows: zero)"
+        );
+        assert_eq!(store(&[&["--table-store", "mmap"][..], &flags].concat()), "mmap");
+        assert_eq!(store(&[]), "memory");
     }
 
     #[test]

@@ -68,7 +68,8 @@ pub struct LoadOptions {
     pub fbgemm_dir: Option<PathBuf>,
     /// torch: precision of the dense arithmetic.
     pub dense_precision: DensePrecision,
-    /// Split models: where their tables live (`memory` or `mmap`).
+    /// Split models: where their tables live (`--table-store`, with the
+    /// store flags applied).
     pub table_store: TableStore,
     /// The mock backend's latency.
     pub mock: MockConfig,

@@ -140,7 +140,7 @@ impl Reader {
         match args.client.as_str() {
             "redis" => {
                 let urls: Vec<String> = args.seeds.iter().map(|(h, p)| format!("redis://{h}:{p}")).collect();
-                // As the store builds it (crates/narsil-embedding/src/redis_store.rs).
+                // As the store builds it (crates/narsil-embedding/src/redis/client.rs).
                 let client = redis::cluster::ClusterClientBuilder::new(urls)
                     .connection_timeout(timeout.max(Duration::from_secs(5)))
                     .response_timeout(timeout)
@@ -154,7 +154,7 @@ impl Reader {
                     Config { server: ServerConfig::new_clustered(args.seeds.clone()), ..Config::default() };
                 let client = Builder::from_config(config)
                     .with_connection_config(|c| {
-                        // As the store builds it (crates/narsil-embedding/src/redis_store.rs).
+                        // As the store builds it (crates/narsil-embedding/src/redis/client.rs).
                         c.connection_timeout = timeout;
                         c.internal_command_timeout = timeout;
                         c.max_command_attempts = 3;

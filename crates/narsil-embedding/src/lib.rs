@@ -7,12 +7,16 @@
 //! * [`table`]: a table's rows, read into memory or mapped from its file
 //!   (`memory` and `mmap` stores), checked against the schema, with errors
 //!   naming the table and the file.
-//! * [`store`]: the trait every table store implements (rows in this
-//!   process, or fetched by distinct id).
-//! * [`redis_store`]: tables on a Redis Cluster (the `redis` store),
-//!   loading them there and pushing updates; [`redis_rows`]: reading a
-//!   batch's rows of every table together; [`row_cache`]: its
-//!   hot-row cache.
+//! * [`store`]: the trait every table store's rows implement (rows in
+//!   this process, or fetched by distinct id).
+//! * [`table_store`]: the choice of store (`--table-store`), an open set:
+//!   what a kind declares (its syntax, how it opens a model's tables, the
+//!   store flags it takes); [`store_kinds`]: the table of kinds.
+//! * [`local_store`]: the `memory` and `mmap` stores.
+//! * [`redis`]: tables on a Redis Cluster (the `redis` store), a module of
+//!   one file per job: configuration, the shared connection, key layout,
+//!   reading a batch's rows of every table together, invalidation, health;
+//!   [`row_cache`]: its hot-row cache.
 //! * [`shared`]: tables shared by content across the model versions of a
 //!   process.
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
@@ -24,25 +28,26 @@
 //!   pool; with [`metrics`] per table.
 
 pub mod dedup;
+pub mod local_store;
 pub mod metrics;
 pub mod pool;
-pub mod redis_rows;
-pub mod redis_store;
+pub mod redis;
 pub mod row_cache;
 pub mod schema;
 pub mod shared;
 pub mod stage;
 pub mod store;
+pub mod store_kinds;
 pub mod table;
 pub mod table_store;
 
 pub use dedup::{DistinctIds, IdCount};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
-pub use redis_rows::RedisRows;
-pub use redis_store::{MissingRows, RedisCluster, RedisSeeds, RedisStoreConfig};
+pub use redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
 pub use schema::{PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage, TableSpec};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
-pub use store::{FetchError, Fetched, RowStore};
+pub use store::{FetchError, Fetched, MissingRows, RowStore};
+pub use store_kinds::STORE_KINDS;
 pub use table::{LocalRows, Table, TableError};
-pub use table_store::TableStore;
+pub use table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};

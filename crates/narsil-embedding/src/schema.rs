@@ -53,7 +53,7 @@ pub struct TableSpec {
     pub redis: Option<RedisTableSpec>,
 }
 
-/// A table's rows on a Redis Cluster (see [`crate::redis_store`]).
+/// A table's rows on a Redis Cluster (see [`crate::redis`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 pub struct RedisTableSpec {
     /// Every row key starts with it: `narsil/MODEL/VERSION/TABLE`.

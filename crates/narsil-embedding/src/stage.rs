@@ -30,13 +30,11 @@ use narsil_core::KeyedBatch;
 use crate::dedup::DistinctIds;
 use crate::metrics::{StageMetrics, TableCounters};
 use crate::pool::{pool_rows, OutOfRange, Pooling};
-use crate::redis_rows::{fetch_tables, RedisRows, TableFetch};
-use crate::redis_store::RedisCluster;
+use crate::redis::rows::{fetch_tables, RedisRows, TableFetch};
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
-use crate::shared::open_shared;
 use crate::store::{FetchError, Fetched, RowStore};
-use crate::table::{LocalRows, TableError};
-use crate::table_store::TableStore;
+use crate::table::TableError;
+use crate::table_store::{OpenedTables, TableStore};
 
 struct StageTable {
     spec: TableSpec,
@@ -97,17 +95,6 @@ pub struct StageScratch {
     fetched: Vec<Vec<u8>>,
 }
 
-/// How a stage's tables were opened.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct OpenedTables {
-    /// Tables read (or mapped) now.
-    pub read: usize,
-    /// Tables another live model version already held.
-    pub shared: usize,
-    /// Bytes of every table.
-    pub bytes: u64,
-}
-
 /// A split model's embedding stage.
 pub struct EmbeddingStage {
     tables: Vec<StageTable>,
@@ -149,51 +136,16 @@ impl EmbeddingStage {
         Self { tables, features, dim: schema.pooled_dim(), metrics, faulting: AtomicBool::new(false) }
     }
 
-    /// Opens every table of the split model in `dir` in `store`, sharing
-    /// those a live model version already holds (see [`crate::shared`]);
-    /// for the `redis` store, checks each table is loaded on the cluster.
+    /// Opens every table of the split model in `dir` in `store` (how each
+    /// kind opens them: [`crate::table_store::StoreConfig::open`]; the
+    /// local stores share the tables a live model version already holds,
+    /// the `redis` store checks each table is loaded on the cluster).
     pub fn open(
         dir: &Path,
         schema: &SplitSchema,
         store: &TableStore,
     ) -> Result<(Self, OpenedTables), TableError> {
-        let mut opened = OpenedTables::default();
-        let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
-        match store {
-            TableStore::Redis(config) => {
-                let seeds = &config.seeds;
-                let cluster = RedisCluster::shared(config)
-                    .map_err(|source| TableError::Store { table: schema.tables[0].name.clone(), source })?;
-                for spec in &schema.tables {
-                    let store_error = |source| TableError::Store { table: spec.name.clone(), source };
-                    let redis = spec.redis.as_ref().ok_or_else(|| {
-                        store_error(FetchError(format!(
-                            "schema.json names no Redis location for it: load the tables first \
-                             (`narsil tables load {} --store {seeds}`)",
-                            dir.display()
-                        )))
-                    })?;
-                    stores.push(Arc::new(
-                        RedisRows::open(&spec.name, redis, spec.rows, cluster.clone())
-                            .map_err(store_error)?,
-                    ));
-                    opened.read += 1;
-                }
-            }
-            TableStore::Memory | TableStore::Mmap => {
-                let local = if *store == TableStore::Mmap { LocalRows::Mmap } else { LocalRows::Memory };
-                for spec in &schema.tables {
-                    let table = open_shared(dir, spec, local)?;
-                    if table.shared {
-                        opened.shared += 1;
-                    } else {
-                        opened.read += 1;
-                    }
-                    opened.bytes += table.table.bytes().len() as u64;
-                    stores.push(table.table);
-                }
-            }
-        }
+        let (stores, opened) = store.open(dir, schema)?;
         Ok((Self::new(schema, stores), opened))
     }
 
@@ -206,9 +158,12 @@ impl EmbeddingStage {
     /// [`narsil_core::BackendFactory::watch_dependencies`]); tables in this
     /// process always do, and never call it.
     pub fn watch_store(&self, watcher: narsil_core::DependencyWatcher) {
-        // Every Redis table of a model is on the one cluster the store names.
-        if let Some(rows) = self.tables.iter().find_map(|t| t.store.as_any().downcast_ref::<RedisRows>()) {
-            rows.cluster.watch_reachability(watcher);
+        // Every table of a model is in the one store it was opened in: the
+        // first that takes the watcher watches them all.
+        let mut watcher = Some(watcher);
+        for table in &self.tables {
+            let Some(unwatched) = watcher.take() else { break };
+            watcher = table.store.watch_reachability(unwatched);
         }
     }
 
@@ -447,7 +402,7 @@ mod tests {
     use super::*;
     use crate::pool::pool_rows;
     use crate::schema::{FeatureSpec, Storage};
-    use crate::table::Table;
+    use crate::table::{LocalRows, Table};
     use narsil_core::{assemble, RequestSamples};
 
     /// The same rows, fetched by copy instead of read in place.
@@ -495,10 +450,6 @@ mod tests {
             weighted,
         };
         SplitSchema {
-            format: crate::schema::SPLIT_FORMAT.into(),
-            name: "m".into(),
-            version: "1".into(),
-            num_dense: 1,
             tables: vec![table("shared", 50), table("own", 10)],
             features: vec![
                 feature("a", "shared", PoolingMode::Sum, false),
@@ -507,7 +458,9 @@ mod tests {
             ],
             outputs: vec!["default".into()],
             dense_network: "dense.pt".into(),
-            dense_weights: None,
+            // Format, name "m", version "1", one dense feature, no other
+            // dense form.
+            ..SplitSchema::one_table_per_feature("m", "1", 1, Vec::new(), Vec::new())
         }
     }
 
@@ -638,5 +591,59 @@ mod tests {
         let error =
             stage.pool(&batch, &mut StageScratch::default(), &mut Vec::new()).unwrap_err().to_string();
         assert!(error.contains("\"b\"") && error.contains("id 10") && error.contains("10 rows"), "{error}");
+    }
+    /// Rows whose store can stop answering: it keeps the watchers it takes.
+    struct Watched(Table, Arc<std::sync::Mutex<usize>>);
+
+    impl RowStore for Watched {
+        fn kind(&self) -> &'static str {
+            "watched"
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn local_rows(&self) -> Option<&[u8]> {
+            self.0.local_rows()
+        }
+        fn fetch(
+            &self,
+            _: &[i64],
+            _: usize,
+            _: &mut [u8],
+            _: Option<Instant>,
+        ) -> Result<Fetched, FetchError> {
+            unreachable!("local rows")
+        }
+        fn may_fault(&self) -> bool {
+            false
+        }
+        fn watch_reachability(
+            &self,
+            watcher: narsil_core::DependencyWatcher,
+        ) -> Option<narsil_core::DependencyWatcher> {
+            watcher(true);
+            *self.1.lock().unwrap() += 1;
+            None
+        }
+    }
+
+    #[test]
+    fn the_store_is_watched_through_the_first_table_that_takes_the_watcher_and_only_once() {
+        let schema = schema();
+        let watched = Arc::new(std::sync::Mutex::new(0));
+        let stores: Vec<Arc<dyn RowStore>> = vec![
+            Arc::new(rows(&schema.tables[0], 1)),
+            Arc::new(Watched(rows(&schema.tables[1], 1), watched.clone())),
+        ];
+        let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let h = heard.clone();
+        EmbeddingStage::new(&schema, stores).watch_store(Box::new(move |answers| {
+            h.lock().unwrap().push(answers);
+            true
+        }));
+        assert_eq!((*watched.lock().unwrap(), heard.lock().unwrap().clone()), (1, vec![true]));
+        // Tables in this process only: nobody is told anything.
+        let local = schema.tables.iter().map(|t| Arc::new(rows(t, 1)) as Arc<dyn RowStore>).collect();
+        EmbeddingStage::new(&schema, local).watch_store(Box::new(|_| panic!("no store to watch")));
     }
 }

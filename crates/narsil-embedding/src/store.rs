@@ -2,10 +2,13 @@
 //! asks a [`RowStore`] either for every row in this process's address
 //! space (`memory`, `mmap`: the stage pools straight from them) or for the
 //! rows of a fused batch's distinct ids (a store on other machines copies
-//! them into the stage's buffer, once per distinct id).
+//! them into the stage's buffer, once per distinct id). Which store a
+//! model's tables are opened in is [`crate::table_store`]'s.
 
 use std::any::Any;
 use std::time::Instant;
+
+use narsil_core::DependencyWatcher;
 
 /// A store's failure to deliver rows.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -19,6 +22,40 @@ pub struct Fetched {
     pub cached: usize,
     /// Rows the store lacks, delivered as zeros (`--missing-rows zero`).
     pub zeroed: usize,
+}
+
+/// What a fetch does with a row its store does not hold (a table loaded
+/// partly, or a key removed by hand): `--missing-rows`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum MissingRows {
+    /// The batch fails (its requests get UNAVAILABLE): no score is ever
+    /// computed from a row that is not there.
+    #[default]
+    Error,
+    /// The row pools as zeros (every value 0, as a freshly initialised
+    /// row), counted by `narsil_table_missing_rows_total`.
+    Zero,
+}
+
+impl std::str::FromStr for MissingRows {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "error" => Ok(Self::Error),
+            "zero" => Ok(Self::Zero),
+            _ => Err(format!("`{text}` is not a missing-rows policy: use `error` or `zero`")),
+        }
+    }
+}
+
+impl std::fmt::Display for MissingRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Error => "error",
+            Self::Zero => "zero",
+        })
+    }
 }
 
 /// A table's rows, wherever they live.
@@ -46,6 +83,28 @@ pub trait RowStore: Send + Sync {
     fn may_fault(&self) -> bool;
 
     /// The store as itself, for a stage that reads some stores' tables of a
-    /// batch together (a Redis Cluster's: [`crate::redis_rows::fetch_tables`]).
+    /// batch together (a Redis Cluster's: [`crate::redis::rows::fetch_tables`]).
     fn as_any(&self) -> &dyn Any;
+
+    /// For rows on other machines: tells `watcher` whether their store
+    /// answers, now and at each change (the serving health follows it).
+    /// Rows in this process always answer and give `watcher` back.
+    fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
+        Some(watcher)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_rows_policies_parse_by_name_and_print_back() {
+        for policy in [MissingRows::Error, MissingRows::Zero] {
+            assert_eq!(policy.to_string().parse(), Ok(policy));
+        }
+        assert_eq!(MissingRows::default(), MissingRows::Error, "no score from a missing row unless asked");
+        let unknown = "skip".parse::<MissingRows>().unwrap_err();
+        assert!(unknown.contains("`skip`") && unknown.contains("`error` or `zero`"), "{unknown}");
+    }
 }

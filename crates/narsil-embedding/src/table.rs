@@ -3,7 +3,7 @@
 //! missing fails with the table's name and the file's path.
 //!
 //! Two local stores (`narsil serve --table-store`, [`crate::table_store`];
-//! the third, `redis`, is [`crate::redis_store`]):
+//! the third, `redis`, is [`crate::redis`]):
 //!
 //! * `memory` (default): the file is read into the process once; every
 //!   lookup is a memory read. Needs the tables' size in RAM.

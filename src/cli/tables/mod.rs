@@ -1,7 +1,11 @@
 //! `narsil tables load`: puts a split model's tables on a Redis Cluster
 //! for the `redis` table store, then records where in the model's
 //! `schema.json`. `narsil tables push`: writes new rows for a live model
-//! there, and tells every serving process to drop its cached copies.
+//! there, and tells every serving process to drop its cached copies. The
+//! commands are here; writing the rows in the store's key layout is
+//! [`rows`].
+
+mod rows;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -9,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use narsil_embedding::redis_store::{load_table, DEFAULT_BUCKETS};
+use narsil_embedding::redis::DEFAULT_BUCKETS;
 use narsil_embedding::{LocalRows, RedisCluster, RedisSeeds, RedisTableSpec, SplitSchema, Table};
+use rows::{load_table, push_rows};
 
 /// `narsil tables ...`.
 #[derive(Debug, Args)]
@@ -153,7 +158,7 @@ fn push(args: &PushTablesArgs) -> anyhow::Result<()> {
             .collect();
         compared += spec.rows;
         for step in changed.chunks(args.rows_per_step.max(1)) {
-            narsil_embedding::redis_store::push_rows(&cluster, redis, new.bytes(), spec.row_bytes, step)?;
+            push_rows(&cluster, redis, new.bytes(), spec.row_bytes, step)?;
             pushed += step.len() as u64;
             if args.rows_per_second > 0 {
                 let due = Duration::from_secs_f64(pushed as f64 / args.rows_per_second as f64);

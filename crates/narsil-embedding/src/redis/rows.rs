@@ -2,8 +2,9 @@
 //! batch together, not one table after another.
 //!
 //! [`fetch_tables`] looks each table's distinct ids up in the hot-row cache
-//! ([`crate::row_cache`]), then sends one `MGET` per (table, bucket) that
-//! holds missed ids, for every table together, all at once: the cluster
+//! ([`crate::row_cache`], kept true by [`super::invalidation`]), then sends
+//! one `MGET` per (table, bucket) that holds missed ids (keys:
+//! [`super::keys`]), for every table together, all at once: the cluster
 //! client pipelines the commands bound for one node over its connection,
 //! so a batch waits for a few round trips, not one per table.
 //! The wait is bounded by the store's fetch timeout and by the batch's
@@ -22,16 +23,19 @@ use std::time::Instant;
 
 use fred::prelude::KeysInterface;
 use fred::types::Value;
+use narsil_core::DependencyWatcher;
 
-use crate::redis_store::{row_key, rows_key, MissingRows, RedisCluster, TableState};
+use super::cluster::RedisCluster;
+use super::invalidation::TableState;
+use super::keys::{row_key, rows_key};
 use crate::schema::RedisTableSpec;
-use crate::store::{FetchError, Fetched, RowStore};
+use crate::store::{FetchError, Fetched, MissingRows, RowStore};
 
 /// A table whose rows are on a Redis Cluster.
 pub struct RedisRows {
     name: String,
     spec: RedisTableSpec,
-    pub(crate) cluster: Arc<RedisCluster>,
+    cluster: Arc<RedisCluster>,
     state: Arc<TableState>,
 }
 
@@ -189,5 +193,12 @@ impl RowStore for RedisRows {
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
+    }
+
+    /// Every table of a model is on the one cluster its store names: the
+    /// first table watched watches them all.
+    fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
+        self.cluster.watch_reachability(watcher);
+        None
     }
 }
