@@ -15,6 +15,9 @@
 //! | [`forward_bench`] | `narsil bench-forward`: a backend's raw forward speed | `flags`, `lifecycle`, `protocols`, `load` |
 //! | [`cli`] | `narsil serve`, `narsil load`, `narsil bench-forward` (clap) | everything |
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod cli;
 pub mod flags;
 pub mod forward_bench;

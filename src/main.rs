@@ -1,4 +1,11 @@
 //! The `narsil` command: see `narsil --help`.
+//!
+//! `main` sets the environment of libraries that read it once (libtorch,
+//! MKL, glibc's malloc) first, before Narsil starts any thread: changing
+//! the environment is sound only while no other thread can read it.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 
 // mimalloc keeps freed pages for reuse: fused batches allocate buffers of
 // hundreds of KiB, which glibc malloc would map and unmap (page faults) each time.
@@ -6,6 +13,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> std::process::ExitCode {
+    // These three run before anything starts a thread (see the crate docs).
     huge_pages_for_libtorch();
     no_mkl_buffers_per_thread();
     bounded_malloc_arenas();
@@ -23,10 +31,11 @@ fn main() -> std::process::ExitCode {
 /// them, so a retired version's weights leave the resident set
 /// (REPORTS.md#memory-on-reload).
 fn release_freed_memory() {
-    // SAFETY: mi_collect only walks mimalloc's own structures.
+    // SAFETY: mi_collect takes no pointer and only walks mimalloc's own
+    // structures, under mimalloc's own synchronisation; any thread may call it.
     unsafe { libmimalloc_sys::mi_collect(true) };
-    // SAFETY: malloc_trim takes each arena's lock and only releases pages
-    // that hold no allocation.
+    // SAFETY: malloc_trim takes no pointer, takes each arena's lock and only
+    // releases pages that hold no allocation; any thread may call it.
     unsafe { libc::malloc_trim(0) };
 }
 
@@ -39,7 +48,10 @@ fn release_freed_memory() {
 /// the kernel's transparent huge pages set to `madvise` or `always`.
 fn huge_pages_for_libtorch() {
     if std::env::var_os("THP_MEM_ALLOC_ENABLE").is_none() {
-        std::env::set_var("THP_MEM_ALLOC_ENABLE", "1");
+        // SAFETY: called first thing in `main`, before any thread exists
+        // that could read the environment at the same time (`set_var` is
+        // `unsafe` from edition 2024 for that reason).
+        unsafe { std::env::set_var("THP_MEM_ALLOC_ENABLE", "1") };
     }
 }
 
@@ -57,8 +69,10 @@ fn huge_pages_for_libtorch() {
 /// is then removed before MKL can read it).
 fn no_mkl_buffers_per_thread() {
     match std::env::var_os("MKL_DISABLE_FAST_MM") {
-        None => std::env::set_var("MKL_DISABLE_FAST_MM", "1"),
-        Some(value) if value == "0" => std::env::remove_var("MKL_DISABLE_FAST_MM"),
+        // SAFETY: called from `main` before any thread exists (as above).
+        None => unsafe { std::env::set_var("MKL_DISABLE_FAST_MM", "1") },
+        // SAFETY: called from `main` before any thread exists (as above).
+        Some(value) if value == "0" => unsafe { std::env::remove_var("MKL_DISABLE_FAST_MM") },
         Some(_) => {}
     }
 }
@@ -73,7 +87,9 @@ fn no_mkl_buffers_per_thread() {
 fn bounded_malloc_arenas() {
     if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // SAFETY: mallopt only sets a glibc tuning value, before any thread exists.
+        // SAFETY: mallopt takes plain integers and only sets a glibc tuning
+        // value; called from `main` before any thread exists, so no other
+        // thread is inside malloc while it changes.
         unsafe { libc::mallopt(libc::M_ARENA_MAX, cores as libc::c_int) };
     }
 }

@@ -262,7 +262,11 @@ async fn on_loader_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + '
         .name("narsil-loader".into())
         .spawn(move || {
             // On Linux a thread's niceness is its own (the calling thread's id).
+            // SAFETY: gettid takes no arguments, touches no memory and cannot fail.
             let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
+            // SAFETY: setpriority takes plain integers and touches no memory;
+            // `tid` is this thread's own id, so only this thread's niceness
+            // changes, and a failure is returned, not raised.
             if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, LOADER_NICENESS) } != 0 {
                 tracing::debug!("cannot lower the loader thread's priority; loading at normal priority");
             }

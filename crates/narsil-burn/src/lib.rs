@@ -9,6 +9,9 @@
 //! * [`factory`]: the [`narsil_core::BackendFactory`], over those weights or
 //!   a split model's tables and `dense_weights`; lanes share one copy.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod factory;
 pub mod model;
 pub mod weights;

@@ -17,6 +17,9 @@
 //!
 //! No async runtime, no RPC, no tensor library: those live in other crates.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod backend;
 pub mod batch;
 #[cfg(feature = "conformance")]

@@ -27,6 +27,9 @@
 //! * [`stage`]: the stage itself: per fused batch and table, dedup, fetch,
 //!   pool; with [`metrics`] per table.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod dedup;
 pub mod local_store;
 pub mod metrics;

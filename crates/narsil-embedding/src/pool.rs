@@ -52,7 +52,7 @@ pub fn pool_rows(
         return Err(OutOfRange { id, rows });
     }
     assert!(storage.row_bytes(dim) <= row_bytes, "a row holds its values");
-    let kernel = match storage {
+    let kernel: Kernel = match storage {
         Storage::Int8Rowwise => kernel(),
         Storage::Fp32 => accumulate_fp32,
     };
@@ -71,7 +71,10 @@ pub fn pool_rows(
         let acc = &mut out[bag * stride..bag * stride + dim];
         acc.fill(0.0);
         let bag_weights = pooling.weights.map(|w| &w[start..end]);
-        kernel(table, row_bytes, &ids[start..end], bag_weights, acc);
+        // SAFETY: every id was checked above to be a row of `table`, the
+        // assert above holds that a row has room for its values (`dim ==
+        // acc.len()`), and `kernel()` chose a kernel this CPU can run.
+        unsafe { kernel(table, row_bytes, &ids[start..end], bag_weights, acc) };
         if pooling.mode == PoolingMode::Mean && len > 0 {
             let scale = 1.0 / len as f32;
             acc.iter_mut().for_each(|v| *v *= scale);
@@ -99,14 +102,25 @@ fn prefetch_row(row: &[u8]) {
     let _ = row;
 }
 
-/// Accumulates a bag's rows into `acc` (zeroed, `dim` values).
-type Kernel = fn(&[u8], usize, &[i64], Option<&[f32]>, &mut [f32]);
+/// Accumulates a bag's rows into `acc` (zeroed, `dim` values):
+/// `kernel(table, row_bytes, ids, weights, acc)`.
+///
+/// # Safety
+///
+/// Every id is a row of `table` (`0 <= id` and `(id + 1) * row_bytes <=
+/// table.len()`), and a row has room for its values (`storage.row_bytes(dim)
+/// <= row_bytes` with `dim == acc.len()`). The portable kernels check both
+/// anyway (they index slices); the AVX2 one relies on them.
+type Kernel = unsafe fn(&[u8], usize, &[i64], Option<&[f32]>, &mut [f32]);
 
+/// The INT8 row-wise kernel for this CPU.
 fn kernel() -> Kernel {
     #[cfg(target_arch = "x86_64")]
     {
         use std::sync::OnceLock;
         static CHOSEN: OnceLock<Kernel> = OnceLock::new();
+        // `avx2::accumulate` needs AVX2, FMA and F16C besides the bounds:
+        // it is chosen only where `available()` found them.
         *CHOSEN.get_or_init(|| if avx2::available() { avx2::accumulate } else { accumulate_scalar })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -190,10 +204,23 @@ mod avx2 {
     /// Dispatches on the row width: up to 64 values (8 registers) stay in
     /// registers across the whole bag; wider or ragged rows go 8 at a time
     /// through memory, with a scalar tail.
-    pub fn accumulate(table: &[u8], row_bytes: usize, ids: &[i64], weights: Option<&[f32]>, acc: &mut [f32]) {
-        // SAFETY: chosen only when `available()` said the CPU has these
-        // instructions; every load below stays inside its row (checked by
-        // the caller: ids are rows, `4 + dim <= row_bytes`).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2, FMA and F16C ([`available`]); every id is a row of
+    /// `table` (`0 <= id` and `(id + 1) * row_bytes <= table.len()`); a row
+    /// holds its scale and bias (4 bytes) and `acc.len()` values: `4 +
+    /// acc.len() <= row_bytes`. Loads are not bounds-checked.
+    pub unsafe fn accumulate(
+        table: &[u8],
+        row_bytes: usize,
+        ids: &[i64],
+        weights: Option<&[f32]>,
+        acc: &mut [f32],
+    ) {
+        // SAFETY: this function's contract is each callee's (the CPU
+        // features, ids that are rows, rows that hold `acc.len()` values),
+        // and each `in_registers::<N>` is called with `acc.len() == 8 * N`.
         unsafe {
             match acc.len() {
                 8 => in_registers::<1>(table, row_bytes, ids, weights, acc),
@@ -205,20 +232,40 @@ mod avx2 {
         }
     }
 
+    /// A row's scale and bias (its first 4 bytes, two fp16), the weight
+    /// folded in, each in every lane.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2, FMA and F16C; `row` points at 4 readable bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn scale_bias(row: *const u8, weight: f32) -> (__m256, __m256) {
-        let halves = _mm_cvtsi32_si128(std::ptr::read_unaligned(row as *const i32));
+        // SAFETY: 4 readable bytes at `row` (the contract); unaligned read.
+        let halves = _mm_cvtsi32_si128(unsafe { std::ptr::read_unaligned(row as *const i32) });
         let both = _mm_cvtph_ps(halves); // [scale, bias, 0, 0]
         let scale = _mm_cvtss_f32(both) * weight;
         let bias = _mm_cvtss_f32(_mm_shuffle_ps(both, both, 1)) * weight;
         (_mm256_set1_ps(scale), _mm256_set1_ps(bias))
     }
 
+    /// Eight uint8 values as FP32.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2, FMA and F16C; `values` points at 8 readable bytes.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn eight(values: *const u8) -> __m256 {
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(values as *const __m128i)))
+        // SAFETY: 8 readable bytes at `values` (the contract); `loadl`
+        // reads exactly 8 bytes and needs no alignment.
+        let loaded = unsafe { _mm_loadl_epi64(values as *const __m128i) };
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(loaded))
     }
 
+    /// A bag of rows of `8 * N` values, summed in `N` registers.
+    ///
+    /// # Safety
+    ///
+    /// [`accumulate`]'s contract, and `acc.len() == 8 * N`.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn in_registers<const N: usize>(
         table: &[u8],
@@ -227,19 +274,36 @@ mod avx2 {
         weights: Option<&[f32]>,
         acc: &mut [f32],
     ) {
+        debug_assert_eq!(acc.len(), 8 * N);
         let mut sums = [_mm256_setzero_ps(); N];
         for (i, &id) in ids.iter().enumerate() {
-            let row = table.as_ptr().add(id as usize * row_bytes);
-            let (scale, bias) = scale_bias(row, weights.map_or(1.0, |w| w[i]));
-            for (g, sum) in sums.iter_mut().enumerate() {
-                *sum = _mm256_fmadd_ps(scale, eight(row.add(4 + 8 * g)), _mm256_add_ps(*sum, bias));
+            let weight = weights.map_or(1.0, |w| w[i]);
+            // SAFETY: `id` is a row of `table`, so the row's `row_bytes`
+            // bytes are inside it; its scale and bias are its first 4
+            // bytes, and group `g < N` reads bytes `4 + 8 * g ..= 11 + 8 *
+            // g`, inside `4 + 8 * N == 4 + acc.len() <= row_bytes`. The CPU
+            // features are this function's own.
+            unsafe {
+                let row = table.as_ptr().add(id as usize * row_bytes);
+                let (scale, bias) = scale_bias(row, weight);
+                for (g, sum) in sums.iter_mut().enumerate() {
+                    *sum = _mm256_fmadd_ps(scale, eight(row.add(4 + 8 * g)), _mm256_add_ps(*sum, bias));
+                }
             }
         }
         for (g, sum) in sums.iter().enumerate() {
-            _mm256_storeu_ps(acc.as_mut_ptr().add(8 * g), *sum);
+            // SAFETY: writes `acc[8 * g..8 * g + 8]`, inside `acc` (`g < N`,
+            // `acc.len() == 8 * N`); no alignment needed.
+            unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add(8 * g), *sum) };
         }
     }
 
+    /// A bag of rows of any width, 8 values at a time through `acc`, then
+    /// a scalar tail.
+    ///
+    /// # Safety
+    ///
+    /// [`accumulate`]'s contract.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn through_memory(
         table: &[u8],
@@ -251,17 +315,24 @@ mod avx2 {
         let dim = acc.len();
         let whole = dim / 8 * 8;
         for (i, &id) in ids.iter().enumerate() {
-            let row = table.as_ptr().add(id as usize * row_bytes);
             let weight = weights.map_or(1.0, |w| w[i]);
-            let (scale, bias) = scale_bias(row, weight);
-            for g in (0..whole).step_by(8) {
-                let sum = _mm256_loadu_ps(acc.as_ptr().add(g));
-                let sum = _mm256_fmadd_ps(scale, eight(row.add(4 + g)), _mm256_add_ps(sum, bias));
-                _mm256_storeu_ps(acc.as_mut_ptr().add(g), sum);
-            }
-            let (scale, bias) = super::scale_bias(std::slice::from_raw_parts(row, 4), weight);
-            for (j, sum) in acc.iter_mut().enumerate().take(dim).skip(whole) {
-                *sum = scale.mul_add(f32::from(*row.add(4 + j)), *sum + bias);
+            // SAFETY: `id` is a row of `table`, so its `row_bytes >= 4 +
+            // dim` bytes are inside it; the scale and bias are its first 4
+            // bytes, group `g` (`g + 8 <= whole <= dim`) reads values
+            // `g..g + 8` of the row and of `acc`, and the tail values
+            // `whole..dim`. The CPU features are this function's own.
+            unsafe {
+                let row = table.as_ptr().add(id as usize * row_bytes);
+                let (scale, bias) = scale_bias(row, weight);
+                for g in (0..whole).step_by(8) {
+                    let sum = _mm256_loadu_ps(acc.as_ptr().add(g));
+                    let sum = _mm256_fmadd_ps(scale, eight(row.add(4 + g)), _mm256_add_ps(sum, bias));
+                    _mm256_storeu_ps(acc.as_mut_ptr().add(g), sum);
+                }
+                let (scale, bias) = super::scale_bias(std::slice::from_raw_parts(row, 4), weight);
+                for (j, sum) in acc.iter_mut().enumerate().take(dim).skip(whole) {
+                    *sum = scale.mul_add(f32::from(*row.add(4 + j)), *sum + bias);
+                }
             }
         }
     }
@@ -357,7 +428,9 @@ mod tests {
                 let mut scalar = vec![0.0; dim];
                 accumulate_scalar(&data, row_bytes, &ids, weights, &mut scalar);
                 let mut chosen = vec![0.0; dim];
-                kernel()(&data, row_bytes, &ids, weights, &mut chosen);
+                // SAFETY: every id is below the table's 50 rows, and
+                // `table` sized each row for its `dim` values.
+                unsafe { kernel()(&data, row_bytes, &ids, weights, &mut chosen) };
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&scalar), bits(&chosen), "dim {dim}, weighted {}", weights.is_some());
             }

@@ -387,7 +387,8 @@ impl EmbeddingStage {
 
 /// Major page faults taken by the calling thread so far.
 fn thread_major_faults() -> u64 {
-    // SAFETY: getrusage writes one rusage into memory we own.
+    // SAFETY: all zeros is a valid `rusage` (integers and `timeval`s), and
+    // getrusage writes one rusage into memory we own.
     unsafe {
         let mut usage: libc::rusage = std::mem::zeroed();
         if libc::getrusage(libc::RUSAGE_THREAD, &mut usage) != 0 {

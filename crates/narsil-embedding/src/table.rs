@@ -13,6 +13,18 @@
 //!   advised `MADV_RANDOM`: lookups hit rows at random, so the kernel's
 //!   read-ahead would fill the cache with neighbours nobody asked for and
 //!   evict hot rows.
+//!
+//! A mapped file must keep its bytes for as long as it is mapped (the
+//! contract of [`memmap2::MmapOptions`]): truncated, a lookup of a row past
+//! its new end kills the process with `SIGBUS`; written, rows change under
+//! a lookup that holds them as `&[u8]`. Narsil never writes a table file:
+//! it opens them read-only, maps each file at the length it has when
+//! opened, and checks that length against the schema first. Model versions
+//! are published by renaming a complete directory into place and are
+//! immutable from then on (docs/guide/model-repository.md): a table is
+//! replaced by publishing a new version with new files. Deleting or
+//! renaming a served file is harmless (the map keeps its inode); copying
+//! over it in place is not (`cp` truncates the target first).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -33,49 +45,19 @@ pub enum LocalRows {
 /// A table's rows, in memory or mapped.
 enum Rows {
     Memory(Vec<u8>),
-    Mapped(Mapping),
+    Mapped(memmap2::Mmap),
 }
 
-/// A read-only private map of a whole file.
-struct Mapping {
-    address: *mut libc::c_void,
-    len: usize,
-}
-
-// SAFETY: the map is read-only and unmapped only on drop.
-unsafe impl Send for Mapping {}
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    fn new(file: &std::fs::File, len: usize) -> std::io::Result<Self> {
-        use std::os::fd::AsRawFd;
-        if len == 0 {
-            return Err(std::io::Error::other("cannot map an empty file"));
-        }
-        // SAFETY: a fresh read-only private map of `len` bytes of an open
-        // file; checked for failure before use.
-        let address = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_PRIVATE, file.as_raw_fd(), 0)
-        };
-        if address == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: advice on our own map; failure only loses the hint.
-        unsafe { libc::madvise(address, len, libc::MADV_RANDOM) };
-        Ok(Self { address, len })
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `len` readable bytes at `address` for the map's lifetime.
-        unsafe { std::slice::from_raw_parts(self.address as *const u8, self.len) }
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: unmaps exactly what `new` mapped, once.
-        unsafe { libc::munmap(self.address, self.len) };
-    }
+/// Maps the whole of `file` read-only and private (`PROT_READ`,
+/// `MAP_PRIVATE`), advised `MADV_RANDOM`.
+fn map(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: memmap2 requires that the file is neither truncated nor
+    // written while mapped. Narsil writes no table file, and a published
+    // model version's files are never changed in place (module docs).
+    let map = unsafe { memmap2::MmapOptions::new().map_copy_read_only(file)? };
+    // Only a hint: where the kernel refuses it, the same rows are served.
+    let _ = map.advise(memmap2::Advice::Random);
+    Ok(map)
 }
 
 /// A table's rows and shape.
@@ -150,22 +132,31 @@ impl Table {
         let path = dir.join(&spec.file);
         let read_error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
         let expected = spec.rows * spec.row_bytes as u64;
+        let size_error = |actual| TableError::Size {
+            table: spec.name.clone(),
+            path: path.clone(),
+            actual,
+            expected,
+            rows: spec.rows,
+            row_bytes: spec.row_bytes,
+        };
         let actual = std::fs::metadata(&path).map_err(read_error)?.len();
         if actual != expected {
-            return Err(TableError::Size {
-                table: spec.name.clone(),
-                path,
-                actual,
-                expected,
-                rows: spec.rows,
-                row_bytes: spec.row_bytes,
-            });
+            return Err(size_error(actual));
         }
         let rows_data = match store {
             LocalRows::Memory => Rows::Memory(std::fs::read(&path).map_err(read_error)?),
             LocalRows::Mmap => {
+                if expected == 0 {
+                    return Err(read_error(std::io::Error::other("cannot map an empty file")));
+                }
                 let file = std::fs::File::open(&path).map_err(read_error)?;
-                Rows::Mapped(Mapping::new(&file, expected as usize).map_err(read_error)?)
+                let map = map(&file).map_err(read_error)?;
+                // The length of the file opened, which is what is mapped.
+                if map.len() as u64 != expected {
+                    return Err(size_error(map.len() as u64));
+                }
+                Rows::Mapped(map)
             }
         };
         Ok(Self::with_rows(spec, rows_data))
@@ -201,7 +192,7 @@ impl Table {
     pub fn bytes(&self) -> &[u8] {
         match &self.rows_data {
             Rows::Memory(data) => data,
-            Rows::Mapped(mapping) => mapping.bytes(),
+            Rows::Mapped(map) => map,
         }
     }
 }

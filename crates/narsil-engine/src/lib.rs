@@ -20,6 +20,8 @@
 //! * `health`: whether the backend is fit for traffic, from its forwards.
 //! * `stats`: counters the engine keeps about itself.
 
+#![forbid(unsafe_code)]
+
 mod admission;
 mod collector;
 mod config;

@@ -5,31 +5,44 @@
 // tch does it: an `at::Tensor*` each way (tch's `C_tensor`).
 //
 // Errors: every function that can fail takes `char** error`; on failure it
-// stores a malloc'd message there (the caller frees it) and returns null.
+// stores a malloc'd message there (the caller frees it; null if even that
+// allocation failed) and returns null (or -1). No exception leaves an
+// `extern "C"` function: unwinding into Rust is undefined behaviour, so each
+// catches `std::exception` (its message) and then anything else (a generic
+// message), and each is `noexcept` besides, so that a throw we missed ends
+// the process (std::terminate) instead.
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/runtime/graph_iterator.h>
 #include <torch/script.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
 
 namespace {
 
-char* copy_string(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  std::memcpy(out, text.c_str(), text.size() + 1);
+// A malloc'd copy of `text` (the caller frees it), or null if malloc fails.
+char* copy_string(const char* text) noexcept {
+  const size_t size = std::strlen(text) + 1;
+  char* out = static_cast<char*>(std::malloc(size));
+  if (out) std::memcpy(out, text, size);
   return out;
 }
 
-void set_error(char** error, const std::exception& e) {
+void set_error(char** error, const std::exception& e) noexcept {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
     *error = copy_string(c10_error->what_without_backtrace());
   } else {
     *error = copy_string(e.what());
   }
+}
+
+// For a throw of something that is not a std::exception.
+void set_unknown_error(char** error) noexcept {
+  *error = copy_string("libtorch threw an exception that is not a std::exception");
 }
 
 // fbgemm_gpu's SparseType::BF16.
@@ -108,7 +121,7 @@ extern "C" {
 // `*dict_signature` is set to 1 when forward takes one `Dict[str, Tensor]`
 // (TorchRec's inference signature), 0 otherwise.
 NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, int bf16, char** schema_json,
-                                              int* bf16_lookups, int* dict_signature, char** error) {
+                                              int* bf16_lookups, int* dict_signature, char** error) noexcept {
   *schema_json = nullptr;
   *bf16_lookups = 0;
   *dict_signature = 0;
@@ -120,7 +133,10 @@ NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, 
     *dict_signature = arguments.size() == 2 && arguments[1].type()->kind() == c10::TypeKind::DictType;
     if (module.find_method("narsil_schema")) {
       const auto schema = module.run_method("narsil_schema");
-      if (schema.isString()) *schema_json = copy_string(schema.toStringRef());
+      if (schema.isString()) {
+        *schema_json = copy_string(schema.toStringRef().c_str());
+        if (!*schema_json) throw std::bad_alloc();
+      }
     }
     if (bf16) floating_point_to_bf16(module);
     auto frozen = torch::jit::freeze(module);
@@ -131,16 +147,21 @@ NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, 
     }
     return new NarsilScriptModule{std::move(frozen)};
   } catch (const std::exception& e) {
-    if (*schema_json) std::free(*schema_json);
+    std::free(*schema_json);
     *schema_json = nullptr;
     set_error(error, e);
+    return nullptr;
+  } catch (...) {
+    std::free(*schema_json);
+    *schema_json = nullptr;
+    set_unknown_error(error);
     return nullptr;
   }
 }
 
 // forward(dense, lengths, ids) -> a new tensor (tch takes ownership).
 at::Tensor* narsil_script_module_forward(NarsilScriptModule* m, const at::Tensor* dense, const at::Tensor* lengths,
-                                         const at::Tensor* ids, char** error) {
+                                         const at::Tensor* ids, char** error) noexcept {
   try {
     std::vector<c10::IValue> inputs{*dense, *lengths, *ids};
     auto output = m->module.forward(std::move(inputs));
@@ -151,13 +172,16 @@ at::Tensor* narsil_script_module_forward(NarsilScriptModule* m, const at::Tensor
   } catch (const std::exception& e) {
     set_error(error, e);
     return nullptr;
+  } catch (...) {
+    set_unknown_error(error);
+    return nullptr;
   }
 }
 
 // forward(inputs[0], ..., inputs[num_inputs - 1]) -> a new tensor (the
 // caller takes ownership): a split model's dense network, forward(dense, pooled).
 at::Tensor* narsil_script_module_forward_tensors(NarsilScriptModule* m, int num_inputs,
-                                                 const at::Tensor* const* inputs, char** error) {
+                                                 const at::Tensor* const* inputs, char** error) noexcept {
   try {
     std::vector<c10::IValue> values;
     values.reserve(num_inputs);
@@ -170,16 +194,27 @@ at::Tensor* narsil_script_module_forward_tensors(NarsilScriptModule* m, int num_
   } catch (const std::exception& e) {
     set_error(error, e);
     return nullptr;
+  } catch (...) {
+    set_unknown_error(error);
+    return nullptr;
   }
 }
 
 // forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]: the batch holds
-// `inputs[i]` under `names[i]`; `outputs[o]` receives a new tensor (the
-// caller takes ownership) for the result's `output_names[o]`. Returns 0, or
-// -1 with `*error` set and no outputs.
+// `inputs[i]` under `names[i]`; `outputs[o]` (null on entry) receives a new
+// tensor (the caller takes ownership) for the result's `output_names[o]`.
+// Returns 0, or -1 with `*error` set and every output null.
 int narsil_script_module_forward_dict(NarsilScriptModule* m, int num_inputs, const char* const* names,
                                       const at::Tensor* const* inputs, int num_outputs,
-                                      const char* const* output_names, at::Tensor** outputs, char** error) {
+                                      const char* const* output_names, at::Tensor** outputs,
+                                      char** error) noexcept {
+  // On failure, no output is left behind (an allocation may fail midway).
+  auto no_outputs = [&]() noexcept {
+    for (int o = 0; o < num_outputs; ++o) {
+      delete outputs[o];
+      outputs[o] = nullptr;
+    }
+  };
   try {
     c10::Dict<std::string, at::Tensor> batch;
     for (int i = 0; i < num_inputs; ++i) batch.insert(names[i], *inputs[i]);
@@ -205,11 +240,18 @@ int narsil_script_module_forward_dict(NarsilScriptModule* m, int num_inputs, con
     }
     return 0;
   } catch (const std::exception& e) {
+    no_outputs();
     set_error(error, e);
+    return -1;
+  } catch (...) {
+    no_outputs();
+    set_unknown_error(error);
     return -1;
   }
 }
 
-void narsil_script_module_free(NarsilScriptModule* m) { delete m; }
+// Frees a module from narsil_script_module_load. Destructors do not throw
+// (they are implicitly noexcept: a throw would end the process, not unwind).
+void narsil_script_module_free(NarsilScriptModule* m) noexcept { delete m; }
 
 }  // extern "C"

@@ -96,6 +96,8 @@ fn open_global(path: &Path) -> Result<(), String> {
         let msg = if err.is_null() {
             "unknown dlopen error".to_string()
         } else {
+            // SAFETY: non-null, so a NUL-terminated string dlerror keeps
+            // valid until this thread's next dl* call; copied out at once.
             unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned()
         };
         return Err(format!("{}: {msg}", path.display()));

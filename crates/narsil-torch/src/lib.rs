@@ -15,6 +15,9 @@
 //!   `narsil-embedding`, then a TorchScript dense network).
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 pub mod device;
 pub mod factory;
 pub mod fbgemm;

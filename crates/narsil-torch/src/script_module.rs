@@ -2,6 +2,12 @@
 //! precision, frozen, and called, through the C++ shim in
 //! `csrc/script_module.cpp` (tch binds neither `torch::jit::freeze` nor
 //! graph edits). Tensors cross the boundary as tch's own `at::Tensor*`.
+//!
+//! The shim's contract, which every call below relies on: no C++ exception
+//! leaves it (each function catches everything and reports it through its
+//! `error` out-pointer as a malloc'd C string, or as null), a function that
+//! fails returns null (or -1) and nothing else, and a tensor it returns is a
+//! new heap `at::Tensor` the caller owns.
 
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::path::Path;
@@ -58,10 +64,12 @@ pub struct ScriptModule {
     raw: *mut RawModule,
 }
 
+// SAFETY: the module is a heap object no thread owns: any thread may run or
+// free it; it is freed only by Drop, once.
+unsafe impl Send for ScriptModule {}
 // SAFETY: a torch::jit::Module may run forwards from several threads at once
 // (TorchScript's interpreter keeps per-call state on the calling thread); the
-// module is never mutated after loading.
-unsafe impl Send for ScriptModule {}
+// module is never mutated after loading, and no method takes `&mut self`.
 unsafe impl Sync for ScriptModule {}
 
 /// What loading found besides the module.
@@ -94,8 +102,9 @@ impl ScriptModule {
         let mut bf16_lookups: c_int = 0;
         let mut dict_signature: c_int = 0;
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: valid C string and out-pointers; the shim sets `error` or
-        // returns a module, never both.
+        // SAFETY: a valid C string and out-pointers that outlive the call;
+        // the shim sets `error` or returns a module, never both, and throws
+        // nothing (module docs).
         let raw = unsafe {
             narsil_script_module_load(
                 c_path.as_ptr(),
@@ -121,14 +130,16 @@ impl ScriptModule {
     /// `forward(dense, lengths, ids)`.
     pub fn forward(&self, dense: &Tensor, lengths: &Tensor, ids: &Tensor) -> Result<Tensor, LibtorchError> {
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: the tensors outlive the call; a non-null result is a new
-        // heap `at::Tensor` whose ownership passes to the returned Tensor.
+        // SAFETY: `self.raw` is a live module (freed only by Drop); the
+        // tensors and `error` outlive the call; the shim throws nothing.
         let output = unsafe {
             narsil_script_module_forward(self.raw, dense.as_ptr(), lengths.as_ptr(), ids.as_ptr(), &mut error)
         };
         if output.is_null() {
             return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
         }
+        // SAFETY: a non-null result is a new heap `at::Tensor` no one else
+        // holds; its ownership passes to the returned Tensor.
         Ok(unsafe { Tensor::from_ptr(output) })
     }
 
@@ -137,14 +148,17 @@ impl ScriptModule {
     pub fn forward_tensors(&self, inputs: &[&Tensor]) -> Result<Tensor, LibtorchError> {
         let raw: Vec<*const RawTensor> = inputs.iter().map(|t| t.as_ptr()).collect();
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: the tensors outlive the call; a non-null result is a new
-        // heap `at::Tensor` whose ownership passes to the returned Tensor.
+        // SAFETY: `self.raw` is a live module; `raw` has the length passed
+        // and it, the tensors it points at and `error` outlive the call; the
+        // shim throws nothing.
         let output = unsafe {
             narsil_script_module_forward_tensors(self.raw, raw.len() as c_int, raw.as_ptr(), &mut error)
         };
         if output.is_null() {
             return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
         }
+        // SAFETY: a non-null result is a new heap `at::Tensor` no one else
+        // holds; its ownership passes to the returned Tensor.
         Ok(unsafe { Tensor::from_ptr(output) })
     }
 
@@ -160,9 +174,10 @@ impl ScriptModule {
         let output_names: Vec<*const c_char> = outputs.iter().map(|name| name.as_ptr()).collect();
         let mut raw_outputs: Vec<*mut RawTensor> = vec![std::ptr::null_mut(); outputs.len()];
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: every pointer array has the length passed with it and
-        // outlives the call; on success each output is a new heap
-        // `at::Tensor` whose ownership passes to the returned Tensor.
+        // SAFETY: `self.raw` is a live module; every pointer array has the
+        // length passed with it and outlives the call, as do the names and
+        // tensors they point at; the shim throws nothing, and on failure
+        // leaves every output null.
         let status = unsafe {
             narsil_script_module_forward_dict(
                 self.raw,
@@ -178,13 +193,22 @@ impl ScriptModule {
         if status != 0 {
             return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
         }
-        Ok(raw_outputs.into_iter().map(|raw| unsafe { Tensor::from_ptr(raw) }).collect())
+        Ok(raw_outputs
+            .into_iter()
+            .map(|raw| {
+                // SAFETY: on success each output is a new, non-null heap
+                // `at::Tensor` no one else holds; its ownership passes to the
+                // returned Tensor.
+                unsafe { Tensor::from_ptr(raw) }
+            })
+            .collect())
     }
 }
 
 impl Drop for ScriptModule {
     fn drop(&mut self) {
-        // SAFETY: `raw` came from the shim's load and is freed once.
+        // SAFETY: `raw` came from the shim's load and is freed once, here;
+        // no borrow of the module outlives `self`.
         unsafe { narsil_script_module_free(self.raw) }
     }
 }
@@ -194,8 +218,11 @@ fn take_string(ptr: *mut c_char) -> Option<String> {
     if ptr.is_null() {
         return None;
     }
-    // SAFETY: the shim returns NUL-terminated strings from malloc.
+    // SAFETY: a non-null string from the shim is NUL-terminated and ours
+    // alone; it is copied out before it is freed.
     let text = unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned();
+    // SAFETY: the shim allocates its strings with malloc and hands them
+    // over: freed once, here, and not used after.
     unsafe { libc::free(ptr.cast()) };
     Some(text)
 }
