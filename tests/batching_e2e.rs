@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::{batch_mode, bits, request, start, worker_mode};
 use futures_util::future::join_all;
 
@@ -63,21 +65,42 @@ async fn worker_mode_runs_one_request_per_forward_with_the_same_scores() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_timeout_lets_a_lone_request_wait_for_company() {
-    let server = start(common::config(|c| c.batch_timeout = std::time::Duration::from_millis(200)), 1)
-        .await
-        .ready()
-        .await;
-    let fused = scores_concurrent(&server, &[1, 2, 3]).await;
+    // Three requests fill a batch of three, which goes at once; the
+    // timeout is far longer than they take to arrive, even on a loaded
+    // machine (without it, the first would go alone to the idle lane).
+    let waits = start(
+        common::config(|c| {
+            c.batch_timeout = Duration::from_secs(20);
+            c.max_batch_requests = 3;
+        }),
+        1,
+    )
+    .await
+    .ready()
+    .await;
+    let fused = scores_concurrent(&waits, &[1, 2, 3]).await;
     assert!(fused.iter().all(|r| r.fused_requests == 3), "{fused:?}");
+    waits.stop().await.unwrap();
+    // A request no other joins goes alone once the timeout is over, not
+    // before.
+    let timeout = Duration::from_millis(200);
+    let server = start(common::config(|c| c.batch_timeout = timeout), 1).await.ready().await;
+    let alone = server.client().await.predict(request(4, 2)).await.unwrap().into_inner();
+    assert_eq!(alone.fused_requests, 1);
+    assert!(alone.queue_time_us >= timeout.as_micros() as u64, "waited only {} us", alone.queue_time_us);
     server.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_queue_and_compute_times_are_plausible() {
-    let server = start(batch_mode(1, 16), 10).await.ready().await;
+    // The mock's forward sleeps 200 ms: at least that is compute time.
+    let server = start(batch_mode(1, 16), 200).await.ready().await;
     let response = server.client().await.predict(request(5, 3)).await.unwrap().into_inner();
-    assert!(response.compute_time_us >= 10_000, "{response:?}");
-    assert!(response.queue_time_us < 10_000, "idle server: {response:?}");
+    assert!(response.compute_time_us >= 200_000, "{response:?}");
+    // On an idle server a request waits only for the lane to take it: its
+    // queue time does not include the forward (a bound of a whole forward
+    // leaves a loaded machine ample room).
+    assert!(response.queue_time_us < response.compute_time_us, "idle server: {response:?}");
     assert_eq!(response.fused_rows, 3);
     server.stop().await.unwrap();
 }

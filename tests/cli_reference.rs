@@ -25,6 +25,8 @@
 //!   not know, rather than guess, and the other way round if the page's
 //!   tables name a metric the code no longer registers.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -142,7 +144,7 @@ fn cli_page() -> String {
 #[test]
 fn cli_reference_matches_help() {
     if !cfg!(feature = "torch") {
-        println!("skipped: cli_reference_matches_help needs --features torch");
+        common::skip("cli_reference_matches_help", "the page documents the --features torch build");
         return;
     }
     let fresh = cli_page();

@@ -7,7 +7,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{batch_mode, bits, metric, request, start, start_with};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
@@ -19,15 +19,19 @@ use tonic::Code;
 /// Polls the metrics until `sample` reads `value` (the server may count a
 /// cancellation a moment after the client sent it).
 async fn wait_for_metric(server: &common::TestServer, sample: &str, value: f64) -> String {
-    let started = Instant::now();
-    loop {
+    common::poll_until(&format!("{sample} to reach {value}"), common::PATIENCE, || async {
         let text = server.scrape().await;
-        if metric(&text, sample) == value {
-            return text;
-        }
-        assert!(started.elapsed() < Duration::from_secs(10), "{sample} never reached {value}:\n{text}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+        (metric(&text, sample) == value).then_some(text)
+    })
+    .await
+}
+
+/// Waits until the server's one lane is running a forward.
+async fn wait_busy(server: &common::TestServer) {
+    common::wait_until("the lane to start a forward", common::PATIENCE, || {
+        server.engine.stats().busy_lanes == 1
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -36,18 +40,20 @@ async fn queue_timeout_fires_by_timer_while_the_lane_is_busy_and_the_request_is_
         c.max_batch_requests = 1;
         c.queue_timeout = Some(Duration::from_millis(50));
     });
-    let server = start(config, 400).await.ready().await;
+    // The first request's forward (1.5 s) keeps the lane busy far past the
+    // second's 50 ms queue timeout.
+    let server = start(config, 1500).await.ready().await;
     let mut busy = server.client().await;
     let first = tokio::spawn(async move { busy.predict(request(1, 1)).await });
-    tokio::time::sleep(Duration::from_millis(30)).await;
-    let sent = Instant::now();
+    wait_busy(&server).await;
     let status = server.client().await.predict(request(2, 1)).await.unwrap_err();
-    let waited = sent.elapsed();
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-    // Answered by its own timer, not when the lane freed up (~370 ms later).
-    assert!(waited < Duration::from_millis(300), "answered after {waited:?}");
+    // Answered by its own timer while the lane is still busy with the
+    // first, not when the lane freed up.
+    assert_eq!(server.engine.stats().busy_lanes, 1, "answered only once the lane was free");
+    assert!(!first.is_finished(), "answered only after the first request was");
     // The request that started is not expired by the queue timeout, though
-    // its forward takes 8 times as long.
+    // its forward takes 30 times as long.
     assert_eq!(first.await.unwrap().unwrap().into_inner().scores.len(), 1);
     let text = wait_for_metric(&server, "narsil_abandoned_total", 1.0).await;
     assert_eq!(metric(&text, r#"narsil_requests_total{outcome="deadline"}"#), 1.0);
@@ -58,14 +64,18 @@ async fn queue_timeout_fires_by_timer_while_the_lane_is_busy_and_the_request_is_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_request_is_dropped_before_assembly_and_never_computed() {
-    let server = start(common::config(|c| c.max_batch_requests = 1), 300).await.ready().await;
+    // The first request's forward (1 s) keeps the lane busy while the
+    // second is queued and cancelled.
+    let server = start(common::config(|c| c.max_batch_requests = 1), 1000).await.ready().await;
     let mut busy = server.client().await;
     let first = tokio::spawn(async move { busy.predict(request(1, 1)).await });
-    tokio::time::sleep(Duration::from_millis(30)).await;
+    wait_busy(&server).await;
     let mut doomed = server.client().await;
     let cancelled = tokio::spawn(async move { doomed.predict(request(2, 1)).await });
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(server.engine.stats().queued_requests, 1, "the second request waits behind the first");
+    common::wait_until("the second request to queue behind the first", common::PATIENCE, || {
+        server.engine.stats().queued_requests == 1
+    })
+    .await;
     // The client goes away: its call is reset on the wire.
     cancelled.abort();
     wait_for_metric(&server, r#"narsil_requests_total{outcome="cancelled"}"#, 1.0).await;
@@ -239,11 +249,11 @@ async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe()
     let wait_for = |want: i32| {
         let channel = channel.clone();
         async move {
-            let started = std::time::Instant::now();
-            while common::health_status(channel.clone()).await.unwrap() != want {
-                assert!(started.elapsed() < Duration::from_secs(5), "health never became {want}");
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
+            common::poll_until(&format!("grpc.health to say {want}"), common::PATIENCE, || {
+                let channel = channel.clone();
+                async move { (common::health_status(channel).await.unwrap() == want).then_some(()) }
+            })
+            .await
         }
     };
     wait_for(SERVING).await;
@@ -251,7 +261,10 @@ async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe()
     for _ in 0..2 {
         assert_eq!(client.predict(request(1, 2)).await.unwrap_err().code(), Code::Internal);
     }
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A lane records each forward's health before it answers, so the
+    // backend's health is settled once the second failure is answered.
+    let text = server.scrape().await;
+    assert_eq!(metric(&text, "narsil_backend_healthy"), 1.0, "2 failures in a row are not 3");
     assert_eq!(
         common::health_status(channel.clone()).await.unwrap(),
         SERVING,
@@ -261,8 +274,12 @@ async fn health_turns_not_serving_after_failed_forwards_and_back_after_a_probe()
     wait_for(NOT_SERVING).await;
     let text = server.scrape().await;
     assert_eq!(metric(&text, "narsil_backend_healthy"), 0.0);
-    // Still down: probes fail and it stays NOT_SERVING.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Still down: probes run, fail, and it stays NOT_SERVING.
+    let probes = metric(&text, "narsil_probe_forwards_total");
+    common::poll_until("two more probes", common::PATIENCE, || async {
+        (metric(&server.scrape().await, "narsil_probe_forwards_total") >= probes + 2.0).then_some(())
+    })
+    .await;
     assert_eq!(common::health_status(channel.clone()).await.unwrap(), NOT_SERVING);
     broken.store(false, std::sync::atomic::Ordering::SeqCst);
     wait_for(SERVING).await;

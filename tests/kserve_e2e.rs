@@ -71,19 +71,21 @@ async fn a_stock_tritonclient_gets_golden_scores_from_the_real_binary() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let python = root.join(".venv/bin/python");
     assert!(python.is_file(), "no project venv: run scripts/setup_python.sh");
-    let port = common::free_port();
+    let listeners = common::Listeners::new();
     let server = Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--log-level", "warn", "--addr", &format!("127.0.0.1:{port}")])
+        .args(["serve", "--log-level", "warn"])
+        .args(listeners.args(false))
         .arg("--model")
         .arg(test_model_dir().join("model_default.pt"))
         .spawn()
         .unwrap();
     let mut server = common::KillOnDrop(server);
-    common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
+    let grpc = listeners.wait(&mut server.0, Duration::from_secs(60)).await.grpc;
+    common::wait_serving(&format!("http://{grpc}"), Duration::from_secs(60)).await;
     let golden = test_model_dir().join("golden.json");
     let script = root.join("tests/python/kserve_tritonclient.py");
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(python).arg(script).arg(format!("127.0.0.1:{port}")).arg(golden).output().unwrap()
+        Command::new(python).arg(script).arg(grpc.to_string()).arg(golden).output().unwrap()
     })
     .await
     .unwrap();

@@ -3,11 +3,15 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{batch_mode, request, start};
 use futures_util::future::join_all;
 use narsil::proto::{ModelInfoRequest, PredictRequest};
+use narsil_core::mock::{MockConfig, MockFactory};
+use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
 use tonic::Code;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
@@ -22,18 +26,54 @@ async fn health(server: &common::TestServer, service: &str) -> i32 {
         .status
 }
 
+/// The mock behind a gate: every forward, warm-up included, waits until
+/// the gate is open.
+struct GatedFactory {
+    mock: MockFactory,
+    open: Arc<AtomicBool>,
+}
+
+struct GatedBackend {
+    inner: Box<dyn ModelBackend>,
+    open: Arc<AtomicBool>,
+}
+
+impl BackendFactory for GatedFactory {
+    fn schema(&self) -> &ModelSchema {
+        self.mock.schema()
+    }
+
+    fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+        Ok(Box::new(GatedBackend { inner: self.mock.create_lane(lane)?, open: Arc::clone(&self.open) }))
+    }
+}
+
+impl ModelBackend for GatedBackend {
+    fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+        while !self.open.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.inner.forward(batch)
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_turns_serving_only_after_every_lane_warmed_up() {
-    // Warm-up runs two forwards per lane: at 300 ms each, lanes take ~600 ms.
-    let server = start(batch_mode(2, 16), 300).await;
+    // The lanes' warm-up forwards wait at the gate until the test opens it.
+    let open = Arc::new(AtomicBool::new(false));
+    let mock =
+        MockFactory::new(common::schema(), MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO });
+    let factory = GatedFactory { mock, open: Arc::clone(&open) };
+    let server = common::start_with(Arc::new(factory), batch_mode(2, 16)).await;
     assert_eq!(health(&server, "").await, ServingStatus::NotServing as i32);
     let early = server.client().await.predict(request(1, 1)).await.unwrap_err();
     assert_eq!(early.code(), Code::Unavailable, "{early:?}");
-    let started = Instant::now();
-    while health(&server, "narsil.v1.Predictor").await != ServingStatus::Serving as i32 {
-        assert!(started.elapsed() < Duration::from_secs(10), "never became SERVING");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    assert!(!server.engine.is_ready());
+    open.store(true, Ordering::SeqCst);
+    common::poll_until("narsil.v1.Predictor to be SERVING", common::PATIENCE, || async {
+        (health(&server, "narsil.v1.Predictor").await == ServingStatus::Serving as i32).then_some(())
+    })
+    .await;
     assert!(server.engine.is_ready());
     assert!(server.client().await.predict(request(1, 1)).await.is_ok());
     server.stop().await.unwrap();
@@ -48,11 +88,13 @@ async fn shutdown_under_load_answers_every_accepted_request() {
         let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
         async move { client.predict(request(tag, 2)).await }
     })));
-    let started = Instant::now();
-    while server.engine.stats().queued_requests + 16 * server.engine.stats().busy_lanes < 64 {
-        assert!(started.elapsed() < Duration::from_secs(10), "requests never queued");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    // Stop once every request is accepted (one not yet accepted would be
+    // refused, rightly); most of them are still queued then.
+    common::wait_until("all 64 requests accepted", common::PATIENCE, || {
+        let first = server.engine.metrics_text();
+        common::admitted(&first, &server.engine.metrics_text()) >= 64.0
+    })
+    .await;
     let engine = server.engine.clone();
     server.stop().await.unwrap();
     let results = calls.await.unwrap();
@@ -171,9 +213,10 @@ async fn full_queue_rejects_at_once_with_resource_exhausted() {
         c.max_batch_requests = 1;
         c.max_queue_requests = 2;
     });
-    let server = start(config, 300).await.ready().await;
+    // Forwards of 500 ms, one request each: the accepted requests are
+    // answered 0.5, 1 and 1.5 s after the first starts.
+    let server = start(config, 500).await.ready().await;
     let channel = server.channel().await;
-    let started = Instant::now();
     let results = join_all((0..10).map(|tag| {
         let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
         async move { (client.predict(request(tag, 1)).await, Instant::now()) }
@@ -181,21 +224,30 @@ async fn full_queue_rejects_at_once_with_resource_exhausted() {
     .await;
     let rejected: Vec<_> = results.iter().filter_map(|(r, at)| r.as_ref().err().map(|s| (s, *at))).collect();
     assert!(rejected.len() >= 6, "at most 1 running + 2 queued (+ one racing): {rejected:?}");
+    // At once: every rejection is answered before the first accepted
+    // request is (a queue that made the rest wait for room would answer
+    // them after it).
+    let first_ok = results.iter().filter(|(r, _)| r.is_ok()).map(|(_, at)| *at).min().expect("some accepted");
     for (status, at) in rejected {
         assert_eq!(status.code(), Code::ResourceExhausted);
         assert!(status.message().contains("--max-queue-requests"), "{status:?}");
-        assert!(at.duration_since(started) < Duration::from_millis(250), "rejection was not immediate");
+        assert!(at < first_ok, "a rejection came after the first answer: it was not immediate");
     }
     server.stop().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_deadline_is_answered_and_never_computed() {
-    let server = start(common::config(|c| c.max_batch_requests = 1), 200).await.ready().await;
+    // The first request's forward (500 ms) keeps the lane busy far past
+    // the second's 50 ms deadline.
+    let server = start(common::config(|c| c.max_batch_requests = 1), 500).await.ready().await;
     let mut client = server.client().await;
     let mut slow = client.clone();
     let first = tokio::spawn(async move { slow.predict(request(1, 1)).await });
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    common::wait_until("the first request's forward to start", common::PATIENCE, || {
+        server.engine.stats().busy_lanes == 1
+    })
+    .await;
     // The header alone (no client-side timer) shows what the server answers.
     let mut late = tonic::Request::new(request(2, 1));
     late.metadata_mut().insert("grpc-timeout", "50m".parse().unwrap());
@@ -206,7 +258,10 @@ async fn expired_deadline_is_answered_and_never_computed() {
     let client_timer = status.code() == Code::Cancelled && status.message() == "Timeout expired";
     assert!(status.code() == Code::DeadlineExceeded || client_timer, "{status:?}");
     first.await.unwrap().unwrap();
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    common::wait_until("the expired request to be counted abandoned", common::PATIENCE, || {
+        server.engine.stats().requests_abandoned == 1
+    })
+    .await;
     let stats = server.engine.stats();
     assert_eq!(stats.requests_computed, 1, "the expired request must not be computed");
     assert_eq!(stats.requests_abandoned, 1);

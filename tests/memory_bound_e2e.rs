@@ -55,17 +55,20 @@ impl Drop for Server {
 }
 
 async fn serve(extra: &[&str]) -> (Server, String) {
-    let port = common::free_port();
+    let listeners = common::Listeners::new();
     let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--mock-latency-ms", "5"])
+        .arg("serve")
+        .args(listeners.args(false))
+        .args(["--mock-latency-ms", "5"])
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let url = format!("http://127.0.0.1:{port}");
-    common::wait_serving(&url, Duration::from_secs(20)).await;
-    (Server(child), url)
+    let mut server = Server(child);
+    let url = listeners.wait(&mut server.0, common::PATIENCE).await.url();
+    common::wait_serving(&url, common::PATIENCE).await;
+    (server, url)
 }
 
 /// A client on a connection of its own.

@@ -427,24 +427,19 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
     let (a, b) = (export('a'), export('b'));
     let export_of = |version: u64| if version % 2 == 1 { &a } else { &b };
     publish(repo.path(), "dlrm", 1, &a, "model_fp32.pt");
-    let (port, metrics_port) = (common::free_port(), common::free_port());
+    let listeners = common::Listeners::new();
     let mut child = common::KillOnDrop(
         std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
             .args(["serve", "--log-level", "warn", "--repository-poll-secs", "0", "--model-control"])
             .arg("--model-repository")
             .arg(repo.path())
-            .args([
-                "--addr",
-                &format!("127.0.0.1:{port}"),
-                "--metrics-addr",
-                &format!("127.0.0.1:{metrics_port}"),
-            ])
+            .args(listeners.args(true))
             .spawn()
             .unwrap(),
     );
-    let url = format!("http://127.0.0.1:{port}");
-    let admin: std::net::SocketAddr = format!("127.0.0.1:{metrics_port}").parse().unwrap();
-    let channel = common::wait_serving(&url, Duration::from_secs(60)).await;
+    let bound = listeners.wait(&mut child.0, Duration::from_secs(60)).await;
+    let admin = bound.admin();
+    let channel = common::wait_serving(&bound.url(), Duration::from_secs(60)).await;
     let mut client = PredictorClient::new(channel);
     let golden = Golden::read(&a).unwrap();
     let mut rss = Vec::new();
@@ -455,6 +450,16 @@ async fn publish_and_unload_cycles_release_each_version_s_memory() {
         // The scan answers once the new version serves; the old one drains.
         let response = client.predict(wire(&golden.requests[0], "cycle")).await.unwrap().into_inner();
         assert_eq!(response.model_version, version.to_string());
+        // Once the old version is unloaded, give the allocators a moment to
+        // return what it freed (the measurement, not a wait for state).
+        let old = (version - 1).to_string();
+        common::poll_until(&format!("version {old} to be unloaded"), common::PATIENCE, || async {
+            let (_, body) = common::http(admin, "GET", "/v1/models").await;
+            let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let versions = listed["models"][0]["versions"].as_array().cloned().unwrap_or_default();
+            (!versions.iter().any(|v| v["version"] == old.as_str())).then_some(())
+        })
+        .await;
         tokio::time::sleep(Duration::from_millis(300)).await;
         rss.push(rss_kib(child.0.id()));
     }

@@ -271,17 +271,22 @@ fn rotated_copy(dir: &Path, name: &str) -> PathBuf {
     new
 }
 
-/// `narsil serve` on the split model `dir` with the Redis store.
-fn serve_process(dir: &Path, seeds: &str, port: u16) -> common::KillOnDrop {
+/// `narsil serve` on the split model `dir` with the Redis store, on port
+/// 0; its gRPC URL once it has bound.
+async fn serve_process(dir: &Path, seeds: &str) -> (common::KillOnDrop, String) {
+    let listeners = common::Listeners::new();
     let child = Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--log-level", "warn"])
+        .args(["serve", "--log-level", "warn"])
+        .args(listeners.args(true))
         .arg("--model")
         .arg(dir)
-        .args(["--table-store", seeds, "--metrics-addr", &format!("127.0.0.1:{}", common::free_port())])
+        .args(["--table-store", seeds])
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    common::KillOnDrop(child)
+    let mut child = common::KillOnDrop(child);
+    let url = listeners.wait(&mut child.0, Duration::from_secs(60)).await.url();
+    (child, url)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -297,16 +302,17 @@ async fn rows_pushed_under_load_reach_two_replicas_with_no_failed_request() {
     };
     assert_ne!(expected[3], golden.requests[3].scores_int8, "the new rows change the scores");
 
-    let ports = [common::free_port(), common::free_port()];
-    let _replicas: Vec<_> = ports.iter().map(|&port| serve_process(&dir, &cluster.seeds, port)).collect();
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        replicas.push(serve_process(&dir, &cluster.seeds).await);
+    }
     let mut channels = Vec::new();
-    for port in ports {
-        let channel =
-            common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
+    for (_, url) in &replicas {
+        let channel = common::wait_serving(url, Duration::from_secs(60)).await;
         let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
         for (i, g) in golden.requests.iter().enumerate() {
             let scores = client.predict(wire(g, "")).await.unwrap().into_inner().scores;
-            assert_close(&scores, &g.scores_int8, &format!("replica {port}, request {i} before the push"));
+            assert_close(&scores, &g.scores_int8, &format!("replica {url}, request {i} before the push"));
         }
         channels.push(channel);
     }
@@ -348,7 +354,7 @@ async fn rows_pushed_under_load_reach_two_replicas_with_no_failed_request() {
     let pushed = Instant::now();
 
     // Then both replicas answer the new rows' scores.
-    for (channel, port) in channels.iter().zip(ports) {
+    for (channel, (_, url)) in channels.iter().zip(&replicas) {
         let mut client = narsil::proto::predictor_client::PredictorClient::new(channel.clone());
         loop {
             let mut all_new = true;
@@ -359,10 +365,10 @@ async fn rows_pushed_under_load_reach_two_replicas_with_no_failed_request() {
             if all_new {
                 break;
             }
-            assert!(pushed.elapsed() < Duration::from_secs(10), "replica {port} still answers old rows");
+            assert!(pushed.elapsed() < common::PATIENCE, "replica {url} still answers old rows");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        println!("replica {port}: new rows' scores {:?} after the push finished", pushed.elapsed());
+        println!("replica {url}: new rows' scores {:?} after the push finished", pushed.elapsed());
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for task in load {

@@ -63,19 +63,21 @@ async fn torchrecs_shipped_client_gets_one_score_per_sample() {
     );
     let client = client.trim().to_string();
 
-    let port = common::free_port();
+    let listeners = common::Listeners::new();
     let model = test_model_dir().join("model_default.pt");
     let mut server = Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--backend", "torch", "--addr", &format!("127.0.0.1:{port}")])
+        .args(["serve", "--backend", "torch"])
+        .args(listeners.args(false))
         .arg("--model")
         .arg(&model)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    common::wait_serving(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60)).await;
+    let bound = listeners.wait(&mut server, Duration::from_secs(60)).await;
+    common::wait_serving(&bound.url(), Duration::from_secs(60)).await;
 
-    let port_arg = port.to_string();
+    let port_arg = bound.grpc.port().to_string();
     let stubs_for_client = stubs.clone();
     let output = tokio::task::spawn_blocking(move || {
         python(

@@ -398,16 +398,18 @@ fn model_config_flag_names_a_config_elsewhere() {
 async fn narsil_serve_with_only_the_model_path_serves_it() {
     use std::process::{Command, Stdio};
     let dir = model_dir("test-torchrec-multitask");
-    let port = common::free_port();
+    let listeners = common::Listeners::new();
     let mut child = Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["serve", "--addr", &format!("127.0.0.1:{port}"), "--model"])
+        .arg("serve")
+        .args(listeners.args(false))
+        .arg("--model")
         .arg(dir.join("model.pt"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let channel =
-        common::wait_serving(&format!("http://127.0.0.1:{port}"), std::time::Duration::from_secs(60)).await;
+    let url = listeners.wait(&mut child, std::time::Duration::from_secs(60)).await.url();
+    let channel = common::wait_serving(&url, std::time::Duration::from_secs(60)).await;
     let mut client = PredictorClient::new(channel);
     let info = client.model_info(ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!((info.backend.as_str(), info.name.as_str()), ("torch", "test-torchrec-multitask"));

@@ -13,7 +13,7 @@ use crate::flags::backend::BackendArgs;
 use crate::flags::serve_flag;
 use crate::lifecycle::repository::{self, VersionPolicy};
 use crate::lifecycle::watcher::Repository;
-use crate::server::{Listen, RepositoryServe, Server};
+use crate::server::{bound, Listen, RepositoryServe, Server};
 
 /// `--execution-mode`: the engine's modes, by name.
 fn execution_mode() -> impl clap::builder::TypedValueParser<Value = ExecutionMode> {
@@ -116,6 +116,14 @@ pub struct ServeArgs {
     /// metrics endpoint.
     #[arg(long, env = "NARSIL_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+    /// Once every listener is bound, write the address each one got to
+    /// this file, one `NAME=HOST:PORT` line each: `grpc` (--addr) and, with
+    /// --metrics-addr, `metrics`. With port 0 in an address it tells the
+    /// port the kernel chose. Written to a temporary file beside it and
+    /// renamed into place, so a reader sees all of it or none; a file left
+    /// by an earlier run is removed at start.
+    #[arg(long, env = "NARSIL_BOUND_ADDRESSES_FILE", value_name = "PATH")]
+    pub bound_addresses_file: Option<PathBuf>,
     /// Failed forwards in a row after which grpc.health says NOT_SERVING
     /// (idle lanes then probe the backend every second; the first success
     /// turns it SERVING again); 0 never.
@@ -231,6 +239,9 @@ pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
         metrics_addr: args.metrics_addr,
         max_message_bytes: args.max_message_bytes,
     };
+    if let Some(path) = &args.bound_addresses_file {
+        bound::remove_stale(path)?;
+    }
     let server = match args.repository(config.clone())? {
         Some(served) => {
             tracing::info!(repository = %served.repository.source.describe(), mode = ?config.mode,
@@ -243,6 +254,10 @@ pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
             Server::start(listen, args.backend.build()?, config).await?
         }
     };
+    if let Some(path) = &args.bound_addresses_file {
+        bound::write(path, &server.bound_addresses())?;
+        tracing::info!(file = %path.display(), "wrote the bound addresses");
+    }
     server.with_drain_grace(drain_grace).run(crate::server::signal::signal()).await
 }
 

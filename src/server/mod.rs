@@ -15,6 +15,7 @@
 //! answered, and the models stop.
 
 pub mod admin_http;
+pub mod bound;
 pub mod drain;
 pub mod health;
 pub mod signal;
@@ -177,6 +178,13 @@ impl Server {
     /// The metrics address actually bound, if metrics are served.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
         self.metrics_listener.as_ref().map(|l| l.local_addr().expect("bound listener has an address"))
+    }
+
+    /// Every bound listener by name ([`bound`]): `grpc`, and `metrics` if
+    /// metrics are served.
+    pub fn bound_addresses(&self) -> Vec<(&'static str, SocketAddr)> {
+        let metrics = self.metrics_addr().map(|addr| (bound::METRICS, addr));
+        std::iter::once((bound::GRPC, self.local_addr())).chain(metrics).collect()
     }
 
     /// The engine of a server of one fixed model (schema, readiness,

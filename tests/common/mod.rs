@@ -218,10 +218,125 @@ fn split_sample(sample: &str) -> (&str, Vec<&str>) {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (for spawned `narsil serve` processes).
-#[allow(dead_code)]
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+/// How long a test waits for a state it polls for: far beyond what any of
+/// them needs on an idle machine, so that a loaded 2-vCPU machine only
+/// makes a test slower, never fail.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Polls `done` every 10 ms until it holds; panics naming `what` if it
+/// still does not after `timeout`.
+pub async fn wait_until(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    poll_until(what, timeout, || std::future::ready(done().then_some(()))).await
+}
+
+/// Polls `check` (an async check) every 10 ms until it gives `Some`, and
+/// returns that; panics naming `what` if it still gives `None` after
+/// `timeout`.
+pub async fn poll_until<T, F: std::future::Future<Output = Option<T>>>(
+    what: &str,
+    timeout: Duration,
+    mut check: impl FnMut() -> F,
+) -> T {
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(started.elapsed() < timeout, "waited {timeout:?} for {what}, in vain");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Says on stderr that `test` is skipped and why (`skipped: TEST: WHY`),
+/// for a test that returns early because it cannot run here; the caller
+/// returns right after.
+pub fn skip(test: &str, why: &str) {
+    eprintln!("skipped: {test}: {why}");
+}
+
+/// Requests admitted so far, by two metrics texts scraped one after the
+/// other: those whose forward had started by the first
+/// (`narsil_queue_seconds_count`, observed as each forward starts) plus
+/// those still queued at the second (`narsil_queue_depth`). No request is
+/// counted twice (one whose forward started is never queued again), so
+/// this is never more than the truth; a request between the queue and its
+/// forward is missed for a moment, so poll it.
+pub fn admitted(first: &str, second: &str) -> f64 {
+    metric(first, "narsil_queue_seconds_count") + metric(second, "narsil_queue_depth")
+}
+
+/// The listeners of a spawned `narsil serve`: it is started on port 0 with
+/// `--bound-addresses-file`, and the test reads the ports the kernel chose
+/// from that file, so no port is picked by hand (and none can be taken by
+/// another test in between).
+pub struct Listeners {
+    dir: tempfile::TempDir,
+}
+
+/// The addresses a spawned server bound.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    /// `--addr`: every gRPC service.
+    pub grpc: std::net::SocketAddr,
+    /// `--metrics-addr`, if it was asked for.
+    pub metrics: Option<std::net::SocketAddr>,
+}
+
+impl Bound {
+    /// The gRPC URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// The admin endpoint (metrics, `/healthz`, the model calls).
+    pub fn admin(&self) -> std::net::SocketAddr {
+        self.metrics.expect("the server was started with --metrics-addr")
+    }
+}
+
+impl Default for Listeners {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Listeners {
+    pub fn new() -> Self {
+        Self { dir: tempfile::tempdir().unwrap() }
+    }
+
+    /// The file the server writes its addresses to.
+    pub fn file(&self) -> std::path::PathBuf {
+        self.dir.path().join("bound-addresses")
+    }
+
+    /// The `narsil serve` flags: `--addr 127.0.0.1:0`, with `metrics` also
+    /// `--metrics-addr 127.0.0.1:0`, and `--bound-addresses-file`.
+    pub fn args(&self, metrics: bool) -> Vec<std::ffi::OsString> {
+        let mut args: Vec<std::ffi::OsString> = vec!["--addr".into(), "127.0.0.1:0".into()];
+        if metrics {
+            args.extend(["--metrics-addr".into(), "127.0.0.1:0".into()]);
+        }
+        args.extend(["--bound-addresses-file".into(), self.file().into()]);
+        args
+    }
+
+    /// Waits until `server` has written its addresses; panics if it exits
+    /// first, or after `timeout`.
+    pub async fn wait(&self, server: &mut std::process::Child, timeout: Duration) -> Bound {
+        let file = self.file();
+        let text = poll_until("the server to write --bound-addresses-file", timeout, || {
+            if let Some(status) = server.try_wait().unwrap() {
+                panic!("narsil serve exited ({status}) before binding its listeners");
+            }
+            std::future::ready(std::fs::read_to_string(&file).ok())
+        })
+        .await;
+        let listeners = narsil::server::bound::parse(&text).unwrap();
+        let find = |name: &str| listeners.iter().find(|(n, _)| n == name).map(|(_, addr)| *addr);
+        let grpc = find(narsil::server::bound::GRPC).unwrap_or_else(|| panic!("no gRPC address in {text:?}"));
+        Bound { grpc, metrics: find(narsil::server::bound::METRICS) }
+    }
 }
 
 /// grpc.health's overall status (1 SERVING, 2 NOT_SERVING).
@@ -237,16 +352,11 @@ pub async fn health_status(channel: Channel) -> Result<i32, tonic::Status> {
 /// returns a channel to it.
 #[allow(dead_code)]
 pub async fn wait_serving(url: &str, timeout: Duration) -> Channel {
-    let started = std::time::Instant::now();
-    loop {
-        if let Ok(channel) = Channel::from_shared(url.to_string()).unwrap().connect().await {
-            if matches!(health_status(channel.clone()).await, Ok(1)) {
-                return channel;
-            }
-        }
-        assert!(started.elapsed() < timeout, "server at {url} never became SERVING");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    poll_until(&format!("the server at {url} to be SERVING"), timeout, || async {
+        let channel = Channel::from_shared(url.to_string()).unwrap().connect().await.ok()?;
+        matches!(health_status(channel.clone()).await, Ok(1)).then_some(channel)
+    })
+    .await
 }
 
 /// A spawned server process, killed if the test fails before stopping it.
