@@ -48,7 +48,7 @@ from split_model import DenseNetwork, DlrmPredictor, write_split
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 5
+EXPORT_FORMAT = 6
 
 
 def log(msg: str) -> None:
@@ -190,6 +190,9 @@ def main() -> int:
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
+    p.add_argument("--no-pt2", dest="pt2", action="store_false",
+                   help="with --split, do not compile the dense network into dense.pt2 (AOTInductor; compiling "
+                        "needs a C++ compiler and about a minute)")
     p.add_argument("--split-fp32", action="store_true",
                    help="also write the split form with the FP32 tables (before quantization) into OUT/split_fp32")
     p.add_argument("--publish", type=Path, metavar="REPOSITORY",
@@ -271,11 +274,11 @@ def main() -> int:
     if args.split:
         log("writing the split model (tables apart from the dense network)")
         write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
-                    golden_requests(args), key_major, log, dense_weights)
+                    golden_requests(args), key_major, log, dense_weights, pt2=args.pt2)
     if args.split_fp32:
         log("writing the split model with FP32 tables")
         write_split(out / "split_fp32", dlrm, quantized, keys, args.name, args.version, args.num_dense,
-                    golden_requests(args), key_major, log, dense_weights, storage="fp32")
+                    golden_requests(args), key_major, log, dense_weights, storage="fp32", pt2=False)
 
     manifest = {
         "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,

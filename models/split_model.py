@@ -9,6 +9,10 @@ A split model is a directory (models/README.md, "Split models"):
   dense.pt         TorchScript: forward(dense f32[B, D], pooled f32[B, F*E])
                    -> f32[B] (probabilities), the pooled embeddings in feature
                    order, each E wide
+  dense.pt2        (DLRM exports) the same dense network compiled ahead of
+                   time by AOTInductor (torch.export, a dynamic row
+                   dimension, frozen weights), FP32; its package metadata
+                   names the CPU flags its kernels need (narsil_cpu_flags)
   dense.safetensors  (DLRM exports) the same layers' FP32 weights by name
                    (dense.{i}.*, over.{i}.*), for the Burn backend
   golden.json      requests, the pooled embeddings FBGEMM computed for the
@@ -24,6 +28,7 @@ dequantizes as `q * scale + bias` in FP32 and bags sum in FP32. Storage
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import List
 
@@ -137,11 +142,12 @@ def fp32_tables(dlrm: nn.Module) -> List[torch.Tensor]:
 
 def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str], name: str, version: str,
                 num_dense: int, requests: List[dict], key_major, log, dense_weights: dict,
-                storage: str = "int8_rowwise") -> None:
+                storage: str = "int8_rowwise", pt2: bool = True) -> None:
     """Writes `out` (a split model) from `quantized`'s INT8 tables (or, for
     `storage` "fp32", `dlrm`'s FP32 tables) and `dlrm`'s dense network (as
-    TorchScript, and as `dense_weights`, its FP32 weights by name, for
-    Narsil's Burn backend), and checks its scores against the single-file
+    TorchScript, with `pt2` as an AOTInductor package too, and as
+    `dense_weights`, its FP32 weights by name, for Narsil's Burn backend),
+    and checks its scores against the single-file
     model's (INT8 or FP32) on `requests`."""
     # Fresh files, never rewritten in place: a published version may share
     # them as hard links.
@@ -161,8 +167,10 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
         described.append({"name": key, "rows": rows, "dim": dim, "storage": storage,
                           "row_bytes": row_bytes, "file": file, "sha256": hashlib.sha256(data).hexdigest()})
     log(f"wrote {len(tables)} {storage} tables ({sum(t.numel() for t in tables) / 2**20:.1f} MiB) into {out / 'tables'}")
-    dense_network = torch.jit.script(DenseNetwork(dlrm, len(keys)).eval())
+    dense_module = DenseNetwork(dlrm, len(keys)).eval()
+    dense_network = torch.jit.script(dense_module)
     dense_network.save(str(out / "dense.pt"))
+    package = write_dense_package(out, dense_module, num_dense, len(keys) * dim, log) if pt2 else None
     from safetensors.torch import save_file
     save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
@@ -173,6 +181,8 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
         "dense_network": "dense.pt",
         "dense_weights": "dense.safetensors",
     }
+    if package:
+        schema["dense_package"] = package
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
 
     single = DlrmPredictor(source, keys).eval()
@@ -196,6 +206,51 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
             golden.append(entry)
     (out / "golden.json").write_text(json.dumps({"requests": golden}))
     log(f"wrote the split model {out} (dense network, schema, golden scores equal to the single-file model's)")
+
+
+# /proc/cpuinfo flags each of Inductor's x86 vector ISAs compiles for
+# (cpu_vec_isa.py's arch flags); a package records the ones it needs.
+ISA_CPU_FLAGS = {
+    "avx2": ["avx2", "fma"],
+    "avx512": ["avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"],
+    "amx": ["avx512f", "avx512dq", "avx512vl", "avx512bw", "fma", "amx_tile", "amx_bf16"],
+}
+
+
+def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> str:
+    """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
+    torch.export and AOTInductor into `out/dense.pt2` and checks it against
+    the module at 1, 7 and 100 rows. The package is compiled for this CPU's
+    vector ISA without -march=native (so it runs on any CPU with that ISA)
+    and records the CPU flags it needs; compiling needs a C++ compiler
+    (here, at export time only). Returns the file's name."""
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = str(pick_vec_isa())
+    flags = ISA_CPU_FLAGS.get(isa)
+    if flags is None:
+        raise SystemExit(f"dense.pt2: no known CPU flags for Inductor's vector ISA {isa!r}")
+    started = time.time()
+    rows = torch.export.Dim("rows", min=1, max=1 << 20)
+    example = (torch.randn(8, num_dense), torch.randn(8, pooled_width))
+    with torch.no_grad():
+        program = torch.export.export(dense_network, example, dynamic_shapes=({0: rows}, {0: rows}))
+        path = aoti_compile_and_package(program, package_path=str(out / "dense.pt2"), inductor_configs={
+            "freezing": True,
+            "cpp.march": "",
+            "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(flags), "narsil_vec_isa": isa},
+        })
+    package = aoti_load_package(path)
+    with torch.inference_mode():
+        for batch in (1, 7, 100):
+            inputs = (torch.randn(batch, num_dense), torch.rand(batch, pooled_width))
+            diff = (package(*inputs) - dense_network(*inputs)).abs().max().item()
+            if diff > 1e-5:
+                raise SystemExit(f"dense.pt2 check failed: {diff} from the dense network at {batch} rows")
+    log(f"compiled dense.pt2 with AOTInductor for {isa} in {time.time() - started:.0f} s "
+        "(scores within 1e-5 of the dense network)")
+    return "dense.pt2"
 
 
 def named_int8_tables(quantized_ebc: nn.Module) -> dict:

@@ -4,6 +4,7 @@
 //! network, must answer the single-file INT8 model's golden scores, alone
 //! and fused, in batch and worker modes, over narsil.v1 and TorchRec's
 //! protocol; FP32 tables (`--split-fp32`) answer the FP32 model's scores;
+//! the dense network compiled by AOTInductor answers the same scores;
 //! a table file that does not match the schema fails at load,
 //! naming the table and the file.
 #![cfg(feature = "torch")]
@@ -128,6 +129,28 @@ async fn mapped_tables_serve_the_same_scores() {
     }
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
+    server.stop().await.unwrap();
+}
+
+/// The dense network compiled by AOTInductor (`--dense-form pt2`) answers
+/// the golden scores over gRPC, alone and fused with 15 others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_aot_compiled_dense_network_serves_the_same_scores_alone_and_fused() {
+    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    config.dense_form = narsil_torch::DenseForm::Pt2;
+    let server =
+        start_with(Arc::new(SplitFactory::load(config).unwrap()), batch_mode(1, 16)).await.ready().await;
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let mut client = server.client().await;
+    for (i, g) in golden.requests.iter().enumerate() {
+        let response = client.predict(wire(g, "")).await.unwrap().into_inner();
+        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}, dense.pt2"));
+    }
+    let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+    let responses = common::predict_all(&server.channel().await, &requests).await;
+    for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+        assert_close(&response.scores, &g.scores_int8, &format!("client {i}, dense.pt2"));
+    }
     server.stop().await.unwrap();
 }
 

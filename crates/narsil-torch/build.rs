@@ -1,5 +1,5 @@
 //! Compiles the C++ shims (thread-wide inference mode; the TorchScript module
-//! with its precision and freezing) against the libtorch that torch-sys
+//! with its precision and freezing; AOTInductor packages) against the libtorch that torch-sys
 //! linked, and embeds an rpath to that libtorch so this crate's tests and
 //! benches start without LD_LIBRARY_PATH.
 use std::path::PathBuf;
@@ -14,6 +14,7 @@ fn main() {
     println!("cargo:rerun-if-changed=csrc");
     cc::Build::new()
         .cpp(true)
+        .file("csrc/aoti_package.cpp")
         .file("csrc/inference_mode.cpp")
         .file("csrc/script_module.cpp")
         .include(&include)

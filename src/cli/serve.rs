@@ -41,7 +41,7 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub backend: BackendArgs,
     /// Serve every model of this repository (`DIR/<model>/<version>/`
-    /// holding `model.pt` or `model.safetensors`; see README) instead of one
+    /// holding `model.pt` or `model.safetensors`; see docs/guide/model-repository.md) instead of one
     /// `--model`, switching versions live.
     #[arg(long, env = "NARSIL_MODEL_REPOSITORY", conflicts_with_all = ["model", "model_config", "backend"])]
     pub model_repository: Option<PathBuf>,

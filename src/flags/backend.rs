@@ -11,7 +11,7 @@ use narsil_core::BackendFactory;
 use narsil_embedding::StoreFlags;
 
 use crate::lifecycle::loader::LoadOptions;
-pub use crate::lifecycle::loader::{BackendKind, DensePrecision, TableStore};
+pub use crate::lifecycle::loader::{BackendKind, DenseForm, DensePrecision, TableStore};
 
 /// Which model to load, where to run it, and the mock's settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -47,6 +47,13 @@ pub struct BackendArgs {
     /// torch: precision of the dense arithmetic.
     #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]
     pub dense_precision: DensePrecision,
+    /// torch, split models: the dense network's form. `torchscript` runs
+    /// `dense.pt`; `auto` runs the AOTInductor package (`dense.pt2`) where
+    /// the schema names one, the precision is fp32 and this CPU has the
+    /// instructions it was compiled for, else `dense.pt`; `pt2` requires the
+    /// package.
+    #[arg(long, env = "NARSIL_DENSE_FORM", value_enum, default_value_t = DenseForm::Torchscript)]
+    pub dense_form: DenseForm,
     /// Split models (a `--model` directory): where their tables live.
     /// `memory` reads them into the process; `mmap` maps their files, so the
     /// page cache holds the hot rows and tables larger than RAM are served;
@@ -148,6 +155,7 @@ impl BackendArgs {
             intra_op_threads: self.intra_op_threads,
             fbgemm_dir: self.fbgemm_dir.clone(),
             dense_precision: self.dense_precision,
+            dense_form: self.dense_form,
             table_store: self.table_store.with_flags(&StoreFlags {
                 cache_bytes: self.table_cache_bytes,
                 fetch_timeout: Duration::from_millis(self.table_fetch_timeout_ms),

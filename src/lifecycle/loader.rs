@@ -56,6 +56,19 @@ pub enum DensePrecision {
     Bf16,
 }
 
+/// A split model's dense network form (torch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DenseForm {
+    /// The AOTInductor package (`dense.pt2`) where the schema names one, the
+    /// precision is FP32 and this CPU has the instructions it was compiled
+    /// for; TorchScript (`dense.pt`) otherwise.
+    Auto,
+    /// The TorchScript dense network.
+    Torchscript,
+    /// The AOTInductor package, required.
+    Pt2,
+}
+
 /// How every model is loaded, whatever its file.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -68,6 +81,8 @@ pub struct LoadOptions {
     pub fbgemm_dir: Option<PathBuf>,
     /// torch: precision of the dense arithmetic.
     pub dense_precision: DensePrecision,
+    /// torch split models: the dense network's form.
+    pub dense_form: DenseForm,
     /// Split models: where their tables live (`--table-store`, with the
     /// store flags applied).
     pub table_store: TableStore,
@@ -152,6 +167,11 @@ impl LoadOptions {
         config.dense_precision = match self.dense_precision {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,
+        };
+        config.dense_form = match self.dense_form {
+            DenseForm::Auto => narsil_torch::DenseForm::Auto,
+            DenseForm::Torchscript => narsil_torch::DenseForm::TorchScript,
+            DenseForm::Pt2 => narsil_torch::DenseForm::Pt2,
         };
         // A directory, or a repository version's schema.json, is a split
         // model (tables apart from the dense network).

@@ -114,6 +114,10 @@ pub struct SplitSchema {
     /// The dense network's file, relative to the model directory
     /// (TorchScript, for the libtorch backend).
     pub dense_network: PathBuf,
+    /// The same dense network compiled ahead of time by AOTInductor (a
+    /// `.pt2` package, FP32), for the libtorch backend; optional.
+    #[serde(default)]
+    pub dense_package: Option<PathBuf>,
     /// The same dense network's FP32 weights by name (safetensors, DLRM
     /// layout: `dense.{i}.*`, `over.{i}.*`), for the Burn backend; optional.
     #[serde(default)]
@@ -176,6 +180,7 @@ impl SplitSchema {
             tables,
             outputs,
             dense_network: PathBuf::new(),
+            dense_package: None,
             dense_weights: None,
         }
     }

@@ -62,6 +62,8 @@ pub struct TorchConfig {
     /// bf16 operands, FP32 accumulation). For checking bf16 numerics on any
     /// CPU; no serving flag sets it.
     pub bf16_emulated: bool,
+    /// A split model's dense network form (`--dense-form`).
+    pub dense_form: crate::dense_network::DenseForm,
 }
 
 impl TorchConfig {
@@ -78,6 +80,7 @@ impl TorchConfig {
             dense_precision: DensePrecision::Fp32,
             table_store: narsil_embedding::TableStore::Memory,
             bf16_emulated: false,
+            dense_form: crate::dense_network::DenseForm::TorchScript,
         }
     }
 }

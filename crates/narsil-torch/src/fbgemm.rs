@@ -84,7 +84,7 @@ fn shared_libraries(dir: &Path) -> Result<Vec<PathBuf>, String> {
     Ok(libs)
 }
 
-fn open_global(path: &Path) -> Result<(), String> {
+pub(crate) fn open_global(path: &Path) -> Result<(), String> {
     let c_path = CString::new(path.as_os_str().as_encoded_bytes())
         .map_err(|_| format!("path with a NUL byte: {}", path.display()))?;
     // SAFETY: dlopen with a valid C string; the handle is kept open for the

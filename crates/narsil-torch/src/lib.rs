@@ -12,12 +12,16 @@
 //!   host staging and asynchronous copies on CUDA).
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
 //! * [`split`]: split models (a directory: INT8 tables pooled by
-//!   `narsil-embedding`, then a TorchScript dense network).
+//!   `narsil-embedding`, then the dense network).
+//! * [`dense_network`]: a split model's dense network, TorchScript or
+//!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`.
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+pub mod aoti_package;
+pub mod dense_network;
 pub mod device;
 pub mod factory;
 pub mod fbgemm;
@@ -28,10 +32,11 @@ pub mod roofline;
 pub mod script_module;
 pub mod split;
 
+pub use dense_network::DenseForm;
 pub use factory::{TorchConfig, TorchFactory};
 pub use model::TorchModel;
 pub use narsil_embedding::TableStore;
-pub use precision::{cpu_bf16_instructions, DensePrecision};
+pub use precision::{cpu_bf16_instructions, cpu_flags, DensePrecision};
 pub use split::SplitFactory;
 
 /// The libtorch `lib` directory this process loaded `libtorch_cpu.so` from

@@ -1,5 +1,6 @@
 //! The precision of the dense arithmetic (dense arch, interaction, over
-//! arch) and whether this CPU can run bf16 at speed.
+//! arch) and whether this CPU can run bf16 at speed (and, for compiled
+//! packages, the CPU's flags).
 //!
 //! bf16 casts the model's floating-point parameters to bf16 at load and asks
 //! the INT8 embedding lookups for bf16 output; oneDNN then runs the GEMMs
@@ -41,13 +42,24 @@ pub fn cpu_bf16_instructions() -> Vec<&'static str> {
     bf16_flags(&cpuinfo)
 }
 
-fn bf16_flags(cpuinfo: &str) -> Vec<&'static str> {
-    let flags: Vec<&str> = cpuinfo
+/// Every flag of this CPU, as `/proc/cpuinfo` names them (`avx2`,
+/// `avx512f`, `amx_tile`, ...); empty where it cannot be read.
+pub fn cpu_flags() -> Vec<String> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    flags_of(&cpuinfo).into_iter().map(str::to_owned).collect()
+}
+
+fn flags_of(cpuinfo: &str) -> Vec<&str> {
+    cpuinfo
         .lines()
         .find(|l| l.starts_with("flags"))
         .and_then(|l| l.split_once(':'))
         .map(|(_, f)| f.split_whitespace().collect())
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+fn bf16_flags(cpuinfo: &str) -> Vec<&'static str> {
+    let flags = flags_of(cpuinfo);
     ["amx_bf16", "avx512_bf16"].into_iter().filter(|want| flags.contains(want)).collect()
 }
 

@@ -214,7 +214,7 @@ impl Drop for ScriptModule {
 }
 
 /// Takes ownership of a malloc'd C string from the shim.
-fn take_string(ptr: *mut c_char) -> Option<String> {
+pub(crate) fn take_string(ptr: *mut c_char) -> Option<String> {
     if ptr.is_null() {
         return None;
     }

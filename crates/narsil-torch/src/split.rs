@@ -1,8 +1,9 @@
 //! Split models (tables apart from the dense network; models/README.md,
 //! "Split models") served by libtorch: for each fused batch the lane runs
 //! Narsil's embedding stage (`narsil-embedding`: per table dedup, fetch and
-//! pooling with FBGEMM's arithmetic), then the TorchScript dense network on
-//! the dense features and the pooled embeddings.
+//! pooling with FBGEMM's arithmetic), then the dense network (TorchScript or
+//! an AOTInductor package: [`crate::dense_network`]) on the dense features
+//! and the pooled embeddings.
 //!
 //! In bf16 (`--dense-precision bf16`, CPUs with AVX512-BF16 or AMX-BF16)
 //! the dense network's floating-point parameters are cast to bf16 at load
@@ -21,17 +22,17 @@ use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelS
 use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
+use crate::dense_network::{DenseForm, DenseNetwork};
 use crate::device::parse_device;
 use crate::factory::{require_cpu_bf16, TorchConfig};
 use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThreads};
 use crate::precision::DensePrecision;
-use crate::script_module::ScriptModule;
 
 /// A loaded split model: its embedding stage and its dense network.
 struct SplitModel {
     schema: ModelSchema,
     stage: EmbeddingStage,
-    dense_network: ScriptModule,
+    dense_network: DenseNetwork,
     /// The dense network's parameters and inputs: FP32, or bf16 (the
     /// pooled block and the dense features cast as they enter it; FP32
     /// accumulation in oneDNN's GEMMs; scores returned in FP32).
@@ -75,23 +76,28 @@ impl SplitFactory {
             EmbeddingStage::open(&dir, &split, &config.table_store).map_err(|e| load_error(&dir, e))?;
         let schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
-        let network = dir.join(&split.dense_network);
-        let loaded = ScriptModule::load(&network, device, config.dense_precision).map_err(|e| {
-            BackendError::load(&network, "not a TorchScript dense network libtorch can load").caused_by(e)
-        })?;
+        // A package's model instances: one per forward that can run at once
+        // (lanes, and the load-time probe).
+        let runners = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
+        let dense_network =
+            DenseNetwork::load(&dir, &split, config.dense_form, config.dense_precision, runners)?;
+        let network = match (dense_network.form(), &split.dense_package) {
+            (DenseForm::Pt2, Some(package)) => dir.join(package),
+            _ => dir.join(&split.dense_network),
+        };
         tracing::info!(
             model = %dir.display(),
             tables_read = opened.read,
             tables_shared = opened.shared,
             store = %config.table_store,
             dense_precision = %config.dense_precision,
+            dense_form = %dense_network.form(),
             table_mib = opened.bytes >> 20,
             features = schema.num_sparse(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "split model loaded"
         );
-        let model =
-            SplitModel { schema, stage, dense_network: loaded.module, precision: config.dense_precision };
+        let model = SplitModel { schema, stage, dense_network, precision: config.dense_precision };
         let factory = Self { model: Arc::new(model), config };
         // A dense network that does not take this schema's shape fails now,
         // not on a client's request.
@@ -206,10 +212,12 @@ impl ModelBackend for SplitLane {
         // per row).
         // SAFETY: the two tensors and the network's output (which may alias
         // them) are dropped below, before this returns, while `batch` is
-        // borrowed and `self.pooled` is not touched; the network keeps no
-        // reference to its inputs (a TorchScript module in inference mode).
-        let dense = in_precision(unsafe { borrowed(&batch.dense, rows, batch.num_dense)? }, model.precision)?;
-        let pooled = in_precision(unsafe { borrowed(&self.pooled, rows, width)? }, model.precision)?;
+        // borrowed and `self.pooled` is not touched; the dense network
+        // (a TorchScript module or an AOTInductor package) keeps no
+        // reference to its inputs.
+        let (dense, pooled) =
+            unsafe { (borrowed(&batch.dense, rows, batch.num_dense)?, borrowed(&self.pooled, rows, width)?) };
+        let (dense, pooled) = (in_precision(dense, model.precision)?, in_precision(pooled, model.precision)?);
         let output = model
             .dense_network
             .forward_tensors(&[&dense, &pooled])

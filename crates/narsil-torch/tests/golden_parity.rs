@@ -1,15 +1,19 @@
 //! The libtorch backend in process against the scores `models/export_dlrm.py`
 //! computed in Python with the same TorchScript files: each golden request
-//! alone, then all of them fused into one batch.
+//! alone, then all of them fused into one batch; split models in bf16 and
+//! with the AOTInductor-compiled dense network.
 //!
 //! Needs an exported model: `scripts/test.sh` writes a small one to
 //! `models/generated/test-small` (or set `NARSIL_TEST_MODEL_DIR`).
 
 use narsil_core::conformance::{self, concurrent_lanes, fused_equals_alone, golden_parity};
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
+use narsil_core::golden::{copy_split_model, max_abs_diff, test_model_dir, Golden};
 use narsil_core::request::IdPolicy;
 use narsil_core::{assemble, error_chain, BackendFactory};
-use narsil_torch::{cpu_bf16_instructions, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
+use narsil_torch::aoti_package::{self, AotiPackage};
+use narsil_torch::{
+    cpu_bf16_instructions, DenseForm, DensePrecision, SplitFactory, TorchConfig, TorchFactory,
+};
 
 /// Same libtorch and kernels as the Python side.
 const TOLERANCE: f32 = 1e-6;
@@ -168,4 +172,66 @@ fn bf16_is_refused_on_a_cpu_without_bf16_instructions_naming_the_flag() {
             (false, None) => {}
         }
     }
+}
+
+/// The AOTInductor package against the TorchScript dense network it was
+/// compiled from (`models/export_dlrm.py --split` writes both).
+const PT2_TOLERANCE: f32 = 1e-5;
+
+fn split_in(form: DenseForm) -> Result<SplitFactory, String> {
+    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    config.dense_form = form;
+    SplitFactory::load(config).map_err(|e| error_chain(&e))
+}
+
+/// `--dense-form pt2`: the split model's scores within [`PT2_TOLERANCE`] of
+/// Python's (the TorchScript network's) alone and fused, and of the
+/// TorchScript form's fused scores.
+#[test]
+fn pt2_dense_network_gives_the_torchscript_scores_alone_and_fused() {
+    let pt2 = split_in(DenseForm::Pt2).unwrap();
+    let golden = golden();
+    let worst = golden_parity(&pt2, &golden, |g| g.scores_int8.clone(), PT2_TOLERANCE);
+    eprintln!("pt2 vs TorchScript golden: max |diff| {worst:e}");
+    let requests = conformance::requests(&pt2, &golden, IdPolicy::Reject);
+    let fused = fused_equals_alone(&pt2, &requests, 4, PT2_TOLERANCE);
+    eprintln!("pt2 fused (golden requests four times over) vs alone: max |diff| {fused:e}");
+    concurrent_lanes(&pt2, &requests, 3, 3, PT2_TOLERANCE);
+}
+
+/// A package that is not one fails `--dense-form pt2` naming the file;
+/// `auto` serves the TorchScript network instead. A schema without a
+/// package fails `pt2` naming the schema and the field.
+#[test]
+fn a_corrupt_or_missing_package_fails_pt2_naming_the_file_and_auto_falls_back() {
+    let copy = std::env::temp_dir().join(format!("narsil-pt2-{}", std::process::id()));
+    copy_split_model(&test_model_dir().join("split"), &copy).unwrap();
+    std::fs::write(copy.join("dense.pt2"), b"not a package").unwrap();
+    let load = |form| {
+        let mut config = TorchConfig::new(&copy);
+        config.dense_form = form;
+        SplitFactory::load(config).map_err(|e| error_chain(&e))
+    };
+    let err = load(DenseForm::Pt2).err().expect("a corrupt package loaded");
+    assert!(err.contains(&copy.join("dense.pt2").display().to_string()), "{err}");
+    let auto = load(DenseForm::Auto).expect("auto falls back to TorchScript");
+    golden_parity(&auto, &golden(), |g| g.scores_int8.clone(), TOLERANCE);
+    std::fs::remove_dir_all(&copy).unwrap();
+
+    let mut fp32 = TorchConfig::new(test_model_dir().join("split_fp32"));
+    fp32.dense_form = DenseForm::Pt2;
+    let err = error_chain(&SplitFactory::load(fp32).err().expect("pt2 without a package loaded"));
+    assert!(err.contains("schema.json") && err.contains("dense_package"), "{err}");
+}
+
+/// A package compiled for instructions this CPU lacks is refused before
+/// its code is loaded, naming them.
+#[test]
+fn a_package_for_instructions_the_cpu_lacks_is_refused_naming_them() {
+    let path = test_model_dir().join("split/dense.pt2");
+    let needed = AotiPackage::metadata(&path, aoti_package::CPU_FLAGS_KEY).unwrap().expect("flags recorded");
+    let first = needed.split_whitespace().next().expect("at least one flag");
+    let err = AotiPackage::load(&path, 1, &[]).err().expect("loaded without the CPU's flags").to_string();
+    assert!(err.contains(first) && err.contains("lacks"), "{err}");
+    assert!(AotiPackage::load(&path, 1, &needed.split_whitespace().collect::<Vec<_>>()).is_ok());
 }

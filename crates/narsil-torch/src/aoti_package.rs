@@ -1,0 +1,141 @@
+//! A dense network compiled ahead of time by AOTInductor: a `.pt2` package
+//! (`torch.export` with a dynamic row dimension, compiled with frozen
+//! weights; `models/split_model.py`'s `write_dense_package`), loaded with
+//! libtorch's `AOTIModelPackageLoader` through the C++ shim in
+//! `csrc/aoti_package.cpp` and run on the lane's tensors at any row count.
+//!
+//! A package's kernels are compiled for one vector ISA (AVX2, AVX-512,
+//! AMX): the exporter records the CPU flags they need in the package's
+//! metadata (`narsil_cpu_flags`), and loading refuses a package whose flags
+//! this CPU lacks, naming the file and the flags, before any of its code is
+//! loaded (it would die of an illegal instruction instead).
+
+use std::ffi::{c_char, c_int, CString};
+use std::path::Path;
+
+use tch::Tensor;
+
+use crate::script_module::{take_string, LibtorchError};
+
+#[repr(C)]
+struct RawPackage {
+    _private: [u8; 0],
+}
+
+type RawTensor = torch_sys::C_tensor;
+
+extern "C" {
+    fn narsil_aoti_package_metadata(
+        path: *const c_char,
+        key: *const c_char,
+        value: *mut *mut c_char,
+        error: *mut *mut c_char,
+    ) -> c_int;
+    fn narsil_aoti_package_load(
+        path: *const c_char,
+        runners: c_int,
+        error: *mut *mut c_char,
+    ) -> *mut RawPackage;
+    fn narsil_aoti_package_run(
+        package: *mut RawPackage,
+        num_inputs: c_int,
+        inputs: *const *const RawTensor,
+        error: *mut *mut c_char,
+    ) -> *mut RawTensor;
+    fn narsil_aoti_package_free(package: *mut RawPackage);
+}
+
+/// The metadata key under which the exporter records the CPU flags the
+/// package's kernels need (space-separated, as `/proc/cpuinfo` names them).
+pub const CPU_FLAGS_KEY: &str = "narsil_cpu_flags";
+
+/// A loaded AOTInductor package.
+pub struct AotiPackage {
+    raw: *mut RawPackage,
+}
+
+// SAFETY: AOTInductor's model container serves `run` from any thread: each
+// call takes one of its model instances (waiting for a free one) and the
+// constants are read-only after loading; the pointer is freed only by Drop.
+unsafe impl Send for AotiPackage {}
+// SAFETY: as above; no method takes `&mut self`.
+unsafe impl Sync for AotiPackage {}
+
+fn c_path(path: &Path) -> Result<CString, LibtorchError> {
+    CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| LibtorchError(format!("path with a NUL byte: {}", path.display())))
+}
+
+impl AotiPackage {
+    /// Checks that this CPU has the flags the package at `path` was
+    /// compiled for (`cpu_flags`: this CPU's, as `/proc/cpuinfo` lists
+    /// them), then loads it with `runners` model instances (the forwards
+    /// that can run at once).
+    pub fn load(path: &Path, runners: usize, cpu_flags: &[&str]) -> Result<Self, LibtorchError> {
+        let needed = Self::metadata(path, CPU_FLAGS_KEY)?.ok_or_else(|| {
+            LibtorchError(format!(
+                "the package has no {CPU_FLAGS_KEY} entry: compile it with models/split_model.py's \
+                 write_dense_package, which records the CPU flags its kernels need"
+            ))
+        })?;
+        let missing: Vec<&str> = needed.split_whitespace().filter(|flag| !cpu_flags.contains(flag)).collect();
+        if !missing.is_empty() {
+            return Err(LibtorchError(format!(
+                "the package was compiled for CPU instructions this CPU lacks ({}); compile it again on \
+                 this CPU class, or serve the TorchScript dense network",
+                missing.join(", ")
+            )));
+        }
+        // The package's kernels need `libtorch.so` by name, which the binary
+        // does not link (only libtorch_cpu): open it from the libtorch in use.
+        crate::fbgemm::open_global(&crate::libtorch_lib_dir().join("libtorch.so")).map_err(LibtorchError)?;
+        let c_path = c_path(path)?;
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: a valid C string and out-pointer; the shim returns a
+        // package or sets `error`, never both, and throws nothing.
+        let raw = unsafe { narsil_aoti_package_load(c_path.as_ptr(), runners.max(1) as c_int, &mut error) };
+        if raw.is_null() {
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+        }
+        Ok(Self { raw })
+    }
+
+    /// The package's metadata entry `key`, read without loading its code.
+    pub fn metadata(path: &Path, key: &str) -> Result<Option<String>, LibtorchError> {
+        let c_path = c_path(path)?;
+        let c_key = CString::new(key).map_err(|_| LibtorchError(format!("key with a NUL byte: {key}")))?;
+        let mut value: *mut c_char = std::ptr::null_mut();
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: valid C strings and out-pointers; on success `value` is a
+        // malloc'd string or null, on failure `error` is set.
+        let status =
+            unsafe { narsil_aoti_package_metadata(c_path.as_ptr(), c_key.as_ptr(), &mut value, &mut error) };
+        if status != 0 {
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+        }
+        Ok(take_string(value))
+    }
+
+    /// `forward(inputs...)`: its first output.
+    pub fn forward_tensors(&self, inputs: &[&Tensor]) -> Result<Tensor, LibtorchError> {
+        let raw: Vec<*const RawTensor> = inputs.iter().map(|t| t.as_ptr()).collect();
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: the tensors outlive the call and `raw` has the length
+        // passed; `self.raw` is a live package.
+        let output =
+            unsafe { narsil_aoti_package_run(self.raw, raw.len() as c_int, raw.as_ptr(), &mut error) };
+        if output.is_null() {
+            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+        }
+        // SAFETY: a non-null result is a new heap `at::Tensor` whose
+        // ownership passes to the returned Tensor.
+        Ok(unsafe { Tensor::from_ptr(output) })
+    }
+}
+
+impl Drop for AotiPackage {
+    fn drop(&mut self) {
+        // SAFETY: `raw` came from the shim's load and is freed once.
+        unsafe { narsil_aoti_package_free(self.raw) }
+    }
+}
