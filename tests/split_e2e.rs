@@ -115,18 +115,25 @@ fn a_truncated_table_fails_at_load_naming_the_table_and_the_file() {
     std::fs::remove_dir_all(copy).unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mapped_tables_serve_the_same_scores() {
-    let mut config = TorchConfig::new(test_model_dir().join("split"));
-    config.table_store = narsil_torch::TableStore::Mmap;
+/// A server of the test model's split form loaded with `config`, checked
+/// to answer every golden request alone (`what` names the case).
+async fn serve_golden_alone(config: TorchConfig, what: &str) -> (TestServer, Golden) {
     let server =
         start_with(Arc::new(SplitFactory::load(config).unwrap()), batch_mode(1, 16)).await.ready().await;
     let golden = Golden::read(&test_model_dir()).unwrap();
     let mut client = server.client().await;
     for (i, g) in golden.requests.iter().enumerate() {
         let response = client.predict(wire(g, "")).await.unwrap().into_inner();
-        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}, mapped tables"));
+        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}, {what}"));
     }
+    (server, golden)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mapped_tables_serve_the_same_scores() {
+    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    config.table_store = narsil_torch::TableStore::Mmap;
+    let (server, _) = serve_golden_alone(config, "mapped tables").await;
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
     server.stop().await.unwrap();
@@ -138,14 +145,7 @@ async fn mapped_tables_serve_the_same_scores() {
 async fn the_aot_compiled_dense_network_serves_the_same_scores_alone_and_fused() {
     let mut config = TorchConfig::new(test_model_dir().join("split"));
     config.dense_form = narsil_torch::DenseForm::Pt2;
-    let server =
-        start_with(Arc::new(SplitFactory::load(config).unwrap()), batch_mode(1, 16)).await.ready().await;
-    let golden = Golden::read(&test_model_dir()).unwrap();
-    let mut client = server.client().await;
-    for (i, g) in golden.requests.iter().enumerate() {
-        let response = client.predict(wire(g, "")).await.unwrap().into_inner();
-        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i}, dense.pt2"));
-    }
+    let (server, golden) = serve_golden_alone(config, "dense.pt2").await;
     let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
     let responses = common::predict_all(&server.channel().await, &requests).await;
     for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {

@@ -120,19 +120,29 @@ fn bf16_config(file: &str) -> TorchConfig {
     config
 }
 
+/// `factory`'s scores within `tolerance` of Python's INT8-model scores
+/// alone, and fused (the golden requests four times over: 1,564 rows)
+/// within `fused_tolerance` of alone; prints both differences.
+fn close_to_golden_alone_and_fused(
+    what: &str,
+    factory: &dyn BackendFactory,
+    tolerance: f32,
+    fused_tolerance: f32,
+) {
+    let golden = golden();
+    let worst = golden_parity(factory, &golden, |g| g.scores_int8.clone(), tolerance);
+    let requests = conformance::requests(factory, &golden, IdPolicy::Reject);
+    let fused = fused_equals_alone(factory, &requests, 4, fused_tolerance);
+    eprintln!("{what}: max |diff| vs golden {worst:e}, fused vs alone {fused:e}");
+}
+
 /// `--dense-precision bf16` stays within [`BF16_TOLERANCE_VS_FP32`] of
-/// Python's FP32-dense scores, and a request's scores fused (with the
-/// golden requests four times over: 1,564 rows) stay within
+/// Python's FP32-dense scores, and a request's scores fused stay within
 /// [`BF16_FUSED_VS_ALONE`] of its scores alone.
 #[test]
 fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
     let factory = TorchFactory::load(bf16_config("model_default.pt")).unwrap();
-    let golden = golden();
-    let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), BF16_TOLERANCE_VS_FP32);
-    eprintln!("bf16 vs FP32 golden: max |diff| {worst:e}");
-    let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
-    let fused_worst = fused_equals_alone(&factory, &requests, 4, BF16_FUSED_VS_ALONE);
-    eprintln!("bf16 fused (golden requests four times over) vs alone: max |diff| {fused_worst:e}");
+    close_to_golden_alone_and_fused("bf16", &factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE);
 }
 
 /// A split model in bf16 (its tables pooled by Narsil's stage in FP32, the
@@ -141,12 +151,7 @@ fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
 #[test]
 fn bf16_split_model_stays_close_to_fp32_alone_and_fused() {
     let factory = SplitFactory::load(bf16_config("split")).unwrap();
-    let golden = golden();
-    let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), BF16_TOLERANCE_VS_FP32);
-    eprintln!("split bf16 vs FP32 golden: max |diff| {worst:e}");
-    let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
-    let fused_worst = fused_equals_alone(&factory, &requests, 4, BF16_FUSED_VS_ALONE);
-    eprintln!("split bf16 fused (golden requests four times over) vs alone: max |diff| {fused_worst:e}");
+    close_to_golden_alone_and_fused("split bf16", &factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE);
 }
 
 /// Without bf16 instructions (and without asking for emulation), bf16 is
@@ -190,12 +195,8 @@ fn split_in(form: DenseForm) -> Result<SplitFactory, String> {
 #[test]
 fn pt2_dense_network_gives_the_torchscript_scores_alone_and_fused() {
     let pt2 = split_in(DenseForm::Pt2).unwrap();
-    let golden = golden();
-    let worst = golden_parity(&pt2, &golden, |g| g.scores_int8.clone(), PT2_TOLERANCE);
-    eprintln!("pt2 vs TorchScript golden: max |diff| {worst:e}");
-    let requests = conformance::requests(&pt2, &golden, IdPolicy::Reject);
-    let fused = fused_equals_alone(&pt2, &requests, 4, PT2_TOLERANCE);
-    eprintln!("pt2 fused (golden requests four times over) vs alone: max |diff| {fused:e}");
+    close_to_golden_alone_and_fused("pt2", &pt2, PT2_TOLERANCE, PT2_TOLERANCE);
+    let requests = conformance::requests(&pt2, &golden(), IdPolicy::Reject);
     concurrent_lanes(&pt2, &requests, 3, 3, PT2_TOLERANCE);
 }
 
