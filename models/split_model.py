@@ -11,7 +11,7 @@ A split model is a directory (models/README.md, "Split models"):
                    order, each E wide
   dense.pt2        (DLRM exports) the same dense network compiled ahead of
                    time by AOTInductor (torch.export, a dynamic row
-                   dimension, frozen weights), FP32; its package metadata
+                   dimension), FP32; its package metadata
                    names the CPU flags its kernels need (narsil_cpu_flags)
   dense.safetensors  (DLRM exports) the same layers' FP32 weights by name
                    (dense.{i}.*, over.{i}.*), for the Burn backend
@@ -219,7 +219,8 @@ ISA_CPU_FLAGS = {
 
 def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> str:
     """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
-    torch.export and AOTInductor into `out/dense.pt2` and checks it against
+    torch.export (a dynamic row dimension) and AOTInductor into
+    `out/dense.pt2` and checks it against
     the module at 1, 7 and 100 rows. The package is compiled for this CPU's
     vector ISA without -march=native (so it runs on any CPU with that ISA)
     and records the CPU flags it needs; compiling needs a C++ compiler
@@ -236,8 +237,10 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     example = (torch.randn(8, num_dense), torch.randn(8, pooled_width))
     with torch.no_grad():
         program = torch.export.export(dense_network, example, dynamic_shapes=({0: rows}, {0: rows}))
+        # Inductor's defaults measured best on Zen 3 (freezing and max-autotune
+        # were slower: REPORTS.md#aotinductor-dense-networks); no -march=native,
+        # so the package runs on every CPU with the ISA it records.
         path = aoti_compile_and_package(program, package_path=str(out / "dense.pt2"), inductor_configs={
-            "freezing": True,
             "cpp.march": "",
             "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(flags), "narsil_vec_isa": isa},
         })

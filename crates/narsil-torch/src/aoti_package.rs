@@ -1,6 +1,6 @@
 //! A dense network compiled ahead of time by AOTInductor: a `.pt2` package
-//! (`torch.export` with a dynamic row dimension, compiled with frozen
-//! weights; `models/split_model.py`'s `write_dense_package`), loaded with
+//! (`torch.export` with a dynamic row dimension, compiled by AOTInductor;
+//! `models/split_model.py`'s `write_dense_package`), loaded with
 //! libtorch's `AOTIModelPackageLoader` through the C++ shim in
 //! `csrc/aoti_package.cpp` and run on the lane's tensors at any row count.
 //!

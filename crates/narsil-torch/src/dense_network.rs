@@ -5,7 +5,7 @@
 //! device other than the CPU is one more form, not a change to the lane.
 //!
 //! `--dense-form` chooses: `torchscript` (the default: on an AVX2-only
-//! Zen 3 core the package measured 0.75-0.95x its speed, REPORTS.md
+//! Zen 3 core the package measured 0.74-1.0x its speed, REPORTS.md
 //! "AOTInductor dense networks") always runs `dense.pt`; `auto` runs the
 //! package when the schema names one, the precision is FP32 and this CPU
 //! has the instructions it was compiled for, and says at load which form it
@@ -126,7 +126,7 @@ impl DenseNetwork {
         }
     }
 
-    /// Whether this is the AOTInductor package.
+    /// The form loaded (`TorchScript` or `Pt2`, never `Auto`).
     pub fn form(&self) -> DenseForm {
         match self {
             Self::TorchScript(_) => DenseForm::TorchScript,
