@@ -95,6 +95,16 @@ async fn split_model_serves_the_single_file_models_scores_in_batch_mode() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split_model_staged_one_batch_ahead_serves_the_same_scores_alone_and_fused() {
+    for lanes in [1, 2] {
+        let mut config = batch_mode(lanes, 16);
+        config.stage_ahead = true;
+        let (fused, _) = golden_scores_alone_and_fused(config).await;
+        assert!(fused, "{lanes} lane(s): 16 concurrent requests never shared a forward");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_model_serves_the_single_file_models_scores_in_worker_mode() {
     assert!(!golden_scores_alone_and_fused(worker_mode(2)).await.0, "worker mode fused requests");
 }

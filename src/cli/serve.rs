@@ -135,6 +135,13 @@ pub struct ServeArgs {
     /// check interval times the failures they need).
     #[arg(long, env = "NARSIL_DRAIN_GRACE_SECS", default_value_t = 0.0)]
     pub drain_grace_secs: f64,
+    /// Split models: run each lane's embedding stage (dedup, row fetches,
+    /// pooling) one batch ahead, on a stage thread of its own, while the
+    /// lane runs the previous batch's dense network. Helps where fetches
+    /// wait (a Redis store, tables read from disk); costs where the stage
+    /// only computes and every core is busy (docs/guide/split-models.md).
+    #[arg(long, env = "NARSIL_STAGE_AHEAD")]
+    pub stage_ahead: bool,
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
@@ -164,6 +171,7 @@ impl ServeArgs {
             max_batch_rows: self.max_batch_rows,
             unhealthy_after_failures: self.unhealthy_after_failures,
             health_probe_interval: Duration::from_secs(1),
+            stage_ahead: self.stage_ahead,
             batch_timeout: Duration::from_secs_f64(self.batch_timeout_ms / 1e3),
             lanes: self.lanes,
             max_forward_threads: self

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::batch::{assemble, KeyedBatch};
 use crate::request::RequestSamples;
 use crate::schema::ModelSchema;
+use crate::staged::StagedBatch;
 
 /// What caused a [`BackendError`]: the library's own error, kept whole so
 /// operators see the chain (shared, so a fused forward's error can be
@@ -133,6 +134,31 @@ pub trait ModelBackend: Send {
     /// other lanes are idle and nothing else is queued, 1 under load. A
     /// backend that cannot change its threads ignores it.
     fn set_threads(&mut self, _threads: usize) {}
+
+    /// The part of this lane's forwards that can run one batch ahead, on a
+    /// thread of its own ([`crate::staged`]), if the backend has one.
+    /// Asked once, when the lane starts serving; the lane then runs only
+    /// [`ModelBackend::forward_staged`] on batches that stage staged.
+    fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
+        None
+    }
+
+    /// The rest of the forward over `batch`, given what the lane's stage
+    /// made of it; returns what [`ModelBackend::forward`] would. The
+    /// default ignores `staged` and runs the whole forward.
+    fn forward_staged(&mut self, batch: &KeyedBatch, staged: StagedBatch) -> Result<Vec<f32>, BackendError> {
+        drop(staged);
+        self.forward(batch)
+    }
+}
+
+/// The part of a lane's forwards that can run one batch ahead, on a thread
+/// of its own.
+pub trait BatchStage: Send {
+    /// Stages `batch` for the lane's [`ModelBackend::forward_staged`].
+    /// Fails as the whole forward would have (an id out of range, a store
+    /// that cannot deliver).
+    fn stage(&mut self, batch: &KeyedBatch) -> Result<StagedBatch, BackendError>;
 }
 
 /// Creates lane instances of one model. Loaded once; shared by every lane.

@@ -61,6 +61,58 @@ impl KeyedBatch {
         &self.ids[self.feature_offsets[f]..self.feature_offsets[f + 1]]
     }
 
+    /// The same batch without the requests `keep` says no to (by their
+    /// order in the batch), as [`assemble`] would fuse the rest: for a batch
+    /// whose forward had not run when some of its callers stopped waiting.
+    pub fn retain_requests(&self, keep: impl Fn(usize) -> bool) -> KeyedBatch {
+        let kept_rows: Vec<bool> = self
+            .request_rows
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &n)| std::iter::repeat_n(keep(r), n))
+            .collect();
+        let rows = kept_rows.iter().filter(|&&k| k).count();
+        let weighted = !self.weights.is_empty();
+        let mut kept = KeyedBatch {
+            rows,
+            num_dense: self.num_dense,
+            num_sparse: self.num_sparse,
+            dense: Vec::with_capacity(rows * self.num_dense),
+            lengths: Vec::with_capacity(rows * self.num_sparse),
+            feature_offsets: vec![0],
+            request_rows: self
+                .request_rows
+                .iter()
+                .enumerate()
+                .filter(|&(r, _)| keep(r))
+                .map(|(_, &n)| n)
+                .collect(),
+            deadline: self.deadline,
+            ..Default::default()
+        };
+        for (row, dense) in self.dense.chunks_exact(self.num_dense.max(1)).enumerate() {
+            if self.num_dense > 0 && kept_rows[row] {
+                kept.dense.extend_from_slice(dense);
+            }
+        }
+        for f in 0..self.num_sparse {
+            let mut id = self.feature_offsets[f];
+            for (&len, &keep_row) in self.feature_lengths(f).iter().zip(&kept_rows) {
+                let bag = id..id + len as usize;
+                id = bag.end;
+                if keep_row {
+                    kept.lengths.push(len);
+                    kept.ids.extend_from_slice(&self.ids[bag.clone()]);
+                    if weighted {
+                        kept.weights.extend_from_slice(&self.weights[bag]);
+                    }
+                }
+            }
+            kept.feature_offsets.push(kept.ids.len());
+        }
+        kept
+    }
+
     /// Splits a batch's scores (one per row) back into per-request slices,
     /// in the order requests were fused. `scores.len()` must equal `rows`.
     pub fn split<'a>(&'a self, scores: &'a [f32]) -> impl Iterator<Item = &'a [f32]> + 'a {
@@ -466,6 +518,24 @@ mod tests {
         let without_middle = builder.retain(|r| r != 1).finish();
         assert_eq!(without_middle, assemble(2, 3, [&requests[0], &requests[2]]));
         assert_eq!(builder.retain(|_| true).finish(), assemble(2, 3, &requests));
+    }
+
+    #[test]
+    fn a_fused_batch_without_some_requests_equals_the_rest_fused() {
+        let mut requests = vec![
+            request(1, vec![vec![0, 3, 1]], 2),
+            request(2, vec![vec![2, 0, 0], vec![1, 1, 5]], 2),
+            request(3, vec![vec![1, 1, 1], vec![4, 0, 2]], 2),
+        ];
+        for (i, r) in requests.iter_mut().enumerate() {
+            r.weights = (0..r.ids.len()).map(|w| (i * 100 + w) as f32).collect();
+        }
+        let batch = assemble(2, 3, &requests);
+        assert_eq!(batch.retain_requests(|r| r != 1), assemble(2, 3, [&requests[0], &requests[2]]));
+        assert_eq!(batch.retain_requests(|r| r == 1), assemble(2, 3, [&requests[1]]));
+        assert_eq!(batch.retain_requests(|_| true), batch);
+        let none = batch.retain_requests(|_| false);
+        assert_eq!((none.rows, none.ids.len(), none.request_rows.len()), (0, 0, 0));
     }
 
     #[test]

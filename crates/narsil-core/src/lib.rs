@@ -7,7 +7,8 @@
 //! * [`request`]: one client request, sample-major, and its validation.
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
-//! * [`backend`]: the synchronous `ModelBackend` trait that lanes own.
+//! * [`backend`]: the synchronous `ModelBackend` trait that lanes own;
+//!   [`staged`]: the part of a forward a backend can run one batch ahead.
 //! * [`golden`]: reference requests and scores written by the model export,
 //!   for backends' parity tests.
 //! * [`conformance`]: the checks every backend's tests run (golden parity,
@@ -29,8 +30,10 @@ pub mod mock;
 pub mod model_config;
 pub mod request;
 pub mod schema;
+pub mod staged;
 
-pub use backend::{error_chain, BackendError, BackendFactory, DependencyWatcher, ModelBackend};
+pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};
 pub use batch::{assemble, BatchBuilder, KeyedBatch};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use schema::{ModelSchema, SparseFeature};
+pub use staged::StagedBatch;

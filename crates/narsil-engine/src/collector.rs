@@ -113,7 +113,13 @@ impl QueuedBatch {
             waiters: self
                 .entries
                 .into_iter()
-                .map(|e| Waiter { id: e.id, reply: e.reply, admitted: e.admitted, lease: e.lease })
+                .map(|e| Waiter {
+                    id: e.id,
+                    reply: e.reply,
+                    admitted: e.admitted,
+                    deadline: e.deadline,
+                    lease: e.lease,
+                })
                 .collect(),
         }
     }
@@ -351,6 +357,13 @@ impl Collector {
         let removed = self.lock().queue.sweep(Instant::now());
         self.stats.requests_abandoned.inc_by(removed as u64);
         removed
+    }
+
+    /// Notes that a job taken with `finished_job: false` on the next call
+    /// has finished (a lane whose stage thread takes its jobs: the stage
+    /// takes the next one before the lane finishes the last).
+    pub fn finished_job(&self) {
+        self.lock().busy_lanes -= 1;
     }
 
     /// Stops taking requests; lanes finish what is queued, then stop.

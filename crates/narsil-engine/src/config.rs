@@ -100,6 +100,10 @@ pub struct EngineConfig {
     pub unhealthy_after_failures: u32,
     /// How often an idle lane probes an unhealthy backend.
     pub health_probe_interval: Duration,
+    /// Whether each lane whose backend has a stage (a split model's
+    /// embedding stage) runs it one batch ahead on a thread of its own
+    /// (see `lanes`).
+    pub stage_ahead: bool,
 }
 
 impl EngineConfig {

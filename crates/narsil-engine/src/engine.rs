@@ -91,6 +91,7 @@ impl Engine {
                 readiness: readiness_tx,
                 health: Arc::clone(&health),
                 probe_interval: config.health_probe_interval,
+                stage_ahead: config.stage_ahead,
             },
         )
         .map_err(StartError::Threads)?;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use narsil_core::KeyedBatch;
+use narsil_core::{KeyedBatch, StagedBatch};
 use tokio::sync::oneshot;
 
 use crate::admission::Permit;
@@ -162,6 +162,8 @@ pub struct Waiter {
     pub reply: ReplySender,
     /// When the request was admitted.
     pub admitted: Instant,
+    /// When its caller stops waiting for the answer (`None`: no deadline).
+    pub deadline: Option<Instant>,
     /// Its bytes on the memory budget, returned once the forward is over.
     pub lease: Lease,
 }
@@ -175,4 +177,31 @@ pub struct Job {
     pub batch: KeyedBatch,
     /// One waiter per fused request.
     pub waiters: Vec<Waiter>,
+}
+
+impl Job {
+    /// Drops the requests nobody waits for any more at `now` (their caller
+    /// went away, or their deadline passed: answered DEADLINE_EXCEEDED) and
+    /// their rows, from the batch and from what its stage made of it: for a
+    /// batch staged ahead, taken a while before its forward. Returns how
+    /// many were dropped.
+    pub fn retain_waiting(&mut self, now: Instant, staged: &mut StagedBatch) -> usize {
+        let keep: Vec<bool> =
+            self.waiters.iter().map(|w| !w.reply.is_closed() && w.deadline.is_none_or(|d| d > now)).collect();
+        let dropped = keep.iter().filter(|&&k| !k).count();
+        if dropped == 0 {
+            return 0;
+        }
+        staged.retain_requests(&self.batch.request_rows, |r| keep[r]);
+        self.batch = self.batch.retain_requests(|r| keep[r]);
+        let waiters = std::mem::take(&mut self.waiters);
+        for (waiter, keep) in waiters.into_iter().zip(&keep) {
+            if *keep {
+                self.waiters.push(waiter);
+            } else if waiter.deadline.is_some_and(|d| d <= now) {
+                let _ = waiter.reply.send(Err(EngineError::DeadlineExceeded));
+            }
+        }
+        dropped
+    }
 }

@@ -2,6 +2,16 @@
 //! its instance on its own thread, warms it up, reports ready, then takes
 //! the collector's next due batch, runs it and answers every request in it.
 //!
+//! With stage ahead (`--stage-ahead`) and a backend that has a stage
+//! ([`narsil_core::BatchStage`]: a split model's embedding stage), each
+//! lane has a stage thread that takes the collector's batches and stages
+//! them, one batch ahead: while the lane runs batch N's forward, batch
+//! N+1 is staged (its rows fetched and pooled), then waits, handed over
+//! once the lane is free (a rendezvous, so at most one batch is staged
+//! ahead). Before its forward a staged batch loses the requests whose
+//! caller stopped waiting meanwhile (DEADLINE_EXCEEDED for those whose
+//! deadline passed), rows and all; with none left the forward is skipped.
+//!
 //! A failing forward fails only its own batch; a panicking backend is caught
 //! and the lane keeps serving. Every forward's outcome goes to the shared
 //! [`BackendHealth`]; while it says unhealthy, an idle lane probes the
@@ -10,15 +20,16 @@
 //! sending once health says NOT_SERVING).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use narsil_core::backend::warmup_batch;
-use narsil_core::{error_chain, BackendError, BackendFactory, ModelBackend};
+use narsil_core::{error_chain, BackendError, BackendFactory, BatchStage, ModelBackend, StagedBatch};
 use tokio::sync::watch;
 
-use crate::collector::{Collector, NextJob};
+use crate::collector::{Collector, Due, NextJob};
 use crate::error::{EngineError, LaneFailed};
 use crate::health::BackendHealth;
 use crate::job::{Job, Prediction};
@@ -44,6 +55,24 @@ pub struct LaneShared {
     pub probe_interval: Duration,
     /// The schema's version, stamped on every answer.
     pub model_version: Arc<str>,
+    /// Whether lanes whose backend has a stage run it one batch ahead, on a
+    /// thread of their own.
+    pub stage_ahead: bool,
+}
+
+/// What a lane's stage thread hands the lane.
+enum Staged {
+    /// A batch taken from the collector, and its stage's result.
+    Job(Box<StagedJob>),
+    /// Nothing was due within the idle limit: time to probe.
+    Idle,
+}
+
+/// A batch taken at `taken`, and what its stage made of it.
+struct StagedJob {
+    job: Job,
+    taken: Instant,
+    staged: Result<StagedBatch, BackendError>,
 }
 
 /// Starts `count` lanes taking batches from the collector. Each reports into
@@ -87,23 +116,80 @@ impl LaneContext {
         };
         tracing::info!(lane = self.lane, elapsed_ms = started.elapsed().as_millis() as u64, "lane ready");
         self.readiness.send_modify(|r| r.ready += 1);
+        match backend.take_stage().filter(|_| self.stage_ahead) {
+            Some(stage) => self.serve_staged(backend.as_mut(), stage),
+            None => self.serve(backend.as_mut()),
+        }
+    }
+
+    /// How long an idle lane waits before probing: only while unhealthy.
+    fn idle_limit(&self) -> Option<Duration> {
+        (!self.health.is_healthy()).then_some(self.probe_interval)
+    }
+
+    /// Takes batches from the collector and runs each whole.
+    fn serve(&self, backend: &mut dyn ModelBackend) {
         let mut finished_job = false;
         loop {
-            let idle_limit = (!self.health.is_healthy()).then_some(self.probe_interval);
-            let next = self.collector.next_job(idle_limit, finished_job);
+            let next = self.collector.next_job(self.idle_limit(), finished_job);
             finished_job = matches!(next, NextJob::Job(_));
             match next {
                 NextJob::Job(due) => {
-                    self.stats.busy_lanes.inc();
-                    let job = due.into_job();
-                    let bytes = job.waiters.iter().map(|w| w.lease.bytes()).sum();
-                    backend.set_threads(job.threads);
-                    self.run_job(backend.as_mut(), job);
-                    crate::memory::freed_batch(bytes);
-                    self.stats.busy_lanes.dec();
+                    let (job, taken) = self.take(due);
+                    self.run_job(backend, job, taken, None);
                 }
-                NextJob::Idle => self.probe(backend.as_mut()),
+                NextJob::Idle => self.probe(backend),
                 NextJob::Closed => return,
+            }
+        }
+    }
+
+    /// Runs the forwards of batches a stage thread of this lane takes and
+    /// stages, one batch ahead; falls back to [`Self::serve`] when that
+    /// thread cannot be started.
+    fn serve_staged(&self, backend: &mut dyn ModelBackend, stage: Box<dyn BatchStage>) {
+        let (handover, staged) = sync_channel(0);
+        let started = std::thread::scope(|scope| {
+            let stager = std::thread::Builder::new()
+                .name(format!("narsil-stage-{}", self.lane))
+                .spawn_scoped(scope, move || self.stage_ahead(stage, handover));
+            if let Err(error) = stager {
+                tracing::error!(lane = self.lane, %error, "no stage thread; staging on the lane");
+                return false;
+            }
+            for next in staged {
+                match next {
+                    Staged::Job(staged) => {
+                        let StagedJob { job, taken, staged } = *staged;
+                        self.run_job(backend, job, taken, Some(staged));
+                        self.collector.finished_job();
+                    }
+                    Staged::Idle => self.probe(backend),
+                }
+            }
+            true
+        });
+        if !started {
+            self.serve(backend);
+        }
+    }
+
+    /// The stage thread: takes the collector's next batch, stages it and
+    /// waits until the lane takes it; ends when the collector closes.
+    fn stage_ahead(&self, mut stage: Box<dyn BatchStage>, lane: SyncSender<Staged>) {
+        loop {
+            let next = match self.collector.next_job(self.idle_limit(), false) {
+                NextJob::Job(due) => {
+                    let (job, taken) = self.take(due);
+                    let staged = catch_unwind(AssertUnwindSafe(|| stage.stage(&job.batch)))
+                        .unwrap_or_else(|_| Err(BackendError::Panicked { during: "staging".into() }));
+                    Staged::Job(Box::new(StagedJob { job, taken, staged }))
+                }
+                NextJob::Idle => Staged::Idle,
+                NextJob::Closed => return,
+            };
+            if lane.send(next).is_err() {
+                return;
             }
         }
     }
@@ -111,7 +197,8 @@ impl LaneContext {
     /// A one-row forward to see whether an unhealthy backend has recovered.
     fn probe(&self, backend: &mut dyn ModelBackend) {
         let batch = warmup_batch(self.factory.schema(), 1);
-        let succeeded = self.checked_forward(backend, &batch, "probe forward").is_ok();
+        let succeeded =
+            self.checked_forward(backend, &batch, "probe forward", |b, batch| b.forward(batch)).is_ok();
         self.stats.probe_forwards.inc();
         self.record_health(succeeded);
     }
@@ -134,19 +221,67 @@ impl LaneContext {
             .map_err(|error| LaneFailed::Load { lane, error })?;
         for rows in self.factory.warmup_rows() {
             let batch = warmup_batch(self.factory.schema(), rows);
-            self.checked_forward(backend.as_mut(), &batch, "warm-up")
+            self.checked_forward(backend.as_mut(), &batch, "warm-up", |b, batch| b.forward(batch))
                 .map_err(|error| LaneFailed::WarmUp { lane, rows, error })?;
         }
         Ok(backend)
     }
 
-    fn run_job(&self, backend: &mut dyn ModelBackend, job: Job) {
-        let start = Instant::now();
+    /// The job of a batch just taken from the collector, and when it was
+    /// taken: the end of its requests' queue time.
+    fn take(&self, due: Due) -> (Job, Instant) {
+        let taken = Instant::now();
+        let job = due.into_job();
         for waiter in &job.waiters {
-            self.stats.queue_seconds.observe(start.saturating_duration_since(waiter.admitted).as_secs_f64());
+            self.stats.queue_seconds.observe(taken.saturating_duration_since(waiter.admitted).as_secs_f64());
         }
-        let scores = self.checked_forward(backend, &job.batch, "forward");
-        let compute_time = start.elapsed();
+        (job, taken)
+    }
+
+    /// Runs `job`'s forward (the rest of it, given what its stage made of
+    /// it, when `staged`) and answers every request in it. `taken`: when
+    /// the lane (or its stage thread) took it from the collector.
+    fn run_job(
+        &self,
+        backend: &mut dyn ModelBackend,
+        job: Job,
+        taken: Instant,
+        staged: Option<Result<StagedBatch, BackendError>>,
+    ) {
+        self.stats.busy_lanes.inc();
+        let bytes = job.waiters.iter().map(|w| w.lease.bytes()).sum();
+        self.compute(backend, job, taken, staged);
+        crate::memory::freed_batch(bytes);
+        self.stats.busy_lanes.dec();
+    }
+
+    fn compute(
+        &self,
+        backend: &mut dyn ModelBackend,
+        mut job: Job,
+        taken: Instant,
+        staged: Option<Result<StagedBatch, BackendError>>,
+    ) {
+        backend.set_threads(job.threads);
+        let start = Instant::now();
+        let (scores, staging) = match staged {
+            None => (self.checked_forward(backend, &job.batch, "forward", |b, batch| b.forward(batch)), None),
+            Some(Err(error)) => (Err(error), None),
+            Some(Ok(mut staged)) => {
+                let dropped = job.retain_waiting(start, &mut staged);
+                self.stats.requests_abandoned.inc_by(dropped as u64);
+                if job.waiters.is_empty() {
+                    return;
+                }
+                let took = staged.took;
+                let scores = self.checked_forward(backend, &job.batch, "forward", move |b, batch| {
+                    b.forward_staged(batch, staged)
+                });
+                (scores, Some(took))
+            }
+        };
+        // A staged batch's compute time includes its staging.
+        let compute_time = start.elapsed() + staging.unwrap_or_default();
         let rows = job.batch.rows;
         self.stats.forwards.inc();
         self.stats.rows_computed.inc_by(rows as u64);
@@ -180,7 +315,7 @@ impl LaneContext {
                 forwards: 1,
                 fused_rows: rows,
                 fused_requests,
-                queue_time: start.saturating_duration_since(waiter.admitted),
+                queue_time: taken.saturating_duration_since(waiter.admitted),
                 compute_time,
                 model_version: Arc::clone(&self.model_version),
             }));
@@ -189,16 +324,17 @@ impl LaneContext {
 }
 
 impl LaneContext {
-    /// Runs one forward with panics caught, and holds the backend to its
-    /// contract of one score per row and output.
+    /// Runs one forward (`run`) with panics caught, and holds the backend
+    /// to its contract of one score per row and output.
     fn checked_forward(
         &self,
         backend: &mut dyn ModelBackend,
         batch: &narsil_core::KeyedBatch,
         during: &str,
+        run: impl FnOnce(&mut dyn ModelBackend, &narsil_core::KeyedBatch) -> Result<Vec<f32>, BackendError>,
     ) -> Result<Vec<f32>, BackendError> {
         let expected = batch.rows * self.factory.schema().num_outputs();
-        match catch_unwind(AssertUnwindSafe(|| backend.forward(batch))) {
+        match catch_unwind(AssertUnwindSafe(|| run(backend, batch))) {
             Ok(Ok(scores)) if scores.len() == expected => Ok(scores),
             Ok(Ok(scores)) => Err(BackendError::WrongScoreCount { rows: batch.rows, got: scores.len() }),
             Ok(Err(error)) => Err(error),

@@ -12,13 +12,18 @@
 //!
 //! The stage and its tables are shared by every lane (and the tables by
 //! every model version that has the same ones). It runs on the lane, right
-//! before the dense forward, on the intra-op threads' calling thread.
+//! before the dense forward, on the intra-op threads' calling thread; with
+//! `--stage-ahead`, on the lane's stage thread one batch ahead
+//! ([`SplitStage`]), handing the lane the pooled block.
 
 use std::path::Path;
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
+use narsil_core::{
+    BackendError, BackendFactory, BatchStage, KeyedBatch, ModelBackend, ModelSchema, StagedBatch,
+};
 use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
@@ -145,6 +150,9 @@ struct SplitLane {
     scratch: StageScratch,
     pooled: Vec<f32>,
     threads: IntraOpThreads,
+    /// Pooled blocks handed back to the lane's [`SplitStage`] for reuse,
+    /// once it has one.
+    spent: Option<Sender<Vec<f32>>>,
 }
 
 impl SplitLane {
@@ -154,7 +162,54 @@ impl SplitLane {
             scratch: StageScratch::default(),
             pooled: Vec::new(),
             threads: IntraOpThreads::new(min_threads),
+            spent: None,
         }
+    }
+
+    /// The dense network's forward over `batch`'s dense features and its
+    /// `pooled` block.
+    fn dense_forward(&self, batch: &KeyedBatch, pooled: &[f32]) -> Result<Vec<f32>, BackendError> {
+        let model = &*self.model;
+        let (rows, width) = (batch.rows, model.stage.pooled_width());
+        // Both inputs are borrowed, not copied (the pooled block is 6.5 KiB
+        // per row).
+        // SAFETY: the two tensors and the network's output (which may alias
+        // them) are dropped below, before this returns, while `batch` and
+        // `pooled` are borrowed; the dense network (a TorchScript module or
+        // an AOTInductor package) keeps no reference to its inputs.
+        let (dense, pooled) =
+            unsafe { (borrowed(&batch.dense, rows, batch.num_dense)?, borrowed(pooled, rows, width)?) };
+        let (dense, pooled) = (in_precision(dense, model.precision)?, in_precision(pooled, model.precision)?);
+        let output = model
+            .dense_network
+            .forward_tensors(&[&dense, &pooled])
+            .map_err(|e| BackendError::forward("the dense network").caused_by(e))?;
+        // One output: [B]; several: [outputs, B], output after output as
+        // the engine splits them.
+        let values = rows * model.schema.outputs.len();
+        let mut scores = Vec::with_capacity(values);
+        append_scores(&output, values, &mut scores)?;
+        drop((dense, pooled, output));
+        Ok(scores)
+    }
+}
+
+/// A split lane's embedding stage on a thread of its own: pools each batch
+/// into a block the lane hands back once its dense forward is done.
+struct SplitStage {
+    model: Arc<SplitModel>,
+    scratch: StageScratch,
+    spent: Receiver<Vec<f32>>,
+}
+
+impl BatchStage for SplitStage {
+    fn stage(&mut self, batch: &KeyedBatch) -> Result<StagedBatch, BackendError> {
+        let started = Instant::now();
+        // A spent block (at most two are in use: one staged, one in the
+        // dense forward) keeps its pages.
+        let mut pooled = self.spent.try_recv().unwrap_or_default();
+        self.model.stage.pool(batch, &mut self.scratch, &mut pooled).map_err(BackendError::from)?;
+        Ok(StagedBatch { values: pooled, width: self.model.stage.pooled_width(), took: started.elapsed() })
     }
 }
 
@@ -205,29 +260,33 @@ impl ModelBackend for SplitLane {
     }
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
-        let model = &*self.model;
-        let (rows, width) = (batch.rows, model.stage.pooled_width());
-        model.stage.pool(batch, &mut self.scratch, &mut self.pooled).map_err(BackendError::from)?;
-        // Both inputs are borrowed, not copied (the pooled block is 6.5 KiB
-        // per row).
-        // SAFETY: the two tensors and the network's output (which may alias
-        // them) are dropped below, before this returns, while `batch` is
-        // borrowed and `self.pooled` is not touched; the dense network
-        // (a TorchScript module or an AOTInductor package) keeps no
-        // reference to its inputs.
-        let (dense, pooled) =
-            unsafe { (borrowed(&batch.dense, rows, batch.num_dense)?, borrowed(&self.pooled, rows, width)?) };
-        let (dense, pooled) = (in_precision(dense, model.precision)?, in_precision(pooled, model.precision)?);
-        let output = model
-            .dense_network
-            .forward_tensors(&[&dense, &pooled])
-            .map_err(|e| BackendError::forward("the dense network").caused_by(e))?;
-        // One output: [B]; several: [outputs, B], output after output as
-        // the engine splits them.
-        let values = rows * model.schema.outputs.len();
-        let mut scores = Vec::with_capacity(values);
-        append_scores(&output, values, &mut scores)?;
-        drop((dense, pooled, output));
-        Ok(scores)
+        let mut pooled = std::mem::take(&mut self.pooled);
+        let scores = self
+            .model
+            .stage
+            .pool(batch, &mut self.scratch, &mut pooled)
+            .map_err(BackendError::from)
+            .and_then(|()| self.dense_forward(batch, &pooled));
+        self.pooled = pooled;
+        scores
+    }
+
+    fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
+        let (spent, to_stage) = channel();
+        self.spent = Some(spent);
+        Some(Box::new(SplitStage {
+            model: Arc::clone(&self.model),
+            scratch: StageScratch::default(),
+            spent: to_stage,
+        }))
+    }
+
+    fn forward_staged(&mut self, batch: &KeyedBatch, staged: StagedBatch) -> Result<Vec<f32>, BackendError> {
+        let scores = self.dense_forward(batch, &staged.values);
+        if let Some(spent) = &self.spent {
+            // The stage may be gone (shutting down): the block is freed.
+            let _ = spent.send(staged.values);
+        }
+        scores
     }
 }
