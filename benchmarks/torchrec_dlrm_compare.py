@@ -14,8 +14,11 @@ and skewed (Zipf) traffic, whose hot ids repeat within and across requests:
     frozen as Narsil freezes it; the bf16 file runs the arithmetic Narsil's
     bf16 runs), with libtorch's huge pages on (THP_MEM_ALLOC_ENABLE=1, which
     Narsil sets for itself) unless --torchrec-no-thp
-  * with --split-model DIR: Narsil split fp32 - the same weights in the split
-    form (tables served by Narsil's embedding stage, --split-table-store)
+  * with --split-model DIR: Narsil split fp32 / bf16 - the same weights in
+    the split form (tables served by Narsil's embedding stage,
+    --split-table-store), each also with the stage one batch ahead
+    (`--stage-ahead`), and Narsil split pt2 fp32 (`--dense-form pt2`) when
+    DIR has a dense.pt2
   * with --baselines: Narsil worker fp32, Narsil burn (FP32), and the Python
     baseline (benchmarks/baselines/torchrec_python_server.py)
 
@@ -95,9 +98,16 @@ def servers(args, cores, torchrec_bin):
         out.append((f"Narsil batch {precision}", lambda addr, p=precision: narsil + torch_model + [
             "--dense-precision", p, "--execution-mode", "batch", "--addr", addr]))
     if args.split_model:
-        out.append(("Narsil split fp32", lambda addr: narsil + [
-            "--backend", "torch", "--model", args.split_model, "--table-store", args.split_table_store,
-            "--execution-mode", "batch", "--addr", addr]))
+        split = narsil + ["--backend", "torch", "--model", args.split_model, "--table-store",
+                          args.split_table_store, "--execution-mode", "batch"]
+        for precision in args.precisions:
+            out.append((f"Narsil split {precision}", lambda addr, p=precision: split + [
+                "--dense-precision", p, "--addr", addr]))
+            out.append((f"Narsil split {precision} ahead", lambda addr, p=precision: split + [
+                "--dense-precision", p, "--stage-ahead", "--addr", addr]))
+        if os.path.exists(os.path.join(args.split_model, "dense.pt2")):
+            # AOTInductor packages are FP32 (docs/guide/split-models.md).
+            out.append(("Narsil split pt2 fp32", lambda addr: split + ["--dense-form", "pt2", "--addr", addr]))
     if torchrec_bin:
         for precision in args.precisions:
             model = torchrec_model(args, precision)
@@ -164,7 +174,7 @@ def print_tables(rows):
             def ratio(server):
                 ref = next((x for x in mine if x["server"] == server and x["concurrency"] == r["concurrency"]), None)
                 return f"{r['req_per_s'] / ref['req_per_s']:.2f}x" if ref and ref["req_per_s"] else "-"
-            precision = r["server"].split()[-1]
+            precision = next((w for w in r["server"].split() if w in ("fp32", "bf16")), "fp32")
             rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "?"
             errors = r["requests"] - r["ok"]
             note = f" ({errors} errors)" if errors else ""

@@ -7,12 +7,16 @@
 //! and bf16, same libtorch, same intra-op threads) and reports each size's
 //! samples/s as a fraction of the MLP-arithmetic limit: the GEMM peak in the
 //! forward's precision divided by the model's MLP FLOPs per sample.
+//!
+//! For backends with a stage (split models) each size is timed again in its
+//! two parts, the stage alone and the rest given its output (the dense
+//! network alone): what `--stage-ahead` could hide at best.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 use narsil_core::request::{IdPolicy, RequestLimits};
-use narsil_core::{assemble, BackendFactory, RequestSamples};
+use narsil_core::{assemble, BackendFactory, BatchStage, KeyedBatch, ModelBackend, RequestSamples};
 use rand::SeedableRng;
 use serde::Serialize;
 
@@ -80,6 +84,22 @@ pub struct ForwardResult {
     /// Ids per forward over distinct ids per table and forward: what
     /// fetching each distinct row once would save (1: nothing repeats).
     pub dedup_ratio: f64,
+    /// Backends with a stage (split models): the forward timed again in
+    /// its two parts, as lanes run them with `--stage-ahead`.
+    pub staged: Option<StagedTimes>,
+}
+
+/// A forward's two parts, timed apart over the same batches.
+#[derive(Debug, Clone, Serialize)]
+pub struct StagedTimes {
+    /// Mean time of the stage alone (a split model's dedup, fetch, pooling).
+    pub stage_ms: f64,
+    /// Mean time of the rest, given the stage's output (the dense network
+    /// alone, its pooled input given).
+    pub rest_ms: f64,
+    /// Samples/s of the rest alone: the most a pipeline that hid the stage
+    /// entirely could serve on this thread.
+    pub rest_samples_per_s: f64,
 }
 
 /// This core's GEMM peak through libtorch, `[1600 x 512] x [512 x 512]`
@@ -185,14 +205,28 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
     }
     writeln!(
         out,
-        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
-        "rows", "forwards", "samples/s", "mean ms", "p50 ms", "p99 ms", "of limit", "ids", "dedup"
+        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>12}",
+        "rows",
+        "forwards",
+        "samples/s",
+        "mean ms",
+        "p50 ms",
+        "p99 ms",
+        "of limit",
+        "ids",
+        "dedup",
+        "stage ms",
+        "rest ms",
+        "rest smp/s"
     )?;
     for r in &report.results {
         let fraction = r.fraction_of_mlp_limit.map_or("-".into(), |f| format!("{f:.2}"));
+        let staged = r.staged.as_ref().map_or(format!("{:>9} {:>9} {:>12}", "-", "-", "-"), |s| {
+            format!("{:>9.3} {:>9.3} {:>12.0}", s.stage_ms, s.rest_ms, s.rest_samples_per_s)
+        });
         writeln!(
             out,
-            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9} {:>9.0} {:>6.2}x",
+            "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9} {:>9.0} {:>6.2}x {staged}",
             r.rows,
             r.forwards,
             r.samples_per_s,
@@ -241,6 +275,7 @@ fn measure(
     let pool: Vec<RequestSamples> = (0..args.distinct_requests.max(1))
         .map(|i| random(args.request_samples, i))
         .collect::<anyhow::Result<_>>()?;
+    let mut stage = lane.take_stage();
     let mut results = Vec::new();
     for &rows in &args.rows {
         // Whole requests from the pool, cycling, plus one smaller request for
@@ -281,6 +316,10 @@ fn measure(
             }
         }
         let total: Duration = times.iter().sum();
+        let staged = match stage.as_mut() {
+            Some(stage) => Some(time_staged(lane.as_mut(), stage.as_mut(), &batches, times.len(), rows)?),
+            None => None,
+        };
         times.sort();
         let pct = |p: f64| times[((times.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3;
         let samples_per_s = (rows * times.len()) as f64 / total.as_secs_f64();
@@ -294,6 +333,7 @@ fn measure(
             p99_ms: pct(0.99),
             ids_per_forward: ids.looked_up as f64 / batches.len() as f64,
             dedup_ratio: ids.ratio(),
+            staged,
         });
     }
     Ok(ForwardReport {
@@ -311,6 +351,32 @@ fn measure(
         mlp_flops_per_sample,
         mlp_limit_samples_per_s,
         results,
+    })
+}
+
+/// Times `forwards` forwards over `batches` in their two parts: the stage,
+/// then the rest given its output.
+fn time_staged(
+    lane: &mut dyn ModelBackend,
+    stage: &mut dyn BatchStage,
+    batches: &[KeyedBatch],
+    forwards: usize,
+    rows: usize,
+) -> anyhow::Result<StagedTimes> {
+    let (mut staging, mut rest) = (Duration::ZERO, Duration::ZERO);
+    for batch in batches.iter().cycle().take(forwards) {
+        let t = Instant::now();
+        let staged = stage.stage(batch)?;
+        let after_stage = Instant::now();
+        lane.forward_staged(batch, staged)?;
+        staging += after_stage - t;
+        rest += after_stage.elapsed();
+    }
+    let per_forward = |total: Duration| total.as_secs_f64() * 1e3 / forwards as f64;
+    Ok(StagedTimes {
+        stage_ms: per_forward(staging),
+        rest_ms: per_forward(rest),
+        rest_samples_per_s: (rows * forwards) as f64 / rest.as_secs_f64(),
     })
 }
 
@@ -378,5 +444,6 @@ mod tests {
         // 10 us per row: a 250-row forward takes at least 2.5 ms.
         assert!(big.mean_ms >= 2.5, "{big:?}");
         assert!(big.samples_per_s <= 250.0 / 2.5e-3 * 1.001, "{big:?}");
+        assert!(big.staged.is_none(), "the mock has no stage");
     }
 }
