@@ -12,6 +12,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{assert_close, batch_mode, start_with, wire, worker_mode, TestServer};
 use narsil_core::golden::{copy_split_model, test_model_dir, Golden, GoldenRequest};
@@ -146,6 +147,33 @@ async fn mapped_tables_serve_the_same_scores() {
     let (server, _) = serve_golden_alone(config, "mapped tables").await;
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_major_faults_total{table="cat_0"}"#) >= 0.0);
+    server.stop().await.unwrap();
+}
+
+/// Tables read from their files with direct I/O (`--table-store disk`)
+/// through a row cache of ~40 of each table's 1,000 rows: the golden scores
+/// alone and fused, most rows read from the disk, the cached ones too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disk_tables_serve_the_same_scores_alone_and_fused_with_most_rows_from_disk() {
+    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    let flags = narsil_embedding::StoreFlags {
+        cache_bytes: 26 * 40 * (80 + 48),
+        fetch_timeout: Duration::from_secs(1),
+        missing_rows: narsil_embedding::MissingRows::Error,
+    };
+    config.table_store = "disk".parse::<narsil_torch::TableStore>().unwrap().with_flags(&flags);
+    let (server, golden) = serve_golden_alone(config, "disk tables").await;
+    let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+    for round in 0..3 {
+        let responses = common::predict_all(&server.channel().await, &requests).await;
+        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+            assert_close(&response.scores, &g.scores_int8, &format!("round {round}, client {i}"));
+        }
+    }
+    let text = server.scrape().await;
+    let from_disk = common::metric(&text, "narsil_table_rows_fetched_total");
+    let cached = common::metric(&text, "narsil_table_cache_hits_total");
+    assert!(from_disk > cached && cached > 0.0, "{from_disk} rows from disk, {cached} from the cache");
     server.stop().await.unwrap();
 }
 

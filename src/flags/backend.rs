@@ -57,13 +57,16 @@ pub struct BackendArgs {
     /// Split models (a `--model` directory): where their tables live.
     /// `memory` reads them into the process; `mmap` maps their files, so the
     /// page cache holds the hot rows and tables larger than RAM are served;
+    /// `disk` reads each batch's rows from their files with direct I/O
+    /// (never the page cache) into a row cache of --table-cache-bytes, for
+    /// tables larger than the memory the server may use;
     /// `redis://HOST:PORT[,HOST:PORT...]` reads rows from the Redis Cluster
     /// at these seeds, where `narsil tables load` put them.
     #[arg(long, env = "NARSIL_TABLE_STORE", default_value = "memory")]
     pub table_store: TableStore,
-    /// `redis` table store: the hot-row cache's bound in bytes (rows and
-    /// their bookkeeping), shared by every lane, table and model version;
-    /// 0 reads every row from the cluster.
+    /// `disk` and `redis` table stores: the row cache's bound in bytes
+    /// (rows and their bookkeeping), shared by every lane, table and model
+    /// version; 0 reads every row from the disk or the cluster.
     #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis::DEFAULT_CACHE_BYTES)]
     pub table_cache_bytes: u64,
     /// `redis` table store: the longest one batch's fetch (every table,

@@ -16,7 +16,9 @@
 //! * [`redis`]: tables on a Redis Cluster (the `redis` store), a module of
 //!   one file per job: configuration, the shared connection, key layout,
 //!   reading a batch's rows of every table together, invalidation, health;
-//!   [`row_cache`]: its hot-row cache.
+//!   [`row_cache`]: its hot-row cache (also the `disk` store's).
+//! * [`disk`]: tables beyond RAM (the `disk` store): rows read from their
+//!   files with direct I/O into the same row cache.
 //! * [`shared`]: tables shared by content across the model versions of a
 //!   process.
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
@@ -31,6 +33,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod dedup;
+pub mod disk;
 pub mod local_store;
 pub mod metrics;
 pub mod pool;

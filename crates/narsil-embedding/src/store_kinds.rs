@@ -6,8 +6,12 @@
 use crate::table_store::{StoreKind, TableStore};
 
 /// The table stores, in the order `--table-store`'s choices are told.
-pub const STORE_KINDS: &[StoreKind] =
-    &[crate::local_store::MEMORY, crate::local_store::MMAP, crate::redis::store::STORE];
+pub const STORE_KINDS: &[StoreKind] = &[
+    crate::local_store::MEMORY,
+    crate::local_store::MMAP,
+    crate::disk::store::STORE,
+    crate::redis::store::STORE,
+];
 
 impl std::str::FromStr for TableStore {
     type Err = String;
@@ -39,6 +43,7 @@ mod tests {
         for text in ["memory", "mmap"] {
             assert_eq!(text.parse::<TableStore>().unwrap().to_string(), text);
         }
+        assert!("disk".parse::<TableStore>().unwrap().to_string().starts_with("disk "));
         let redis = "redis://h:1,h:2".parse::<TableStore>().unwrap().to_string();
         assert!(redis.starts_with("redis://h:1,h:2 "), "{redis}");
     }
@@ -46,8 +51,8 @@ mod tests {
     #[test]
     fn an_unknown_store_is_told_every_choice() {
         assert_eq!(
-            "disk".parse::<TableStore>().unwrap_err(),
-            "`disk` is not a table store: use `memory`, `mmap` or `redis://HOST:PORT[,HOST:PORT...]`"
+            "tape".parse::<TableStore>().unwrap_err(),
+            "`tape` is not a table store: use `memory`, `mmap`, `disk` or `redis://HOST:PORT[,HOST:PORT...]`"
         );
     }
 

@@ -125,11 +125,32 @@ pub enum TableError {
     },
 }
 
+/// The path of `spec`'s file in the model directory `dir`, once its size is
+/// checked to be the schema's rows times row bytes.
+pub fn checked_file(dir: &Path, spec: &TableSpec) -> Result<PathBuf, TableError> {
+    let path = dir.join(&spec.file);
+    let expected = spec.rows * spec.row_bytes as u64;
+    let actual = std::fs::metadata(&path)
+        .map_err(|source| TableError::Read { table: spec.name.clone(), path: path.clone(), source })?
+        .len();
+    if actual != expected {
+        return Err(TableError::Size {
+            table: spec.name.clone(),
+            path,
+            actual,
+            expected,
+            rows: spec.rows,
+            row_bytes: spec.row_bytes,
+        });
+    }
+    Ok(path)
+}
+
 impl Table {
     /// Opens the table `spec` describes in the model directory `dir`, its
     /// rows read into memory or mapped (`store`).
     pub fn load(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Self, TableError> {
-        let path = dir.join(&spec.file);
+        let path = checked_file(dir, spec)?;
         let read_error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
         let expected = spec.rows * spec.row_bytes as u64;
         let size_error = |actual| TableError::Size {
@@ -140,10 +161,6 @@ impl Table {
             rows: spec.rows,
             row_bytes: spec.row_bytes,
         };
-        let actual = std::fs::metadata(&path).map_err(read_error)?.len();
-        if actual != expected {
-            return Err(size_error(actual));
-        }
         let rows_data = match store {
             LocalRows::Memory => Rows::Memory(std::fs::read(&path).map_err(read_error)?),
             LocalRows::Mmap => {

@@ -1,0 +1,145 @@
+//! Reading rows of a table file with direct I/O (`O_DIRECT`): never through
+//! the page cache, so the process's memory is its own row cache and
+//! nothing else. Direct reads must start at a block boundary and cover
+//! whole blocks, into a block-aligned buffer; [`plan`] turns a batch's rows
+//! (sorted by offset) into such reads, one per run of blocks that touch,
+//! so rows that share a block are read once.
+
+use std::fs::File;
+use std::ops::Range;
+use std::os::unix::fs::FileExt;
+
+/// The unit of direct reads: offsets, lengths and buffer addresses are
+/// multiples of it (4 KiB covers the logical block size of every disk and
+/// file system Narsil runs on).
+pub const BLOCK: u64 = 4096;
+
+/// One direct read: whole blocks from `offset`, holding the rows
+/// `rows` (indexes into the offsets [`plan`] was given).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    /// Where it starts in the file (a multiple of [`BLOCK`]).
+    pub offset: u64,
+    /// Bytes (a multiple of [`BLOCK`]).
+    pub len: usize,
+    /// The rows it holds.
+    pub rows: Range<usize>,
+}
+
+/// The reads for rows of `row_bytes` at `offsets` (ascending): rows whose
+/// blocks overlap or touch share a read, up to `max_read` bytes (a row
+/// larger than that gets a read of its own).
+pub fn plan(offsets: &[u64], row_bytes: usize, max_read: usize) -> Vec<Read> {
+    let blocks = |offset: u64| {
+        let start = offset / BLOCK * BLOCK;
+        let end = (offset + row_bytes as u64).div_ceil(BLOCK) * BLOCK;
+        (start, end)
+    };
+    let mut reads: Vec<Read> = Vec::new();
+    for (i, &offset) in offsets.iter().enumerate() {
+        let (start, end) = blocks(offset);
+        if let Some(last) = reads.last_mut() {
+            let last_end = last.offset + last.len as u64;
+            if start <= last_end && (end - last.offset) as usize <= max_read {
+                last.len = (end.max(last_end) - last.offset) as usize;
+                last.rows.end = i + 1;
+                continue;
+            }
+        }
+        reads.push(Read { offset: start, len: (end - start) as usize, rows: i..i + 1 });
+    }
+    reads
+}
+
+/// A block-aligned buffer, made without unsafe code: a vector one block
+/// longer than needed, used from its first aligned byte.
+pub struct AlignedBuf {
+    data: Vec<u8>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedBuf {
+    /// `len` zero bytes at a [`BLOCK`]-aligned address.
+    pub fn new(len: usize) -> Self {
+        let data = vec![0u8; len + BLOCK as usize];
+        let start = data.as_ptr().align_offset(BLOCK as usize);
+        Self { data, start, len }
+    }
+
+    /// The aligned bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.data[self.start..self.start + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.data[self.start..self.start + self.len]
+    }
+}
+
+/// Carries out `read` on `file`: the bytes from `read.offset`, of which
+/// at least `needed` must exist (the last block may pass the end of the
+/// file; a file cut shorter than the rows fails).
+pub fn read_blocks(file: &File, read: &Read, needed: usize) -> std::io::Result<AlignedBuf> {
+    let mut buf = AlignedBuf::new(read.len);
+    let mut filled = 0;
+    while filled < read.len {
+        let rest = &mut buf.as_mut_slice()[filled..];
+        match file.read_at(rest, read.offset + filled as u64) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+        // A direct read returns whole blocks until the end of the file.
+        if filled % BLOCK as usize != 0 {
+            break;
+        }
+    }
+    if filled < needed {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("{} bytes at offset {} hold only {filled} (the file was cut short)", needed, read.offset),
+        ));
+    }
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_in_one_block_share_a_read_and_rows_blocks_apart_do_not() {
+        // 80-byte rows: ids 0 and 1 share block 0; id 100 (offset 8000)
+        // is in block 1, which touches block 0; id 1000 is far away.
+        let reads = plan(&[0, 80, 8000, 80_000], 80, 1 << 20);
+        assert_eq!(
+            reads,
+            vec![Read { offset: 0, len: 8192, rows: 0..3 }, Read { offset: 77_824, len: 4096, rows: 3..4 }]
+        );
+    }
+
+    #[test]
+    fn a_row_across_a_block_boundary_reads_both_blocks() {
+        assert_eq!(plan(&[4090], 80, 1 << 20), vec![Read { offset: 0, len: 8192, rows: 0..1 }]);
+    }
+
+    #[test]
+    fn reads_stop_growing_at_the_bound() {
+        let offsets: Vec<u64> = (0..4).map(|block| block * BLOCK).collect();
+        let reads = plan(&offsets, 80, 2 * BLOCK as usize);
+        assert_eq!(reads.len(), 2);
+        assert!(reads.iter().all(|r| r.len == 2 * BLOCK as usize), "{reads:?}");
+        assert_eq!(plan(&[0], 3 * BLOCK as usize, BLOCK as usize)[0].len, 3 * BLOCK as usize);
+    }
+
+    #[test]
+    fn buffers_are_block_aligned() {
+        for len in [4096, 8192, 12_288] {
+            let buf = AlignedBuf::new(len);
+            assert_eq!(buf.as_slice().as_ptr() as usize % BLOCK as usize, 0);
+            assert_eq!(buf.as_slice().len(), len);
+        }
+    }
+}

@@ -1,0 +1,299 @@
+//! `--table-store disk`: its kind, its configuration (the row cache every
+//! table it opens shares) and a table's rows read by distinct id.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::File;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::reads::{plan, read_blocks, Read, BLOCK};
+use crate::row_cache::RowCache;
+use crate::schema::{SplitSchema, TableSpec};
+use crate::store::{FetchError, Fetched, RowStore};
+use crate::table::{checked_file, TableError};
+use crate::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+
+/// `--table-store disk`.
+pub const STORE: StoreKind = StoreKind {
+    syntax: "disk",
+    parse: |text| {
+        (text == "disk").then(|| Ok(TableStore::new(DiskStore::new(crate::redis::DEFAULT_CACHE_BYTES))))
+    },
+};
+
+/// Most bytes one direct read covers (rows whose blocks touch are read
+/// together up to this).
+const MAX_READ: usize = 256 << 10;
+
+/// Most threads one table's reads of a batch run on at once: that many
+/// reads in flight on the disk.
+const READERS: usize = 8;
+
+/// The `disk` store as configured: its row cache (none at 0 bytes) and the
+/// cache's number for each table file it has opened.
+pub struct DiskStore {
+    cache: Option<Arc<RowCache>>,
+    cache_bytes: u64,
+    /// By (device, inode): a file hard-linked into several model versions
+    /// is one table in the cache.
+    tables: Mutex<HashMap<(u64, u64), u32>>,
+}
+
+impl DiskStore {
+    /// The store with a row cache of `cache_bytes` (0: every row from the
+    /// disk).
+    pub fn new(cache_bytes: u64) -> Self {
+        let cache = (cache_bytes > 0).then(|| Arc::new(RowCache::new(cache_bytes, 80)));
+        Self { cache, cache_bytes, tables: Mutex::new(HashMap::new()) }
+    }
+
+    /// The cache's number for the table in `file`.
+    fn table_key(&self, file: &File) -> std::io::Result<u32> {
+        let meta = file.metadata()?;
+        let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let next = tables.len() as u32;
+        Ok(*tables.entry((meta.dev(), meta.ino())).or_insert(next))
+    }
+}
+
+impl fmt::Debug for DiskStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DiskStore").field("cache_bytes", &self.cache_bytes).finish()
+    }
+}
+
+impl fmt::Display for DiskStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "disk (row cache {} MiB)", self.cache_bytes >> 20)
+    }
+}
+
+impl StoreConfig for DiskStore {
+    /// Opens each table's file for direct reads, after checking its size.
+    fn open(
+        &self,
+        dir: &Path,
+        schema: &SplitSchema,
+    ) -> Result<(Vec<Arc<dyn RowStore>>, OpenedTables), TableError> {
+        let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
+        for spec in &schema.tables {
+            let path = checked_file(dir, spec)?;
+            let read_error =
+                |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
+            let rows = DiskRows::open(&path, spec, self).map_err(read_error)?;
+            stores.push(Arc::new(rows));
+        }
+        Ok((stores, OpenedTables { read: schema.tables.len(), ..OpenedTables::default() }))
+    }
+
+    /// Takes `--table-cache-bytes`.
+    fn with_flags(&self, flags: &StoreFlags) -> Option<TableStore> {
+        Some(TableStore::new(DiskStore::new(flags.cache_bytes)))
+    }
+}
+
+/// A table's rows, read from its file by direct I/O.
+pub struct DiskRows {
+    file: File,
+    path: PathBuf,
+    row_bytes: usize,
+    cache: Option<Arc<RowCache>>,
+    /// The table's number in the cache.
+    key: u32,
+}
+
+impl DiskRows {
+    /// Opens `path` (the file of `spec`, its size checked) for direct
+    /// reads, and reads its first block to see that they work here.
+    fn open(path: &Path, spec: &TableSpec, store: &DiskStore) -> std::io::Result<Self> {
+        let file =
+            std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(|e| {
+                if e.raw_os_error() == Some(libc::EINVAL) {
+                    std::io::Error::other(format!(
+                        "its file system does not take direct reads (O_DIRECT: {e}); \
+                     use --table-store mmap for tables there"
+                    ))
+                } else {
+                    e
+                }
+            })?;
+        let needed = (spec.row_bytes as u64).min(spec.rows * spec.row_bytes as u64) as usize;
+        read_blocks(&file, &Read { offset: 0, len: BLOCK as usize, rows: 0..0 }, needed)?;
+        let key = store.table_key(&file)?;
+        Ok(Self { file, path: path.to_owned(), row_bytes: spec.row_bytes, cache: store.cache.clone(), key })
+    }
+
+    /// Reads the rows of `misses` ((place in `out`, id), sorted by id) from
+    /// the file into `out`, and keeps them in the cache.
+    fn read_misses(&self, misses: &[(usize, i64)], out: &mut [u8]) -> Result<(), FetchError> {
+        let row_bytes = self.row_bytes;
+        let offsets: Vec<u64> = misses.iter().map(|&(_, id)| id as u64 * row_bytes as u64).collect();
+        let reads = plan(&offsets, row_bytes, MAX_READ.max(row_bytes));
+        let readers = READERS.min(reads.len()).max(1);
+        let read_all = |first: usize| -> std::io::Result<Vec<(usize, super::reads::AlignedBuf)>> {
+            reads
+                .iter()
+                .enumerate()
+                .skip(first)
+                .step_by(readers)
+                .map(|(r, read)| {
+                    let last = offsets[read.rows.end - 1];
+                    let needed = (last + row_bytes as u64 - read.offset) as usize;
+                    Ok((r, read_blocks(&self.file, read, needed)?))
+                })
+                .collect()
+        };
+        let done: std::io::Result<Vec<_>> = if readers == 1 {
+            read_all(0)
+        } else {
+            std::thread::scope(|scope| {
+                let threads: Vec<_> =
+                    (0..readers).map(|first| scope.spawn(move || read_all(first))).collect();
+                let mut done = Vec::with_capacity(reads.len());
+                for thread in threads {
+                    done.extend(
+                        thread.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))?,
+                    );
+                }
+                Ok(done)
+            })
+        };
+        let done = done.map_err(|e| FetchError(format!("reading {}: {e}", self.path.display())))?;
+        for (r, buf) in done {
+            let read = &reads[r];
+            for m in read.rows.clone() {
+                let (place, id) = misses[m];
+                let at = (offsets[m] - read.offset) as usize;
+                let row = &buf.as_slice()[at..at + row_bytes];
+                out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(row);
+                if let Some(cache) = &self.cache {
+                    cache.insert(self.key, id as u64, row);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RowStore for DiskRows {
+    fn kind(&self) -> &'static str {
+        "disk"
+    }
+
+    fn local_rows(&self) -> Option<&[u8]> {
+        None
+    }
+
+    fn fetch(
+        &self,
+        ids: &[i64],
+        row_bytes: usize,
+        out: &mut [u8],
+        _deadline: Option<Instant>,
+    ) -> Result<Fetched, FetchError> {
+        debug_assert_eq!(row_bytes, self.row_bytes);
+        let mut misses = Vec::new();
+        for (place, &id) in ids.iter().enumerate() {
+            match self.cache.as_ref().and_then(|cache| cache.get(self.key, id as u64)) {
+                Some(row) => out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(&row),
+                None => misses.push((place, id)),
+            }
+        }
+        let cached = ids.len() - misses.len();
+        misses.sort_unstable_by_key(|&(_, id)| id);
+        if !misses.is_empty() {
+            self.read_misses(&misses, out)?;
+        }
+        Ok(Fetched { cached, zeroed: 0 })
+    }
+
+    fn may_fault(&self) -> bool {
+        false
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::Storage;
+
+    /// A table file of `rows` rows of 80 bytes, row `i` filled with bytes
+    /// of `i`, in a directory on the disk (a tmpfs /tmp takes no direct
+    /// reads).
+    fn table_file(rows: u64) -> (tempfile::TempDir, TableSpec) {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let spec = TableSpec {
+            name: "t".into(),
+            rows,
+            dim: 72,
+            storage: Storage::Int8Rowwise,
+            row_bytes: 80,
+            file: "t.bin".into(),
+            sha256: String::new(),
+            redis: None,
+        };
+        let data: Vec<u8> = (0..rows).flat_map(|i| [(i % 251) as u8; 80]).collect();
+        std::fs::write(dir.path().join("t.bin"), data).unwrap();
+        (dir, spec)
+    }
+
+    fn fetch(rows: &DiskRows, ids: &[i64]) -> (Vec<u8>, Fetched) {
+        let mut out = vec![0u8; ids.len() * 80];
+        let fetched = rows.fetch(ids, 80, &mut out, None).unwrap();
+        (out, fetched)
+    }
+
+    fn expected(ids: &[i64]) -> Vec<u8> {
+        ids.iter().flat_map(|&i| [(i % 251) as u8; 80]).collect()
+    }
+
+    #[test]
+    fn rows_read_from_disk_and_from_the_cache_are_the_files_rows() {
+        let (dir, spec) = table_file(10_000);
+        let store = DiskStore::new(200 * (80 + 48));
+        let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+        let ids: Vec<i64> = (0..500).map(|i| (i * 7919) % 10_000).rev().collect();
+        let (out, fetched) = fetch(&rows, &ids);
+        assert_eq!(out, expected(&ids));
+        assert_eq!(fetched.cached, 0);
+        // A cache of 200 rows keeps some of them; the rows are the same.
+        let (again, fetched) = fetch(&rows, &ids);
+        assert_eq!(again, expected(&ids));
+        assert!(fetched.cached > 0 && fetched.cached <= 200, "{fetched:?}");
+        // The last row, whose block passes the end of the file.
+        assert_eq!(fetch(&rows, &[9_999]).0, expected(&[9_999]));
+    }
+
+    #[test]
+    fn a_file_cut_short_after_opening_fails_the_fetch_naming_the_file() {
+        let (dir, spec) = table_file(1_000);
+        let path = dir.path().join("t.bin");
+        let rows = DiskRows::open(&path, &spec, &DiskStore::new(0)).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(40_000).unwrap();
+        let mut out = vec![0u8; 80];
+        let error = rows.fetch(&[900], 80, &mut out, None).unwrap_err();
+        assert!(error.0.contains("t.bin") && error.0.contains("cut short"), "{error}");
+        assert_eq!(fetch(&rows, &[10]).0, expected(&[10]), "rows before the cut still read");
+    }
+
+    #[test]
+    fn tables_hard_linked_into_two_versions_share_their_cache_number() {
+        let (dir, spec) = table_file(100);
+        std::fs::hard_link(dir.path().join("t.bin"), dir.path().join("u.bin")).unwrap();
+        let store = DiskStore::new(1 << 20);
+        let a = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+        let b = DiskRows::open(&dir.path().join("u.bin"), &spec, &store).unwrap();
+        assert_eq!(a.key, b.key);
+        let (other_dir, other) = table_file(100);
+        let c = DiskRows::open(&other_dir.path().join("t.bin"), &other, &store).unwrap();
+        assert_ne!(a.key, c.key);
+    }
+}
