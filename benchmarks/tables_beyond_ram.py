@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Split-model tables larger than the memory a server may use, served from
-memory-mapped files (`--table-store mmap`).
+memory-mapped files (`--table-store mmap`) or read with direct I/O into a
+row cache (`--table-store disk`, `--cache-mib`), against the same tables in
+memory (`memory`, run without a limit: they would not fit).
 
 1. Writes a split model with the default DLRM's dense network and 26 tables
    of `--rows` rows (80-byte INT8 rows; each table is the default model's
    table repeated, so no FP32 weights are ever built): 8.3 GB at 4M rows.
-2. For each memory limit and id distribution: drops the tables' pages from
-   the page cache, starts `narsil serve --table-store mmap` (one lane,
+2. For each memory limit, store and id distribution: drops the tables'
+   pages from the page cache, starts `narsil serve --table-store STORE` (one lane,
    pinned to core 0) inside a cgroup-v1 memory cgroup limited to that many
    MiB (page cache included: the mapped rows the server touches are charged
    to it, so only that much of the tables stays cached), and runs
@@ -15,8 +17,9 @@ memory-mapped files (`--table-store mmap`).
    measured: it fills the page cache, with another seed's requests of the
    same distribution) and then for `--duration` seconds.
 3. Reports throughput, p50/p99, and from the server's metrics the major page
-   faults (disk reads) per request and the dedup ratio, as JSON lines and a
-   table.
+   faults (mmap's disk reads) per request, the row cache's hit rate and the
+   rows read from disk per request (disk), and the dedup ratio, as JSON lines
+   and a table.
 
 Needs root (cgroup v1 memory controller at /sys/fs/cgroup/memory), a release
 build with `--features torch`, and `models/generated/default/split`
@@ -86,14 +89,15 @@ def metrics(admin):
     return sums
 
 
-def run(args, model_dir, limit_mib, distribution):
+def run(args, model_dir, limit_mib, store, distribution):
     cgroup = os.path.join(CGROUP_ROOT, f"narsil-bench-{os.getpid()}")
     os.makedirs(cgroup, exist_ok=True)
     with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w") as f:
         f.write(str(limit_mib << 20) if limit_mib else "-1")
     addr, admin = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    serve = pinned([args.binary, "serve", "--backend", "torch", "--model", model_dir, "--table-store", "mmap",
-                    "--addr", addr, "--metrics-addr", admin, "--lanes", "1", "--intra-op-threads", "1"], 0)
+    serve = pinned([args.binary, "serve", "--backend", "torch", "--model", model_dir, "--table-store", store,
+                    "--table-cache-bytes", str(args.cache_mib << 20), "--addr", addr, "--metrics-addr", admin,
+                    "--lanes", "1", "--intra-op-threads", "1"] + args.serve_flag, 0)
     # Joins the cgroup before exec, so every page the server touches is charged to it.
     script = f'echo $$ > {cgroup}/cgroup.procs && exec "$@"'
     server = subprocess.Popen(["sh", "-c", script, "sh"] + serve, stdout=subprocess.DEVNULL,
@@ -123,11 +127,16 @@ def run(args, model_dir, limit_mib, distribution):
         os.rmdir(cgroup)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     requests = max(1, report["ok"])
+    hits, from_store = delta.get("narsil_table_cache_hits_total", 0), delta.get("narsil_table_rows_fetched_total", 0)
     return {
-        "limit_mib": limit_mib or "none", "ids": distribution, "req_per_s": round(report["req_per_s"], 1),
+        "limit_mib": limit_mib or "none", "store": store, "ids": distribution,
+        "req_per_s": round(report["req_per_s"], 1),
         "p50_ms": round(report["p50_ms"], 2), "p99_ms": round(report["p99_ms"], 2),
         "non_ok": report["requests"] - report["ok"],
         "major_faults_per_request": round(delta.get("narsil_table_major_faults_total", 0) / requests, 1),
+        # Only the disk store reads rows by id (the local ones count every distinct row).
+        "cache_hit_rate": round(hits / (hits + from_store), 3) if store == "disk" and hits + from_store else None,
+        "rows_from_disk_per_request": round(from_store / requests, 1) if store == "disk" else None,
         "dedup_ratio": round(delta.get("narsil_table_ids_total", 0)
                              / max(1.0, delta.get("narsil_table_distinct_ids_total", 0)), 2),
         "cgroup_peak_mib": peak,
@@ -142,6 +151,9 @@ def main():
                    help="where the big split model is written (kept between runs; on disk, not tmpfs)")
     p.add_argument("--rows", type=int, default=4_000_000, help="rows per table")
     p.add_argument("--limits-mib", default="0,1024", help="memory limits to run under, MiB (0: none)")
+    p.add_argument("--stores", default="mmap", help="table stores to compare (memory runs only without a limit)")
+    p.add_argument("--cache-mib", type=int, default=160, help="the disk store's row cache (--table-cache-bytes)")
+    p.add_argument("--serve-flag", action="append", default=[], help="one more flag for narsil serve")
     p.add_argument("--distributions", default="zipf:1.05,uniform")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--samples", type=int, default=100, help="samples per request")
@@ -164,19 +176,27 @@ def main():
                       "tables": len(schema["tables"]), "written_s": round(time.time() - started, 1)}), flush=True)
     results = []
     for limit in [int(x) for x in args.limits_mib.split(",")]:
-        for distribution in args.distributions.split(","):
-            drop_cached(args.out, schema)
-            result = run(args, args.out, limit, distribution)
-            print(json.dumps(result), flush=True)
-            results.append(result)
+        for store in args.stores.split(","):
+            if store == "memory" and limit:
+                continue
+            for distribution in args.distributions.split(","):
+                drop_cached(args.out, schema)
+                result = run(args, args.out, limit, store, distribution)
+                print(json.dumps(result), flush=True)
+                results.append(result)
     print(f"\ntables {total / 2**30:.1f} GiB ({args.rows:,} rows x {len(schema['tables'])}), c{args.concurrency}, "
           f"{args.samples} samples per request, {args.warmup_seconds:g} s warm-up, {args.duration:g} s measured")
-    print("| memory limit | ids | req/s | p50 ms | p99 ms | major faults / request | dedup | cgroup peak MiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"disk store's row cache: {args.cache_mib} MiB")
+    print("| memory limit | store | ids | req/s | p50 ms | p99 ms | major faults / request | cache hit rate | "
+          "rows from disk / request | dedup | cgroup peak MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         limit = "none" if r["limit_mib"] == "none" else f"{r['limit_mib']} MiB"
-        print(f"| {limit} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
-              f"{r['major_faults_per_request']} | {r['dedup_ratio']} | {r['cgroup_peak_mib']} |")
+        hit_rate = "-" if r["cache_hit_rate"] is None else r["cache_hit_rate"]
+        from_disk = "-" if r["rows_from_disk_per_request"] is None else r["rows_from_disk_per_request"]
+        print(f"| {limit} | {r['store']} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+              f"{r['major_faults_per_request']} | {hit_rate} | {from_disk} | "
+              f"{r['dedup_ratio']} | {r['cgroup_peak_mib']} |")
 
 
 if __name__ == "__main__":

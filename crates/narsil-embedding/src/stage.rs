@@ -28,6 +28,7 @@ use std::time::Instant;
 use narsil_core::KeyedBatch;
 
 use crate::dedup::DistinctIds;
+use crate::disk::store::{fetch_tables as disk_fetch_tables, DiskFetch, DiskRows};
 use crate::metrics::{StageMetrics, TableCounters};
 use crate::pool::{pool_rows, OutOfRange, Pooling};
 use crate::redis::rows::{fetch_tables, RedisRows, TableFetch};
@@ -278,6 +279,8 @@ impl EmbeddingStage {
         scratch.fetched.resize_with(self.tables.len(), Vec::new);
         let mut redis = Vec::new();
         let mut redis_tables = Vec::new();
+        let mut disk = Vec::new();
+        let mut disk_tables = Vec::new();
         for (t, ((table, distinct), out)) in
             self.tables.iter().zip(&scratch.distinct).zip(&mut scratch.fetched).enumerate()
         {
@@ -292,8 +295,23 @@ impl EmbeddingStage {
                 redis_tables.push(t);
                 continue;
             }
+            if let Some(rows) = table.store.as_any().downcast_ref::<DiskRows>() {
+                disk.push(DiskFetch { rows, ids, out });
+                disk_tables.push(t);
+                continue;
+            }
             let fetched = table.store.fetch(ids, row_bytes, out, batch.deadline);
             self.count_fetch(t, ids.len(), fetched)?;
+        }
+        if !disk.is_empty() {
+            match disk_fetch_tables(&mut disk) {
+                Ok(fetched) => {
+                    for ((t, part), fetched) in disk_tables.into_iter().zip(&disk).zip(fetched) {
+                        self.count_fetch(t, part.ids.len(), Ok(fetched))?;
+                    }
+                }
+                Err((failed, error)) => self.count_fetch(disk_tables[failed], 0, Err(error))?,
+            }
         }
         if !redis.is_empty() {
             let started = Instant::now();

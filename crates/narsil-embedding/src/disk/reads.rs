@@ -72,20 +72,19 @@ impl AlignedBuf {
         &self.data[self.start..self.start + self.len]
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u8] {
+    /// The aligned bytes, to read into.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
         &mut self.data[self.start..self.start + self.len]
     }
 }
 
-/// Carries out `read` on `file`: the bytes from `read.offset`, of which
-/// at least `needed` must exist (the last block may pass the end of the
-/// file; a file cut shorter than the rows fails).
-pub fn read_blocks(file: &File, read: &Read, needed: usize) -> std::io::Result<AlignedBuf> {
-    let mut buf = AlignedBuf::new(read.len);
+/// Reads `buf.len()` bytes (whole blocks, `buf` block-aligned) of `file`
+/// from `offset`, of which at least `needed` must exist (the last block may
+/// pass the end of the file; a file cut shorter than the rows fails).
+pub fn read_blocks(file: &File, offset: u64, buf: &mut [u8], needed: usize) -> std::io::Result<()> {
     let mut filled = 0;
-    while filled < read.len {
-        let rest = &mut buf.as_mut_slice()[filled..];
-        match file.read_at(rest, read.offset + filled as u64) {
+    while filled < buf.len() {
+        match file.read_at(&mut buf[filled..], offset + filled as u64) {
             Ok(0) => break,
             Ok(n) => filled += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -99,10 +98,10 @@ pub fn read_blocks(file: &File, read: &Read, needed: usize) -> std::io::Result<A
     if filled < needed {
         return Err(std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
-            format!("{} bytes at offset {} hold only {filled} (the file was cut short)", needed, read.offset),
+            format!("{needed} bytes at offset {offset} hold only {filled} (the file was cut short)"),
         ));
     }
-    Ok(buf)
+    Ok(())
 }
 
 #[cfg(test)]

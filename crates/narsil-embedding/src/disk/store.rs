@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::reads::{plan, read_blocks, Read, BLOCK};
+use super::reads::{plan, read_blocks, AlignedBuf, Read, BLOCK};
 use crate::row_cache::RowCache;
 use crate::schema::{SplitSchema, TableSpec};
 use crate::store::{FetchError, Fetched, RowStore};
@@ -29,9 +29,9 @@ pub const STORE: StoreKind = StoreKind {
 /// together up to this).
 const MAX_READ: usize = 256 << 10;
 
-/// Most threads one table's reads of a batch run on at once: that many
+/// Most threads a batch's reads (every table's) run on at once: that many
 /// reads in flight on the disk.
-const READERS: usize = 8;
+const READERS: usize = 16;
 
 /// The `disk` store as configured: its row cache (none at 0 bytes) and the
 /// cache's number for each table file it has opened.
@@ -122,61 +122,115 @@ impl DiskRows {
                 }
             })?;
         let needed = (spec.row_bytes as u64).min(spec.rows * spec.row_bytes as u64) as usize;
-        read_blocks(&file, &Read { offset: 0, len: BLOCK as usize, rows: 0..0 }, needed)?;
+        read_blocks(&file, 0, AlignedBuf::new(BLOCK as usize).as_mut_slice(), needed)?;
         let key = store.table_key(&file)?;
         Ok(Self { file, path: path.to_owned(), row_bytes: spec.row_bytes, cache: store.cache.clone(), key })
     }
+}
 
-    /// Reads the rows of `misses` ((place in `out`, id), sorted by id) from
-    /// the file into `out`, and keeps them in the cache.
-    fn read_misses(&self, misses: &[(usize, i64)], out: &mut [u8]) -> Result<(), FetchError> {
-        let row_bytes = self.row_bytes;
-        let offsets: Vec<u64> = misses.iter().map(|&(_, id)| id as u64 * row_bytes as u64).collect();
-        let reads = plan(&offsets, row_bytes, MAX_READ.max(row_bytes));
-        let readers = READERS.min(reads.len()).max(1);
-        let read_all = |first: usize| -> std::io::Result<Vec<(usize, super::reads::AlignedBuf)>> {
-            reads
-                .iter()
-                .enumerate()
-                .skip(first)
-                .step_by(readers)
-                .map(|(r, read)| {
-                    let last = offsets[read.rows.end - 1];
-                    let needed = (last + row_bytes as u64 - read.offset) as usize;
-                    Ok((r, read_blocks(&self.file, read, needed)?))
-                })
-                .collect()
-        };
-        let done: std::io::Result<Vec<_>> = if readers == 1 {
-            read_all(0)
-        } else {
-            std::thread::scope(|scope| {
-                let threads: Vec<_> =
-                    (0..readers).map(|first| scope.spawn(move || read_all(first))).collect();
-                let mut done = Vec::with_capacity(reads.len());
-                for thread in threads {
-                    done.extend(
-                        thread.join().unwrap_or_else(|_| Err(std::io::Error::other("a reader panicked")))?,
-                    );
-                }
-                Ok(done)
-            })
-        };
-        let done = done.map_err(|e| FetchError(format!("reading {}: {e}", self.path.display())))?;
-        for (r, buf) in done {
-            let read = &reads[r];
-            for m in read.rows.clone() {
-                let (place, id) = misses[m];
-                let at = (offsets[m] - read.offset) as usize;
-                let row = &buf.as_slice()[at..at + row_bytes];
-                out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(row);
-                if let Some(cache) = &self.cache {
-                    cache.insert(self.key, id as u64, row);
-                }
+/// One table's part of a batch's fetch from the disk store.
+pub struct DiskFetch<'a> {
+    /// The table.
+    pub rows: &'a DiskRows,
+    /// Its distinct ids in the batch.
+    pub ids: &'a [i64],
+    /// Where row `i` goes: `out[i * row_bytes..]`.
+    pub out: &'a mut [u8],
+}
+
+/// A part's cache misses, sorted by offset, and the reads that cover them.
+struct Misses {
+    /// (place in the part's `out`, id).
+    rows: Vec<(usize, i64)>,
+    offsets: Vec<u64>,
+    reads: Vec<Read>,
+}
+
+/// Copies every part's rows into its `out`: rows in the row cache from
+/// there, the rest read from the disk, every table's reads at once on up to
+/// [`READERS`] threads (so that many are in flight on the disk), then kept
+/// in the cache. Returns what each part fetched, or the failure of the
+/// first part whose file could not be read (its index and the error, which
+/// names the file).
+pub fn fetch_tables(parts: &mut [DiskFetch<'_>]) -> Result<Vec<Fetched>, (usize, FetchError)> {
+    let mut fetched = Vec::with_capacity(parts.len());
+    let mut misses = Vec::with_capacity(parts.len());
+    for part in parts.iter_mut() {
+        let (table, row_bytes) = (part.rows, part.rows.row_bytes);
+        let mut rows = Vec::new();
+        for (place, &id) in part.ids.iter().enumerate() {
+            match table.cache.as_ref().and_then(|cache| cache.get(table.key, id as u64)) {
+                Some(row) => part.out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(&row),
+                None => rows.push((place, id)),
             }
         }
-        Ok(())
+        fetched.push(Fetched { cached: part.ids.len() - rows.len(), zeroed: 0 });
+        rows.sort_unstable_by_key(|&(_, id)| id);
+        let offsets: Vec<u64> = rows.iter().map(|&(_, id)| id as u64 * row_bytes as u64).collect();
+        let reads = plan(&offsets, row_bytes, MAX_READ.max(row_bytes));
+        misses.push(Misses { rows, offsets, reads });
     }
+    let jobs: Vec<(usize, usize)> =
+        misses.iter().enumerate().flat_map(|(p, m)| (0..m.reads.len()).map(move |r| (p, r))).collect();
+    // One aligned block for every read of the batch, cut into one slice
+    // per read: the reader threads allocate nothing.
+    let starts: Vec<usize> = jobs
+        .iter()
+        .scan(0, |at, &(p, r)| {
+            let start = *at;
+            *at += misses[p].reads[r].len;
+            Some(start)
+        })
+        .collect();
+    let total = jobs.last().map_or(0, |&(p, r)| starts[starts.len() - 1] + misses[p].reads[r].len);
+    let mut block = AlignedBuf::new(total);
+    let readers = READERS.min(jobs.len()).max(1);
+    let mut buckets: Vec<Vec<(usize, &mut [u8])>> = (0..readers).map(|_| Vec::new()).collect();
+    let mut rest = block.as_mut_slice();
+    for (j, &(p, r)) in jobs.iter().enumerate() {
+        let (slice, tail) = std::mem::take(&mut rest).split_at_mut(misses[p].reads[r].len);
+        buckets[j % readers].push((j, slice));
+        rest = tail;
+    }
+    let tables: Vec<&DiskRows> = parts.iter().map(|part| part.rows).collect();
+    let read_bucket = |bucket: Vec<(usize, &mut [u8])>| -> Result<(), (usize, FetchError)> {
+        for (j, slice) in bucket {
+            let (p, r) = jobs[j];
+            let (table, m) = (tables[p], &misses[p]);
+            let read = &m.reads[r];
+            let needed = m.offsets[read.rows.end - 1] + table.row_bytes as u64 - read.offset;
+            read_blocks(&table.file, read.offset, slice, needed as usize)
+                .map_err(|e| (p, FetchError(format!("reading {}: {e}", table.path.display()))))?;
+        }
+        Ok(())
+    };
+    if readers == 1 {
+        buckets.into_iter().try_for_each(read_bucket)?;
+    } else {
+        std::thread::scope(|scope| {
+            let threads: Vec<_> =
+                buckets.into_iter().map(|bucket| scope.spawn(move || read_bucket(bucket))).collect();
+            threads.into_iter().try_for_each(|thread| {
+                thread.join().unwrap_or_else(|_| Err((0, FetchError("a disk reader panicked".into()))))
+            })
+        })?;
+    }
+    for (j, &(p, r)) in jobs.iter().enumerate() {
+        let (m, part) = (&misses[p], &mut parts[p]);
+        let (table, row_bytes) = (part.rows, part.rows.row_bytes);
+        let read = &m.reads[r];
+        let buf = &block.as_slice()[starts[j]..starts[j] + read.len];
+        for i in read.rows.clone() {
+            let (place, id) = m.rows[i];
+            let at = (m.offsets[i] - read.offset) as usize;
+            let row = &buf[at..at + row_bytes];
+            part.out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(row);
+            if let Some(cache) = &table.cache {
+                cache.insert(table.key, id as u64, row);
+            }
+        }
+    }
+    Ok(fetched)
 }
 
 impl RowStore for DiskRows {
@@ -196,19 +250,9 @@ impl RowStore for DiskRows {
         _deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
         debug_assert_eq!(row_bytes, self.row_bytes);
-        let mut misses = Vec::new();
-        for (place, &id) in ids.iter().enumerate() {
-            match self.cache.as_ref().and_then(|cache| cache.get(self.key, id as u64)) {
-                Some(row) => out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(&row),
-                None => misses.push((place, id)),
-            }
-        }
-        let cached = ids.len() - misses.len();
-        misses.sort_unstable_by_key(|&(_, id)| id);
-        if !misses.is_empty() {
-            self.read_misses(&misses, out)?;
-        }
-        Ok(Fetched { cached, zeroed: 0 })
+        let mut parts = [DiskFetch { rows: self, ids, out }];
+        let fetched = fetch_tables(&mut parts).map_err(|(_, error)| error)?;
+        Ok(fetched[0])
     }
 
     fn may_fault(&self) -> bool {
