@@ -135,9 +135,9 @@ pub struct ServeArgs {
     /// check interval times the failures they need).
     #[arg(long, env = "NARSIL_DRAIN_GRACE_SECS", default_value_t = 0.0)]
     pub drain_grace_secs: f64,
-    /// Split models: run each lane's embedding stage (dedup, row fetches,
-    /// pooling) one batch ahead, on a stage thread of its own, while the
-    /// lane runs the previous batch's dense network. Helps where fetches
+    /// Split models on the torch backend: run each lane's embedding stage
+    /// (dedup, row fetches, pooling) one batch ahead, on a stage thread of
+    /// its own, while the lane runs the previous batch's dense network. Helps where fetches
     /// wait (a Redis store, tables read from disk); costs where the stage
     /// only computes and every core is busy (docs/guide/split-models.md).
     #[arg(long, env = "NARSIL_STAGE_AHEAD")]
