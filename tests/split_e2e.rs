@@ -155,6 +155,15 @@ async fn mapped_tables_serve_the_same_scores() {
 /// alone and fused, most rows read from the disk, the cached ones too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disk_tables_serve_the_same_scores_alone_and_fused_with_most_rows_from_disk() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let table = test_model_dir().join("split/tables/cat_0.bin");
+    if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&table) {
+        let why = format!("{} refuses direct reads ({e})", table.display());
+        return common::skip(
+            "disk_tables_serve_the_same_scores_alone_and_fused_with_most_rows_from_disk",
+            &why,
+        );
+    }
     let mut config = TorchConfig::new(test_model_dir().join("split"));
     let flags = narsil_embedding::StoreFlags {
         cache_bytes: 26 * 40 * (80 + 48),
