@@ -38,9 +38,9 @@ const READERS: usize = 16;
 pub struct DiskStore {
     cache: Option<Arc<RowCache>>,
     cache_bytes: u64,
-    /// By (device, inode): a file hard-linked into several model versions
-    /// is one table in the cache.
-    tables: Mutex<HashMap<(u64, u64), u32>>,
+    /// By file identity: a file hard-linked into several model versions is
+    /// one table in the cache.
+    tables: Mutex<HashMap<FileIdentity, u32>>,
 }
 
 impl DiskStore {
@@ -51,13 +51,33 @@ impl DiskStore {
         Self { cache, cache_bytes, tables: Mutex::new(HashMap::new()) }
     }
 
-    /// The cache's number for the table in `file`.
-    fn table_key(&self, file: &File) -> std::io::Result<u32> {
+    /// The cache's number for the table `spec` in `file`.
+    fn table_key(&self, file: &File, spec: &TableSpec) -> std::io::Result<u32> {
         let meta = file.metadata()?;
+        let identity = FileIdentity {
+            device: meta.dev(),
+            inode: meta.ino(),
+            modified: (meta.mtime(), meta.mtime_nsec()),
+            len: meta.len(),
+            sha256: spec.sha256.clone(),
+        };
         let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let next = tables.len() as u32;
-        Ok(*tables.entry((meta.dev(), meta.ino())).or_insert(next))
+        Ok(*tables.entry(identity).or_insert(next))
     }
+}
+
+/// What makes two opened table files the same rows: the same inode (hard
+/// links share it) that has not been written since (a deleted version's
+/// inode number can come back for a new file, with another modification
+/// time), and the same content hash in the schema.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct FileIdentity {
+    device: u64,
+    inode: u64,
+    modified: (i64, i64),
+    len: u64,
+    sha256: String,
 }
 
 impl fmt::Debug for DiskStore {
@@ -123,7 +143,7 @@ impl DiskRows {
             })?;
         let needed = (spec.row_bytes as u64).min(spec.rows * spec.row_bytes as u64) as usize;
         read_blocks(&file, 0, AlignedBuf::new(BLOCK as usize).as_mut_slice(), needed)?;
-        let key = store.table_key(&file)?;
+        let key = store.table_key(&file, spec)?;
         Ok(Self { file, path: path.to_owned(), row_bytes: spec.row_bytes, cache: store.cache.clone(), key })
     }
 }
@@ -337,7 +357,7 @@ mod tests {
     }
 
     #[test]
-    fn tables_hard_linked_into_two_versions_share_their_cache_number() {
+    fn tables_hard_linked_into_two_versions_share_their_cache_number_until_written() {
         let Some((dir, spec)) = table_file(100) else { return };
         std::fs::hard_link(dir.path().join("t.bin"), dir.path().join("u.bin")).unwrap();
         let store = DiskStore::new(1 << 20);
@@ -347,5 +367,16 @@ mod tests {
         let Some((other_dir, other)) = table_file(100) else { return };
         let c = DiskRows::open(&other_dir.path().join("t.bin"), &other, &store).unwrap();
         assert_ne!(a.key, c.key);
+        // Written since (a new file that took a deleted one's inode number
+        // would be too): other rows, another number.
+        let written = std::time::SystemTime::now() + std::time::Duration::from_secs(60);
+        std::fs::File::options()
+            .write(true)
+            .open(dir.path().join("t.bin"))
+            .unwrap()
+            .set_modified(written)
+            .unwrap();
+        let d = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+        assert_ne!(a.key, d.key);
     }
 }
