@@ -193,22 +193,18 @@ pub fn fetch_tables(parts: &mut [DiskFetch<'_>]) -> Result<Vec<Fetched>, (usize,
     let jobs: Vec<(usize, usize)> =
         misses.iter().enumerate().flat_map(|(p, m)| (0..m.reads.len()).map(move |r| (p, r))).collect();
     // One aligned block for every read of the batch, cut into one slice
-    // per read: the reader threads allocate nothing.
-    let starts: Vec<usize> = jobs
-        .iter()
-        .scan(0, |at, &(p, r)| {
-            let start = *at;
-            *at += misses[p].reads[r].len;
-            Some(start)
-        })
-        .collect();
-    let total = jobs.last().map_or(0, |&(p, r)| starts[starts.len() - 1] + misses[p].reads[r].len);
-    let mut block = AlignedBuf::new(total);
+    // per read (read `j`'s at `starts[j]`): the reader threads allocate
+    // nothing.
+    let len = |&(p, r): &(usize, usize)| misses[p].reads[r].len;
+    let mut block = AlignedBuf::new(jobs.iter().map(len).sum());
     let readers = READERS.min(jobs.len()).max(1);
     let mut buckets: Vec<Vec<(usize, &mut [u8])>> = (0..readers).map(|_| Vec::new()).collect();
+    let (mut starts, mut at) = (Vec::with_capacity(jobs.len()), 0);
     let mut rest = block.as_mut_slice();
-    for (j, &(p, r)) in jobs.iter().enumerate() {
-        let (slice, tail) = std::mem::take(&mut rest).split_at_mut(misses[p].reads[r].len);
+    for (j, job) in jobs.iter().enumerate() {
+        starts.push(at);
+        at += len(job);
+        let (slice, tail) = std::mem::take(&mut rest).split_at_mut(len(job));
         buckets[j % readers].push((j, slice));
         rest = tail;
     }
