@@ -166,7 +166,7 @@ async fn disk_tables_serve_the_same_scores_alone_and_fused_with_most_rows_from_d
     }
     let mut config = TorchConfig::new(test_model_dir().join("split"));
     let flags = narsil_embedding::StoreFlags {
-        cache_bytes: 26 * 40 * (80 + 48),
+        cache_bytes: 26 * 40 * (80 + 16),
         fetch_timeout: Duration::from_secs(1),
         missing_rows: narsil_embedding::MissingRows::Error,
     };

@@ -47,7 +47,7 @@ impl DiskStore {
     /// The store with a row cache of `cache_bytes` (0: every row from the
     /// disk).
     pub fn new(cache_bytes: u64) -> Self {
-        let cache = (cache_bytes > 0).then(|| Arc::new(RowCache::new(cache_bytes, 80)));
+        let cache = (cache_bytes > 0).then(|| Arc::new(RowCache::new(cache_bytes)));
         Self { cache, cache_bytes, tables: Mutex::new(HashMap::new()) }
     }
 
@@ -179,9 +179,9 @@ pub fn fetch_tables(parts: &mut [DiskFetch<'_>]) -> Result<Vec<Fetched>, (usize,
         let (table, row_bytes) = (part.rows, part.rows.row_bytes);
         let mut rows = Vec::new();
         for (place, &id) in part.ids.iter().enumerate() {
-            match table.cache.as_ref().and_then(|cache| cache.get(table.key, id as u64)) {
-                Some(row) => part.out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(&row),
-                None => rows.push((place, id)),
+            let out = &mut part.out[place * row_bytes..(place + 1) * row_bytes];
+            if !table.cache.as_ref().is_some_and(|cache| cache.get_into(table.key, id as u64, out)) {
+                rows.push((place, id));
             }
         }
         fetched.push(Fetched { cached: part.ids.len() - rows.len(), zeroed: 0 });
@@ -326,7 +326,7 @@ mod tests {
     #[test]
     fn rows_read_from_disk_and_from_the_cache_are_the_files_rows() {
         let Some((dir, spec)) = table_file(10_000) else { return };
-        let store = DiskStore::new(200 * (80 + 48));
+        let store = DiskStore::new(200 * (80 + 16));
         let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
         let ids: Vec<i64> = (0..500).map(|i| (i * 7919) % 10_000).rev().collect();
         let (out, fetched) = fetch(&rows, &ids);

@@ -49,7 +49,7 @@ impl RedisCluster {
         let mut cluster = Self::connect(&config.seeds, config.fetch_timeout)?;
         cluster.missing_rows = config.missing_rows;
         if config.cache_bytes > 0 {
-            cluster.invalidation = Arc::new(Invalidation::new(Some(RowCache::new(config.cache_bytes, 80))));
+            cluster.invalidation = Arc::new(Invalidation::new(Some(RowCache::new(config.cache_bytes))));
             let subscriber = cluster.invalidation.clone().subscribe_forever(config.seeds.clone());
             cluster.runtime().spawn(subscriber);
         }

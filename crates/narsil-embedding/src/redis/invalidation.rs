@@ -175,7 +175,7 @@ mod tests {
 
     #[test]
     fn a_message_removes_its_rows_and_moves_its_table_s_epoch_only() {
-        let invalidation = Invalidation::new(Some(RowCache::new(1 << 20, 8)));
+        let invalidation = Invalidation::new(Some(RowCache::new(1 << 20)));
         invalidation.subscribed.store(true, Ordering::Release);
         let (a, b) = (invalidation.table("narsil/m/1/a"), invalidation.table("narsil/m/1/b"));
         let cache = invalidation.cache().unwrap();
@@ -184,7 +184,8 @@ mod tests {
             cache.insert(b.number, id, &[2; 8]);
         }
         invalidation.apply(&message("narsil/m/1/a", &[1, 3]));
-        let cached = |table: &TableState| (0..4).filter(|&id| cache.get(table.number, id).is_some()).count();
+        let cached =
+            |table: &TableState| (0..4).filter(|&id| cache.get_into(table.number, id, &mut [0; 8])).count();
         assert_eq!((cached(&a), cached(&b)), (2, 4));
         assert_eq!((a.epoch.load(Ordering::Acquire), b.epoch.load(Ordering::Acquire)), (1, 0));
         invalidation.apply(b"no newline");
@@ -194,7 +195,7 @@ mod tests {
 
     #[test]
     fn the_cache_is_used_only_while_subscribed_and_emptied_when_the_subscription_drops() {
-        let invalidation = Invalidation::new(Some(RowCache::new(1 << 20, 8)));
+        let invalidation = Invalidation::new(Some(RowCache::new(1 << 20)));
         let table = invalidation.table("t");
         assert!(invalidation.cache().is_none(), "not subscribed yet");
         invalidation.subscribed.store(true, Ordering::Release);

@@ -100,12 +100,11 @@ pub fn fetch_tables(
         let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); table.spec.buckets as usize];
         let row_bytes = part.row_bytes;
         for (i, &id) in part.ids.iter().enumerate() {
-            match cache.and_then(|cache| cache.get(table.state.number, id as u64)) {
-                Some(row) if row.len() == row_bytes => {
-                    part.out[i * row_bytes..(i + 1) * row_bytes].copy_from_slice(&row);
-                    fetched[p].cached += 1;
-                }
-                _ => by_bucket[table.spec.bucket(id as u64) as usize].push(i),
+            let out = &mut part.out[i * row_bytes..(i + 1) * row_bytes];
+            if cache.is_some_and(|cache| cache.get_into(table.state.number, id as u64, out)) {
+                fetched[p].cached += 1;
+            } else {
+                by_bucket[table.spec.bucket(id as u64) as usize].push(i);
             }
         }
         reads.extend(by_bucket.into_iter().filter(|b| !b.is_empty()).map(|b| (p, b)));
