@@ -16,6 +16,10 @@ memory (`memory`, run without a limit: they would not fit).
    `--distinct-requests` prebuilt requests) for `--warmup-seconds` (not
    measured: it fills the page cache, with another seed's requests of the
    same distribution) and then for `--duration` seconds.
+0. With `--disk-baseline` (needs `fio`: `apt-get install fio`), first
+   measures the disk's own random-read limit on the table files: 4 KiB
+   direct reads, one at a time, 16 at a time from 16 threads (as the disk
+   store reads), and 64 in flight (io_uring).
 3. Reports throughput, p50/p99, and from the server's metrics the major page
    faults (mmap's disk reads) per request, the row cache's hit rate and the
    rows read from disk per request (disk), and the dedup ratio, as JSON lines
@@ -30,12 +34,13 @@ models/generated/default --split`). Standard library only.
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
 import urllib.request
 
-from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_binary, wait_serving
+from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_binary, status_mib, wait_serving
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
@@ -77,7 +82,27 @@ def drop_cached(out, schema):
         os.close(fd)
 
 
+def disk_baseline(model_dir, schema, seconds=10):
+    """fio's 4 KiB random direct reads over the table files: IOPS and mean
+    latency at queue depth 1, 16 threads, and 64 in flight."""
+    files = ":".join(os.path.join(model_dir, t["file"]).replace(":", "\\:") for t in schema["tables"])
+    rows = []
+    for label, engine, depth, jobs in [("qd1", "psync", 1, 1), ("16 threads", "psync", 1, 16),
+                                       ("qd64", "io_uring", 64, 1)]:
+        cmd = ["fio", "--name=randread", f"--filename={files}", "--direct=1", "--rw=randread", "--bs=4k",
+               f"--ioengine={engine}", f"--iodepth={depth}", f"--numjobs={jobs}", "--group_reporting",
+               f"--runtime={seconds}", "--time_based", "--output-format=json"]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            rows.append({"fio": label, "error": out.stderr.strip()[-300:]})
+            continue
+        read = json.loads(out.stdout)["jobs"][0]["read"]
+        rows.append({"fio": label, "iops": round(read["iops"]), "mean_latency_us": round(read["clat_ns"]["mean"] / 1e3, 1)})
+    return rows
+
+
 def metrics(admin):
+    """Each metric summed over its series, and each series (`name{labels}`) alone."""
     text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=10).read().decode()
     sums = {}
     for line in text.splitlines():
@@ -86,7 +111,26 @@ def metrics(admin):
         series, value = line.rsplit(" ", 1)
         name = series.split("{", 1)[0]
         sums[name] = sums.get(name, 0.0) + float(value)
+        if "{" in series:
+            sums[series] = float(value)
     return sums
+
+
+def table_of(series):
+    """The `table` label of a series, if any."""
+    match = re.search(r'table="([^"]*)"', series)
+    return match.group(1) if match else None
+
+
+def per_table_hit_rates(delta):
+    """Each table's row-cache hit rate over the run."""
+    hits, fetched = {}, {}
+    for series, value in delta.items():
+        if series.startswith("narsil_table_cache_hits_total{"):
+            hits[table_of(series)] = value
+        elif series.startswith("narsil_table_rows_fetched_total{"):
+            fetched[table_of(series)] = value
+    return {t: round(hits[t] / (hits[t] + fetched.get(t, 0)), 3) for t in hits if hits[t] + fetched.get(t, 0)}
 
 
 def run(args, model_dir, limit_mib, store, distribution):
@@ -121,6 +165,7 @@ def run(args, model_dir, limit_mib, store, distribution):
         report = load(args.duration, 2)
         after = metrics(admin)
         peak = int(open(os.path.join(cgroup, "memory.max_usage_in_bytes")).read()) >> 20
+        rss = status_mib(server.pid, "VmRSS")
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -135,11 +180,19 @@ def run(args, model_dir, limit_mib, store, distribution):
         "non_ok": report["requests"] - report["ok"],
         "major_faults_per_request": round(delta.get("narsil_table_major_faults_total", 0) / requests, 1),
         # Only the disk store reads rows by id (the local ones count every distinct row).
-        "cache_hit_rate": round(hits / (hits + from_store), 3) if store == "disk" and hits + from_store else None,
-        "rows_from_disk_per_request": round(from_store / requests, 1) if store == "disk" else None,
+        "cache_hit_rate": round(hits / (hits + from_store), 3) if store.startswith("disk") and hits + from_store else None,
+        "rows_from_disk_per_request": round(from_store / requests, 1) if store.startswith("disk") else None,
         "dedup_ratio": round(delta.get("narsil_table_ids_total", 0)
                              / max(1.0, delta.get("narsil_table_distinct_ids_total", 0)), 2),
         "cgroup_peak_mib": peak,
+        "rss_mib": None if rss is None else round(rss),
+        "hit_rate_by_table": (lambda r: [min(r.values()), max(r.values())] if r and store.startswith("disk") else None)(
+            per_table_hit_rates(delta)),
+        "disk_kib_per_request": round(delta.get("narsil_table_disk_bytes_read_total", 0) / 1024 / requests, 1)
+        if store.startswith("disk") else None,
+        "disk_read_mean_us": round(1e6 * delta.get("narsil_table_disk_read_seconds_sum", 0)
+                                   / max(1.0, delta.get("narsil_table_disk_read_seconds_count", 0)), 1)
+        if store.startswith("disk") else None,
     }
 
 
@@ -155,6 +208,8 @@ def main():
     p.add_argument("--cache-mib", type=int, default=160, help="the disk store's row cache (--table-cache-bytes)")
     p.add_argument("--serve-flag", action="append", default=[], help="one more flag for narsil serve")
     p.add_argument("--distributions", default="zipf:1.05,uniform")
+    p.add_argument("--disk-baseline", action="store_true",
+                   help="measure the disk's random-read limit with fio first (apt-get install fio)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--samples", type=int, default=100, help="samples per request")
     p.add_argument("--duration", type=float, default=20)
@@ -174,6 +229,13 @@ def main():
     total, schema = write_model(args.source, args.out, args.rows)
     print(json.dumps({"machine": machine(), "table_bytes": total, "rows_per_table": args.rows,
                       "tables": len(schema["tables"]), "written_s": round(time.time() - started, 1)}), flush=True)
+    baseline = []
+    if args.disk_baseline:
+        if not shutil.which("fio"):
+            raise SystemExit("--disk-baseline needs fio: apt-get install fio")
+        baseline = disk_baseline(args.out, schema)
+        for row in baseline:
+            print(json.dumps(row), flush=True)
     results = []
     for limit in [int(x) for x in args.limits_mib.split(",")]:
         for store in args.stores.split(","):
@@ -187,16 +249,22 @@ def main():
     print(f"\ntables {total / 2**30:.1f} GiB ({args.rows:,} rows x {len(schema['tables'])}), c{args.concurrency}, "
           f"{args.samples} samples per request, {args.warmup_seconds:g} s warm-up, {args.duration:g} s measured")
     print(f"disk store's row cache: {args.cache_mib} MiB")
-    print("| memory limit | store | ids | req/s | p50 ms | p99 ms | major faults / request | cache hit rate | "
-          "rows from disk / request | dedup | cgroup peak MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in baseline:
+        print(f"fio 4 KiB random direct reads, {row['fio']}: " + (
+            row.get("error") or f"{row['iops']:,} IOPS, mean {row['mean_latency_us']} us"))
+    print("| memory limit | store | ids | req/s | p50 ms | p99 ms | major faults / request | cache hit rate (tables) | "
+          "rows from disk / request | KiB read / request | read us | dedup | cgroup peak MiB | RSS MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         limit = "none" if r["limit_mib"] == "none" else f"{r['limit_mib']} MiB"
         hit_rate = "-" if r["cache_hit_rate"] is None else r["cache_hit_rate"]
         from_disk = "-" if r["rows_from_disk_per_request"] is None else r["rows_from_disk_per_request"]
+        if r["hit_rate_by_table"]:
+            hit_rate = f"{hit_rate} ({r['hit_rate_by_table'][0]}-{r['hit_rate_by_table'][1]})"
+        dash = lambda v: "-" if v is None else v
         print(f"| {limit} | {r['store']} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
-              f"{r['major_faults_per_request']} | {hit_rate} | {from_disk} | "
-              f"{r['dedup_ratio']} | {r['cgroup_peak_mib']} |")
+              f"{r['major_faults_per_request']} | {hit_rate} | {from_disk} | {dash(r['disk_kib_per_request'])} | "
+              f"{dash(r['disk_read_mean_us'])} | {r['dedup_ratio']} | {r['cgroup_peak_mib']} | {dash(r['rss_mib'])} |")
 
 
 if __name__ == "__main__":

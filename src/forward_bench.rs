@@ -264,7 +264,7 @@ fn measure(
     };
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
-    let ids = id_samplers(&info, &args.id_distribution, 7)?;
+    let ids = id_samplers(&info, &args.id_distribution)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut random = |samples: usize, index: usize| -> anyhow::Result<RequestSamples> {
         let mut request =

@@ -59,14 +59,18 @@ pub struct BackendArgs {
     /// page cache holds the hot rows and tables larger than RAM are served;
     /// `disk` reads each batch's rows from their files with direct I/O
     /// (never the page cache) into a row cache of --table-cache-bytes, for
-    /// tables larger than the memory the server may use;
+    /// tables larger than the memory the server may use, all of a batch's
+    /// reads in flight at once on an io_uring (`disk:io_uring` insists;
+    /// `disk:threads` reads on a pool of threads; `disk` uses io_uring where
+    /// the kernel allows it and threads elsewhere);
     /// `redis://HOST:PORT[,HOST:PORT...]` reads rows from the Redis Cluster
     /// at these seeds, where `narsil tables load` put them.
     #[arg(long, env = "NARSIL_TABLE_STORE", default_value = "memory")]
     pub table_store: TableStore,
-    /// `disk` and `redis` table stores: the row cache's bound in bytes
-    /// (rows and their bookkeeping), shared by every lane, table and model
-    /// version; 0 reads every row from the disk or the cluster.
+    /// `disk` and `redis` table stores: the row cache's memory in bytes
+    /// (each row rounded up to 8 bytes plus a 16-byte tag), shared by every
+    /// lane, table and model version; 0 reads every row from the disk or the
+    /// cluster.
     #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis::DEFAULT_CACHE_BYTES)]
     pub table_cache_bytes: u64,
     /// `redis` table store: the longest one batch's fetch (every table,

@@ -11,7 +11,9 @@
 //! cache or a page cache would flatter): rank `r` of feature `f` is id
 //! `(r * P + B_f) mod rows`, where `P` is the first of a fixed list of large
 //! primes that does not divide `rows` (so the map is a bijection) and `B_f`
-//! an offset drawn from `--seed` and `f`. The same seed gives the same ids.
+//! an offset drawn from `f`. Which ids are hot is a property of the traffic,
+//! not of a run: `--seed` changes the draws, never the popularity order, so
+//! a warm-up with one seed warms the rows a run with another seed reads.
 
 use rand::Rng;
 use rand_distr::Distribution;
@@ -73,7 +75,7 @@ impl std::fmt::Display for IdDistributions {
 
 impl IdDistributions {
     /// One sampler per feature, for tables of `rows[f]` rows.
-    pub fn samplers(&self, rows: &[u64], seed: u64) -> anyhow::Result<Vec<IdSampler>> {
+    pub fn samplers(&self, rows: &[u64]) -> anyhow::Result<Vec<IdSampler>> {
         let each: Vec<IdDistribution> = match self.0.len() {
             1 => vec![self.0[0]; rows.len()],
             n if n == rows.len() => self.0.clone(),
@@ -85,7 +87,7 @@ impl IdDistributions {
         each.into_iter()
             .zip(rows)
             .enumerate()
-            .map(|(feature, (distribution, &rows))| IdSampler::new(distribution, rows, feature, seed))
+            .map(|(feature, (distribution, &rows))| IdSampler::new(distribution, rows, feature))
             .collect()
     }
 }
@@ -105,13 +107,13 @@ pub struct IdSampler {
 
 impl IdSampler {
     /// Ids of a table of `rows` rows (at least 1) for feature `feature`.
-    pub fn new(distribution: IdDistribution, rows: u64, feature: usize, seed: u64) -> anyhow::Result<Self> {
+    pub fn new(distribution: IdDistribution, rows: u64, feature: usize) -> anyhow::Result<Self> {
         anyhow::ensure!(rows > 0, "a table with no rows has no ids to draw");
         let stride = STRIDES
             .into_iter()
             .find(|p| !rows.is_multiple_of(*p))
             .expect("rows is not divisible by four primes");
-        let offset = splitmix(seed ^ splitmix(feature as u64)) % rows;
+        let offset = splitmix(splitmix(feature as u64)) % rows;
         let zipf = match distribution {
             IdDistribution::Uniform => None,
             IdDistribution::Zipf(alpha) => Some(
@@ -166,23 +168,36 @@ mod tests {
             assert!(bad.parse::<IdDistribution>().unwrap_err().contains("zipf:ALPHA"), "{bad}");
         }
         let two: IdDistributions = "uniform,uniform".parse().unwrap();
-        let error = two.samplers(&[10, 10, 10], 0).unwrap_err().to_string();
+        let error = two.samplers(&[10, 10, 10]).unwrap_err().to_string();
         assert!(error.contains("one per feature (3)"), "{error}");
     }
 
     #[test]
     fn ranks_are_scattered_over_the_whole_table_one_to_one() {
         for rows in [1u64, 7, 1000, 2_654_435_761 * 2] {
-            let sampler = IdSampler::new(IdDistribution::Uniform, rows, 3, 42).unwrap();
+            let sampler = IdSampler::new(IdDistribution::Uniform, rows, 3).unwrap();
             let ids: BTreeSet<u64> = (0..rows.min(1000)).map(|r| sampler.id_of_rank(r)).collect();
             assert_eq!(ids.len() as u64, rows.min(1000), "rows {rows}: ranks map to distinct ids");
             assert!(ids.iter().all(|&id| id < rows));
         }
-        let sampler = IdSampler::new(IdDistribution::Zipf(1.05), 100_000, 0, 7).unwrap();
+        let sampler = IdSampler::new(IdDistribution::Zipf(1.05), 100_000, 0).unwrap();
         let hottest: Vec<u64> = (0..10).map(|r| sampler.id_of_rank(r)).collect();
         assert!(hottest.iter().filter(|&&id| id < 10).count() <= 1, "hot ids are not 0..k: {hottest:?}");
-        let other = IdSampler::new(IdDistribution::Zipf(1.05), 100_000, 1, 7).unwrap();
+        let other = IdSampler::new(IdDistribution::Zipf(1.05), 100_000, 1).unwrap();
         assert_ne!(sampler.id_of_rank(0), other.id_of_rank(0), "each feature has its own hot ids");
+    }
+
+    #[test]
+    fn another_seed_draws_other_ids_of_the_same_popularity_order() {
+        let samplers = |seed| {
+            let pool = "zipf:1.05".parse::<IdDistributions>().unwrap().samplers(&[100_000, 5_000]).unwrap();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let draws: Vec<i64> = (0..1000).map(|_| pool[0].sample(&mut rng)).collect();
+            (pool.iter().map(|s| s.id_of_rank(0)).collect::<Vec<_>>(), draws)
+        };
+        let ((hot_1, draws_1), (hot_2, draws_2)) = (samplers(1), samplers(2));
+        assert_eq!(hot_1, hot_2, "a warm-up with seed 1 warms the rows a run with seed 2 reads");
+        assert_ne!(draws_1, draws_2);
     }
 
     #[test]
@@ -190,7 +205,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         let draws = 50_000;
         let mut share_of_top_100 = |distribution| {
-            let sampler = IdSampler::new(distribution, 100_000, 0, 7).unwrap();
+            let sampler = IdSampler::new(distribution, 100_000, 0).unwrap();
             let top: BTreeSet<i64> = (0..100).map(|r| sampler.id_of_rank(r) as i64).collect();
             let mut counts: HashMap<i64, usize> = HashMap::new();
             for _ in 0..draws {

@@ -80,7 +80,8 @@ pub struct LoadArgs {
     /// Which ids are sent: `uniform`, or `zipf:ALPHA` (skewed traffic: rank
     /// r drawn with probability proportional to 1/(r+1)^ALPHA, hot ids
     /// scattered over the table); one for every feature, or one per feature,
-    /// comma-separated. Seeded by --seed.
+    /// comma-separated. Draws are seeded by --seed; which ids are hot is
+    /// the same for every seed.
     #[arg(long, env = "NARSIL_LOAD_ID_DISTRIBUTION", default_value = "uniform")]
     pub id_distribution: IdDistributions,
     /// Distinct prebuilt requests cycled through.

@@ -20,7 +20,7 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
     if info.sparse_features.iter().any(|f| f.num_rows == 0) {
         anyhow::bail!("the server reports a sparse feature with an empty table");
     }
-    let ids = id_samplers(info, &args.id_distribution, args.seed)?;
+    let ids = id_samplers(info, &args.id_distribution)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     Ok((0..args.distinct_requests.max(1))
         .map(|i| random_request(info, args.samples_per_request, args.ids_per_feature, &ids, &mut rng, i))
@@ -31,10 +31,9 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
 pub fn id_samplers(
     info: &ModelInfoResponse,
     distributions: &IdDistributions,
-    seed: u64,
 ) -> anyhow::Result<Vec<IdSampler>> {
     let rows: Vec<u64> = info.sparse_features.iter().map(|f| f.num_rows).collect();
-    distributions.samplers(&rows, seed)
+    distributions.samplers(&rows)
 }
 
 /// One request of `batch_size` random samples, feature `f`'s ids from

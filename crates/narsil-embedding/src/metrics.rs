@@ -21,6 +21,10 @@
 //! * `narsil_table_major_faults_total`: for stores that can wait on the
 //!   disk (`mmap`), the major page faults taken while looking up: when it
 //!   grows, the working set no longer fits in the page cache;
+//! * `narsil_table_disk_bytes_read_total`, `narsil_table_disk_read_seconds`,
+//!   `narsil_table_disk_reads_in_flight`: for the `disk` store, bytes read
+//!   from a table's file (whole 4 KiB blocks), the time of each read (one
+//!   run of touching blocks), and the reads under way now;
 //! * `narsil_table_read_ahead_seconds` (no `table` label): reading a fused
 //!   batch's mapped rows ahead in parallel, which the stage does while
 //!   lookups take major faults.
@@ -28,6 +32,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 
@@ -52,6 +57,24 @@ pub(crate) struct TableCounters {
     pub missing_rows: Counter,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
+    pub disk: DiskCounters,
+}
+
+/// A table's reads from its file (the `disk` store).
+#[derive(Debug, Clone)]
+pub struct DiskCounters {
+    /// Bytes read (whole blocks).
+    pub bytes_read: Counter,
+    /// Seconds per read.
+    pub read_seconds: Histogram,
+    /// Reads under way.
+    pub in_flight: Gauge,
+}
+
+impl Default for DiskCounters {
+    fn default() -> Self {
+        Self { bytes_read: Counter::default(), read_seconds: fetch_buckets(), in_flight: Gauge::default() }
+    }
 }
 
 /// The stage's metric families.
@@ -65,6 +88,9 @@ pub struct StageMetrics {
     missing_rows: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
+    disk_bytes_read: Family<TableLabel, Counter>,
+    disk_read_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
+    disk_reads_in_flight: Family<TableLabel, Gauge>,
     read_ahead_seconds: Histogram,
     remote_fetch_seconds: Histogram,
 }
@@ -80,6 +106,9 @@ impl Default for StageMetrics {
             missing_rows: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
+            disk_bytes_read: Family::default(),
+            disk_read_seconds: Family::new_with_constructor(fetch_buckets),
+            disk_reads_in_flight: Family::default(),
             read_ahead_seconds: fetch_buckets(),
             remote_fetch_seconds: fetch_buckets(),
         }
@@ -99,6 +128,11 @@ impl StageMetrics {
             missing_rows: self.missing_rows.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
+            disk: DiskCounters {
+                bytes_read: self.disk_bytes_read.get_or_create(&label).clone(),
+                read_seconds: self.disk_read_seconds.get_or_create(&label).clone(),
+                in_flight: self.disk_reads_in_flight.get_or_create(&label).clone(),
+            },
         }
     }
 
@@ -156,6 +190,22 @@ impl StageMetrics {
             "table_major_faults",
             "Major page faults while looking up a memory-mapped table (disk reads: the working set exceeds the page cache)",
             self.major_faults.clone(),
+        );
+        registry.register(
+            "table_disk_bytes_read",
+            "Bytes read from a table's file by the disk store (whole 4 KiB blocks)",
+            self.disk_bytes_read.clone(),
+        );
+        registry.register_with_unit(
+            "table_disk_read",
+            "Time of one read of a table's file by the disk store (a run of touching blocks)",
+            Unit::Seconds,
+            self.disk_read_seconds.clone(),
+        );
+        registry.register(
+            "table_disk_reads_in_flight",
+            "Reads of a table's file by the disk store under way now",
+            self.disk_reads_in_flight.clone(),
         );
         registry.register_with_unit(
             "table_read_ahead",

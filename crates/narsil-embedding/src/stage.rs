@@ -296,7 +296,7 @@ impl EmbeddingStage {
                 continue;
             }
             if let Some(rows) = table.store.as_any().downcast_ref::<DiskRows>() {
-                disk.push(DiskFetch { rows, ids, out });
+                disk.push(DiskFetch { rows, ids, out, counters: &table.counters.disk });
                 disk_tables.push(t);
                 continue;
             }
@@ -304,7 +304,7 @@ impl EmbeddingStage {
             self.count_fetch(t, ids.len(), fetched)?;
         }
         if !disk.is_empty() {
-            match disk_fetch_tables(&mut disk) {
+            match disk_fetch_tables(&mut disk, batch.deadline) {
                 Ok(fetched) => {
                     for ((t, part), fetched) in disk_tables.into_iter().zip(&disk).zip(fetched) {
                         self.count_fetch(t, part.ids.len(), Ok(fetched))?;

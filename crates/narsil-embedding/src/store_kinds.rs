@@ -43,7 +43,13 @@ mod tests {
         for text in ["memory", "mmap"] {
             assert_eq!(text.parse::<TableStore>().unwrap().to_string(), text);
         }
-        assert!("disk".parse::<TableStore>().unwrap().to_string().starts_with("disk "));
+        for (text, reads) in
+            [("disk", "io_uring where allowed"), ("disk:threads", "threads"), ("disk:io_uring", "io_uring")]
+        {
+            let store = text.parse::<TableStore>().unwrap().to_string();
+            assert!(store.starts_with("disk (") && store.contains(&format!("reads on {reads}")), "{store}");
+        }
+        assert!("disk:aio".parse::<TableStore>().unwrap_err().contains("disk:threads"));
         let redis = "redis://h:1,h:2".parse::<TableStore>().unwrap().to_string();
         assert!(redis.starts_with("redis://h:1,h:2 "), "{redis}");
     }
@@ -52,7 +58,7 @@ mod tests {
     fn an_unknown_store_is_told_every_choice() {
         assert_eq!(
             "tape".parse::<TableStore>().unwrap_err(),
-            "`tape` is not a table store: use `memory`, `mmap`, `disk` or `redis://HOST:PORT[,HOST:PORT...]`"
+            "`tape` is not a table store: use `memory`, `mmap`, `disk[:io_uring|:threads]` or `redis://HOST:PORT[,HOST:PORT...]`"
         );
     }
 

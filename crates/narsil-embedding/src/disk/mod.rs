@@ -5,10 +5,14 @@
 //! `redis` store's, one per process, shared by every table of every model
 //! version). Per fused batch and table the distinct ids that miss the
 //! cache are sorted by file offset, rows that share a block are read once,
-//! and the reads run on several threads at once.
+//! and every read of the batch is in flight at once (on an io_uring, or on
+//! a pool of `pread` threads where the kernel refuses rings).
 //!
-//! * [`reads`]: planning and carrying out direct reads of whole blocks.
+//! * [`reads`]: planning direct reads of whole blocks, and making them on
+//!   threads.
+//! * [`uring`]: making them on an io_uring.
 //! * [`store`]: the store kind, its configuration and a table's rows.
 
 pub mod reads;
 pub mod store;
+pub mod uring;

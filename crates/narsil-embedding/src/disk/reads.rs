@@ -8,6 +8,9 @@
 use std::fs::File;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
+use std::time::Instant;
+
+use crate::metrics::DiskCounters;
 
 /// The unit of direct reads: offsets, lengths and buffer addresses are
 /// multiples of it (4 KiB covers the logical block size of every disk and
@@ -78,10 +81,85 @@ impl AlignedBuf {
     }
 }
 
+/// One read to make: whole blocks of `file` from `offset` into a buffer of
+/// `len`, of which at least `needed` bytes must exist; counted in
+/// `counters`.
+pub struct BlockRead<'a> {
+    pub file: &'a File,
+    pub offset: u64,
+    pub len: usize,
+    pub needed: usize,
+    pub counters: &'a DiskCounters,
+}
+
+/// Makes every read of `reads` with `pread` on up to `threads` threads,
+/// each into one buffer of its own reused read after read, calling
+/// `land(i, bytes)` with read `i`'s bytes as each completes; no read starts
+/// after `deadline` ([`deadline_passed`]). The first failure (with the
+/// index of its read) once every thread has stopped.
+pub fn read_on_threads(
+    reads: &[BlockRead<'_>],
+    threads: usize,
+    deadline: Option<Instant>,
+    land: impl Fn(usize, &[u8]) + Sync,
+) -> Result<(), (usize, std::io::Error)> {
+    let threads = threads.min(reads.len()).max(1);
+    let read_share = |thread: usize| -> Result<(), (usize, std::io::Error)> {
+        let mine = || (thread..reads.len()).step_by(threads);
+        let Some(largest) = mine().map(|i| reads[i].len).max() else { return Ok(()) };
+        let mut buf = AlignedBuf::new(largest);
+        for i in mine() {
+            if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+                return Err((i, deadline_passed()));
+            }
+            let read = &reads[i];
+            let slice = &mut buf.as_mut_slice()[..read.len];
+            read.counters.in_flight.inc();
+            let started = Instant::now();
+            let result = read_blocks(read.file, read.offset, slice, read.needed);
+            read.counters.in_flight.dec();
+            read.counters.read_seconds.observe(started.elapsed().as_secs_f64());
+            let filled = result.map_err(|e| (i, e))?;
+            read.counters.bytes_read.inc_by(read.len as u64);
+            land(i, &slice[..filled]);
+        }
+        Ok(())
+    };
+    if threads == 1 {
+        return read_share(0);
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads).map(|thread| scope.spawn(move || read_share(thread))).collect();
+        // Every thread is joined before the first failure is returned.
+        let results: Vec<_> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err((0, std::io::Error::other("a disk reader panicked")))))
+            .collect();
+        results.into_iter().collect()
+    })
+}
+
+/// Why reads stopped when every caller of their batch had left.
+pub fn deadline_passed() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "every caller's deadline passed before its rows were read",
+    )
+}
+
+/// The error of a read that found the file shorter than its rows.
+pub fn cut_short(needed: usize, offset: u64, got: usize) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        format!("{needed} bytes at offset {offset} hold only {got} (the file was cut short)"),
+    )
+}
+
 /// Reads `buf.len()` bytes (whole blocks, `buf` block-aligned) of `file`
 /// from `offset`, of which at least `needed` must exist (the last block may
 /// pass the end of the file; a file cut shorter than the rows fails).
-pub fn read_blocks(file: &File, offset: u64, buf: &mut [u8], needed: usize) -> std::io::Result<()> {
+/// Returns the bytes read.
+pub fn read_blocks(file: &File, offset: u64, buf: &mut [u8], needed: usize) -> std::io::Result<usize> {
     let mut filled = 0;
     while filled < buf.len() {
         match file.read_at(&mut buf[filled..], offset + filled as u64) {
@@ -96,12 +174,9 @@ pub fn read_blocks(file: &File, offset: u64, buf: &mut [u8], needed: usize) -> s
         }
     }
     if filled < needed {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::UnexpectedEof,
-            format!("{needed} bytes at offset {offset} hold only {filled} (the file was cut short)"),
-        ));
+        return Err(cut_short(needed, offset, filled));
     }
-    Ok(())
+    Ok(filled)
 }
 
 #[cfg(test)]

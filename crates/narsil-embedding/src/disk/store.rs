@@ -10,20 +10,43 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::reads::{plan, read_blocks, AlignedBuf, Read, BLOCK};
+use super::reads::{plan, read_blocks, read_on_threads, AlignedBuf, BlockRead, Read, BLOCK};
+use super::uring;
+use crate::metrics::DiskCounters;
 use crate::row_cache::RowCache;
 use crate::schema::{SplitSchema, TableSpec};
 use crate::store::{FetchError, Fetched, RowStore};
 use crate::table::{checked_file, TableError};
 use crate::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 
-/// `--table-store disk`.
+/// `--table-store disk[:io_uring|:threads]`.
 pub const STORE: StoreKind = StoreKind {
-    syntax: "disk",
+    syntax: "disk[:io_uring|:threads]",
     parse: |text| {
-        (text == "disk").then(|| Ok(TableStore::new(DiskStore::new(crate::redis::DEFAULT_CACHE_BYTES))))
+        let how = text.strip_prefix("disk")?;
+        let reads = match how {
+            "" => Reads::Auto,
+            ":io_uring" => Reads::IoUring,
+            ":threads" => Reads::Threads,
+            _ => {
+                return Some(Err(format!(
+                    "`{text}`: the disk store reads with `disk:io_uring` or `disk:threads`"
+                )))
+            }
+        };
+        Some(Ok(TableStore::new(DiskStore::new(crate::redis::DEFAULT_CACHE_BYTES, reads))))
     },
 };
+
+/// How the store reads: io_uring where the kernel allows it (`Auto`, the
+/// default, falls back to threads elsewhere, saying so once), or one or
+/// the other only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reads {
+    Auto,
+    IoUring,
+    Threads,
+}
 
 /// Most bytes one direct read covers (rows whose blocks touch are read
 /// together up to this).
@@ -38,6 +61,7 @@ const READERS: usize = 16;
 pub struct DiskStore {
     cache: Option<Arc<RowCache>>,
     cache_bytes: u64,
+    reads: Reads,
     /// By file identity: a file hard-linked into several model versions is
     /// one table in the cache.
     tables: Mutex<HashMap<FileIdentity, u32>>,
@@ -45,10 +69,27 @@ pub struct DiskStore {
 
 impl DiskStore {
     /// The store with a row cache of `cache_bytes` (0: every row from the
-    /// disk).
-    pub fn new(cache_bytes: u64) -> Self {
+    /// disk), reading as `reads` says.
+    pub fn new(cache_bytes: u64, reads: Reads) -> Self {
         let cache = (cache_bytes > 0).then(|| Arc::new(RowCache::new(cache_bytes)));
-        Self { cache, cache_bytes, tables: Mutex::new(HashMap::new()) }
+        Self { cache, cache_bytes, reads, tables: Mutex::new(HashMap::new()) }
+    }
+
+    /// Whether reads go through io_uring: an error where they must and the
+    /// kernel refuses.
+    fn uses_io_uring(&self) -> std::io::Result<bool> {
+        match (self.reads, uring::available()) {
+            (Reads::Threads, _) => Ok(false),
+            (_, Ok(())) => Ok(true),
+            (Reads::IoUring, Err(why)) => {
+                Err(std::io::Error::other(format!("{why} (--table-store disk:io_uring)")))
+            }
+            (Reads::Auto, Err(why)) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| tracing::warn!("disk store: {why}; reading with threads instead"));
+                Ok(false)
+            }
+        }
     }
 
     /// The cache's number for the table `spec` in `file`.
@@ -88,7 +129,12 @@ impl fmt::Debug for DiskStore {
 
 impl fmt::Display for DiskStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "disk (row cache {} MiB)", self.cache_bytes >> 20)
+        let reads = match self.reads {
+            Reads::Auto => "io_uring where allowed, else threads",
+            Reads::IoUring => "io_uring",
+            Reads::Threads => "threads",
+        };
+        write!(f, "disk (row cache {} MiB, reads on {reads})", self.cache_bytes >> 20)
     }
 }
 
@@ -112,7 +158,7 @@ impl StoreConfig for DiskStore {
 
     /// Takes `--table-cache-bytes`.
     fn with_flags(&self, flags: &StoreFlags) -> Option<TableStore> {
-        Some(TableStore::new(DiskStore::new(flags.cache_bytes)))
+        Some(TableStore::new(DiskStore::new(flags.cache_bytes, self.reads)))
     }
 }
 
@@ -124,6 +170,7 @@ pub struct DiskRows {
     cache: Option<Arc<RowCache>>,
     /// The table's number in the cache.
     key: u32,
+    io_uring: bool,
 }
 
 impl DiskRows {
@@ -144,7 +191,15 @@ impl DiskRows {
         let needed = (spec.row_bytes as u64).min(spec.rows * spec.row_bytes as u64) as usize;
         read_blocks(&file, 0, AlignedBuf::new(BLOCK as usize).as_mut_slice(), needed)?;
         let key = store.table_key(&file, spec)?;
-        Ok(Self { file, path: path.to_owned(), row_bytes: spec.row_bytes, cache: store.cache.clone(), key })
+        let io_uring = store.uses_io_uring()?;
+        Ok(Self {
+            file,
+            path: path.to_owned(),
+            row_bytes: spec.row_bytes,
+            cache: store.cache.clone(),
+            key,
+            io_uring,
+        })
     }
 }
 
@@ -156,6 +211,8 @@ pub struct DiskFetch<'a> {
     pub ids: &'a [i64],
     /// Where row `i` goes: `out[i * row_bytes..]`.
     pub out: &'a mut [u8],
+    /// Where its reads are counted.
+    pub counters: &'a DiskCounters,
 }
 
 /// A part's cache misses, sorted by offset, and the reads that cover them.
@@ -167,12 +224,16 @@ struct Misses {
 }
 
 /// Copies every part's rows into its `out`: rows in the row cache from
-/// there, the rest read from the disk, every table's reads at once on up to
-/// [`READERS`] threads (so that many are in flight on the disk), then kept
-/// in the cache. Returns what each part fetched, or the failure of the
-/// first part whose file could not be read (its index and the error, which
-/// names the file).
-pub fn fetch_tables(parts: &mut [DiskFetch<'_>]) -> Result<Vec<Fetched>, (usize, FetchError)> {
+/// there, the rest read from the disk, every table's reads at once (on
+/// this thread's io_uring, or on up to [`READERS`] threads), then kept in
+/// the cache; no read starts once `deadline` (the last of the batch's
+/// callers') has passed. Returns what each part fetched, or the failure of
+/// the first part whose file could not be read (its index and the error,
+/// which names the file).
+pub fn fetch_tables(
+    parts: &mut [DiskFetch<'_>],
+    deadline: Option<Instant>,
+) -> Result<Vec<Fetched>, (usize, FetchError)> {
     let mut fetched = Vec::with_capacity(parts.len());
     let mut misses = Vec::with_capacity(parts.len());
     for part in parts.iter_mut() {
@@ -190,62 +251,48 @@ pub fn fetch_tables(parts: &mut [DiskFetch<'_>]) -> Result<Vec<Fetched>, (usize,
         let reads = plan(&offsets, row_bytes, MAX_READ.max(row_bytes));
         misses.push(Misses { rows, offsets, reads });
     }
-    let jobs: Vec<(usize, usize)> =
-        misses.iter().enumerate().flat_map(|(p, m)| (0..m.reads.len()).map(move |r| (p, r))).collect();
-    // One aligned block for every read of the batch, cut into one slice
-    // per read (read `j`'s at `starts[j]`): the reader threads allocate
-    // nothing.
-    let len = |&(p, r): &(usize, usize)| misses[p].reads[r].len;
-    let mut block = AlignedBuf::new(jobs.iter().map(len).sum());
-    let readers = READERS.min(jobs.len()).max(1);
-    let mut buckets: Vec<Vec<(usize, &mut [u8])>> = (0..readers).map(|_| Vec::new()).collect();
-    let (mut starts, mut at) = (Vec::with_capacity(jobs.len()), 0);
-    let mut rest = block.as_mut_slice();
-    for (j, job) in jobs.iter().enumerate() {
-        starts.push(at);
-        at += len(job);
-        let (slice, tail) = std::mem::take(&mut rest).split_at_mut(len(job));
-        buckets[j % readers].push((j, slice));
-        rest = tail;
+    let (mut reads, mut owners) = (Vec::new(), Vec::new());
+    for (p, (part, m)) in parts.iter().zip(&misses).enumerate() {
+        for (r, read) in m.reads.iter().enumerate() {
+            let needed = m.offsets[read.rows.end - 1] + part.rows.row_bytes as u64 - read.offset;
+            let (file, counters) = (&part.rows.file, part.counters);
+            reads.push(BlockRead {
+                file,
+                offset: read.offset,
+                len: read.len,
+                needed: needed as usize,
+                counters,
+            });
+            owners.push((p, r));
+        }
     }
     let tables: Vec<&DiskRows> = parts.iter().map(|part| part.rows).collect();
-    let read_bucket = |bucket: Vec<(usize, &mut [u8])>| -> Result<(), (usize, FetchError)> {
-        for (j, slice) in bucket {
-            let (p, r) = jobs[j];
-            let (table, m) = (tables[p], &misses[p]);
-            let read = &m.reads[r];
-            let needed = m.offsets[read.rows.end - 1] + table.row_bytes as u64 - read.offset;
-            read_blocks(&table.file, read.offset, slice, needed as usize)
-                .map_err(|e| (p, FetchError(format!("reading {}: {e}", table.path.display()))))?;
-        }
-        Ok(())
-    };
-    if readers == 1 {
-        buckets.into_iter().try_for_each(read_bucket)?;
-    } else {
-        std::thread::scope(|scope| {
-            let threads: Vec<_> =
-                buckets.into_iter().map(|bucket| scope.spawn(move || read_bucket(bucket))).collect();
-            threads.into_iter().try_for_each(|thread| {
-                thread.join().unwrap_or_else(|_| Err((0, FetchError("a disk reader panicked".into()))))
-            })
-        })?;
-    }
-    for (j, &(p, r)) in jobs.iter().enumerate() {
-        let (m, part) = (&misses[p], &mut parts[p]);
-        let (table, row_bytes) = (part.rows, part.rows.row_bytes);
-        let read = &m.reads[r];
-        let buf = &block.as_slice()[starts[j]..starts[j] + read.len];
+    let outs: Vec<Mutex<&mut [u8]>> = parts.iter_mut().map(|part| Mutex::new(&mut *part.out)).collect();
+    // Copies a read's rows out and keeps them in the cache.
+    let land = |j: usize, bytes: &[u8]| {
+        let (p, r) = owners[j];
+        let (table, m) = (tables[p], &misses[p]);
+        let (read, row_bytes) = (&m.reads[r], table.row_bytes);
+        let mut out = outs[p].lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         for i in read.rows.clone() {
             let (place, id) = m.rows[i];
             let at = (m.offsets[i] - read.offset) as usize;
-            let row = &buf[at..at + row_bytes];
-            part.out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(row);
+            let row = &bytes[at..at + row_bytes];
+            out[place * row_bytes..(place + 1) * row_bytes].copy_from_slice(row);
             if let Some(cache) = &table.cache {
                 cache.insert(table.key, id as u64, row);
             }
         }
-    }
+    };
+    let done = if tables.first().is_some_and(|table| table.io_uring) {
+        uring::read_all(&reads, deadline, land)
+    } else {
+        read_on_threads(&reads, READERS, deadline, land)
+    };
+    done.map_err(|(j, e)| {
+        let p = owners.get(j).map_or(0, |&(p, _)| p);
+        (p, FetchError(format!("reading {}: {e}", tables[p].path.display())))
+    })?;
     Ok(fetched)
 }
 
@@ -263,11 +310,12 @@ impl RowStore for DiskRows {
         ids: &[i64],
         row_bytes: usize,
         out: &mut [u8],
-        _deadline: Option<Instant>,
+        deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
         debug_assert_eq!(row_bytes, self.row_bytes);
-        let mut parts = [DiskFetch { rows: self, ids, out }];
-        let fetched = fetch_tables(&mut parts).map_err(|(_, error)| error)?;
+        let counters = DiskCounters::default();
+        let mut parts = [DiskFetch { rows: self, ids, out, counters: &counters }];
+        let fetched = fetch_tables(&mut parts, deadline).map_err(|(_, error)| error)?;
         Ok(fetched[0])
     }
 
@@ -313,6 +361,17 @@ mod tests {
         Some((dir, spec))
     }
 
+    /// Both ways of reading, io_uring only where this kernel allows it.
+    fn both_reads(test: &str) -> Vec<Reads> {
+        match uring::available() {
+            Ok(()) => vec![Reads::IoUring, Reads::Threads],
+            Err(why) => {
+                eprintln!("skipped: {test} with io_uring: {why}");
+                vec![Reads::Threads]
+            }
+        }
+    }
+
     fn fetch(rows: &DiskRows, ids: &[i64]) -> (Vec<u8>, Fetched) {
         let mut out = vec![0u8; ids.len() * 80];
         let fetched = rows.fetch(ids, 80, &mut out, None).unwrap();
@@ -326,37 +385,73 @@ mod tests {
     #[test]
     fn rows_read_from_disk_and_from_the_cache_are_the_files_rows() {
         let Some((dir, spec)) = table_file(10_000) else { return };
-        let store = DiskStore::new(200 * (80 + 16));
-        let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
-        let ids: Vec<i64> = (0..500).map(|i| (i * 7919) % 10_000).rev().collect();
-        let (out, fetched) = fetch(&rows, &ids);
-        assert_eq!(out, expected(&ids));
-        assert_eq!(fetched.cached, 0);
-        // A cache of 200 rows keeps some of them; the rows are the same.
-        let (again, fetched) = fetch(&rows, &ids);
-        assert_eq!(again, expected(&ids));
-        assert!(fetched.cached > 0 && fetched.cached <= 200, "{fetched:?}");
-        // The last row, whose block passes the end of the file.
-        assert_eq!(fetch(&rows, &[9_999]).0, expected(&[9_999]));
+        for reads in both_reads("rows_read_from_disk_and_from_the_cache_are_the_files_rows") {
+            let store = DiskStore::new(200 * (80 + 16), reads);
+            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+            let ids: Vec<i64> = (0..500).map(|i| (i * 7919) % 10_000).rev().collect();
+            let (out, fetched) = fetch(&rows, &ids);
+            assert_eq!(out, expected(&ids), "{reads:?}");
+            assert_eq!(fetched.cached, 0);
+            // A cache of 200 rows keeps some of them; the rows are the same.
+            let (again, fetched) = fetch(&rows, &ids);
+            assert_eq!(again, expected(&ids), "{reads:?}");
+            assert!(fetched.cached > 0 && fetched.cached <= 200, "{fetched:?}");
+            // The last row, whose block passes the end of the file.
+            assert_eq!(fetch(&rows, &[9_999]).0, expected(&[9_999]), "{reads:?}");
+        }
+    }
+
+    #[test]
+    fn a_batch_s_reads_are_counted_in_whole_blocks_and_none_stay_in_flight() {
+        let Some((dir, spec)) = table_file(10_000) else { return };
+        for reads in both_reads("a_batch_s_reads_are_counted_in_whole_blocks_and_none_stay_in_flight") {
+            let store = DiskStore::new(0, reads);
+            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+            let counters = DiskCounters::default();
+            // Rows 0 and 1 share block 0; row 5,000 (byte 400,000) is in block 97.
+            let ids = [0, 1, 5_000];
+            let mut out = vec![0u8; ids.len() * 80];
+            fetch_tables(
+                &mut [DiskFetch { rows: &rows, ids: &ids, out: &mut out, counters: &counters }],
+                None,
+            )
+            .unwrap();
+            assert_eq!(out, expected(&ids), "{reads:?}");
+            assert_eq!(counters.bytes_read.get(), 2 * BLOCK, "{reads:?}");
+            assert_eq!(counters.in_flight.get(), 0);
+        }
     }
 
     #[test]
     fn a_file_cut_short_after_opening_fails_the_fetch_naming_the_file() {
+        for reads in both_reads("a_file_cut_short_after_opening_fails_the_fetch_naming_the_file") {
+            let Some((dir, spec)) = table_file(1_000) else { return };
+            let path = dir.path().join("t.bin");
+            let rows = DiskRows::open(&path, &spec, &DiskStore::new(0, reads)).unwrap();
+            std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(40_000).unwrap();
+            let mut out = vec![0u8; 80];
+            let error = rows.fetch(&[900], 80, &mut out, None).unwrap_err();
+            assert!(error.0.contains("t.bin") && error.0.contains("cut short"), "{reads:?}: {error}");
+            assert_eq!(fetch(&rows, &[10]).0, expected(&[10]), "rows before the cut still read");
+        }
+    }
+
+    #[test]
+    fn a_batch_whose_callers_all_left_reads_nothing_and_fails_as_a_deadline() {
         let Some((dir, spec)) = table_file(1_000) else { return };
-        let path = dir.path().join("t.bin");
-        let rows = DiskRows::open(&path, &spec, &DiskStore::new(0)).unwrap();
-        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(40_000).unwrap();
-        let mut out = vec![0u8; 80];
-        let error = rows.fetch(&[900], 80, &mut out, None).unwrap_err();
-        assert!(error.0.contains("t.bin") && error.0.contains("cut short"), "{error}");
-        assert_eq!(fetch(&rows, &[10]).0, expected(&[10]), "rows before the cut still read");
+        for reads in both_reads("a_batch_whose_callers_all_left_reads_nothing_and_fails_as_a_deadline") {
+            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &DiskStore::new(0, reads)).unwrap();
+            let mut out = vec![7u8; 80];
+            let error = rows.fetch(&[5], 80, &mut out, Some(Instant::now())).unwrap_err();
+            assert!(error.0.contains("t.bin") && error.0.contains("deadline passed"), "{reads:?}: {error}");
+        }
     }
 
     #[test]
     fn tables_hard_linked_into_two_versions_share_their_cache_number_until_written() {
         let Some((dir, spec)) = table_file(100) else { return };
         std::fs::hard_link(dir.path().join("t.bin"), dir.path().join("u.bin")).unwrap();
-        let store = DiskStore::new(1 << 20);
+        let store = DiskStore::new(1 << 20, Reads::Auto);
         let a = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
         let b = DiskRows::open(&dir.path().join("u.bin"), &spec, &store).unwrap();
         assert_eq!(a.key, b.key);
