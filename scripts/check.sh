@@ -14,6 +14,9 @@ cargo fmt --all --check || die "formatting differs: run cargo fmt --all"
 use_project_torch
 step "cargo clippy (workspace, all targets, --features torch, warnings are errors)"
 cargo clippy --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked -- -D warnings
-step "building the pure-Rust binary (no torch feature)"
-cargo build --bin narsil -j "${NARSIL_BUILD_JOBS}" --locked
+# NARSIL_PURE_RUST_PROFILE=image (as CI sets it) builds it as the small
+# container image's binary, which scripts/build_images.sh then finds built.
+profile="${NARSIL_PURE_RUST_PROFILE:-dev}"
+step "building the pure-Rust binary (no torch feature, --profile $profile)"
+cargo build --bin narsil --profile "$profile" -j "${NARSIL_BUILD_JOBS}" --locked
 step "all checks passed"
