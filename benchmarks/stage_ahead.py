@@ -46,7 +46,7 @@ def serve_and_load(args, core, lanes, load_core, stage_ahead, ids):
              "--lanes", str(lanes), "--max-batch-requests", str(args.batch_size), "--log-level", "warn",
              "--table-store", args.table_store]
     serve += ["--max-forward-threads", "1"] if core is not None else []
-    serve += ["--stage-ahead"] if stage_ahead else []
+    serve += ["--stage-ahead", "on" if stage_ahead else "off"]
     server = subprocess.Popen(pinned(serve, core), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_serving(args.binary, addr, server)

@@ -22,6 +22,20 @@ fn execution_mode() -> impl clap::builder::TypedValueParser<Value = ExecutionMod
     PossibleValuesParser::new(names).map(|name| name.parse::<ExecutionMode>().expect("a listed mode"))
 }
 
+/// Whether each lane's embedding stage runs one batch ahead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StageAhead {
+    /// Ahead where the table store's fetches wait on the disk (`disk`),
+    /// on the lane otherwise.
+    Auto,
+    /// Always ahead.
+    #[value(alias = "true")]
+    On,
+    /// Always on the lane.
+    #[value(alias = "false")]
+    Off,
+}
+
 /// Out-of-range sparse id handling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum IdPolicyArg {
@@ -137,11 +151,14 @@ pub struct ServeArgs {
     pub drain_grace_secs: f64,
     /// Split models on the torch backend: run each lane's embedding stage
     /// (dedup, row fetches, pooling) one batch ahead, on a stage thread of
-    /// its own, while the lane runs the previous batch's dense network. Helps where fetches
-    /// wait (a Redis store, tables read from disk); costs where the stage
-    /// only computes and every core is busy (docs/guide/split-models.md).
-    #[arg(long, env = "NARSIL_STAGE_AHEAD")]
-    pub stage_ahead: bool,
+    /// its own, while the lane runs the previous batch's dense network.
+    /// Helps where fetches wait (tables read from disk, a Redis Cluster on
+    /// other machines); costs where the stage only computes and every core
+    /// is busy (docs/guide/split-models.md). `auto`: ahead for the `disk`
+    /// store only; `--stage-ahead` alone means `on`.
+    #[arg(long, env = "NARSIL_STAGE_AHEAD", value_enum, default_value_t = StageAhead::Auto,
+          num_args = 0..=1, default_missing_value = "on")]
+    pub stage_ahead: StageAhead,
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
@@ -171,7 +188,11 @@ impl ServeArgs {
             max_batch_rows: self.max_batch_rows,
             unhealthy_after_failures: self.unhealthy_after_failures,
             health_probe_interval: Duration::from_secs(1),
-            stage_ahead: self.stage_ahead,
+            stage_ahead: match self.stage_ahead {
+                StageAhead::On => true,
+                StageAhead::Off => false,
+                StageAhead::Auto => self.backend.table_store.fetches_wait(),
+            },
             batch_timeout: Duration::from_secs_f64(self.batch_timeout_ms / 1e3),
             lanes: self.lanes,
             max_forward_threads: self
@@ -288,6 +309,17 @@ mod tests {
         assert_eq!(config.mode, ExecutionMode::Batch);
         assert_eq!(config.max_batch_requests, 16);
         assert_eq!(config.batch_timeout, Duration::ZERO);
+    }
+
+    #[test]
+    fn the_stage_runs_ahead_by_default_only_for_the_disk_store_and_as_told_otherwise() {
+        let ahead = |args: &[&str]| serve(args).engine_config().unwrap().stage_ahead;
+        assert!(!ahead(&[]));
+        assert!(ahead(&["--table-store", "disk"]));
+        assert!(!ahead(&["--table-store", "mmap"]));
+        assert!(!ahead(&["--table-store", "disk", "--stage-ahead", "off"]));
+        assert!(ahead(&["--stage-ahead", "--table-store", "memory"]), "the flag alone means on");
+        assert!(ahead(&["--stage-ahead", "true"]));
     }
 
     #[test]

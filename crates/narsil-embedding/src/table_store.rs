@@ -77,6 +77,13 @@ pub trait StoreConfig: fmt::Debug + fmt::Display + Send + Sync + 'static {
     fn with_flags(&self, _flags: &StoreFlags) -> Option<TableStore> {
         None
     }
+
+    /// Whether a batch's fetch mostly waits (on the disk), so that running
+    /// the embedding stage one batch ahead fills the wait with the previous
+    /// batch's dense network: what `narsil serve --stage-ahead auto` asks.
+    fn fetches_wait(&self) -> bool {
+        false
+    }
 }
 
 /// A chosen table store. Parsed from `--table-store` (`"mmap".parse()`),
@@ -126,6 +133,11 @@ impl TableStore {
     /// it).
     pub fn with_flags(&self, flags: &StoreFlags) -> Self {
         self.config().with_flags(flags).unwrap_or_else(|| self.clone())
+    }
+
+    /// See [`StoreConfig::fetches_wait`].
+    pub fn fetches_wait(&self) -> bool {
+        self.config().fetches_wait()
     }
 }
 
