@@ -27,6 +27,9 @@ pub const DEPTH: usize = 128;
 /// Most bytes of buffers in flight at once (one read at a time may pass it).
 const MAX_BYTES_IN_FLIGHT: usize = 8 << 20;
 
+/// The largest buffer a slot keeps between its reads.
+const KEPT_BUFFER: usize = 16 << 10;
+
 thread_local! {
     static RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
 }
@@ -54,13 +57,14 @@ pub fn read_all(
         if ring.is_none() {
             *ring = Some(IoUring::new(DEPTH as u32).map_err(|e| (0, e))?);
         }
-        let mut flight = Flight { ring: ring.as_mut().expect("made above"), slots: Vec::new(), count: 0 };
+        let ring = ring.as_mut().expect("made above");
+        let mut flight = Flight { ring, slots: Vec::new(), free: Vec::new(), count: 0 };
         flight.run(reads, deadline, &mut land)
     })
 }
 
-/// A read in flight: which one, since when, and the buffer the kernel
-/// writes.
+/// A place for one read in flight: which read, since when, and the buffer
+/// the kernel writes (kept for the slot's next read).
 struct Slot {
     read: usize,
     submitted: Instant,
@@ -72,7 +76,9 @@ struct Slot {
 /// a panic included) first waits for every read in flight.
 struct Flight<'r> {
     ring: &'r mut IoUring,
-    slots: Vec<Option<Slot>>,
+    slots: Vec<Slot>,
+    /// Slots with no read in flight.
+    free: Vec<usize>,
     count: usize,
 }
 
@@ -94,32 +100,34 @@ impl Flight<'_> {
                 && (self.count == 0 || bytes + reads[next].len <= MAX_BYTES_IN_FLIGHT)
             {
                 let read = &reads[next];
-                let slot = match self.slots.iter().position(Option::is_none) {
-                    Some(slot) => slot,
-                    None => {
-                        self.slots.push(None);
-                        self.slots.len() - 1
-                    }
-                };
-                let mut buf = AlignedBuf::new(read.len);
+                let slot = self.free.pop().unwrap_or_else(|| {
+                    let buf = AlignedBuf::new(read.len);
+                    self.slots.push(Slot { read: next, submitted: Instant::now(), buf });
+                    self.slots.len() - 1
+                });
+                let place = &mut self.slots[slot];
+                if place.buf.as_slice().len() < read.len {
+                    place.buf = AlignedBuf::new(read.len);
+                }
+                (place.read, place.submitted) = (next, Instant::now());
                 let entry = opcode::Read::new(
                     types::Fd(read.file.as_raw_fd()),
-                    buf.as_mut_slice().as_mut_ptr(),
+                    place.buf.as_mut_slice().as_mut_ptr(),
                     read.len as u32,
                 )
                 .offset(read.offset)
                 .build()
                 .user_data(slot as u64);
                 // SAFETY: the buffer (a heap block, which does not move when
-                // its `AlignedBuf` moves into the slot) and the file (borrowed
-                // for the whole call) outlive the read: the slot keeps the
-                // buffer until the read's completion is reaped, and `Flight`
-                // reaps every read in flight before it is dropped. The queue
+                // the slots' vector grows) and the file (borrowed for the
+                // whole call) outlive the read: a slot's buffer is neither
+                // replaced nor freed while its read is in flight (the slot
+                // is off the free list until its completion is reaped), and
+                // `Flight` reaps every read in flight before it is dropped. The queue
                 // has room: at most DEPTH reads are in flight on a ring of
                 // DEPTH entries, and each is submitted before the next wait.
                 unsafe { self.ring.submission().push(&entry) }.expect("the submission queue has room");
                 read.counters.in_flight.inc();
-                self.slots[slot] = Some(Slot { read: next, submitted: Instant::now(), buf });
                 self.count += 1;
                 bytes += read.len;
                 next += 1;
@@ -137,8 +145,8 @@ impl Flight<'_> {
             let done: Vec<(usize, i32)> =
                 self.ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect();
             for (slot, result) in done {
-                let Slot { read: i, submitted, buf } =
-                    self.slots[slot].take().expect("a completion for a read in flight");
+                self.free.push(slot);
+                let Slot { read: i, submitted, ref buf } = self.slots[slot];
                 let read = &reads[i];
                 self.count -= 1;
                 bytes -= read.len;
@@ -155,6 +163,12 @@ impl Flight<'_> {
                         read.counters.bytes_read.inc_by(read.len as u64);
                         land(i, &buf.as_slice()[..n.min(read.len)]);
                     }
+                }
+                // A slot keeps a small buffer for its next read, not a large
+                // one: the buffers stay within MAX_BYTES_IN_FLIGHT plus
+                // DEPTH small ones.
+                if self.slots[slot].buf.as_slice().len() > KEPT_BUFFER {
+                    self.slots[slot].buf = AlignedBuf::new(KEPT_BUFFER);
                 }
             }
         }
