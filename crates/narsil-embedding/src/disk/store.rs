@@ -43,8 +43,11 @@ pub const STORE: StoreKind = StoreKind {
 /// the other only.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reads {
+    /// `disk`: io_uring, or threads where the kernel refuses rings.
     Auto,
+    /// `disk:io_uring`: io_uring or a load error.
     IoUring,
+    /// `disk:threads`: a pool of `pread` threads.
     Threads,
 }
 
