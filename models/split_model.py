@@ -208,13 +208,29 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     log(f"wrote the split model {out} (dense network, schema, golden scores equal to the single-file model's)")
 
 
-# /proc/cpuinfo flags each of Inductor's x86 vector ISAs compiles for
-# (cpu_vec_isa.py's arch flags); a package records the ones it needs.
-ISA_CPU_FLAGS = {
-    "avx2": ["avx2", "fma"],
-    "avx512": ["avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"],
-    "amx": ["avx512f", "avx512dq", "avx512vl", "avx512bw", "fma", "amx_tile", "amx_bf16"],
+# /proc/cpuinfo's name for each x86 compiler flag Inductor's vector ISAs
+# compile with (cpu_vec_isa.py's build_arch_flags); a package records the
+# CPU flags its kernels need, read from the flags it was compiled with.
+GCC_FLAG_CPU_FLAGS = {
+    "-mavx2": "avx2", "-mfma": "fma", "-mf16c": "f16c",
+    "-mavx512f": "avx512f", "-mavx512dq": "avx512dq", "-mavx512vl": "avx512vl", "-mavx512bw": "avx512bw",
+    "-mavx512vnni": "avx512_vnni", "-mavx512bf16": "avx512_bf16", "-mavx512fp16": "avx512_fp16",
+    "-mamx-tile": "amx_tile", "-mamx-bf16": "amx_bf16", "-mamx-int8": "amx_int8", "-mamx-fp16": "amx_fp16",
 }
+
+
+def isa_cpu_flags(arch_flags: str) -> List[str]:
+    """The /proc/cpuinfo flags a package compiled with `arch_flags` (an
+    Inductor vector ISA's compiler flags) needs, in order, once each."""
+    flags = []
+    for gcc_flag in arch_flags.split():
+        cpu_flag = GCC_FLAG_CPU_FLAGS.get(gcc_flag)
+        if cpu_flag is None:
+            raise SystemExit(f"dense.pt2: no known CPU flag for Inductor's compiler flag {gcc_flag!r} "
+                             f"(in {arch_flags!r}); add it to split_model.GCC_FLAG_CPU_FLAGS")
+        if cpu_flag not in flags:
+            flags.append(cpu_flag)
+    return flags
 
 
 def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> str:
@@ -228,10 +244,9 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     from torch._inductor import aoti_compile_and_package, aoti_load_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    isa = str(pick_vec_isa())
-    flags = ISA_CPU_FLAGS.get(isa)
-    if flags is None:
-        raise SystemExit(f"dense.pt2: no known CPU flags for Inductor's vector ISA {isa!r}")
+    vec_isa = pick_vec_isa()
+    isa = str(vec_isa)
+    flags = isa_cpu_flags(vec_isa.build_arch_flags())
     started = time.time()
     rows = torch.export.Dim("rows", min=1, max=1 << 20)
     example = (torch.randn(8, num_dense), torch.randn(8, pooled_width))
