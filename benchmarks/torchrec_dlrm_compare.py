@@ -17,8 +17,8 @@ and skewed (Zipf) traffic, whose hot ids repeat within and across requests:
   * with --split-model DIR: Narsil split fp32 / bf16 - the same weights in
     the split form (tables served by Narsil's embedding stage,
     --split-table-store), each also with the stage one batch ahead
-    (`--stage-ahead`), and Narsil split pt2 fp32 (`--dense-form pt2`) when
-    DIR has a dense.pt2
+    (`--stage-ahead`), and Narsil split pt2 fp32 / bf16 (`--dense-form pt2`)
+    where DIR's schema names an AOTInductor package for the precision
   * with --baselines: Narsil worker fp32, Narsil burn (FP32), and the Python
     baseline (benchmarks/baselines/torchrec_python_server.py)
 
@@ -100,14 +100,16 @@ def servers(args, cores, torchrec_bin):
     if args.split_model:
         split = narsil + ["--backend", "torch", "--model", args.split_model, "--table-store",
                           args.split_table_store, "--execution-mode", "batch"]
+        with open(os.path.join(args.split_model, "schema.json")) as f:
+            schema = json.load(f)
         for precision in args.precisions:
-            out.append((f"Narsil split {precision}", lambda addr, p=precision: split + [
-                "--dense-precision", p, "--addr", addr]))
-            out.append((f"Narsil split {precision} ahead", lambda addr, p=precision: split + [
-                "--dense-precision", p, "--stage-ahead", "--addr", addr]))
-        if os.path.exists(os.path.join(args.split_model, "dense.pt2")):
-            # AOTInductor packages are FP32 (docs/guide/split-models.md).
-            out.append(("Narsil split pt2 fp32", lambda addr: split + ["--dense-form", "pt2", "--addr", addr]))
+            torchscript = split + ["--dense-precision", precision, "--dense-form", "torchscript"]
+            out.append((f"Narsil split {precision}", lambda addr, c=torchscript: c + ["--addr", addr]))
+            out.append((f"Narsil split {precision} ahead", lambda addr, c=torchscript: c + [
+                "--stage-ahead", "--addr", addr]))
+            if schema.get("dense_package" if precision == "fp32" else f"dense_package_{precision}"):
+                out.append((f"Narsil split pt2 {precision}", lambda addr, p=precision: split + [
+                    "--dense-precision", p, "--dense-form", "pt2", "--addr", addr]))
     if torchrec_bin:
         for precision in args.precisions:
             model = torchrec_model(args, precision)

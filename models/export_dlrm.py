@@ -48,7 +48,7 @@ from split_model import DenseNetwork, DlrmPredictor, write_split
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 7
+EXPORT_FORMAT = 8
 
 
 def log(msg: str) -> None:

@@ -13,6 +13,8 @@ A split model is a directory (models/README.md, "Split models"):
                    time by AOTInductor (torch.export, a dynamic row
                    dimension), FP32; its package metadata
                    names the CPU flags its kernels need (narsil_cpu_flags)
+  dense_bf16.pt2   (DLRM exports on CPUs with bf16 instructions) the same,
+                   bf16 weights and inputs, FP32 scores
   dense.safetensors  (DLRM exports) the same layers' FP32 weights by name
                    (dense.{i}.*, over.{i}.*), for the Burn backend
   golden.json      requests, the pooled embeddings FBGEMM computed for the
@@ -25,6 +27,7 @@ dequantizes as `q * scale + bias` in FP32 and bags sum in FP32. Storage
 `fp32` is E little-endian FP32 values per row.
 """
 
+import copy
 import hashlib
 import json
 import shutil
@@ -170,7 +173,14 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     dense_module = DenseNetwork(dlrm, len(keys)).eval()
     dense_network = torch.jit.script(dense_module)
     dense_network.save(str(out / "dense.pt"))
-    package = write_dense_package(out, dense_module, num_dense, len(keys) * dim, log) if pt2 else None
+    packages = {}
+    if pt2:
+        packages["dense_package"] = write_dense_package(out, dense_module, num_dense, len(keys) * dim, log)
+        if cpu_has_bf16():
+            packages["dense_package_bf16"] = write_dense_package(out, dense_module, num_dense, len(keys) * dim, log,
+                                                                 precision="bf16")
+        else:
+            log("dense_bf16.pt2 not compiled: this CPU has no bf16 instructions (AVX512-BF16 or AMX-BF16)")
     from safetensors.torch import save_file
     save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
@@ -181,8 +191,7 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
         "dense_network": "dense.pt",
         "dense_weights": "dense.safetensors",
     }
-    if package:
-        schema["dense_package"] = package
+    schema.update(packages)
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
 
     single = DlrmPredictor(source, keys).eval()
@@ -233,42 +242,105 @@ def isa_cpu_flags(arch_flags: str) -> List[str]:
     return flags
 
 
-def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> str:
+# Inductor settings a package is compiled with, each measured at export on
+# the exporting CPU; the fastest is kept. Freezing (weights folded as
+# constants, GEMMs on prepacked oneDNN weights) measured 0.87-0.93x the
+# defaults' speed on an AVX2 Zen 3 and 1.1-1.8x on an AVX-512 Zen 5
+# (REPORTS.md#aotinductor-dense-networks); max-autotune's C++ GEMM template
+# tunes for the export example's rows and lost 2x at 1,600 rows.
+PACKAGE_SETTINGS = {"Inductor defaults": {}, "freezing": {"freezing": True}}
+# Bound of a bf16 package's scores from the FP32 network's (as Narsil's bf16).
+BF16_PACKAGE_BOUND = 5e-3
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has the bf16 instructions Narsil's bf16 needs."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def forward_ms(package, inputs) -> float:
+    """The fastest of a few timed forwards of `package` on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            package(*inputs)
+            best = float("inf")
+            for _ in range(5):
+                started = time.perf_counter()
+                package(*inputs)
+                best = min(best, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    return best * 1e3
+
+
+def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log,
+                        precision: str = "fp32") -> str:
     """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
     torch.export (a dynamic row dimension) and AOTInductor into
-    `out/dense.pt2` and checks it against
-    the module at 1, 7 and 100 rows. The package is compiled for this CPU's
-    vector ISA without -march=native (so it runs on any CPU with that ISA)
-    and records the CPU flags it needs; compiling needs a C++ compiler
-    (here, at export time only). Returns the file's name."""
+    `out/dense.pt2` (FP32) or, for `precision` "bf16", `out/dense_bf16.pt2`
+    (weights and inputs bf16, scores FP32). Each of PACKAGE_SETTINGS is
+    compiled, checked against the module at 1, 7 and 100 rows (FP32: within
+    1e-5; bf16: within BF16_PACKAGE_BOUND of the FP32 network) and timed at
+    100 and 1,600 rows on one thread; the fastest is kept. The package is
+    compiled for this CPU's vector ISA without -march=native (so it runs on
+    any CPU with that ISA) and records the CPU flags it needs; compiling
+    needs a C++ compiler (here, at export time only). Returns the file's
+    name."""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     vec_isa = pick_vec_isa()
     isa = str(vec_isa)
     flags = isa_cpu_flags(vec_isa.build_arch_flags())
+    name = "dense.pt2" if precision == "fp32" else f"dense_{precision}.pt2"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    module = dense_network if dtype == torch.float32 else copy.deepcopy(dense_network).to(dtype)
+    bound = 1e-5 if dtype == torch.float32 else BF16_PACKAGE_BOUND
     started = time.time()
     rows = torch.export.Dim("rows", min=1, max=1 << 20)
-    example = (torch.randn(8, num_dense), torch.randn(8, pooled_width))
+    example = (torch.randn(8, num_dense, dtype=dtype), torch.randn(8, pooled_width, dtype=dtype))
     with torch.no_grad():
-        program = torch.export.export(dense_network, example, dynamic_shapes=({0: rows}, {0: rows}))
-        # Inductor's defaults measured best on Zen 3 (freezing and max-autotune
-        # were slower: REPORTS.md#aotinductor-dense-networks); no -march=native,
-        # so the package runs on every CPU with the ISA it records.
-        path = aoti_compile_and_package(program, package_path=str(out / "dense.pt2"), inductor_configs={
-            "cpp.march": "",
-            "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(flags), "narsil_vec_isa": isa},
-        })
-    package = aoti_load_package(path)
-    with torch.inference_mode():
-        for batch in (1, 7, 100):
-            inputs = (torch.randn(batch, num_dense), torch.rand(batch, pooled_width))
-            diff = (package(*inputs) - dense_network(*inputs)).abs().max().item()
-            if diff > 1e-5:
-                raise SystemExit(f"dense.pt2 check failed: {diff} from the dense network at {batch} rows")
-    log(f"compiled dense.pt2 with AOTInductor for {isa} in {time.time() - started:.0f} s "
-        "(scores within 1e-5 of the dense network)")
-    return "dense.pt2"
+        program = torch.export.export(module, example, dynamic_shapes=({0: rows}, {0: rows}))
+    timed = {}
+    for label, settings in PACKAGE_SETTINGS.items():
+        candidate = out / f".{label.replace(' ', '_')}-{name}"
+        with torch.no_grad():
+            # No -march=native: the package runs on every CPU with the ISA it records.
+            path = aoti_compile_and_package(program, package_path=str(candidate), inductor_configs={
+                **settings,
+                "cpp.march": "",
+                "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(flags), "narsil_vec_isa": isa,
+                                          "narsil_settings": label},
+            })
+        package = aoti_load_package(path)
+        with torch.inference_mode():
+            for batch in (1, 7, 100):
+                inputs = (torch.randn(batch, num_dense), torch.rand(batch, pooled_width))
+                got = package(*(x.to(dtype) for x in inputs)).float()
+                diff = (got - dense_network(*inputs)).abs().max().item()
+                if diff > bound:
+                    raise SystemExit(f"{name} ({label}) check failed: {diff} from the dense network at {batch} rows")
+        timed[label] = (candidate, [forward_ms(package, (torch.randn(batch, num_dense, dtype=dtype),
+                                                        torch.rand(batch, pooled_width, dtype=dtype)))
+                                    for batch in (100, 1600)])
+        del package
+    best = min(timed, key=lambda label: timed[label][1][0] / 100 + timed[label][1][1] / 1600)
+    for label, (candidate, _) in timed.items():
+        if label == best:
+            candidate.replace(out / name)
+        else:
+            candidate.unlink()
+    measured = "; ".join(f"{label} {ms[0]:.2f} / {ms[1]:.1f} ms" for label, (_, ms) in timed.items())
+    log(f"compiled {name} with AOTInductor for {isa} in {time.time() - started:.0f} s, kept {best} "
+        f"(one thread, 100 / 1,600 rows: {measured}; scores within {bound:g} of the FP32 network)")
+    return name
 
 
 def named_int8_tables(quantized_ebc: nn.Module) -> dict:

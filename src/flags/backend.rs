@@ -47,12 +47,12 @@ pub struct BackendArgs {
     /// torch: precision of the dense arithmetic.
     #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]
     pub dense_precision: DensePrecision,
-    /// torch, split models: the dense network's form. `torchscript` runs
-    /// `dense.pt`; `auto` runs the AOTInductor package (`dense.pt2`) where
-    /// the schema names one, the precision is fp32 and this CPU has the
-    /// instructions it was compiled for, else `dense.pt`; `pt2` requires the
-    /// package.
-    #[arg(long, env = "NARSIL_DENSE_FORM", value_enum, default_value_t = DenseForm::Torchscript)]
+    /// torch, split models: the dense network's form. `auto` runs the
+    /// AOTInductor package the schema names for the precision (`dense.pt2`,
+    /// `dense_bf16.pt2`) where this CPU has the instructions it was compiled
+    /// for, else `dense.pt`; `torchscript` runs `dense.pt`; `pt2` requires
+    /// the package.
+    #[arg(long, env = "NARSIL_DENSE_FORM", value_enum, default_value_t = DenseForm::Auto)]
     pub dense_form: DenseForm,
     /// Split models (a `--model` directory): where their tables live.
     /// `memory` reads them into the process; `mmap` maps their files, so the

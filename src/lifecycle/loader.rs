@@ -59,9 +59,9 @@ pub enum DensePrecision {
 /// A split model's dense network form (torch).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DenseForm {
-    /// The AOTInductor package (`dense.pt2`) where the schema names one, the
-    /// precision is FP32 and this CPU has the instructions it was compiled
-    /// for; TorchScript (`dense.pt`) otherwise.
+    /// The AOTInductor package the schema names for the precision where
+    /// this CPU has the instructions it was compiled for; TorchScript
+    /// (`dense.pt`) otherwise.
     Auto,
     /// The TorchScript dense network.
     Torchscript,

@@ -118,6 +118,10 @@ pub struct SplitSchema {
     /// `.pt2` package, FP32), for the libtorch backend; optional.
     #[serde(default)]
     pub dense_package: Option<PathBuf>,
+    /// The same package compiled with bf16 weights and inputs (FP32
+    /// scores), for `--dense-precision bf16`; optional.
+    #[serde(default)]
+    pub dense_package_bf16: Option<PathBuf>,
     /// The same dense network's FP32 weights by name (safetensors, DLRM
     /// layout: `dense.{i}.*`, `over.{i}.*`), for the Burn backend; optional.
     #[serde(default)]
@@ -181,6 +185,7 @@ impl SplitSchema {
             outputs,
             dense_network: PathBuf::new(),
             dense_package: None,
+            dense_package_bf16: None,
             dense_weights: None,
         }
     }

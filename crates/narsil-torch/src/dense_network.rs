@@ -1,16 +1,18 @@
 //! A split model's dense network in the form the lane runs: the TorchScript
 //! module (`dense.pt`, frozen, FP32 or bf16) or the AOTInductor package
-//! (`dense.pt2`, FP32) the schema names. Both take `forward(dense, pooled)`
+//! the schema names for the precision (`dense.pt2`, FP32;
+//! `dense_bf16.pt2`, bf16). Both take `forward(dense, pooled)`
 //! on CPU tensors the lane borrows and return the scores: one seam, so a
 //! device other than the CPU is one more form, not a change to the lane.
 //!
-//! `--dense-form` chooses: `torchscript` (the default: on an AVX2-only
-//! Zen 3 core the package measured 0.74-1.0x its speed, REPORTS.md
-//! "AOTInductor dense networks") always runs `dense.pt`; `auto` runs the
-//! package when the schema names one, the precision is FP32 and this CPU
-//! has the instructions it was compiled for, and says at load which form it
-//! runs and why; `pt2` requires the package (an error names what is
-//! missing).
+//! `--dense-form` chooses: `auto` (the default) runs the package when the
+//! schema names one for the precision and this CPU has the instructions it
+//! was compiled for, `dense.pt` otherwise, and says at load which form it
+//! runs and why (the exporter keeps the Inductor settings that measured
+//! fastest on its CPU: 1.7-2.1x TorchScript's samples/s in FP32 and
+//! 1.07-1.25x in bf16 on an AVX-512 Zen 5 core, a tie on an AVX2 Zen 3,
+//! REPORTS.md "AOTInductor dense networks"); `torchscript` always runs
+//! `dense.pt`; `pt2` requires the package (an error names what is missing).
 
 use std::fmt;
 use std::path::Path;
@@ -27,9 +29,9 @@ use crate::script_module::{LibtorchError, ScriptModule};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DenseForm {
     /// The package where it can run, else TorchScript.
+    #[default]
     Auto,
     /// TorchScript (`dense.pt`).
-    #[default]
     TorchScript,
     /// The AOTInductor package (`dense.pt2`), required.
     Pt2,
@@ -99,30 +101,46 @@ impl DenseNetwork {
         Ok(Self::TorchScript(loaded.module))
     }
 
-    /// The package file to try, if any.
+    /// The package file to try, if any: the schema's package for
+    /// `precision` (`dense_package` for FP32, `dense_package_bf16` for bf16).
     fn package_to_run<'a>(
         dir: &Path,
         split: &'a SplitSchema,
         form: DenseForm,
         precision: DensePrecision,
     ) -> Result<Option<&'a Path>, BackendError> {
-        let package = split.dense_package.as_deref();
+        let (package, field) = Self::package_for(split, precision);
         match (form, package) {
             (DenseForm::TorchScript, _) => Ok(None),
             (DenseForm::Pt2, None) => Err(BackendError::load(
                 dir.join("schema.json"),
-                "--dense-form pt2, but the schema names no dense_package (export the model again with \
-                 models/export_dlrm.py --split, which compiles dense.pt2)",
+                format!(
+                    "--dense-form pt2 with --dense-precision {precision}, but the schema names no {field} \
+                     (export the model again with models/export_dlrm.py --split, which compiles dense.pt2, and \
+                     dense_bf16.pt2 on a CPU with bf16 instructions)"
+                ),
             )),
-            (DenseForm::Pt2, Some(_)) if precision != DensePrecision::Fp32 => Err(BackendError::load(
-                dir,
-                format!("--dense-form pt2 runs FP32 packages only; --dense-precision {precision} needs --dense-form torchscript or auto"),
-            )),
-            (DenseForm::Auto, Some(_)) if precision != DensePrecision::Fp32 => {
-                tracing::info!(%precision, "the AOTInductor package is FP32: serving the TorchScript dense network");
+            (DenseForm::Auto, None) => {
+                tracing::info!(%precision, "the schema names no {field}: serving the TorchScript dense network");
                 Ok(None)
             }
             (_, package) => Ok(package),
+        }
+    }
+
+    /// The schema's package for `precision`, and the field that names it.
+    fn package_for(split: &SplitSchema, precision: DensePrecision) -> (Option<&Path>, &'static str) {
+        match precision {
+            DensePrecision::Fp32 => (split.dense_package.as_deref(), "dense_package"),
+            DensePrecision::Bf16 => (split.dense_package_bf16.as_deref(), "dense_package_bf16"),
+        }
+    }
+
+    /// The file this network was loaded from.
+    pub fn file<'a>(&self, split: &'a SplitSchema, precision: DensePrecision) -> &'a Path {
+        match self {
+            Self::Package(_) => Self::package_for(split, precision).0.unwrap_or(&split.dense_network),
+            Self::TorchScript(_) => &split.dense_network,
         }
     }
 

@@ -80,7 +80,7 @@ impl TorchConfig {
             dense_precision: DensePrecision::Fp32,
             table_store: narsil_embedding::TableStore::Memory,
             bf16_emulated: false,
-            dense_form: crate::dense_network::DenseForm::TorchScript,
+            dense_form: crate::dense_network::DenseForm::Auto,
         }
     }
 }

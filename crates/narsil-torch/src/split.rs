@@ -27,7 +27,7 @@ use narsil_core::{
 use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
-use crate::dense_network::{DenseForm, DenseNetwork};
+use crate::dense_network::DenseNetwork;
 use crate::device::parse_device;
 use crate::factory::{require_cpu_bf16, TorchConfig};
 use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThreads};
@@ -86,10 +86,7 @@ impl SplitFactory {
         let runners = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
         let dense_network =
             DenseNetwork::load(&dir, &split, config.dense_form, config.dense_precision, runners)?;
-        let network = match (dense_network.form(), &split.dense_package) {
-            (DenseForm::Pt2, Some(package)) => dir.join(package),
-            _ => dir.join(&split.dense_network),
-        };
+        let network = dir.join(dense_network.file(&split, config.dense_precision));
         tracing::info!(
             model = %dir.display(),
             tables_read = opened.read,

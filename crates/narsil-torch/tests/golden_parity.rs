@@ -150,7 +150,9 @@ fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
 /// single-file model in bf16, alone and fused.
 #[test]
 fn bf16_split_model_stays_close_to_fp32_alone_and_fused() {
-    let factory = SplitFactory::load(bf16_config("split")).unwrap();
+    let mut config = bf16_config("split");
+    config.dense_form = DenseForm::TorchScript;
+    let factory = SplitFactory::load(config).unwrap();
     close_to_golden_alone_and_fused("split bf16", &factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE);
 }
 
@@ -200,6 +202,31 @@ fn pt2_dense_network_gives_the_torchscript_scores_alone_and_fused() {
     concurrent_lanes(&pt2, &requests, 3, 3, PT2_TOLERANCE);
 }
 
+/// `--dense-form pt2 --dense-precision bf16`: the bf16 package
+/// (`dense_bf16.pt2`, written where the exporting CPU has bf16
+/// instructions) keeps the bounds of bf16 TorchScript, alone and fused.
+#[test]
+fn bf16_pt2_dense_network_stays_close_to_fp32_alone_and_fused() {
+    let name = "bf16_pt2_dense_network_stays_close_to_fp32_alone_and_fused";
+    let schema = narsil_embedding::SplitSchema::read(&test_model_dir().join("split")).unwrap();
+    if schema.dense_package_bf16.is_none() {
+        eprintln!("skipped: {name}: the test model has no dense_bf16.pt2 (exported on a CPU without bf16 instructions)");
+        return;
+    }
+    let mut config = bf16_config("split");
+    config.dense_form = DenseForm::Pt2;
+    let factory = SplitFactory::load(config).unwrap();
+    close_to_golden_alone_and_fused("pt2 bf16", &factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE);
+}
+
+/// `--dense-form torchscript`: the split model's TorchScript network gives
+/// Python's scores alone and fused.
+#[test]
+fn torchscript_dense_network_matches_python_alone_and_fused() {
+    let torchscript = split_in(DenseForm::TorchScript).unwrap();
+    close_to_golden_alone_and_fused("split torchscript", &torchscript, TOLERANCE, TOLERANCE);
+}
+
 /// A package that is not one fails `--dense-form pt2` naming the file;
 /// `auto` serves the TorchScript network instead. A schema without a
 /// package fails `pt2` naming the schema and the field.
@@ -223,6 +250,10 @@ fn a_corrupt_or_missing_package_fails_pt2_naming_the_file_and_auto_falls_back() 
     fp32.dense_form = DenseForm::Pt2;
     let err = error_chain(&SplitFactory::load(fp32).err().expect("pt2 without a package loaded"));
     assert!(err.contains("schema.json") && err.contains("dense_package"), "{err}");
+    let mut bf16 = bf16_config("split_fp32");
+    bf16.dense_form = DenseForm::Pt2;
+    let err = error_chain(&SplitFactory::load(bf16).err().expect("pt2 bf16 without a bf16 package loaded"));
+    assert!(err.contains("schema.json") && err.contains("dense_package_bf16"), "{err}");
 }
 
 /// A package compiled for instructions this CPU lacks is refused before
