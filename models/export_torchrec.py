@@ -29,7 +29,9 @@ output's scores, computed here with the saved file) and manifest.json; with
 --split also OUT/split, the same model as a split model (its INT8 tables
 apart from its dense network, models/README.md), checked against model.pt's
 golden scores, and OUT/extracted, the split form models/extract_split.py
-makes from model.pt alone.
+makes from model.pt alone; with --pt2 too, OUT/split's dense network is
+also compiled by AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU with
+bf16 instructions).
 """
 
 import argparse
@@ -56,7 +58,7 @@ from extract_split import extract
 from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 3
+EXPORT_FORMAT = 4
 
 
 def log(msg: str) -> None:
@@ -247,7 +249,7 @@ def write_split(out: Path, quantized: nn.Module, args: argparse.Namespace, unwei
 
     log("writing the split model (tables apart from the dense network)")
     write_torchrec_split(out, ebcs, dense_network, unweighted + weighted, f"torchrec-{args.kind}", "1",
-                         args.num_dense, outputs, list(zip(requests, golden)), pooled_of, log)
+                         args.num_dense, outputs, list(zip(requests, golden)), pooled_of, log, pt2=args.pt2)
 
 
 def main() -> int:
@@ -265,6 +267,9 @@ def main() -> int:
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split, "
                         "and the one extracted from model.pt into OUT/extracted")
+    p.add_argument("--pt2", action="store_true",
+                   help="with --split, also compile OUT/split's dense network with AOTInductor (dense.pt2, and "
+                        "dense_bf16.pt2 on a CPU with bf16 instructions; needs a C++ compiler)")
     args = p.parse_args()
     out: Path = args.out
     if args.kind == "multitask" and args.num_sparse < 3:

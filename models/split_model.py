@@ -173,14 +173,7 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     dense_module = DenseNetwork(dlrm, len(keys)).eval()
     dense_network = torch.jit.script(dense_module)
     dense_network.save(str(out / "dense.pt"))
-    packages = {}
-    if pt2:
-        packages["dense_package"] = write_dense_package(out, dense_module, num_dense, len(keys) * dim, log)
-        if cpu_has_bf16():
-            packages["dense_package_bf16"] = write_dense_package(out, dense_module, num_dense, len(keys) * dim, log,
-                                                                 precision="bf16")
-        else:
-            log("dense_bf16.pt2 not compiled: this CPU has no bf16 instructions (AVX512-BF16 or AMX-BF16)")
+    packages = write_dense_packages(out, dense_module, num_dense, len(keys) * dim, log) if pt2 else {}
     from safetensors.torch import save_file
     save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
@@ -343,6 +336,19 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     return name
 
 
+def write_dense_packages(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> dict:
+    """`dense_network`'s AOTInductor packages (write_dense_package): FP32,
+    and bf16 where this CPU has bf16 instructions; the schema's fields
+    naming them."""
+    packages = {"dense_package": write_dense_package(out, dense_network, num_dense, pooled_width, log)}
+    if cpu_has_bf16():
+        packages["dense_package_bf16"] = write_dense_package(out, dense_network, num_dense, pooled_width, log,
+                                                             precision="bf16")
+    else:
+        log("dense_bf16.pt2 not compiled: this CPU has no bf16 instructions (AVX512-BF16 or AMX-BF16)")
+    return packages
+
+
 def named_int8_tables(quantized_ebc: nn.Module) -> dict:
     """Every table of a TorchRec quantized EmbeddingBagCollection as FBGEMM's
     fused INT8 rows (`[rows, row_bytes]` uint8), by table name."""
@@ -376,14 +382,15 @@ class WireOrderPooled(nn.Module):
 
 def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Module, wire_features: List[str],
                          name: str, version: str, num_dense: int, outputs: List[str], golden: list,
-                         pooled_of, log) -> None:
+                         pooled_of, log, pt2: bool = False) -> None:
     """Writes `out` (a split model) from TorchRec quantized
     EmbeddingBagCollections `ebcs` (their tables and feature-to-table
     mapping) and `dense_network` (forward(dense, pooled in the model's
     concatenation order) -> [outputs, B] or [B]). `golden` holds pairs of a
     request and its single-file scores (`outputs` by name); `pooled_of`
     gives a request's dense tensor and its pooled embeddings per feature
-    name. Checks the split scores against the single-file model's."""
+    name. Checks the split scores against the single-file model's. With
+    `pt2`, also compiles the dense network's AOTInductor packages."""
     shutil.rmtree(out, ignore_errors=True)
     (out / "tables").mkdir(parents=True)
     described, features, model_order, weighted = [], {}, [], set()
@@ -405,14 +412,17 @@ def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Mod
         # The order the collection returns its pooled features in.
         model_order += list(ebc(empty_features(ebc)).keys())
     dim = described[0]["dim"]
-    wrapped = torch.jit.script(WireOrderPooled(dense_network, [wire_features.index(f) for f in model_order], dim).eval())
+    in_wire_order = WireOrderPooled(dense_network, [wire_features.index(f) for f in model_order], dim).eval()
+    wrapped = torch.jit.script(in_wire_order)
     wrapped.save(str(out / "dense.pt"))
+    packages = write_dense_packages(out, in_wire_order, num_dense, len(wire_features) * dim, log) if pt2 else {}
     schema = {
         "format": SPLIT_FORMAT, "name": name, "version": version, "num_dense": num_dense,
         "tables": described,
         "features": [features[f] for f in wire_features],
         "outputs": outputs,
         "dense_network": "dense.pt",
+        **packages,
     }
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     log(f"wrote {len(described)} INT8 tables for {len(wire_features)} features "

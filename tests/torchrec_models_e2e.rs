@@ -30,7 +30,9 @@ use narsil_core::golden::{Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
 use narsil_core::{error_chain, BackendError, BackendFactory, ModelSchema};
 use narsil_engine::EngineConfig;
-use narsil_torch::{cpu_bf16_instructions, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
+use narsil_torch::{
+    cpu_bf16_instructions, DenseForm, DensePrecision, SplitFactory, TorchConfig, TorchFactory,
+};
 use tonic::Code;
 
 fn model_dir(name: &str) -> PathBuf {
@@ -209,6 +211,51 @@ fn every_model_and_form_runs_in_bf16_close_to_fp32_alone_and_fused() {
         let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
         let fused = conformance::fused_equals_alone(&*factory, &requests, 4, BF16_FUSED_VS_ALONE);
         eprintln!("{name} bf16: max |diff| vs FP32 golden {worst:e}, fused vs alone {fused:e}");
+    }
+}
+
+/// The split forms whose dense network was also compiled by AOTInductor
+/// (`export_torchrec.py --split --pt2`) in both forms, FP32 and bf16:
+/// TorchScript and the package each give Python's scores alone and fused.
+/// The bf16 package exists only where the exporting CPU had bf16
+/// instructions; elsewhere its case is skipped, saying so.
+#[test]
+fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
+    let emulated = cpu_bf16_instructions().is_empty();
+    for name in ["test-torchrec-dcn/split", "test-torchrec-multitask/split"] {
+        let split = narsil_embedding::SplitSchema::read(&model_dir(name)).unwrap();
+        assert!(split.dense_package.is_some(), "{name}: no dense.pt2 (export it with --split --pt2)");
+        for (form, precision) in [
+            (DenseForm::TorchScript, DensePrecision::Fp32),
+            (DenseForm::Pt2, DensePrecision::Fp32),
+            (DenseForm::TorchScript, DensePrecision::Bf16),
+            (DenseForm::Pt2, DensePrecision::Bf16),
+        ] {
+            let what = format!("{name} {form} {precision}");
+            if form == DenseForm::Pt2
+                && precision == DensePrecision::Bf16
+                && split.dense_package_bf16.is_none()
+            {
+                eprintln!("skipped: {what}: no dense_bf16.pt2 (exported on a CPU without bf16 instructions)");
+                continue;
+            }
+            let factory = load_with(name, |config| {
+                config.dense_form = form;
+                config.dense_precision = precision;
+                config.bf16_emulated = emulated;
+            })
+            .unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
+            let (tolerance, fused_tolerance) = match precision {
+                DensePrecision::Fp32 => (SCORE_TOLERANCE, SCORE_TOLERANCE),
+                DensePrecision::Bf16 => (BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE),
+            };
+            let golden = Golden::read(&model_dir(name)).unwrap();
+            let schema = factory.schema().clone();
+            let worst = golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), tolerance);
+            let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
+            let fused = conformance::fused_equals_alone(&*factory, &requests, 4, fused_tolerance);
+            eprintln!("{what}: max |diff| vs golden {worst:e}, fused vs alone {fused:e}");
+        }
     }
 }
 
