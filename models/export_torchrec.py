@@ -155,10 +155,11 @@ class DcnPredictModule(DLRMPredictModule):
     has no predict module of its own for it): `float_features` and
     `id_list_features.{lengths,values}` in, `default` probabilities out."""
 
-    def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, dim: int, keys: List[str]) -> None:
+    def __init__(self, ebc: EmbeddingBagCollection, num_dense: int, keys: List[str], dense_arch: List[int],
+                 over_arch: List[int], dcn_layers: int, dcn_rank: int) -> None:
         module = DLRM_DCN(embedding_bag_collection=ebc, dense_in_features=num_dense,
-                          dense_arch_layer_sizes=[64, dim], over_arch_layer_sizes=[64, 1],
-                          dcn_num_layers=2, dcn_low_rank_dim=8, dense_device=torch.device("cpu"))
+                          dense_arch_layer_sizes=dense_arch, over_arch_layer_sizes=over_arch,
+                          dcn_num_layers=dcn_layers, dcn_low_rank_dim=dcn_rank, dense_device=torch.device("cpu"))
         PredictModule.__init__(self, module, torch.device("cpu"))
         self.id_list_features_keys: List[str] = keys
 
@@ -270,7 +271,19 @@ def main() -> int:
     p.add_argument("--pt2", action="store_true",
                    help="with --split, also compile OUT/split's dense network with AOTInductor (dense.pt2, and "
                         "dense_bf16.pt2 on a CPU with bf16 instructions; needs a C++ compiler)")
+    p.add_argument("--dense-arch", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                   help="dlrm, dlrm_dcn: the dense arch's layer sizes, comma-separated, the last the embedding "
+                        "dimension (default 64,DIM)")
+    p.add_argument("--over-arch", type=lambda text: [int(x) for x in text.split(",")], default=[64, 1],
+                   help="dlrm, dlrm_dcn: the over arch's layer sizes, comma-separated, the last 1 (default 64,1)")
+    p.add_argument("--dcn-layers", type=int, default=2, help="dlrm_dcn: DCNv2 cross layers")
+    p.add_argument("--dcn-rank", type=int, default=8, help="dlrm_dcn: the cross layers' low rank")
     args = p.parse_args()
+    args.dense_arch = args.dense_arch or [64, args.embedding_dim]
+    if args.dense_arch[-1] != args.embedding_dim:
+        p.error(f"--dense-arch must end with the embedding dimension ({args.embedding_dim})")
+    if args.over_arch[-1] != 1:
+        p.error("--over-arch must end with 1 (one logit)")
     out: Path = args.out
     if args.kind == "multitask" and args.num_sparse < 3:
         p.error("--kind multitask needs --num-sparse of at least 3 (a shared table and a mean-pooled feature)")
@@ -290,14 +303,15 @@ def main() -> int:
         module = DLRMPredictModule(
             embedding_bag_collection=ebc,
             dense_in_features=args.num_dense,
-            dense_arch_layer_sizes=[64, args.embedding_dim],
-            over_arch_layer_sizes=[64, 1],
+            dense_arch_layer_sizes=args.dense_arch,
+            over_arch_layer_sizes=args.over_arch,
             id_list_features_keys=unweighted,
             dense_device=torch.device("cpu"),
         )
         outputs = ["default"]
     elif args.kind == "dlrm_dcn":
-        module = DcnPredictModule(ebc, args.num_dense, args.embedding_dim, unweighted)
+        module = DcnPredictModule(ebc, args.num_dense, unweighted, args.dense_arch, args.over_arch,
+                                  args.dcn_layers, args.dcn_rank)
         outputs = ["default"]
     else:
         weighted_ebc = EmbeddingBagCollection(tables=tables(weighted, args), is_weighted=True,

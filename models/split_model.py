@@ -29,6 +29,7 @@ dequantizes as `q * scale + bias` in FP32 and bags sum in FP32. Storage
 
 import copy
 import hashlib
+import os
 import json
 import shutil
 import time
@@ -273,6 +274,17 @@ def forward_ms(package, inputs) -> float:
     return best * 1e3
 
 
+def load_unlinked_package(path: str):
+    """Loads a package compiled without linking libtorch (its kernels find
+    libtorch's symbols in the process, as in Narsil, where libtorch_cpu is
+    loaded at start): libtorch_cpu is made global here first."""
+    import ctypes
+    from torch._inductor import aoti_load_package
+
+    ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"), mode=ctypes.RTLD_GLOBAL)
+    return aoti_load_package(path)
+
+
 def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log,
                         precision: str = "fp32") -> str:
     """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
@@ -309,10 +321,14 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
             path = aoti_compile_and_package(program, package_path=str(candidate), inductor_configs={
                 **settings,
                 "cpp.march": "",
+                # Kernels that find libtorch_cpu's symbols in the process (Narsil
+                # links it) instead of linking libtorch.so, whose loading would
+                # bring libtorch_cuda and its CUDA libraries (~280 MiB resident).
+                "aot_inductor.link_libtorch": False,
                 "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(flags), "narsil_vec_isa": isa,
-                                          "narsil_settings": label},
+                                          "narsil_settings": label, "narsil_links_libtorch": "false"},
             })
-        package = aoti_load_package(path)
+        package = load_unlinked_package(path)
         with torch.inference_mode():
             for batch in (1, 7, 100):
                 inputs = (torch.randn(batch, num_dense), torch.rand(batch, pooled_width))

@@ -49,6 +49,11 @@ extern "C" {
 /// package's kernels need (space-separated, as `/proc/cpuinfo` names them).
 pub const CPU_FLAGS_KEY: &str = "narsil_cpu_flags";
 
+/// The metadata key under which the exporter records whether the package's
+/// kernels link `libtorch.so` (`"false"`: they find libtorch_cpu's symbols
+/// in the process instead).
+pub const LINKS_LIBTORCH_KEY: &str = "narsil_links_libtorch";
+
 /// A loaded AOTInductor package.
 pub struct AotiPackage {
     raw: *mut RawPackage,
@@ -86,9 +91,15 @@ impl AotiPackage {
                 missing.join(", ")
             )));
         }
-        // The package's kernels need `libtorch.so` by name, which the binary
-        // does not link (only libtorch_cpu): open it from the libtorch in use.
-        crate::fbgemm::open_global(&crate::libtorch_lib_dir().join("libtorch.so")).map_err(LibtorchError)?;
+        // A package whose kernels link `libtorch.so` needs it by name, which
+        // the binary does not link (only libtorch_cpu): open it from the
+        // libtorch in use. Opening it also loads libtorch_cuda and the CUDA
+        // libraries it needs (~280 MiB resident on a CPU-only machine), so
+        // the exporter compiles packages that do not link it.
+        if Self::metadata(path, LINKS_LIBTORCH_KEY)?.as_deref() != Some("false") {
+            crate::fbgemm::open_global(&crate::libtorch_lib_dir().join("libtorch.so"))
+                .map_err(LibtorchError)?;
+        }
         let c_path = c_path(path)?;
         let mut error: *mut c_char = std::ptr::null_mut();
         // SAFETY: a valid C string and out-pointer; the shim returns a
