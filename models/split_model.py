@@ -29,8 +29,8 @@ dequantizes as `q * scale + bias` in FP32 and bags sum in FP32. Storage
 
 import copy
 import hashlib
-import os
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -298,7 +298,7 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     any CPU with that ISA) and records the CPU flags it needs; compiling
     needs a C++ compiler (here, at export time only). Returns the file's
     name."""
-    from torch._inductor import aoti_compile_and_package, aoti_load_package
+    from torch._inductor import aoti_compile_and_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     vec_isa = pick_vec_isa()
