@@ -116,8 +116,8 @@ impl DenseNetwork {
                 dir.join("schema.json"),
                 format!(
                     "--dense-form pt2 with --dense-precision {precision}, but the schema names no {field} \
-                     (export the model again with models/export_dlrm.py --split, which compiles dense.pt2, and \
-                     dense_bf16.pt2 on a CPU with bf16 instructions)"
+                     (export the model again with models/export_dlrm.py --split or models/export_torchrec.py \
+                     --split --pt2, which compile dense.pt2, and dense_bf16.pt2 on a CPU with bf16 instructions)"
                 ),
             )),
             (DenseForm::Auto, None) => {
