@@ -205,13 +205,26 @@ fn every_model_and_form_runs_in_bf16_close_to_fp32_alone_and_fused() {
             config.bf16_emulated = emulated;
         })
         .unwrap_or_else(|e| panic!("{name} in bf16: {}", error_chain(&e)));
-        let golden = Golden::read(&model_dir(name)).unwrap();
-        let schema = factory.schema().clone();
-        let worst = golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), BF16_TOLERANCE_VS_FP32);
-        let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
-        let fused = conformance::fused_equals_alone(&*factory, &requests, 4, BF16_FUSED_VS_ALONE);
-        eprintln!("{name} bf16: max |diff| vs FP32 golden {worst:e}, fused vs alone {fused:e}");
+        close_to_golden_alone_and_fused(name, &*factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE, "bf16");
     }
+}
+
+/// `factory`'s outputs within `tolerance` of model `name`'s golden outputs
+/// alone, and fused (the golden requests four times over) within
+/// `fused_tolerance` of alone; prints both differences, labelled `what`.
+fn close_to_golden_alone_and_fused(
+    name: &str,
+    factory: &dyn BackendFactory,
+    tolerance: f32,
+    fused_tolerance: f32,
+    what: &str,
+) {
+    let golden = Golden::read(&model_dir(name)).unwrap();
+    let schema = factory.schema().clone();
+    let worst = golden_parity(factory, &golden, |g| golden_outputs(&schema, g), tolerance);
+    let requests = conformance::requests(factory, &golden, IdPolicy::Reject);
+    let fused = conformance::fused_equals_alone(factory, &requests, 4, fused_tolerance);
+    eprintln!("{name} {what}: max |diff| vs golden {worst:e}, fused vs alone {fused:e}");
 }
 
 /// The split forms whose dense network was also compiled by AOTInductor
@@ -221,6 +234,7 @@ fn every_model_and_form_runs_in_bf16_close_to_fp32_alone_and_fused() {
 /// instructions; elsewhere its case is skipped, saying so.
 #[test]
 fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
+    let test = "split_forms_serve_the_same_scores_from_torchscript_and_from_the_package";
     let emulated = cpu_bf16_instructions().is_empty();
     for name in ["test-torchrec-dcn/split", "test-torchrec-multitask/split"] {
         let split = narsil_embedding::SplitSchema::read(&model_dir(name)).unwrap();
@@ -231,12 +245,14 @@ fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
             (DenseForm::TorchScript, DensePrecision::Bf16),
             (DenseForm::Pt2, DensePrecision::Bf16),
         ] {
-            let what = format!("{name} {form} {precision}");
+            let what = format!("{form} {precision}");
             if form == DenseForm::Pt2
                 && precision == DensePrecision::Bf16
                 && split.dense_package_bf16.is_none()
             {
-                eprintln!("skipped: {what}: no dense_bf16.pt2 (exported on a CPU without bf16 instructions)");
+                eprintln!(
+                    "skipped: {test}: {name} {what}: no dense_bf16.pt2 (exported on a CPU without bf16 instructions)"
+                );
                 continue;
             }
             let factory = load_with(name, |config| {
@@ -244,17 +260,12 @@ fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
                 config.dense_precision = precision;
                 config.bf16_emulated = emulated;
             })
-            .unwrap_or_else(|e| panic!("{what}: {}", error_chain(&e)));
+            .unwrap_or_else(|e| panic!("{name} {what}: {}", error_chain(&e)));
             let (tolerance, fused_tolerance) = match precision {
                 DensePrecision::Fp32 => (SCORE_TOLERANCE, SCORE_TOLERANCE),
                 DensePrecision::Bf16 => (BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE),
             };
-            let golden = Golden::read(&model_dir(name)).unwrap();
-            let schema = factory.schema().clone();
-            let worst = golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), tolerance);
-            let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
-            let fused = conformance::fused_equals_alone(&*factory, &requests, 4, fused_tolerance);
-            eprintln!("{what}: max |diff| vs golden {worst:e}, fused vs alone {fused:e}");
+            close_to_golden_alone_and_fused(name, &*factory, tolerance, fused_tolerance, &what);
         }
     }
 }

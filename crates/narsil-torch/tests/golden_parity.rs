@@ -150,9 +150,7 @@ fn bf16_dense_precision_stays_close_to_fp32_alone_and_fused() {
 /// single-file model in bf16, alone and fused.
 #[test]
 fn bf16_split_model_stays_close_to_fp32_alone_and_fused() {
-    let mut config = bf16_config("split");
-    config.dense_form = DenseForm::TorchScript;
-    let factory = SplitFactory::load(config).unwrap();
+    let factory = load_in(bf16_config("split"), DenseForm::TorchScript).unwrap();
     close_to_golden_alone_and_fused("split bf16", &factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE);
 }
 
@@ -186,7 +184,11 @@ fn bf16_is_refused_on_a_cpu_without_bf16_instructions_naming_the_flag() {
 const PT2_TOLERANCE: f32 = 1e-5;
 
 fn split_in(form: DenseForm) -> Result<SplitFactory, String> {
-    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    load_in(TorchConfig::new(test_model_dir().join("split")), form)
+}
+
+/// A split model loaded from `config` with the dense network in `form`.
+fn load_in(mut config: TorchConfig, form: DenseForm) -> Result<SplitFactory, String> {
     config.dense_form = form;
     SplitFactory::load(config).map_err(|e| error_chain(&e))
 }
@@ -213,9 +215,7 @@ fn bf16_pt2_dense_network_stays_close_to_fp32_alone_and_fused() {
         eprintln!("skipped: {name}: the test model has no dense_bf16.pt2 (exported on a CPU without bf16 instructions)");
         return;
     }
-    let mut config = bf16_config("split");
-    config.dense_form = DenseForm::Pt2;
-    let factory = SplitFactory::load(config).unwrap();
+    let factory = load_in(bf16_config("split"), DenseForm::Pt2).unwrap();
     close_to_golden_alone_and_fused("pt2 bf16", &factory, BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE);
 }
 
@@ -235,24 +235,19 @@ fn a_corrupt_or_missing_package_fails_pt2_naming_the_file_and_auto_falls_back() 
     let copy = std::env::temp_dir().join(format!("narsil-pt2-{}", std::process::id()));
     copy_split_model(&test_model_dir().join("split"), &copy).unwrap();
     std::fs::write(copy.join("dense.pt2"), b"not a package").unwrap();
-    let load = |form| {
-        let mut config = TorchConfig::new(&copy);
-        config.dense_form = form;
-        SplitFactory::load(config).map_err(|e| error_chain(&e))
-    };
+    let load = |form| load_in(TorchConfig::new(&copy), form);
     let err = load(DenseForm::Pt2).err().expect("a corrupt package loaded");
     assert!(err.contains(&copy.join("dense.pt2").display().to_string()), "{err}");
     let auto = load(DenseForm::Auto).expect("auto falls back to TorchScript");
     golden_parity(&auto, &golden(), |g| g.scores_int8.clone(), TOLERANCE);
     std::fs::remove_dir_all(&copy).unwrap();
 
-    let mut fp32 = TorchConfig::new(test_model_dir().join("split_fp32"));
-    fp32.dense_form = DenseForm::Pt2;
-    let err = error_chain(&SplitFactory::load(fp32).err().expect("pt2 without a package loaded"));
+    let fp32 = TorchConfig::new(test_model_dir().join("split_fp32"));
+    let err = load_in(fp32, DenseForm::Pt2).err().expect("pt2 without a package loaded");
     assert!(err.contains("schema.json") && err.contains("dense_package"), "{err}");
-    let mut bf16 = bf16_config("split_fp32");
-    bf16.dense_form = DenseForm::Pt2;
-    let err = error_chain(&SplitFactory::load(bf16).err().expect("pt2 bf16 without a bf16 package loaded"));
+    let err = load_in(bf16_config("split_fp32"), DenseForm::Pt2)
+        .err()
+        .expect("pt2 bf16 without a bf16 package loaded");
     assert!(err.contains("schema.json") && err.contains("dense_package_bf16"), "{err}");
 }
 
