@@ -222,3 +222,84 @@ async fn fp32_tables_serve_the_fp32_models_scores_alone_and_fused() {
         server.stop().await.unwrap();
     }
 }
+
+/// `narsil tables order` lays the test model's tables out with the golden
+/// requests' ids first (an id log of their traffic); the copy answers every
+/// golden request alone with the very bits of the model in id order, from
+/// memory, mapped and disk tables (a row cache of ~40 rows per table: most
+/// rows read through the slot index from the disk), and fused within the
+/// golden tolerance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store() {
+    let split = test_model_dir().join("split");
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = String::new();
+    for g in &golden.requests {
+        let mut ids = g.ids.iter();
+        for (bag, &len) in g.lengths.iter().enumerate() {
+            for id in ids.by_ref().take(len as usize) {
+                log += &format!("cat_{} {id}\n", bag % 26);
+            }
+        }
+    }
+    std::fs::write(dir.path().join("ids.log"), log).unwrap();
+    let ordered = dir.path().join("ordered");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
+        .args(["tables", "order"])
+        .arg(&split)
+        .arg("--id-log")
+        .arg(dir.path().join("ids.log"))
+        .arg("--out")
+        .arg(&ordered)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let schema = narsil_embedding::SplitSchema::read(&ordered).unwrap();
+    assert!(schema.tables.iter().all(|t| t.layout.is_some()), "every table is named in the log");
+    assert_ne!(
+        std::fs::read(ordered.join("tables/cat_0.bin")).unwrap(),
+        std::fs::read(split.join("tables/cat_0.bin")).unwrap(),
+        "the rows moved"
+    );
+
+    let (reference, _) = serve_golden_alone(TorchConfig::new(split), "id order").await;
+    let mut client = reference.client().await;
+    let mut want = Vec::new();
+    for g in &golden.requests {
+        want.push(client.predict(wire(g, "")).await.unwrap().into_inner().scores);
+    }
+    reference.stop().await.unwrap();
+
+    let flags = narsil_embedding::StoreFlags {
+        cache_bytes: 26 * 40 * (80 + 16),
+        fetch_timeout: Duration::from_secs(1),
+        missing_rows: narsil_embedding::MissingRows::Error,
+    };
+    for store in ["memory", "mmap", "disk"] {
+        if store == "disk" {
+            use std::os::unix::fs::OpenOptionsExt;
+            let table = ordered.join("tables/cat_0.bin");
+            if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&table) {
+                let why = format!("the disk store's case: {} refuses direct reads ({e})", table.display());
+                common::skip("tables_in_popularity_order_serve_the_same_scores_from_every_local_store", &why);
+                continue;
+            }
+        }
+        let mut config = TorchConfig::new(ordered.clone());
+        config.table_store = store.parse::<narsil_torch::TableStore>().unwrap().with_flags(&flags);
+        let what = format!("popularity order, {store} store");
+        let (server, _) = serve_golden_alone(config, &what).await;
+        let mut client = server.client().await;
+        for (i, (g, want)) in golden.requests.iter().zip(&want).enumerate() {
+            let scores = client.predict(wire(g, "")).await.unwrap().into_inner().scores;
+            assert_eq!(&scores, want, "golden request {i}, {what}: not the bits of id order");
+        }
+        let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+        let responses = common::predict_all(&server.channel().await, &requests).await;
+        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+            assert_close(&response.scores, &g.scores_int8, &format!("client {i} fused, {what}"));
+        }
+        server.stop().await.unwrap();
+    }
+}

@@ -100,6 +100,11 @@ pub struct LoadArgs {
     /// Seed for the generated requests.
     #[arg(long, env = "NARSIL_LOAD_SEED", default_value_t = 7)]
     pub seed: u64,
+    /// Also write every id of the prebuilt requests to this file, one
+    /// `FEATURE ID` line each: a log of the traffic, for `narsil tables
+    /// order --id-log`.
+    #[arg(long, env = "NARSIL_LOAD_ID_LOG")]
+    pub id_log: Option<std::path::PathBuf>,
     /// Print one JSON object instead of the text report.
     #[arg(long, env = "NARSIL_LOAD_JSON")]
     pub json: bool,
@@ -217,6 +222,9 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
         }
     };
     let requests = workload::build_pool(&info, args)?;
+    if let Some(path) = &args.id_log {
+        workload::write_id_log(path, &info, &requests)?;
+    }
     let pool: Vec<Message> = match args.protocol {
         Protocol::Narsil => requests.into_iter().map(Message::Narsil).collect(),
         Protocol::Torchrec => requests

@@ -27,6 +27,32 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
         .collect())
 }
 
+/// Writes every id of `requests` to `path`, one `FEATURE ID` line each
+/// (`narsil load --id-log`).
+pub fn write_id_log(
+    path: &std::path::Path,
+    info: &ModelInfoResponse,
+    requests: &[PredictRequest],
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    use std::io::Write;
+    let file = std::fs::File::create(path).with_context(|| format!("--id-log {}", path.display()))?;
+    let mut out = std::io::BufWriter::new(file);
+    let features = info.sparse_features.len();
+    for request in requests {
+        let mut ids = request.sparse_ids.iter();
+        for bag in 0..request.batch_size as usize * features {
+            let len = request.sparse_lengths.get(bag).map_or(1, |&len| len as usize);
+            let name = &info.sparse_features[bag % features].name;
+            for &id in ids.by_ref().take(len) {
+                writeln!(out, "{name} {id}")?;
+            }
+        }
+    }
+    out.flush().with_context(|| format!("--id-log {}", path.display()))?;
+    Ok(())
+}
+
 /// One id sampler per sparse feature of `info`.
 pub fn id_samplers(
     info: &ModelInfoResponse,

@@ -57,6 +57,7 @@ impl BurnFactory {
                 file: Default::default(),
                 sha256: String::new(),
                 redis: None,
+                layout: None,
             })
             .collect();
         let stores: Vec<Arc<dyn RowStore>> = specs

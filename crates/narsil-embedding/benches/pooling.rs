@@ -82,6 +82,7 @@ fn stage(c: &mut Criterion) {
             file: format!("tables/cat_{f}.bin").into(),
             sha256: String::new(),
             redis: None,
+            layout: None,
         })
         .collect();
     let schema = SplitSchema::one_table_per_feature("bench", "1", 1, specs.clone(), vec!["default".into()]);

@@ -13,6 +13,8 @@
 //!   what a kind declares (its syntax, how it opens a model's tables, the
 //!   store flags it takes); [`store_kinds`]: the table of kinds.
 //! * [`local_store`]: the `memory` and `mmap` stores.
+//! * [`layout`]: tables laid out in popularity order (hot rows packed into
+//!   shared blocks) and the slot index that finds each id's row.
 //! * [`redis`]: tables on a Redis Cluster (the `redis` store), a module of
 //!   one file per job: configuration, the shared connection, key layout,
 //!   reading a batch's rows of every table together, invalidation, health;
@@ -34,6 +36,7 @@
 
 pub mod dedup;
 pub mod disk;
+pub mod layout;
 pub mod local_store;
 pub mod metrics;
 pub mod pool;
@@ -48,6 +51,7 @@ pub mod table;
 pub mod table_store;
 
 pub use dedup::{DistinctIds, IdCount};
+pub use layout::{Layout, Popularity, SlotIndex};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};

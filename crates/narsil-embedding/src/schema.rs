@@ -51,6 +51,10 @@ pub struct TableSpec {
     /// `redis` store reads them there).
     #[serde(default)]
     pub redis: Option<RedisTableSpec>,
+    /// Rows in popularity order, found through a slot index (`narsil
+    /// tables order`); absent: row `id` is the file's row `id`.
+    #[serde(default)]
+    pub layout: Option<crate::layout::Layout>,
 }
 
 /// A table's rows on a Redis Cluster (see [`crate::redis`]).

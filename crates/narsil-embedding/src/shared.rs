@@ -5,8 +5,9 @@
 //! a live switch between two such versions holds the shared tables once.
 //!
 //! A table's identity is its schema's `sha256` (written by the exporter
-//! from the file's bytes) with its shape (rows, row bytes, storage) and the
-//! store it is held in. The file is not hashed again at load (that would
+//! from the file's bytes) with its shape (rows, row bytes, storage), its
+//! layout's index (for a table in popularity order) and the store it is
+//! held in. The file is not hashed again at load (that would
 //! read a table larger than RAM end to end): model versions are immutable
 //! once published, and a table without a `sha256` is never shared.
 
@@ -24,6 +25,8 @@ struct Identity {
     row_bytes: usize,
     storage: Storage,
     store: LocalRows,
+    /// The slot index's hash, for a table in popularity order.
+    layout: Option<String>,
 }
 
 /// Tables some live model version holds, by identity.
@@ -77,6 +80,7 @@ pub fn open_shared(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Ope
         row_bytes: spec.row_bytes,
         storage: spec.storage,
         store,
+        layout: spec.layout.as_ref().map(|layout| layout.sha256.clone()),
     };
     if let Some(table) = live(&identity) {
         return Ok(Opened { table, shared: true });
@@ -107,6 +111,7 @@ mod tests {
             file: "tables/t.bin".into(),
             sha256: sha256.into(),
             redis: None,
+            layout: None,
         }
     }
 

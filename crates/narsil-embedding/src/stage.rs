@@ -94,6 +94,8 @@ pub struct StageScratch {
     distinct: Vec<DistinctIds>,
     /// Per table whose store fetches: the rows of its distinct ids.
     fetched: Vec<Vec<u8>>,
+    /// A feature's ids as slots, for local rows in popularity order.
+    slots: Vec<i64>,
 }
 
 /// A split model's embedding stage.
@@ -193,7 +195,7 @@ impl EmbeddingStage {
         }
         self.fetch(batch, scratch)?;
         for ((table, distinct), fetched) in self.tables.iter().zip(&scratch.distinct).zip(&scratch.fetched) {
-            faults += self.pool_table(table, batch, distinct, fetched, pooled, width)?;
+            faults += self.pool_table(table, batch, distinct, fetched, &mut scratch.slots, pooled, width)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         Ok(())
@@ -228,15 +230,13 @@ impl EmbeddingStage {
     /// table).
     fn read_ahead(&self, distinct: &[DistinctIds]) -> u64 {
         let started = Instant::now();
-        let work: Vec<(usize, &[u8], usize, &[i64])> = self
+        let work: Vec<(usize, &StageTable, &[i64])> = self
             .tables
             .iter()
             .zip(distinct)
             .enumerate()
-            .filter(|(_, (table, _))| table.store.may_fault())
-            .filter_map(|(t, (table, ids))| {
-                Some((t, table.store.local_rows()?, table.spec.row_bytes, ids.distinct()))
-            })
+            .filter(|(_, (table, _))| table.store.may_fault() && table.store.local_rows().is_some())
+            .map(|(t, (table, ids))| (t, table, ids.distinct()))
             .collect();
         let mut faults = vec![0u64; self.tables.len()];
         std::thread::scope(|scope| {
@@ -245,11 +245,14 @@ impl EmbeddingStage {
                     let work = &work;
                     scope.spawn(move || {
                         let mut faults = vec![0u64; work.len()];
-                        for (w, &(_, rows, row_bytes, ids)) in work.iter().enumerate() {
+                        for (w, &(_, table, ids)) in work.iter().enumerate() {
+                            let rows = table.store.local_rows().unwrap_or_default();
+                            let (row_bytes, slots) = (table.spec.row_bytes, table.store.slots());
                             let before = thread_major_faults();
                             for &id in ids.iter().skip(reader).step_by(READERS) {
+                                let at = slots.map_or(id, |index| index.slot(id));
                                 // A row can span two pages: its first and last byte.
-                                let start = id as usize * row_bytes;
+                                let start = at as usize * row_bytes;
                                 std::hint::black_box((rows[start], rows[start + row_bytes - 1]));
                             }
                             faults[w] = thread_major_faults().saturating_sub(before);
@@ -353,14 +356,17 @@ impl EmbeddingStage {
     }
 
     /// Pools `table`'s bags (its ids deduplicated in `distinct`, the rows
-    /// of a fetching store in `fetched`); returns the major faults the
-    /// lookups took.
+    /// of a fetching store in `fetched`; `slots` holds a feature's ids as
+    /// slots of local rows in popularity order); returns the major faults
+    /// the lookups took.
+    #[allow(clippy::too_many_arguments)]
     fn pool_table(
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
         distinct: &DistinctIds,
         fetched: &[u8],
+        slots: &mut Vec<i64>,
         pooled: &mut [f32],
         width: usize,
     ) -> Result<u64, StageError> {
@@ -377,9 +383,14 @@ impl EmbeddingStage {
             let ids = batch.feature_ids(f);
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
-            let (rows, ids) = match local {
-                Some(rows) => (rows, ids),
-                None => (fetched, &distinct.slots()[slot_start..slot_start + ids.len()]),
+            let (rows, ids) = match (local, table.store.slots()) {
+                (Some(rows), None) => (rows, ids),
+                (Some(rows), Some(index)) => {
+                    slots.clear();
+                    slots.extend(ids.iter().map(|&id| index.slot(id)));
+                    (rows, &slots[..])
+                }
+                (None, _) => (fetched, &distinct.slots()[slot_start..slot_start + ids.len()]),
             };
             slot_start += ids.len();
             let pooling = Pooling { mode: feature.pooling, weights };
@@ -461,6 +472,7 @@ mod tests {
             file: format!("tables/{name}.bin").into(),
             sha256: String::new(),
             redis: None,
+            layout: None,
         };
         let feature = |name: &str, table: &str, pooling, weighted| FeatureSpec {
             name: name.into(),

@@ -63,9 +63,16 @@ pub trait RowStore: Send + Sync {
     /// Which store holds them, for logs and metrics (`memory`, `mmap`).
     fn kind(&self) -> &'static str;
 
-    /// Every row end to end (row `id` at `id * row_bytes`), when the rows
-    /// are in this process's address space.
+    /// Every row end to end (row `id` at `id * row_bytes`, or at its slot
+    /// where [`RowStore::slots`] says), when the rows are in this process's
+    /// address space.
     fn local_rows(&self) -> Option<&[u8]>;
+
+    /// For local rows laid out in popularity order: where each id's row is
+    /// in [`RowStore::local_rows`] ([`crate::layout`]).
+    fn slots(&self) -> Option<&crate::layout::SlotIndex> {
+        None
+    }
 
     /// Copies the rows of `ids` (distinct, each a valid row) into `out`:
     /// row `i` at `i * row_bytes`, `out.len() == ids.len() * row_bytes`,

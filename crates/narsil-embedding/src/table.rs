@@ -29,6 +29,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use crate::layout::SlotIndex;
 use crate::schema::{Storage, TableSpec};
 use crate::store::{FetchError, Fetched, RowStore};
 
@@ -73,6 +74,9 @@ pub struct Table {
     /// How rows are stored.
     pub storage: Storage,
     rows_data: Rows,
+    /// A mapped table laid out in popularity order: where each id's row is
+    /// (a table read into memory is put back in id order instead).
+    slots: Option<SlotIndex>,
 }
 
 impl std::fmt::Debug for Table {
@@ -148,7 +152,9 @@ pub fn checked_file(dir: &Path, spec: &TableSpec) -> Result<PathBuf, TableError>
 
 impl Table {
     /// Opens the table `spec` describes in the model directory `dir`, its
-    /// rows read into memory or mapped (`store`).
+    /// rows read into memory or mapped (`store`). A table laid out in
+    /// popularity order ([`crate::layout`]) is read back into id order, or
+    /// mapped as it is with its slot index.
     pub fn load(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Self, TableError> {
         let path = checked_file(dir, spec)?;
         let read_error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
@@ -161,8 +167,18 @@ impl Table {
             rows: spec.rows,
             row_bytes: spec.row_bytes,
         };
+        let mut slots = SlotIndex::load(dir, spec)?;
         let rows_data = match store {
-            LocalRows::Memory => Rows::Memory(std::fs::read(&path).map_err(read_error)?),
+            LocalRows::Memory => {
+                let rows = std::fs::read(&path).map_err(read_error)?;
+                if rows.len() as u64 != expected {
+                    return Err(size_error(rows.len() as u64));
+                }
+                match slots.take() {
+                    Some(index) => Rows::Memory(index.in_id_order(&rows, spec.row_bytes)),
+                    None => Rows::Memory(rows),
+                }
+            }
             LocalRows::Mmap => {
                 if expected == 0 {
                     return Err(read_error(std::io::Error::other("cannot map an empty file")));
@@ -176,7 +192,7 @@ impl Table {
                 Rows::Mapped(map)
             }
         };
-        Ok(Self::with_rows(spec, rows_data))
+        Ok(Self { slots, ..Self::with_rows(spec, rows_data) })
     }
 
     /// A table over rows already in memory (`data.len()` must be
@@ -194,6 +210,7 @@ impl Table {
             row_bytes: spec.row_bytes,
             storage: spec.storage,
             rows_data,
+            slots: None,
         }
     }
 
@@ -205,7 +222,13 @@ impl Table {
         }
     }
 
-    /// Every row, end to end.
+    /// Row `id`'s bytes, whatever the layout.
+    pub fn row(&self, id: u64) -> &[u8] {
+        let at = self.slots.as_ref().map_or(id as i64, |index| index.slot(id as i64)) as usize;
+        &self.bytes()[at * self.row_bytes..(at + 1) * self.row_bytes]
+    }
+
+    /// Every row, end to end, in the file's layout (see [`RowStore::slots`]).
     pub fn bytes(&self) -> &[u8] {
         match &self.rows_data {
             Rows::Memory(data) => data,
@@ -233,10 +256,9 @@ impl RowStore for Table {
         out: &mut [u8],
         _deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
-        let rows = self.bytes();
+        debug_assert_eq!(row_bytes, self.row_bytes);
         for (&id, row) in ids.iter().zip(out.chunks_exact_mut(row_bytes)) {
-            let start = id as usize * row_bytes;
-            row.copy_from_slice(&rows[start..start + row_bytes]);
+            row.copy_from_slice(self.row(id as u64));
         }
         Ok(Fetched::default())
     }
@@ -247,6 +269,10 @@ impl RowStore for Table {
 
     fn may_fault(&self) -> bool {
         self.store() == LocalRows::Mmap
+    }
+
+    fn slots(&self) -> Option<&SlotIndex> {
+        self.slots.as_ref()
     }
 }
 
@@ -264,6 +290,7 @@ mod tests {
             file: "tables/cat_3.bin".into(),
             sha256: String::new(),
             redis: None,
+            layout: None,
         }
     }
 
@@ -294,6 +321,36 @@ mod tests {
         let mapped = Table::load(&dir, &spec(9), LocalRows::Mmap).unwrap();
         assert_eq!(memory.bytes(), &rows[..]);
         assert_eq!(mapped.bytes(), &rows[..]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_table_in_popularity_order_reads_by_id_and_a_bad_index_names_the_table_and_the_file() {
+        let dir = std::env::temp_dir().join(format!("narsil-table-layout-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("tables")).unwrap();
+        let rows: Vec<u8> = (0..16 * 3).map(|i| i as u8).collect();
+        let slots = [2u32, 0, 1];
+        std::fs::write(dir.join("tables/cat_3.bin"), crate::layout::in_slot_order(&rows, 16, &slots))
+            .unwrap();
+        let index: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+        std::fs::write(dir.join("tables/cat_3.slots"), &index).unwrap();
+        let layout = crate::layout::Layout { slots: "tables/cat_3.slots".into(), sha256: String::new() };
+        let ordered = TableSpec { layout: Some(layout), ..spec(3) };
+        let memory = Table::load(&dir, &ordered, LocalRows::Memory).unwrap();
+        assert_eq!(memory.bytes(), &rows[..], "read back into id order");
+        assert!(memory.slots().is_none());
+        let mapped = Table::load(&dir, &ordered, LocalRows::Mmap).unwrap();
+        for id in 0..3 {
+            assert_eq!(mapped.row(id), &rows[id as usize * 16..(id as usize + 1) * 16], "id {id}");
+        }
+        std::fs::write(dir.join("tables/cat_3.slots"), &index[..8]).unwrap();
+        for store in [LocalRows::Memory, LocalRows::Mmap] {
+            let error = Table::load(&dir, &ordered, store).unwrap_err().to_string();
+            assert!(
+                error.contains("cat_3") && error.contains("tables/cat_3.slots") && error.contains("8"),
+                "{error}"
+            );
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -3,8 +3,10 @@
 //! `schema.json`. `narsil tables push`: writes new rows for a live model
 //! there, and tells every serving process to drop its cached copies. The
 //! commands are here; writing the rows in the store's key layout is
-//! [`rows`].
+//! [`rows`]. `narsil tables order`: a copy of a model with its tables laid
+//! out in popularity order ([`order`]).
 
+mod order;
 mod rows;
 
 use std::io::Write;
@@ -36,6 +38,11 @@ enum TablesCommand {
     /// then their ids on the invalidation channel, so that every replica
     /// reads them afresh (no restart, no reload).
     Push(PushTablesArgs),
+    /// Write a copy of a split model whose tables hold their rows in
+    /// popularity order (from an id log), each with a slot index: hot rows
+    /// then share pages and blocks, which is what the `mmap` and `disk`
+    /// stores read. Every store serves the copy with the same scores.
+    Order(order::OrderTablesArgs),
 }
 
 /// `narsil tables push`.
@@ -81,7 +88,16 @@ pub fn run(args: TablesArgs) -> anyhow::Result<()> {
     match args.command {
         TablesCommand::Load(args) => load(&args),
         TablesCommand::Push(args) => push(&args),
+        TablesCommand::Order(args) => order::order(&args),
     }
+}
+
+/// Opens a table to read its rows in id order (`Table::bytes`): mapped, or
+/// read into memory (which puts a table in popularity order back in id
+/// order).
+fn in_id_order(dir: &Path, spec: &narsil_embedding::TableSpec) -> anyhow::Result<Table> {
+    let store = if spec.layout.is_some() { LocalRows::Memory } else { LocalRows::Mmap };
+    Ok(Table::load(dir, spec, store)?)
 }
 
 fn load(args: &LoadTablesArgs) -> anyhow::Result<()> {
@@ -92,7 +108,7 @@ fn load(args: &LoadTablesArgs) -> anyhow::Result<()> {
     let (mut rows, mut bytes) = (0u64, 0u64);
     let mut specs = Vec::with_capacity(schema.tables.len());
     for (i, spec) in schema.tables.iter().enumerate() {
-        let table = Table::load(&args.model, spec, LocalRows::Mmap)?;
+        let table = in_id_order(&args.model, spec)?;
         let redis = RedisTableSpec {
             prefix: format!("narsil/{}/{}/{}", schema.name, schema.version, spec.name),
             buckets: args.buckets,
@@ -148,8 +164,8 @@ fn push(args: &PushTablesArgs) -> anyhow::Result<()> {
         {
             anyhow::bail!("table {:?}: --from's shape differs (rows, row bytes, storage)", spec.name);
         }
-        let old = Table::load(&args.model, spec, LocalRows::Mmap)?;
-        let new = Table::load(&args.from, new_spec, LocalRows::Mmap)?;
+        let old = in_id_order(&args.model, spec)?;
+        let new = in_id_order(&args.from, new_spec)?;
         let changed: Vec<u64> = (0..spec.rows)
             .filter(|&id| {
                 let range = id as usize * spec.row_bytes..(id as usize + 1) * spec.row_bytes;

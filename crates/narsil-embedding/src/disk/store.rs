@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use super::reads::{plan, read_blocks, read_on_threads, AlignedBuf, BlockRead, Read, BLOCK};
 use super::uring;
+use crate::layout::SlotIndex;
 use crate::metrics::DiskCounters;
 use crate::row_cache::RowCache;
 use crate::schema::{SplitSchema, TableSpec};
@@ -153,7 +154,8 @@ impl StoreConfig for DiskStore {
             let path = checked_file(dir, spec)?;
             let read_error =
                 |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
-            let rows = DiskRows::open(&path, spec, self).map_err(read_error)?;
+            let slots = SlotIndex::load(dir, spec)?;
+            let rows = DiskRows::open(&path, spec, slots, self).map_err(read_error)?;
             stores.push(Arc::new(rows));
         }
         Ok((stores, OpenedTables { read: schema.tables.len(), ..OpenedTables::default() }))
@@ -180,12 +182,20 @@ pub struct DiskRows {
     /// The table's number in the cache.
     key: u32,
     io_uring: bool,
+    /// For a file in popularity order: where each id's row is.
+    slots: Option<SlotIndex>,
 }
 
 impl DiskRows {
-    /// Opens `path` (the file of `spec`, its size checked) for direct
-    /// reads, and reads its first block to see that they work here.
-    fn open(path: &Path, spec: &TableSpec, store: &DiskStore) -> std::io::Result<Self> {
+    /// Opens `path` (the file of `spec`, its size checked; `slots` its
+    /// index if it is in popularity order) for direct reads, and reads its
+    /// first block to see that they work here.
+    fn open(
+        path: &Path,
+        spec: &TableSpec,
+        slots: Option<SlotIndex>,
+        store: &DiskStore,
+    ) -> std::io::Result<Self> {
         let file =
             std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(|e| {
                 if e.raw_os_error() == Some(libc::EINVAL) {
@@ -208,7 +218,13 @@ impl DiskRows {
             cache: store.cache.clone(),
             key,
             io_uring,
+            slots,
         })
+    }
+
+    /// Where row `id` is in the file, in rows.
+    fn slot(&self, id: i64) -> u64 {
+        self.slots.as_ref().map_or(id, |index| index.slot(id)) as u64
     }
 }
 
@@ -255,8 +271,8 @@ pub fn fetch_tables(
             }
         }
         fetched.push(Fetched { cached: part.ids.len() - rows.len(), zeroed: 0 });
-        rows.sort_unstable_by_key(|&(_, id)| id);
-        let offsets: Vec<u64> = rows.iter().map(|&(_, id)| id as u64 * row_bytes as u64).collect();
+        rows.sort_unstable_by_key(|&(_, id)| table.slot(id));
+        let offsets: Vec<u64> = rows.iter().map(|&(_, id)| table.slot(id) * row_bytes as u64).collect();
         let reads = plan(&offsets, row_bytes, MAX_READ.max(row_bytes));
         misses.push(Misses { rows, offsets, reads });
     }
@@ -364,6 +380,7 @@ mod tests {
             file: "t.bin".into(),
             sha256: String::new(),
             redis: None,
+            layout: None,
         };
         let data: Vec<u8> = (0..rows).flat_map(|i| [(i % 251) as u8; 80]).collect();
         std::fs::write(dir.path().join("t.bin"), data).unwrap();
@@ -396,7 +413,7 @@ mod tests {
         let Some((dir, spec)) = table_file(10_000) else { return };
         for reads in both_reads("rows_read_from_disk_and_from_the_cache_are_the_files_rows") {
             let store = DiskStore::new(200 * (80 + 16), reads);
-            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
             let ids: Vec<i64> = (0..500).map(|i| (i * 7919) % 10_000).rev().collect();
             let (out, fetched) = fetch(&rows, &ids);
             assert_eq!(out, expected(&ids), "{reads:?}");
@@ -415,7 +432,7 @@ mod tests {
         let Some((dir, spec)) = table_file(10_000) else { return };
         for reads in both_reads("a_batch_s_reads_are_counted_in_whole_blocks_and_none_stay_in_flight") {
             let store = DiskStore::new(0, reads);
-            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
             let counters = DiskCounters::default();
             // Rows 0 and 1 share block 0; row 5,000 (byte 400,000) is in block 97.
             let ids = [0, 1, 5_000];
@@ -436,7 +453,7 @@ mod tests {
         for reads in both_reads("a_file_cut_short_after_opening_fails_the_fetch_naming_the_file") {
             let Some((dir, spec)) = table_file(1_000) else { return };
             let path = dir.path().join("t.bin");
-            let rows = DiskRows::open(&path, &spec, &DiskStore::new(0, reads)).unwrap();
+            let rows = DiskRows::open(&path, &spec, None, &DiskStore::new(0, reads)).unwrap();
             std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(40_000).unwrap();
             let mut out = vec![0u8; 80];
             let error = rows.fetch(&[900], 80, &mut out, None).unwrap_err();
@@ -449,7 +466,8 @@ mod tests {
     fn a_batch_whose_callers_all_left_reads_nothing_and_fails_as_a_deadline() {
         let Some((dir, spec)) = table_file(1_000) else { return };
         for reads in both_reads("a_batch_whose_callers_all_left_reads_nothing_and_fails_as_a_deadline") {
-            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, &DiskStore::new(0, reads)).unwrap();
+            let rows =
+                DiskRows::open(&dir.path().join("t.bin"), &spec, None, &DiskStore::new(0, reads)).unwrap();
             let mut out = vec![7u8; 80];
             let error = rows.fetch(&[5], 80, &mut out, Some(Instant::now())).unwrap_err();
             assert!(error.0.contains("t.bin") && error.0.contains("deadline passed"), "{reads:?}: {error}");
@@ -461,11 +479,11 @@ mod tests {
         let Some((dir, spec)) = table_file(100) else { return };
         std::fs::hard_link(dir.path().join("t.bin"), dir.path().join("u.bin")).unwrap();
         let store = DiskStore::new(1 << 20, Reads::Auto);
-        let a = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
-        let b = DiskRows::open(&dir.path().join("u.bin"), &spec, &store).unwrap();
+        let a = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
+        let b = DiskRows::open(&dir.path().join("u.bin"), &spec, None, &store).unwrap();
         assert_eq!(a.key, b.key);
         let Some((other_dir, other)) = table_file(100) else { return };
-        let c = DiskRows::open(&other_dir.path().join("t.bin"), &other, &store).unwrap();
+        let c = DiskRows::open(&other_dir.path().join("t.bin"), &other, None, &store).unwrap();
         assert_ne!(a.key, c.key);
         // Written since (a new file that took a deleted one's inode number
         // would be too): other rows, another number.
@@ -476,7 +494,7 @@ mod tests {
             .unwrap()
             .set_modified(written)
             .unwrap();
-        let d = DiskRows::open(&dir.path().join("t.bin"), &spec, &store).unwrap();
+        let d = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
         assert_ne!(a.key, d.key);
     }
 }
