@@ -16,6 +16,11 @@ memory (`memory`, run without a limit: they would not fit).
    `--distinct-requests` prebuilt requests) for `--warmup-seconds` (not
    measured: it fills the page cache, with another seed's requests of the
    same distribution) and then for `--duration` seconds.
+1b. With `--layouts id,popularity`, also a copy of that model whose tables
+   are laid out in popularity order (`narsil tables order`), from an id log
+   of the first Zipf distribution's traffic (`narsil load --id-log`, another
+   seed's `--id-log-requests` requests: yesterday's traffic, not the
+   measured draws); every store is measured on both.
 0. With `--disk-baseline` (needs `fio`: `apt-get install fio`), first
    measures the disk's own random-read limit on the table files: 4 KiB
    direct reads, one at a time, 16 at a time from 16 threads (as the disk
@@ -69,6 +74,31 @@ def write_model(source, out, rows):
     if not os.path.exists(dense):
         shutil.copy(os.path.join(source, schema["dense_network"]), dense)
     return sum(rows * t["row_bytes"] for t in schema["tables"]), schema
+
+
+def popularity_copy(args, model_dir, distribution):
+    """`model_dir` with its tables in popularity order (`narsil tables
+    order`), from an id log of `distribution`'s traffic; reused if there."""
+    ordered = model_dir.rstrip("/") + "-popularity"
+    if os.path.exists(os.path.join(ordered, "schema.json")):
+        return ordered
+    log = ordered + ".ids"
+    addr = f"127.0.0.1:{free_port()}"
+    server = subprocess.Popen([args.binary, "serve", "--backend", "torch", "--model", model_dir, "--table-store",
+                               "mmap", "--addr", addr, "--log-level", "warn"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_serving(args.binary, addr, server)
+        subprocess.run([args.binary, "load", "--addr", f"http://{addr}", "--requests", "1", "--warmup", "0",
+                        "--samples-per-request", str(args.samples), "--id-distribution", distribution,
+                        "--distinct-requests", str(args.id_log_requests), "--seed", "3", "--id-log", log],
+                       check=True, stdout=subprocess.DEVNULL)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    subprocess.run([args.binary, "tables", "order", model_dir, "--id-log", log, "--out", ordered], check=True)
+    os.remove(log)
+    return ordered
 
 
 def drop_cached(out, schema):
@@ -133,7 +163,7 @@ def per_table_hit_rates(delta):
     return {t: round(hits[t] / (hits[t] + fetched.get(t, 0)), 3) for t in hits if hits[t] + fetched.get(t, 0)}
 
 
-def run(args, model_dir, limit_mib, store, distribution):
+def run(args, model_dir, limit_mib, store, distribution, layout):
     cgroup = os.path.join(CGROUP_ROOT, f"narsil-bench-{os.getpid()}")
     os.makedirs(cgroup, exist_ok=True)
     with open(os.path.join(cgroup, "memory.limit_in_bytes"), "w") as f:
@@ -174,7 +204,7 @@ def run(args, model_dir, limit_mib, store, distribution):
     requests = max(1, report["ok"])
     hits, from_store = delta.get("narsil_table_cache_hits_total", 0), delta.get("narsil_table_rows_fetched_total", 0)
     return {
-        "limit_mib": limit_mib or "none", "store": store, "ids": distribution,
+        "limit_mib": limit_mib or "none", "store": store, "ids": distribution, "layout": layout,
         "req_per_s": round(report["req_per_s"], 1),
         "p50_ms": round(report["p50_ms"], 2), "p99_ms": round(report["p99_ms"], 2),
         "non_ok": report["requests"] - report["ok"],
@@ -215,6 +245,10 @@ def main():
     p.add_argument("--duration", type=float, default=20)
     p.add_argument("--warmup-seconds", type=float, default=0,
                    help="load with other requests of the same distribution first, unmeasured, to fill the cache")
+    p.add_argument("--layouts", default="id",
+                   help="table layouts to compare: id (as written), popularity (`narsil tables order`)")
+    p.add_argument("--id-log-requests", type=int, default=2000,
+                   help="requests in the id log the popularity layout is ordered by")
     p.add_argument("--distinct-requests", type=int, default=8000,
                    help="prebuilt requests the load cycles through: enough that the rows of the ones repeated "
                         "within a run are not what the cache holds")
@@ -236,25 +270,34 @@ def main():
         baseline = disk_baseline(args.out, schema)
         for row in baseline:
             print(json.dumps(row), flush=True)
+    models = {"id": args.out}
+    if "popularity" in args.layouts.split(","):
+        zipf = next((d for d in args.distributions.split(",") if d.startswith("zipf")), "zipf:1.05")
+        started = time.time()
+        models["popularity"] = popularity_copy(args, args.out, zipf)
+        print(json.dumps({"popularity_layout": models["popularity"], "ordered_by": zipf,
+                          "id_log_requests": args.id_log_requests, "s": round(time.time() - started, 1)}), flush=True)
     results = []
     for limit in [int(x) for x in args.limits_mib.split(",")]:
         for store in args.stores.split(","):
             if store == "memory" and limit:
                 continue
             for distribution in args.distributions.split(","):
-                drop_cached(args.out, schema)
-                result = run(args, args.out, limit, store, distribution)
-                print(json.dumps(result), flush=True)
-                results.append(result)
+                for layout in args.layouts.split(","):
+                    model_dir = models[layout]
+                    drop_cached(model_dir, json.load(open(os.path.join(model_dir, "schema.json"))))
+                    result = run(args, model_dir, limit, store, distribution, layout)
+                    print(json.dumps(result), flush=True)
+                    results.append(result)
     print(f"\ntables {total / 2**30:.1f} GiB ({args.rows:,} rows x {len(schema['tables'])}), c{args.concurrency}, "
           f"{args.samples} samples per request, {args.warmup_seconds:g} s warm-up, {args.duration:g} s measured")
     print(f"disk store's row cache: {args.cache_mib} MiB")
     for row in baseline:
         print(f"fio 4 KiB random direct reads, {row['fio']}: " + (
             row.get("error") or f"{row['iops']:,} IOPS, mean {row['mean_latency_us']} us"))
-    print("| memory limit | store | ids | req/s | p50 ms | p99 ms | major faults / request | cache hit rate (tables) | "
+    print("| memory limit | store | ids | layout | req/s | p50 ms | p99 ms | major faults / request | cache hit rate (tables) | "
           "rows from disk / request | KiB read / request | read us | dedup | cgroup peak MiB | RSS MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         limit = "none" if r["limit_mib"] == "none" else f"{r['limit_mib']} MiB"
         hit_rate = "-" if r["cache_hit_rate"] is None else r["cache_hit_rate"]
@@ -262,7 +305,7 @@ def main():
         if r["hit_rate_by_table"]:
             hit_rate = f"{hit_rate} ({r['hit_rate_by_table'][0]}-{r['hit_rate_by_table'][1]})"
         dash = lambda v: "-" if v is None else v
-        print(f"| {limit} | {r['store']} | {r['ids']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
+        print(f"| {limit} | {r['store']} | {r['ids']} | {r['layout']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
               f"{r['major_faults_per_request']} | {hit_rate} | {from_disk} | {dash(r['disk_kib_per_request'])} | "
               f"{dash(r['disk_read_mean_us'])} | {r['dedup_ratio']} | {r['cgroup_peak_mib']} | {dash(r['rss_mib'])} |")
 
