@@ -19,9 +19,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::schema::TableSpec;
-use crate::table::TableError;
-
 /// Bytes per id in a slot index.
 pub const SLOT_BYTES: u64 = 4;
 
@@ -56,35 +53,17 @@ impl std::fmt::Debug for SlotIndex {
 }
 
 impl SlotIndex {
-    /// Reads the index `spec`'s layout names in model directory `dir`
-    /// (`None` for a table in id order), checked to be a permutation of the
-    /// table's rows: a file of the wrong size, or one that sends two ids to
-    /// one slot, fails naming the table and the file.
-    pub fn load(dir: &Path, spec: &TableSpec) -> Result<Option<Self>, TableError> {
-        let Some(layout) = &spec.layout else { return Ok(None) };
-        let path = dir.join(&layout.slots);
-        let bad = |why: String| TableError::Read {
-            table: spec.name.clone(),
-            path: path.clone(),
-            source: std::io::Error::other(why),
-        };
-        let bytes = std::fs::read(&path).map_err(|source| TableError::Read {
-            table: spec.name.clone(),
-            path: path.clone(),
-            source,
-        })?;
-        if bytes.len() as u64 != spec.rows * SLOT_BYTES {
-            return Err(bad(format!(
-                "a slot index of {} rows takes {} bytes, the file holds {} (truncated, or not this table's index)",
-                spec.rows,
-                spec.rows * SLOT_BYTES,
+    /// The index in a slot index file's bytes (`rows` little-endian u32s,
+    /// a permutation of the rows), or why they are not one.
+    pub fn from_file_bytes(bytes: &[u8], rows: u64) -> Result<Self, String> {
+        if bytes.len() as u64 != rows * SLOT_BYTES {
+            return Err(format!(
+                "a slot index of {rows} rows takes {} bytes, the file holds {} (truncated, or not this table's index)",
+                rows * SLOT_BYTES,
                 bytes.len()
-            )));
+            ));
         }
-        let slots: Vec<u32> =
-            bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect();
-        let index = Self::new(slots).map_err(bad)?;
-        Ok(Some(index))
+        Self::new(bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
     }
 
     /// An index over `slots` (slot of id `i` at `i`), which must be a
@@ -153,17 +132,6 @@ impl SlotIndex {
         }
         rows
     }
-}
-
-/// A table's layout in the schema: its rows in popularity order, found
-/// through a slot index.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
-pub struct Layout {
-    /// The slot index's file, relative to the model directory.
-    pub slots: PathBuf,
-    /// SHA-256 of the index file, hex (with the table file's, the table's
-    /// identity).
-    pub sha256: String,
 }
 
 /// How often each id was looked up, per table, from an id log.

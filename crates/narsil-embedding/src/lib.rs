@@ -51,11 +51,11 @@ pub mod table;
 pub mod table_store;
 
 pub use dedup::{DistinctIds, IdCount};
-pub use layout::{Layout, Popularity, SlotIndex};
+pub use layout::{Popularity, SlotIndex};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
-pub use schema::{PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage, TableSpec};
+pub use schema::{Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage, TableSpec};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
 pub use store::{FetchError, Fetched, MissingRows, RowStore};
 pub use store_kinds::STORE_KINDS;

@@ -54,7 +54,7 @@ pub struct TableSpec {
     /// Rows in popularity order, found through a slot index (`narsil
     /// tables order`); absent: row `id` is the file's row `id`.
     #[serde(default)]
-    pub layout: Option<crate::layout::Layout>,
+    pub layout: Option<Layout>,
 }
 
 /// A table's rows on a Redis Cluster (see [`crate::redis`]).
@@ -72,6 +72,17 @@ impl RedisTableSpec {
     pub fn bucket(&self, id: u64) -> u64 {
         id % u64::from(self.buckets)
     }
+}
+
+/// A table's layout: its rows in popularity order, found through a slot
+/// index ([`crate::layout`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+pub struct Layout {
+    /// The slot index's file, relative to the model directory.
+    pub slots: PathBuf,
+    /// SHA-256 of the index file, hex (with the table file's, the table's
+    /// identity).
+    pub sha256: String,
 }
 
 /// How a feature's bag of rows becomes one vector.

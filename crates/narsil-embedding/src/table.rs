@@ -129,6 +129,20 @@ pub enum TableError {
     },
 }
 
+/// The slot index of `spec`'s table in model directory `dir`, if it is laid
+/// out in popularity order ([`crate::layout`]): a file of the wrong size, or
+/// one that is not a permutation of the rows, fails naming the table and
+/// the file.
+pub fn slot_index(dir: &Path, spec: &TableSpec) -> Result<Option<SlotIndex>, TableError> {
+    let Some(layout) = &spec.layout else { return Ok(None) };
+    let path = dir.join(&layout.slots);
+    let error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
+    let bytes = std::fs::read(&path).map_err(error)?;
+    let index =
+        SlotIndex::from_file_bytes(&bytes, spec.rows).map_err(|why| error(std::io::Error::other(why)))?;
+    Ok(Some(index))
+}
+
 /// The path of `spec`'s file in the model directory `dir`, once its size is
 /// checked to be the schema's rows times row bytes.
 pub fn checked_file(dir: &Path, spec: &TableSpec) -> Result<PathBuf, TableError> {
@@ -167,7 +181,7 @@ impl Table {
             rows: spec.rows,
             row_bytes: spec.row_bytes,
         };
-        let mut slots = SlotIndex::load(dir, spec)?;
+        let mut slots = slot_index(dir, spec)?;
         let rows_data = match store {
             LocalRows::Memory => {
                 let rows = std::fs::read(&path).map_err(read_error)?;
@@ -334,7 +348,7 @@ mod tests {
             .unwrap();
         let index: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
         std::fs::write(dir.join("tables/cat_3.slots"), &index).unwrap();
-        let layout = crate::layout::Layout { slots: "tables/cat_3.slots".into(), sha256: String::new() };
+        let layout = crate::schema::Layout { slots: "tables/cat_3.slots".into(), sha256: String::new() };
         let ordered = TableSpec { layout: Some(layout), ..spec(3) };
         let memory = Table::load(&dir, &ordered, LocalRows::Memory).unwrap();
         assert_eq!(memory.bytes(), &rows[..], "read back into id order");

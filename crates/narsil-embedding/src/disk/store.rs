@@ -17,7 +17,7 @@ use crate::metrics::DiskCounters;
 use crate::row_cache::RowCache;
 use crate::schema::{SplitSchema, TableSpec};
 use crate::store::{FetchError, Fetched, RowStore};
-use crate::table::{checked_file, TableError};
+use crate::table::{checked_file, slot_index, TableError};
 use crate::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 
 /// `--table-store disk[:io_uring|:threads]`.
@@ -154,7 +154,7 @@ impl StoreConfig for DiskStore {
             let path = checked_file(dir, spec)?;
             let read_error =
                 |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
-            let slots = SlotIndex::load(dir, spec)?;
+            let slots = slot_index(dir, spec)?;
             let rows = DiskRows::open(&path, spec, slots, self).map_err(read_error)?;
             stores.push(Arc::new(rows));
         }
