@@ -29,7 +29,7 @@ output's scores, computed here with the saved file) and manifest.json; with
 --split also OUT/split, the same model as a split model (its INT8 tables
 apart from its dense network, models/README.md), checked against model.pt's
 golden scores, and OUT/extracted, the split form models/extract_split.py
-makes from model.pt alone; with --pt2 too, OUT/split's dense network is
+makes from model.pt alone; with --pt2 too, both forms' dense networks are
 also compiled by AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU with
 bf16 instructions).
 """
@@ -58,7 +58,7 @@ from extract_split import extract
 from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 4
+EXPORT_FORMAT = 5
 
 
 def log(msg: str) -> None:
@@ -269,7 +269,8 @@ def main() -> int:
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split, "
                         "and the one extracted from model.pt into OUT/extracted")
     p.add_argument("--pt2", action="store_true",
-                   help="with --split, also compile OUT/split's dense network with AOTInductor (dense.pt2, and "
+                   help="with --split, also compile OUT/split's and OUT/extracted's dense networks with "
+                        "AOTInductor (dense.pt2, and "
                         "dense_bf16.pt2 on a CPU with bf16 instructions; needs a C++ compiler)")
     p.add_argument("--dense-arch", type=lambda text: [int(x) for x in text.split(",")], default=None,
                    help="dlrm, dlrm_dcn: the dense arch's layer sizes, comma-separated, the last the embedding "
@@ -354,7 +355,7 @@ def main() -> int:
         write_split(out / "split", quantized, args, unweighted, weighted, outputs, requests, golden)
         (out / "split" / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
         log("extracting a split model from model.pt alone (models/extract_split.py)")
-        extract(out, out / "extracted")
+        extract(out, out / "extracted", pt2=args.pt2)
     manifest = {"export_format": EXPORT_FORMAT, "kind": args.kind, "seed": args.seed, "torch": torch.__version__,
                 "files": ["model.pt", "model.json", "golden.json"] + (["split/", "extracted/"] if args.split else [])}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

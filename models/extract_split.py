@@ -3,7 +3,7 @@
 (models/README.md, "Split models"): its INT8 tables apart from its dense
 network, with the same scores.
 
-  extract_split.py MODEL_DIR [--out DIR]
+  extract_split.py MODEL_DIR [--out DIR] [--pt2]
 
 MODEL_DIR holds what Narsil serves for a TorchRec-signature model:
 `model.pt` (TorchScript, `forward(batch: Dict[str, Tensor])`, packaged the
@@ -31,6 +31,12 @@ How, and what it relies on:
     its outputs do not depend on (the lookups, their bounds checks, the
     jagged-tensor bookkeeping that fed them) removed from its graph; the
     table buffers are emptied.
+  * With --pt2, that dense network is also compiled by AOTInductor
+    (dense.pt2, and dense_bf16.pt2 on a CPU with bf16 instructions): its
+    TorchScript graph is retraced for torch.export by ts_retrace.py (run
+    node by node, tensor ops recorded), since torch.export cannot trace a
+    TorchScript module and PyTorch's own converter stops at TorchRec's
+    `KeyedTensor` objects and loops.
 """
 
 import argparse
@@ -47,7 +53,8 @@ from torch import nn
 
 import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 
-from split_model import SPLIT_FORMAT
+from split_model import SPLIT_FORMAT, write_dense_packages
+from ts_retrace import RetracedScript
 
 LOOKUP = "fbgemm::int_nbit_split_embedding_codegen_lookup_function"
 # Positional arguments of the lookup (fbgemm_gpu's
@@ -313,7 +320,7 @@ def place_features(probe: torch.jit.ScriptModule, lookups: List[Lookup], config:
     return places
 
 
-def extract(model_dir: Path, out: Path) -> None:
+def extract(model_dir: Path, out: Path, pt2: bool = False) -> None:
     config = json.loads((model_dir / "model.json").read_text())
     features = config["sparse_features"]
     outputs = config.get("outputs", ["default"])
@@ -370,6 +377,9 @@ def extract(model_dir: Path, out: Path) -> None:
     schema = {"format": SPLIT_FORMAT, "name": f"{model_dir.name}-extracted", "version": "1",
               "num_dense": config["dense_features"], "tables": described, "features": schema_features,
               "outputs": outputs, "dense_network": "dense.pt"}
+    if pt2:
+        retraced = RetracedScript(torch.jit.load(str(out / "dense.pt")))
+        schema.update(write_dense_packages(out, retraced, config["dense_features"], feature_start[-1], log))
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
 
     golden_path = model_dir / "golden.json"
@@ -400,12 +410,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", type=Path, help="a directory with model.pt and model.json (and golden.json)")
     p.add_argument("--out", type=Path, help="the split model's directory (default MODEL_DIR/extracted)")
+    p.add_argument("--pt2", action="store_true",
+                   help="also compile the dense network with AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU "
+                        "with bf16 instructions; needs a C++ compiler)")
     args = p.parse_args()
     for name in ("model.pt", "model.json"):
         if not (args.model_dir / name).exists():
             p.error(f"{args.model_dir / name} does not exist")
     started = time.time()
-    extract(args.model_dir, args.out or args.model_dir / "extracted")
+    extract(args.model_dir, args.out or args.model_dir / "extracted", pt2=args.pt2)
     log(f"done in {time.time() - started:.1f} s")
     return 0
 

@@ -228,7 +228,9 @@ fn close_to_golden_alone_and_fused(
 }
 
 /// The split forms whose dense network was also compiled by AOTInductor
-/// (`export_torchrec.py --split --pt2`) in both forms, FP32 and bf16:
+/// (`export_torchrec.py --split --pt2`) in both forms, FP32 and bf16, as
+/// written from the Python model (`split`) and as extracted from the
+/// TorchScript file alone (`extracted`, its graph retraced for the package):
 /// TorchScript and the package each give Python's scores alone and fused.
 /// The bf16 package exists only where the exporting CPU had bf16
 /// instructions; elsewhere its case is skipped, saying so.
@@ -236,7 +238,12 @@ fn close_to_golden_alone_and_fused(
 fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
     let test = "split_forms_serve_the_same_scores_from_torchscript_and_from_the_package";
     let emulated = cpu_bf16_instructions().is_empty();
-    for name in ["test-torchrec-dcn/split", "test-torchrec-multitask/split"] {
+    for name in [
+        "test-torchrec-dcn/split",
+        "test-torchrec-multitask/split",
+        "test-torchrec-dcn/extracted",
+        "test-torchrec-multitask/extracted",
+    ] {
         let split = narsil_embedding::SplitSchema::read(&model_dir(name)).unwrap();
         assert!(split.dense_package.is_some(), "{name}: no dense.pt2 (export it with --split --pt2)");
         for (form, precision) in [
