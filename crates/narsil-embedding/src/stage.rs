@@ -94,8 +94,9 @@ pub struct StageScratch {
     distinct: Vec<DistinctIds>,
     /// Per table whose store fetches: the rows of its distinct ids.
     fetched: Vec<Vec<u8>>,
-    /// A feature's ids as slots, for local rows in popularity order.
-    slots: Vec<i64>,
+    /// A feature's ids as their rows in the file, for local rows laid out
+    /// in popularity order.
+    file_rows: Vec<i64>,
 }
 
 /// A split model's embedding stage.
@@ -195,7 +196,8 @@ impl EmbeddingStage {
         }
         self.fetch(batch, scratch)?;
         for ((table, distinct), fetched) in self.tables.iter().zip(&scratch.distinct).zip(&scratch.fetched) {
-            faults += self.pool_table(table, batch, distinct, fetched, &mut scratch.slots, pooled, width)?;
+            faults +=
+                self.pool_table(table, batch, distinct, fetched, &mut scratch.file_rows, pooled, width)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         Ok(())
@@ -356,9 +358,9 @@ impl EmbeddingStage {
     }
 
     /// Pools `table`'s bags (its ids deduplicated in `distinct`, the rows
-    /// of a fetching store in `fetched`; `slots` holds a feature's ids as
-    /// slots of local rows in popularity order); returns the major faults
-    /// the lookups took.
+    /// of a fetching store in `fetched`; `file_rows` holds a feature's ids
+    /// as rows of a local file in popularity order); returns the major
+    /// faults the lookups took.
     #[allow(clippy::too_many_arguments)]
     fn pool_table(
         &self,
@@ -366,7 +368,7 @@ impl EmbeddingStage {
         batch: &KeyedBatch,
         distinct: &DistinctIds,
         fetched: &[u8],
-        slots: &mut Vec<i64>,
+        file_rows: &mut Vec<i64>,
         pooled: &mut [f32],
         width: usize,
     ) -> Result<u64, StageError> {
@@ -386,9 +388,9 @@ impl EmbeddingStage {
             let (rows, ids) = match (local, table.store.slots()) {
                 (Some(rows), None) => (rows, ids),
                 (Some(rows), Some(index)) => {
-                    slots.clear();
-                    slots.extend(ids.iter().map(|&id| index.slot(id)));
-                    (rows, &slots[..])
+                    file_rows.clear();
+                    file_rows.extend(ids.iter().map(|&id| index.slot(id)));
+                    (rows, &file_rows[..])
                 }
                 (None, _) => (fetched, &distinct.slots()[slot_start..slot_start + ids.len()]),
             };

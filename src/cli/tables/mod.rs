@@ -191,21 +191,35 @@ fn push(args: &PushTablesArgs) -> anyhow::Result<()> {
 }
 
 /// Adds each table's `redis` location to `dir/schema.json`, keeping every
-/// other field as it is (written to a temporary file, then renamed).
+/// other field as it is.
 fn record_locations(dir: &Path, specs: &[(String, RedisTableSpec)]) -> anyhow::Result<()> {
-    let path = dir.join("schema.json");
+    edit_tables(dir, dir, |name, table| {
+        if let Some((_, redis)) = specs.iter().find(|(n, _)| n == name) {
+            table["redis"] = serde_json::to_value(redis)?;
+        }
+        Ok(())
+    })
+}
+
+/// Writes `from/schema.json` to `to/schema.json` (through a temporary file
+/// renamed into place) with `edit(name, table)` applied to each table's
+/// JSON object, every other field as it is.
+fn edit_tables(
+    from: &Path,
+    to: &Path,
+    mut edit: impl FnMut(&str, &mut serde_json::Value) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let path = from.join("schema.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let mut schema: serde_json::Value = serde_json::from_str(&text)?;
     let tables = schema["tables"].as_array_mut().context("schema.json has no tables")?;
     for table in tables {
         let name = table["name"].as_str().unwrap_or_default().to_owned();
-        if let Some((_, redis)) = specs.iter().find(|(n, _)| *n == name) {
-            table["redis"] = serde_json::to_value(redis)?;
-        }
+        edit(&name, table)?;
     }
-    let temporary = dir.join("schema.json.tmp");
+    let (temporary, out) = (to.join("schema.json.tmp"), to.join("schema.json"));
     std::fs::write(&temporary, serde_json::to_string_pretty(&schema)? + "\n")
         .with_context(|| format!("writing {}", temporary.display()))?;
-    std::fs::rename(&temporary, &path).with_context(|| format!("replacing {}", path.display()))?;
+    std::fs::rename(&temporary, &out).with_context(|| format!("replacing {}", out.display()))?;
     Ok(())
 }

@@ -153,21 +153,13 @@ fn write_hashed(path: &Path, bytes: &[u8]) -> anyhow::Result<String> {
 }
 
 /// `from`'s schema.json into `to`, each table of `layouts` with its new
-/// file hash and its layout; every other field as it is.
+/// file hash and its layout.
 fn write_schema(from: &Path, to: &Path, layouts: &[(String, String, Layout)]) -> anyhow::Result<()> {
-    let path = from.join("schema.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let mut schema: serde_json::Value = serde_json::from_str(&text)?;
-    let tables = schema["tables"].as_array_mut().context("schema.json has no tables")?;
-    for table in tables {
-        let name = table["name"].as_str().unwrap_or_default().to_owned();
-        if let Some((_, sha256, layout)) = layouts.iter().find(|(n, _, _)| *n == name) {
+    super::edit_tables(from, to, |name, table| {
+        if let Some((_, sha256, layout)) = layouts.iter().find(|(n, _, _)| n == name) {
             table["sha256"] = serde_json::Value::String(sha256.clone());
             table["layout"] = serde_json::to_value(layout)?;
         }
-    }
-    let out = to.join("schema.json");
-    std::fs::write(&out, serde_json::to_string_pretty(&schema)? + "\n")
-        .with_context(|| format!("writing {}", out.display()))?;
-    Ok(())
+        Ok(())
+    })
 }
