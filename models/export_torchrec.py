@@ -270,8 +270,8 @@ def main() -> int:
                         "and the one extracted from model.pt into OUT/extracted")
     p.add_argument("--pt2", action="store_true",
                    help="with --split, also compile OUT/split's and OUT/extracted's dense networks with "
-                        "AOTInductor (dense.pt2, and "
-                        "dense_bf16.pt2 on a CPU with bf16 instructions; needs a C++ compiler)")
+                        "AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU with bf16 instructions; needs a "
+                        "C++ compiler)")
     p.add_argument("--dense-arch", type=lambda text: [int(x) for x in text.split(",")], default=None,
                    help="dlrm, dlrm_dcn: the dense arch's layer sizes, comma-separated, the last the embedding "
                         "dimension (default 64,DIM)")

@@ -102,15 +102,11 @@ class RetracedScript(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """A dense network's signature: (dense, pooled) -> scores."""
-        return self.run(dense, pooled)
-
-    def run(self, *args):
         inputs = list(self.graph.inputs())
         env: Dict[str, Any] = {inputs[0].debugName(): self.root}
-        for value, arg in zip(inputs[1:], args):
+        for value, arg in zip(inputs[1:], (dense, pooled)):
             env[value.debugName()] = arg
-        outputs = self.run_block(self.graph, env)
-        return outputs[0]
+        return self.run_block(self.graph, env)[0]
 
     def run_block(self, block, env: Dict[str, Any]) -> List[Any]:
         for node in block.nodes():

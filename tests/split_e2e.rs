@@ -245,21 +245,25 @@ async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store
     }
     std::fs::write(dir.path().join("ids.log"), log).unwrap();
     let ordered = dir.path().join("ordered");
+    // `narsil tables order` of the test model by the log `log` in `dir`.
+    let order = |log: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
+            .args(["tables", "order"])
+            .arg(&split)
+            .arg("--id-log")
+            .arg(dir.path().join(log))
+            .arg("--out")
+            .arg(&ordered)
+            .output()
+            .unwrap()
+    };
     for (bad, says) in [
         ("cat_0 7\ncat_0 x\n", "line 2 (\"cat_0 x\"): the id is not a number"),
         ("nosuch 5\n", "\"nosuch\" is no feature or table"),
         ("cat_3 1000\n", "id 1000 is past table \"cat_3\"'s 1000 rows"),
     ] {
         std::fs::write(dir.path().join("bad.log"), bad).unwrap();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["tables", "order"])
-            .arg(&split)
-            .arg("--id-log")
-            .arg(dir.path().join("bad.log"))
-            .arg("--out")
-            .arg(&ordered)
-            .output()
-            .unwrap();
+        let out = order("bad.log");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success() && stderr.contains(says) && stderr.contains("bad.log"),
@@ -267,15 +271,7 @@ async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store
         );
         assert!(!ordered.exists(), "a refused log writes nothing");
     }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
-        .args(["tables", "order"])
-        .arg(&split)
-        .arg("--id-log")
-        .arg(dir.path().join("ids.log"))
-        .arg("--out")
-        .arg(&ordered)
-        .output()
-        .unwrap();
+    let out = order("ids.log");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let schema = narsil_embedding::SplitSchema::read(&ordered).unwrap();
     assert!(schema.tables.iter().all(|t| t.layout.is_some()), "every table is named in the log");

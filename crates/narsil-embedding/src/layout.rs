@@ -13,8 +13,8 @@
 //!
 //! Stores read both layouts with the same scores: `memory` puts the rows
 //! back in id order as it reads the file (the layout buys nothing there);
-//! `mmap` and `disk` keep the index in memory (4 bytes per row) and read
-//! row `slot(id)`.
+//! `mmap` and `disk` keep the index in memory (compact: [`SlotIndex`]) and
+//! read row `slot(id)`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

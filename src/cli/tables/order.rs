@@ -38,7 +38,7 @@ pub struct OrderTablesArgs {
 pub fn order(args: &OrderTablesArgs) -> anyhow::Result<()> {
     let schema = SplitSchema::read(&args.model).with_context(|| format!("{}", args.model.display()))?;
     anyhow::ensure!(!args.out.exists(), "--out {} exists: name a new directory", args.out.display());
-    let mut logs = read_id_log(&args.id_log, &schema)?;
+    let logs = read_id_log(&args.id_log, &schema)?;
     let started = Instant::now();
     let partial = args.out.with_extension("partial");
     if partial.exists() {
@@ -53,7 +53,7 @@ pub fn order(args: &OrderTablesArgs) -> anyhow::Result<()> {
         .collect();
     link_tree(&args.model, &partial, Path::new(""), &reordered)?;
     let mut layouts = Vec::new();
-    for (i, (spec, log)) in schema.tables.iter().zip(&mut logs).enumerate() {
+    for (i, (spec, log)) in schema.tables.iter().zip(&logs).enumerate() {
         let label = format!("[{}/{}] {}", i + 1, schema.tables.len(), spec.name);
         if log.distinct() == 0 {
             eprintln!("{label}: not in the id log, left in id order");
