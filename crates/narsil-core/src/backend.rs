@@ -61,6 +61,19 @@ pub enum BackendError {
         #[source]
         source: Option<ErrorSource>,
     },
+    /// Every caller of the batch stopped waiting before the forward could
+    /// finish: the batch's deadline (the latest of its callers') passed, so
+    /// the forward stopped early (a table store stops its reads then). Not
+    /// a failure of the backend: the engine answers the batch's requests
+    /// DEADLINE_EXCEEDED and leaves the backend's health alone. Return it
+    /// only once [`KeyedBatch::deadline`] has passed; a batch without a
+    /// deadline (warm-up, health probes, a caller without one) is never
+    /// abandoned, and the engine counts the error as a failure there.
+    #[error("every caller stopped waiting: {reason}")]
+    Abandoned {
+        /// What was stopped, and when.
+        reason: String,
+    },
     /// A forward returned a different number of scores than rows times
     /// outputs.
     #[error("forward returned {got} scores for {rows} rows")]
@@ -94,6 +107,12 @@ impl BackendError {
         Self::Forward { reason: reason.into(), source: None }
     }
 
+    /// The forward over a batch whose every caller stopped waiting was
+    /// stopped at `reason` ([`BackendError::Abandoned`]).
+    pub fn abandoned(reason: impl Into<String>) -> Self {
+        Self::Abandoned { reason: reason.into() }
+    }
+
     /// The same error, caused by `cause` (kept as its source).
     pub fn caused_by(mut self, cause: impl std::error::Error + Send + Sync + 'static) -> Self {
         let cause: ErrorSource = Arc::new(cause);
@@ -104,7 +123,7 @@ impl BackendError {
             | Self::Unavailable { source, .. } => {
                 *source = Some(cause);
             }
-            Self::WrongScoreCount { .. } | Self::Panicked { .. } => {}
+            Self::Abandoned { .. } | Self::WrongScoreCount { .. } | Self::Panicked { .. } => {}
         }
         self
     }
@@ -157,7 +176,8 @@ pub trait ModelBackend: Send {
 pub trait BatchStage: Send {
     /// Stages `batch` for the lane's [`ModelBackend::forward_staged`].
     /// Fails as the whole forward would have (an id out of range, a store
-    /// that cannot deliver).
+    /// that cannot deliver, [`BackendError::Abandoned`] once the batch's
+    /// deadline passed).
     fn stage(&mut self, batch: &KeyedBatch) -> Result<StagedBatch, BackendError>;
 }
 
@@ -230,6 +250,10 @@ mod tests {
         assert_eq!(
             error_chain(&BackendError::WrongScoreCount { rows: 3, got: 2 }),
             "forward returned 2 scores for 3 rows"
+        );
+        assert_eq!(
+            error_chain(&BackendError::abandoned("reading rows of t")),
+            "every caller stopped waiting: reading rows of t"
         );
     }
 }

@@ -5,6 +5,11 @@
 //! while the lane runs batch N's [`ModelBackend::forward_staged`]
 //! (`--stage-ahead`).
 //!
+//! A staged batch waits at the hand-over until its lane is free; that wait
+//! counts in its requests' queue time (the engine's
+//! `narsil_stage_handover_seconds`), and the lane chooses the forward's
+//! threads when it takes the batch, not when the stage did.
+//!
 //! What a stage hands over is a host block of `[rows, width]` FP32 values:
 //! the one seam between the stage and whatever runs the rest (a CPU
 //! network today; a device network copies it in).

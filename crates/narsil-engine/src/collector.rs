@@ -366,6 +366,16 @@ impl Collector {
         self.lock().busy_lanes -= 1;
     }
 
+    /// Threads for the forward of a job taken earlier by a lane's stage
+    /// thread, now that the lane takes it (the hand-over): what
+    /// [`Collector::next_job`] would choose at this moment, the job itself
+    /// not counted among the busy lanes. At the take its lane was usually
+    /// still busy with the previous batch, which made that choice 1.
+    pub fn threads_at_handover(&self) -> usize {
+        let state = self.lock();
+        forward_threads(self.cores, state.busy_lanes.saturating_sub(1), state.queue.is_empty())
+    }
+
     /// Stops taking requests; lanes finish what is queued, then stop.
     pub fn close(&self) {
         self.lock().closed = true;
@@ -624,6 +634,29 @@ mod tests {
         assert_eq!(admission.queued_requests(), 1, "the place is free");
         collector.mark_stale();
         assert_eq!(collector.sweep(), 0, "nothing else to free");
+    }
+
+    #[test]
+    fn a_staged_job_handed_over_to_an_idle_server_takes_the_free_cores() {
+        let admission = Admission::new(100, 1000);
+        let collector = Collector::new(queue(1, 100, 0), 4, Arc::new(Stats::default()));
+        let mut receivers = Vec::new();
+        for tag in 0..2 {
+            let (e, samples, rx) = entry(&admission, 1, tag, Instant::now());
+            collector.submit(vec![(e, samples)]).unwrap();
+            receivers.push(rx);
+        }
+        // A stage thread takes the first job; the job itself never counts
+        // against its own threads, but the second job is still queued.
+        let NextJob::Job(first) = collector.next_job(None, false) else { panic!("a job is due") };
+        assert_eq!(first.threads, 1, "at the take a second job was queued");
+        assert_eq!(collector.threads_at_handover(), 1, "the second job is still queued");
+        // Another lane takes the second: at the first's hand-over one other
+        // lane is busy and nothing is queued.
+        let NextJob::Job(_second) = collector.next_job(None, false) else { panic!("a job is due") };
+        assert_eq!(collector.threads_at_handover(), 3, "4 cores less the other busy lane");
+        collector.finished_job(); // the other lane's
+        assert_eq!(collector.threads_at_handover(), 4, "the other lanes are idle");
     }
 
     #[test]

@@ -58,7 +58,9 @@ pub enum EngineError {
     /// amount of waiting admits it.
     #[error("invalid message: needs {} {}, more than the queue may ever hold ({})", .0.needed, .0.limit.unit(), .0.max)]
     NeverFits(QueueFull),
-    /// The request's deadline passed before its forward could start.
+    /// The request's deadline passed before its forward could start, or,
+    /// with every other caller of its batch gone too, before the forward
+    /// could finish (the backend stopped it: [`BackendError::Abandoned`]).
     #[error("deadline exceeded before the request reached the model")]
     DeadlineExceeded,
     /// Lanes are still loading or warming up.

@@ -8,9 +8,14 @@
 //! them, one batch ahead: while the lane runs batch N's forward, batch
 //! N+1 is staged (its rows fetched and pooled), then waits, handed over
 //! once the lane is free (a rendezvous, so at most one batch is staged
-//! ahead). Before its forward a staged batch loses the requests whose
-//! caller stopped waiting meanwhile (DEADLINE_EXCEEDED for those whose
-//! deadline passed), rows and all; with none left the forward is skipped.
+//! ahead). Its wait there, from the end of its stage to the lane taking it,
+//! is queue time for its requests (`narsil_stage_handover_seconds`), and
+//! the lane chooses its forward's threads then, as the collector would for
+//! a batch taken at that moment ([`Collector::threads_at_handover`]): at
+//! the stage's take the lane was busy, which made that choice 1. Before
+//! its forward a staged batch loses the requests whose caller stopped
+//! waiting meanwhile (DEADLINE_EXCEEDED for those whose deadline passed),
+//! rows and all; with none left the forward is skipped.
 //!
 //! A failing forward fails only its own batch; a panicking backend is caught
 //! and the lane keeps serving. Every forward's outcome goes to the shared
@@ -18,6 +23,16 @@
 //! backend with a one-row forward every probe interval, so that a recovered
 //! backend turns healthy again without traffic (which load balancers stop
 //! sending once health says NOT_SERVING).
+//!
+//! A batch whose every caller stopped waiting before its forward could
+//! finish ([`BackendError::Abandoned`]: its deadline, the latest of its
+//! callers', passed and a table store stopped its reads) is neither: its
+//! requests are answered DEADLINE_EXCEEDED, it is counted
+//! (`narsil_batches_abandoned_total`), and health is not told, so an
+//! overloaded replica whose callers give up does not take itself out of its
+//! load balancer. The lane honours the claim only once the batch's deadline
+//! has passed; from a batch without one (warm-up, probes, a caller without
+//! a deadline) it is a failure like any other.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -68,11 +83,13 @@ enum Staged {
     Idle,
 }
 
-/// A batch taken at `taken`, and what its stage made of it.
+/// A batch taken at `taken`, and what its stage made of it by `ready`.
 struct StagedJob {
     job: Job,
     taken: Instant,
     staged: Result<StagedBatch, BackendError>,
+    /// When its stage finished: from then on it waits for the lane.
+    ready: Instant,
 }
 
 /// Starts `count` lanes taking batches from the collector. Each reports into
@@ -136,7 +153,7 @@ impl LaneContext {
             match next {
                 NextJob::Job(due) => {
                     let (job, taken) = self.take(due);
-                    self.run_job(backend, job, taken, None);
+                    self.run_job(backend, job, taken, Duration::ZERO, None);
                 }
                 NextJob::Idle => self.probe(backend),
                 NextJob::Closed => return,
@@ -160,8 +177,12 @@ impl LaneContext {
             for next in staged {
                 match next {
                     Staged::Job(staged) => {
-                        let StagedJob { job, taken, staged } = *staged;
-                        self.run_job(backend, job, taken, Some(staged));
+                        let StagedJob { mut job, taken, staged, ready } = *staged;
+                        let handover = ready.elapsed();
+                        job.threads = self.collector.threads_at_handover();
+                        self.stats.batches_staged.inc();
+                        self.stats.stage_handover_seconds.observe(handover.as_secs_f64());
+                        self.run_job(backend, job, taken, handover, Some(staged));
                         self.collector.finished_job();
                     }
                     Staged::Idle => self.probe(backend),
@@ -183,7 +204,7 @@ impl LaneContext {
                     let (job, taken) = self.take(due);
                     let staged = catch_unwind(AssertUnwindSafe(|| stage.stage(&job.batch)))
                         .unwrap_or_else(|_| Err(BackendError::Panicked { during: "staging".into() }));
-                    Staged::Job(Box::new(StagedJob { job, taken, staged }))
+                    Staged::Job(Box::new(StagedJob { job, taken, staged, ready: Instant::now() }))
                 }
                 NextJob::Idle => Staged::Idle,
                 NextJob::Closed => return,
@@ -240,17 +261,20 @@ impl LaneContext {
 
     /// Runs `job`'s forward (the rest of it, given what its stage made of
     /// it, when `staged`) and answers every request in it. `taken`: when
-    /// the lane (or its stage thread) took it from the collector.
+    /// the lane (or its stage thread) took it from the collector;
+    /// `handover`: how long a staged batch then waited for the lane once
+    /// staged (queue time too).
     fn run_job(
         &self,
         backend: &mut dyn ModelBackend,
         job: Job,
         taken: Instant,
+        handover: Duration,
         staged: Option<Result<StagedBatch, BackendError>>,
     ) {
         self.stats.busy_lanes.inc();
         let bytes = job.waiters.iter().map(|w| w.lease.bytes()).sum();
-        self.compute(backend, job, taken, staged);
+        self.compute(backend, job, taken, handover, staged);
         crate::memory::freed_batch(bytes);
         self.stats.busy_lanes.dec();
     }
@@ -260,6 +284,7 @@ impl LaneContext {
         backend: &mut dyn ModelBackend,
         mut job: Job,
         taken: Instant,
+        handover: Duration,
         staged: Option<Result<StagedBatch, BackendError>>,
     ) {
         backend.set_threads(job.threads);
@@ -289,10 +314,22 @@ impl LaneContext {
         self.stats.compute_seconds.observe(compute_time.as_secs_f64());
         self.stats.batch_rows.observe(rows as f64);
         self.stats.batch_requests.observe(job.waiters.len() as f64);
-        self.record_health(scores.is_ok());
         let scores = match scores {
-            Ok(scores) => scores,
+            Ok(scores) => {
+                self.record_health(true);
+                scores
+            }
+            Err(error) if abandoned(&error, &job.batch, Instant::now()) => {
+                let requests: Vec<u64> = job.waiters.iter().map(|w| w.id).collect();
+                tracing::debug!(lane = self.lane, rows, ?requests, error = %error_chain(&error), "batch abandoned");
+                self.stats.batches_abandoned.inc();
+                for waiter in job.waiters {
+                    let _ = waiter.reply.send(Err(EngineError::DeadlineExceeded));
+                }
+                return;
+            }
             Err(error) => {
+                self.record_health(false);
                 let requests: Vec<u64> = job.waiters.iter().map(|w| w.id).collect();
                 tracing::error!(lane = self.lane, rows, ?requests, error = %error_chain(&error), "forward failed");
                 self.stats.backend_errors.inc();
@@ -315,12 +352,21 @@ impl LaneContext {
                 forwards: 1,
                 fused_rows: rows,
                 fused_requests,
-                queue_time: taken.saturating_duration_since(waiter.admitted),
+                queue_time: taken.saturating_duration_since(waiter.admitted) + handover,
                 compute_time,
                 model_version: Arc::clone(&self.model_version),
             }));
         }
     }
+}
+
+/// Whether `error`, from the forward over `batch`, is the batch abandoned
+/// by every caller ([`BackendError::Abandoned`]) rather than a failure: only
+/// once the batch's deadline has passed at `now`. A batch without one
+/// (warm-up, probes, a caller without a deadline) has a caller waiting, so
+/// the claim is a failure there.
+fn abandoned(error: &BackendError, batch: &narsil_core::KeyedBatch, now: Instant) -> bool {
+    matches!(error, BackendError::Abandoned { .. }) && batch.deadline.is_some_and(|deadline| deadline <= now)
 }
 
 impl LaneContext {
@@ -340,5 +386,417 @@ impl LaneContext {
             Ok(Err(error)) => Err(error),
             Err(_) => Err(BackendError::Panicked { during: during.into() }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    use narsil_core::mock::mock_scores;
+    use narsil_core::request::{IdPolicy, RequestLimits};
+    use narsil_core::{assemble, KeyedBatch, ModelSchema, RequestSamples};
+    use tokio::sync::oneshot;
+
+    use super::*;
+    use crate::collector::BatchQueue;
+    use crate::config::{EngineConfig, ExecutionMode};
+    use crate::engine::{Engine, EngineHandle};
+    use crate::flush::PerRequest;
+    use crate::job::Waiter;
+    use crate::memory::MemoryBudget;
+
+    type Answer = oneshot::Receiver<Result<Prediction, EngineError>>;
+
+    fn schema() -> ModelSchema {
+        ModelSchema::dlrm("test", "cpu", 1000)
+    }
+
+    /// A one-sample request, valid for [`schema`].
+    fn one_sample() -> RequestSamples {
+        let schema = schema();
+        RequestSamples {
+            num_samples: 1,
+            dense: vec![0.5; schema.num_dense],
+            lengths: vec![1; schema.num_sparse()],
+            ids: (0..schema.num_sparse() as i64).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Creates each lane's backend with `lane`.
+    struct Factory<B> {
+        schema: ModelSchema,
+        lane: Box<dyn Fn() -> B + Send + Sync>,
+    }
+
+    impl<B: ModelBackend + 'static> BackendFactory for Factory<B> {
+        fn schema(&self) -> &ModelSchema {
+            &self.schema
+        }
+
+        fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+            Ok(Box::new((self.lane)()))
+        }
+    }
+
+    /// Forwards fail with the errors given, in order, then score.
+    struct Scripted(VecDeque<BackendError>);
+
+    impl ModelBackend for Scripted {
+        fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+            self.0.pop_front().map_or_else(|| Ok(mock_scores(batch)), Err)
+        }
+    }
+
+    /// A lane (not started) of one engine's shared state, whose backend
+    /// turns unhealthy after `unhealthy_after` failures in a row.
+    fn lane(unhealthy_after: u32) -> LaneContext {
+        let stats = Arc::new(Stats::default());
+        let schema = schema();
+        let queue = BatchQueue::new(Arc::new(PerRequest), schema.num_dense, schema.num_sparse());
+        let factory = Factory { schema, lane: Box::new(|| Scripted(VecDeque::new())) };
+        LaneContext {
+            lane: 0,
+            shared: Arc::new(LaneShared {
+                factory: Arc::new(factory),
+                collector: Arc::new(Collector::new(queue, 2, Arc::clone(&stats))),
+                stats,
+                readiness: watch::channel(Readiness::default()).0,
+                health: Arc::new(BackendHealth::new(unhealthy_after)),
+                probe_interval: Duration::from_secs(1),
+                model_version: Arc::from("1"),
+                stage_ahead: false,
+            }),
+        }
+    }
+
+    /// A batch of `requests` one-sample requests whose callers all stop
+    /// waiting at `deadline`, and their answers.
+    fn job(requests: usize, deadline: Option<Instant>) -> (Job, Vec<Answer>) {
+        let schema = schema();
+        let request = one_sample();
+        let mut batch =
+            assemble(schema.num_dense, schema.num_sparse(), std::iter::repeat_n(&request, requests));
+        batch.deadline = deadline;
+        let budget = MemoryBudget::new(usize::MAX);
+        let (waiters, answers) = (0..requests)
+            .map(|id| {
+                let (reply, answer) = oneshot::channel();
+                let lease = budget.try_reserve(0).unwrap();
+                let admitted = Instant::now();
+                (Waiter { id: id as u64, reply, admitted, deadline, lease }, answer)
+            })
+            .unzip();
+        (Job { threads: 1, batch, waiters }, answers)
+    }
+
+    /// Runs a batch of two requests whose deadline has passed on `backend`;
+    /// their answers.
+    fn run_late_batch(
+        lane: &LaneContext,
+        backend: &mut dyn ModelBackend,
+    ) -> Vec<Result<Prediction, EngineError>> {
+        let (job, answers) = job(2, Some(Instant::now()));
+        lane.run_job(backend, job, Instant::now(), Duration::ZERO, None);
+        answers.into_iter().map(|mut a| a.try_recv().expect("answered")).collect()
+    }
+
+    fn abandoned_error() -> BackendError {
+        BackendError::abandoned("reading rows: every caller's deadline passed")
+    }
+
+    fn unavailable() -> BackendError {
+        BackendError::Unavailable { reason: "the store is gone".into(), source: None }
+    }
+
+    #[test]
+    fn ten_batches_whose_callers_all_left_leave_the_backend_healthy() {
+        let lane = lane(5);
+        let mut backend = Scripted((0..10).map(|_| abandoned_error()).collect());
+        for batch in 0..10 {
+            for answer in run_late_batch(&lane, &mut backend) {
+                assert!(matches!(answer, Err(EngineError::DeadlineExceeded)), "batch {batch}: {answer:?}");
+            }
+        }
+        let stats = lane.stats.snapshot(0);
+        assert_eq!((stats.batches_abandoned, stats.backend_errors), (10, 0));
+        assert!(lane.health.is_healthy());
+        assert_eq!(lane.stats.backend_healthy.get(), 1);
+        let text = lane.stats.encode(0, 0, 0);
+        assert!(text.contains("narsil_batches_abandoned_total 10"), "{text}");
+        assert!(text.contains("narsil_forward_errors_total 0"), "{text}");
+    }
+
+    #[test]
+    fn failures_count_toward_unhealthy_across_abandoned_batches_in_between() {
+        let lane = lane(5);
+        let errors = [unavailable(), unavailable(), unavailable(), unavailable(), abandoned_error()];
+        let mut backend = Scripted(errors.into_iter().chain([abandoned_error(), unavailable()]).collect());
+        for _ in 0..4 {
+            let answers = run_late_batch(&lane, &mut backend);
+            assert!(answers
+                .iter()
+                .all(|a| matches!(a, Err(EngineError::Backend(BackendError::Unavailable { .. })))));
+        }
+        for _ in 0..2 {
+            run_late_batch(&lane, &mut backend);
+            assert!(lane.health.is_healthy(), "an abandoned batch is no failure");
+        }
+        run_late_batch(&lane, &mut backend);
+        assert!(!lane.health.is_healthy(), "five failures in a row, abandoned batches aside");
+        let stats = lane.stats.snapshot(0);
+        assert_eq!((stats.batches_abandoned, stats.backend_errors), (2, 5));
+        // Nor does an abandoned batch make it healthy again.
+        let mut backend = Scripted([abandoned_error()].into());
+        run_late_batch(&lane, &mut backend);
+        assert!(!lane.health.is_healthy());
+        run_late_batch(&lane, &mut backend);
+        assert!(lane.health.is_healthy(), "a forward that succeeds does");
+    }
+
+    #[test]
+    fn a_claim_of_abandonment_while_a_caller_still_waits_is_a_failure() {
+        let lane = lane(1);
+        // A caller without a deadline, and callers whose deadline is ahead.
+        for deadline in [None, Some(Instant::now() + Duration::from_secs(3600))] {
+            let (job, answers) = job(1, deadline);
+            lane.run_job(
+                &mut Scripted([abandoned_error()].into()),
+                job,
+                Instant::now(),
+                Duration::ZERO,
+                None,
+            );
+            for mut answer in answers {
+                let answer = answer.try_recv().unwrap();
+                assert!(
+                    matches!(answer, Err(EngineError::Backend(BackendError::Abandoned { .. }))),
+                    "{deadline:?}: {answer:?}"
+                );
+            }
+        }
+        let stats = lane.stats.snapshot(0);
+        assert_eq!((stats.batches_abandoned, stats.backend_errors), (0, 2));
+        assert!(!lane.health.is_healthy());
+    }
+
+    #[test]
+    fn probes_and_warm_ups_never_take_a_claim_of_abandonment_for_success() {
+        // Their batches carry no deadline.
+        assert_eq!(warmup_batch(&schema(), 1).deadline, None);
+        let lane = lane(1);
+        lane.probe(&mut Scripted([abandoned_error()].into()));
+        assert!(!lane.health.is_healthy(), "an abandoned probe is a failed probe");
+        lane.probe(&mut Scripted(VecDeque::new()));
+        assert!(lane.health.is_healthy());
+        let failing = Factory { schema: schema(), lane: Box::new(|| Scripted([abandoned_error()].into())) };
+        let lane = LaneContext {
+            lane: 0,
+            shared: Arc::new(LaneShared {
+                factory: Arc::new(failing),
+                ..Arc::into_inner(lane.shared).unwrap()
+            }),
+        };
+        let failed = lane.load_and_warm_up().err().expect("warm-up fails");
+        assert!(
+            matches!(failed, LaneFailed::WarmUp { error: BackendError::Abandoned { .. }, .. }),
+            "{failed:?}"
+        );
+    }
+
+    fn config(stage_ahead: bool) -> EngineConfig {
+        EngineConfig {
+            mode: ExecutionMode::Batch,
+            max_batch_requests: 16,
+            max_batch_rows: 1024,
+            batch_timeout: Duration::ZERO,
+            lanes: 1,
+            max_forward_threads: 2,
+            max_queue_requests: 64,
+            max_queue_rows: 1024,
+            memory: MemoryBudget::new(1 << 30),
+            queue_timeout: None,
+            limits: RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject },
+            unhealthy_after_failures: 5,
+            health_probe_interval: Duration::from_millis(50),
+            stage_ahead,
+        }
+    }
+
+    async fn wait_until(what: &str, done: impl Fn() -> bool) {
+        let give_up = Instant::now() + Duration::from_secs(20);
+        while !done() {
+            assert!(Instant::now() < give_up, "gave up waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// The value of the sample of `metric` in the exposition `text`.
+    fn metric(text: &str, metric: &str) -> f64 {
+        text.lines()
+            .find(|line| line.strip_prefix(metric).is_some_and(|rest| rest.starts_with(['{', ' '])))
+            .and_then(|line| line.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no {metric} in {text}"))
+    }
+
+    /// Like a table store whose reads stop once every caller left: a
+    /// forward over a batch with a deadline runs past it, then stops.
+    struct StopsAtTheDeadline;
+
+    impl ModelBackend for StopsAtTheDeadline {
+        fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+            let Some(deadline) = batch.deadline else { return Ok(mock_scores(batch)) };
+            std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+            Err(abandoned_error())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn requests_of_abandoned_batches_count_as_deadlines_and_the_replica_keeps_serving() {
+        let factory = Factory { schema: schema(), lane: Box::new(|| StopsAtTheDeadline) };
+        let engine = Engine::start(Arc::new(factory), config(false)).unwrap();
+        let handle = engine.handle();
+        handle.wait_ready().await.unwrap();
+        for sent in 1..=10 {
+            let deadline = Instant::now() + Duration::from_millis(20);
+            let answer = handle.predict(one_sample(), None, Some(deadline)).await;
+            assert!(matches!(answer, Err(EngineError::DeadlineExceeded)), "{answer:?}");
+            wait_until("the batch abandoned", || handle.stats().batches_abandoned == sent).await;
+        }
+        assert_eq!(handle.stats().backend_errors, 0);
+        assert!(handle.is_healthy() && *handle.backend_health().borrow());
+        let text = handle.metrics_text();
+        assert_eq!(
+            metric(&text, r#"narsil_requests_total{model="dlrm",version="1",outcome="deadline"}"#),
+            10.0
+        );
+        assert_eq!(metric(&text, "narsil_backend_healthy"), 1.0);
+        engine.shutdown().await;
+    }
+
+    /// A staged backend whose forwards wait at a gate, recording the
+    /// threads each staged forward was given.
+    #[derive(Default)]
+    struct Gate {
+        open: AtomicBool,
+        staged: AtomicUsize,
+        threads: Mutex<Vec<usize>>,
+    }
+
+    struct Gated {
+        gate: Arc<Gate>,
+        threads: usize,
+    }
+
+    struct CountingStage(Arc<Gate>);
+
+    impl BatchStage for CountingStage {
+        fn stage(&mut self, batch: &KeyedBatch) -> Result<StagedBatch, BackendError> {
+            self.0.staged.fetch_add(1, Ordering::SeqCst);
+            Ok(StagedBatch { values: vec![0.0; batch.rows], width: 1, took: Duration::ZERO })
+        }
+    }
+
+    impl ModelBackend for Gated {
+        fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+            Ok(mock_scores(batch))
+        }
+
+        fn set_threads(&mut self, threads: usize) {
+            self.threads = threads;
+        }
+
+        fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
+            Some(Box::new(CountingStage(Arc::clone(&self.gate))))
+        }
+
+        fn forward_staged(
+            &mut self,
+            batch: &KeyedBatch,
+            _staged: StagedBatch,
+        ) -> Result<Vec<f32>, BackendError> {
+            self.gate.threads.lock().unwrap().push(self.threads);
+            while !self.gate.open.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(mock_scores(batch))
+        }
+    }
+
+    /// How long the staged batch B waits at the hand-over.
+    const HELD: Duration = Duration::from_millis(100);
+
+    /// One lane on two cores, staging ahead: A's forward waits at the gate
+    /// while B is taken and staged, then B waits at the hand-over for
+    /// [`HELD`] before the gate opens. Returns A's and B's answers, the
+    /// engine's handle (engine stopped) and the gate.
+    async fn staged_behind_a_busy_lane() -> (Prediction, Prediction, EngineHandle, Arc<Gate>) {
+        let gate = Arc::new(Gate::default());
+        let lanes_gate = Arc::clone(&gate);
+        let lane = move || Gated { gate: Arc::clone(&lanes_gate), threads: 1 };
+        let engine =
+            Engine::start(Arc::new(Factory { schema: schema(), lane: Box::new(lane) }), config(true))
+                .unwrap();
+        let handle = engine.handle();
+        handle.wait_ready().await.unwrap();
+        let send = || {
+            let handle = handle.clone();
+            tokio::spawn(async move { handle.predict(one_sample(), None, None).await.unwrap() })
+        };
+        let a = send();
+        wait_until("A in its forward", || gate.threads.lock().unwrap().len() == 1).await;
+        let b = send();
+        wait_until("B staged", || gate.staged.load(Ordering::SeqCst) == 2).await;
+        tokio::time::sleep(HELD).await;
+        gate.open.store(true, Ordering::SeqCst);
+        let (a, b) = (a.await.unwrap(), b.await.unwrap());
+        engine.shutdown().await;
+        (a, b, handle, gate)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_staged_batch_s_wait_for_its_busy_lane_is_queue_time() {
+        let (_, b, handle, _) = staged_behind_a_busy_lane().await;
+        // B was taken at once: nearly all of its queue time is the
+        // hand-over (about HELD; half of it leaves room for a slow stage
+        // thread between counting B staged and finishing its stage).
+        let at_least = HELD / 2;
+        assert!(
+            b.queue_time >= at_least,
+            "B waited {HELD:?} at the hand-over; queue time {:?}",
+            b.queue_time
+        );
+        let text = handle.metrics_text();
+        assert_eq!(metric(&text, "narsil_stage_handover_seconds_count"), 2.0, "A's and B's");
+        assert!(metric(&text, "narsil_stage_handover_seconds_sum") >= at_least.as_secs_f64(), "{text}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_staged_batch_s_threads_are_chosen_when_its_lane_takes_it() {
+        let (_, _, _, gate) = staged_behind_a_busy_lane().await;
+        // B was taken while A's forward ran (1 thread then); at the
+        // hand-over the server is otherwise idle and nothing is queued.
+        assert_eq!(*gate.threads.lock().unwrap(), vec![2, 2], "threads of A's and B's forwards");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batches_run_through_the_staged_path_are_counted() {
+        let (_, _, handle, _) = staged_behind_a_busy_lane().await;
+        assert_eq!(handle.stats().batches_staged, 2);
+        assert_eq!(metric(&handle.metrics_text(), "narsil_batches_staged_total"), 2.0);
+        // Without stage ahead the same backend's batches are not staged.
+        let gate = Arc::new(Gate { open: AtomicBool::new(true), ..Default::default() });
+        let lane = move || Gated { gate: Arc::clone(&gate), threads: 1 };
+        let engine =
+            Engine::start(Arc::new(Factory { schema: schema(), lane: Box::new(lane) }), config(false))
+                .unwrap();
+        let handle = engine.handle();
+        handle.wait_ready().await.unwrap();
+        handle.predict(one_sample(), None, None).await.unwrap();
+        assert_eq!((handle.stats().forwards, handle.stats().batches_staged), (1, 0));
+        engine.shutdown().await;
     }
 }

@@ -3,8 +3,11 @@
 //! ([`Stats::encode`]), through `prometheus-client`.
 //!
 //! Per request: end-to-end time of answered requests, queue time (admission
-//! to forward start) and the outcome. Per forward: compute time, fused rows
-//! and fused requests. Gauges: queued requests and rows, busy lanes.
+//! to a lane, or its stage thread, taking the request's batch) and the
+//! outcome. Per forward: compute time, fused rows and fused requests, and
+//! whether every caller of its batch left first (abandoned). Per staged
+//! batch (`--stage-ahead`): its wait at the hand-over to its lane. Gauges:
+//! queued requests and rows, busy lanes.
 
 use std::fmt::Write;
 
@@ -79,10 +82,13 @@ pub struct Stats {
     pub(crate) requests_computed: Counter,
     pub(crate) requests_abandoned: Counter,
     pub(crate) backend_errors: Counter,
+    pub(crate) batches_abandoned: Counter,
+    pub(crate) batches_staged: Counter,
     pub(crate) probe_forwards: Counter,
     pub(crate) busy_lanes: Gauge,
     pub(crate) backend_healthy: Gauge,
     pub(crate) queue_seconds: Histogram,
+    pub(crate) stage_handover_seconds: Histogram,
     pub(crate) compute_seconds: Histogram,
     pub(crate) request_seconds: Histogram,
     pub(crate) batch_rows: Histogram,
@@ -108,8 +114,15 @@ pub struct StatsSnapshot {
     pub requests_computed: u64,
     /// Queued requests removed before their forward: cancelled or expired.
     pub requests_abandoned: u64,
-    /// Forwards that failed or panicked.
+    /// Forwards that failed or panicked (abandoned batches excluded).
     pub backend_errors: u64,
+    /// Batches whose every caller stopped waiting before their forward
+    /// could finish ([`narsil_core::BackendError::Abandoned`]): their
+    /// requests got DEADLINE_EXCEEDED; neither a failure nor a success.
+    pub batches_abandoned: u64,
+    /// Batches a stage thread staged ahead and handed to its lane
+    /// (`--stage-ahead`), whatever their outcome.
+    pub batches_staged: u64,
     /// Lanes running a forward right now.
     pub busy_lanes: usize,
     /// Requests admitted and not yet started.
@@ -142,6 +155,8 @@ impl Stats {
             requests_computed: Counter::default(),
             requests_abandoned: Counter::default(),
             backend_errors: Counter::default(),
+            batches_abandoned: Counter::default(),
+            batches_staged: Counter::default(),
             probe_forwards: Counter::default(),
             busy_lanes: Gauge::default(),
             backend_healthy: {
@@ -150,6 +165,7 @@ impl Stats {
                 healthy
             },
             queue_seconds: seconds_buckets(),
+            stage_handover_seconds: seconds_buckets(),
             compute_seconds: seconds_buckets(),
             request_seconds: seconds_buckets(),
             batch_rows: Histogram::new(exponential_buckets(1.0, 2.0, 15)),
@@ -175,9 +191,15 @@ impl Stats {
         );
         r.register_with_unit(
             "queue",
-            "Time from admission to the start of a request's forward",
+            "Time from admission until a lane (or its stage thread) took a request's batch",
             Unit::Seconds,
             self.queue_seconds.clone(),
+        );
+        r.register_with_unit(
+            "stage_handover",
+            "Time a batch staged ahead waited for its lane, from the end of its stage to the lane taking it",
+            Unit::Seconds,
+            self.stage_handover_seconds.clone(),
         );
         r.register_with_unit(
             "compute",
@@ -188,7 +210,21 @@ impl Stats {
         r.register("batch_rows", "Rows fused into one forward", self.batch_rows.clone());
         r.register("batch_requests", "Requests fused into one forward", self.batch_requests.clone());
         r.register("forwards", "Forward passes run", self.forwards.clone());
-        r.register("forward_errors", "Forwards that failed or panicked", self.backend_errors.clone());
+        r.register(
+            "forward_errors",
+            "Forwards that failed or panicked (abandoned batches excluded)",
+            self.backend_errors.clone(),
+        );
+        r.register(
+            "batches_abandoned",
+            "Batches whose every caller's deadline passed before the forward could finish",
+            self.batches_abandoned.clone(),
+        );
+        r.register(
+            "batches_staged",
+            "Batches a stage thread staged ahead and handed to its lane",
+            self.batches_staged.clone(),
+        );
         r.register(
             "abandoned",
             "Queued requests dropped before a forward (cancelled or expired)",
@@ -248,6 +284,8 @@ impl Stats {
             requests_computed: self.requests_computed.get(),
             requests_abandoned: self.requests_abandoned.get(),
             backend_errors: self.backend_errors.get(),
+            batches_abandoned: self.batches_abandoned.get(),
+            batches_staged: self.batches_staged.get(),
             busy_lanes: self.busy_lanes.get().max(0) as usize,
             queued_requests,
         }
@@ -342,6 +380,9 @@ mod tests {
         assert!(text.contains("narsil_requests_total{outcome=\"deadline\"} 1"), "{text}");
         assert!(text.contains("narsil_batch_rows_count 1"), "{text}");
         assert!(text.contains("narsil_queue_seconds_bucket"), "{text}");
+        assert!(text.contains("narsil_stage_handover_seconds_count 0"), "{text}");
+        assert!(text.contains("narsil_batches_abandoned_total 0"), "{text}");
+        assert!(text.contains("narsil_batches_staged_total 0"), "{text}");
         assert!(text.contains("narsil_queue_depth 3"), "{text}");
         assert!(text.contains("narsil_queue_rows 300"), "{text}");
         assert!(text.contains("narsil_queue_bytes 4000"), "{text}");
