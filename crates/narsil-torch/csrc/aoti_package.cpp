@@ -1,31 +1,46 @@
 // A dense network compiled ahead of time by AOTInductor (a `.pt2` package
 // from torch.export), loaded with libtorch's AOTIModelPackageLoader and run
 // on tensors Rust owns. Same conventions as script_module.cpp: an opaque
-// pointer each way, tch's `at::Tensor*` for tensors, errors as a malloc'd
-// message in `*error` (the caller frees it), and no exception of any kind
-// crosses into Rust.
+// pointer each way, tch's `at::Tensor*` for tensors.
+//
+// Errors: every function that can fail takes `char** error`; on failure it
+// stores a malloc'd message there (the caller frees it; null if even that
+// allocation failed) and returns null (or -1). No exception leaves an
+// `extern "C"` function: unwinding into Rust is undefined behaviour, so each
+// catches `std::exception` (its message) and then anything else (a generic
+// message), and each is `noexcept` besides, so that a throw we missed ends
+// the process (std::terminate) instead.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace {
 
-char* copy_text(const std::string& text) {
-  char* out = static_cast<char*>(std::malloc(text.size() + 1));
-  std::memcpy(out, text.c_str(), text.size() + 1);
+// A malloc'd copy of `text` (the caller frees it), or null if malloc fails.
+char* copy_text(const char* text) noexcept {
+  const size_t size = std::strlen(text) + 1;
+  char* out = static_cast<char*>(std::malloc(size));
+  if (out) std::memcpy(out, text, size);
   return out;
 }
 
-void set_error(char** error, const std::exception& e) {
+void set_error(char** error, const std::exception& e) noexcept {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
     *error = copy_text(c10_error->what_without_backtrace());
   } else {
     *error = copy_text(e.what());
   }
+}
+
+// For a throw of something that is not a std::exception.
+void set_unknown_error(char** error) noexcept {
+  *error = copy_text("libtorch threw an exception that is not a std::exception");
 }
 
 }  // namespace
@@ -38,41 +53,51 @@ extern "C" {
 
 // The package's metadata entry `key` (its compile options and what the
 // exporter recorded), without loading its kernels: `*value` is null when
-// the package has no such entry. Returns 0, or -1 with `*error` set.
-int narsil_aoti_package_metadata(const char* path, const char* key, char** value, char** error) {
+// the package has no such entry. Returns 0, or -1 with `*error` set and
+// `*value` null.
+int narsil_aoti_package_metadata(const char* path, const char* key, char** value, char** error) noexcept {
   *value = nullptr;
   try {
     const auto metadata = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, "model");
     const auto found = metadata.find(key);
-    if (found != metadata.end()) *value = copy_text(found->second);
+    if (found != metadata.end()) {
+      *value = copy_text(found->second.c_str());
+      if (!*value) throw std::bad_alloc();
+    }
     return 0;
   } catch (const std::exception& e) {
+    std::free(*value);
+    *value = nullptr;
     set_error(error, e);
+    return -1;
   } catch (...) {
-    *error = copy_text("an unknown C++ exception reading the package's metadata");
+    std::free(*value);
+    *value = nullptr;
+    set_unknown_error(error);
+    return -1;
   }
-  return -1;
 }
 
 // Loads the package at `path` for the CPU with `runners` model instances
 // (forwards that may run at once; a forward waits for a free one).
-NarsilAotiPackage* narsil_aoti_package_load(const char* path, int runners, char** error) {
+NarsilAotiPackage* narsil_aoti_package_load(const char* path, int runners, char** error) noexcept {
   try {
     auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
         path, "model", /*run_single_threaded=*/false, static_cast<size_t>(runners), /*device_index=*/-1);
     return new NarsilAotiPackage{std::move(loader)};
   } catch (const std::exception& e) {
     set_error(error, e);
+    return nullptr;
   } catch (...) {
-    *error = copy_text("an unknown C++ exception loading the package");
+    set_unknown_error(error);
+    return nullptr;
   }
-  return nullptr;
 }
 
 // Runs the package on `inputs` and returns its first output as a new tensor
 // (the caller takes ownership).
 at::Tensor* narsil_aoti_package_run(NarsilAotiPackage* package, int num_inputs, const at::Tensor* const* inputs,
-                                    char** error) {
+                                    char** error) noexcept {
   try {
     std::vector<at::Tensor> values;
     values.reserve(num_inputs);
@@ -82,12 +107,15 @@ at::Tensor* narsil_aoti_package_run(NarsilAotiPackage* package, int num_inputs, 
     return new at::Tensor(std::move(outputs[0]));
   } catch (const std::exception& e) {
     set_error(error, e);
+    return nullptr;
   } catch (...) {
-    *error = copy_text("an unknown C++ exception in the package's forward");
+    set_unknown_error(error);
+    return nullptr;
   }
-  return nullptr;
 }
 
-void narsil_aoti_package_free(NarsilAotiPackage* package) { delete package; }
+// Frees a package from narsil_aoti_package_load. Destructors do not throw
+// (they are implicitly noexcept: a throw would end the process, not unwind).
+void narsil_aoti_package_free(NarsilAotiPackage* package) noexcept { delete package; }
 
 }  // extern "C"

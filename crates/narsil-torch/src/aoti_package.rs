@@ -9,6 +9,13 @@
 //! metadata (`narsil_cpu_flags`), and loading refuses a package whose flags
 //! this CPU lacks, naming the file and the flags, before any of its code is
 //! loaded (it would die of an illegal instruction instead).
+//!
+//! The shim keeps `csrc/script_module.cpp`'s contract, which every call
+//! below relies on: no C++ exception leaves it (each function is `noexcept`,
+//! catches everything and reports it through its `error` out-pointer as a
+//! malloc'd C string, or as null when even that allocation failed), a
+//! function that fails returns null (or -1) and nothing else, and a tensor it
+//! returns is a new heap `at::Tensor` the caller owns.
 
 use std::ffi::{c_char, c_int, CString};
 use std::path::Path;
@@ -102,11 +109,12 @@ impl AotiPackage {
         }
         let c_path = c_path(path)?;
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: a valid C string and out-pointer; the shim returns a
-        // package or sets `error`, never both, and throws nothing.
+        // SAFETY: a valid C string and out-pointer that outlive the call;
+        // the shim returns a package or sets `error` (possibly to null),
+        // never both, and throws nothing (module docs).
         let raw = unsafe { narsil_aoti_package_load(c_path.as_ptr(), runners.max(1) as c_int, &mut error) };
         if raw.is_null() {
-            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+            return Err(shim_error(error));
         }
         Ok(Self { raw })
     }
@@ -117,12 +125,14 @@ impl AotiPackage {
         let c_key = CString::new(key).map_err(|_| LibtorchError(format!("key with a NUL byte: {key}")))?;
         let mut value: *mut c_char = std::ptr::null_mut();
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: valid C strings and out-pointers; on success `value` is a
-        // malloc'd string or null, on failure `error` is set.
+        // SAFETY: valid C strings and out-pointers that outlive the call; on
+        // success `value` is a malloc'd string or null, on failure `value`
+        // is null and `error` is set (possibly to null); the shim throws
+        // nothing.
         let status =
             unsafe { narsil_aoti_package_metadata(c_path.as_ptr(), c_key.as_ptr(), &mut value, &mut error) };
         if status != 0 {
-            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+            return Err(shim_error(error));
         }
         Ok(take_string(value))
     }
@@ -131,17 +141,27 @@ impl AotiPackage {
     pub fn forward_tensors(&self, inputs: &[&Tensor]) -> Result<Tensor, LibtorchError> {
         let raw: Vec<*const RawTensor> = inputs.iter().map(|t| t.as_ptr()).collect();
         let mut error: *mut c_char = std::ptr::null_mut();
-        // SAFETY: the tensors outlive the call and `raw` has the length
-        // passed; `self.raw` is a live package.
+        // SAFETY: `self.raw` is a live package (freed only by Drop); `raw`
+        // has the length passed and it, the tensors it points at and `error`
+        // outlive the call; the shim throws nothing.
         let output =
             unsafe { narsil_aoti_package_run(self.raw, raw.len() as c_int, raw.as_ptr(), &mut error) };
         if output.is_null() {
-            return Err(LibtorchError(take_string(error).unwrap_or_else(|| "unknown error".into())));
+            return Err(shim_error(error));
         }
-        // SAFETY: a non-null result is a new heap `at::Tensor` whose
-        // ownership passes to the returned Tensor.
+        // SAFETY: a non-null result is a new heap `at::Tensor` no one else
+        // holds; its ownership passes to the returned Tensor.
         Ok(unsafe { Tensor::from_ptr(output) })
     }
+}
+
+/// The error the shim reported: its message, or (when it could not
+/// allocate one) a message that says so.
+fn shim_error(error: *mut c_char) -> LibtorchError {
+    LibtorchError(
+        take_string(error)
+            .unwrap_or_else(|| "unknown error (the AOTInductor shim could not allocate its message)".into()),
+    )
 }
 
 impl Drop for AotiPackage {

@@ -140,12 +140,15 @@ impl BackendFactory for SplitFactory {
     }
 }
 
-/// A lane of a split model: its stage buffers and pooled embeddings,
-/// reused.
+/// A lane of a split model: its stage buffers, pooled embeddings and
+/// dense features, reused.
 struct SplitLane {
     model: Arc<SplitModel>,
     scratch: StageScratch,
     pooled: Vec<f32>,
+    /// The batch's dense features copied, so that the dense network gets
+    /// memory the lane owns (see [`SplitLane::dense_forward`]).
+    dense: Vec<f32>,
     threads: IntraOpThreads,
     /// Pooled blocks handed back to the lane's [`SplitStage`] for reuse,
     /// once it has one.
@@ -158,6 +161,7 @@ impl SplitLane {
             model,
             scratch: StageScratch::default(),
             pooled: Vec::new(),
+            dense: Vec::new(),
             threads: IntraOpThreads::new(min_threads),
             spent: None,
         }
@@ -165,17 +169,33 @@ impl SplitLane {
 
     /// The dense network's forward over `batch`'s dense features and its
     /// `pooled` block.
-    fn dense_forward(&self, batch: &KeyedBatch, pooled: &[f32]) -> Result<Vec<f32>, BackendError> {
-        let model = &*self.model;
+    ///
+    /// The network may write into its inputs: a TorchScript graph or an
+    /// AOTInductor package with an in-place op on an input (`relu_`,
+    /// `clamp_`) writes into the tensor's memory. So it is lent only memory
+    /// the lane holds exclusively and never reads again: `pooled` (the
+    /// lane's block or the staged one, each fully rewritten by the next
+    /// pool) and a copy of the dense features in `dense` (DLRM's 13 floats
+    /// a row, against 6.5 KiB of pooled values), never `batch.dense`, which
+    /// the engine's batch holds immutably and reads afterwards.
+    fn dense_forward(
+        model: &SplitModel,
+        batch: &KeyedBatch,
+        dense: &mut Vec<f32>,
+        pooled: &mut [f32],
+    ) -> Result<Vec<f32>, BackendError> {
         let (rows, width) = (batch.rows, model.stage.pooled_width());
-        // Both inputs are borrowed, not copied (the pooled block is 6.5 KiB
-        // per row).
-        // SAFETY: the two tensors and the network's output (which may alias
-        // them) are dropped below, before this returns, while `batch` and
-        // `pooled` are borrowed; the dense network (a TorchScript module or
-        // an AOTInductor package) keeps no reference to its inputs.
-        let (dense, pooled) =
-            unsafe { (borrowed(&batch.dense, rows, batch.num_dense)?, borrowed(pooled, rows, width)?) };
+        dense.clear();
+        dense.extend_from_slice(&batch.dense);
+        // SAFETY: `dense` and `pooled` are exclusive borrows for the whole
+        // of this function, so nothing else reads or writes them while the
+        // tensors exist; the two tensors and the network's output (which
+        // may alias them) are dropped below, before this returns; the dense
+        // network (a TorchScript module or an AOTInductor package) keeps no
+        // reference to its inputs. What it may write into them is never
+        // read: `dense` is refilled before each forward and `pooled` is
+        // overwritten whole by the next pool.
+        let (dense, pooled) = unsafe { (lent(dense, rows, batch.num_dense)?, lent(pooled, rows, width)?) };
         let (dense, pooled) = (in_precision(dense, model.precision)?, in_precision(pooled, model.precision)?);
         let output = model
             .dense_network
@@ -210,15 +230,17 @@ impl BatchStage for SplitStage {
     }
 }
 
-/// `values` as a `[rows, cols]` FP32 CPU tensor over the same memory.
+/// `values` as a `[rows, cols]` FP32 CPU tensor over the same memory, lent
+/// to libtorch for reading and writing.
 ///
 /// # Safety
 ///
 /// The tensor does not own or borrow-check `values`: the caller must drop
 /// it, and every tensor that may alias it (views, shallow clones, a
-/// network's output that returns its input), before `values` is changed or
-/// freed.
-unsafe fn borrowed(values: &[f32], rows: usize, cols: usize) -> Result<Tensor, BackendError> {
+/// network's output that returns its input), before the borrow of `values`
+/// ends, and must not rely on what `values` holds afterwards (libtorch may
+/// have written into it).
+unsafe fn lent(values: &mut [f32], rows: usize, cols: usize) -> Result<Tensor, BackendError> {
     if values.len() != rows * cols {
         return Err(BackendError::forward(format!(
             "a [{rows}, {cols}] input block holds {} values, not {}",
@@ -226,13 +248,16 @@ unsafe fn borrowed(values: &[f32], rows: usize, cols: usize) -> Result<Tensor, B
             rows * cols
         )));
     }
-    // SAFETY: `values` holds rows * cols contiguous f32s (checked above)
-    // that live as long as the caller keeps the tensor (this function's
-    // contract); libtorch neither frees nor writes memory it did not
-    // allocate.
+    // SAFETY: `values` holds rows * cols contiguous, initialized f32s
+    // (checked above), borrowed exclusively for as long as the caller keeps
+    // the tensor (this function's contract), so a write through the tensor
+    // (an in-place op of the network) is a write through that exclusive
+    // borrow that nothing else observes meanwhile; libtorch never frees
+    // memory it did not allocate, and cannot grow it (a blob's storage is
+    // not resizable).
     unsafe {
         Tensor::f_from_blob(
-            values.as_ptr().cast(),
+            values.as_mut_ptr().cast::<u8>(),
             &[rows as i64, cols as i64],
             &[cols as i64, 1],
             tch::Kind::Float,
@@ -257,15 +282,12 @@ impl ModelBackend for SplitLane {
     }
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
-        let mut pooled = std::mem::take(&mut self.pooled);
-        let scores = self
-            .model
+        let model = &*self.model;
+        model
             .stage
-            .pool(batch, &mut self.scratch, &mut pooled)
+            .pool(batch, &mut self.scratch, &mut self.pooled)
             .map_err(BackendError::from)
-            .and_then(|()| self.dense_forward(batch, &pooled));
-        self.pooled = pooled;
-        scores
+            .and_then(|()| Self::dense_forward(model, batch, &mut self.dense, &mut self.pooled))
     }
 
     fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
@@ -279,10 +301,13 @@ impl ModelBackend for SplitLane {
     }
 
     fn forward_staged(&mut self, batch: &KeyedBatch, staged: StagedBatch) -> Result<Vec<f32>, BackendError> {
-        let scores = self.dense_forward(batch, &staged.values);
+        // The staged block is the lane's now (owned): the dense network may
+        // write into it, and the stage pools over it whole when it is reused.
+        let mut pooled = staged.values;
+        let scores = Self::dense_forward(&self.model, batch, &mut self.dense, &mut pooled);
         if let Some(spent) = &self.spent {
             // The stage may be gone (shutting down): the block is freed.
-            let _ = spent.send(staged.values);
+            let _ = spent.send(pooled);
         }
         scores
     }

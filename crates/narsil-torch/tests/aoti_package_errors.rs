@@ -1,0 +1,52 @@
+//! The AOTInductor shim's failure paths come back as errors naming what
+//! libtorch said, never as an abort: a file that is not a package fails at
+//! its metadata, and a package whose metadata reads but whose kernels do
+//! not load fails in the shim's load.
+//!
+//! Needs the test model's `split/dense.pt2` (`scripts/test.sh` exports
+//! `models/generated/test-small`).
+
+use narsil_core::golden::test_model_dir;
+use narsil_torch::aoti_package::{AotiPackage, CPU_FLAGS_KEY};
+
+fn temp_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("narsil-aoti-{}-{name}", std::process::id()))
+}
+
+/// A clear message: not the Rust side's fallback for a null one.
+fn assert_clear(what: &str, err: &str) {
+    eprintln!("{what}: {err}");
+    assert!(!err.trim().is_empty() && !err.contains("unknown error"), "{what}: {err:?}");
+}
+
+#[test]
+fn a_file_that_is_not_a_package_is_an_error_not_an_abort() {
+    let path = temp_path("not-a-package.pt2");
+    std::fs::write(&path, b"not a package").unwrap();
+    let metadata = AotiPackage::metadata(&path, CPU_FLAGS_KEY).expect_err("metadata of a non-package");
+    let load = AotiPackage::load(&path, 1, &[]).err().expect("a non-package loaded");
+    std::fs::remove_file(&path).unwrap();
+    assert_clear("metadata", &metadata.to_string());
+    assert_clear("load", &load.to_string());
+}
+
+#[test]
+fn a_package_whose_kernels_do_not_load_is_an_error_not_an_abort() {
+    let test = "a_package_whose_kernels_do_not_load_is_an_error_not_an_abort";
+    let source = test_model_dir().join("split/dense.pt2");
+    let Ok(mut bytes) = std::fs::read(&source) else {
+        eprintln!("skipped: {test}: no {} (scripts/test.sh exports it)", source.display());
+        return;
+    };
+    // The package stores its kernels' shared object uncompressed: break its
+    // ELF magic, leaving the metadata entries as they are.
+    let elf = bytes.windows(4).position(|w| w == b"\x7fELF").expect("the package holds a shared object");
+    bytes[elf + 1] = b'X';
+    let path = temp_path("broken-kernels.pt2");
+    std::fs::write(&path, &bytes).unwrap();
+    let flags = AotiPackage::metadata(&path, CPU_FLAGS_KEY).unwrap().expect("flags recorded");
+    let flags: Vec<&str> = flags.split_whitespace().collect();
+    let err = AotiPackage::load(&path, 1, &flags).err().map(|e| e.to_string());
+    std::fs::remove_file(&path).unwrap();
+    assert_clear("load", &err.expect("a package with broken kernels loaded"));
+}
