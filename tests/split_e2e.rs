@@ -24,10 +24,12 @@ async fn start_split(config: EngineConfig) -> TestServer {
     start_with(Arc::new(factory), config).await.ready().await
 }
 
-/// What the embedding stage counted for table `cat_0`.
+/// What the embedding stage counted for table `cat_0`, and the batches
+/// the lanes ran through the staged path (`--stage-ahead`).
 struct TableCounts {
     ids: f64,
     distinct: f64,
+    staged: f64,
 }
 
 impl TableCounts {
@@ -37,6 +39,7 @@ impl TableCounts {
         Self {
             ids: common::metric(&text, r#"narsil_table_ids_total{table="cat_0"}"#),
             distinct: common::metric(&text, r#"narsil_table_distinct_ids_total{table="cat_0"}"#),
+            staged: common::metric(&text, "narsil_batches_staged_total"),
         }
     }
 }
@@ -70,7 +73,11 @@ async fn golden_scores_alone_and_fused(config: EngineConfig) -> (bool, TableCoun
         fused |= responses.iter().any(|r| r.fused_requests > 1);
     }
     let after = TableCounts::scrape(&server).await;
-    let counts = TableCounts { ids: after.ids - before.ids, distinct: after.distinct - before.distinct };
+    let counts = TableCounts {
+        ids: after.ids - before.ids,
+        distinct: after.distinct - before.distinct,
+        staged: after.staged - before.staged,
+    };
     assert!(
         counts.ids >= counts.distinct && counts.distinct > 0.0,
         "{} ids, {} distinct",
@@ -93,15 +100,19 @@ async fn split_model_serves_the_single_file_models_scores_in_batch_mode() {
         counts.ids,
         counts.distinct
     );
+    assert_eq!(counts.staged, 0.0, "no stage ahead, no staged batch");
 }
 
+/// The same scores with the stage one batch ahead, and the staged path
+/// really ran (the scores alone would be the same if it were skipped).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn split_model_staged_one_batch_ahead_serves_the_same_scores_alone_and_fused() {
     for lanes in [1, 2] {
         let mut config = batch_mode(lanes, 16);
         config.stage_ahead = true;
-        let (fused, _) = golden_scores_alone_and_fused(config).await;
+        let (fused, counts) = golden_scores_alone_and_fused(config).await;
         assert!(fused, "{lanes} lane(s): 16 concurrent requests never shared a forward");
+        assert!(counts.staged >= 4.0, "{lanes} lane(s): {} batches staged in 4 rounds", counts.staged);
     }
 }
 
@@ -159,7 +170,7 @@ async fn disk_tables_serve_the_same_scores_alone_and_fused_with_most_rows_from_d
     let table = test_model_dir().join("split/tables/cat_0.bin");
     if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&table) {
         let why = format!("{} refuses direct reads ({e})", table.display());
-        return common::skip(
+        return common::skip_direct_io(
             "disk_tables_serve_the_same_scores_alone_and_fused_with_most_rows_from_disk",
             &why,
         );
@@ -231,29 +242,37 @@ async fn fp32_tables_serve_the_fp32_models_scores_alone_and_fused() {
 /// golden tolerance.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store() {
+    const TEST: &str = "tables_in_popularity_order_serve_the_same_scores_from_every_local_store";
     let split = test_model_dir().join("split");
     let golden = Golden::read(&test_model_dir()).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let mut log = String::new();
+    // On the target's file system: /tmp may be a tmpfs, where the disk
+    // store's direct reads are refused.
+    let dir = common::real_fs_tempdir();
+    let mut lines = Vec::new();
     for g in &golden.requests {
         let mut ids = g.ids.iter();
         for (bag, &len) in g.lengths.iter().enumerate() {
             for id in ids.by_ref().take(len as usize) {
-                log += &format!("cat_{} {id}\n", bag % 26);
+                lines.push((bag % 26, format!("cat_{} {id}\n", bag % 26)));
             }
         }
     }
+    let log: String = lines.iter().map(|(_, line)| line.as_str()).collect();
     std::fs::write(dir.path().join("ids.log"), log).unwrap();
+    // Another order for half the tables: the same ids, last seen first.
+    let again: String = lines.iter().rev().filter(|(t, _)| *t < 13).map(|(_, line)| line.as_str()).collect();
+    std::fs::write(dir.path().join("again.log"), again).unwrap();
     let ordered = dir.path().join("ordered");
-    // `narsil tables order` of the test model by the log `log` in `dir`.
-    let order = |log: &str| {
+    let reordered = dir.path().join("reordered");
+    // `narsil tables order` of `model` by the log `log` in `dir` into `out`.
+    let order = |model: &std::path::Path, log: &str, out: &std::path::Path| {
         std::process::Command::new(env!("CARGO_BIN_EXE_narsil"))
             .args(["tables", "order"])
-            .arg(&split)
+            .arg(model)
             .arg("--id-log")
             .arg(dir.path().join(log))
             .arg("--out")
-            .arg(&ordered)
+            .arg(out)
             .output()
             .unwrap()
     };
@@ -263,7 +282,7 @@ async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store
         ("cat_3 1000\n", "id 1000 is past table \"cat_3\"'s 1000 rows"),
     ] {
         std::fs::write(dir.path().join("bad.log"), bad).unwrap();
-        let out = order("bad.log");
+        let out = order(&split, "bad.log", &ordered);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(
             !out.status.success() && stderr.contains(says) && stderr.contains("bad.log"),
@@ -271,7 +290,7 @@ async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store
         );
         assert!(!ordered.exists(), "a refused log writes nothing");
     }
-    let out = order("ids.log");
+    let out = order(&split, "ids.log", &ordered);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let schema = narsil_embedding::SplitSchema::read(&ordered).unwrap();
     assert!(schema.tables.iter().all(|t| t.layout.is_some()), "every table is named in the log");
@@ -279,6 +298,34 @@ async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store
         std::fs::read(ordered.join("tables/cat_0.bin")).unwrap(),
         std::fs::read(split.join("tables/cat_0.bin")).unwrap(),
         "the rows moved"
+    );
+    // Ordering the ordered copy writes a third copy and leaves the second
+    // as it was: not a byte of it changes (its `.slots` once shared an
+    // inode with the new copy's and was written through).
+    let files = |root: &std::path::Path| {
+        let mut found = std::collections::BTreeMap::new();
+        for sub in ["", "tables"] {
+            for entry in std::fs::read_dir(root.join(sub)).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_file() {
+                    found.insert(path.strip_prefix(root).unwrap().to_owned(), std::fs::read(&path).unwrap());
+                }
+            }
+        }
+        found
+    };
+    let before = files(&ordered);
+    let out = order(&ordered, "again.log", &reordered);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let after = files(&ordered);
+    assert!(before.keys().eq(after.keys()), "the ordered copy's files changed: {:?}", after.keys());
+    for (path, bytes) in &before {
+        assert!(&after[path] == bytes, "ordering the ordered copy changed its {}", path.display());
+    }
+    assert_ne!(
+        std::fs::read(reordered.join("tables/cat_0.slots")).unwrap(),
+        before[std::path::Path::new("tables/cat_0.slots")],
+        "the second log orders cat_0 otherwise"
     );
 
     let (reference, _) = serve_golden_alone(TorchConfig::new(split), "id order").await;
@@ -300,24 +347,26 @@ async fn tables_in_popularity_order_serve_the_same_scores_from_every_local_store
             let table = ordered.join("tables/cat_0.bin");
             if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&table) {
                 let why = format!("the disk store's case: {} refuses direct reads ({e})", table.display());
-                common::skip("tables_in_popularity_order_serve_the_same_scores_from_every_local_store", &why);
+                common::skip_direct_io(TEST, &why);
                 continue;
             }
         }
-        let mut config = TorchConfig::new(ordered.clone());
-        config.table_store = store.parse::<narsil_torch::TableStore>().unwrap().with_flags(&flags);
-        let what = format!("popularity order, {store} store");
-        let (server, _) = serve_golden_alone(config, &what).await;
-        let mut client = server.client().await;
-        for (i, (g, want)) in golden.requests.iter().zip(&want).enumerate() {
-            let scores = client.predict(wire(g, "")).await.unwrap().into_inner().scores;
-            assert_eq!(&scores, want, "golden request {i}, {what}: not the bits of id order");
+        for (model, layout) in [(&ordered, "popularity order"), (&reordered, "popularity order twice")] {
+            let mut config = TorchConfig::new(model.clone());
+            config.table_store = store.parse::<narsil_torch::TableStore>().unwrap().with_flags(&flags);
+            let what = format!("{layout}, {store} store");
+            let (server, _) = serve_golden_alone(config, &what).await;
+            let mut client = server.client().await;
+            for (i, (g, want)) in golden.requests.iter().zip(&want).enumerate() {
+                let scores = client.predict(wire(g, "")).await.unwrap().into_inner().scores;
+                assert_eq!(&scores, want, "golden request {i}, {what}: not the bits of id order");
+            }
+            let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
+            let responses = common::predict_all(&server.channel().await, &requests).await;
+            for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+                assert_close(&response.scores, &g.scores_int8, &format!("client {i} fused, {what}"));
+            }
+            server.stop().await.unwrap();
         }
-        let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
-        let responses = common::predict_all(&server.channel().await, &requests).await;
-        for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
-            assert_close(&response.scores, &g.scores_int8, &format!("client {i} fused, {what}"));
-        }
-        server.stop().await.unwrap();
     }
 }

@@ -71,12 +71,12 @@ pub struct BackendArgs {
     /// (each row rounded up to 8 bytes plus a 16-byte tag), shared by every
     /// lane, table and model version; 0 reads every row from the disk or the
     /// cluster.
-    #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::redis::DEFAULT_CACHE_BYTES)]
+    #[arg(long, env = "NARSIL_TABLE_CACHE_BYTES", default_value_t = narsil_embedding::stores::redis::DEFAULT_CACHE_BYTES)]
     pub table_cache_bytes: u64,
     /// `redis` table store: the longest one batch's fetch (every table,
     /// retries included) may take, milliseconds; a batch whose callers all
     /// set deadlines gives up at the latest of them if that comes first.
-    #[arg(long, env = "NARSIL_TABLE_FETCH_TIMEOUT_MS", default_value_t = narsil_embedding::redis::DEFAULT_FETCH_TIMEOUT.as_millis() as u64)]
+    #[arg(long, env = "NARSIL_TABLE_FETCH_TIMEOUT_MS", default_value_t = narsil_embedding::stores::redis::DEFAULT_FETCH_TIMEOUT.as_millis() as u64)]
     pub table_fetch_timeout_ms: u64,
     /// `redis` table store: what a row the cluster does not hold becomes.
     /// `error` fails the batch (UNAVAILABLE: no score computed from a

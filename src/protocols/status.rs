@@ -21,7 +21,12 @@ pub fn to_status(error: EngineError, names: FieldNames) -> Status {
         EngineError::NotReady | EngineError::NoServingVersion(_) | EngineError::ShuttingDown => {
             Code::Unavailable
         }
-        EngineError::Backend(narsil_core::BackendError::Unavailable { .. }) => Code::Unavailable,
+        // A fetch given up while a caller still waited: as a store that
+        // did not deliver in time (the lane answers the batches whose
+        // callers all left with DeadlineExceeded itself).
+        EngineError::Backend(
+            narsil_core::BackendError::Unavailable { .. } | narsil_core::BackendError::Abandoned { .. },
+        ) => Code::Unavailable,
         EngineError::Backend(_) => Code::Internal,
     };
     let message = match &error {

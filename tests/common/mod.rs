@@ -254,6 +254,23 @@ pub fn skip(test: &str, why: &str) {
     eprintln!("skipped: {test}: {why}");
 }
 
+/// [`skip`] for a test (or a case) that needs direct I/O, io_uring or a
+/// file system that takes them; under `NARSIL_REQUIRE_DIRECT_IO=1` (CI sets
+/// it) it fails the test instead, so such a test never passes by not
+/// running where the machine should run it.
+pub fn skip_direct_io(test: &str, why: &str) {
+    if std::env::var("NARSIL_REQUIRE_DIRECT_IO").is_ok_and(|v| v == "1") {
+        panic!("{test}: {why}, and NARSIL_REQUIRE_DIRECT_IO=1 forbids skipping it");
+    }
+    skip(test, why);
+}
+
+/// A temporary directory on the file system of the build's target directory
+/// (a real one, where `/tmp` may be a tmpfs that takes no direct reads).
+pub fn real_fs_tempdir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
 /// Requests admitted so far, by two metrics texts scraped one after the
 /// other: those whose forward had started by the first
 /// (`narsil_queue_seconds_count`, observed as each forward starts) plus

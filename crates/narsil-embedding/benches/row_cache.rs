@@ -7,7 +7,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use narsil_embedding::row_cache::{RowCache, WAYS};
+use narsil_embedding::stores::row_cache::{RowCache, WAYS};
 use quick_cache::sync::Cache;
 
 const ROWS: u64 = 100_000;

@@ -17,7 +17,8 @@
 //! * `narsil_table_fetch_seconds`: time to look up and pool one fused
 //!   batch's rows of the table (for a remote store, once they arrived);
 //! * `narsil_table_remote_fetch_seconds` (no `table` label): reading one
-//!   fused batch's rows of every remote table, cache lookups included;
+//!   fused batch's rows of every table of a store that fetches many
+//!   tables at once (`redis`, `disk`), cache lookups included;
 //! * `narsil_table_major_faults_total`: for stores that can wait on the
 //!   disk (`mmap`), the major page faults taken while looking up: when it
 //!   grows, the working set no longer fits in the page cache;
@@ -46,9 +47,11 @@ fn fetch_buckets() -> Histogram {
     Histogram::new(exponential_buckets(2e-6, 2.0, 18))
 }
 
-/// One table's counters (shared with the families that expose them).
+/// One table's counters (shared with the families that expose them; the
+/// module's docs say what each counts). A store's batch fetch records its
+/// reads in them ([`crate::stores::FetchPart`]).
 #[derive(Debug, Clone)]
-pub(crate) struct TableCounters {
+pub struct TableCounters {
     pub ids: Counter,
     pub distinct_ids: Counter,
     pub rows_fetched: Counter,
@@ -58,6 +61,13 @@ pub(crate) struct TableCounters {
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
     pub disk: DiskCounters,
+}
+
+impl Default for TableCounters {
+    /// Counters registered nowhere.
+    fn default() -> Self {
+        StageMetrics::default().table("")
+    }
 }
 
 /// A table's reads from its file (the `disk` store).
@@ -141,7 +151,8 @@ impl StageMetrics {
         &self.read_ahead_seconds
     }
 
-    /// Time spent reading batches' rows from remote stores.
+    /// Time spent reading batches' rows of the stores that fetch many
+    /// tables at once.
     pub(crate) fn remote_fetch_seconds(&self) -> &Histogram {
         &self.remote_fetch_seconds
     }

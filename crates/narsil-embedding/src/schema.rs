@@ -57,7 +57,7 @@ pub struct TableSpec {
     pub layout: Option<Layout>,
 }
 
-/// A table's rows on a Redis Cluster (see [`crate::redis`]).
+/// A table's rows on a Redis Cluster (see [`crate::stores::redis`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 pub struct RedisTableSpec {
     /// Every row key starts with it: `narsil/MODEL/VERSION/TABLE`.
@@ -238,6 +238,17 @@ impl SplitSchema {
                     table.name, table.row_bytes, table.storage, table.dim
                 ));
             }
+            if let Some(layout) = &table.layout {
+                let hex = layout.sha256.len() == 64 && layout.sha256.bytes().all(|b| b.is_ascii_hexdigit());
+                if !hex {
+                    return Err(format!(
+                        "table {:?}: its layout's sha256 {:?} is not a SHA-256 (64 hex digits): the slot index {} is checked against it at load",
+                        table.name,
+                        layout.sha256,
+                        layout.slots.display()
+                    ));
+                }
+            }
         }
         if self.features.is_empty() {
             return Err("no sparse features".into());
@@ -348,5 +359,17 @@ mod tests {
         let mut bad = schema();
         bad.format = "other".into();
         assert!(bad.check().unwrap_err().contains("narsil-split-1"));
+        let mut ordered = schema();
+        let layout = |sha256: &str| Some(Layout { slots: "tables/t.slots".into(), sha256: sha256.into() });
+        ordered.tables[0].layout = layout(&"ab".repeat(32));
+        assert_eq!(ordered.check(), Ok(()));
+        for sha256 in ["", "00", &"xy".repeat(32)] {
+            ordered.tables[0].layout = layout(sha256);
+            let error = ordered.check().unwrap_err();
+            assert!(
+                error.contains("not a SHA-256") && error.contains("tables/t.slots"),
+                "{sha256:?}: {error}"
+            );
+        }
     }
 }

@@ -8,9 +8,10 @@
 //! `mmap`) are pooled straight from those rows: reading a row twice costs a
 //! cache hit, not a fetch, so deduplication there only feeds the metrics.
 //! A store that fetches rows gets each distinct id once, and the bags are
-//! pooled from the fetched copies through each id's slot. Tables on a
-//! Redis Cluster are fetched together before any is pooled, not one table
-//! after another.
+//! pooled from the fetched copies through each id's slot. Tables whose
+//! stores fetch many tables at once ([`crate::stores::batch`]: a Redis
+//! Cluster's, the disk's) are handed to their store together, before any is
+//! pooled, not one table after another.
 //!
 //! Once lookups of a memory-mapped table wait on the disk (the last batch
 //! took major faults), the next batch's distinct rows are read ahead by
@@ -28,14 +29,13 @@ use std::time::Instant;
 use narsil_core::KeyedBatch;
 
 use crate::dedup::DistinctIds;
-use crate::disk::store::{fetch_tables as disk_fetch_tables, DiskFetch, DiskRows};
 use crate::metrics::{StageMetrics, TableCounters};
 use crate::pool::{pool_rows, OutOfRange, Pooling};
-use crate::redis::rows::{fetch_tables, RedisRows, TableFetch};
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
-use crate::store::{FetchError, Fetched, RowStore};
-use crate::table::TableError;
-use crate::table_store::{OpenedTables, TableStore};
+use crate::stores::batch::{group_tables, FetchPart};
+use crate::stores::config::{OpenedTables, TableStore};
+use crate::stores::local::table::TableError;
+use crate::stores::row_store::{FetchError, Fetched, RowStore};
 
 struct StageTable {
     spec: TableSpec,
@@ -63,6 +63,18 @@ pub enum StageError {
         /// The id and the table's rows.
         source: OutOfRange,
     },
+    /// Every caller of the batch stopped waiting (their deadlines passed)
+    /// before the store delivered its rows: the batch is abandoned, not
+    /// failed.
+    #[error("table {table:?}: the {store} store's fetch was given up: {source}")]
+    Abandoned {
+        /// The table.
+        table: String,
+        /// Which store.
+        store: &'static str,
+        /// Where it stopped.
+        source: FetchError,
+    },
     /// The store could not deliver rows.
     #[error("table {table:?}: the {store} store failed: {source}")]
     Fetch {
@@ -77,11 +89,13 @@ pub enum StageError {
 
 impl From<StageError> for narsil_core::BackendError {
     /// A store that could not deliver rows makes the requests
-    /// `Unavailable` (a retry may succeed: the cluster fails over); any
-    /// other stage error is a failed forward.
+    /// `Unavailable` (a retry may succeed: the cluster fails over); a fetch
+    /// given up at the batch's deadline, `Abandoned` (not the backend's
+    /// failure); any other stage error is a failed forward.
     fn from(error: StageError) -> Self {
         match error {
             StageError::Fetch { .. } => Self::Unavailable { reason: error.to_string(), source: None },
+            StageError::Abandoned { .. } => Self::Abandoned { reason: error.to_string() },
             StageError::OutOfRange { .. } => Self::forward("the embedding stage").caused_by(error),
         }
     }
@@ -141,7 +155,7 @@ impl EmbeddingStage {
     }
 
     /// Opens every table of the split model in `dir` in `store` (how each
-    /// kind opens them: [`crate::table_store::StoreConfig::open`]; the
+    /// kind opens them: [`crate::stores::config::StoreConfig::open`]; the
     /// local stores share the tables a live model version already holds,
     /// the `redis` store checks each table is loaded on the cluster).
     pub fn open(
@@ -278,68 +292,63 @@ impl EmbeddingStage {
     }
 
     /// Copies the distinct rows of every table whose store fetches into
-    /// `scratch.fetched`: the Redis tables together, the others one by
-    /// one.
+    /// `scratch.fetched`: the tables of a store that fetches many at once
+    /// in one call per [`crate::stores::batch::BatchGroup`], the others one
+    /// by one.
     fn fetch(&self, batch: &KeyedBatch, scratch: &mut StageScratch) -> Result<(), StageError> {
         scratch.fetched.resize_with(self.tables.len(), Vec::new);
-        let mut redis = Vec::new();
-        let mut redis_tables = Vec::new();
-        let mut disk = Vec::new();
-        let mut disk_tables = Vec::new();
-        for (t, ((table, distinct), out)) in
-            self.tables.iter().zip(&scratch.distinct).zip(&mut scratch.fetched).enumerate()
-        {
-            if table.store.local_rows().is_some() {
-                continue;
+        for ((table, distinct), out) in self.tables.iter().zip(&scratch.distinct).zip(&mut scratch.fetched) {
+            if table.store.local_rows().is_none() {
+                out.resize(distinct.distinct().len() * table.spec.row_bytes, 0);
             }
-            let ids = distinct.distinct();
-            let row_bytes = table.spec.row_bytes;
-            out.resize(ids.len() * row_bytes, 0);
-            if let Some(rows) = table.store.as_any().downcast_ref::<RedisRows>() {
-                redis.push(TableFetch { rows, ids, row_bytes, out });
-                redis_tables.push(t);
-                continue;
-            }
-            if let Some(rows) = table.store.as_any().downcast_ref::<DiskRows>() {
-                disk.push(DiskFetch { rows, ids, out, counters: &table.counters.disk });
-                disk_tables.push(t);
-                continue;
-            }
-            let fetched = table.store.fetch(ids, row_bytes, out, batch.deadline);
-            self.count_fetch(t, ids.len(), fetched)?;
         }
-        if !disk.is_empty() {
-            match disk_fetch_tables(&mut disk, batch.deadline) {
-                Ok(fetched) => {
-                    for ((t, part), fetched) in disk_tables.into_iter().zip(&disk).zip(fetched) {
-                        self.count_fetch(t, part.ids.len(), Ok(fetched))?;
-                    }
+        let fetching = self.tables.iter().enumerate().filter(|(_, table)| table.store.local_rows().is_none());
+        for (group, tables) in group_tables(fetching.map(|(t, table)| (t, table.store.as_ref()))) {
+            let Some(batcher) = group.and_then(|_| self.tables[tables[0]].store.batch_fetch()) else {
+                for t in tables {
+                    let (table, ids) = (&self.tables[t], scratch.distinct[t].distinct());
+                    let fetched =
+                        table.store.fetch(ids, table.spec.row_bytes, &mut scratch.fetched[t], batch.deadline);
+                    self.count_fetch(t, ids.len(), fetched)?;
                 }
-                Err((failed, error)) => self.count_fetch(disk_tables[failed], 0, Err(error))?,
-            }
-        }
-        if !redis.is_empty() {
+                continue;
+            };
+            let mut outs: Vec<Option<&mut Vec<u8>>> = scratch.fetched.iter_mut().map(Some).collect();
+            let mut parts: Vec<FetchPart<'_>> = tables
+                .iter()
+                .map(|&t| FetchPart {
+                    store: self.tables[t].store.as_ref(),
+                    ids: scratch.distinct[t].distinct(),
+                    row_bytes: self.tables[t].spec.row_bytes,
+                    out: outs[t].take().expect("a table is in one group"),
+                    counters: &self.tables[t].counters,
+                })
+                .collect();
             let started = Instant::now();
-            let fetched = fetch_tables(&mut redis, batch.deadline);
+            let fetched = batcher.fetch_parts(&mut parts, batch.deadline);
             self.metrics.remote_fetch_seconds().observe(started.elapsed().as_secs_f64());
             match fetched {
                 Ok(fetched) => {
-                    for ((t, part), fetched) in redis_tables.into_iter().zip(&redis).zip(fetched) {
+                    for ((&t, part), fetched) in tables.iter().zip(&parts).zip(fetched) {
                         self.count_fetch(t, part.ids.len(), Ok(fetched))?;
                     }
                 }
-                Err(error) => {
-                    for &t in &redis_tables[1..] {
-                        self.tables[t].counters.store_errors.inc();
+                Err((failed, error)) => {
+                    // The batch's fetch of every table of the group failed.
+                    for (p, &t) in tables.iter().enumerate() {
+                        if p != failed && !error.abandoned {
+                            self.tables[t].counters.store_errors.inc();
+                        }
                     }
-                    self.count_fetch(redis_tables[0], 0, Err(error))?;
+                    self.count_fetch(tables[failed.min(tables.len() - 1)], 0, Err(error))?;
                 }
             }
         }
         Ok(())
     }
 
-    /// Counts table `t`'s fetch of `distinct` rows, or its failure.
+    /// Counts table `t`'s fetch of `distinct` rows, or its failure (a fetch
+    /// given up at the batch's deadline is not the store's failure).
     fn count_fetch(
         &self,
         t: usize,
@@ -348,8 +357,12 @@ impl EmbeddingStage {
     ) -> Result<(), StageError> {
         let table = &self.tables[t];
         let fetched = fetched.map_err(|source| {
+            let (table_name, store) = (table.spec.name.clone(), table.store.kind());
+            if source.abandoned {
+                return StageError::Abandoned { table: table_name, store, source };
+            }
             table.counters.store_errors.inc();
-            StageError::Fetch { table: table.spec.name.clone(), store: table.store.kind(), source }
+            StageError::Fetch { table: table_name, store, source }
         })?;
         table.counters.cache_hits.inc_by(fetched.cached as u64);
         table.counters.missing_rows.inc_by(fetched.zeroed as u64);
@@ -434,7 +447,8 @@ mod tests {
     use super::*;
     use crate::pool::pool_rows;
     use crate::schema::{FeatureSpec, Storage};
-    use crate::table::{LocalRows, Table};
+    use crate::stores::batch::FetchPart;
+    use crate::stores::local::table::{LocalRows, Table};
     use narsil_core::{assemble, RequestSamples};
 
     /// The same rows, fetched by copy instead of read in place.
@@ -462,6 +476,110 @@ mod tests {
         fn may_fault(&self) -> bool {
             false
         }
+    }
+
+    /// Rows fetched by a store of its own that batches: every table of a
+    /// batch in one call, which it counts; or, once told to, a fetch given
+    /// up at the deadline.
+    struct Batching {
+        rows: Table,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+        abandon: bool,
+    }
+
+    impl RowStore for Batching {
+        fn kind(&self) -> &'static str {
+            "batching"
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn local_rows(&self) -> Option<&[u8]> {
+            None
+        }
+        fn fetch(
+            &self,
+            _: &[i64],
+            _: usize,
+            _: &mut [u8],
+            _: Option<Instant>,
+        ) -> Result<Fetched, FetchError> {
+            panic!("a batching store's tables are fetched together")
+        }
+        fn may_fault(&self) -> bool {
+            false
+        }
+        fn batch_fetch(&self) -> Option<&dyn crate::stores::BatchFetch> {
+            Some(self)
+        }
+    }
+
+    impl crate::stores::BatchFetch for Batching {
+        fn group(&self) -> crate::stores::batch::BatchGroup {
+            crate::stores::batch::BatchGroup { kind: "batching", instance: 0 }
+        }
+        fn fetch_parts(
+            &self,
+            parts: &mut [FetchPart<'_>],
+            deadline: Option<Instant>,
+        ) -> Result<Vec<Fetched>, (usize, FetchError)> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            if self.abandon {
+                assert!(deadline.is_some());
+                return Err((1, FetchError::abandoned("every caller's deadline passed")));
+            }
+            let mut fetched = Vec::new();
+            for part in parts.iter_mut() {
+                let rows = &part.store.as_any().downcast_ref::<Batching>().unwrap().rows;
+                fetched.push(rows.fetch(part.ids, part.row_bytes, part.out, deadline).unwrap());
+            }
+            Ok(fetched)
+        }
+    }
+
+    #[test]
+    fn a_store_that_batches_gets_every_table_of_a_batch_in_one_call_and_pools_the_same_bags() {
+        let schema = schema();
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let local: Vec<Arc<dyn RowStore>> =
+            schema.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
+        let batching: Vec<Arc<dyn RowStore>> = schema
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                Arc::new(Batching { rows: rows(t, 3 + i as u8), calls: calls.clone(), abandon: false }) as _
+            })
+            .collect();
+        let batch = batch();
+        let pooled = |stores| {
+            let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+            EmbeddingStage::new(&schema, stores).pool(&batch, &mut scratch, &mut pooled).unwrap();
+            pooled
+        };
+        assert_eq!(pooled(batching), pooled(local));
+        assert_eq!(calls.load(Ordering::Relaxed), 1, "both tables in one call");
+    }
+
+    #[test]
+    fn a_fetch_given_up_at_the_deadline_abandons_the_batch_without_counting_a_store_error() {
+        let schema = schema();
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stores: Vec<Arc<dyn RowStore>> = schema
+            .tables
+            .iter()
+            .map(|t| Arc::new(Batching { rows: rows(t, 1), calls: calls.clone(), abandon: true }) as _)
+            .collect();
+        let stage = EmbeddingStage::new(&schema, stores);
+        let mut batch = batch();
+        batch.deadline = Some(Instant::now());
+        let error = stage.pool(&batch, &mut StageScratch::default(), &mut Vec::new()).unwrap_err();
+        assert!(matches!(error, StageError::Abandoned { .. }), "{error}");
+        for table in ["shared", "own"] {
+            assert_eq!(stage.metrics().table(table).store_errors.get(), 0, "{table}");
+        }
+        let backend = narsil_core::BackendError::from(error);
+        assert!(matches!(backend, narsil_core::BackendError::Abandoned { .. }), "{backend}");
     }
 
     fn schema() -> SplitSchema {

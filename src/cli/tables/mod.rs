@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use narsil_embedding::redis::DEFAULT_BUCKETS;
+use narsil_embedding::stores::redis::DEFAULT_BUCKETS;
 use narsil_embedding::{LocalRows, RedisCluster, RedisSeeds, RedisTableSpec, SplitSchema, Table};
 use rows::{load_table, push_rows};
 

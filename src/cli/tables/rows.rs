@@ -1,16 +1,16 @@
 //! Rows onto a Redis Cluster for `narsil tables`, in the `redis` store's
-//! key layout ([`narsil_embedding::redis::keys`]): a whole table loaded and
+//! key layout ([`narsil_embedding::stores::redis::keys`]): a whole table loaded and
 //! checked ([`load_table`]), changed rows pushed and their ids published so
 //! serving processes drop their cached copies ([`push_rows`]). The store
-//! reads these keys ([`narsil_embedding::redis::rows`]) and applies the
-//! published ids ([`narsil_embedding::redis::invalidation`]).
+//! reads these keys ([`narsil_embedding::stores::redis::rows`]) and applies the
+//! published ids ([`narsil_embedding::stores::redis::invalidation`]).
 
 use std::collections::HashMap;
 
 use fred::prelude::{KeysInterface, PubsubInterface};
 use fred::types::Value;
-use narsil_embedding::redis::invalidation::invalidation_message;
-use narsil_embedding::redis::{bucket_chunks, row_key, rows_key, INVALIDATION_CHANNEL};
+use narsil_embedding::stores::redis::invalidation::invalidation_message;
+use narsil_embedding::stores::redis::{bucket_chunks, row_key, rows_key, INVALIDATION_CHANNEL};
 use narsil_embedding::{FetchError, RedisCluster, RedisTableSpec};
 
 /// Rows per `MSET` when loading.
@@ -51,7 +51,7 @@ pub fn load_table(
     }
     let present = count_present(cluster, spec, count)?;
     if present != count {
-        return Err(FetchError(format!("{}: {present} of {count} rows present after writing", spec.prefix)));
+        return Err(FetchError::failed(format!("{}: {present} of {count} rows present after writing", spec.prefix)));
     }
     let client = cluster.client();
     cluster.run("writing the row count", client.set::<(), _, _>(rows_key(spec), count, None, None, false))?;

@@ -11,9 +11,9 @@ use super::cluster::RedisCluster;
 use super::config::{RedisSeeds, RedisStoreConfig};
 use super::rows::RedisRows;
 use crate::schema::SplitSchema;
-use crate::store::{FetchError, RowStore};
-use crate::table::TableError;
-use crate::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+use crate::stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+use crate::stores::local::table::TableError;
+use crate::stores::row_store::{FetchError, RowStore};
 
 /// `--table-store redis://HOST:PORT[,HOST:PORT...]`.
 pub const STORE: StoreKind = StoreKind { syntax: "redis://HOST:PORT[,HOST:PORT...]", parse };
@@ -39,7 +39,7 @@ impl StoreConfig for RedisStoreConfig {
         for spec in &schema.tables {
             let store_error = |source| TableError::Store { table: spec.name.clone(), source };
             let redis = spec.redis.as_ref().ok_or_else(|| {
-                store_error(FetchError(format!(
+                store_error(FetchError::failed(format!(
                     "schema.json names no Redis location for it: load the tables first \
                      (`narsil tables load {} --store {}`)",
                     dir.display(),
@@ -69,7 +69,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::store::MissingRows;
+    use crate::stores::row_store::MissingRows;
 
     #[test]
     fn redis_values_parse_into_the_default_config_and_others_are_left_to_other_kinds() {

@@ -10,15 +10,17 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::reads::{plan, read_blocks, read_on_threads, AlignedBuf, BlockRead, Read, BLOCK};
+use super::reads::{
+    is_deadline_passed, plan, read_blocks, read_on_threads, AlignedBuf, BlockRead, Read, BLOCK,
+};
 use super::uring;
 use crate::layout::SlotIndex;
-use crate::metrics::DiskCounters;
-use crate::row_cache::RowCache;
 use crate::schema::{SplitSchema, TableSpec};
-use crate::store::{FetchError, Fetched, RowStore};
-use crate::table::{checked_file, slot_index, TableError};
-use crate::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+use crate::stores::batch::{BatchFetch, BatchGroup, FetchPart};
+use crate::stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+use crate::stores::local::table::{checked_file, slot_index, TableError};
+use crate::stores::row_cache::RowCache;
+use crate::stores::row_store::{FetchError, Fetched, RowStore};
 
 /// `--table-store disk[:io_uring|:threads]`.
 pub const STORE: StoreKind = StoreKind {
@@ -35,7 +37,7 @@ pub const STORE: StoreKind = StoreKind {
                 )))
             }
         };
-        Some(Ok(TableStore::new(DiskStore::new(crate::redis::DEFAULT_CACHE_BYTES, reads))))
+        Some(Ok(TableStore::new(DiskStore::new(crate::stores::redis::DEFAULT_CACHE_BYTES, reads))))
     },
 };
 
@@ -207,8 +209,10 @@ impl DiskRows {
                     e
                 }
             })?;
+        // The first row, whole (a row may span several blocks).
         let needed = (spec.row_bytes as u64).min(spec.rows * spec.row_bytes as u64) as usize;
-        read_blocks(&file, 0, AlignedBuf::new(BLOCK as usize).as_mut_slice(), needed)?;
+        let blocks = (needed as u64).div_ceil(BLOCK).max(1) * BLOCK;
+        read_blocks(&file, 0, AlignedBuf::new(blocks as usize).as_mut_slice(), needed)?;
         let key = store.table_key(&file, spec)?;
         let io_uring = store.uses_io_uring()?;
         Ok(Self {
@@ -228,18 +232,6 @@ impl DiskRows {
     }
 }
 
-/// One table's part of a batch's fetch from the disk store.
-pub struct DiskFetch<'a> {
-    /// The table.
-    pub rows: &'a DiskRows,
-    /// Its distinct ids in the batch.
-    pub ids: &'a [i64],
-    /// Where row `i` goes: `out[i * row_bytes..]`.
-    pub out: &'a mut [u8],
-    /// Where its reads are counted.
-    pub counters: &'a DiskCounters,
-}
-
 /// A part's cache misses, sorted by offset, and the reads that cover them.
 struct Misses {
     /// (place in the part's `out`, id).
@@ -252,17 +244,24 @@ struct Misses {
 /// there, the rest read from the disk, every table's reads at once (on
 /// this thread's io_uring, or on up to [`READERS`] threads), then kept in
 /// the cache; no read starts once `deadline` (the last of the batch's
-/// callers') has passed. Returns what each part fetched, or the failure of
-/// the first part whose file could not be read (its index and the error,
-/// which names the file).
-pub fn fetch_tables(
-    parts: &mut [DiskFetch<'_>],
+/// callers') has passed (the fetch is then abandoned, not failed). Returns
+/// what each part fetched, or the failure of the first part whose file
+/// could not be read (its index and the error, which names the file).
+fn fetch_tables(
+    parts: &mut [FetchPart<'_>],
     deadline: Option<Instant>,
 ) -> Result<Vec<Fetched>, (usize, FetchError)> {
+    let mut tables = Vec::with_capacity(parts.len());
+    for (p, part) in parts.iter().enumerate() {
+        match part.store.as_any().downcast_ref::<DiskRows>() {
+            Some(rows) if rows.row_bytes == part.row_bytes => tables.push(rows),
+            _ => return Err((p, FetchError::failed("a disk fetch was handed another store's table"))),
+        }
+    }
     let mut fetched = Vec::with_capacity(parts.len());
     let mut misses = Vec::with_capacity(parts.len());
-    for part in parts.iter_mut() {
-        let (table, row_bytes) = (part.rows, part.rows.row_bytes);
+    for (part, &table) in parts.iter_mut().zip(&tables) {
+        let row_bytes = table.row_bytes;
         let mut rows = Vec::new();
         for (place, &id) in part.ids.iter().enumerate() {
             let out = &mut part.out[place * row_bytes..(place + 1) * row_bytes];
@@ -277,10 +276,10 @@ pub fn fetch_tables(
         misses.push(Misses { rows, offsets, reads });
     }
     let (mut reads, mut owners) = (Vec::new(), Vec::new());
-    for (p, (part, m)) in parts.iter().zip(&misses).enumerate() {
+    for (p, ((part, m), table)) in parts.iter().zip(&misses).zip(&tables).enumerate() {
         for (r, read) in m.reads.iter().enumerate() {
-            let needed = m.offsets[read.rows.end - 1] + part.rows.row_bytes as u64 - read.offset;
-            let (file, counters) = (&part.rows.file, part.counters);
+            let needed = m.offsets[read.rows.end - 1] + table.row_bytes as u64 - read.offset;
+            let (file, counters) = (&table.file, &part.counters.disk);
             reads.push(BlockRead {
                 file,
                 offset: read.offset,
@@ -291,7 +290,6 @@ pub fn fetch_tables(
             owners.push((p, r));
         }
     }
-    let tables: Vec<&DiskRows> = parts.iter().map(|part| part.rows).collect();
     let outs: Vec<Mutex<&mut [u8]>> = parts.iter_mut().map(|part| Mutex::new(&mut *part.out)).collect();
     // Copies a read's rows out and keeps them in the cache.
     let land = |j: usize, bytes: &[u8]| {
@@ -316,9 +314,28 @@ pub fn fetch_tables(
     };
     done.map_err(|(j, e)| {
         let p = owners.get(j).map_or(0, |&(p, _)| p);
-        (p, FetchError(format!("reading {}: {e}", tables[p].path.display())))
+        let message = format!("reading {}: {e}", tables[p].path.display());
+        let error =
+            if is_deadline_passed(&e) { FetchError::abandoned(message) } else { FetchError::failed(message) };
+        (p, error)
     })?;
     Ok(fetched)
+}
+
+/// Every disk table of a batch is read together (on one ring, or one pool
+/// of threads).
+impl BatchFetch for DiskRows {
+    fn group(&self) -> BatchGroup {
+        BatchGroup { kind: "disk", instance: 0 }
+    }
+
+    fn fetch_parts(
+        &self,
+        parts: &mut [FetchPart<'_>],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Fetched>, (usize, FetchError)> {
+        fetch_tables(parts, deadline)
+    }
 }
 
 impl RowStore for DiskRows {
@@ -337,9 +354,8 @@ impl RowStore for DiskRows {
         out: &mut [u8],
         deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
-        debug_assert_eq!(row_bytes, self.row_bytes);
-        let counters = DiskCounters::default();
-        let mut parts = [DiskFetch { rows: self, ids, out, counters: &counters }];
+        let counters = crate::metrics::TableCounters::default();
+        let mut parts = [FetchPart { store: self, ids, row_bytes, out, counters: &counters }];
         let fetched = fetch_tables(&mut parts, deadline).map_err(|(_, error)| error)?;
         Ok(fetched[0])
     }
@@ -351,38 +367,44 @@ impl RowStore for DiskRows {
     fn as_any(&self) -> &dyn Any {
         self
     }
+
+    fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
+        Some(self)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::schema::Storage;
+    use crate::stores::batch::FetchPart;
 
     /// A table file of `rows` rows of 80 bytes, row `i` filled with bytes
-    /// of `i`, in a directory beside the sources (a tmpfs /tmp takes no
-    /// direct reads); `None`, saying the test is skipped, when that file
-    /// system takes none either.
+    /// of `i`, on a file system that takes direct reads; `None`, saying the
+    /// test is skipped, where there is none ([`super::super::direct_io_dir`]).
     fn table_file(rows: u64) -> Option<(tempfile::TempDir, TableSpec)> {
-        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let probe = dir.path().join("probe");
-        std::fs::write(&probe, [0u8; 4096]).unwrap();
-        if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&probe) {
-            let test = std::thread::current().name().unwrap_or("a disk store test").to_owned();
-            eprintln!("skipped: {test}: {} refuses direct reads ({e})", dir.path().display());
-            return None;
-        }
+        table_file_of(rows, 80)
+    }
+
+    /// [`table_file`] with rows of `row_bytes` (FP32 rows of `row_bytes /
+    /// 4` values).
+    fn table_file_of(rows: u64, row_bytes: usize) -> Option<(tempfile::TempDir, TableSpec)> {
+        let test = std::thread::current().name().unwrap_or("a disk store test").to_owned();
+        let dir = super::super::direct_io_dir(&test)?;
+        let (dim, storage) =
+            if row_bytes == 80 { (72, Storage::Int8Rowwise) } else { (row_bytes / 4, Storage::Fp32) };
         let spec = TableSpec {
             name: "t".into(),
             rows,
-            dim: 72,
-            storage: Storage::Int8Rowwise,
-            row_bytes: 80,
+            dim,
+            storage,
+            row_bytes,
             file: "t.bin".into(),
             sha256: String::new(),
             redis: None,
             layout: None,
         };
-        let data: Vec<u8> = (0..rows).flat_map(|i| [(i % 251) as u8; 80]).collect();
+        let data: Vec<u8> = (0..rows).flat_map(|i| vec![(i % 251) as u8; row_bytes]).collect();
         std::fs::write(dir.path().join("t.bin"), data).unwrap();
         Some((dir, spec))
     }
@@ -392,7 +414,7 @@ mod tests {
         match uring::available() {
             Ok(()) => vec![Reads::IoUring, Reads::Threads],
             Err(why) => {
-                eprintln!("skipped: {test} with io_uring: {why}");
+                super::super::skip_or_fail(&format!("{test} with io_uring"), &why);
                 vec![Reads::Threads]
             }
         }
@@ -433,18 +455,16 @@ mod tests {
         for reads in both_reads("a_batch_s_reads_are_counted_in_whole_blocks_and_none_stay_in_flight") {
             let store = DiskStore::new(0, reads);
             let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
-            let counters = DiskCounters::default();
+            let counters = crate::metrics::TableCounters::default();
             // Rows 0 and 1 share block 0; row 5,000 (byte 400,000) is in block 97.
             let ids = [0, 1, 5_000];
             let mut out = vec![0u8; ids.len() * 80];
-            fetch_tables(
-                &mut [DiskFetch { rows: &rows, ids: &ids, out: &mut out, counters: &counters }],
-                None,
-            )
-            .unwrap();
+            let part =
+                FetchPart { store: &rows, ids: &ids, row_bytes: 80, out: &mut out, counters: &counters };
+            rows.fetch_parts(&mut [part], None).unwrap();
             assert_eq!(out, expected(&ids), "{reads:?}");
-            assert_eq!(counters.bytes_read.get(), 2 * BLOCK, "{reads:?}");
-            assert_eq!(counters.in_flight.get(), 0);
+            assert_eq!(counters.disk.bytes_read.get(), 2 * BLOCK, "{reads:?}");
+            assert_eq!(counters.disk.in_flight.get(), 0);
         }
     }
 
@@ -457,20 +477,46 @@ mod tests {
             std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(40_000).unwrap();
             let mut out = vec![0u8; 80];
             let error = rows.fetch(&[900], 80, &mut out, None).unwrap_err();
-            assert!(error.0.contains("t.bin") && error.0.contains("cut short"), "{reads:?}: {error}");
+            assert!(
+                error.message.contains("t.bin") && error.message.contains("cut short"),
+                "{reads:?}: {error}"
+            );
+            assert!(!error.abandoned, "a file cut short is the store's failure");
             assert_eq!(fetch(&rows, &[10]).0, expected(&[10]), "rows before the cut still read");
         }
     }
 
     #[test]
-    fn a_batch_whose_callers_all_left_reads_nothing_and_fails_as_a_deadline() {
+    fn a_batch_whose_callers_all_left_reads_nothing_and_is_abandoned_not_failed() {
         let Some((dir, spec)) = table_file(1_000) else { return };
-        for reads in both_reads("a_batch_whose_callers_all_left_reads_nothing_and_fails_as_a_deadline") {
+        for reads in both_reads("a_batch_whose_callers_all_left_reads_nothing_and_is_abandoned_not_failed") {
             let rows =
                 DiskRows::open(&dir.path().join("t.bin"), &spec, None, &DiskStore::new(0, reads)).unwrap();
             let mut out = vec![7u8; 80];
             let error = rows.fetch(&[5], 80, &mut out, Some(Instant::now())).unwrap_err();
-            assert!(error.0.contains("t.bin") && error.0.contains("deadline passed"), "{reads:?}: {error}");
+            assert!(
+                error.message.contains("t.bin") && error.message.contains("deadline passed"),
+                "{reads:?}: {error}"
+            );
+            assert!(error.abandoned, "{reads:?}: nobody waits for these rows: not the store's failure");
+        }
+    }
+
+    #[test]
+    fn rows_longer_than_a_block_open_and_read_whole() {
+        // FP32 rows of dim 1,250 (5,000 bytes: two blocks each, most
+        // straddling three).
+        let Some((dir, spec)) = table_file_of(40, 5_000) else { return };
+        for reads in both_reads("rows_longer_than_a_block_open_and_read_whole") {
+            let store = DiskStore::new(1 << 20, reads);
+            let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
+            let ids = [39, 0, 17, 18];
+            let expected: Vec<u8> = ids.iter().flat_map(|&i| vec![i as u8; 5_000]).collect();
+            for pass in ["disk", "cache"] {
+                let mut out = vec![0u8; ids.len() * 5_000];
+                rows.fetch(&ids, 5_000, &mut out, None).unwrap();
+                assert!(out == expected, "{reads:?}, from the {pass}");
+            }
         }
     }
 

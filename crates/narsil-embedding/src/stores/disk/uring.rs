@@ -5,10 +5,15 @@
 //! few cores (fio on a 2-vCPU VM: 122k 4 KiB reads/s at 64 in flight on
 //! a ring against 63k from 16 threads), and spends no thread per read.
 //!
-//! Each thread that reads gets a ring of its own, made at its first batch.
-//! A kernel that refuses rings (too old, or `io_uring_disabled`, or a
-//! seccomp profile) is detected once ([`available`]), and the store reads
-//! with threads instead.
+//! Each thread that reads gets a ring of its own, made at its first batch
+//! and kept while every batch on it ends with no read in flight. A batch
+//! whose reads could not all be waited for (the kernel may still write into
+//! their buffers, which are then leaked) gives its ring up: the next batch
+//! makes a new one, so no completion of an earlier batch can land in a
+//! later one. A kernel that refuses rings (too old, or `io_uring_disabled`,
+//! or a seccomp profile, or a memlock limit too small for a ring of
+//! [`DEPTH`] entries) is detected once ([`available`], which makes a ring
+//! of the size reads use), and the store reads with threads instead.
 
 use std::cell::RefCell;
 use std::io;
@@ -21,7 +26,7 @@ use std::time::Instant;
 
 use super::reads::{cut_short, deadline_passed, AlignedBuf, BlockRead};
 
-/// Most reads in flight on a ring.
+/// Most reads in flight on a ring (and its entries).
 pub const DEPTH: usize = 128;
 
 /// Most bytes of buffers in flight at once (one read at a time may pass it).
@@ -34,11 +39,18 @@ thread_local! {
     static RING: RefCell<Option<IoUring>> = const { RefCell::new(None) };
 }
 
-/// Whether this kernel lets the process make a ring (asked once; the
-/// answer, or why not).
+/// A ring of the size reads use.
+fn new_ring() -> io::Result<IoUring> {
+    #[cfg(test)]
+    tests::RINGS_MADE.with(|made| made.set(made.get() + 1));
+    IoUring::new(DEPTH as u32)
+}
+
+/// Whether this kernel lets the process make a ring of [`DEPTH`] entries
+/// (asked once; the answer, or why not).
 pub fn available() -> Result<(), String> {
     static PROBE: OnceLock<Result<(), String>> = OnceLock::new();
-    PROBE.get_or_init(|| IoUring::new(2).map(drop).map_err(|e| format!("io_uring refused: {e}"))).clone()
+    PROBE.get_or_init(|| new_ring().map(drop).map_err(|e| format!("io_uring refused: {e}"))).clone()
 }
 
 /// Makes every read of `reads` on this thread's ring, calling `land(i,
@@ -46,20 +58,30 @@ pub fn available() -> Result<(), String> {
 /// file) as each completes, in completion order. The first failure, or
 /// `deadline` passing, stops new reads and is returned, with the index of
 /// the read it concerns (0 for the ring's own), once every read already
-/// submitted has completed.
+/// submitted has completed (or, where waiting for them failed, once the
+/// ring has been given up).
 pub fn read_all(
     reads: &[BlockRead<'_>],
     deadline: Option<Instant>,
     mut land: impl FnMut(usize, &[u8]),
 ) -> Result<(), (usize, io::Error)> {
-    RING.with(|ring| {
-        let mut ring = ring.borrow_mut();
-        if ring.is_none() {
-            *ring = Some(IoUring::new(DEPTH as u32).map_err(|e| (0, e))?);
+    RING.with(|kept| {
+        let taken = kept.borrow_mut().take();
+        let mut ring = match taken {
+            Some(ring) => ring,
+            None => new_ring().map_err(|e| (0, e))?,
+        };
+        let mut flight =
+            Flight { ring: &mut ring, slots: Vec::new(), free: Vec::new(), count: 0, torn: false };
+        let result = flight.run(reads, deadline, &mut land);
+        let torn = flight.finish();
+        drop(flight);
+        if torn {
+            tracing::warn!("io_uring: a batch's reads could not all be waited for; its ring is given up");
+        } else {
+            *kept.borrow_mut() = Some(ring);
         }
-        let ring = ring.as_mut().expect("made above");
-        let mut flight = Flight { ring, slots: Vec::new(), free: Vec::new(), count: 0 };
-        flight.run(reads, deadline, &mut land)
+        result
     })
 }
 
@@ -69,17 +91,22 @@ struct Slot {
     read: usize,
     submitted: Instant,
     buf: AlignedBuf,
+    /// Whether the kernel has a read of this slot's not yet reaped.
+    in_flight: bool,
 }
 
 /// The reads on a ring not yet completed. Its buffers are the kernel's
-/// until their completions are reaped, so dropping it (on any path,
-/// a panic included) first waits for every read in flight.
+/// until their completions are reaped, so finishing or dropping it (on any
+/// path, a panic included) first waits for every read in flight; where
+/// that wait fails, the buffers are leaked and the flight is `torn`: its
+/// ring must not be used again.
 struct Flight<'r> {
     ring: &'r mut IoUring,
     slots: Vec<Slot>,
     /// Slots with no read in flight.
     free: Vec<usize>,
     count: usize,
+    torn: bool,
 }
 
 impl Flight<'_> {
@@ -102,14 +129,15 @@ impl Flight<'_> {
                 let read = &reads[next];
                 let slot = self.free.pop().unwrap_or_else(|| {
                     let buf = AlignedBuf::new(read.len);
-                    self.slots.push(Slot { read: next, submitted: Instant::now(), buf });
+                    let submitted = Instant::now();
+                    self.slots.push(Slot { read: next, submitted, buf, in_flight: false });
                     self.slots.len() - 1
                 });
                 let place = &mut self.slots[slot];
                 if place.buf.as_slice().len() < read.len {
                     place.buf = AlignedBuf::new(read.len);
                 }
-                (place.read, place.submitted) = (next, Instant::now());
+                (place.read, place.submitted, place.in_flight) = (next, Instant::now(), true);
                 let entry = opcode::Read::new(
                     types::Fd(read.file.as_raw_fd()),
                     place.buf.as_mut_slice().as_mut_ptr(),
@@ -123,7 +151,9 @@ impl Flight<'_> {
                 // whole call) outlive the read: a slot's buffer is neither
                 // replaced nor freed while its read is in flight (the slot
                 // is off the free list until its completion is reaped), and
-                // `Flight` reaps every read in flight before it is dropped. The queue
+                // `Flight` reaps every read in flight before it is dropped (or
+                // leaks the buffers where it cannot, and its ring is given
+                // up). The queue
                 // has room: at most DEPTH reads are in flight on a ring of
                 // DEPTH entries, and each is submitted before the next wait.
                 unsafe { self.ring.submission().push(&entry) }.expect("the submission queue has room");
@@ -135,18 +165,25 @@ impl Flight<'_> {
             if self.count == 0 {
                 break;
             }
-            if let Err(e) = self.ring.submit_and_wait(1) {
+            if let Err(e) = self.wait(1) {
                 if e.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                // The drop waits for the reads in flight.
+                // `finish` waits for the reads in flight.
                 return Err((0, e));
             }
             let done: Vec<(usize, i32)> =
                 self.ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())).collect();
             for (slot, result) in done {
+                if !self.slots.get(slot).is_some_and(|s| s.in_flight) {
+                    // Not a read of this flight: the ring cannot be trusted.
+                    self.torn = true;
+                    let what = format!("io_uring: a completion for slot {slot}, which has no read in flight");
+                    return Err((0, io::Error::other(what)));
+                }
+                self.slots[slot].in_flight = false;
                 self.free.push(slot);
-                let Slot { read: i, submitted, ref buf } = self.slots[slot];
+                let Slot { read: i, submitted, ref buf, .. } = self.slots[slot];
                 let read = &reads[i];
                 self.count -= 1;
                 bytes -= read.len;
@@ -174,60 +211,94 @@ impl Flight<'_> {
         }
         failed.map_or(Ok(()), Err)
     }
-}
 
-impl Drop for Flight<'_> {
-    fn drop(&mut self) {
-        while self.count > 0 {
-            match self.ring.submit_and_wait(self.count) {
+    /// Waits for `want` completions (the ring's own wait; in tests, one
+    /// that can be told to fail).
+    fn wait(&mut self, want: usize) -> io::Result<usize> {
+        #[cfg(test)]
+        if tests::FAILED_WAITS.with(|left| left.replace(left.get().saturating_sub(1))) > 0 {
+            return Err(io::Error::other("an injected failure to wait"));
+        }
+        self.ring.submit_and_wait(want)
+    }
+
+    /// Waits for every read still in flight; true when that failed and the
+    /// ring must be given up (the buffers are then leaked: the kernel may
+    /// still write into them).
+    fn finish(&mut self) -> bool {
+        while self.count > 0 && !self.torn {
+            match self.wait(self.count) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // The kernel may still write into these buffers: leak
-                    // them rather than free memory it writes.
                     tracing::error!(
                         "io_uring: waiting for reads in flight failed ({e}); leaking their buffers"
                     );
-                    std::mem::take(&mut self.slots).into_iter().for_each(std::mem::forget);
-                    return;
+                    self.torn = true;
+                    break;
                 }
             }
             let done = self.ring.completion().count();
             self.count -= done;
         }
+        if self.torn {
+            std::mem::take(&mut self.slots).into_iter().for_each(std::mem::forget);
+            self.count = 0;
+        }
+        self.torn
+    }
+}
+
+impl Drop for Flight<'_> {
+    /// On a panic between submitting and reaping too: the buffers outlive
+    /// the kernel's use of them.
+    fn drop(&mut self) {
+        self.finish();
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
     use std::fs::File;
+    use std::os::unix::fs::OpenOptionsExt;
 
     use super::*;
-    use crate::disk::reads::BLOCK;
     use crate::metrics::DiskCounters;
+    use crate::stores::disk::reads::BLOCK;
+
+    thread_local! {
+        /// Rings this thread made.
+        pub(super) static RINGS_MADE: Cell<usize> = const { Cell::new(0) };
+        /// Waits on this thread's rings that fail, from the next one on.
+        pub(super) static FAILED_WAITS: Cell<usize> = const { Cell::new(0) };
+    }
+
+    /// A file of `blocks` blocks, block `b` filled with `b as u8`, opened
+    /// for direct reads on a file system that takes them.
+    fn block_file(test: &str, blocks: u64) -> Option<(tempfile::TempDir, File)> {
+        if let Err(why) = available() {
+            crate::stores::disk::skip_or_fail(test, &why);
+            return None;
+        }
+        let dir = crate::stores::disk::direct_io_dir(test)?;
+        let path = dir.path().join("blocks");
+        let data: Vec<u8> = (0..blocks * BLOCK).map(|i| (i / BLOCK) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&path).unwrap();
+        Some((dir, file))
+    }
+
+    fn read<'a>(file: &'a File, counters: &'a DiskCounters, block: u64) -> BlockRead<'a> {
+        BlockRead { file, offset: block * BLOCK, len: BLOCK as usize, needed: 80, counters }
+    }
 
     #[test]
     fn reads_land_with_their_bytes_and_a_cut_file_fails_after_every_read_completes() {
-        if let Err(why) = available() {
-            println!(
-                "skipped: reads_land_with_their_bytes_and_a_cut_file_fails_after_every_read_completes: {why}"
-            );
-            return;
-        }
-        let dir = tempfile::tempdir_in(std::env::temp_dir()).unwrap();
-        let path = dir.path().join("blocks");
-        let data: Vec<u8> = (0..300 * BLOCK).map(|i| (i / BLOCK) as u8).collect();
-        std::fs::write(&path, &data).unwrap();
-        let file = File::open(&path).unwrap();
+        let test = "reads_land_with_their_bytes_and_a_cut_file_fails_after_every_read_completes";
+        let Some((_dir, file)) = block_file(test, 300) else { return };
         let counters = DiskCounters::default();
-        let read = |block: u64| BlockRead {
-            file: &file,
-            offset: block * BLOCK,
-            len: BLOCK as usize,
-            needed: 80,
-            counters: &counters,
-        };
-        let reads: Vec<BlockRead<'_>> = (0..300u64).rev().map(read).collect();
+        let reads: Vec<BlockRead<'_>> = (0..300u64).rev().map(|b| read(&file, &counters, b)).collect();
         let mut landed = vec![false; reads.len()];
         read_all(&reads, None, |i, bytes| {
             assert_eq!(bytes.len(), BLOCK as usize);
@@ -239,7 +310,8 @@ mod tests {
         assert_eq!(counters.bytes_read.get(), 300 * BLOCK);
         assert_eq!(counters.in_flight.get(), 0);
 
-        let (i, error) = read_all(&[read(1), read(300)], None, |_, _| {}).unwrap_err();
+        let (i, error) =
+            read_all(&[read(&file, &counters, 1), read(&file, &counters, 300)], None, |_, _| {}).unwrap_err();
         assert_eq!(i, 1, "the read past the end");
         assert!(error.to_string().contains("cut short"), "{error}");
 
@@ -247,5 +319,31 @@ mod tests {
         let (i, error) = read_all(&reads, passed, |_, _| panic!("nothing is read")).unwrap_err();
         assert_eq!(i, 0);
         assert!(error.to_string().contains("deadline passed"), "{error}");
+    }
+
+    #[test]
+    fn a_ring_whose_reads_could_not_be_waited_for_is_never_used_again() {
+        let test = "a_ring_whose_reads_could_not_be_waited_for_is_never_used_again";
+        let Some((_dir, file)) = block_file(test, 64) else { return };
+        let counters = DiskCounters::default();
+        let reads: Vec<BlockRead<'_>> = (0..64u64).map(|b| read(&file, &counters, b)).collect();
+        read_all(&reads, None, |_, _| {}).unwrap();
+        let made = RINGS_MADE.with(Cell::get);
+        read_all(&reads, None, |_, _| {}).unwrap();
+        assert_eq!(RINGS_MADE.with(Cell::get), made, "a ring whose batch ended cleanly is kept");
+        // The batch's wait fails, then so does waiting for its reads in
+        // flight: their completions may still come.
+        FAILED_WAITS.with(|left| left.set(2));
+        let (_, error) = read_all(&reads, None, |_, _| {}).unwrap_err();
+        assert!(error.to_string().contains("injected"), "{error}");
+        // The next batch is on a new ring, and reads its own bytes only.
+        let mut landed = 0;
+        read_all(&reads, None, |i, bytes| {
+            assert!(bytes.iter().all(|&b| b == i as u8), "read {i} landed another's bytes");
+            landed += 1;
+        })
+        .unwrap();
+        assert_eq!(landed, 64);
+        assert_eq!(RINGS_MADE.with(Cell::get), made + 1, "the torn ring was given up");
     }
 }

@@ -1,16 +1,16 @@
 //! Every kind of table store `--table-store` can name ([`STORE_KINDS`]),
 //! and parsing the flag's value by asking each kind in turn. A new kind is
-//! its file (its [`StoreKind`] and [`crate::table_store::StoreConfig`])
+//! its file (its [`StoreKind`] and [`crate::stores::config::StoreConfig`])
 //! plus its line here.
 
-use crate::table_store::{StoreKind, TableStore};
+use crate::stores::config::{StoreKind, TableStore};
 
 /// The table stores, in the order `--table-store`'s choices are told.
 pub const STORE_KINDS: &[StoreKind] = &[
-    crate::local_store::MEMORY,
-    crate::local_store::MMAP,
-    crate::disk::store::STORE,
-    crate::redis::store::STORE,
+    crate::stores::local::MEMORY,
+    crate::stores::local::MMAP,
+    crate::stores::disk::store::STORE,
+    crate::stores::redis::store::STORE,
 ];
 
 impl std::str::FromStr for TableStore {
@@ -82,7 +82,7 @@ mod tests {
     #[test]
     fn every_declared_store_kind_is_in_the_table() {
         let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let table = std::fs::read_to_string(src.join("store_kinds.rs")).unwrap();
+        let table = std::fs::read_to_string(src.join("stores/registry.rs")).unwrap();
         let table = table.split("pub const STORE_KINDS").nth(1).and_then(|t| t.split("];").next()).unwrap();
         let mut files = vec![src.clone()];
         let mut declared = Vec::new();

@@ -139,13 +139,28 @@ pub fn read_on_threads(
     })
 }
 
-/// Why reads stopped when every caller of their batch had left.
+/// Why reads stopped when every caller of their batch had left
+/// ([`is_deadline_passed`] tells it from the disk's own errors).
 pub fn deadline_passed() -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        "every caller's deadline passed before its rows were read",
-    )
+    std::io::Error::new(std::io::ErrorKind::TimedOut, DeadlinePassed)
 }
+
+/// Whether `error` is [`deadline_passed`]'s, not the disk's.
+pub fn is_deadline_passed(error: &std::io::Error) -> bool {
+    error.get_ref().is_some_and(|inner| inner.is::<DeadlinePassed>())
+}
+
+/// The reads of a batch stopped at its deadline.
+#[derive(Debug)]
+struct DeadlinePassed;
+
+impl std::fmt::Display for DeadlinePassed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("every caller's deadline passed before its rows were read")
+    }
+}
+
+impl std::error::Error for DeadlinePassed {}
 
 /// The error of a read that found the file shorter than its rows.
 pub fn cut_short(needed: usize, offset: u64, got: usize) -> std::io::Error {
@@ -206,6 +221,13 @@ mod tests {
         assert_eq!(reads.len(), 2);
         assert!(reads.iter().all(|r| r.len == 2 * BLOCK as usize), "{reads:?}");
         assert_eq!(plan(&[0], 3 * BLOCK as usize, BLOCK as usize)[0].len, 3 * BLOCK as usize);
+    }
+
+    #[test]
+    fn a_deadline_is_told_from_the_disk_s_own_timeouts() {
+        assert!(is_deadline_passed(&deadline_passed()));
+        assert!(!is_deadline_passed(&std::io::Error::from(std::io::ErrorKind::TimedOut)));
+        assert!(!is_deadline_passed(&std::io::Error::from_raw_os_error(libc::ETIMEDOUT)));
     }
 
     #[test]

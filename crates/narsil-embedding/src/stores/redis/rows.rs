@@ -1,8 +1,8 @@
 //! Reading a fused batch's rows from a Redis Cluster: every table of the
 //! batch together, not one table after another.
 //!
-//! [`fetch_tables`] looks each table's distinct ids up in the hot-row cache
-//! ([`crate::row_cache`], kept true by [`super::invalidation`]), then sends
+//! [`RedisRows`]'s batch fetch looks each table's distinct ids up in the hot-row cache
+//! ([`crate::stores::row_cache`], kept true by [`super::invalidation`]), then sends
 //! one `MGET` per (table, bucket) that holds missed ids (keys:
 //! [`super::keys`]), for every table together, all at once: the cluster
 //! client pipelines the commands bound for one node over its connection,
@@ -28,8 +28,10 @@ use narsil_core::DependencyWatcher;
 use super::cluster::RedisCluster;
 use super::invalidation::TableState;
 use super::keys::{row_key, rows_key};
+use crate::metrics::TableCounters;
 use crate::schema::RedisTableSpec;
-use crate::store::{FetchError, Fetched, MissingRows, RowStore};
+use crate::stores::batch::{BatchFetch, BatchGroup, FetchPart};
+use crate::stores::row_store::{FetchError, Fetched, MissingRows, RowStore};
 
 /// A table whose rows are on a Redis Cluster.
 pub struct RedisRows {
@@ -55,11 +57,11 @@ impl RedisRows {
                 let state = cluster.invalidation.table(&spec.prefix);
                 Ok(Self { name: name.into(), spec: spec.clone(), cluster, state })
             }
-            Some(n) => Err(FetchError(format!(
+            Some(n) => Err(FetchError::failed(format!(
                 "table {name:?}: the cluster holds {n} rows under {}, the schema says {rows}",
                 spec.prefix
             ))),
-            None => Err(FetchError(format!(
+            None => Err(FetchError::failed(format!(
                 "table {name:?}: not loaded on {} (no {key}): run `narsil tables load`",
                 cluster.seeds()
             ))),
@@ -67,34 +69,25 @@ impl RedisRows {
     }
 }
 
-/// One table's part of a batch's fetch.
-pub struct TableFetch<'a> {
-    /// The table.
-    pub rows: &'a RedisRows,
-    /// Its distinct ids in the batch.
-    pub ids: &'a [i64],
-    /// Bytes per row.
-    pub row_bytes: usize,
-    /// Where row `i` goes: `out[i * row_bytes..]`.
-    pub out: &'a mut [u8],
-}
-
 /// Copies the rows of every part (tables of one cluster) into their `out`
 /// buffers, reading what the cache lacks in one call that ends by
 /// `deadline` at the latest. Returns what each part got from the cache and
 /// how many rows it lacked (zeros).
-pub fn fetch_tables(
-    parts: &mut [TableFetch<'_>],
-    deadline: Option<Instant>,
-) -> Result<Vec<Fetched>, FetchError> {
-    let Some(cluster) = parts.first().map(|p| Arc::clone(&p.rows.cluster)) else { return Ok(Vec::new()) };
+fn fetch_tables(parts: &mut [FetchPart<'_>], deadline: Option<Instant>) -> Result<Vec<Fetched>, FetchError> {
+    let mut tables = Vec::with_capacity(parts.len());
+    for part in parts.iter() {
+        let Some(rows) = part.store.as_any().downcast_ref::<RedisRows>() else {
+            return Err(FetchError::failed("a Redis fetch was handed another store's table"));
+        };
+        tables.push(rows);
+    }
+    let Some(cluster) = tables.first().map(|rows| Arc::clone(&rows.cluster)) else { return Ok(Vec::new()) };
     let cache = cluster.invalidation.cache();
     let mut fetched = vec![Fetched::default(); parts.len()];
     // Per part, the indices of `ids` to read, grouped by bucket.
     let mut reads: Vec<(usize, Vec<usize>)> = Vec::new();
     let mut epochs = Vec::with_capacity(parts.len());
-    for (p, part) in parts.iter_mut().enumerate() {
-        let table = part.rows;
+    for (p, (part, &table)) in parts.iter_mut().zip(&tables).enumerate() {
         debug_assert!(Arc::ptr_eq(&table.cluster, &cluster), "one cluster per fetch");
         epochs.push(table.state.epoch.load(Ordering::Acquire));
         let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); table.spec.buckets as usize];
@@ -114,21 +107,20 @@ pub fn fetch_tables(
     }
     let client = cluster.client();
     let commands = reads.iter().map(|(p, indices)| {
-        let part = &parts[*p];
-        let keys: Vec<String> =
-            indices.iter().map(|&i| row_key(&part.rows.spec, part.ids[i] as u64)).collect();
+        let (part, table) = (&parts[*p], tables[*p]);
+        let keys: Vec<String> = indices.iter().map(|&i| row_key(&table.spec, part.ids[i] as u64)).collect();
         client.mget::<Vec<Value>, _>(keys)
     });
     let replies = cluster.run_all("reading rows", deadline, commands)?;
     // Rows read before an invalidation of their table arrived may be old:
     // cache a table's rows only if none arrived meanwhile.
-    let cache_for: Vec<Option<_>> = parts
+    let cache_for: Vec<Option<_>> = tables
         .iter()
         .zip(&epochs)
-        .map(|(part, &epoch)| cache.filter(|_| part.rows.state.epoch.load(Ordering::Acquire) == epoch))
+        .map(|(table, &epoch)| cache.filter(|_| table.state.epoch.load(Ordering::Acquire) == epoch))
         .collect();
     for ((p, indices), values) in reads.iter().zip(replies) {
-        let part = &mut parts[*p];
+        let (part, table) = (&mut parts[*p], tables[*p]);
         let row_bytes = part.row_bytes;
         for (&i, value) in indices.iter().zip(&values) {
             let row = &mut part.out[i * row_bytes..(i + 1) * row_bytes];
@@ -138,13 +130,13 @@ pub fn fetch_tables(
                 Some(value) if value.len() == row_bytes => {
                     row.copy_from_slice(value);
                     if let Some(cache) = cache_for[*p] {
-                        cache.insert(part.rows.state.number, part.ids[i] as u64, row);
+                        cache.insert(table.state.number, part.ids[i] as u64, row);
                     }
                 }
                 Some(value) => {
-                    return Err(FetchError(format!(
+                    return Err(FetchError::failed(format!(
                         "table {:?}: row {} holds {} bytes, not {row_bytes}",
-                        part.rows.name,
+                        table.name,
                         part.ids[i],
                         value.len()
                     )))
@@ -155,9 +147,9 @@ pub fn fetch_tables(
                     fetched[*p].zeroed += 1;
                 }
                 None => {
-                    return Err(FetchError(format!(
+                    return Err(FetchError::failed(format!(
                         "table {:?}: row {} is missing from the cluster (serve with --missing-rows zero to pool it as zeros)",
-                        part.rows.name, part.ids[i]
+                        table.name, part.ids[i]
                     )))
                 }
             }
@@ -182,7 +174,8 @@ impl RowStore for RedisRows {
         out: &mut [u8],
         deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
-        let mut part = [TableFetch { rows: self, ids, row_bytes, out }];
+        let counters = TableCounters::default();
+        let mut part = [FetchPart { store: self, ids, row_bytes, out, counters: &counters }];
         Ok(fetch_tables(&mut part, deadline)?[0])
     }
 
@@ -194,10 +187,32 @@ impl RowStore for RedisRows {
         self
     }
 
+    fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
+        Some(self)
+    }
+
     /// Every table of a model is on the one cluster its store names: the
     /// first table watched watches them all.
     fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
         self.cluster.watch_reachability(watcher);
         None
+    }
+}
+
+/// A cluster's tables of a batch are read together: their `MGET`s pipelined
+/// at once.
+impl BatchFetch for RedisRows {
+    fn group(&self) -> BatchGroup {
+        BatchGroup { kind: "redis", instance: Arc::as_ptr(&self.cluster) as usize }
+    }
+
+    fn fetch_parts(
+        &self,
+        parts: &mut [FetchPart<'_>],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Fetched>, (usize, FetchError)> {
+        // One call for every table: a failure is the batch's, reported on
+        // its first part.
+        fetch_tables(parts, deadline).map_err(|error| (0, error))
     }
 }

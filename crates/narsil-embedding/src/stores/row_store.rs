@@ -3,17 +3,40 @@
 //! space (`memory`, `mmap`: the stage pools straight from them) or for the
 //! rows of a fused batch's distinct ids (a store on other machines copies
 //! them into the stage's buffer, once per distinct id). Which store a
-//! model's tables are opened in is [`crate::table_store`]'s.
+//! model's tables are opened in is [`crate::stores::config`]'s.
 
 use std::any::Any;
 use std::time::Instant;
 
 use narsil_core::DependencyWatcher;
 
-/// A store's failure to deliver rows.
+use super::batch::BatchFetch;
+
+/// A store's failure to deliver rows: a failure of the store, or a fetch
+/// given up because every caller of its batch had stopped waiting (not the
+/// store's fault: it is not counted against the store or the replica's
+/// health).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct FetchError(pub String);
+#[error("{message}")]
+pub struct FetchError {
+    /// What went wrong, naming the store (and the file or node).
+    pub message: String,
+    /// Whether the fetch stopped because the batch's deadline (the latest
+    /// of its callers') passed.
+    pub abandoned: bool,
+}
+
+impl FetchError {
+    /// The store could not deliver, because `message`.
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self { message: message.into(), abandoned: false }
+    }
+
+    /// The fetch stopped at the batch's deadline: `message` says where.
+    pub fn abandoned(message: impl Into<String>) -> Self {
+        Self { message: message.into(), abandoned: true }
+    }
+}
 
 /// What a fetch delivered besides the rows.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -89,9 +112,17 @@ pub trait RowStore: Send + Sync {
     /// the major page faults of its lookups).
     fn may_fault(&self) -> bool;
 
-    /// The store as itself, for a stage that reads some stores' tables of a
-    /// batch together (a Redis Cluster's: [`crate::redis::rows::fetch_tables`]).
+    /// The store as itself, for its own [`BatchFetch`] to find its tables
+    /// among a batch's parts.
     fn as_any(&self) -> &dyn Any;
+
+    /// For a store that fetches the rows of many tables of a batch at once:
+    /// how ([`crate::stores::batch`]). The stage then hands it every part
+    /// of its group in one call instead of calling [`RowStore::fetch`] per
+    /// table.
+    fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
+        None
+    }
 
     /// For rows on other machines: tells `watcher` whether their store
     /// answers, now and at each change (the serving health follows it).

@@ -15,8 +15,8 @@ use super::client::{block_on, cluster_client, Client, ClientError, CONNECT_TIMEO
 use super::config::{RedisSeeds, RedisStoreConfig};
 use super::invalidation::Invalidation;
 use super::reachability::Reachability;
-use crate::row_cache::RowCache;
-use crate::store::{FetchError, MissingRows};
+use crate::stores::row_cache::RowCache;
+use crate::stores::row_store::{FetchError, MissingRows};
 
 /// A connection to one Redis Cluster, shared by every table and lane of
 /// the process that uses it, with the process's hot-row cache. It runs its
@@ -69,18 +69,20 @@ impl RedisCluster {
             .thread_name("narsil-redis")
             .enable_all()
             .build()
-            .map_err(|e| FetchError(format!("cannot start the Redis client's runtime: {e}")))?;
+            .map_err(|e| FetchError::failed(format!("cannot start the Redis client's runtime: {e}")))?;
         let connect_timeout = timeout.max(CONNECT_TIMEOUT);
         let connected =
             block_on(&runtime, async { tokio::time::timeout(connect_timeout, client.init()).await })
                 .map_err(|_| {
-                    FetchError(format!(
+                    FetchError::failed(format!(
                         "Redis Cluster {seeds} (--table-store): no answer within {connect_timeout:?}"
                     ))
                 })
                 .and_then(|answer| {
                     answer.map_err(|e| {
-                        FetchError(format!("Redis Cluster {seeds} (--table-store): cannot connect: {e}"))
+                        FetchError::failed(format!(
+                            "Redis Cluster {seeds} (--table-store): cannot connect: {e}"
+                        ))
                     })
                 });
         if let Err(error) = connected {
@@ -154,15 +156,17 @@ impl RedisCluster {
         let timeout =
             deadline.map_or(self.timeout, |d| self.timeout.min(d.saturating_duration_since(Instant::now())));
         if timeout.is_zero() {
-            return Err(FetchError(format!("Redis Cluster {seeds}: {what}: every caller's deadline passed")));
+            return Err(FetchError::abandoned(format!(
+                "Redis Cluster {seeds}: {what}: every caller's deadline passed"
+            )));
         }
         match block_on(self.runtime(), async { tokio::time::timeout(timeout, work).await }) {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(FetchError(format!("Redis Cluster {seeds}: {what}: {e}"))),
-            Err(_) if timeout < self.timeout => Err(FetchError(format!(
+            Ok(Err(e)) => Err(FetchError::failed(format!("Redis Cluster {seeds}: {what}: {e}"))),
+            Err(_) if timeout < self.timeout => Err(FetchError::abandoned(format!(
                 "Redis Cluster {seeds}: {what}: no answer within {timeout:?}, when every caller's deadline passed"
             ))),
-            Err(_) => Err(FetchError(format!("Redis Cluster {seeds}: {what}: no answer within {timeout:?}"))),
+            Err(_) => Err(FetchError::failed(format!("Redis Cluster {seeds}: {what}: no answer within {timeout:?}"))),
         }
     }
 

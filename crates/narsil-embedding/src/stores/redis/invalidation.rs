@@ -15,7 +15,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use super::client::{node_client, quit, Client, ClientError, NODE_TIMEOUT};
 use super::config::RedisSeeds;
-use crate::row_cache::RowCache;
+use crate::stores::row_cache::RowCache;
 
 /// The channel row invalidations are published on.
 pub const INVALIDATION_CHANNEL: &str = "narsil:rows-updated";

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::schema::{Storage, TableSpec};
-use crate::table::{LocalRows, Table, TableError};
+use crate::stores::local::table::{LocalRows, Table, TableError};
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Identity {

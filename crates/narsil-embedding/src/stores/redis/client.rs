@@ -11,7 +11,7 @@ use fred::types::config::{ClusterDiscoveryPolicy, UnresponsiveConfig};
 use fred::types::RespVersion;
 
 use super::config::RedisSeeds;
-use crate::store::FetchError;
+use crate::stores::row_store::FetchError;
 
 /// The Redis client: `fred`'s, chosen over `redis` 1.8 (cluster-async) by
 /// `benchmarks/redis_clients.py` (the store's read pattern on a real
@@ -56,7 +56,7 @@ pub(crate) fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> Result<Cl
     // would never answer again.
     server
         .set_cluster_discovery_policy(ClusterDiscoveryPolicy::UseCache)
-        .map_err(|e| FetchError(format!("Redis Cluster {seeds}: {e}")))?;
+        .map_err(|e| FetchError::failed(format!("Redis Cluster {seeds}: {e}")))?;
     let config = Config { server, ..Config::default() };
     let mut builder = Builder::from_config(config);
     builder
@@ -73,7 +73,7 @@ pub(crate) fn cluster_client(seeds: &RedisSeeds, timeout: Duration) -> Result<Cl
         })
         .with_performance_config(|p| p.default_command_timeout = timeout)
         .set_policy(ReconnectPolicy::new_constant(0, 100));
-    builder.build().map_err(|e| FetchError(format!("Redis Cluster {seeds}: {e}")))
+    builder.build().map_err(|e| FetchError::failed(format!("Redis Cluster {seeds}: {e}")))
 }
 
 /// A client for one node (the invalidation subscription, health pings):

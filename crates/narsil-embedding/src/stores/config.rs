@@ -1,12 +1,12 @@
 //! The choice of table store (`narsil serve --table-store`): where a split
 //! model's rows are read from. The kinds are an open set, each in a file of
 //! its own: `memory` and `mmap` keep the rows in this process
-//! ([`crate::local_store`]); `redis://…` reads them from a Redis Cluster
-//! ([`crate::redis`]). A kind declares:
+//! ([`crate::stores::local`]); `redis://…` reads them from a Redis Cluster
+//! ([`crate::stores::redis`]). A kind declares:
 //!
 //! * its [`StoreKind`]: how `--table-store` names it (the syntax shown
 //!   when a value names no kind) and the parser of its values, listed in
-//!   [`crate::store_kinds::STORE_KINDS`];
+//!   [`crate::stores::registry::STORE_KINDS`];
 //! * its configuration, a [`StoreConfig`]: how it opens a model's tables
 //!   into [`RowStore`]s, how it prints (logs, `--help`), and which of the
 //!   store flags ([`StoreFlags`]) it takes.
@@ -20,10 +20,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::schema::SplitSchema;
-use crate::store::{MissingRows, RowStore};
-use crate::table::TableError;
+use crate::stores::local::table::TableError;
+use crate::stores::row_store::{MissingRows, RowStore};
 
-/// One kind of table store, as [`crate::store_kinds::STORE_KINDS`] lists it.
+/// One kind of table store, as [`crate::stores::registry::STORE_KINDS`] lists it.
 #[derive(Debug, Clone, Copy)]
 pub struct StoreKind {
     /// How `--table-store` names it (`memory`,

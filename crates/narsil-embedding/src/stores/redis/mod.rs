@@ -17,7 +17,7 @@
 //! so a store that lacks it was never fully loaded ([`keys`]).
 //!
 //! A fetch looks the batch's distinct ids up in the process's hot-row cache
-//! ([`crate::row_cache`]) and sends one `MGET` per table and bucket that
+//! ([`crate::stores::row_cache`]) and sends one `MGET` per table and bucket that
 //! holds missed ids, every table's together over the cluster client's
 //! multiplexed connections, bounded by the store's timeout and the batch's
 //! deadline ([`rows`]). A missing row is an error unless the operator

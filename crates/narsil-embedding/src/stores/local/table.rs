@@ -2,8 +2,8 @@
 //! checked against the schema: a file that is truncated, too long, or
 //! missing fails with the table's name and the file's path.
 //!
-//! Two local stores (`narsil serve --table-store`, [`crate::table_store`];
-//! the third, `redis`, is [`crate::redis`]):
+//! Two local stores (`narsil serve --table-store`, [`crate::stores::config`];
+//! the third, `redis`, is [`crate::stores::redis`]):
 //!
 //! * `memory` (default): the file is read into the process once; every
 //!   lookup is a memory read. Needs the tables' size in RAM.
@@ -31,7 +31,7 @@ use std::time::Instant;
 
 use crate::layout::SlotIndex;
 use crate::schema::{Storage, TableSpec};
-use crate::store::{FetchError, Fetched, RowStore};
+use crate::stores::row_store::{FetchError, Fetched, RowStore};
 
 /// Where a local table's rows live (`--table-store memory` or `mmap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -118,6 +118,16 @@ pub enum TableError {
         /// Bytes per row.
         row_bytes: usize,
     },
+    /// The slot index of a table in popularity order cannot be used.
+    #[error("table {table:?}: slot index {}: {why}", path.display())]
+    Layout {
+        /// The table.
+        table: String,
+        /// The index's file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
     /// The table is not in the store that holds it elsewhere (or that
     /// store cannot be reached).
     #[error("table {table:?}: {source}")]
@@ -130,16 +140,27 @@ pub enum TableError {
 }
 
 /// The slot index of `spec`'s table in model directory `dir`, if it is laid
-/// out in popularity order ([`crate::layout`]): a file of the wrong size, or
-/// one that is not a permutation of the rows, fails naming the table and
-/// the file.
+/// out in popularity order ([`crate::layout`]), streamed from its file into
+/// the compact index ([`SlotIndex::read`]: ~0.14 bytes per row + ~4 per hot
+/// id at its peak). A file of the wrong size, one that is not a permutation
+/// of the rows, or one whose SHA-256 is not the one the schema names (a
+/// swapped pair of slots would serve both ids each other's row, without a
+/// word) fails naming the table and the file. Unlike a table file, whose
+/// hash is not checked at load (that would read a table larger than RAM
+/// end to end), the index is read whole anyway, so hashing it costs one
+/// pass over 4 bytes a row.
 pub fn slot_index(dir: &Path, spec: &TableSpec) -> Result<Option<SlotIndex>, TableError> {
     let Some(layout) = &spec.layout else { return Ok(None) };
     let path = dir.join(&layout.slots);
-    let error = |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
-    let bytes = std::fs::read(&path).map_err(error)?;
-    let index =
-        SlotIndex::from_file_bytes(&bytes, spec.rows).map_err(|why| error(std::io::Error::other(why)))?;
+    let error = |why: String| TableError::Layout { table: spec.name.clone(), path: path.clone(), why };
+    let (index, sha256) =
+        SlotIndex::read(|| std::fs::File::open(&path), spec.rows).map_err(|e| error(e.to_string()))?;
+    if sha256 != layout.sha256 {
+        return Err(error(format!(
+            "its SHA-256 is {sha256}, but schema.json names {:?} (changed since `narsil tables order` wrote it, or not this table's index)",
+            layout.sha256
+        )));
+    }
     Ok(Some(index))
 }
 
@@ -184,14 +205,15 @@ impl Table {
         let mut slots = slot_index(dir, spec)?;
         let rows_data = match store {
             LocalRows::Memory => {
-                let rows = std::fs::read(&path).map_err(read_error)?;
+                let mut rows = std::fs::read(&path).map_err(read_error)?;
                 if rows.len() as u64 != expected {
                     return Err(size_error(rows.len() as u64));
                 }
-                match slots.take() {
-                    Some(index) => Rows::Memory(index.in_id_order(&rows, spec.row_bytes)),
-                    None => Rows::Memory(rows),
+                // In place: the table once, and a bit per row.
+                if let Some(index) = slots.take() {
+                    index.to_id_order(&mut rows, spec.row_bytes);
                 }
+                Rows::Memory(rows)
             }
             LocalRows::Mmap => {
                 if expected == 0 {
@@ -338,18 +360,27 @@ mod tests {
         std::fs::remove_dir_all(dir).unwrap();
     }
 
+    /// `tables/cat_3.bin` of 3 rows of 16 bytes in `dir`, laid out by
+    /// `slots`, with its index; the spec names the index's SHA-256.
+    fn ordered_table(dir: &Path, rows: &[u8], slots: &[u32]) -> TableSpec {
+        std::fs::create_dir_all(dir.join("tables")).unwrap();
+        let mut file = vec![0u8; rows.len()];
+        for (id, &slot) in slots.iter().enumerate() {
+            file[slot as usize * 16..][..16].copy_from_slice(&rows[id * 16..][..16]);
+        }
+        std::fs::write(dir.join("tables/cat_3.bin"), file).unwrap();
+        let index: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
+        std::fs::write(dir.join("tables/cat_3.slots"), &index).unwrap();
+        let (_, sha256) = SlotIndex::read(|| Ok(index.as_slice()), slots.len() as u64).unwrap();
+        let layout = crate::schema::Layout { slots: "tables/cat_3.slots".into(), sha256 };
+        TableSpec { layout: Some(layout), ..spec(slots.len() as u64) }
+    }
+
     #[test]
     fn a_table_in_popularity_order_reads_by_id_and_a_bad_index_names_the_table_and_the_file() {
         let dir = std::env::temp_dir().join(format!("narsil-table-layout-{}", std::process::id()));
-        std::fs::create_dir_all(dir.join("tables")).unwrap();
         let rows: Vec<u8> = (0..16 * 3).map(|i| i as u8).collect();
-        let slots = [2u32, 0, 1];
-        std::fs::write(dir.join("tables/cat_3.bin"), crate::layout::in_slot_order(&rows, 16, &slots))
-            .unwrap();
-        let index: Vec<u8> = slots.iter().flat_map(|s| s.to_le_bytes()).collect();
-        std::fs::write(dir.join("tables/cat_3.slots"), &index).unwrap();
-        let layout = crate::schema::Layout { slots: "tables/cat_3.slots".into(), sha256: String::new() };
-        let ordered = TableSpec { layout: Some(layout), ..spec(3) };
+        let ordered = ordered_table(&dir, &rows, &[2, 0, 1]);
         let memory = Table::load(&dir, &ordered, LocalRows::Memory).unwrap();
         assert_eq!(memory.bytes(), &rows[..], "read back into id order");
         assert!(memory.slots().is_none());
@@ -357,14 +388,41 @@ mod tests {
         for id in 0..3 {
             assert_eq!(mapped.row(id), &rows[id as usize * 16..(id as usize + 1) * 16], "id {id}");
         }
+        let index = std::fs::read(dir.join("tables/cat_3.slots")).unwrap();
         std::fs::write(dir.join("tables/cat_3.slots"), &index[..8]).unwrap();
         for store in [LocalRows::Memory, LocalRows::Mmap] {
             let error = Table::load(&dir, &ordered, store).unwrap_err().to_string();
             assert!(
-                error.contains("cat_3") && error.contains("tables/cat_3.slots") && error.contains("8"),
+                error.contains("cat_3") && error.contains("tables/cat_3.slots") && error.contains("holds 8"),
                 "{error}"
             );
         }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_slot_index_with_two_slots_swapped_fails_the_load_naming_the_file_and_both_hashes() {
+        let dir = std::env::temp_dir().join(format!("narsil-table-swapped-{}", std::process::id()));
+        let rows: Vec<u8> = (0..16 * 3).map(|i| i as u8).collect();
+        let ordered = ordered_table(&dir, &rows, &[2, 0, 1]);
+        // Still a permutation: only the hash tells ids 0 and 1 apart.
+        let swapped: Vec<u8> = [0u32, 2, 1].iter().flat_map(|s| s.to_le_bytes()).collect();
+        std::fs::write(dir.join("tables/cat_3.slots"), &swapped).unwrap();
+        let (_, actual) = SlotIndex::read(|| Ok(swapped.as_slice()), 3).unwrap();
+        let expected = &ordered.layout.as_ref().unwrap().sha256;
+        for store in [LocalRows::Memory, LocalRows::Mmap] {
+            let error = Table::load(&dir, &ordered, store).unwrap_err().to_string();
+            assert!(
+                error.contains("cat_3")
+                    && error.contains("tables/cat_3.slots")
+                    && error.contains(&actual)
+                    && error.contains(expected.as_str()),
+                "{store:?}: {error}"
+            );
+        }
+        // The disk store reads its index through the same function.
+        let error = slot_index(&dir, &ordered).unwrap_err().to_string();
+        assert!(error.contains("SHA-256") && error.contains("tables/cat_3.slots"), "{error}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

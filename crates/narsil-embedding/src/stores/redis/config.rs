@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::store::MissingRows;
+use crate::stores::row_store::MissingRows;
 
 /// The hot-row cache's bound unless `--table-cache-bytes` says otherwise.
 pub const DEFAULT_CACHE_BYTES: u64 = 256 << 20;

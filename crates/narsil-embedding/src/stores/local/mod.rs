@@ -1,17 +1,20 @@
 //! The `memory` and `mmap` table stores: a model's tables read into this
-//! process or mapped from their files ([`crate::table`]), shared by content
-//! with the model versions that already hold them ([`crate::shared`]). No
-//! store flag concerns them.
+//! process or mapped from their files ([`table`]), shared by content with
+//! the model versions that already hold them ([`shared`]). No store flag
+//! concerns them.
+
+pub mod shared;
+pub mod table;
 
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
 use crate::schema::SplitSchema;
-use crate::shared::open_shared;
-use crate::store::RowStore;
-use crate::table::{LocalRows, TableError};
-use crate::table_store::{OpenedTables, StoreConfig, StoreKind, TableStore};
+use crate::stores::config::{OpenedTables, StoreConfig, StoreKind, TableStore};
+use crate::stores::local::shared::open_shared;
+use crate::stores::local::table::{LocalRows, TableError};
+use crate::stores::row_store::RowStore;
 
 /// `--table-store memory`.
 pub const MEMORY: StoreKind =
@@ -90,10 +93,10 @@ mod tests {
     #[test]
     fn the_default_store_is_memory_and_flags_leave_local_stores_alone() {
         assert_eq!(TableStore::default().to_string(), "memory");
-        let flags = crate::table_store::StoreFlags {
+        let flags = crate::stores::config::StoreFlags {
             cache_bytes: 1,
             fetch_timeout: std::time::Duration::from_millis(1),
-            missing_rows: crate::store::MissingRows::Zero,
+            missing_rows: crate::stores::row_store::MissingRows::Zero,
         };
         assert_eq!(TableStore::Mmap.with_flags(&flags).to_string(), "mmap");
     }
