@@ -107,6 +107,7 @@ impl DiskStore {
             modified: (meta.mtime(), meta.mtime_nsec()),
             len: meta.len(),
             sha256: spec.sha256.clone(),
+            layout: spec.layout.as_ref().map(|layout| layout.sha256.clone()),
         };
         let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let next = tables.len() as u32;
@@ -114,10 +115,12 @@ impl DiskStore {
     }
 }
 
-/// What makes two opened table files the same rows: the same inode (hard
-/// links share it) that has not been written since (a deleted version's
-/// inode number can come back for a new file, with another modification
-/// time), and the same content hash in the schema.
+/// What makes two opened table files the same rows by id: the same inode
+/// (hard links share it) that has not been written since (a deleted
+/// version's inode number can come back for a new file, with another
+/// modification time), the same content hash in the schema, and the same
+/// slot index (the cache keeps rows by id, which the index maps to places
+/// in the file).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct FileIdentity {
     device: u64,
@@ -125,6 +128,7 @@ struct FileIdentity {
     modified: (i64, i64),
     len: u64,
     sha256: String,
+    layout: Option<String>,
 }
 
 impl fmt::Debug for DiskStore {
