@@ -1,8 +1,10 @@
 //! A table laid out in popularity order: its file holds the rows hottest
 //! first, so the rows a skewed workload reads share blocks and pages, and a
 //! slot index (`tables/NAME.slots`, one little-endian `u32` per id) says
-//! where each id's row is. `narsil tables order` writes both; the schema
-//! names the index in the table's `layout`.
+//! where each id's row is. `narsil tables order` writes both (and has the
+//! code that builds them); the schema names the index and its SHA-256 in
+//! the table's `layout`. This module is what serving needs: the index, read
+//! from its file.
 //!
 //! Why: hot ids are scattered over a table (ids are hashes, or items added
 //! over years), so in id order a 4 KiB page of 51 rows holds about one hot
@@ -16,8 +18,9 @@
 //! `mmap` and `disk` keep the index in memory (compact: [`SlotIndex`]) and
 //! read row `slot(id)`.
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::io::Read;
+
+mod sha256;
 
 /// Bytes per id in a slot index.
 pub const SLOT_BYTES: u64 = 4;
@@ -46,50 +49,122 @@ pub struct SlotIndex {
 /// Words of hot bits per rank count: 512 ids, one cache line.
 const RANK_BLOCK_WORDS: usize = 8;
 
+/// Bytes of a slot index file read at a time.
+const READ_BYTES: usize = 1 << 16;
+
 impl std::fmt::Debug for SlotIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SlotIndex").field("rows", &self.rows).field("hot", &self.hot_slots.len()).finish()
     }
 }
 
-impl SlotIndex {
-    /// The index in a slot index file's bytes (`rows` little-endian u32s,
-    /// a permutation of the rows), or why they are not one.
-    pub fn from_file_bytes(bytes: &[u8], rows: u64) -> Result<Self, String> {
-        if bytes.len() as u64 != rows * SLOT_BYTES {
-            return Err(format!(
-                "a slot index of {rows} rows takes {} bytes, the file holds {} (truncated, or not this table's index)",
-                rows * SLOT_BYTES,
-                bytes.len()
-            ));
-        }
-        Self::new(bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
-    }
+/// Why a slot index file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SlotIndexError {
+    /// It cannot be read.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// Its size is not 4 bytes per row.
+    #[error("a slot index of {rows} rows takes {expected} bytes, the file holds {actual} (truncated, or not this table's index)")]
+    Size {
+        /// The table's rows.
+        rows: u64,
+        /// Bytes it should hold.
+        expected: u64,
+        /// Bytes it holds.
+        actual: u64,
+    },
+    /// It is not a permutation of the rows.
+    #[error("{0}")]
+    NotAPermutation(String),
+}
 
-    /// An index over `slots` (slot of id `i` at `i`), which must be a
-    /// permutation of `0..slots.len()`.
-    pub fn new(slots: Vec<u32>) -> Result<Self, String> {
-        let rows = slots.len();
-        // Slot -> id; u32::MAX: no id yet.
-        let mut ids = vec![u32::MAX; rows];
-        for (id, &slot) in slots.iter().enumerate() {
-            match ids.get_mut(slot as usize) {
-                None => return Err(format!("id {id} has slot {slot}, past the table's {rows} rows")),
-                Some(taken) if *taken != u32::MAX => {
-                    return Err(format!("id {id} has slot {slot}, which another id has too"))
+impl SlotIndex {
+    /// Reads a slot index file (`rows` little-endian u32s, a permutation of
+    /// the rows) straight into the compact index, in two passes over
+    /// `open()`'s bytes (opened twice): the first finds how many slots are
+    /// hot (all but the longest tail of slots whose ids rise), the second
+    /// keeps the hot ids' slots, checks every other id's, and hashes the
+    /// bytes. Returns the index and the SHA-256 (hex) of the bytes it was
+    /// built from, which the caller checks against the schema's.
+    ///
+    /// Peak memory: the index itself (a bit per row, 4 bytes per 512 rows,
+    /// 4 bytes per hot id), a bit per hot id while it is read and a 64 KiB
+    /// buffer: ~0.14 bytes per row + ~4.1 per hot id, where reading the
+    /// file whole into the permutation and its inverse took 12 per row.
+    pub fn read<R: Read>(
+        mut open: impl FnMut() -> std::io::Result<R>,
+        rows: u64,
+    ) -> Result<(Self, String), SlotIndexError> {
+        let expected = rows * SLOT_BYTES;
+        let size_error = |actual| SlotIndexError::Size { rows, expected, actual };
+        // Pass 1: the hot slots are 0..hot, `hot` one past the largest slot
+        // that some earlier id's slot exceeds (a pair of slots out of id
+        // order); every slot from `hot` on is in id order.
+        let (mut hot, mut highest) = (0u64, None::<u32>);
+        let read = scan(
+            open()?,
+            rows,
+            |_| {},
+            |_, slot| {
+                if highest.is_some_and(|highest| slot < highest) {
+                    hot = hot.max(u64::from(slot) + 1);
                 }
-                Some(free) => *free = id as u32,
-            }
+                highest = highest.max(Some(slot));
+                Ok(())
+            },
+        )?;
+        if read != expected {
+            return Err(size_error(read));
         }
-        // The hot slots: all but the longest tail of slots whose ids rise.
-        let mut hot = rows;
-        while hot > 0 && (hot == rows || ids[hot - 1] < ids[hot]) {
-            hot -= 1;
+        let hot = hot.min(rows);
+        // Pass 2: the hot ids and their slots, each slot once; every other
+        // id's slot must be the next after the hot ones in id order.
+        let mut taken = vec![0u64; hot.div_ceil(64) as usize];
+        let mut hot_bits = vec![0u64; rows.div_ceil(64) as usize];
+        let mut hot_slots = Vec::with_capacity(hot as usize);
+        let mut sha = sha256::Sha256::new();
+        let read = scan(
+            open()?,
+            rows,
+            |bytes| sha.update(bytes),
+            |id, slot| {
+                let at = u64::from(slot);
+                let twice = || format!("id {id} has slot {slot}, which another id has too");
+                if at >= rows {
+                    return Err(format!("id {id} has slot {slot}, past the table's {rows} rows"));
+                }
+                if at < hot {
+                    let (word, bit) = (at as usize / 64, 1u64 << (at % 64));
+                    if taken[word] & bit != 0 {
+                        return Err(twice());
+                    }
+                    taken[word] |= bit;
+                    hot_bits[id as usize / 64] |= 1 << (id % 64);
+                    hot_slots.push(slot);
+                    return Ok(());
+                }
+                let next = hot + id - hot_slots.len() as u64;
+                match at.cmp(&next) {
+                    std::cmp::Ordering::Equal => Ok(()),
+                    std::cmp::Ordering::Less => Err(twice()),
+                    std::cmp::Ordering::Greater => {
+                        Err(format!("id {id} has slot {slot}, but no id has slot {next}"))
+                    }
+                }
+            },
+        )?;
+        if read != expected {
+            return Err(size_error(read));
         }
-        let mut hot_bits = vec![0u64; rows.div_ceil(64)];
-        for &id in &ids[..hot] {
-            hot_bits[id as usize / 64] |= 1 << (id % 64);
+        if hot_slots.len() as u64 != hot {
+            // Only if the file changed between the passes.
+            return Err(SlotIndexError::NotAPermutation(format!(
+                "{} ids have the {hot} slots before those in id order",
+                hot_slots.len()
+            )));
         }
+        drop(taken);
         let block_ranks = hot_bits
             .chunks(RANK_BLOCK_WORDS)
             .scan(0u32, |below, block| {
@@ -98,9 +173,16 @@ impl SlotIndex {
                 Some(rank)
             })
             .collect();
-        let hot_slots =
-            (0..rows).filter(|&id| hot_bits[id / 64] >> (id % 64) & 1 == 1).map(|id| slots[id]).collect();
-        Ok(Self { hot_bits, block_ranks, hot_slots, rows: rows as u64 })
+        Ok((Self { hot_bits, block_ranks, hot_slots, rows }, sha.hex()))
+    }
+
+    /// An index over `slots` (slot of id `i` at `i`), which must be a
+    /// permutation of `0..slots.len()`.
+    pub fn from_slots(slots: &[u32]) -> Result<Self, String> {
+        let bytes: Vec<u8> = slots.iter().flat_map(|slot| slot.to_le_bytes()).collect();
+        Self::read(|| Ok(bytes.as_slice()), slots.len() as u64)
+            .map(|(index, _)| index)
+            .map_err(|e| e.to_string())
     }
 
     /// The slot of row `id` (a valid id).
@@ -118,121 +200,168 @@ impl SlotIndex {
         }
     }
 
+    /// Rows it indexes.
+    pub fn rows(&self) -> u64 {
+        self.rows
+    }
+
     /// Bytes it holds in memory.
     pub fn bytes(&self) -> u64 {
         (self.hot_bits.len() * 8 + self.block_ranks.len() * 4 + self.hot_slots.len() * 4) as u64
     }
 
-    /// `ordered` (rows of `row_bytes` in slot order) in id order.
-    pub fn in_id_order(&self, ordered: &[u8], row_bytes: usize) -> Vec<u8> {
-        let mut rows = vec![0u8; ordered.len()];
-        for (id, row) in rows.chunks_exact_mut(row_bytes).enumerate() {
-            let at = self.slot(id as i64) as usize * row_bytes;
-            row.copy_from_slice(&ordered[at..at + row_bytes]);
+    /// Puts `rows` (the file's rows of `row_bytes`, in slot order) in id
+    /// order, in place: each cycle of the permutation is walked once,
+    /// moving each row to where its id wants it. Needs a bit per row
+    /// besides the rows (not a second copy of them).
+    pub fn to_id_order(&self, rows: &mut [u8], row_bytes: usize) {
+        let count = rows.len() / row_bytes;
+        debug_assert_eq!(count as u64, self.rows);
+        let mut done = vec![0u64; count.div_ceil(64)];
+        let mut first = vec![0u8; row_bytes];
+        for start in 0..count {
+            if done[start / 64] >> (start % 64) & 1 == 1 {
+                continue;
+            }
+            // Row `id` takes the row at `slot(id)`: along the cycle from
+            // `start`, each row is replaced by the next one's until the
+            // cycle comes back, where the first row goes.
+            first.copy_from_slice(&rows[start * row_bytes..(start + 1) * row_bytes]);
+            let mut id = start;
+            loop {
+                done[id / 64] |= 1 << (id % 64);
+                let from = self.slot(id as i64) as usize;
+                if from == start {
+                    rows[id * row_bytes..(id + 1) * row_bytes].copy_from_slice(&first);
+                    break;
+                }
+                rows.copy_within(from * row_bytes..(from + 1) * row_bytes, id * row_bytes);
+                id = from;
+            }
         }
-        rows
     }
 }
 
-/// How often each id was looked up, per table, from an id log.
-#[derive(Debug, Default)]
-pub struct Popularity {
-    /// Per id: lookups, and the line where it was first seen (ties).
-    counts: HashMap<u64, (u64, u64)>,
-    lines: u64,
-}
-
-impl Popularity {
-    /// Counts one lookup of `id`.
-    pub fn add(&mut self, id: u64) {
-        let line = self.lines;
-        self.lines += 1;
-        self.counts.entry(id).or_insert((0, line)).0 += 1;
-    }
-
-    /// Ids seen.
-    pub fn distinct(&self) -> usize {
-        self.counts.len()
-    }
-
-    /// The slot of each of `rows` ids: the ids seen, most looked up first
-    /// (ties in the order first seen: a list naming each id once is taken
-    /// as given), then the ids never seen, in id order.
-    pub fn slots(&self, rows: u64) -> Vec<u32> {
-        let mut seen: Vec<(u64, u64, u64)> = self
-            .counts
-            .iter()
-            .filter(|(&id, _)| id < rows)
-            .map(|(&id, &(count, first))| (id, count, first))
-            .collect();
-        seen.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
-        let mut slots = vec![u32::MAX; rows as usize];
-        for (slot, &(id, _, _)) in seen.iter().enumerate() {
-            slots[id as usize] = slot as u32;
+/// Reads `reader` to its end, giving `bytes` every byte and `slot` the
+/// slot of each id below `rows` (one that says why not stops the read);
+/// returns the bytes read.
+fn scan<R: Read>(
+    mut reader: R,
+    rows: u64,
+    mut bytes: impl FnMut(&[u8]),
+    mut slot: impl FnMut(u64, u32) -> Result<(), String>,
+) -> Result<u64, SlotIndexError> {
+    let mut buffer = vec![0u8; READ_BYTES];
+    // Bytes at the buffer's start not yet taken (less than a slot), and
+    // bytes taken.
+    let (mut filled, mut taken) = (0usize, 0u64);
+    loop {
+        let n = match reader.read(&mut buffer[filled..]) {
+            Ok(0) => return Ok(taken + filled as u64),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        };
+        bytes(&buffer[filled..filled + n]);
+        filled += n;
+        let whole = filled / 4 * 4;
+        for word in buffer[..whole].chunks_exact(4) {
+            let id = taken / SLOT_BYTES;
+            taken += SLOT_BYTES;
+            if id < rows {
+                slot(id, u32::from_le_bytes(word.try_into().expect("4 bytes")))
+                    .map_err(SlotIndexError::NotAPermutation)?;
+            }
         }
-        let unseen = slots.iter_mut().filter(|s| **s == u32::MAX);
-        for (next, slot) in (seen.len() as u32..).zip(unseen) {
-            *slot = next;
-        }
-        slots
+        buffer.copy_within(whole..filled, 0);
+        filled -= whole;
     }
-}
-
-/// `rows` (in id order, `row_bytes` each) laid out by `slots`.
-pub fn in_slot_order(rows: &[u8], row_bytes: usize, slots: &[u32]) -> Vec<u8> {
-    let mut ordered = vec![0u8; rows.len()];
-    for (row, &slot) in rows.chunks_exact(row_bytes).zip(slots) {
-        let at = slot as usize * row_bytes;
-        ordered[at..at + row_bytes].copy_from_slice(row);
-    }
-    ordered
-}
-
-/// The file a table's slot index is written to, beside its rows.
-pub fn slots_file(table_file: &Path) -> PathBuf {
-    table_file.with_extension("slots")
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn ids_seen_most_come_first_ties_by_first_sight_unseen_after_in_id_order() {
-        let mut log = Popularity::default();
-        for id in [7, 3, 7, 5, 3, 7, 9] {
-            log.add(id);
-        }
-        // 7: three times, 3: twice, then 5 and 9 once each (5 seen first);
-        // 0, 1, 2, 4, 6, 8 never.
-        let slots = log.slots(10);
-        assert_eq!(slots, vec![4, 5, 6, 1, 7, 2, 8, 0, 9, 3]);
-        assert!(SlotIndex::new(slots).is_ok());
-    }
-
-    #[test]
-    fn rows_laid_out_by_popularity_come_back_in_id_order() {
-        let rows: Vec<u8> = (0..6 * 4).map(|b| b as u8).collect();
-        let slots = vec![3, 0, 5, 1, 4, 2];
-        let ordered = in_slot_order(&rows, 4, &slots);
-        assert_eq!(&ordered[0..4], &rows[4..8], "slot 0 holds id 1");
-        let index = SlotIndex::new(slots).unwrap();
-        assert_eq!(index.slot(2), 5);
-        assert_eq!(index.in_id_order(&ordered, 4), rows);
-    }
-
-    #[test]
-    fn the_compact_index_finds_every_ids_slot_of_any_permutation() {
-        // Fisher-Yates on a xorshift generator.
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let mut shuffle = |v: &mut [u32]| {
+    /// Fisher-Yates on a xorshift generator.
+    fn shuffler(mut state: u64) -> impl FnMut(&mut [u32]) {
+        move |v: &mut [u32]| {
             for i in (1..v.len()).rev() {
                 state ^= state << 13;
                 state ^= state >> 7;
                 state ^= state << 17;
                 v.swap(i, (state % (i as u64 + 1)) as usize);
             }
-        };
+        }
+    }
+
+    /// The slot of each id when `order` lists the ids slot by slot.
+    fn slots_of(order: &[u32]) -> Vec<u32> {
+        let mut slots = vec![0u32; order.len()];
+        for (slot, &id) in order.iter().enumerate() {
+            slots[id as usize] = slot as u32;
+        }
+        slots
+    }
+
+    /// The hot slots as the index was built before it streamed: all but
+    /// the longest tail of slots whose ids rise, from the inverse.
+    fn reference_hot(order: &[u32]) -> usize {
+        let mut hot = order.len();
+        while hot > 0 && (hot == order.len() || order[hot - 1] < order[hot]) {
+            hot -= 1;
+        }
+        hot
+    }
+
+    /// A reader that hands out a few bytes at a time (1 to 7), so slots
+    /// straddle reads.
+    struct Trickle<'a>(&'a [u8], usize);
+
+    impl Read for Trickle<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.1 = self.1 % 7 + 1;
+            let n = self.1.min(buf.len()).min(self.0.len());
+            buf[..n].copy_from_slice(&self.0[..n]);
+            self.0 = &self.0[n..];
+            Ok(n)
+        }
+    }
+
+    fn file_bytes(slots: &[u32]) -> Vec<u8> {
+        slots.iter().flat_map(|slot| slot.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn rows_laid_out_by_popularity_come_back_in_id_order_in_place() {
+        let rows: Vec<u8> = (0..6 * 4).map(|b| b as u8).collect();
+        let slots = [3u32, 0, 5, 1, 4, 2];
+        let mut ordered = vec![0u8; rows.len()];
+        for (id, &slot) in slots.iter().enumerate() {
+            ordered[slot as usize * 4..][..4].copy_from_slice(&rows[id * 4..][..4]);
+        }
+        assert_eq!(&ordered[0..4], &rows[4..8], "slot 0 holds id 1");
+        let index = SlotIndex::from_slots(&slots).unwrap();
+        assert_eq!(index.slot(2), 5);
+        index.to_id_order(&mut ordered, 4);
+        assert_eq!(ordered, rows);
+        let mut shuffle = shuffler(0x9E37_79B9_7F4A_7C15);
+        for count in [1usize, 2, 64, 1_000] {
+            let mut order: Vec<u32> = (0..count as u32).collect();
+            shuffle(&mut order);
+            let slots = slots_of(&order);
+            let rows: Vec<u8> = (0..count * 3).map(|b| (b * 31 % 251) as u8).collect();
+            let mut file = vec![0u8; rows.len()];
+            for (id, &slot) in slots.iter().enumerate() {
+                file[slot as usize * 3..][..3].copy_from_slice(&rows[id * 3..][..3]);
+            }
+            SlotIndex::from_slots(&slots).unwrap().to_id_order(&mut file, 3);
+            assert_eq!(file, rows, "{count} rows");
+        }
+    }
+
+    #[test]
+    fn the_streamed_index_finds_every_ids_slot_of_any_permutation_as_the_whole_file_did() {
+        let mut shuffle = shuffler(0x2545_F491_4F6C_DD1D);
         for rows in [1usize, 63, 64, 65, 511, 512, 513, 3_000] {
             for hot in [0, 1, rows / 10, rows / 2, rows] {
                 // `hot` ids at random first, the rest in id order; and a
@@ -242,35 +371,51 @@ mod tests {
                 let (first, rest) = ids.split_at_mut(hot.min(rows));
                 rest.sort_unstable();
                 let chosen: Vec<u32> = first.iter().chain(rest.iter()).copied().collect();
-                let scrambled: Vec<u32> = {
-                    let mut s: Vec<u32> = (0..rows as u32).collect();
-                    shuffle(&mut s);
-                    s
-                };
+                let mut scrambled: Vec<u32> = (0..rows as u32).collect();
+                shuffle(&mut scrambled);
                 for order in [chosen, scrambled] {
-                    let mut slots = vec![0u32; rows];
-                    for (slot, &id) in order.iter().enumerate() {
-                        slots[id as usize] = slot as u32;
-                    }
-                    let index = SlotIndex::new(slots.clone()).unwrap();
+                    let slots = slots_of(&order);
+                    let bytes = file_bytes(&slots);
+                    let (index, sha) = SlotIndex::read(|| Ok(Trickle(&bytes, 0)), rows as u64).unwrap();
+                    let mut whole = sha256::Sha256::new();
+                    whole.update(&bytes);
+                    assert_eq!(sha, whole.hex(), "{rows} rows: the hash of the bytes read");
+                    assert_eq!(index.hot_slots.len(), reference_hot(&order), "{rows} rows, {hot} hot");
                     for (id, &slot) in slots.iter().enumerate() {
                         assert_eq!(index.slot(id as i64), i64::from(slot), "{rows} rows, {hot} hot, id {id}");
                     }
                 }
             }
         }
-        let mut log = Popularity::default();
-        (0..50_000).step_by(7).for_each(|id| log.add(id));
-        let index = SlotIndex::new(log.slots(1_000_000)).unwrap();
+        // 7,143 logged ids first, the rest in id order.
+        let logged: Vec<u32> = (0..50_000).step_by(7).collect();
+        let rest = (0..1_000_000).filter(|id| id % 7 != 0 || *id >= 50_000);
+        let order: Vec<u32> = logged.iter().copied().chain(rest).collect();
+        let index = SlotIndex::from_slots(&slots_of(&order)).unwrap();
+        assert_eq!(index.hot_slots.len(), 7_143);
         assert!(index.bytes() < 300_000, "{} bytes for 1M rows with 7,143 hot", index.bytes());
     }
 
     #[test]
-    fn an_index_that_is_not_a_permutation_is_refused() {
-        assert!(SlotIndex::new(vec![0, 2, 1]).is_ok());
-        let twice = SlotIndex::new(vec![0, 1, 1]).unwrap_err();
-        assert!(twice.contains("id 2 has slot 1") && twice.contains("another id"), "{twice}");
-        let past = SlotIndex::new(vec![0, 3, 1]).unwrap_err();
-        assert!(past.contains("past the table's 3 rows"), "{past}");
+    fn an_index_that_is_not_a_permutation_or_not_the_tables_size_is_refused() {
+        assert!(SlotIndex::from_slots(&[0, 2, 1]).is_ok());
+        for (slots, says) in [
+            (&[0, 1, 1][..], "id 2 has slot 1, which another id has too"),
+            (&[2, 1, 1], "id 2 has slot 1, which another id has too"),
+            (&[0, 3, 1], "id 1 has slot 3, past the table's 3 rows"),
+            (&[1, 1], "id 0 has slot 1, but no id has slot 0"),
+            (&[0, 2, 2], "id 1 has slot 2, but no id has slot 1"),
+        ] {
+            let error = SlotIndex::from_slots(slots).unwrap_err();
+            assert!(error.contains(says), "{slots:?}: {error}");
+        }
+        let bytes = file_bytes(&[0, 1, 2]);
+        for (cut, holds) in [(&bytes[..8], "holds 8"), (&bytes[..11], "holds 11")] {
+            let error = SlotIndex::read(|| Ok(cut), 3).unwrap_err().to_string();
+            assert!(error.contains("takes 12 bytes") && error.contains(holds), "{error}");
+        }
+        let long = [bytes.as_slice(), &[0, 0]].concat();
+        let error = SlotIndex::read(|| Ok(long.as_slice()), 3).unwrap_err().to_string();
+        assert!(error.contains("holds 14"), "{error}");
     }
 }
