@@ -119,6 +119,20 @@ impl AotiPackage {
         Ok(Self { raw })
     }
 
+    /// Loads a package compiled for CUDA (no CPU flags to check) with
+    /// `runners` model instances.
+    pub fn load_compiled_for_cuda(path: &Path, runners: usize) -> Result<Self, LibtorchError> {
+        crate::fbgemm::open_global(&crate::libtorch_lib_dir().join("libtorch.so")).map_err(LibtorchError)?;
+        let c_path = c_path(path)?;
+        let mut error: *mut c_char = std::ptr::null_mut();
+        // SAFETY: as in `load`.
+        let raw = unsafe { narsil_aoti_package_load(c_path.as_ptr(), runners.max(1) as c_int, &mut error) };
+        if raw.is_null() {
+            return Err(shim_error(error));
+        }
+        Ok(Self { raw })
+    }
+
     /// The package's metadata entry `key`, read without loading its code.
     pub fn metadata(path: &Path, key: &str) -> Result<Option<String>, LibtorchError> {
         let c_path = c_path(path)?;

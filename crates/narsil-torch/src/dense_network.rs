@@ -13,6 +13,13 @@
 //! 1.07-1.25x in bf16 on an AVX-512 Zen 5 core, a tie on an AVX2 Zen 3,
 //! REPORTS.md "AOTInductor dense networks"); `torchscript` always runs
 //! `dense.pt`; `pt2` requires the package (an error names what is missing).
+//!
+//! On CUDA (`--device cuda[:N]`) the TorchScript network is loaded onto the
+//! device (bf16: floating-point parameters only are cast, as on the CPU).
+//! `auto` serves TorchScript there (a CUDA `.pt2` has not been checked on a
+//! GPU machine yet: one segfaulted in the process that compiled it);
+//! `pt2` loads the package only where its metadata says it was compiled for
+//! CUDA (`AOTI_DEVICE_KEY`), and otherwise refuses, naming the file.
 
 use std::fmt;
 use std::path::Path;
@@ -22,6 +29,10 @@ use narsil_embedding::SplitSchema;
 use tch::{Device, Tensor};
 
 use crate::aoti_package::AotiPackage;
+
+/// The metadata key under which AOTInductor records the device a package
+/// was compiled for (`cpu`, `cuda`).
+pub const AOTI_DEVICE_KEY: &str = "AOTI_DEVICE_KEY";
 use crate::precision::{cpu_flags, DensePrecision};
 use crate::script_module::{LibtorchError, ScriptModule};
 
@@ -71,7 +82,11 @@ impl DenseNetwork {
         form: DenseForm,
         precision: DensePrecision,
         runners: usize,
+        device: Device,
     ) -> Result<Self, BackendError> {
+        if device != Device::Cpu {
+            return Self::load_on_device(dir, split, form, precision, runners, device);
+        }
         if let Some(package) = Self::package_to_run(dir, split, form, precision)? {
             let path = dir.join(package);
             let flags = cpu_flags();
@@ -98,6 +113,50 @@ impl DenseNetwork {
             BackendError::load(&network, "not a TorchScript dense network libtorch can load").caused_by(e)
         })?;
         tracing::info!(file = %network.display(), "dense network: TorchScript");
+        Ok(Self::TorchScript(loaded.module))
+    }
+
+    /// [`Self::load`] on a device other than the CPU.
+    fn load_on_device(
+        dir: &Path,
+        split: &SplitSchema,
+        form: DenseForm,
+        precision: DensePrecision,
+        runners: usize,
+        device: Device,
+    ) -> Result<Self, BackendError> {
+        if form == DenseForm::Pt2 {
+            let Some(package) = Self::package_to_run(dir, split, form, precision)? else {
+                unreachable!("package_to_run refuses pt2 without a package")
+            };
+            let path = dir.join(package);
+            let compiled_for = AotiPackage::metadata(&path, AOTI_DEVICE_KEY)
+                .map_err(|e| BackendError::load(&path, "not an AOTInductor package").caused_by(e))?;
+            if compiled_for.as_deref() != Some("cuda") {
+                return Err(BackendError::load(
+                    &path,
+                    format!(
+                        "--dense-form pt2 on {device:?}, but this package was compiled for {} ({AOTI_DEVICE_KEY}); \
+                         compile one for CUDA on a GPU machine, or serve --dense-form torchscript (dense.pt runs on CUDA)",
+                        compiled_for.as_deref().unwrap_or("an unnamed device")
+                    ),
+                ));
+            }
+            let package = AotiPackage::load_compiled_for_cuda(&path, runners).map_err(|e| {
+                BackendError::load(&path, "a CUDA AOTInductor package libtorch cannot load").caused_by(e)
+            })?;
+            tracing::info!(file = %path.display(), ?device, "dense network: AOTInductor package for CUDA");
+            return Ok(Self::Package(package));
+        }
+        let network = dir.join(&split.dense_network);
+        let loaded = ScriptModule::load(&network, device, precision).map_err(|e| {
+            BackendError::load(
+                &network,
+                format!("not a TorchScript dense network libtorch can load on {device:?}"),
+            )
+            .caused_by(e)
+        })?;
+        tracing::info!(file = %network.display(), ?device, "dense network: TorchScript");
         Ok(Self::TorchScript(loaded.module))
     }
 

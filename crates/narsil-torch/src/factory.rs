@@ -64,6 +64,49 @@ pub struct TorchConfig {
     pub bf16_emulated: bool,
     /// A split model's dense network form (`--dense-form`).
     pub dense_form: crate::dense_network::DenseForm,
+    /// A split model on a device: the byte budget for its tables in device
+    /// memory (`None`: `NARSIL_DEVICE_TABLE_BYTES` if set). Neither: on CUDA, every table
+    /// held in this process goes to the device if it can be allocated
+    /// there (else the tables stay on the host); on the CPU device path,
+    /// tables stay on the host. `Some(0)`: tables stay on the host (the
+    /// CPU stage pools them; the pooled block is copied). `Some(n)`: tables
+    /// go to the device, and a model whose tables take more than `n` bytes
+    /// is refused, naming both.
+    pub device_table_bytes: Option<u64>,
+    /// Serves a split model through the device lane on the CPU device
+    /// (staging buffers, the tensor stage, padded buckets, the double-buffer
+    /// hand-off): the GPU path's logic, testable without a GPU. No serving
+    /// flag sets it.
+    pub device_path_on_cpu: bool,
+    /// Batch-size buckets for CUDA graphs (and padded forwards on the CPU
+    /// device path); `None`: `NARSIL_CUDA_GRAPH_BUCKETS` or the default on
+    /// CUDA, none on the CPU.
+    pub graph_buckets: Option<crate::buckets::Buckets>,
+}
+
+/// Environment variable with the device table budget
+/// ([`TorchConfig::device_table_bytes`]).
+pub const DEVICE_TABLE_BYTES_ENV: &str = "NARSIL_DEVICE_TABLE_BYTES";
+
+/// Parses a byte count: digits, optionally followed by `KiB`, `MiB` or
+/// `GiB`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, ""),
+    };
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        _ => return Err(format!("{text:?} is not a byte count (digits, optionally KiB, MiB or GiB)")),
+    };
+    let value: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count (digits, optionally KiB, MiB or GiB)"))?;
+    value.checked_mul(1 << shift).ok_or_else(|| format!("{text:?} is too many bytes"))
 }
 
 impl TorchConfig {
@@ -81,6 +124,23 @@ impl TorchConfig {
             table_store: narsil_embedding::TableStore::Memory,
             bf16_emulated: false,
             dense_form: crate::dense_network::DenseForm::Auto,
+            device_table_bytes: None,
+            device_path_on_cpu: false,
+            graph_buckets: None,
+        }
+    }
+
+    /// The device table budget: [`TorchConfig::device_table_bytes`], else
+    /// `NARSIL_DEVICE_TABLE_BYTES` (an error names the variable), else none.
+    pub fn device_table_budget(&self) -> Result<Option<u64>, BackendError> {
+        if self.device_table_bytes.is_some() {
+            return Ok(self.device_table_bytes);
+        }
+        match std::env::var(DEVICE_TABLE_BYTES_ENV) {
+            Err(_) => Ok(None),
+            Ok(text) => parse_bytes(&text)
+                .map(Some)
+                .map_err(|e| BackendError::setup(format!("{DEVICE_TABLE_BYTES_ENV}: {e}"))),
         }
     }
 }
@@ -99,7 +159,14 @@ impl TorchFactory {
             return Err(BackendError::setup("intra-op threads must be at least 1"));
         }
         let fbgemm_dir = config.fbgemm_dir.clone().unwrap_or_else(default_fbgemm_dir);
-        let libs = load_fbgemm_ops(&fbgemm_dir)?;
+        let on_cuda = config.device != "cpu";
+        let libs = load_fbgemm_ops(&fbgemm_dir).map_err(|e| {
+            if on_cuda {
+                fbgemm_on_cuda(&config).caused_by(e)
+            } else {
+                e
+            }
+        })?;
         tracing::debug!(dir = %fbgemm_dir.display(), libraries = libs.len(), "FBGEMM operators registered");
         // After the libraries: opening libtorch.so is what registers CUDA.
         let device = parse_device(&config.device)?;
@@ -113,7 +180,8 @@ impl TorchFactory {
             device,
             &config.device,
             config.dense_precision,
-        )?;
+        )
+        .map_err(|e| if on_cuda { fbgemm_on_cuda(&config).caused_by(e) } else { e })?;
         let model = Arc::new(model);
         if model.dict_signature() {
             probe(&model, &config)?;
@@ -147,6 +215,21 @@ impl BackendFactory for TorchFactory {
     fn warmup_rows(&self) -> Vec<usize> {
         self.config.warmup_rows.clone()
     }
+}
+
+/// A single-file model on CUDA that could not be loaded there: its INT8
+/// tables need fbgemm_gpu's CUDA operators.
+fn fbgemm_on_cuda(config: &TorchConfig) -> BackendError {
+    BackendError::load(
+        &config.model,
+        format!(
+            "a single-file TorchScript model on --device {} runs its INT8 embedding tables through fbgemm_gpu's CUDA \
+             operators, which need fbgemm_gpu built for CUDA (the GPU machines here have none); the split form \
+             serves on CUDA: --model <its split directory> (models/export_dlrm.py --split, \
+             models/export_torchrec.py --split, models/extract_split.py)",
+            config.device
+        ),
+    )
 }
 
 /// One small forward with the schema's shape: a module that does not take

@@ -16,21 +16,30 @@
 //! * [`dense_network`]: a split model's dense network, TorchScript or
 //!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`.
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
+//! * [`device_lane`]: a split model's lane on a device (CUDA): staging
+//!   buffers, [`tensor_stage`] (tables in device memory), CUDA graphs per
+//!   [`buckets`] bucket, [`handoff`] of two buffer sets to stage one batch
+//!   ahead; [`cuda`]: streams, events and graphs through the CUDA shim.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod aoti_package;
+pub mod buckets;
+pub mod cuda;
 pub mod dense_network;
 pub mod device;
+pub mod device_lane;
 pub mod factory;
 pub mod fbgemm;
+pub mod handoff;
 pub mod lane;
 pub mod model;
 pub mod precision;
 pub mod roofline;
 pub mod script_module;
 pub mod split;
+pub mod tensor_stage;
 
 pub use dense_network::DenseForm;
 pub use factory::{TorchConfig, TorchFactory};

@@ -15,6 +15,12 @@
 //! before the dense forward, on the intra-op threads' calling thread; with
 //! `--stage-ahead`, on the lane's stage thread one batch ahead
 //! ([`SplitStage`]), handing the lane the pooled block.
+//!
+//! On CUDA (`--device cuda[:N]`) lanes are [`crate::device_lane`]'s: the
+//! dense network on the device (CUDA graphs per batch-size bucket), the
+//! tables in device memory when they fit the budget (the tensor stage), or
+//! on the host (this CPU stage, its pooled block copied through pinned
+//! buffers).
 
 use std::path::Path;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -27,21 +33,33 @@ use narsil_core::{
 use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
+use crate::buckets::Buckets;
 use crate::dense_network::DenseNetwork;
-use crate::device::parse_device;
-use crate::factory::{require_cpu_bf16, TorchConfig};
+use crate::device::split_model_device;
+use crate::device_lane::DeviceLane;
+use crate::factory::{require_cpu_bf16, TorchConfig, DEVICE_TABLE_BYTES_ENV};
 use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThreads};
 use crate::precision::DensePrecision;
+use crate::tensor_stage::{device_bytes, TablesNotOnDevice, TensorTables};
 
 /// A loaded split model: its embedding stage and its dense network.
-struct SplitModel {
-    schema: ModelSchema,
-    stage: EmbeddingStage,
-    dense_network: DenseNetwork,
+pub(crate) struct SplitModel {
+    pub(crate) schema: ModelSchema,
+    pub(crate) stage: EmbeddingStage,
+    pub(crate) dense_network: DenseNetwork,
     /// The dense network's parameters and inputs: FP32, or bf16 (the
     /// pooled block and the dense features cast as they enter it; FP32
     /// accumulation in oneDNN's GEMMs; scores returned in FP32).
-    precision: DensePrecision,
+    pub(crate) precision: DensePrecision,
+    /// Where the dense network runs.
+    pub(crate) device: Device,
+    /// Lanes are device lanes ([`DeviceLane`]): any device but the CPU, or
+    /// the CPU when the config asks ([`TorchConfig::device_path_on_cpu`]).
+    pub(crate) device_path: bool,
+    /// The tables in device memory, when they are there.
+    pub(crate) device_tables: Option<TensorTables>,
+    /// Device lanes' batch-size buckets.
+    pub(crate) buckets: Buckets,
 }
 
 /// Loads a split model once and creates lanes that share it.
@@ -69,23 +87,31 @@ impl SplitFactory {
                 "a split model states its schema in schema.json; remove --model-config",
             ));
         }
-        let device = parse_device(&config.device)?;
-        if device != Device::Cpu {
-            return Err(BackendError::load(&dir, "split models run on the CPU for now"));
-        }
-        if config.dense_precision == DensePrecision::Bf16 {
+        let device = split_model_device(&config.device)?;
+        if config.dense_precision == DensePrecision::Bf16 && device == Device::Cpu {
             require_cpu_bf16(&config)?;
         }
+        let device_path = device != Device::Cpu || config.device_path_on_cpu;
+        let buckets = match (&config.graph_buckets, device) {
+            (Some(buckets), _) => buckets.clone(),
+            (None, Device::Cpu) => Buckets::new(Vec::new()),
+            (None, _) => Buckets::from_env().map_err(BackendError::setup)?,
+        };
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
-        let (stage, opened) =
-            EmbeddingStage::open(&dir, &split, &config.table_store).map_err(|e| load_error(&dir, e))?;
+        let (stores, opened) = config.table_store.open(&dir, &split).map_err(|e| load_error(&dir, e))?;
+        let device_tables = if device_path {
+            device_tables(&dir, &split, &stores, device, config.device_table_budget()?)?
+        } else {
+            None
+        };
+        let stage = EmbeddingStage::new(&split, stores);
         let schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
         // A package's model instances: one per forward that can run at once
         // (lanes, and the load-time probe).
         let runners = std::thread::available_parallelism().map_or(2, |n| n.get()).max(2);
         let dense_network =
-            DenseNetwork::load(&dir, &split, config.dense_form, config.dense_precision, runners)?;
+            DenseNetwork::load(&dir, &split, config.dense_form, config.dense_precision, runners, device)?;
         let network = dir.join(dense_network.file(&split, config.dense_precision));
         tracing::info!(
             model = %dir.display(),
@@ -95,25 +121,92 @@ impl SplitFactory {
             dense_precision = %config.dense_precision,
             dense_form = %dense_network.form(),
             table_mib = opened.bytes >> 20,
+            ?device,
+            tables_on_device_mib = device_tables.as_ref().map(|t| t.bytes() >> 20),
+            graph_buckets = ?buckets.rows(),
             features = schema.num_sparse(),
             elapsed_ms = started.elapsed().as_millis() as u64,
             "split model loaded"
         );
-        let model = SplitModel { schema, stage, dense_network, precision: config.dense_precision };
+        let model = SplitModel {
+            schema,
+            stage,
+            dense_network,
+            precision: config.dense_precision,
+            device,
+            device_path,
+            device_tables,
+            buckets,
+        };
         let factory = Self { model: Arc::new(model), config };
         // A dense network that does not take this schema's shape fails now,
         // not on a client's request.
         let batch = narsil_core::backend::warmup_batch(factory.schema(), 2);
-        SplitLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads).forward(&batch).map_err(
-            |e| {
-                BackendError::load(
-                    &network,
-                    "the dense network does not take this schema's dense and pooled inputs",
-                )
-                .caused_by(e)
-            },
-        )?;
+        let probe = if factory.model.device_path {
+            // Eager: no graphs are captured for the probe.
+            DeviceLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads, false)
+                .and_then(|mut lane| lane.forward(&batch))
+        } else {
+            SplitLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads).forward(&batch)
+        };
+        probe.map_err(|e| {
+            BackendError::load(
+                &network,
+                "the dense network does not take this schema's dense and pooled inputs",
+            )
+            .caused_by(e)
+        })?;
         Ok(factory)
+    }
+
+    /// The lane the engine would create, on the calling thread (tests).
+    pub fn lane(&self) -> Result<Box<dyn ModelBackend>, BackendError> {
+        self.create_lane(0)
+    }
+}
+
+/// Where the tables of a split model served on a device live: on the device
+/// if every table is in this process and they fit the budget (`None`: any
+/// that can be allocated on CUDA; none on the CPU device path), else on
+/// the host. An explicit budget they exceed is an error naming both.
+fn device_tables(
+    dir: &Path,
+    split: &SplitSchema,
+    stores: &[Arc<dyn narsil_embedding::RowStore>],
+    device: Device,
+    budget: Option<u64>,
+) -> Result<Option<TensorTables>, BackendError> {
+    let budget = match (budget, device) {
+        (Some(0), _) | (None, Device::Cpu) => return Ok(None),
+        (Some(budget), _) => budget,
+        (None, _) => u64::MAX,
+    };
+    let started = Instant::now();
+    match TensorTables::upload(split, stores, device, budget) {
+        Ok(tables) => {
+            tracing::info!(
+                ?device,
+                mib = tables.bytes() >> 20,
+                groups = tables.groups(),
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "tables uploaded to the device: lookups, dequantisation and pooling run there"
+            );
+            Ok(Some(tables))
+        }
+        Err(error @ TablesNotOnDevice::OverBudget { .. }) => Err(BackendError::load(dir, error.to_string())),
+        Err(error) if budget != u64::MAX => Err(BackendError::load(
+            dir,
+            format!("{DEVICE_TABLE_BYTES_ENV} asks for the tables on the device, but {error}"),
+        )),
+        Err(error) => {
+            tracing::warn!(
+                ?device,
+                table_mib = device_bytes(split) >> 20,
+                reason = %error,
+                "tables stay on the host (the CPU stage pools them; the pooled block is copied to the device)"
+            );
+            Ok(None)
+        }
     }
 }
 
@@ -124,6 +217,13 @@ impl BackendFactory for SplitFactory {
 
     fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
         enter_inference_mode();
+        if self.model.device_path {
+            return Ok(Box::new(DeviceLane::new(
+                Arc::clone(&self.model),
+                self.config.intra_op_threads,
+                true,
+            )?));
+        }
         Ok(Box::new(SplitLane::new(Arc::clone(&self.model), self.config.intra_op_threads)))
     }
 

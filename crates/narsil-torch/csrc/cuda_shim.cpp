@@ -1,0 +1,286 @@
+// Narsil's CUDA shim: what tch lacks for serving on a GPU — per-lane streams
+// (a compute stream and a copy stream), events between them, and CUDA graphs
+// (at::cuda::CUDAGraph) captured on the stream that replays them.
+//
+// Built as its own shared library (libnarsil_cuda_shim.so) by build.rs, only
+// when the libtorch it builds against has CUDA headers, and opened with
+// dlopen only when a model is served on CUDA: the narsil binary itself links
+// no CUDA library and starts on machines without one.
+//
+// It calls only c10/ATen (no CUDA runtime function directly): c10::Event and
+// c10::Stream go through libtorch's device guard, CUDAGraph lives in
+// libtorch_cuda.
+//
+// Errors follow csrc/script_module.cpp: every function that can fail takes
+// `char** error`, stores a malloc'd message there on failure and returns null
+// (or -1); no exception leaves an extern "C" function (each is noexcept and
+// catches everything).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+char* copy_string(const char* text) noexcept {
+  const size_t size = std::strlen(text) + 1;
+  char* out = static_cast<char*>(std::malloc(size));
+  if (out) std::memcpy(out, text, size);
+  return out;
+}
+
+void set_error(char** error, const std::exception& e) noexcept {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    *error = copy_string(c10_error->what_without_backtrace());
+  } else {
+    *error = copy_string(e.what());
+  }
+}
+
+void set_unknown_error(char** error) noexcept {
+  *error = copy_string("libtorch threw an exception that is not a std::exception");
+}
+
+}  // namespace
+
+// A lane's two streams.
+struct NarsilLaneStreams {
+  c10::cuda::CUDAStream compute;
+  c10::cuda::CUDAStream copy;
+};
+
+struct NarsilEvent {
+  c10::Event event{c10::DeviceType::CUDA};
+};
+
+// The dense network's forward over the graph's static inputs, run by the
+// caller (Rust): returns a new heap at::Tensor (ownership passes here), or
+// null with `*error` set (malloc'd).
+typedef at::Tensor* (*narsil_forward_fn)(void* context, char** error);
+
+struct NarsilGraph {
+  at::cuda::CUDAGraph graph;
+  c10::cuda::CUDAStream stream;
+  at::Tensor output;
+  explicit NarsilGraph(c10::cuda::CUDAStream s) : stream(s) {}
+};
+
+extern "C" {
+
+// The shim's interface version (the Rust side checks it).
+int narsil_cuda_shim_abi() noexcept { return 1; }
+
+// CUDA devices libtorch sees (0 without a driver).
+int narsil_cuda_device_count() noexcept {
+  try {
+    return static_cast<int>(c10::cuda::device_count());
+  } catch (...) {
+    return 0;
+  }
+}
+
+// Two streams from libtorch's pool for one lane on `device`.
+NarsilLaneStreams* narsil_cuda_streams_new(int device, char** error) noexcept {
+  try {
+    auto index = static_cast<c10::DeviceIndex>(device);
+    return new NarsilLaneStreams{c10::cuda::getStreamFromPool(false, index),
+                                 c10::cuda::getStreamFromPool(false, index)};
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return nullptr;
+  } catch (...) {
+    set_unknown_error(error);
+    return nullptr;
+  }
+}
+
+void narsil_cuda_streams_free(NarsilLaneStreams* s) noexcept { delete s; }
+
+static c10::cuda::CUDAStream which_stream(NarsilLaneStreams* s, int which) {
+  return which == 0 ? s->compute : s->copy;
+}
+
+// Makes stream `which` (0 compute, 1 copy) the calling thread's current
+// stream on its device: every libtorch op this thread issues then runs there.
+int narsil_cuda_use_stream(NarsilLaneStreams* s, int which, char** error) noexcept {
+  try {
+    c10::cuda::setCurrentCUDAStream(which_stream(s, which));
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return -1;
+  } catch (...) {
+    set_unknown_error(error);
+    return -1;
+  }
+}
+
+// Waits (on the host) until stream `which` has run everything issued to it.
+int narsil_cuda_stream_synchronize(NarsilLaneStreams* s, int which, char** error) noexcept {
+  try {
+    c10::Stream(which_stream(s, which)).synchronize();
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return -1;
+  } catch (...) {
+    set_unknown_error(error);
+    return -1;
+  }
+}
+
+NarsilEvent* narsil_cuda_event_new(char** error) noexcept {
+  try {
+    return new NarsilEvent();
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return nullptr;
+  } catch (...) {
+    set_unknown_error(error);
+    return nullptr;
+  }
+}
+
+void narsil_cuda_event_free(NarsilEvent* e) noexcept { delete e; }
+
+// Records `e` on stream `which`: it completes once the stream has run what
+// was issued to it so far.
+int narsil_cuda_event_record(NarsilEvent* e, NarsilLaneStreams* s, int which, char** error) noexcept {
+  try {
+    e->event.record(c10::Stream(which_stream(s, which)));
+    return 0;
+  } catch (const std::exception& ex) {
+    set_error(error, ex);
+    return -1;
+  } catch (...) {
+    set_unknown_error(error);
+    return -1;
+  }
+}
+
+// Makes stream `which` wait (on the device, the host goes on) for `e`.
+int narsil_cuda_event_block(NarsilEvent* e, NarsilLaneStreams* s, int which, char** error) noexcept {
+  try {
+    e->event.block(c10::Stream(which_stream(s, which)));
+    return 0;
+  } catch (const std::exception& ex) {
+    set_error(error, ex);
+    return -1;
+  } catch (...) {
+    set_unknown_error(error);
+    return -1;
+  }
+}
+
+// Waits on the host for `e` (a never-recorded event is complete).
+int narsil_cuda_event_synchronize(NarsilEvent* e, char** error) noexcept {
+  try {
+    e->event.synchronize();
+    return 0;
+  } catch (const std::exception& ex) {
+    set_error(error, ex);
+    return -1;
+  } catch (...) {
+    set_unknown_error(error);
+    return -1;
+  }
+}
+
+// Captures `forward(context)` as a CUDA graph on the lane's compute stream,
+// the stream that will replay it (graphs captured on one stream and replayed
+// on others share its cuBLAS workspace: seen to corrupt memory). `warmups`
+// eager forwards first (lazy initialisation: cuBLAS handles, the allocator,
+// TorchScript's profiling runs must not happen inside the capture). The
+// capture is thread-local, so other lanes' threads may use the device
+// meanwhile. Each graph has its own memory pool.
+NarsilGraph* narsil_cuda_graph_capture(NarsilLaneStreams* s, narsil_forward_fn forward, void* context,
+                                       int warmups, char** error) noexcept {
+  NarsilGraph* g = nullptr;
+  try {
+    c10::cuda::CUDAStreamGuard guard(s->compute);
+    auto run = [&]() {
+      char* message = nullptr;
+      at::Tensor* out = forward(context, &message);
+      if (!out) {
+        std::string text = message ? message : "the forward failed";
+        std::free(message);
+        throw std::runtime_error(text);
+      }
+      at::Tensor result = *out;
+      delete out;
+      return result;
+    };
+    for (int i = 0; i < warmups; ++i) run();
+    c10::Stream(s->compute).synchronize();
+    g = new NarsilGraph(s->compute);
+    g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    try {
+      g->output = run();
+    } catch (...) {
+      try {
+        g->graph.capture_end();
+      } catch (...) {
+      }
+      throw;
+    }
+    g->graph.capture_end();
+    c10::Stream(s->compute).synchronize();
+    return g;
+  } catch (const std::exception& e) {
+    delete g;
+    set_error(error, e);
+    return nullptr;
+  } catch (...) {
+    delete g;
+    set_unknown_error(error);
+    return nullptr;
+  }
+}
+
+// The graph's output tensor (a new handle; the caller owns it): rewritten by
+// each replay.
+at::Tensor* narsil_cuda_graph_output(NarsilGraph* g, char** error) noexcept {
+  try {
+    return new at::Tensor(g->output);
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return nullptr;
+  } catch (...) {
+    set_unknown_error(error);
+    return nullptr;
+  }
+}
+
+// Replays the graph on the stream it was captured on (asynchronously).
+int narsil_cuda_graph_replay(NarsilGraph* g, char** error) noexcept {
+  try {
+    c10::cuda::CUDAStreamGuard guard(g->stream);
+    g->graph.replay();
+    return 0;
+  } catch (const std::exception& e) {
+    set_error(error, e);
+    return -1;
+  } catch (...) {
+    set_unknown_error(error);
+    return -1;
+  }
+}
+
+void narsil_cuda_graph_free(NarsilGraph* g) noexcept {
+  try {
+    delete g;
+  } catch (...) {
+  }
+}
+
+}  // extern "C"
