@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Builds a stripped `narsil` (--features torch, the `image` profile) against
+# another libtorch than the project's, from that PyTorch version's PyPI wheel,
+# and writes a folder to carry to a machine that has that PyTorch: the
+# binary, the CUDA shim (libnarsil_cuda_shim.so, when it builds), the small
+# split test model with its golden requests, and scripts/gpu_check.sh.
+#
+#   scripts/build_for_libtorch.sh [TORCH_VERSION] [OUT_DIR]
+#
+# TORCH_VERSION defaults to 2.11.0 (the GPU machines' PyTorch: 2.11.0+cu130,
+# the same git hash as PyPI's torch==2.11.0); OUT_DIR to
+# $NARSIL_BUILD_CACHE/carry-torch-TORCH_VERSION. The project's own
+# Cargo.toml, Cargo.lock and target/ are never touched: the sources are
+# copied to $NARSIL_BUILD_CACHE/src-torch-VERSION, tch and torch-sys are set
+# there to the version that compiles against those headers (tch 0.26 does not
+# compile against 2.11's: `_philox_*`, `_upsample_lanczos2d_aa`,
+# `_flash_attention_forward_no_dropout_inplace` missing), and built in a
+# target directory of its own.
+#
+# Environment:
+#   NARSIL_BUILD_CACHE  wheels, unpacked libtorch, sources and target
+#                       (default ~/.cache/narsil)
+#   NARSIL_TCH_VERSION  the tch/torch-sys version (default: by TORCH_VERSION)
+#   NARSIL_BUILD_JOBS   cargo -j (default 2)
+#   NARSIL_CUDA_INCLUDE CUDA runtime headers for the shim (default: the
+#                       project venv's nvidia/cu13/include, with nvidia-cuda-crt)
+#
+# On the GPU machine (no Rust there):
+#   TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__)+"/lib")')
+#   LD_LIBRARY_PATH=$TL LD_PRELOAD=$TL/libtorch_cuda.so ./narsil serve --model split --device cuda
+# or simply: ./gpu_check.sh (in the carried folder).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+TORCH_VERSION="${1:-2.11.0}"
+CACHE="${NARSIL_BUILD_CACHE:-$HOME/.cache/narsil}"
+OUT="${2:-$CACHE/carry-torch-$TORCH_VERSION}"
+JOBS="${NARSIL_BUILD_JOBS:-2}"
+LIMIT_MIB=60
+
+die() { echo "build_for_libtorch: $*" >&2; exit 1; }
+step() { echo "== $*" >&2; }
+
+case "${NARSIL_TCH_VERSION:-}" in
+  "") case "$TORCH_VERSION" in
+        2.13.*) TCH=0.26 ;;
+        2.12.*) TCH=0.25 ;;
+        2.11.*) TCH=0.24 ;;
+        2.10.*) TCH=0.23 ;;
+        *) die "no tch version known for torch $TORCH_VERSION: set NARSIL_TCH_VERSION" ;;
+      esac ;;
+  *) TCH="$NARSIL_TCH_VERSION" ;;
+esac
+
+PIP="$ROOT/.venv/bin/pip"
+[ -x "$PIP" ] || PIP="$(command -v pip3 || command -v pip || true)"
+[ -n "$PIP" ] || die "no pip to download the torch==$TORCH_VERSION wheel with"
+command -v unzip >/dev/null || die "unzip is needed to unpack the wheel"
+
+step "torch==$TORCH_VERSION wheel"
+mkdir -p "$CACHE/wheels"
+WHEEL="$(ls "$CACHE"/wheels/torch-"$TORCH_VERSION"-*.whl 2>/dev/null | head -1 || true)"
+if [ -z "$WHEEL" ]; then
+  "$PIP" download "torch==$TORCH_VERSION" --no-deps -d "$CACHE/wheels" >&2 \
+    || die "pip could not download torch==$TORCH_VERSION"
+  WHEEL="$(ls "$CACHE"/wheels/torch-"$TORCH_VERSION"-*.whl | head -1)"
+fi
+LIBTORCH_DIR="$CACHE/libtorch-$TORCH_VERSION"
+if [ ! -f "$LIBTORCH_DIR/torch/lib/libtorch_cpu.so" ]; then
+  step "unpacking torch/lib and torch/include from $(basename "$WHEEL")"
+  rm -rf "$LIBTORCH_DIR"
+  unzip -q "$WHEEL" 'torch/lib/*' 'torch/include/*' 'torch/share/*' -d "$LIBTORCH_DIR" \
+    || die "cannot unpack $WHEEL"
+fi
+
+step "sources copied to $CACHE/src-torch-$TORCH_VERSION, tch $TCH"
+SRC="$CACHE/src-torch-$TORCH_VERSION"
+mkdir -p "$SRC"
+# Tracked and untracked-but-not-ignored files, as they are in the work tree
+# (files deleted there but still tracked are skipped).
+(cd "$ROOT" && git ls-files -co --exclude-standard -z | xargs -0 -r ls -d 2>/dev/null | tar -cf - -T -) \
+  | tar -C "$SRC" -xf - \
+  || die "cannot copy the sources"
+sed -i -E "s/^tch = \"[^\"]+\"/tch = \"$TCH\"/; s/^torch-sys = \"[^\"]+\"/torch-sys = \"$TCH\"/" \
+  "$SRC/crates/narsil-torch/Cargo.toml"
+sed -i -E "s/^torch-sys = \{ version = \"[^\"]+\"/torch-sys = { version = \"$TCH\"/" "$SRC/Cargo.toml"
+grep -q "^tch = \"$TCH\"" "$SRC/crates/narsil-torch/Cargo.toml" || die "could not set tch $TCH"
+(cd "$SRC" && cargo update -p tch -p torch-sys >&2) || die "cargo could not resolve tch $TCH"
+
+step "cargo build --profile image --features torch (target $CACHE/target-torch-$TORCH_VERSION)"
+CUDA_INCLUDE="${NARSIL_CUDA_INCLUDE:-$ROOT/.venv/lib/python3.11/site-packages/nvidia/cu13/include}"
+(
+  cd "$SRC"
+  unset LIBTORCH_USE_PYTORCH
+  export LIBTORCH="$LIBTORCH_DIR/torch" LIBTORCH_BYPASS_VERSION_CHECK=1
+  export NARSIL_CUDA_INCLUDE="$CUDA_INCLUDE"
+  export RUSTFLAGS="-C link-arg=-Wl,--allow-shlib-undefined"
+  export CARGO_TARGET_DIR="$CACHE/target-torch-$TORCH_VERSION"
+  cargo build --profile image --features torch --bin narsil -j "$JOBS" >&2
+) || die "the build against libtorch $TORCH_VERSION (tch $TCH) failed (see above)"
+
+step "carry folder $OUT"
+TARGET="$CACHE/target-torch-$TORCH_VERSION/image"
+rm -rf "$OUT"
+mkdir -p "$OUT"
+strip -o "$OUT/narsil" "$TARGET/narsil"
+SHIM="$(ls -t "$TARGET"/build/narsil-torch-*/out/libnarsil_cuda_shim.so 2>/dev/null | head -1 || true)"
+if [ -n "$SHIM" ]; then
+  strip -o "$OUT/libnarsil_cuda_shim.so" "$SHIM"
+else
+  echo "build_for_libtorch: WARNING: no CUDA shim was built (no CUDA headers found): CUDA graphs and streams will be unavailable" >&2
+fi
+MODEL="$ROOT/models/generated/test-small/split"
+[ -f "$MODEL/schema.json" ] || die "no test model at $MODEL: run scripts/test.sh (it exports one) first"
+mkdir -p "$OUT/split"
+# The CPU-compiled .pt2 packages are not served on CUDA, and the split
+# golden file's pooled blocks are not needed: left behind. The INT8 model's
+# golden file holds the scores the split form serves.
+(cd "$MODEL" && tar --exclude='*.pt2' --exclude=golden.json --exclude=dense.safetensors -cf - .) | (cd "$OUT/split" && tar -xf -)
+cp "$MODEL/../golden.json" "$OUT/golden.json"
+cp "$ROOT/scripts/gpu_check.sh" "$OUT/gpu_check.sh"
+echo "torch $TORCH_VERSION, tch $TCH, built $(date -u +%FT%TZ) from $(cd "$ROOT" && git rev-parse --short HEAD)" > "$OUT/BUILD"
+BYTES=$(du -sb "$OUT" | cut -f1)
+MIB=$(( (BYTES + 1048575) / 1048576 ))
+ls -la "$OUT" >&2
+[ "$MIB" -le "$LIMIT_MIB" ] || die "the carry folder is $MIB MiB, over $LIMIT_MIB MiB"
+echo "carry folder: $OUT ($MIB MiB)"
