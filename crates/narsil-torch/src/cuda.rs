@@ -380,6 +380,7 @@ mod tests {
     #[test]
     fn without_a_cuda_device_the_graph_api_says_why_it_is_unavailable() {
         let line = availability();
+        eprintln!("CUDA graphs: {line}");
         if tch::Cuda::device_count() > 0 {
             eprintln!("skipped: without_a_cuda_device_the_graph_api_says_why_it_is_unavailable: a CUDA device is present");
             return;
