@@ -179,6 +179,10 @@ impl LoadOptions {
             config.model = split_dir(model).to_path_buf();
             return Ok(Arc::new(narsil_torch::SplitFactory::load(config)?));
         }
+        if let Some(hint) = faster_form_hint(model) {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::info!("{hint}"));
+        }
         Ok(Arc::new(narsil_torch::TorchFactory::load(config)?))
     }
 
@@ -186,6 +190,35 @@ impl LoadOptions {
     fn load_torch(&self, _model: &Path, _config: Option<&Path>) -> anyhow::Result<Arc<dyn BackendFactory>> {
         Err(not_compiled(BackendKind::Torch))
     }
+}
+
+/// For a single-file TorchScript model, how to serve its faster form: the
+/// split model (tables in Narsil's stage, the dense network as an
+/// AOTInductor package: 1.5-1.8x the single file's throughput on AVX-512
+/// CPUs, REPORTS.md), where it sits beside the model or can be made from
+/// it; `None` when neither is known.
+#[cfg(any(feature = "torch", test))]
+fn faster_form_hint(model: &Path) -> Option<String> {
+    let dir = model.parent()?;
+    let split = dir.join("split");
+    if split.join(super::repository::SPLIT_SCHEMA).is_file() {
+        return Some(format!(
+            "{} has a split form beside it, usually faster (a .pt2 dense network where one was compiled): \
+             serve it with --model {}",
+            model.display(),
+            split.display()
+        ));
+    }
+    dir.join("model.json").is_file().then(|| {
+        format!(
+            "{} is a single-file TorchRec model; its split form (an AOTInductor dense network) is usually \
+             faster: make it once with `.venv/bin/python models/extract_split.py {} --pt2` and serve \
+             --model {}",
+            model.display(),
+            dir.display(),
+            dir.join("extracted").display()
+        )
+    })
 }
 
 /// Whether `model` is a split model: its directory, or its `schema.json`
@@ -216,6 +249,20 @@ fn not_compiled(kind: BackendKind) -> anyhow::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_single_file_model_is_told_its_faster_split_form_beside_it_or_how_to_make_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model.pt");
+        assert_eq!(faster_form_hint(&model), None, "nothing known about this file");
+        std::fs::write(dir.path().join("model.json"), "{}").unwrap();
+        let make = faster_form_hint(&model).unwrap();
+        assert!(make.contains("models/extract_split.py") && make.contains("--pt2"), "{make}");
+        std::fs::create_dir(dir.path().join("split")).unwrap();
+        std::fs::write(dir.path().join("split/schema.json"), "{}").unwrap();
+        let beside = faster_form_hint(&model).unwrap();
+        assert!(beside.contains(&format!("--model {}", dir.path().join("split").display())), "{beside}");
+    }
 
     #[test]
     fn the_file_names_its_backend() {
