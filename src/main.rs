@@ -240,10 +240,7 @@ enum Operator {
 /// `MALLOC_*` variable).
 fn operator_setting(tunable: Tunable, glibc_tunables: Option<&str>, variable: Option<&str>) -> Operator {
     let named = glibc_tunables.and_then(|list| {
-        list.split(':')
-            .filter_map(|entry| entry.split_once('='))
-            .filter(|(name, _)| *name == tunable.name())
-            .last()
+        list.split(':').filter_map(|entry| entry.split_once('=')).rfind(|(name, _)| *name == tunable.name())
     });
     let (value, from) = match (named, variable) {
         (Some((_, value)), _) => (value, "GLIBC_TUNABLES"),

@@ -15,20 +15,23 @@ use std::path::{Path, PathBuf};
 use narsil_embedding::SlotIndex;
 use sha2::{Digest, Sha256};
 
-/// How often each id was looked up, per table, from an id log.
+/// How often each id was looked up, per table, from an id log: 12 bytes
+/// per distinct id in a hash map (~25 with its spare room).
 #[derive(Debug, Default)]
 pub struct Popularity {
-    /// Per id: lookups, and the line where it was first seen (ties).
-    counts: HashMap<u64, (u64, u64)>,
+    /// Per id: lookups, and the line where it was first seen (ties), each
+    /// saturating at 2^32 - 1.
+    counts: HashMap<u32, (u32, u32)>,
     lines: u64,
 }
 
 impl Popularity {
     /// Counts one lookup of `id`.
-    pub fn add(&mut self, id: u64) {
-        let line = self.lines;
+    pub fn add(&mut self, id: u32) {
+        let line = u32::try_from(self.lines).unwrap_or(u32::MAX);
         self.lines += 1;
-        self.counts.entry(id).or_insert((0, line)).0 += 1;
+        let (count, _) = self.counts.entry(id).or_insert((0, line));
+        *count = count.saturating_add(1);
     }
 
     /// Ids seen.
@@ -36,29 +39,25 @@ impl Popularity {
         self.counts.len()
     }
 
-    /// The order of a table of `rows` ids (at most 2^32): the ids seen, most
-    /// looked up first (ties in the order first seen: a list naming each id
-    /// once is taken as given), then the ids never seen, in id order.
-    pub fn order(&self, rows: u64) -> SlotOrder {
-        let mut seen: Vec<(u64, u64, u64)> = self
+    /// The logged ids of a table of `rows` ids (at most 2^32), slot by slot:
+    /// most looked up first (ties in the order first seen: a list naming
+    /// each id once is taken as given). 4 bytes per id, where the counts
+    /// took ~25.
+    pub fn ranked(self, rows: u64) -> Vec<u32> {
+        let mut seen: Vec<(u32, u32, u32)> = self
             .counts
-            .iter()
-            .filter(|(&id, _)| id < rows)
-            .map(|(&id, &(count, first))| (id, count, first))
+            .into_iter()
+            .filter(|&(id, _)| u64::from(id) < rows)
+            .map(|(id, (count, first))| (id, count, first))
             .collect();
-        seen.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
-        let hot: Vec<u32> = seen.iter().map(|&(id, _, _)| id as u32).collect();
-        drop(seen);
-        let mut logged = vec![0u64; rows.div_ceil(64) as usize];
-        for &id in &hot {
-            logged[id as usize / 64] |= 1 << (id % 64);
-        }
-        SlotOrder { rows, hot, logged }
+        // Ids that tie on both (past 2^32 lines) in id order.
+        seen.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)).then(a.0.cmp(&b.0)));
+        seen.iter().map(|&(id, _, _)| id).collect()
     }
 }
 
 /// A table's rows in popularity order: the logged ids first, as
-/// [`Popularity::order`] ranks them, then every other id in id order. Holds
+/// [`Popularity::ranked`] ranks them, then every other id in id order. Holds
 /// a bit per row and 4 bytes per logged id.
 #[derive(Debug)]
 pub struct SlotOrder {
@@ -70,6 +69,16 @@ pub struct SlotOrder {
 }
 
 impl SlotOrder {
+    /// The order of a table of `rows` ids whose logged ids are `hot`, slot
+    /// by slot ([`Popularity::ranked`]); the others follow in id order.
+    pub fn new(rows: u64, hot: Vec<u32>) -> Self {
+        let mut logged = vec![0u64; rows.div_ceil(64) as usize];
+        for &id in &hot {
+            logged[id as usize / 64] |= 1 << (id % 64);
+        }
+        Self { rows, hot, logged }
+    }
+
     fn is_logged(&self, id: u64) -> bool {
         self.logged[id as usize / 64] >> (id % 64) & 1 == 1
     }
@@ -113,7 +122,7 @@ impl SlotOrder {
 /// in one read), and the buffer is written. Returns the SHA-256 (hex) of
 /// what it wrote.
 ///
-/// Peak memory: the buffer, 16 bytes per row it holds (the reads to make),
+/// Peak memory: the buffer, 8 bytes per row it holds (the reads to make),
 /// and `order` (a bit per row, 4 bytes per logged id); the page cache holds
 /// what the kernel keeps of both files, which it can reclaim.
 pub fn write_rows_in_order(
@@ -124,17 +133,19 @@ pub fn write_rows_in_order(
     buffer_bytes: usize,
     out: &mut impl Write,
 ) -> std::io::Result<String> {
-    let chunk_rows = (buffer_bytes / row_bytes).max(1);
+    let chunk_rows = (buffer_bytes / row_bytes).clamp(1, u32::MAX as usize);
     let mut buffer = vec![0u8; chunk_rows * row_bytes];
-    // (row in the source file, row in the buffer)
-    let mut reads: Vec<(u64, u64)> = Vec::with_capacity(chunk_rows);
+    // Each row to read: its row in the source file (below 2^32) in the
+    // high half, its row in the buffer in the low half, so that sorting
+    // them sorts by source row.
+    let mut reads: Vec<u64> = Vec::with_capacity(chunk_rows);
     let mut sha = Sha256::new();
     let mut ids = order.ids();
     loop {
         reads.clear();
         for (at, id) in ids.by_ref().take(chunk_rows).enumerate() {
             let from = source_slots.map_or(id, |index| index.slot(id as i64) as u64);
-            reads.push((from, at as u64));
+            reads.push(from << 32 | at as u64);
         }
         if reads.is_empty() {
             break;
@@ -142,13 +153,15 @@ pub fn write_rows_in_order(
         reads.sort_unstable();
         let mut next = 0;
         while next < reads.len() {
-            let (from, at) = reads[next];
+            // A run: the next rows of both files.
+            let first = reads[next];
             let run = 1 + reads[next + 1..]
                 .iter()
                 .zip(1..)
-                .take_while(|&(&(f, a), step)| (f, a) == (from + step, at + step))
+                .take_while(|&(&r, step)| r == first + step * ((1 << 32) + 1))
                 .count();
-            let (at, run_bytes) = (at as usize * row_bytes, run * row_bytes);
+            let (from, at) = (first >> 32, (first & u64::from(u32::MAX)) as usize);
+            let (at, run_bytes) = (at * row_bytes, run * row_bytes);
             source.read_exact_at(&mut buffer[at..at + run_bytes], from * row_bytes as u64)?;
             next += run;
         }
@@ -189,7 +202,7 @@ mod tests {
     /// The slots as `tables order` computed them before it streamed: the
     /// whole permutation, from the counts.
     fn reference_slots(log: &Popularity, rows: u64) -> Vec<u32> {
-        let mut seen: Vec<(u64, u64, u64)> =
+        let mut seen: Vec<(u32, u32, u32)> =
             log.counts.iter().map(|(&id, &(count, first))| (id, count, first)).collect();
         seen.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.2.cmp(&b.2)));
         let mut slots = vec![u32::MAX; rows as usize];
@@ -213,7 +226,9 @@ mod tests {
     }
 
     fn sha(bytes: &[u8]) -> String {
-        hex(Sha256::new_with_prefix(bytes))
+        let mut sha = Sha256::new();
+        sha.update(bytes);
+        hex(sha)
     }
 
     #[test]
@@ -224,11 +239,12 @@ mod tests {
         }
         // 7: three times, 3: twice, then 5 and 9 once each (5 seen first);
         // 0, 1, 2, 4, 6, 8 never.
-        let order = log.order(10);
+        let reference = reference_slots(&log, 10);
+        let order = SlotOrder::new(10, log.ranked(10));
         assert_eq!(order.ids().collect::<Vec<_>>(), vec![7, 3, 5, 9, 0, 1, 2, 4, 6, 8]);
         let slots: Vec<u32> = order.slots().collect();
         assert_eq!(slots, vec![4, 5, 6, 1, 7, 2, 8, 0, 9, 3]);
-        assert_eq!(slots, reference_slots(&log, 10));
+        assert_eq!(slots, reference);
         assert!(SlotIndex::from_slots(&slots).is_ok());
     }
 
@@ -245,8 +261,8 @@ mod tests {
                 state ^= state >> 7;
                 state ^= state << 17;
                 // Small ids often, any id now and then.
-                let id = if state % 3 == 0 { state % ROWS } else { state % 40 * 13 % ROWS };
-                log.add(id);
+                let id = if state.is_multiple_of(3) { state % ROWS } else { state % 40 * 13 % ROWS };
+                log.add(id as u32);
             }
         };
         // A: in id order. B: A ordered by one log. C: B ordered by another.
@@ -256,9 +272,9 @@ mod tests {
         zipf_ish(&mut second, 700);
         let mut source_slots = None;
         let mut source = dir.path().join("a.bin");
-        for (name, log) in [("b", &first), ("c", &second)] {
-            let order = log.order(ROWS);
-            let slots = reference_slots(log, ROWS);
+        for (name, log) in [("b", first), ("c", second)] {
+            let slots = reference_slots(&log, ROWS);
+            let order = SlotOrder::new(ROWS, log.ranked(ROWS));
             assert_eq!(order.slots().collect::<Vec<_>>(), slots, "{name}: the slots");
             let want = in_slot_order(&rows, ROW_BYTES, &slots);
             for buffer_bytes in [0, ROW_BYTES, 3 * ROW_BYTES + 5, 64 * ROW_BYTES, 1 << 20] {
