@@ -18,9 +18,8 @@
 //! `mmap` and `disk` keep the index in memory (compact: [`SlotIndex`]) and
 //! read row `slot(id)`.
 
+use sha2::{Digest, Sha256};
 use std::io::Read;
-
-mod sha256;
 
 /// Bytes per id in a slot index.
 pub const SLOT_BYTES: u64 = 4;
@@ -123,7 +122,7 @@ impl SlotIndex {
         let mut taken = vec![0u64; hot.div_ceil(64) as usize];
         let mut hot_bits = vec![0u64; rows.div_ceil(64) as usize];
         let mut hot_slots = Vec::with_capacity(hot as usize);
-        let mut sha = sha256::Sha256::new();
+        let mut sha = Sha256::new();
         let read = scan(
             open()?,
             rows,
@@ -173,7 +172,7 @@ impl SlotIndex {
                 Some(rank)
             })
             .collect();
-        Ok((Self { hot_bits, block_ranks, hot_slots, rows }, sha.hex()))
+        Ok((Self { hot_bits, block_ranks, hot_slots, rows }, hex(sha)))
     }
 
     /// An index over `slots` (slot of id `i` at `i`), which must be a
@@ -278,6 +277,11 @@ fn scan<R: Read>(
     }
 }
 
+/// A finished hash as the schema writes it: 64 lowercase hex digits.
+fn hex(sha: Sha256) -> String {
+    sha.finalize().iter().map(|byte| format!("{byte:02x}")).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -377,9 +381,9 @@ mod tests {
                     let slots = slots_of(&order);
                     let bytes = file_bytes(&slots);
                     let (index, sha) = SlotIndex::read(|| Ok(Trickle(&bytes, 0)), rows as u64).unwrap();
-                    let mut whole = sha256::Sha256::new();
+                    let mut whole = Sha256::new();
                     whole.update(&bytes);
-                    assert_eq!(sha, whole.hex(), "{rows} rows: the hash of the bytes read");
+                    assert_eq!(sha, hex(whole), "{rows} rows: the hash of the bytes read");
                     assert_eq!(index.hot_slots.len(), reference_hot(&order), "{rows} rows, {hot} hot");
                     for (id, &slot) in slots.iter().enumerate() {
                         assert_eq!(index.slot(id as i64), i64::from(slot), "{rows} rows, {hot} hot, id {id}");
