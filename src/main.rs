@@ -18,8 +18,7 @@ fn main() -> std::process::ExitCode {
     no_mkl_buffers_per_thread();
     let malloc = tune_glibc_malloc();
     narsil_engine::on_freed_memory(release_freed_memory);
-    log_once_logging_is_up(malloc);
-    narsil::cli::main()
+    narsil::cli::main(move || log_malloc(malloc))
 }
 
 /// Hands freed memory back to the OS, after a very large batch and after a
@@ -308,24 +307,13 @@ fn malloc_plan(cores: u64, operator: impl Fn(Tunable) -> Operator) -> MallocPlan
     }
 }
 
-/// Logs what [`tune_glibc_malloc`] did, once: `main` runs before the CLI
-/// sets up logging, and a record before then would be lost, so a short
-/// thread (started after the environment and malloc are set) waits for
-/// the subscriber, logs the line and ends. It gives up after 2 s: a
-/// command that sets up no logging (`--help`) has exited by then.
-fn log_once_logging_is_up((line, failed): (String, bool)) {
-    let _ = std::thread::Builder::new().name("narsil-malloc-log".into()).spawn(move || {
-        for _ in 0..2_000 {
-            if tracing::dispatcher::has_been_set() {
-                match failed {
-                    true => tracing::warn!("{line}"),
-                    false => tracing::info!("{line}"),
-                }
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    });
+/// Logs what [`tune_glibc_malloc`] did, once logging is set up (it was
+/// set before: a record then would be lost).
+fn log_malloc((line, failed): (String, bool)) {
+    match failed {
+        true => tracing::warn!("{line}"),
+        false => tracing::info!("{line}"),
+    }
 }
 
 #[cfg(test)]

@@ -82,13 +82,15 @@ fn init_logging(filter: &str, format: LogFormat) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Entry point of the `narsil` binary.
-pub fn main() -> ExitCode {
+/// Entry point of the `narsil` binary; `logging_up` runs once logging is
+/// set up (to log what the binary did before it).
+pub fn main(logging_up: impl FnOnce()) -> ExitCode {
     let cli = Cli::parse();
     if let Err(e) = init_logging(&cli.log_level, cli.log_format) {
         eprintln!("error: {e:#}");
         return ExitCode::from(2);
     }
+    logging_up();
     let command = match cli.command {
         // Synchronous, and measured: no async runtime threads beside it.
         Command::BenchForward(args) => return exit_code(crate::forward_bench::run(*args), cli.log_format),
