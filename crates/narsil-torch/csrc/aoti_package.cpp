@@ -12,6 +12,8 @@
 // the process (std::terminate) instead.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include "shim_errors.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -22,26 +24,8 @@
 
 namespace {
 
-// A malloc'd copy of `text` (the caller frees it), or null if malloc fails.
-char* copy_text(const char* text) noexcept {
-  const size_t size = std::strlen(text) + 1;
-  char* out = static_cast<char*>(std::malloc(size));
-  if (out) std::memcpy(out, text, size);
-  return out;
-}
-
-void set_error(char** error, const std::exception& e) noexcept {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    *error = copy_text(c10_error->what_without_backtrace());
-  } else {
-    *error = copy_text(e.what());
-  }
-}
-
-// For a throw of something that is not a std::exception.
-void set_unknown_error(char** error) noexcept {
-  *error = copy_text("libtorch threw an exception that is not a std::exception");
-}
+using narsil_shim::set_error;
+using narsil_shim::set_unknown_error;
 
 }  // namespace
 
@@ -61,7 +45,7 @@ int narsil_aoti_package_metadata(const char* path, const char* key, char** value
     const auto metadata = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(path, "model");
     const auto found = metadata.find(key);
     if (found != metadata.end()) {
-      *value = copy_text(found->second.c_str());
+      *value = narsil_shim::copy_string(found->second.c_str());
       if (!*value) throw std::bad_alloc();
     }
     return 0;

@@ -22,6 +22,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "shim_errors.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -32,24 +34,9 @@
 
 namespace {
 
-char* copy_string(const char* text) noexcept {
-  const size_t size = std::strlen(text) + 1;
-  char* out = static_cast<char*>(std::malloc(size));
-  if (out) std::memcpy(out, text, size);
-  return out;
-}
-
-void set_error(char** error, const std::exception& e) noexcept {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    *error = copy_string(c10_error->what_without_backtrace());
-  } else {
-    *error = copy_string(e.what());
-  }
-}
-
-void set_unknown_error(char** error) noexcept {
-  *error = copy_string("libtorch threw an exception that is not a std::exception");
-}
+using narsil_shim::copy_string;
+using narsil_shim::set_error;
+using narsil_shim::set_unknown_error;
 
 }  // namespace
 

@@ -15,6 +15,8 @@
 #include <torch/csrc/jit/runtime/graph_iterator.h>
 #include <torch/script.h>
 
+#include "shim_errors.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -24,26 +26,9 @@
 
 namespace {
 
-// A malloc'd copy of `text` (the caller frees it), or null if malloc fails.
-char* copy_string(const char* text) noexcept {
-  const size_t size = std::strlen(text) + 1;
-  char* out = static_cast<char*>(std::malloc(size));
-  if (out) std::memcpy(out, text, size);
-  return out;
-}
-
-void set_error(char** error, const std::exception& e) noexcept {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    *error = copy_string(c10_error->what_without_backtrace());
-  } else {
-    *error = copy_string(e.what());
-  }
-}
-
-// For a throw of something that is not a std::exception.
-void set_unknown_error(char** error) noexcept {
-  *error = copy_string("libtorch threw an exception that is not a std::exception");
-}
+using narsil_shim::copy_string;
+using narsil_shim::set_error;
+using narsil_shim::set_unknown_error;
 
 // fbgemm_gpu's SparseType::BF16.
 constexpr int64_t kSparseTypeBf16 = 5;
