@@ -54,6 +54,22 @@ pub trait BatchFetch: Send + Sync {
     ) -> Result<Vec<Fetched>, (usize, FetchError)>;
 }
 
+/// One table's fetch through its store's batch fetch (what a batching
+/// store's [`RowStore::fetch`] is), its reads counted nowhere.
+pub fn fetch_alone(
+    batcher: &dyn BatchFetch,
+    store: &dyn RowStore,
+    ids: &[i64],
+    row_bytes: usize,
+    out: &mut [u8],
+    deadline: Option<Instant>,
+) -> Result<Fetched, FetchError> {
+    let counters = TableCounters::default();
+    let mut parts = [FetchPart { store, ids, row_bytes, out, counters: &counters }];
+    let fetched = batcher.fetch_parts(&mut parts, deadline).map_err(|(_, error)| error)?;
+    Ok(fetched[0])
+}
+
 /// Table indexes grouped by the [`BatchGroup`] of their store, first seen
 /// first; `None` groups tables fetched one by one.
 pub fn group_tables<'s>(

@@ -16,7 +16,7 @@ use super::reads::{
 use super::uring;
 use crate::layout::SlotIndex;
 use crate::schema::{SplitSchema, TableSpec};
-use crate::stores::batch::{BatchFetch, BatchGroup, FetchPart};
+use crate::stores::batch::{fetch_alone, BatchFetch, BatchGroup, FetchPart};
 use crate::stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 use crate::stores::local::table::{checked_file, slot_index, TableError};
 use crate::stores::row_cache::RowCache;
@@ -358,10 +358,7 @@ impl RowStore for DiskRows {
         out: &mut [u8],
         deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
-        let counters = crate::metrics::TableCounters::default();
-        let mut parts = [FetchPart { store: self, ids, row_bytes, out, counters: &counters }];
-        let fetched = fetch_tables(&mut parts, deadline).map_err(|(_, error)| error)?;
-        Ok(fetched[0])
+        fetch_alone(self, self, ids, row_bytes, out, deadline)
     }
 
     fn may_fault(&self) -> bool {

@@ -28,9 +28,8 @@ use narsil_core::DependencyWatcher;
 use super::cluster::RedisCluster;
 use super::invalidation::TableState;
 use super::keys::{row_key, rows_key};
-use crate::metrics::TableCounters;
 use crate::schema::RedisTableSpec;
-use crate::stores::batch::{BatchFetch, BatchGroup, FetchPart};
+use crate::stores::batch::{fetch_alone, BatchFetch, BatchGroup, FetchPart};
 use crate::stores::row_store::{FetchError, Fetched, MissingRows, RowStore};
 
 /// A table whose rows are on a Redis Cluster.
@@ -174,9 +173,7 @@ impl RowStore for RedisRows {
         out: &mut [u8],
         deadline: Option<Instant>,
     ) -> Result<Fetched, FetchError> {
-        let counters = TableCounters::default();
-        let mut part = [FetchPart { store: self, ids, row_bytes, out, counters: &counters }];
-        Ok(fetch_tables(&mut part, deadline)?[0])
+        fetch_alone(self, self, ids, row_bytes, out, deadline)
     }
 
     fn may_fault(&self) -> bool {
