@@ -1,8 +1,10 @@
 //! Criterion benches for the pure pieces of the data path: reorder/assemble
-//! of 16 requests x 100 samples x 26 features, and the split of scores.
+//! of 16 requests x 100 samples x 26 features, its two halves (one request
+//! reordered key-major, on its caller's thread; 16 key-major requests fused,
+//! on the lane), and the split of scores.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use narsil_core::{assemble, RequestSamples};
+use narsil_core::{assemble, fuse, RequestSamples};
 
 // The same allocator as the server binary.
 #[global_allocator]
@@ -29,6 +31,25 @@ fn bench_assemble(c: &mut Criterion) {
         group.throughput(Throughput::Elements(1600));
         group.bench_with_input(BenchmarkId::new("ids_per_bag", ids_per_bag), &requests, |b, reqs| {
             b.iter(|| assemble(DENSE, SPARSE, reqs))
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("reorder_one_100x26");
+    for ids_per_bag in [1u32, 4] {
+        let one = request(0, 100, ids_per_bag);
+        group.throughput(Throughput::Elements(100));
+        group.bench_with_input(BenchmarkId::new("ids_per_bag", ids_per_bag), &one, |b, one| {
+            b.iter_batched(|| one.clone(), |r| r.into_key_major(SPARSE), criterion::BatchSize::SmallInput)
+        });
+    }
+    group.finish();
+    let mut group = c.benchmark_group("fuse_16x100x26");
+    for ids_per_bag in [1u32, 4] {
+        let key_major: Vec<_> =
+            (0..16).map(|s| request(s, 100, ids_per_bag).into_key_major(SPARSE)).collect();
+        group.throughput(Throughput::Elements(1600));
+        group.bench_with_input(BenchmarkId::new("ids_per_bag", ids_per_bag), &key_major, |b, reqs| {
+            b.iter_batched(|| reqs.clone(), |r| fuse(DENSE, SPARSE, r), criterion::BatchSize::SmallInput)
         });
     }
     group.finish();

@@ -3,14 +3,13 @@
 //! Requests arrive sample-major (sample 0's bags for every feature, then
 //! sample 1's). Models built with TorchRec take sparse input key-major, as a
 //! `KeyedJaggedTensor`: every bag of feature 0 for all rows, then feature 1,
-//! and so on. [`BatchBuilder`] does that reorder one request at a time, so the
-//! engine can assemble the next batch while the current one runs; `finish`
-//! then lays the per-feature buffers end to end.
-//!
-//! The builder remembers where each request's values lie in its buffers, so
-//! a request can be removed (cancelled while queued) or moved to another
-//! batch without keeping its original samples: a queued request is held
-//! once, in the builder.
+//! and so on. The reorder is split in two so that its per-sample part never
+//! runs under the engine's queue lock nor on a lane:
+//! [`RequestSamples::into_key_major`] reorders one request on its caller's
+//! thread (every core at once), before it is queued; [`fuse`] then lays the
+//! key-major requests of a batch end to end, feature by feature, which is
+//! only copies of runs. A queued request is held once, key-major, and can be
+//! removed (cancelled while queued) or moved to another batch as it is.
 //!
 //! [`KeyedBatch::split`] hands each request back its own rows of the scores;
 //! [`KeyedBatch::split_outputs`] does so for every output of a multi-output
@@ -142,213 +141,141 @@ impl KeyedBatch {
     }
 }
 
-/// Builds a [`KeyedBatch`] request by request, reordering each one into
-/// per-feature buffers as it is pushed.
-#[derive(Debug)]
-pub struct BatchBuilder {
-    num_dense: usize,
-    rows: usize,
-    dense: Vec<f32>,
-    lengths: Vec<Vec<i32>>,
-    ids: Vec<Vec<i64>>,
-    /// Per feature, like `ids`; filled only for requests with weights.
-    weights: Vec<Vec<f32>>,
-    request_rows: Vec<usize>,
-    /// Where each request's ids (and weights) start in every feature's
-    /// buffer: request `r`, feature `f` at `id_starts[r * num_sparse + f]`.
-    id_starts: Vec<usize>,
-}
-
-impl BatchBuilder {
-    /// An empty builder for a model with the given feature counts.
-    pub fn new(num_dense: usize, num_sparse: usize) -> Self {
-        Self {
-            num_dense,
-            rows: 0,
-            dense: Vec::new(),
-            lengths: vec![Vec::new(); num_sparse],
-            ids: vec![Vec::new(); num_sparse],
-            weights: vec![Vec::new(); num_sparse],
-            request_rows: Vec::new(),
-            id_starts: Vec::new(),
-        }
-    }
-
-    /// Rows pushed so far.
-    pub fn rows(&self) -> usize {
-        self.rows
-    }
-
-    /// Requests pushed so far.
-    pub fn requests(&self) -> usize {
-        self.request_rows.len()
-    }
-
-    /// True when nothing has been pushed.
-    pub fn is_empty(&self) -> bool {
-        self.request_rows.is_empty()
-    }
-
-    /// Appends a validated request: its dense rows as they are, its bags
-    /// scattered to their features' buffers (or, for a key-major request,
-    /// each feature's run appended whole).
-    pub fn push(&mut self, request: &RequestSamples) {
-        let num_sparse = self.lengths.len();
+/// Fuses requests, in order, into one key-major batch. Each request must
+/// already be key-major ([`RequestSamples::into_key_major`]), so fusing
+/// only copies runs: each request's bags of feature `f` land, whole, after
+/// the earlier requests' bags of `f`. Each request is freed as soon as it
+/// is copied, so the batch's values are held about once, not twice, while
+/// it is made.
+pub fn fuse(num_dense: usize, num_sparse: usize, mut requests: Vec<RequestSamples>) -> KeyedBatch {
+    let rows: usize = requests.iter().map(|r| r.num_samples).sum();
+    let weighted = requests.iter().any(|r| !r.weights.is_empty());
+    // Ids of each (request, feature), and where each feature's run starts
+    // in the batch.
+    let mut counts = Vec::with_capacity(requests.len() * num_sparse);
+    let mut feature_offsets = vec![0usize; num_sparse + 1];
+    for request in &requests {
         let b = request.num_samples;
-        debug_assert_eq!(request.dense.len(), b * self.num_dense);
+        debug_assert_eq!(request.layout, SparseLayout::KeyMajor, "fuse takes key-major requests");
         debug_assert_eq!(request.lengths.len(), b * num_sparse);
-        self.dense.extend_from_slice(&request.dense);
-        self.rows += b;
-        self.request_rows.push(b);
-        self.id_starts.extend(self.ids.iter().map(Vec::len));
-        if num_sparse == 0 {
-            return;
-        }
-        if !request.weights.is_empty() {
-            self.push_weights(request);
-        }
-        if request.layout == SparseLayout::KeyMajor {
-            // Already key-major: append each feature's run as it is.
-            let mut cursor = 0usize;
-            for (f, feature_lengths) in request.lengths.chunks_exact(b).enumerate() {
-                let count: usize = feature_lengths.iter().map(|&l| l as usize).sum();
-                self.lengths[f].extend(feature_lengths.iter().map(|&l| l as i32));
-                self.ids[f].extend_from_slice(&request.ids[cursor..cursor + count]);
-                cursor += count;
-            }
-            return;
-        }
-        for lengths in &mut self.lengths {
-            lengths.reserve(b);
-        }
-        if request.is_one_id_per_bag() {
-            for ids in &mut self.ids {
-                ids.reserve(b);
-            }
-            for sample_ids in request.ids.chunks_exact(num_sparse) {
-                for (f, &id) in sample_ids.iter().enumerate() {
-                    self.lengths[f].push(1);
-                    self.ids[f].push(id);
-                }
-            }
-            return;
-        }
-        let mut cursor = 0usize;
-        for sample_lengths in request.lengths.chunks_exact(num_sparse) {
-            for (f, &len) in sample_lengths.iter().enumerate() {
-                let len = len as usize;
-                self.lengths[f].push(len as i32);
-                self.ids[f].extend_from_slice(&request.ids[cursor..cursor + len]);
-                cursor += len;
-            }
-        }
-    }
-
-    /// A weighted request's weights, to their features' buffers: they move
-    /// exactly as its ids do.
-    fn push_weights(&mut self, request: &RequestSamples) {
-        let (b, num_sparse) = (request.num_samples, self.weights.len());
-        let mut cursor = 0usize;
-        let mut take = |f: usize, len: usize| {
-            self.weights[f].extend_from_slice(&request.weights[cursor..cursor + len]);
-            cursor += len;
-        };
-        match request.layout {
-            SparseLayout::KeyMajor => {
-                for (bag, &len) in request.lengths.iter().enumerate() {
-                    take(bag / b, len as usize);
-                }
-            }
-            SparseLayout::SampleMajor => {
-                for (bag, &len) in request.lengths.iter().enumerate() {
-                    take(bag % num_sparse, len as usize);
-                }
-            }
-        }
-    }
-
-    /// Request `r`'s ids' range in feature `f`'s buffer.
-    fn id_range(&self, r: usize, f: usize) -> std::ops::Range<usize> {
-        let num_sparse = self.ids.len();
-        let start = self.id_starts[r * num_sparse + f];
-        let end = self.id_starts.get((r + 1) * num_sparse + f).copied().unwrap_or(self.ids[f].len());
-        start..end
-    }
-
-    /// Request `r` as it was pushed, in key-major layout (to move it to
-    /// another batch).
-    pub fn request(&self, r: usize) -> RequestSamples {
-        let num_sparse = self.ids.len();
-        let mut samples = RequestSamples {
-            num_samples: self.request_rows[r],
-            layout: SparseLayout::KeyMajor,
-            ..Default::default()
-        };
-        let first_row: usize = self.request_rows[..r].iter().sum();
-        let rows = first_row..first_row + self.request_rows[r];
-        samples.dense.extend_from_slice(&self.dense[rows.start * self.num_dense..rows.end * self.num_dense]);
         for f in 0..num_sparse {
-            let ids = self.id_range(r, f);
-            samples.lengths.extend(self.lengths[f][rows.clone()].iter().map(|&l| l as u32));
-            samples.ids.extend_from_slice(&self.ids[f][ids.clone()]);
-            if !self.weights[f].is_empty() {
-                samples.weights.extend_from_slice(&self.weights[f][ids]);
+            let count = request.lengths[f * b..(f + 1) * b].iter().map(|&l| l as usize).sum::<usize>();
+            counts.push(count);
+            feature_offsets[f + 1] += count;
+        }
+    }
+    for f in 0..num_sparse {
+        feature_offsets[f + 1] += feature_offsets[f];
+    }
+    let request_rows: Vec<usize> = requests.iter().map(|r| r.num_samples).collect();
+    // The first request's dense rows stay where they are.
+    let mut dense = requests.first_mut().map(|r| std::mem::take(&mut r.dense)).unwrap_or_default();
+    dense.reserve_exact((rows * num_dense).saturating_sub(dense.len()));
+    let row_offsets: Vec<usize> = (0..=num_sparse).map(|f| f * rows).collect();
+    let mut lengths = Segments::new(&row_offsets);
+    let mut ids = Segments::new(&feature_offsets);
+    let mut weights = Segments::new(if weighted { &feature_offsets } else { &[0] });
+    for (r, request) in requests.into_iter().enumerate() {
+        let (b, counts) = (request.num_samples, &counts[r * num_sparse..(r + 1) * num_sparse]);
+        dense.extend_from_slice(&request.dense);
+        let mut read = 0;
+        for (f, &count) in counts.iter().enumerate() {
+            lengths.append(f, request.lengths[f * b..(f + 1) * b].iter().map(|&l| l as i32));
+            let from = read..read + count;
+            ids.append_slice(f, &request.ids[from.clone()]);
+            if weighted {
+                match request.weights.get(from) {
+                    Some(run) => weights.append_slice(f, run),
+                    // Only weighted models send weights, and validation
+                    // widens them to every id: never met once validated.
+                    None => weights.append(f, std::iter::repeat_n(1.0, count)),
+                }
             }
+            read += count;
         }
-        samples
+        // `request` is freed here, before the next one is copied.
     }
-
-    /// The same builder without the requests `keep` says no to, in order.
-    pub fn retain(&self, keep: impl Fn(usize) -> bool) -> BatchBuilder {
-        let mut kept = BatchBuilder::new(self.num_dense, self.ids.len());
-        for r in (0..self.requests()).filter(|&r| keep(r)) {
-            kept.push(&self.request(r));
-        }
-        kept
-    }
-
-    /// Lays the per-feature buffers end to end into the key-major batch,
-    /// freeing each as it is copied (the first is extended in place), so
-    /// the batch's ids are held about once, not twice, while it is made.
-    pub fn finish(self) -> KeyedBatch {
-        let num_sparse = self.lengths.len();
-        let total_ids: usize = self.ids.iter().map(Vec::len).sum();
-        let mut feature_offsets = Vec::with_capacity(num_sparse + 1);
-        feature_offsets.push(0);
-        let mut features = self.ids.into_iter();
-        let mut ids = features.next().unwrap_or_default();
-        ids.reserve_exact(total_ids - ids.len());
-        feature_offsets.push(ids.len());
-        for feature_ids in features {
-            ids.extend_from_slice(&feature_ids);
-            feature_offsets.push(ids.len());
-        }
-        KeyedBatch {
-            rows: self.rows,
-            num_dense: self.num_dense,
-            num_sparse,
-            dense: self.dense,
-            lengths: self.lengths.concat(),
-            ids,
-            weights: self.weights.concat(),
-            feature_offsets,
-            request_rows: self.request_rows,
-            deadline: None,
-        }
+    KeyedBatch {
+        rows,
+        num_dense,
+        num_sparse,
+        dense,
+        lengths: lengths.finish(),
+        ids: ids.finish(),
+        weights: weights.finish(),
+        feature_offsets,
+        request_rows,
+        deadline: None,
     }
 }
 
-/// Fuses validated requests, in order, into one key-major batch.
+/// A vector made of consecutive segments, each filled from its start by
+/// runs appended in order, into memory that is never zeroed first (the
+/// values are copied once, from the requests, and nothing else): segment
+/// `s` is `offsets[s]..offsets[s + 1]`.
+struct Segments<T> {
+    values: Vec<T>,
+    /// Each segment's end, and where its next run goes.
+    ends: Vec<usize>,
+    next: Vec<usize>,
+}
+
+impl<T: Copy> Segments<T> {
+    fn new(offsets: &[usize]) -> Self {
+        let len = offsets.last().copied().unwrap_or(0);
+        Self {
+            values: Vec::with_capacity(len),
+            ends: offsets[1..].to_vec(),
+            next: offsets[..offsets.len().saturating_sub(1)].to_vec(),
+        }
+    }
+
+    /// Appends `run` to segment `s`. Panics if it does not fit there.
+    fn append(&mut self, s: usize, run: impl ExactSizeIterator<Item = T>) {
+        let at = self.next[s];
+        assert!(at + run.len() <= self.ends[s], "a run overflows its segment");
+        let slots = &mut self.values.spare_capacity_mut()[at..at + run.len()];
+        for (slot, value) in slots.iter_mut().zip(run) {
+            slot.write(value);
+        }
+        self.next[s] = at + slots.len();
+    }
+
+    /// Appends `run` to segment `s` with one memory copy. Panics if it does
+    /// not fit there.
+    fn append_slice(&mut self, s: usize, run: &[T]) {
+        let at = self.next[s];
+        assert!(at + run.len() <= self.ends[s], "a run overflows its segment");
+        let slots = &mut self.values.spare_capacity_mut()[at..at + run.len()];
+        // SAFETY: `slots` and `run` have the same length (sliced above) and
+        // do not overlap (`slots` is this vector's unused capacity, `run` a
+        // shared borrow of other memory); `MaybeUninit<T>` has `T`'s layout,
+        // and `T: Copy` has no drop to skip.
+        unsafe { std::ptr::copy_nonoverlapping(run.as_ptr(), slots.as_mut_ptr().cast::<T>(), run.len()) };
+        self.next[s] = at + run.len();
+    }
+
+    /// The vector, once every segment is full. Panics otherwise.
+    fn finish(mut self) -> Vec<T> {
+        assert_eq!(self.next, self.ends, "every segment is filled");
+        let len = self.ends.last().copied().unwrap_or(0);
+        // SAFETY: the capacity is at least `len` (`new`), and every slot
+        // below it was written: segments tile `0..len` end to end, each
+        // was written from its start without a gap by `append` (which
+        // never writes past its end), and each reached its end (asserted).
+        unsafe { self.values.set_len(len) };
+        self.values
+    }
+}
+
+/// Fuses validated requests, in order, into one key-major batch (copies of
+/// them: [`fuse`] takes the requests themselves).
 pub fn assemble<'a>(
     num_dense: usize,
     num_sparse: usize,
     requests: impl IntoIterator<Item = &'a RequestSamples>,
 ) -> KeyedBatch {
-    let mut builder = BatchBuilder::new(num_dense, num_sparse);
-    for request in requests {
-        builder.push(request);
-    }
-    builder.finish()
+    fuse(num_dense, num_sparse, requests.into_iter().map(|r| r.to_key_major(num_sparse)).collect())
 }
 
 #[cfg(test)]
@@ -493,31 +420,32 @@ mod tests {
     }
 
     #[test]
-    fn builder_counts_rows_and_requests_as_it_goes() {
-        let mut builder = BatchBuilder::new(1, 1);
-        assert!(builder.is_empty());
-        builder.push(&request(1, vec![vec![1]; 4], 1));
-        builder.push(&request(2, vec![vec![2]; 2], 1));
-        assert_eq!((builder.rows(), builder.requests()), (6, 2));
+    fn a_request_reordered_to_key_major_is_the_reference_reorder() {
+        let requests = [
+            request(1, vec![vec![0, 3, 1]], 2),
+            request(2, vec![vec![2, 0, 0], vec![1, 1, 5]], 2),
+            request(3, vec![vec![1, 1, 1], vec![1, 1, 1]], 2),
+            request(4, vec![vec![0, 0, 0], vec![0, 0, 0]], 2),
+        ];
+        for (i, original) in requests.iter().enumerate() {
+            let key_major = original.clone().into_key_major(3);
+            assert_eq!(key_major, to_key_major(original, 3), "request {i}");
+            assert_eq!(key_major.decoded_bytes(), original.decoded_bytes(), "request {i} holds as much");
+            assert_eq!(key_major.clone().into_key_major(3), key_major, "already key-major: kept as it is");
+        }
     }
 
     #[test]
-    fn a_request_read_back_from_the_builder_fuses_like_the_original() {
+    fn a_queued_request_removed_from_its_batch_leaves_the_rest_fused_as_before() {
         let requests = vec![
             request(1, vec![vec![0, 3, 1]], 2),
             request(2, vec![vec![2, 0, 0], vec![1, 1, 5]], 2),
             request(3, vec![vec![1, 1, 1], vec![4, 0, 2]], 2),
         ];
-        let mut builder = BatchBuilder::new(2, 3);
-        for r in &requests {
-            builder.push(r);
-        }
-        for (i, original) in requests.iter().enumerate() {
-            assert_eq!(builder.request(i), to_key_major(original, 3), "request {i}");
-        }
-        let without_middle = builder.retain(|r| r != 1).finish();
+        let queued: Vec<_> = requests.iter().map(|r| r.clone().into_key_major(3)).collect();
+        let without_middle = fuse(2, 3, vec![queued[0].clone(), queued[2].clone()]);
         assert_eq!(without_middle, assemble(2, 3, [&requests[0], &requests[2]]));
-        assert_eq!(builder.retain(|_| true).finish(), assemble(2, 3, &requests));
+        assert_eq!(fuse(2, 3, queued), assemble(2, 3, &requests));
     }
 
     #[test]
@@ -539,16 +467,47 @@ mod tests {
     }
 
     #[test]
-    fn weights_move_with_their_request() {
-        let mut weighted = request(1, vec![vec![2, 1], vec![0, 3]], 1);
-        weighted.weights = (0..weighted.ids.len()).map(|i| i as f32 / 10.0).collect();
-        let mut other = request(2, vec![vec![1, 1]], 1);
-        other.weights = vec![7.0; other.ids.len()];
-        let mut builder = BatchBuilder::new(1, 2);
-        builder.push(&other);
-        builder.push(&weighted);
-        let moved = builder.request(1);
-        assert_eq!(assemble(1, 2, [&moved]), assemble(1, 2, [&weighted]));
+    fn weights_move_with_their_ids_through_the_reorder_and_the_fusion() {
+        // Multi-hot and one id per bag: both reorders carry the weights.
+        for lengths in [vec![vec![2, 1], vec![0, 3]], vec![vec![1, 1], vec![1, 1], vec![1, 1]]] {
+            let mut weighted = request(1, lengths, 1);
+            // Each weight names its id, so a misplaced weight shows.
+            weighted.weights = weighted.ids.iter().map(|&id| id as f32).collect();
+            let mut other = request(2, vec![vec![1, 1]], 1);
+            other.weights = other.ids.iter().map(|&id| id as f32).collect();
+            let key_major = weighted.clone().into_key_major(2);
+            assert_eq!(key_major.weights, key_major.ids.iter().map(|&id| id as f32).collect::<Vec<_>>());
+            let batch = fuse(1, 2, vec![other.clone().into_key_major(2), key_major]);
+            assert_eq!(batch.weights, batch.ids.iter().map(|&id| id as f32).collect::<Vec<_>>());
+            assert_eq!(batch, assemble(1, 2, [&other, &weighted]));
+        }
+    }
+
+    #[test]
+    fn a_model_without_sparse_features_fuses_dense_rows_only() {
+        let requests = [request(1, vec![vec![]; 2], 3), request(2, vec![vec![]], 3)];
+        let batch = assemble(3, 0, &requests);
+        assert_eq!(
+            (batch.rows, batch.request_rows.clone(), batch.feature_offsets.clone()),
+            (3, vec![2, 1], vec![0])
+        );
+        assert_eq!(batch.dense, [requests[0].dense.clone(), requests[1].dense.clone()].concat());
+    }
+
+    #[test]
+    fn segments_are_filled_run_by_run_and_refuse_a_run_that_overflows_or_a_gap() {
+        let mut segments = Segments::new(&[0, 3, 3, 5]);
+        segments.append(2, [7, 8].into_iter());
+        segments.append(0, [1].into_iter());
+        segments.append(0, [2, 3].into_iter());
+        assert_eq!(segments.finish(), vec![1, 2, 3, 7, 8]);
+        let overflow =
+            std::panic::catch_unwind(|| Segments::new(&[0, 2, 4]).append(0, [1, 2, 3].into_iter()));
+        assert!(overflow.is_err(), "a run longer than its segment is refused");
+        let mut gap = Segments::new(&[0, 2, 4]);
+        gap.append(0, [1, 2].into_iter());
+        gap.append(1, [3].into_iter());
+        assert!(std::panic::catch_unwind(move || gap.finish()).is_err(), "a slot never written is refused");
     }
 
     #[test]

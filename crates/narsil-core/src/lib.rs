@@ -33,7 +33,7 @@ pub mod schema;
 pub mod staged;
 
 pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};
-pub use batch::{assemble, BatchBuilder, KeyedBatch};
+pub use batch::{assemble, fuse, KeyedBatch};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use schema::{ModelSchema, SparseFeature};
 pub use staged::StagedBatch;

@@ -19,7 +19,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use narsil_core::{BatchBuilder, RequestSamples};
+use narsil_core::request::SparseLayout;
+use narsil_core::{fuse, RequestSamples};
 
 use crate::error::EngineError;
 use crate::flush::{Fill, FlushPolicy};
@@ -40,28 +41,34 @@ fn settle(entry: Entry, fate: Fate) -> Option<Entry> {
     }
 }
 
-/// Requests being fused into one batch, reordered as they were added: the
-/// open batch, or a sealed one waiting for a lane. Their samples are held
-/// once, in the builder; entries keep only their replies and places.
+/// Requests being fused into one batch: the open batch, or a sealed one
+/// waiting for a lane. Each request is held once, key-major, beside its
+/// entry (its reply and places), so adding, removing or moving one is
+/// constant work, whatever its samples: nothing per sample runs under the
+/// collector's lock. The batch is laid out on the lane ([`Self::into_job`]).
 #[derive(Debug)]
 pub struct QueuedBatch {
-    builder: BatchBuilder,
-    entries: Vec<Entry>,
+    num_dense: usize,
+    num_sparse: usize,
+    rows: usize,
+    /// Entries and their key-major samples, in arrival order.
+    queued: Vec<(Entry, RequestSamples)>,
 }
 
 impl QueuedBatch {
     fn new(num_dense: usize, num_sparse: usize) -> Self {
-        Self { builder: BatchBuilder::new(num_dense, num_sparse), entries: Vec::new() }
+        Self { num_dense, num_sparse, rows: 0, queued: Vec::new() }
     }
 
-    fn push(&mut self, entry: Entry, samples: &RequestSamples) {
-        self.builder.push(samples);
-        self.entries.push(entry);
+    fn push(&mut self, entry: Entry, samples: RequestSamples) {
+        debug_assert_eq!(samples.layout, SparseLayout::KeyMajor);
+        self.rows += samples.num_samples;
+        self.queued.push((entry, samples));
     }
 
     /// Rows so far.
     pub fn rows(&self) -> usize {
-        self.builder.rows()
+        self.rows
     }
 
     fn fill(&self) -> Fill {
@@ -70,48 +77,49 @@ impl QueuedBatch {
 
     /// Requests so far.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.queued.len()
     }
 
     /// True when no request was added.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.queued.is_empty()
     }
 
     fn oldest(&self) -> Option<Instant> {
-        self.entries.first().map(|e| e.admitted)
+        self.queued.first().map(|(e, _)| e.admitted)
     }
 
-    /// Applies [`Entry::fate`] to every entry: drops abandoned ones,
-    /// answers expired ones, and re-fuses the rest if any were removed.
-    /// Returns how many were removed.
+    /// Applies [`Entry::fate`] to every entry: drops abandoned ones and
+    /// answers expired ones. Returns how many were removed.
     fn retain(&mut self, now: Instant, start: bool) -> usize {
-        let fates: Vec<Fate> = self.entries.iter().map(|e| e.fate(now, start)).collect();
+        let fates: Vec<Fate> = self.queued.iter().map(|(e, _)| e.fate(now, start)).collect();
         if fates.iter().all(|&f| f == Fate::Keep) {
             return 0;
         }
         let before = fates.len();
-        self.builder = self.builder.retain(|r| fates[r] == Fate::Keep);
-        let entries = std::mem::take(&mut self.entries);
-        self.entries =
-            entries.into_iter().zip(fates).filter_map(|(entry, fate)| settle(entry, fate)).collect();
-        before - self.entries.len()
+        self.queued = std::mem::take(&mut self.queued)
+            .into_iter()
+            .zip(fates)
+            .filter_map(|((entry, samples), fate)| Some((settle(entry, fate)?, samples)))
+            .collect();
+        self.rows = self.queued.iter().map(|(_, s)| s.num_samples).sum();
+        before - self.queued.len()
     }
 
-    /// Finishes the reorder and releases the requests' queue places (their
-    /// memory leases go with the job until its forward ends). Runs on the
-    /// lane, outside the collector's lock.
+    /// Lays the batch out (on the lane, outside the collector's lock) and
+    /// releases the requests' queue places (their memory leases go with
+    /// the job until its forward ends).
     pub fn into_job(self, threads: usize) -> Job {
-        let mut batch = self.builder.finish();
+        let (entries, samples): (Vec<Entry>, Vec<RequestSamples>) = self.queued.into_iter().unzip();
+        let mut batch = fuse(self.num_dense, self.num_sparse, samples);
         // The latest deadline, if every fused request has one (a request
         // without one stops the fold with `None`).
         batch.deadline =
-            self.entries.iter().try_fold(None, |latest, e| Some(latest.max(Some(e.deadline?)))).flatten();
+            entries.iter().try_fold(None, |latest, e| Some(latest.max(Some(e.deadline?)))).flatten();
         Job {
             threads,
             batch,
-            waiters: self
-                .entries
+            waiters: entries
                 .into_iter()
                 .map(|e| Waiter {
                     id: e.id,
@@ -147,13 +155,14 @@ impl BatchQueue {
         }
     }
 
-    /// Adds a request to the open batch (reordering `samples` into it),
-    /// sealing batches at their limits.
-    pub fn add(&mut self, entry: Entry, samples: &RequestSamples) {
+    /// Adds a request to the open batch, sealing batches at their limits.
+    /// `samples` are reordered key-major first, unless they already are (as
+    /// [`Collector::submit`] makes them, before it takes the lock).
+    pub fn add(&mut self, entry: Entry, samples: RequestSamples) {
         if !self.open.is_empty() && !self.policy.fits(self.open.fill(), entry.rows) {
             self.seal();
         }
-        self.open.push(entry, samples);
+        self.open.push(entry, samples.into_key_major(self.num_sparse));
         if self.policy.is_full(self.open.fill()) {
             self.seal();
         }
@@ -224,27 +233,25 @@ impl BatchQueue {
         loop {
             let from_open = self.sealed.is_empty();
             let source = if from_open { &mut self.open } else { &mut self.sealed[0] };
-            match source.entries.first() {
-                Some(first) if fits(batch, first) => {}
+            match source.queued.first() {
+                Some((first, _)) if fits(batch, first) => {}
                 _ => return removed,
             }
             let mut rest = Vec::new();
-            let mut taken = 0;
-            for (r, entry) in std::mem::take(&mut source.entries).into_iter().enumerate() {
+            for (entry, samples) in std::mem::take(&mut source.queued) {
                 if !rest.is_empty() || !fits(batch, &entry) {
-                    rest.push(entry);
+                    rest.push((entry, samples));
                     continue;
                 }
-                taken = r + 1;
+                source.rows -= samples.num_samples;
                 let fate = entry.fate(now, true);
                 match settle(entry, fate) {
-                    Some(entry) => batch.push(entry, &source.builder.request(r)),
+                    Some(entry) => batch.push(entry, samples),
                     None => removed += 1,
                 }
             }
             if !rest.is_empty() {
-                source.builder = source.builder.retain(|r| r >= taken);
-                source.entries = rest;
+                source.queued = rest;
                 return removed;
             }
             if from_open {
@@ -272,10 +279,14 @@ impl BatchQueue {
 ///
 /// Lanes pull their next batch themselves as soon as they finish one, on
 /// their own OS thread, so a freed lane never waits for an async task to be
-/// scheduled behind request decoding. Handlers do the reorder while holding
-/// the lock (microseconds per request), which is what keeps the next batch
-/// ready while the current one runs.
+/// scheduled behind request decoding. Handlers reorder their requests
+/// key-major before taking the lock and hold it only to append them, so the
+/// next batch is ready while the current one runs and the lock's work does
+/// not grow with samples.
 pub struct Collector {
+    /// The model's sparse features (requests are reordered key-major for
+    /// them before they are queued).
+    num_sparse: usize,
     state: Mutex<CollectorState>,
     /// Cores a forward may use when it runs alone ([`forward_threads`]).
     cores: usize,
@@ -300,6 +311,7 @@ impl Collector {
     /// `cores` threads when they run alone.
     pub fn new(queue: BatchQueue, cores: usize, stats: Arc<Stats>) -> Self {
         Self {
+            num_sparse: queue.num_sparse,
             state: Mutex::new(CollectorState { queue, idle_lanes: 0, busy_lanes: 0, closed: false }),
             cores,
             work: Condvar::new(),
@@ -313,26 +325,35 @@ impl Collector {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Queues a request's parts, in order (reordering each one's samples
-    /// into the open batch, after which they are freed, outside the lock),
-    /// and wakes idle lanes. Fails once the collector no longer takes
-    /// requests (shutdown).
+    /// Queues a request's parts, in order, and wakes idle lanes. Each part
+    /// is reordered key-major first, on the calling thread before the lock
+    /// is taken (the sample-major original is freed then), so that the
+    /// lock is held for constant work per request, never per sample: with
+    /// every core submitting, per-sample work under this lock was what
+    /// capped throughput. Fails once the collector no longer takes requests
+    /// (shutdown).
     pub fn submit(&self, parts: Vec<(Entry, RequestSamples)>) -> Result<(), EngineError> {
+        let mut freed = 0;
+        let parts: Vec<_> = parts
+            .into_iter()
+            .map(|(entry, samples)| {
+                if samples.layout != SparseLayout::KeyMajor {
+                    freed += samples.decoded_bytes();
+                }
+                (entry, samples.into_key_major(self.num_sparse))
+            })
+            .collect();
+        crate::memory::freed_batch(freed);
+        let count = parts.len();
         let mut state = self.lock();
         if state.closed {
             return Err(EngineError::ShuttingDown);
         }
-        let count = parts.len();
-        let mut reordered = Vec::with_capacity(count);
         for (entry, samples) in parts {
-            state.queue.add(entry, &samples);
-            reordered.push(samples);
+            state.queue.add(entry, samples);
         }
         let wake = state.idle_lanes > 0;
         drop(state);
-        let freed = reordered.iter().map(RequestSamples::decoded_bytes).sum();
-        drop(reordered);
-        crate::memory::freed_batch(freed);
         if wake && count > 1 {
             self.work.notify_all();
         } else if wake {
@@ -515,7 +536,7 @@ mod tests {
         let _rx: Vec<_> = (0..3)
             .map(|t| {
                 let (e, e_samples, rx) = entry(&admission, 1, t, now);
-                q.add(e, &e_samples);
+                q.add(e, e_samples);
                 rx
             })
             .collect();
@@ -533,8 +554,8 @@ mod tests {
         let mut q = queue(16, 10, 0);
         let (a, a_samples, _ra) = entry(&admission, 6, 1, now);
         let (b, b_samples, _rb) = entry(&admission, 6, 2, now);
-        q.add(a, &a_samples);
-        q.add(b, &b_samples);
+        q.add(a, a_samples);
+        q.add(b, b_samples);
         assert_eq!(q.depth(), (1, 1));
         assert_eq!(due(&mut q, now).0.unwrap().batch.rows, 6);
     }
@@ -545,7 +566,7 @@ mod tests {
         let now = Instant::now();
         let mut q = queue(16, 100, 0);
         let (a, a_samples, _ra) = entry(&admission, 3, 1, now);
-        q.add(a, &a_samples);
+        q.add(a, a_samples);
         let job = due(&mut q, now).0.unwrap();
         assert_eq!((job.batch.rows, job.waiters.len()), (3, 1));
     }
@@ -558,7 +579,7 @@ mod tests {
         let _rx: Vec<_> = (0..3)
             .map(|t| {
                 let (e, e_samples, rx) = entry(&admission, 2, t, now);
-                q.add(e, &e_samples);
+                q.add(e, e_samples);
                 rx
             })
             .collect();
@@ -574,9 +595,9 @@ mod tests {
         let (b, b_samples, rb) = entry(&admission, 1, 2, now);
         let (c, c_samples, _rc) = entry(&admission, 3, 3, now);
         let kept = [a_samples.clone(), c_samples.clone()];
-        q.add(a, &a_samples);
-        q.add(b, &b_samples);
-        q.add(c, &c_samples);
+        q.add(a, a_samples);
+        q.add(b, b_samples);
+        q.add(c, c_samples);
         drop(rb);
         let (job, removed) = due(&mut q, now);
         let job = job.unwrap();
@@ -592,7 +613,7 @@ mod tests {
         let mut q = queue(16, 100, 0);
         let (mut a, a_samples, mut ra) = entry(&admission, 2, 1, now);
         a.expires = Some(now);
-        q.add(a, &a_samples);
+        q.add(a, a_samples);
         let (job, removed) = due(&mut q, now);
         assert!(job.is_none());
         assert_eq!(removed, 1);
@@ -609,7 +630,7 @@ mod tests {
             for (tag, deadline) in deadlines.iter().enumerate() {
                 let (mut e, samples, rx) = entry(&admission, 1, tag as i64, now);
                 e.deadline = deadline.map(|d| now + d);
-                q.add(e, &samples);
+                q.add(e, samples);
                 receivers.push(rx);
             }
             due(&mut q, now).0.unwrap().batch.deadline
@@ -667,8 +688,8 @@ mod tests {
         let (a, a_samples, _ra) = entry(&admission, 2, 1, now);
         let (b, b_samples, _rb) = entry(&admission, 1, 2, now);
         let ticket = Arc::clone(&a.ticket);
-        q.add(a, &a_samples);
-        q.add(b, &b_samples);
+        q.add(a, a_samples);
+        q.add(b, b_samples);
         assert!(ticket.abandon(), "nothing started yet");
         let (job, removed) = due(&mut q, now);
         assert_eq!((job.unwrap().waiters.len(), removed), (1, 1));
@@ -685,8 +706,8 @@ mod tests {
         second.ticket = Arc::clone(&first.ticket);
         first.expires = Some(now + Duration::from_millis(5));
         second.expires = first.expires;
-        q.add(first, &first_samples);
-        q.add(second, &second_samples);
+        q.add(first, first_samples);
+        q.add(second, second_samples);
         assert!(due(&mut q, now).0.is_some());
         let later = now + Duration::from_millis(10);
         let (job, removed) = due(&mut q, later);
@@ -702,9 +723,9 @@ mod tests {
         let (b, b_samples, _rb) = entry(&admission, 3, 2, now);
         let (c, c_samples, rc) = entry(&admission, 4, 3, now);
         let kept = Arc::clone(&b.ticket);
-        q.add(a, &a_samples);
-        q.add(b, &b_samples);
-        q.add(c, &c_samples);
+        q.add(a, a_samples);
+        q.add(b, b_samples);
+        q.add(c, c_samples);
         drop((ra, rc));
         assert_eq!(q.sweep(now), 2);
         assert_eq!((admission.queued_requests(), admission.queued_rows()), (1, 3));
@@ -720,7 +741,7 @@ mod tests {
         let mut receivers = Vec::new();
         for tag in 0..5 {
             let (e, e_samples, rx) = entry(&admission, 1, tag, now);
-            q.add(e, &e_samples);
+            q.add(e, e_samples);
             receivers.push(rx);
         }
         assert_eq!(q.depth(), (2, 1));

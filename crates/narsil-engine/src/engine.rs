@@ -60,8 +60,13 @@ struct Shared {
     stats: Arc<Stats>,
     readiness: watch::Receiver<Readiness>,
     health: Arc<BackendHealth>,
-    next_request_id: AtomicU64,
+    next_request_id: RequestIds,
 }
+
+/// The next request id, on a cache line of its own: every request bumps it,
+/// and the fields beside it are read by every request on every core.
+#[repr(align(128))]
+struct RequestIds(AtomicU64);
 
 impl Engine {
     /// Starts lanes and collector. Returns at once; lanes load in the
@@ -109,7 +114,7 @@ impl Engine {
                     stats,
                     readiness,
                     health,
-                    next_request_id: AtomicU64::new(1),
+                    next_request_id: RequestIds(AtomicU64::new(1)),
                 }),
             },
             lane_threads,
@@ -237,7 +242,7 @@ impl EngineHandle {
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let received = Instant::now();
-        let id = self.shared.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let id = self.shared.next_request_id.0.fetch_add(1, Ordering::Relaxed);
         let mut tally = Tally { stats: &self.shared.stats, recorded: false };
         let result =
             self.run(id, request, lease, deadline).instrument(tracing::info_span!("request", id)).await;

@@ -94,8 +94,8 @@ impl Ticket {
 pub type ReplySender = oneshot::Sender<Result<Prediction, EngineError>>;
 
 /// A validated request (or one part of a split request) waiting in the
-/// collector. Its samples are not here: they were reordered into its batch
-/// when it was queued, and are held there only.
+/// collector. Its samples are not here: they wait beside it in its queued
+/// batch, reordered key-major, and are held there only.
 #[derive(Debug)]
 pub struct Entry {
     /// The engine's id for the request (shared by its parts), as in its

@@ -61,7 +61,7 @@ impl MemoryBudget {
 
     fn take(&self, bytes: usize) -> Result<(), QueueFull> {
         let budget = &self.0;
-        budget
+        let before = budget
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
                 used.checked_add(bytes).filter(|&total| total <= budget.max)
@@ -72,7 +72,12 @@ impl MemoryBudget {
                 max: budget.max,
                 needed: bytes,
             })?;
-        budget.peak.fetch_max(self.used(), Ordering::AcqRel);
+        // Written only when it grows: every request reserves, and a write
+        // each time would move the line between the cores that do.
+        let held = before + bytes;
+        if held > budget.peak.load(Ordering::Relaxed) {
+            budget.peak.fetch_max(held, Ordering::AcqRel);
+        }
         Ok(())
     }
 
