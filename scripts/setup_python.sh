@@ -16,7 +16,10 @@ FBGEMM_PACKAGE="${NARSIL_FBGEMM_PACKAGE:-fbgemm-gpu-cpu}"
 TORCHREC_VERSION=1.8.0
 VENV="${NARSIL_VENV:-.venv}"
 TRITONCLIENT_VERSION=2.73.0
-STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-tritonclient-${TRITONCLIENT_VERSION}-v3"
+# PT2E static quantization (prepare_pt2e/convert_pt2e, X86InductorQuantizer)
+# for export_dlrm.py --int8: torch 2.13 moved it out of torch.ao into torchao.
+TORCHAO_VERSION=0.18.0
+STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-tritonclient-${TRITONCLIENT_VERSION}-torchao-${TORCHAO_VERSION}-v3"
 
 if [ -f "$STAMP" ]; then
   step "python venv ready ($VENV)"
@@ -43,9 +46,14 @@ step "installing torch==$TORCH_VERSION and $FBGEMM_PACKAGE==$FBGEMM_VERSION (abo
 step "installing torchrec==$TORCHREC_VERSION (no deps)"
 "${PIP[@]}" install --progress-bar off --no-deps "torchrec==$TORCHREC_VERSION"
 
-step "checking that torchrec and FBGEMM import"
+# torchao declares no torch requirement (0.18.0 works with torch 2.13): no deps.
+step "installing torchao==$TORCHAO_VERSION (no deps)"
+"${PIP[@]}" install --progress-bar off --no-deps "torchao==$TORCHAO_VERSION"
+
+step "checking that torchrec, FBGEMM and torchao's PT2E quantization import"
 "$VENV/bin/python" - <<'PY'
 import torch, fbgemm_gpu, torchrec  # noqa: F401
+from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e  # noqa: F401
 from torchrec.models.dlrm import DLRM  # noqa: F401
 print(f"torch {torch.__version__}, torchrec {torchrec.__version__ if hasattr(torchrec, '__version__') else '?'}")
 PY

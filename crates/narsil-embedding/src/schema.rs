@@ -137,6 +137,12 @@ pub struct SplitSchema {
     /// scores), for `--dense-precision bf16`; optional.
     #[serde(default)]
     pub dense_package_bf16: Option<PathBuf>,
+    /// The same network with INT8 GEMMs (PT2E static quantization, compiled
+    /// with Inductor's x86 path; FP32 inputs and scores), for
+    /// `--dense-precision int8` on CPUs with VNNI or AMX-INT8; optional
+    /// (`models/export_dlrm.py --split --int8`).
+    #[serde(default)]
+    pub dense_package_int8: Option<PathBuf>,
     /// The same dense network's FP32 weights by name (safetensors, DLRM
     /// layout: `dense.{i}.*`, `over.{i}.*`), for the Burn backend; optional.
     #[serde(default)]
@@ -201,6 +207,7 @@ impl SplitSchema {
             dense_network: PathBuf::new(),
             dense_package: None,
             dense_package_bf16: None,
+            dense_package_int8: None,
             dense_weights: None,
         }
     }

@@ -1,7 +1,7 @@
 //! A split model's dense network in the form the lane runs: the TorchScript
 //! module (`dense.pt`, frozen, FP32 or bf16) or the AOTInductor package
 //! the schema names for the precision (`dense.pt2`, FP32;
-//! `dense_bf16.pt2`, bf16). Both take `forward(dense, pooled)`
+//! `dense_bf16.pt2`, bf16; `dense_int8.pt2`, INT8). Both take `forward(dense, pooled)`
 //! on CPU tensors the lane borrows and return the scores: one seam, so a
 //! device other than the CPU is one more form, not a change to the lane.
 //!
@@ -13,6 +13,14 @@
 //! 1.07-1.25x in bf16 on an AVX-512 Zen 5 core, a tie on an AVX2 Zen 3,
 //! REPORTS.md "AOTInductor dense networks"); `torchscript` always runs
 //! `dense.pt`; `pt2` requires the package (an error names what is missing).
+//!
+//! `--dense-precision int8` has one form, the schema's `dense_package_int8`
+//! (`models/export_dlrm.py --split --int8`: PT2E static quantization
+//! compiled with Inductor's x86 path, INT8 GEMMs on prepacked oneDNN
+//! weights). Its inputs stay FP32 (the graph quantizes them itself) and its
+//! scores are FP32. It is never replaced by another form: a model without
+//! the package, a CPU without VNNI or AMX-INT8, `--dense-form torchscript`
+//! or a device other than the CPU is refused, naming what is missing.
 //!
 //! On CUDA (`--device cuda[:N]`) the TorchScript network is loaded onto the
 //! device (bf16: floating-point parameters only are cast, as on the CPU).
@@ -84,6 +92,9 @@ impl DenseNetwork {
         runners: usize,
         device: Device,
     ) -> Result<Self, BackendError> {
+        if precision == DensePrecision::Int8 {
+            return Self::load_int8(dir, split, form, runners, device);
+        }
         if device != Device::Cpu {
             return Self::load_on_device(dir, split, form, precision, runners, device);
         }
@@ -114,6 +125,45 @@ impl DenseNetwork {
         })?;
         tracing::info!(file = %network.display(), "dense network: TorchScript");
         Ok(Self::TorchScript(loaded.module))
+    }
+
+    /// [`Self::load`] in INT8: the INT8 package, or an error naming why not.
+    fn load_int8(
+        dir: &Path,
+        split: &SplitSchema,
+        form: DenseForm,
+        runners: usize,
+        device: Device,
+    ) -> Result<Self, BackendError> {
+        if device != Device::Cpu {
+            return Err(BackendError::setup(format!(
+                "--dense-precision int8 runs on the CPU only (dense_int8.pt2 is compiled for x86 INT8 \
+                 instructions), not on {device:?}; serve with --dense-precision fp32 or bf16"
+            )));
+        }
+        if form == DenseForm::TorchScript {
+            return Err(BackendError::setup(
+                "--dense-precision int8 has no TorchScript form (its INT8 network is the AOTInductor package \
+                 dense_int8.pt2): serve with --dense-form auto or pt2",
+            ));
+        }
+        crate::factory::require_cpu_int8()?;
+        let Some(package) = split.dense_package_int8.as_deref() else {
+            return Err(BackendError::load(
+                dir.join("schema.json"),
+                "--dense-precision int8, but the schema names no dense_package_int8: make it with \
+                 models/export_dlrm.py --split --int8 (on a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8), \
+                 or serve with --dense-precision fp32",
+            ));
+        };
+        let path = dir.join(package);
+        let flags = cpu_flags();
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let package = AotiPackage::load(&path, runners, &flags).map_err(|e| {
+            BackendError::load(&path, "not an INT8 AOTInductor package this CPU can run").caused_by(e)
+        })?;
+        tracing::info!(file = %path.display(), "dense network: INT8 AOTInductor package");
+        Ok(Self::Package(package))
     }
 
     /// [`Self::load`] on a device other than the CPU.
@@ -161,7 +211,8 @@ impl DenseNetwork {
     }
 
     /// The package file to try, if any: the schema's package for
-    /// `precision` (`dense_package` for FP32, `dense_package_bf16` for bf16).
+    /// `precision` (`dense_package` for FP32, `dense_package_bf16` for bf16,
+    /// `dense_package_int8` for INT8).
     fn package_to_run<'a>(
         dir: &Path,
         split: &'a SplitSchema,
@@ -192,6 +243,7 @@ impl DenseNetwork {
         match precision {
             DensePrecision::Fp32 => (split.dense_package.as_deref(), "dense_package"),
             DensePrecision::Bf16 => (split.dense_package_bf16.as_deref(), "dense_package_bf16"),
+            DensePrecision::Int8 => (split.dense_package_int8.as_deref(), "dense_package_int8"),
         }
     }
 

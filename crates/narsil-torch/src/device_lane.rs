@@ -333,7 +333,7 @@ impl DeviceLane {
 
     fn network_kind(&self) -> Kind {
         match self.model.precision {
-            DensePrecision::Fp32 => Kind::Float,
+            DensePrecision::Fp32 | DensePrecision::Int8 => Kind::Float,
             DensePrecision::Bf16 => Kind::BFloat16,
         }
     }

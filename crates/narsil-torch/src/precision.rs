@@ -1,10 +1,14 @@
 //! The precision of the dense arithmetic (dense arch, interaction, over
-//! arch) and whether this CPU can run bf16 at speed (and, for compiled
-//! packages, the CPU's flags).
+//! arch) and whether this CPU can run bf16 or INT8 at speed (and, for
+//! compiled packages, the CPU's flags).
 //!
 //! bf16 casts the model's floating-point parameters to bf16 at load and asks
 //! the INT8 embedding lookups for bf16 output; oneDNN then runs the GEMMs
-//! with bf16 inputs and FP32 accumulation. Scores are FP32 either way.
+//! with bf16 inputs and FP32 accumulation. INT8 is a split model's
+//! `dense_int8.pt2` package only (`models/export_dlrm.py --split --int8`):
+//! its GEMMs take uint8 activations and INT8 weights (VNNI or AMX-INT8),
+//! and its inputs stay FP32, quantized inside the graph. Scores are FP32
+//! in every precision.
 
 use std::fmt;
 
@@ -16,6 +20,8 @@ pub enum DensePrecision {
     Fp32,
     /// bf16 dense arithmetic with FP32 accumulation.
     Bf16,
+    /// INT8 GEMMs (a split model's `dense_int8.pt2`), FP32 inputs and scores.
+    Int8,
 }
 
 impl DensePrecision {
@@ -24,6 +30,7 @@ impl DensePrecision {
         match self {
             Self::Fp32 => "fp32",
             Self::Bf16 => "bf16",
+            Self::Int8 => "int8",
         }
     }
 }
@@ -40,6 +47,14 @@ impl fmt::Display for DensePrecision {
 pub fn cpu_bf16_instructions() -> Vec<&'static str> {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     bf16_flags(&cpuinfo)
+}
+
+/// The CPU's INT8 dot-product instructions, as `/proc/cpuinfo` names them
+/// (`amx_int8`, `avx512_vnni`, `avx_vnni`); empty when it has none. Without
+/// them oneDNN's INT8 GEMMs run slower than FP32 (measured on an AVX2 CPU).
+pub fn cpu_int8_instructions() -> Vec<&'static str> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    int8_flags(&cpuinfo)
 }
 
 /// Every flag of this CPU, as `/proc/cpuinfo` names them (`avx2`,
@@ -63,6 +78,11 @@ fn bf16_flags(cpuinfo: &str) -> Vec<&'static str> {
     ["amx_bf16", "avx512_bf16"].into_iter().filter(|want| flags.contains(want)).collect()
 }
 
+fn int8_flags(cpuinfo: &str) -> Vec<&'static str> {
+    let flags = flags_of(cpuinfo);
+    ["amx_int8", "avx512_vnni", "avx_vnni"].into_iter().filter(|want| flags.contains(want)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -71,6 +91,16 @@ mod tests {
     fn logs_name_the_precision_as_the_flag_does() {
         assert_eq!(DensePrecision::Fp32.to_string(), "fp32");
         assert_eq!(DensePrecision::Bf16.to_string(), "bf16");
+        assert_eq!(DensePrecision::Int8.to_string(), "int8");
+    }
+
+    #[test]
+    fn int8_instructions_are_read_from_the_cpu_flags() {
+        let spr = "flags\t\t: fpu avx512f avx512_vnni amx_int8 amx_tile\n";
+        assert_eq!(int8_flags(spr), ["amx_int8", "avx512_vnni"]);
+        assert_eq!(int8_flags("flags\t\t: fpu avx2 avx_vnni\n"), ["avx_vnni"]);
+        assert!(int8_flags("flags\t\t: fpu avx2 fma avx512f\n").is_empty());
+        assert!(int8_flags("").is_empty());
     }
 
     #[test]

@@ -371,7 +371,7 @@ unsafe fn lent(values: &mut [f32], rows: usize, cols: usize) -> Result<Tensor, B
 /// bf16.
 fn in_precision(input: Tensor, precision: DensePrecision) -> Result<Tensor, BackendError> {
     match precision {
-        DensePrecision::Fp32 => Ok(input),
+        DensePrecision::Fp32 | DensePrecision::Int8 => Ok(input),
         DensePrecision::Bf16 => input.f_to_kind(tch::Kind::BFloat16).map_err(torch_error),
     }
 }

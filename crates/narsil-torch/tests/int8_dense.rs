@@ -1,0 +1,133 @@
+//! `--dense-precision int8`: a split model's INT8 dense network
+//! (`dense_int8.pt2`, `models/export_dlrm.py --split --int8`) against the
+//! FP32 scores of the golden requests, alone and fused, within a bound
+//! derived from what the export measured (`int8_quality.json`); and the
+//! refusals that keep INT8 from being served as something else.
+//!
+//! Needs the test model `scripts/test.sh` exports with `--int8`
+//! (`models/generated/test-small`, or `NARSIL_TEST_MODEL_DIR`); a model
+//! exported on a CPU without VNNI or AMX-INT8 has no INT8 package, and the
+//! tests that need one say `skipped`.
+
+use narsil_core::conformance::{self, fused_equals_alone, golden_parity};
+use narsil_core::error_chain;
+use narsil_core::golden::{test_model_dir, Golden};
+use narsil_core::request::IdPolicy;
+use narsil_embedding::SplitSchema;
+use narsil_torch::{cpu_flags, DenseForm, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
+
+/// Whatever the export recorded, INT8 scores further than this from FP32 on
+/// the golden requests fail (probabilities; the recorded difference on the
+/// test model is ~1e-4).
+const ABSOLUTE_CAP: f32 = 2e-2;
+/// A request's INT8 scores fused with others against alone: activations are
+/// quantized with static per-tensor scales, so a row's arithmetic does not
+/// depend on its batch.
+const FUSED_VS_ALONE: f32 = 1e-6;
+
+fn split_dir() -> std::path::PathBuf {
+    test_model_dir().join("split")
+}
+
+fn cpu_has_int8() -> bool {
+    let flags = cpu_flags();
+    ["amx_int8", "avx512_vnni", "avx_vnni"].iter().any(|f| flags.iter().any(|have| have == f))
+}
+
+/// Why the INT8 package cannot be tested here, if it cannot.
+fn skip_reason() -> Option<&'static str> {
+    let schema = SplitSchema::read(&split_dir()).unwrap();
+    if schema.dense_package_int8.is_none() {
+        return Some(
+            "the test model has no dense_int8.pt2 (exported without --int8, or on a CPU without VNNI)",
+        );
+    }
+    if !cpu_has_int8() {
+        return Some("this CPU has no INT8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX-INT8)");
+    }
+    None
+}
+
+fn int8_config(dir: std::path::PathBuf, form: DenseForm) -> TorchConfig {
+    let mut config = TorchConfig::new(dir);
+    config.dense_precision = DensePrecision::Int8;
+    config.dense_form = form;
+    config
+}
+
+/// The max |INT8 - FP32| the export measured on the golden requests.
+fn recorded_golden_max_diff() -> f32 {
+    let path = split_dir().join("int8_quality.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let quality: serde_json::Value = serde_json::from_str(&text).unwrap();
+    quality["golden"]["max_abs_diff"].as_f64().expect("golden.max_abs_diff") as f32
+}
+
+/// The INT8 package serves the golden requests within twice what the export
+/// recorded (and never more than [`ABSOLUTE_CAP`]) of the FP32 scores,
+/// alone and fused (fused within [`FUSED_VS_ALONE`] of alone), and its
+/// scores are not the FP32 ones (the INT8 network, not a fallback, ran).
+#[test]
+fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
+    let name = "int8_package_serves_golden_within_the_recorded_bound_alone_and_fused";
+    if let Some(why) = skip_reason() {
+        eprintln!("skipped: {name}: {why}");
+        return;
+    }
+    let recorded = recorded_golden_max_diff();
+    assert!(
+        recorded <= ABSOLUTE_CAP,
+        "the export recorded {recorded:e} from FP32, over the cap {ABSOLUTE_CAP:e}"
+    );
+    let tolerance = (2.0 * recorded).min(ABSOLUTE_CAP);
+    for form in [DenseForm::Auto, DenseForm::Pt2] {
+        let factory = SplitFactory::load(int8_config(split_dir(), form))
+            .unwrap_or_else(|e| panic!("int8 {form}: {}", error_chain(&e)));
+        let golden = Golden::read(&test_model_dir()).unwrap();
+        // The top-level golden scores of the INT8-table model are the split
+        // model's FP32 dense network's, bit for bit.
+        let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), tolerance);
+        assert!(worst > 0.0, "int8 {form}: the FP32 scores exactly: was the INT8 network served?");
+        let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
+        let fused = fused_equals_alone(&factory, &requests, 4, FUSED_VS_ALONE);
+        eprintln!(
+            "int8 {form}: max |diff| vs FP32 golden {worst:e} (export recorded {recorded:e}, bound {tolerance:e}), \
+             fused vs alone {fused:e}"
+        );
+    }
+}
+
+/// INT8 is never served as another form: `--dense-form torchscript`, a
+/// split model without the package (naming the field and the command that
+/// makes it) and a single-file model are refused. On a CPU without INT8
+/// instructions every INT8 load is refused naming them.
+#[test]
+fn int8_without_its_package_or_form_is_refused_naming_what_is_missing() {
+    let no_package = SplitFactory::load(int8_config(test_model_dir().join("split_fp32"), DenseForm::Auto))
+        .err()
+        .map(|e| error_chain(&e))
+        .expect("int8 loaded a split model without dense_package_int8");
+    let torchscript = SplitFactory::load(int8_config(split_dir(), DenseForm::TorchScript))
+        .err()
+        .map(|e| error_chain(&e))
+        .expect("int8 loaded with --dense-form torchscript");
+    assert!(torchscript.contains("int8") && torchscript.contains("TorchScript"), "{torchscript}");
+    let single = TorchFactory::load(int8_config(test_model_dir().join("model_default.pt"), DenseForm::Auto))
+        .err()
+        .map(|e| error_chain(&e))
+        .expect("int8 loaded a single-file model");
+    assert!(single.contains("single-file") && single.contains("--split --int8"), "{single}");
+    if cpu_has_int8() {
+        assert!(
+            no_package.contains("schema.json")
+                && no_package.contains("dense_package_int8")
+                && no_package.contains("export_dlrm.py --split --int8"),
+            "{no_package}"
+        );
+    } else {
+        assert!(
+            no_package.contains("AVX512-VNNI") && no_package.contains("--dense-precision"),
+            "{no_package}"
+        );
+    }
+}
