@@ -576,7 +576,7 @@ mod tests {
             assert_eq!(Vec::<f32>::try_from(&staged).unwrap(), values[..len]);
         }
         assert_eq!((buffer.allocations(), buffer.capacity()), (1, 128));
-        buffer.upload(&values[..129]).unwrap();
+        drop(buffer.upload(&values[..129]).unwrap());
         assert_eq!((buffer.allocations(), buffer.capacity()), (2, 256));
         let error = buffer.upload(&[1i64, 2]).unwrap_err().to_string();
         assert!(error.contains("Int64") && error.contains("Float"), "{error}");
@@ -585,9 +585,9 @@ mod tests {
     #[test]
     fn a_buffer_set_counts_every_buffers_allocations() {
         let mut set = BufferSet::new(Device::Cpu, 2, None);
-        set.dense.upload(&[1.0f32; 10]).unwrap();
-        set.rows[1].upload(&[1i64; 10]).unwrap();
-        set.dense.upload(&[1.0f32; 16]).unwrap();
+        drop(set.dense.upload(&[1.0f32; 10]).unwrap());
+        drop(set.rows[1].upload(&[1i64; 10]).unwrap());
+        drop(set.dense.upload(&[1.0f32; 16]).unwrap());
         assert_eq!(set.allocations(), 2);
     }
 }
