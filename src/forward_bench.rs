@@ -255,10 +255,12 @@ fn measure(
     let mlp_limit_samples_per_s = match (&gemm_peaks, mlp_flops_per_sample) {
         (Some(peaks), Some(flops)) if flops > 0.0 => {
             let peak = match args.backend.dense_precision {
-                DensePrecision::Fp32 => peaks.fp32_gflops,
-                DensePrecision::Bf16 => peaks.bf16_gflops,
+                DensePrecision::Fp32 => Some(peaks.fp32_gflops),
+                DensePrecision::Bf16 => Some(peaks.bf16_gflops),
+                // No INT8 GEMM peak is measured (issue 46, item 1): no limit.
+                DensePrecision::Int8 => None,
             };
-            Some(peak * 1e9 / flops)
+            peak.map(|peak| peak * 1e9 / flops)
         }
         _ => None,
     };

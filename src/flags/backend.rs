@@ -44,7 +44,11 @@ pub struct BackendArgs {
     /// fbgemm_gpu package next to the libtorch Narsil was built with).
     #[arg(long, env = "NARSIL_FBGEMM_DIR")]
     pub fbgemm_dir: Option<PathBuf>,
-    /// torch: precision of the dense arithmetic.
+    /// torch: precision of the dense arithmetic. int8: a split model's
+    /// INT8 dense network (dense_int8.pt2, written by `models/export_dlrm.py
+    /// --split --int8` with its quality against FP32 in int8_quality.json),
+    /// on CPUs with AVX512-VNNI, AVX-VNNI or AMX-INT8; refused elsewhere and
+    /// for models without that package.
     #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]
     pub dense_precision: DensePrecision,
     /// torch, split models: the dense network's form. `auto` runs the
@@ -125,6 +129,12 @@ impl BackendArgs {
         if self.dense_precision == DensePrecision::Bf16 && self.kind() != BackendKind::Torch {
             anyhow::bail!(
                 "--dense-precision bf16 is supported by --backend torch only (burn-flex runs bf16 matmuls through FP32); \
+                 remove it or use --backend torch"
+            );
+        }
+        if self.dense_precision == DensePrecision::Int8 && self.kind() != BackendKind::Torch {
+            anyhow::bail!(
+                "--dense-precision int8 is supported by --backend torch only (a split model's dense_int8.pt2); \
                  remove it or use --backend torch"
             );
         }

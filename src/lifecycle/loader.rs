@@ -54,6 +54,9 @@ pub enum DensePrecision {
     Fp32,
     /// bf16 inputs with FP32 accumulation (torch; needs AVX512-BF16 or AMX on CPU).
     Bf16,
+    /// INT8 GEMMs (torch, split models with dense_int8.pt2 from `models/export_dlrm.py --split --int8`; needs
+    /// AVX512-VNNI, AVX-VNNI or AMX-INT8).
+    Int8,
 }
 
 /// A split model's dense network form (torch).
@@ -106,6 +109,13 @@ impl LoadOptions {
             anyhow::bail!(
                 "bf16 dense precision is supported by torch models only (burn-flex runs bf16 matmuls \
                  through FP32); this model needs {}",
+                kind.name()
+            );
+        }
+        if self.dense_precision == DensePrecision::Int8 && kind != BackendKind::Torch {
+            anyhow::bail!(
+                "int8 dense precision is a torch split model's dense_int8.pt2 (models/export_dlrm.py --split --int8); \
+                 this model needs {}",
                 kind.name()
             );
         }
@@ -167,6 +177,7 @@ impl LoadOptions {
         config.dense_precision = match self.dense_precision {
             DensePrecision::Fp32 => narsil_torch::DensePrecision::Fp32,
             DensePrecision::Bf16 => narsil_torch::DensePrecision::Bf16,
+            DensePrecision::Int8 => narsil_torch::DensePrecision::Int8,
         };
         config.dense_form = match self.dense_form {
             DenseForm::Auto => narsil_torch::DenseForm::Auto,
