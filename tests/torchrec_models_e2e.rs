@@ -271,7 +271,7 @@ fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
             let (tolerance, fused_tolerance) = match precision {
                 DensePrecision::Fp32 => (SCORE_TOLERANCE, SCORE_TOLERANCE),
                 DensePrecision::Bf16 => (BF16_TOLERANCE_VS_FP32, BF16_FUSED_VS_ALONE),
-                DensePrecision::Int8 => unreachable!("INT8 is tested in crates/narsil-torch/tests/int8_dense.rs"),
+                DensePrecision::Int8 => unreachable!("INT8: crates/narsil-torch/tests/int8_dense.rs"),
             };
             close_to_golden_alone_and_fused(name, &*factory, tolerance, fused_tolerance, &what);
         }
