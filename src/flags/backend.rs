@@ -40,6 +40,13 @@ pub struct BackendArgs {
     /// are single-threaded: add lanes instead).
     #[arg(long, env = "NARSIL_INTRA_OP_THREADS", default_value_t = 1)]
     pub intra_op_threads: usize,
+    /// torch, split models on `--device cuda`: the most bytes of tables held
+    /// in the device's memory (lookups and pooling then run there); a model
+    /// whose tables need more is refused, naming both. 0 keeps the tables on
+    /// the host (the CPU stage pools, the pooled block is copied over).
+    /// Unset: the tables go to the device when they fit in its memory.
+    #[arg(long, env = "NARSIL_DEVICE_TABLE_BYTES")]
+    pub device_table_bytes: Option<u64>,
     /// torch: directory of fbgemm_gpu's shared libraries (default: the
     /// fbgemm_gpu package next to the libtorch Narsil was built with).
     #[arg(long, env = "NARSIL_FBGEMM_DIR")]
@@ -170,6 +177,7 @@ impl BackendArgs {
         LoadOptions {
             device: self.device.clone(),
             intra_op_threads: self.intra_op_threads,
+            device_table_bytes: self.device_table_bytes,
             fbgemm_dir: self.fbgemm_dir.clone(),
             dense_precision: self.dense_precision,
             dense_form: self.dense_form,

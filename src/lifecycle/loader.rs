@@ -79,6 +79,9 @@ pub struct LoadOptions {
     pub device: String,
     /// Threads each forward may use inside the backend (torch).
     pub intra_op_threads: usize,
+    /// torch split models on CUDA: the most bytes of tables held in the
+    /// device's memory (`--device-table-bytes`; `None`: as many as fit).
+    pub device_table_bytes: Option<u64>,
     /// torch: directory of fbgemm_gpu's shared libraries (default: next to
     /// the libtorch Narsil was built with).
     pub fbgemm_dir: Option<PathBuf>,
@@ -172,6 +175,7 @@ impl LoadOptions {
         config.device = self.device.clone();
         config.model_config = model_config.map(Path::to_path_buf);
         config.intra_op_threads = self.intra_op_threads;
+        config.device_table_bytes = self.device_table_bytes;
         config.fbgemm_dir = self.fbgemm_dir.clone();
         config.table_store = self.table_store.clone();
         config.dense_precision = match self.dense_precision {
