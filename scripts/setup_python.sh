@@ -19,7 +19,11 @@ TRITONCLIENT_VERSION=2.73.0
 # PT2E static quantization (prepare_pt2e/convert_pt2e, X86InductorQuantizer)
 # for export_dlrm.py --int8: torch 2.13 moved it out of torch.ao into torchao.
 TORCHAO_VERSION=0.18.0
-STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-tritonclient-${TRITONCLIENT_VERSION}-torchao-${TORCHAO_VERSION}-v3"
+# The CUDA runtime's crt/ headers, which the CUDA shim (CUDA graphs and
+# streams, crates/narsil-torch/csrc/cuda_shim.cpp) compiles against: the
+# torch wheel's nvidia-cuda-runtime lacks them (headers only, a few MB).
+CUDA_CRT_VERSION=13.0.88
+STAMP="$VENV/.narsil-torch-${TORCH_VERSION}-${FBGEMM_PACKAGE}-${FBGEMM_VERSION}-torchrec-${TORCHREC_VERSION}-tritonclient-${TRITONCLIENT_VERSION}-torchao-${TORCHAO_VERSION}-crt-${CUDA_CRT_VERSION}-v3"
 
 if [ -f "$STAMP" ]; then
   step "python venv ready ($VENV)"
@@ -47,8 +51,8 @@ step "installing torchrec==$TORCHREC_VERSION (no deps)"
 "${PIP[@]}" install --progress-bar off --no-deps "torchrec==$TORCHREC_VERSION"
 
 # torchao declares no torch requirement (0.18.0 works with torch 2.13): no deps.
-step "installing torchao==$TORCHAO_VERSION (no deps)"
-"${PIP[@]}" install --progress-bar off --no-deps "torchao==$TORCHAO_VERSION"
+step "installing torchao==$TORCHAO_VERSION and nvidia-cuda-crt==$CUDA_CRT_VERSION (no deps)"
+"${PIP[@]}" install --progress-bar off --no-deps "torchao==$TORCHAO_VERSION" "nvidia-cuda-crt==$CUDA_CRT_VERSION"
 
 step "checking that torchrec, FBGEMM and torchao's PT2E quantization import"
 "$VENV/bin/python" - <<'PY'
