@@ -147,7 +147,7 @@ impl DenseNetwork {
                  dense_int8.pt2): serve with --dense-form auto or pt2",
             ));
         }
-        crate::factory::require_cpu_int8()?;
+        crate::precision::require_cpu_int8()?;
         let Some(package) = split.dense_package_int8.as_deref() else {
             return Err(BackendError::load(
                 dir.join("schema.json"),

@@ -31,7 +31,7 @@ use crate::cuda::{self, Event, LaneStreams, Which};
 use crate::handoff::Handoff;
 use crate::lane::{enter_inference_mode, torch_error, IntraOpThreads};
 use crate::precision::DensePrecision;
-use crate::split::SplitModel;
+use crate::split_model::SplitModel;
 use crate::tensor_stage::{DeviceLookup, Lookup};
 
 type RawTensor = torch_sys::C_tensor;

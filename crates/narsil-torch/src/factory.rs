@@ -12,7 +12,7 @@ use crate::device::parse_device;
 use crate::fbgemm::{default_fbgemm_dir, load_fbgemm_ops};
 use crate::lane::{enter_inference_mode, TorchLane};
 use crate::model::TorchModel;
-use crate::precision::{cpu_bf16_instructions, cpu_int8_instructions, DensePrecision};
+use crate::precision::{cpu_bf16_instructions, DensePrecision};
 
 /// bf16 on a CPU without bf16 instructions would be emulated, slower than
 /// FP32: refused rather than served slowly, unless the config asks for
@@ -30,22 +30,6 @@ pub(crate) fn require_cpu_bf16(config: &TorchConfig) -> Result<(), BackendError>
         ));
     }
     tracing::info!(instructions = %found.join(", "), "CPU bf16 instructions");
-    Ok(())
-}
-
-/// INT8 dense arithmetic needs the CPU's INT8 dot-product instructions
-/// (AVX512-VNNI, AVX-VNNI or AMX-INT8): without them oneDNN's INT8 GEMMs run
-/// slower than FP32 (measured on an AVX2 CPU), so it is refused, naming them.
-pub(crate) fn require_cpu_int8() -> Result<(), BackendError> {
-    let found = cpu_int8_instructions();
-    if found.is_empty() {
-        return Err(BackendError::setup(
-            "--dense-precision int8 needs a CPU with INT8 dot-product instructions (AVX512-VNNI, AVX-VNNI or \
-             AMX-INT8; /proc/cpuinfo flags avx512_vnni, avx_vnni, amx_int8), and this one has none (INT8 GEMMs \
-             would run slower than FP32 here); serve with --dense-precision fp32",
-        ));
-    }
-    tracing::info!(instructions = %found.join(", "), "CPU INT8 instructions");
     Ok(())
 }
 

@@ -12,7 +12,8 @@
 //!   host staging and asynchronous copies on CUDA).
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
 //! * [`split`]: split models (a directory: INT8 tables pooled by
-//!   `narsil-embedding`, then the dense network).
+//!   `narsil-embedding`, then the dense network), loaded once as a
+//!   [`split_model`] their lanes share.
 //! * [`dense_network`]: a split model's dense network, TorchScript or
 //!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`.
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
@@ -39,6 +40,7 @@ pub mod precision;
 pub mod roofline;
 pub mod script_module;
 pub mod split;
+pub mod split_model;
 pub mod tensor_stage;
 
 pub use dense_network::DenseForm;

@@ -12,6 +12,8 @@
 
 use std::fmt;
 
+use narsil_core::BackendError;
+
 /// `--dense-precision`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DensePrecision {
@@ -81,6 +83,22 @@ fn bf16_flags(cpuinfo: &str) -> Vec<&'static str> {
 fn int8_flags(cpuinfo: &str) -> Vec<&'static str> {
     let flags = flags_of(cpuinfo);
     ["amx_int8", "avx512_vnni", "avx_vnni"].into_iter().filter(|want| flags.contains(want)).collect()
+}
+
+/// INT8 dense arithmetic needs the CPU's INT8 dot-product instructions
+/// (AVX512-VNNI, AVX-VNNI or AMX-INT8): without them oneDNN's INT8 GEMMs run
+/// slower than FP32 (measured on an AVX2 CPU), so it is refused, naming them.
+pub(crate) fn require_cpu_int8() -> Result<(), BackendError> {
+    let found = cpu_int8_instructions();
+    if found.is_empty() {
+        return Err(BackendError::setup(
+            "--dense-precision int8 needs a CPU with INT8 dot-product instructions (AVX512-VNNI, AVX-VNNI or \
+             AMX-INT8; /proc/cpuinfo flags avx512_vnni, avx_vnni, amx_int8), and this one has none (INT8 GEMMs \
+             would run slower than FP32 here); serve with --dense-precision fp32",
+        ));
+    }
+    tracing::info!(instructions = %found.join(", "), "CPU INT8 instructions");
+    Ok(())
 }
 
 #[cfg(test)]

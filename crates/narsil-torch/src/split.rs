@@ -40,27 +40,8 @@ use crate::device_lane::DeviceLane;
 use crate::factory::{require_cpu_bf16, TorchConfig, DEVICE_TABLE_BYTES_ENV};
 use crate::lane::{append_scores, enter_inference_mode, torch_error, IntraOpThreads};
 use crate::precision::DensePrecision;
+use crate::split_model::SplitModel;
 use crate::tensor_stage::{device_bytes, TablesNotOnDevice, TensorTables};
-
-/// A loaded split model: its embedding stage and its dense network.
-pub(crate) struct SplitModel {
-    pub(crate) schema: ModelSchema,
-    pub(crate) stage: EmbeddingStage,
-    pub(crate) dense_network: DenseNetwork,
-    /// The dense network's parameters and inputs: FP32, or bf16 (the
-    /// pooled block and the dense features cast as they enter it; FP32
-    /// accumulation in oneDNN's GEMMs; scores returned in FP32).
-    pub(crate) precision: DensePrecision,
-    /// Where the dense network runs.
-    pub(crate) device: Device,
-    /// Lanes are device lanes ([`DeviceLane`]): any device but the CPU, or
-    /// the CPU when the config asks ([`TorchConfig::device_path_on_cpu`]).
-    pub(crate) device_path: bool,
-    /// The tables in device memory, when they are there.
-    pub(crate) device_tables: Option<TensorTables>,
-    /// Device lanes' batch-size buckets.
-    pub(crate) buckets: Buckets,
-}
 
 /// Loads a split model once and creates lanes that share it.
 pub struct SplitFactory {

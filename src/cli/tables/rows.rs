@@ -51,7 +51,10 @@ pub fn load_table(
     }
     let present = count_present(cluster, spec, count)?;
     if present != count {
-        return Err(FetchError::failed(format!("{}: {present} of {count} rows present after writing", spec.prefix)));
+        return Err(FetchError::failed(format!(
+            "{}: {present} of {count} rows present after writing",
+            spec.prefix
+        )));
     }
     let client = cluster.client();
     cluster.run("writing the row count", client.set::<(), _, _>(rows_key(spec), count, None, None, false))?;

@@ -9,50 +9,9 @@
 
 use std::time::Instant;
 
+pub use super::row_store::{BatchFetch, BatchGroup, FetchPart};
 use super::row_store::{FetchError, Fetched, RowStore};
 use crate::metrics::TableCounters;
-
-/// Which tables a store fetches together: one kind of store, and which of
-/// its instances (a Redis Cluster's tables batch with that cluster's only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BatchGroup {
-    /// The store kind (`disk`, `redis`).
-    pub kind: &'static str,
-    /// Which instance of it (an address, a number): 0 where every table of
-    /// the kind batches together.
-    pub instance: usize,
-}
-
-/// One table's part of a batch's fetch.
-pub struct FetchPart<'a> {
-    /// The table's rows (a store of the part's [`BatchGroup`]).
-    pub store: &'a dyn RowStore,
-    /// Its distinct ids in the batch.
-    pub ids: &'a [i64],
-    /// Bytes per row.
-    pub row_bytes: usize,
-    /// Where row `i` goes: `out[i * row_bytes..(i + 1) * row_bytes]`.
-    pub out: &'a mut [u8],
-    /// The table's counters (reads, bytes, time), for the store to record
-    /// in.
-    pub counters: &'a TableCounters,
-}
-
-/// A store that fetches the rows of many tables of a batch in one call.
-pub trait BatchFetch: Send + Sync {
-    /// The tables this one is fetched with: every part of one
-    /// [`BatchFetch::fetch_parts`] call has a store of this group.
-    fn group(&self) -> BatchGroup;
-
-    /// Copies each part's rows into its `out`, giving up at `deadline` (the
-    /// latest of the batch's callers'). Returns what each part fetched, in
-    /// order, or the index of the part that failed and why.
-    fn fetch_parts(
-        &self,
-        parts: &mut [FetchPart<'_>],
-        deadline: Option<Instant>,
-    ) -> Result<Vec<Fetched>, (usize, FetchError)>;
-}
 
 /// One table's fetch through its store's batch fetch (what a batching
 /// store's [`RowStore::fetch`] is), its reads counted nowhere.

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use narsil_core::DependencyWatcher;
 
-use super::batch::BatchFetch;
+use crate::metrics::TableCounters;
 
 /// A store's failure to deliver rows: a failure of the store, or a fetch
 /// given up because every caller of its batch had stopped waiting (not the
@@ -117,7 +117,7 @@ pub trait RowStore: Send + Sync {
     fn as_any(&self) -> &dyn Any;
 
     /// For a store that fetches the rows of many tables of a batch at once:
-    /// how ([`crate::stores::batch`]). The stage then hands it every part
+    /// how ([`BatchFetch`]; the stage's grouping: `stores::batch`). The stage then hands it every part
     /// of its group in one call instead of calling [`RowStore::fetch`] per
     /// table.
     fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
@@ -130,6 +130,48 @@ pub trait RowStore: Send + Sync {
     fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
         Some(watcher)
     }
+}
+
+/// Which tables a store fetches together: one kind of store, and which of
+/// its instances (a Redis Cluster's tables batch with that cluster's only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BatchGroup {
+    /// The store kind (`disk`, `redis`).
+    pub kind: &'static str,
+    /// Which instance of it (an address, a number): 0 where every table of
+    /// the kind batches together.
+    pub instance: usize,
+}
+
+/// One table's part of a batch's fetch.
+pub struct FetchPart<'a> {
+    /// The table's rows (a store of the part's [`BatchGroup`]).
+    pub store: &'a dyn RowStore,
+    /// Its distinct ids in the batch.
+    pub ids: &'a [i64],
+    /// Bytes per row.
+    pub row_bytes: usize,
+    /// Where row `i` goes: `out[i * row_bytes..(i + 1) * row_bytes]`.
+    pub out: &'a mut [u8],
+    /// The table's counters (reads, bytes, time), for the store to record
+    /// in.
+    pub counters: &'a TableCounters,
+}
+
+/// A store that fetches the rows of many tables of a batch in one call.
+pub trait BatchFetch: Send + Sync {
+    /// The tables this one is fetched with: every part of one
+    /// [`BatchFetch::fetch_parts`] call has a store of this group.
+    fn group(&self) -> BatchGroup;
+
+    /// Copies each part's rows into its `out`, giving up at `deadline` (the
+    /// latest of the batch's callers'). Returns what each part fetched, in
+    /// order, or the index of the part that failed and why.
+    fn fetch_parts(
+        &self,
+        parts: &mut [FetchPart<'_>],
+        deadline: Option<Instant>,
+    ) -> Result<Vec<Fetched>, (usize, FetchError)>;
 }
 
 #[cfg(test)]
