@@ -27,6 +27,12 @@ intra-op thread, as its OpenMP team follows the affinity) and the load
 generator to core 1; `2` gives the server both cores (Narsil 2 lanes,
 TorchRec its default threads) and leaves the load generator unpinned.
 
+Each row's "of limit" is its samples/s per server core over this core's
+limit for the row's precision: the peak `narsil bench-forward` measures (the
+multiply-add instruction's own peak or the best libtorch GEMM, whichever is
+higher) over the dense network's FLOPs per sample (the split model's count,
+the same network in every form), measured once before the servers.
+
 Every server gets identical TorchRec-protocol bytes from `narsil load
 --protocol torchrec` (closed loop). Prints one table per configuration,
 ratios against TorchRec C++, and writes JSON (git sha, CPU, flags, raw
@@ -159,18 +165,40 @@ def measure(args, name, command, cores, ids_per_bag, distribution):
     return rows
 
 
+def roofline(args):
+    """Per precision, this core's limit in samples/s (`narsil bench-forward`
+    on core 0: its peak over the dense FLOPs per sample), or {} when the
+    model states no FLOPs count."""
+    model = args.split_model or args.model
+    limits = {}
+    for precision in args.precisions:
+        out = subprocess.run(pinned([args.binary, "bench-forward", "--backend", "torch", "--model", model,
+                                     "--dense-precision", precision, "--rows", "100", "--seconds", "0.1",
+                                     "--peak-seconds", "2", "--log-level", "warn", "--json"], 0),
+                             capture_output=True, text=True)
+        report = json.loads(out.stdout) if out.returncode == 0 else {}
+        if report.get("limit_samples_per_s"):
+            limits[precision] = {"samples_per_s": report["limit_samples_per_s"],
+                                 "dense_flops_per_sample": report["dense_flops_per_sample"],
+                                 "roofline": report["roofline"]}
+        else:
+            print(f"no {precision} limit: {(out.stderr or 'the model states no dense FLOPs per sample')[-300:]}",
+                  file=sys.stderr)
+    return limits
+
+
 def config(row):
     """The table a row belongs to: cores, ids per bag, id distribution."""
     return row["cores"], row["ids_per_bag"], row.get("id_distribution", "uniform")
 
 
-def print_tables(rows):
+def print_tables(rows, limits):
     configs = list(dict.fromkeys(config(r) for r in rows))
     for cores, ids, distribution in configs:
         print(f"\n### {cores} core(s), {ids} id(s) per bag, {distribution} ids\n")
         print("| Server | Concurrency | Req/s | Samples/s | p50 ms | p99 ms | vs TorchRec C++ fp32 req/s | "
-              "vs TorchRec C++ same precision | peak RSS MiB |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "vs TorchRec C++ same precision | of limit | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         mine = [r for r in rows if config(r) == (cores, ids, distribution)]
         for r in mine:
             def ratio(server):
@@ -178,11 +206,13 @@ def print_tables(rows):
                 return f"{r['req_per_s'] / ref['req_per_s']:.2f}x" if ref and ref["req_per_s"] else "-"
             precision = next((w for w in r["server"].split() if w in ("fp32", "bf16")), "fp32")
             rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "?"
+            limit = limits.get(precision, {}).get("samples_per_s")
+            of_limit = f"{r['samples_per_s'] / (limit * cores):.2f}" if limit else "-"
             errors = r["requests"] - r["ok"]
             note = f" ({errors} errors)" if errors else ""
             print(f"| {r['server']}{note} | {r['concurrency']} | {r['req_per_s']:.1f} | {r['samples_per_s']:.0f} | "
                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ratio('TorchRec C++ fp32')} | "
-                  f"{ratio('TorchRec C++ ' + precision)} | {rss} |")
+                  f"{ratio('TorchRec C++ ' + precision)} | {of_limit} | {rss} |")
 
 
 def chart(rows, path):
@@ -256,6 +286,10 @@ def main():
         args.precisions = [p for p in args.precisions if p != "bf16"]
 
     host = machine()
+    limits = roofline(args)
+    for precision, limit in limits.items():
+        print(f"{precision} limit: {limit['samples_per_s']:.0f} samples/s per core "
+              f"({limit['dense_flops_per_sample'] / 1e6:.2f} MFLOP/sample)", file=sys.stderr)
     rows = []
     for cores in args.cores:
         for ids_per_bag in args.ids_per_bag:
@@ -266,10 +300,10 @@ def main():
     print(f"# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; {args.batch_size} samples/request; "
           f"Narsil batch size {args.narsil_batch_size}, batch timeout 0; load: narsil load --protocol torchrec, "
           f"{args.requests} requests after {args.warmup} warm-up")
-    print_tables(rows)
+    print_tables(rows, limits)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({**host, "args": vars(args), "rows": rows}, f, indent=2)
+        json.dump({**host, "args": vars(args), "limits": limits, "rows": rows}, f, indent=2)
     chart(rows, args.out + ".png")
     print(f"\nwrote {args.out}.json and {args.out}.png", file=sys.stderr)
     return 0

@@ -45,8 +45,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from split_model import (DenseNetwork, DlrmPredictor, cpu_has_bf16, isa_cpu_flags, load_unlinked_package,
-                         write_split)
+from split_model import (DenseNetwork, DlrmPredictor, cpu_has_bf16, dense_flops_per_sample, isa_cpu_flags,
+                         load_unlinked_package, write_split)
 
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
@@ -487,15 +487,14 @@ def main() -> int:
         f"dense {args.num_dense}->{args.dense_arch}, over {args.over_arch}")
     dlrm = build_dlrm(args)
     keys = [f"cat_{i}" for i in range(args.num_sparse)]
-    over_in = args.embedding_dim + (args.num_sparse + 1) * args.num_sparse // 2
-    mlp_macs = sum(i * o for i, o in zip([args.num_dense] + args.dense_arch, args.dense_arch))
-    mlp_macs += sum(i * o for i, o in zip([over_in] + args.over_arch, args.over_arch))
+    dense_flops = dense_flops_per_sample(DenseNetwork(dlrm, len(keys)).eval(), args.num_dense,
+                                         len(keys) * args.embedding_dim)
     schema = json.dumps({
         "name": args.name,
         "version": args.version,
         "num_dense": args.num_dense,
         "sparse": [{"name": k, "num_rows": args.num_rows} for k in keys],
-        "mlp_flops_per_sample": 2 * mlp_macs,
+        "dense_flops_per_sample": dense_flops,
     })
 
     log("writing FP32 weights (safetensors)")

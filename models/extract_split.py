@@ -53,7 +53,7 @@ from torch import nn
 
 import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 
-from split_model import SPLIT_FORMAT, write_dense_packages
+from split_model import SPLIT_FORMAT, dense_flops_per_sample, write_dense_packages
 from ts_retrace import RetracedScript
 
 LOOKUP = "fbgemm::int_nbit_split_embedding_codegen_lookup_function"
@@ -376,7 +376,8 @@ def extract(model_dir: Path, out: Path, pt2: bool = False) -> None:
     dense.save(str(out / "dense.pt"))
     schema = {"format": SPLIT_FORMAT, "name": f"{model_dir.name}-extracted", "version": "1",
               "num_dense": config["dense_features"], "tables": described, "features": schema_features,
-              "outputs": outputs, "dense_network": "dense.pt"}
+              "outputs": outputs, "dense_network": "dense.pt",
+              "dense_flops_per_sample": dense_flops_per_sample(dense, config["dense_features"], feature_start[-1])}
     if pt2:
         retraced = RetracedScript(torch.jit.load(str(out / "dense.pt")))
         schema.update(write_dense_packages(out, retraced, config["dense_features"], feature_start[-1], log))

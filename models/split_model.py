@@ -4,7 +4,8 @@ A split model is a directory (models/README.md, "Split models"):
 
   schema.json      dense features, tables (rows, dimension, storage, file,
                    sha256), sparse features (each mapped to a table, pooling,
-                   weighted), outputs, the dense network's file
+                   weighted), outputs, the dense network's file, its FLOPs
+                   per sample (dense_flops_per_sample)
   tables/T.bin     one file per table, rows end to end in the table's storage
   dense.pt         TorchScript: forward(dense f32[B, D], pooled f32[B, F*E])
                    -> f32[B] (probabilities), the pooled embeddings in feature
@@ -184,6 +185,7 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
         "outputs": ["default"],
         "dense_network": "dense.pt",
         "dense_weights": "dense.safetensors",
+        "dense_flops_per_sample": dense_flops_per_sample(dense_module, num_dense, len(keys) * dim),
     }
     schema.update(packages)
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
@@ -220,6 +222,18 @@ GCC_FLAG_CPU_FLAGS = {
     "-mavx512vnni": "avx512_vnni", "-mavx512bf16": "avx512_bf16", "-mavx512fp16": "avx512_fp16",
     "-mamx-tile": "amx_tile", "-mamx-bf16": "amx_bf16", "-mamx-int8": "amx_int8", "-mamx-fp16": "amx_fp16",
 }
+
+
+def dense_flops_per_sample(dense_network: nn.Module, num_dense: int, pooled_width: int) -> int:
+    """`dense_network`'s FLOPs per sample (forward(dense, pooled); 2 per
+    multiply-add of its GEMMs and batched products, as torch's
+    FlopCounterMode counts them over 8 rows): the arithmetic a forward cannot
+    avoid, which `narsil bench-forward` holds against this core's peak."""
+    from torch.utils.flop_counter import FlopCounterMode
+    rows = 8
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        dense_network(torch.randn(rows, num_dense), torch.rand(rows, pooled_width))
+    return counter.get_total_flops() // rows
 
 
 def isa_cpu_flags(arch_flags: str) -> List[str]:
@@ -438,6 +452,7 @@ def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Mod
         "features": [features[f] for f in wire_features],
         "outputs": outputs,
         "dense_network": "dense.pt",
+        "dense_flops_per_sample": dense_flops_per_sample(in_wire_order, num_dense, len(wire_features) * dim),
         **packages,
     }
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")

@@ -318,8 +318,8 @@ impl BackendFactory for VersionedFactory {
         self.inner.create_lane(lane)
     }
 
-    fn mlp_flops_per_sample(&self) -> Option<f64> {
-        self.inner.mlp_flops_per_sample()
+    fn dense_flops_per_sample(&self) -> Option<f64> {
+        self.inner.dense_flops_per_sample()
     }
 
     fn warmup_rows(&self) -> Vec<usize> {

@@ -190,10 +190,11 @@ pub trait BackendFactory: Send + Sync {
     /// per-thread settings (intra-op threads, timer slack) apply to it.
     fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError>;
 
-    /// Floating-point operations of the model's MLPs per sample (2 per
-    /// multiply-add), when the backend knows them: the arithmetic a forward
-    /// cannot avoid, which `narsil bench-forward` holds against the GEMM peak.
-    fn mlp_flops_per_sample(&self) -> Option<f64> {
+    /// Floating-point operations of the model's dense arithmetic per sample
+    /// (its GEMMs and batched products, 2 per multiply-add), when the backend
+    /// knows them: the arithmetic a forward cannot avoid, which `narsil
+    /// bench-forward` holds against this core's peak.
+    fn dense_flops_per_sample(&self) -> Option<f64> {
         None
     }
 

@@ -147,6 +147,11 @@ pub struct SplitSchema {
     /// layout: `dense.{i}.*`, `over.{i}.*`), for the Burn backend; optional.
     #[serde(default)]
     pub dense_weights: Option<PathBuf>,
+    /// The dense network's FLOPs per sample (its GEMMs and batched
+    /// products, 2 per multiply-add), as the export counted them; optional
+    /// (`narsil bench-forward` holds it against this core's peak).
+    #[serde(default)]
+    pub dense_flops_per_sample: Option<u64>,
 }
 
 /// Why a schema cannot be used.
@@ -209,6 +214,7 @@ impl SplitSchema {
             dense_package_bf16: None,
             dense_package_int8: None,
             dense_weights: None,
+            dense_flops_per_sample: None,
         }
     }
 

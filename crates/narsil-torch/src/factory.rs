@@ -216,8 +216,8 @@ impl BackendFactory for TorchFactory {
         Ok(Box::new(TorchLane::new(Arc::clone(&self.model), self.config.intra_op_threads)))
     }
 
-    fn mlp_flops_per_sample(&self) -> Option<f64> {
-        self.model.mlp_flops_per_sample()
+    fn dense_flops_per_sample(&self) -> Option<f64> {
+        self.model.dense_flops_per_sample()
     }
 
     fn warmup_rows(&self) -> Vec<usize> {

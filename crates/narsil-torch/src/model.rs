@@ -34,9 +34,11 @@ struct SchemaJson {
     version: String,
     num_dense: usize,
     sparse: Vec<SparseJson>,
-    /// Written by exports since the bf16 option; older ones lack it.
-    #[serde(default)]
-    mlp_flops_per_sample: Option<f64>,
+    /// The dense arithmetic's FLOPs per sample. Exports before the
+    /// roofline counted the MLPs only, under the older name; the oldest lack
+    /// it.
+    #[serde(default, alias = "mlp_flops_per_sample")]
+    dense_flops_per_sample: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -51,7 +53,7 @@ pub struct TorchModel {
     pub(crate) module: ScriptModule,
     schema: ModelSchema,
     device: Device,
-    mlp_flops_per_sample: Option<f64>,
+    dense_flops_per_sample: Option<f64>,
     dict_signature: bool,
     output_names: Vec<CString>,
     schema_source: Option<PathBuf>,
@@ -80,7 +82,7 @@ impl TorchModel {
             tracing::info!(int8_lookups_in_bf16 = loaded.bf16_lookups, "dense arithmetic in bf16");
         }
         let mut schema_source = None;
-        let (schema, mlp_flops_per_sample) = match (&loaded.schema_json, loaded.dict_signature) {
+        let (schema, dense_flops_per_sample) = match (&loaded.schema_json, loaded.dict_signature) {
             (Some(json), _) if config.is_none() => parse_schema(json, path, device_name)?,
             (_, true) => {
                 let (schema, source) = config_schema(path, config, device_name)?;
@@ -114,7 +116,7 @@ impl TorchModel {
             module: loaded.module,
             schema,
             device,
-            mlp_flops_per_sample,
+            dense_flops_per_sample,
             dict_signature: loaded.dict_signature,
             output_names,
             schema_source,
@@ -136,9 +138,9 @@ impl TorchModel {
         &self.output_names
     }
 
-    /// The MLPs' FLOPs per sample, as the export states them.
-    pub fn mlp_flops_per_sample(&self) -> Option<f64> {
-        self.mlp_flops_per_sample
+    /// The dense arithmetic's FLOPs per sample, as the export counted them.
+    pub fn dense_flops_per_sample(&self) -> Option<f64> {
+        self.dense_flops_per_sample
     }
 
     /// The model's input schema.
@@ -167,7 +169,7 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         sparse: parsed.sparse.into_iter().map(|f| SparseFeature::new(f.name, f.num_rows)).collect(),
         outputs: vec![DEFAULT_OUTPUT.into()],
     };
-    Ok((schema, parsed.mlp_flops_per_sample))
+    Ok((schema, parsed.dense_flops_per_sample))
 }
 
 /// A TorchRec-signature model's schema from its config file: `config`, or

@@ -118,6 +118,7 @@ impl SplitFactory {
             device_path,
             device_tables,
             buckets,
+            dense_flops_per_sample: split.dense_flops_per_sample.map(|flops| flops as f64),
         };
         let factory = Self { model: Arc::new(model), config };
         // A dense network that does not take this schema's shape fails now,
@@ -210,6 +211,10 @@ impl BackendFactory for SplitFactory {
 
     fn warmup_rows(&self) -> Vec<usize> {
         self.config.warmup_rows.clone()
+    }
+
+    fn dense_flops_per_sample(&self) -> Option<f64> {
+        self.model.dense_flops_per_sample
     }
 
     fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {

@@ -29,4 +29,6 @@ pub(crate) struct SplitModel {
     pub(crate) device_tables: Option<TensorTables>,
     /// Device lanes' batch-size buckets.
     pub(crate) buckets: Buckets,
+    /// The dense network's FLOPs per sample, as the schema states them.
+    pub(crate) dense_flops_per_sample: Option<f64>,
 }

@@ -3,14 +3,19 @@
 //! that serving efficiency is measured against (served samples/s divided by
 //! raw samples/s at the same mean fused rows).
 //!
-//! With libtorch compiled in, it also measures this core's GEMM peak (FP32
-//! and bf16, same libtorch, same intra-op threads) and reports each size's
-//! samples/s as a fraction of the MLP-arithmetic limit: the GEMM peak in the
-//! forward's precision divided by the model's MLP FLOPs per sample.
+//! It also measures this core's peak in every precision ([`roofline`]:
+//! the multiply-add instructions' own peak, the best of large libtorch
+//! GEMMs, AMX's published rate) and reports each size's samples/s as a
+//! fraction of the limit: that peak in the forward's precision over the
+//! dense network's FLOPs per sample. No forward can exceed 1.0.
 //!
 //! For backends with a stage (split models) each size is timed again in its
 //! two parts, the stage alone and the rest given its output (the dense
-//! network alone): what `--stage-ahead` could hide at best.
+//! network alone): what `--stage-ahead` could hide at best, the stage's
+//! share of the forward, and the dense network's own fraction of the limit.
+
+mod roofline;
+mod vector_peak;
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -22,6 +27,7 @@ use serde::Serialize;
 
 use crate::flags::backend::{BackendArgs, DensePrecision};
 use narsil_embedding::{DistinctIds, IdCount};
+use roofline::Roofline;
 
 use crate::load::ids::IdDistributions;
 use crate::load::workload::{id_samplers, random_request};
@@ -57,7 +63,7 @@ pub struct ForwardBenchArgs {
     /// touched warm in cache and flatter the backend.
     #[arg(long, default_value_t = 64)]
     pub distinct_requests: usize,
-    /// Seconds per precision for the GEMM peak (0 skips it).
+    /// Seconds per precision for this core's peaks (0 skips them).
     #[arg(long, default_value_t = 1.0)]
     pub peak_seconds: f64,
     /// Print one JSON object instead of a table.
@@ -77,8 +83,9 @@ pub struct ForwardResult {
     pub mean_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
-    /// samples/s over the MLP-arithmetic limit in the forward's precision.
-    pub fraction_of_mlp_limit: Option<f64>,
+    /// samples/s over the limit in the forward's precision (this core's
+    /// peak over the dense FLOPs per sample).
+    pub fraction_of_limit: Option<f64>,
     /// Mean ids per forward, over every sparse feature.
     pub ids_per_forward: f64,
     /// Ids per forward over distinct ids per table and forward: what
@@ -100,14 +107,11 @@ pub struct StagedTimes {
     /// Samples/s of the rest alone: the most a pipeline that hid the stage
     /// entirely could serve on this thread.
     pub rest_samples_per_s: f64,
-}
-
-/// This core's GEMM peak through libtorch, `[1600 x 512] x [512 x 512]`
-/// linear layers, GFLOP/s.
-#[derive(Debug, Clone, Serialize)]
-pub struct GemmPeaks {
-    pub fp32_gflops: f64,
-    pub bf16_gflops: f64,
+    /// The rest's samples/s over the limit: the dense network's own
+    /// distance from this core's peak.
+    pub rest_fraction_of_limit: Option<f64>,
+    /// The stage's share of the two parts' time.
+    pub stage_share: f64,
 }
 
 /// The whole run.
@@ -125,11 +129,14 @@ pub struct ForwardReport {
     pub rss_after_load_mib: Option<f64>,
     /// Peak resident memory of the whole run, MiB.
     pub peak_rss_mib: Option<f64>,
-    pub gemm_peaks: Option<GemmPeaks>,
-    pub mlp_flops_per_sample: Option<f64>,
-    /// The GEMM peak in the forward's precision over the MLP FLOPs per
-    /// sample: samples/s if nothing but the MLPs ran, at the peak.
-    pub mlp_limit_samples_per_s: Option<f64>,
+    /// This core's peaks (`--peak-seconds 0`: none).
+    pub roofline: Option<Roofline>,
+    /// The dense network's FLOPs per sample, as its export counted them.
+    pub dense_flops_per_sample: Option<f64>,
+    /// The peak in the forward's precision over the dense FLOPs per
+    /// sample: samples/s if nothing but the dense arithmetic ran, at the
+    /// peak.
+    pub limit_samples_per_s: Option<f64>,
     pub results: Vec<ForwardResult>,
 }
 
@@ -187,25 +194,31 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
         report.rss_after_load_mib.unwrap_or(f64::NAN),
         report.peak_rss_mib.unwrap_or(f64::NAN)
     )?;
-    if let Some(peaks) = &report.gemm_peaks {
-        writeln!(
-            out,
-            "GEMM peak (libtorch, 1600x512x512): FP32 {:.0} GFLOP/s, bf16 {:.0} GFLOP/s",
-            peaks.fp32_gflops, peaks.bf16_gflops
-        )?;
+    if let Some(roofline) = &report.roofline {
+        print_roofline(&mut out, roofline)?;
     }
-    if let (Some(flops), Some(limit)) = (report.mlp_flops_per_sample, report.mlp_limit_samples_per_s) {
-        writeln!(
+    match (report.dense_flops_per_sample, report.limit_samples_per_s) {
+        (Some(flops), Some(limit)) => writeln!(
             out,
-            "dense precision {}: MLPs {:.2} MFLOP/sample, MLP-arithmetic limit {:.0} samples/s",
-            report.dense_precision,
+            "dense network {:.2} MFLOP/sample; limit at the {} peak {:.0} samples/s",
             flops / 1e6,
+            report.dense_precision,
             limit
-        )?;
+        )?,
+        (None, _) => writeln!(
+            out,
+            "the model states no dense FLOPs per sample (exports since the roofline do): no fraction of the limit"
+        )?,
+        (Some(flops), None) => writeln!(
+            out,
+            "dense network {:.2} MFLOP/sample; no {} peak measured: no fraction of the limit",
+            flops / 1e6,
+            report.dense_precision
+        )?,
     }
     writeln!(
         out,
-        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>12}",
+        "{:>6} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>9} {:>12} {:>11} {:>13}",
         "rows",
         "forwards",
         "samples/s",
@@ -217,13 +230,25 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
         "dedup",
         "stage ms",
         "rest ms",
-        "rest smp/s"
+        "rest smp/s",
+        "stage share",
+        "rest of limit"
     )?;
     for r in &report.results {
-        let fraction = r.fraction_of_mlp_limit.map_or("-".into(), |f| format!("{f:.2}"));
-        let staged = r.staged.as_ref().map_or(format!("{:>9} {:>9} {:>12}", "-", "-", "-"), |s| {
-            format!("{:>9.3} {:>9.3} {:>12.0}", s.stage_ms, s.rest_ms, s.rest_samples_per_s)
-        });
+        let fraction = |f: Option<f64>| f.map_or("-".into(), |f| format!("{f:.2}"));
+        let staged = r.staged.as_ref().map_or(
+            format!("{:>9} {:>9} {:>12} {:>11} {:>13}", "-", "-", "-", "-", "-"),
+            |s| {
+                format!(
+                    "{:>9.3} {:>9.3} {:>12.0} {:>10.0}% {:>13}",
+                    s.stage_ms,
+                    s.rest_ms,
+                    s.rest_samples_per_s,
+                    s.stage_share * 100.0,
+                    fraction(s.rest_fraction_of_limit)
+                )
+            },
+        );
         writeln!(
             out,
             "{:>6} {:>9} {:>12.0} {:>9.3} {:>9.3} {:>9.3} {:>9} {:>9.0} {:>6.2}x {staged}",
@@ -233,7 +258,7 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
             r.mean_ms,
             r.p50_ms,
             r.p99_ms,
-            fraction,
+            fraction(r.fraction_of_limit),
             r.ids_per_forward,
             r.dedup_ratio
         )?;
@@ -250,20 +275,13 @@ fn measure(
     let mut lane = factory.create_lane(0)?;
     let load_ms = started.elapsed().as_secs_f64() * 1e3;
     let rss_after_load_mib = proc_status_mib("VmRSS:");
-    let gemm_peaks = gemm_peaks(args.peak_seconds);
-    let mlp_flops_per_sample = factory.mlp_flops_per_sample();
-    let mlp_limit_samples_per_s = match (&gemm_peaks, mlp_flops_per_sample) {
-        (Some(peaks), Some(flops)) if flops > 0.0 => {
-            let peak = match args.backend.dense_precision {
-                DensePrecision::Fp32 => Some(peaks.fp32_gflops),
-                DensePrecision::Bf16 => Some(peaks.bf16_gflops),
-                // No INT8 GEMM peak is measured (issue 46, item 1): no limit.
-                DensePrecision::Int8 => None,
-            };
-            peak.map(|peak| peak * 1e9 / flops)
-        }
-        _ => None,
-    };
+    let roofline = (args.peak_seconds > 0.0).then(|| Roofline::measure(args.peak_seconds, libtorch_gemm));
+    let dense_flops_per_sample = factory.dense_flops_per_sample().filter(|flops| *flops > 0.0);
+    let limit_samples_per_s = roofline
+        .as_ref()
+        .and_then(|r| r.limit_gops(args.backend.dense_precision))
+        .zip(dense_flops_per_sample)
+        .map(|(gops, flops)| gops * 1e9 / flops);
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
     let ids = id_samplers(&info, &args.id_distribution)?;
@@ -319,7 +337,12 @@ fn measure(
         }
         let total: Duration = times.iter().sum();
         let staged = match stage.as_mut() {
-            Some(stage) => Some(time_staged(lane.as_mut(), stage.as_mut(), &batches, times.len(), rows)?),
+            Some(stage) => Some(time_staged(lane.as_mut(), stage.as_mut(), &batches, times.len(), rows)?)
+                .map(|staged| StagedTimes {
+                    rest_fraction_of_limit: limit_samples_per_s
+                        .map(|limit| staged.rest_samples_per_s / limit),
+                    ..staged
+                }),
             None => None,
         };
         times.sort();
@@ -329,7 +352,7 @@ fn measure(
             rows,
             forwards: times.len(),
             samples_per_s,
-            fraction_of_mlp_limit: mlp_limit_samples_per_s.map(|limit| samples_per_s / limit),
+            fraction_of_limit: limit_samples_per_s.map(|limit| samples_per_s / limit),
             mean_ms: total.as_secs_f64() * 1e3 / times.len() as f64,
             p50_ms: pct(0.5),
             p99_ms: pct(0.99),
@@ -345,13 +368,13 @@ fn measure(
         intra_op_threads: args.backend.intra_op_threads,
         ids_per_feature: args.ids_per_feature,
         id_distribution: args.id_distribution.to_string(),
-        dense_precision: format!("{:?}", args.backend.dense_precision).to_lowercase(),
+        dense_precision: roofline::precision_name(args.backend.dense_precision).into(),
         load_ms,
         rss_after_load_mib,
         peak_rss_mib: proc_status_mib("VmHWM:"),
-        gemm_peaks,
-        mlp_flops_per_sample,
-        mlp_limit_samples_per_s,
+        roofline,
+        dense_flops_per_sample,
+        limit_samples_per_s,
         results,
     })
 }
@@ -379,29 +402,48 @@ fn time_staged(
         stage_ms: per_forward(staging),
         rest_ms: per_forward(rest),
         rest_samples_per_s: (rows * forwards) as f64 / rest.as_secs_f64(),
+        rest_fraction_of_limit: None,
+        stage_share: staging.as_secs_f64() / (staging + rest).as_secs_f64(),
     })
 }
 
-/// The GEMM peaks on the calling (lane) thread; `None` without libtorch or
-/// with `seconds` 0.
+/// One GEMM's GFLOP/s through libtorch on the calling (lane) thread;
+/// `None` without libtorch, and for INT8 (no aten op tch exposes).
 #[cfg(feature = "torch")]
-fn gemm_peaks(seconds: f64) -> Option<GemmPeaks> {
+fn libtorch_gemm(precision: DensePrecision, shape: [i64; 3], duration: Duration) -> Option<f64> {
     use narsil_torch::roofline::gemm_peak_gflops;
-    use narsil_torch::DensePrecision;
-    if seconds <= 0.0 {
-        return None;
-    }
-    let duration = Duration::from_secs_f64(seconds);
-    let shape = [1600, 512, 512];
-    Some(GemmPeaks {
-        fp32_gflops: gemm_peak_gflops(DensePrecision::Fp32, shape, duration),
-        bf16_gflops: gemm_peak_gflops(DensePrecision::Bf16, shape, duration),
-    })
+    use narsil_torch::DensePrecision as TorchPrecision;
+    let precision = match precision {
+        DensePrecision::Fp32 => TorchPrecision::Fp32,
+        DensePrecision::Bf16 => TorchPrecision::Bf16,
+        DensePrecision::Int8 => return None,
+    };
+    Some(gemm_peak_gflops(precision, shape, duration))
 }
 
 #[cfg(not(feature = "torch"))]
-fn gemm_peaks(_seconds: f64) -> Option<GemmPeaks> {
+fn libtorch_gemm(_precision: DensePrecision, _shape: [i64; 3], _duration: Duration) -> Option<f64> {
     None
+}
+
+/// The roofline as a few lines: each precision's instruction peak, best
+/// GEMM and limit.
+fn print_roofline(out: &mut impl Write, roofline: &Roofline) -> std::io::Result<()> {
+    let clock = roofline.clock_ghz.map_or("not measured".into(), |ghz| format!("{ghz:.2} GHz"));
+    writeln!(out, "this core's peaks (clock while busy: {clock}):")?;
+    for peak in &roofline.peaks {
+        let vector = peak.vector.as_ref().map_or("no multiply-add instruction".into(), |v| {
+            let per_cycle = peak.vector_ops_per_cycle.map_or(String::new(), |c| format!(", {c:.0}/cycle"));
+            format!("{} {:.0} GOP/s{per_cycle}", v.instruction, v.gops)
+        });
+        let gemm = peak.best_gemm.as_ref().map_or("-".into(), |g| {
+            format!("{:.0} GFLOP/s ({}x{}x{})", g.gflops, g.shape[0], g.shape[1], g.shape[2])
+        });
+        let amx = peak.amx_published_gops.map_or(String::new(), |g| format!("; AMX published {g:.0} GOP/s"));
+        let limit = peak.limit_gops.map_or("none".into(), |g| format!("{g:.0} GOP/s"));
+        writeln!(out, "  {:<5} {vector}; best libtorch GEMM {gemm}{amx}; limit {limit}", peak.precision)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,267 @@
+//! This core's arithmetic peak measured directly, whatever its
+//! microarchitecture: each precision's widest multiply-add instruction
+//! issued back to back on independent accumulators (so vector width x
+//! multiply-add pipes x clock), and the clock itself, from a chain of
+//! dependent register adds (one cycle each on every x86-64 core).
+//!
+//! No GEMM can beat these numbers on this core; a GEMM library that reaches
+//! them is at the limit.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::flags::backend::DensePrecision;
+
+/// One precision's multiply-add peak on the calling thread.
+#[derive(Debug, Clone, Serialize)]
+pub struct VectorPeak {
+    /// The instruction timed, with its register width.
+    pub instruction: &'static str,
+    /// Arithmetic operations per instruction (2 per multiply-add).
+    pub ops_per_instruction: u32,
+    /// Operations per second, in billions.
+    pub gops: f64,
+}
+
+/// Independent accumulators per kernel: enough to cover a multiply-add's
+/// latency (4-6 cycles) on two pipes, few enough to stay in the 16
+/// registers AVX2 has.
+const ACCUMULATORS: usize = 12;
+
+/// This core's clock in GHz while busy: a chain of dependent 64-bit adds
+/// (one cycle each) timed for `duration`, the fastest of a few runs. `None`
+/// off x86-64 or when the result is not a plausible clock.
+pub fn clock_ghz(duration: Duration) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const ADDS_PER_ITERATION: u64 = 100;
+        let mut iterations = 10_000u64;
+        let mut best = 0.0f64;
+        let started = Instant::now();
+        while started.elapsed() < duration || best == 0.0 {
+            let t = Instant::now();
+            dependent_adds(iterations);
+            let elapsed = t.elapsed();
+            if elapsed < Duration::from_millis(5) {
+                iterations *= 4;
+                continue;
+            }
+            best = best.max((iterations * ADDS_PER_ITERATION) as f64 / elapsed.as_nanos() as f64);
+        }
+        (0.2..10.0).contains(&best).then_some(best)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = duration;
+        None
+    }
+}
+
+/// `iterations` x 100 dependent register adds (register operands: some
+/// cores fold chains of adds of small immediates at rename).
+#[cfg(target_arch = "x86_64")]
+fn dependent_adds(iterations: u64) {
+    // SAFETY: the block reads and writes only the three registers it is
+    // given (a counter, an accumulator and a constant), touches no memory
+    // and no stack, and leaves the flags clobbered, which asm! assumes.
+    unsafe {
+        std::arch::asm!(
+            "2:",
+            ".rept 100",
+            "add {x}, {one}",
+            ".endr",
+            "dec {n}",
+            "jnz 2b",
+            n = inout(reg) iterations => _,
+            x = inout(reg) 0u64 => _,
+            one = in(reg) 1u64,
+            options(nomem, nostack),
+        );
+    }
+}
+
+/// `precision`'s multiply-add peak on this core for `duration`: FP32
+/// `vfmadd231ps` (AVX-512, else AVX2), bf16 `vdpbf16ps` (AVX512-BF16),
+/// INT8 `vpdpbusd` (AVX512-VNNI, else AVX-VNNI). `None` when this CPU has
+/// no such instruction (or off x86-64).
+pub fn vector_peak(precision: DensePrecision, duration: Duration) -> Option<VectorPeak> {
+    let (instruction, ops_per_instruction, kernel) = kernel(precision)?;
+    let mut iterations = 1_000u64;
+    let mut best = 0.0f64;
+    let started = Instant::now();
+    while started.elapsed() < duration || best == 0.0 {
+        let t = Instant::now();
+        black_box(kernel(iterations));
+        let elapsed = t.elapsed();
+        if elapsed < Duration::from_millis(5) {
+            iterations *= 4;
+            continue;
+        }
+        let ops = iterations as f64 * ACCUMULATORS as f64 * ops_per_instruction as f64;
+        best = best.max(ops / elapsed.as_nanos() as f64);
+    }
+    Some(VectorPeak { instruction, ops_per_instruction, gops: best })
+}
+
+/// A kernel: `iterations` x [`ACCUMULATORS`] instructions; returns a value
+/// of the accumulators so that none is optimised away.
+type Kernel = fn(u64) -> f32;
+
+#[cfg(target_arch = "x86_64")]
+fn kernel(precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
+    use x86::*;
+    let avx512 = is_x86_feature_detected!("avx512f");
+    match precision {
+        DensePrecision::Fp32 if avx512 => Some(("vfmadd231ps zmm", 32, |n| {
+            // SAFETY: chosen only when the CPU has AVX-512F.
+            unsafe { fp32_avx512(n) }
+        })),
+        DensePrecision::Fp32 if is_x86_feature_detected!("fma") => Some(("vfmadd231ps ymm", 16, |n| {
+            // SAFETY: chosen only when the CPU has AVX2's FMA.
+            unsafe { fp32_fma(n) }
+        })),
+        DensePrecision::Bf16 if avx512 && is_x86_feature_detected!("avx512bf16") => {
+            Some(("vdpbf16ps zmm", 64, |n| {
+                // SAFETY: chosen only when the CPU has AVX512-BF16.
+                unsafe { bf16_avx512(n) }
+            }))
+        }
+        DensePrecision::Int8 if avx512 && is_x86_feature_detected!("avx512vnni") => {
+            Some(("vpdpbusd zmm", 128, |n| {
+                // SAFETY: chosen only when the CPU has AVX512-VNNI.
+                unsafe { int8_avx512(n) }
+            }))
+        }
+        DensePrecision::Int8 if is_x86_feature_detected!("avxvnni") => Some(("vpdpbusd ymm", 64, |n| {
+            // SAFETY: chosen only when the CPU has AVX-VNNI.
+            unsafe { int8_avx_vnni(n) }
+        })),
+        _ => None,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn kernel(_precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
+    None
+}
+
+/// The kernels: the operands come through `black_box` so that no
+/// multiply-add can be folded at compile time; each accumulator is one
+/// dependency chain.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+    use std::hint::black_box;
+
+    use super::ACCUMULATORS;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn fp32_avx512(iterations: u64) -> f32 {
+        let (a, b) = (black_box(_mm512_set1_ps(0.5)), black_box(_mm512_set1_ps(0.5)));
+        let mut acc = [_mm512_setzero_ps(); ACCUMULATORS];
+        for _ in 0..iterations {
+            for x in acc.iter_mut() {
+                *x = _mm512_fmadd_ps(a, b, *x);
+            }
+        }
+        _mm512_reduce_add_ps(acc.into_iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, x)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn fp32_fma(iterations: u64) -> f32 {
+        let (a, b) = (black_box(_mm256_set1_ps(0.5)), black_box(_mm256_set1_ps(0.5)));
+        let mut acc = [_mm256_setzero_ps(); ACCUMULATORS];
+        for _ in 0..iterations {
+            for x in acc.iter_mut() {
+                *x = _mm256_fmadd_ps(a, b, *x);
+            }
+        }
+        let sum = acc.into_iter().fold(_mm256_setzero_ps(), |s, x| _mm256_add_ps(s, x));
+        _mm256_cvtss_f32(sum)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) fn bf16_avx512(iterations: u64) -> f32 {
+        let half = _mm512_set1_ps(0.5);
+        let (a, b) = (black_box(_mm512_cvtne2ps_pbh(half, half)), black_box(_mm512_cvtne2ps_pbh(half, half)));
+        let mut acc = [_mm512_setzero_ps(); ACCUMULATORS];
+        for _ in 0..iterations {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbf16_ps(*x, a, b);
+            }
+        }
+        _mm512_reduce_add_ps(acc.into_iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, x)))
+    }
+
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub(super) fn int8_avx512(iterations: u64) -> f32 {
+        let (a, b) = (black_box(_mm512_set1_epi8(1)), black_box(_mm512_set1_epi8(1)));
+        let mut acc = [_mm512_setzero_si512(); ACCUMULATORS];
+        for _ in 0..iterations {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbusd_epi32(*x, a, b);
+            }
+        }
+        _mm512_reduce_add_epi32(acc.into_iter().fold(_mm512_setzero_si512(), |s, x| _mm512_add_epi32(s, x)))
+            as f32
+    }
+
+    #[target_feature(enable = "avxvnni")]
+    pub(super) fn int8_avx_vnni(iterations: u64) -> f32 {
+        let (a, b) = (black_box(_mm256_set1_epi8(1)), black_box(_mm256_set1_epi8(1)));
+        let mut acc = [_mm256_setzero_si256(); ACCUMULATORS];
+        for _ in 0..iterations {
+            for x in acc.iter_mut() {
+                *x = _mm256_dpbusd_avx_epi32(*x, a, b);
+            }
+        }
+        let sum = acc.into_iter().fold(_mm256_setzero_si256(), |s, x| _mm256_add_epi32(s, x));
+        _mm256_extract_epi32::<0>(sum) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clock_reads_as_a_plausible_frequency_on_x86() {
+        let ghz = clock_ghz(Duration::from_millis(30));
+        if cfg!(target_arch = "x86_64") {
+            let ghz = ghz.expect("x86-64 has a measurable clock");
+            assert!((0.2..10.0).contains(&ghz), "{ghz} GHz");
+        } else {
+            assert!(ghz.is_none());
+        }
+    }
+
+    #[test]
+    fn every_x86_core_has_an_fp32_multiply_add_peak_of_at_least_eight_ops_per_cycle() {
+        if !cfg!(target_arch = "x86_64") {
+            println!("skipped: every_x86_core_has_an_fp32_…: not x86-64");
+            return;
+        }
+        let peak = vector_peak(DensePrecision::Fp32, Duration::from_millis(30)).expect("AVX2 or AVX-512");
+        let ghz = clock_ghz(Duration::from_millis(30)).unwrap();
+        let per_cycle = peak.gops / ghz;
+        // 8 lanes x 2 ops, one pipe: the least an FMA core has. Above 4x the
+        // widest known (2 x 512-bit pipes, 64) the kernel was optimised away.
+        assert!(
+            (8.0..256.0).contains(&per_cycle),
+            "{per_cycle} FP32 ops/cycle ({} GOP/s at {ghz} GHz)",
+            peak.gops
+        );
+    }
+
+    #[test]
+    fn a_precision_this_cpu_cannot_multiply_has_no_peak_and_one_it_can_has_a_finite_one() {
+        for precision in [DensePrecision::Bf16, DensePrecision::Int8] {
+            match vector_peak(precision, Duration::from_millis(10)) {
+                Some(peak) => assert!(peak.gops.is_finite() && peak.gops > 0.0, "{peak:?}"),
+                None => println!("{precision:?}: no multiply-add instruction on this CPU"),
+            }
+        }
+    }
+}
