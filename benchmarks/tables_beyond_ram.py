@@ -212,8 +212,9 @@ def run(args, model_dir, limit_mib, store, distribution, layout):
         # Only the disk store reads rows by id (the local ones count every distinct row).
         "cache_hit_rate": round(hits / (hits + from_store), 3) if store.startswith("disk") and hits + from_store else None,
         "rows_from_disk_per_request": round(from_store / requests, 1) if store.startswith("disk") else None,
-        "dedup_ratio": round(delta.get("narsil_table_ids_total", 0)
-                             / max(1.0, delta.get("narsil_table_distinct_ids_total", 0)), 2),
+        # A memory table is read in place and not deduplicated (no distinct count).
+        "dedup_ratio": round(delta.get("narsil_table_ids_total", 0) / delta["narsil_table_distinct_ids_total"], 2)
+        if delta.get("narsil_table_distinct_ids_total") else None,
         "cgroup_peak_mib": peak,
         "rss_mib": None if rss is None else round(rss),
         "hit_rate_by_table": (lambda r: [min(r.values()), max(r.values())] if r and store.startswith("disk") else None)(
@@ -307,7 +308,7 @@ def main():
         dash = lambda v: "-" if v is None else v
         print(f"| {limit} | {r['store']} | {r['ids']} | {r['layout']} | {r['req_per_s']} | {r['p50_ms']} | {r['p99_ms']} | "
               f"{r['major_faults_per_request']} | {hit_rate} | {from_disk} | {dash(r['disk_kib_per_request'])} | "
-              f"{dash(r['disk_read_mean_us'])} | {r['dedup_ratio']} | {r['cgroup_peak_mib']} | {dash(r['rss_mib'])} |")
+              f"{dash(r['disk_read_mean_us'])} | {dash(r['dedup_ratio'])} | {r['cgroup_peak_mib']} | {dash(r['rss_mib'])} |")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,11 @@
 //!
 //! * `narsil_table_ids_total`: ids looked up;
 //! * `narsil_table_distinct_ids_total`: distinct ids per fused batch,
-//!   summed (ids over distinct ids is the dedup ratio);
+//!   summed (ids over distinct ids is the dedup ratio), for tables whose
+//!   store fetches or maps rows (a table in memory is not deduplicated);
 //! * `narsil_table_rows_fetched_total`: rows read from the store (one per
-//!   distinct id, less those the hot-row cache held);
+//!   distinct id, less those the hot-row cache held; one per id for a table
+//!   in memory);
 //! * `narsil_table_cache_hits_total`: distinct ids served from the hot-row
 //!   cache of a remote store (`redis`); over the distinct ids, the hit
 //!   rate;
