@@ -69,7 +69,6 @@ pub fn pool_rows(
         }
         prefetched = prefetched.max(ahead);
         let acc = &mut out[bag * stride..bag * stride + dim];
-        acc.fill(0.0);
         let bag_weights = pooling.weights.map(|w| &w[start..end]);
         // SAFETY: every id was checked above to be a row of `table`, the
         // assert above holds that a row has room for its values (`dim ==
@@ -102,7 +101,8 @@ fn prefetch_row(row: &[u8]) {
     let _ = row;
 }
 
-/// Accumulates a bag's rows into `acc` (zeroed, `dim` values):
+/// Writes the sum of a bag's rows into `acc` (`dim` values, whatever they
+/// held: the kernels that sum in registers never read it):
 /// `kernel(table, row_bytes, ids, weights, acc)`.
 ///
 /// # Safety
@@ -145,6 +145,7 @@ pub fn accumulate_scalar(
     acc: &mut [f32],
 ) {
     let dim = acc.len();
+    acc.fill(0.0);
     for (i, &id) in ids.iter().enumerate() {
         let row = &table[id as usize * row_bytes..(id as usize + 1) * row_bytes];
         let (scale, bias) = scale_bias(row, weights.map_or(1.0, |w| w[i]));
@@ -154,7 +155,7 @@ pub fn accumulate_scalar(
     }
 }
 
-/// FP32 rows: `acc += weight * value`, in FP32.
+/// FP32 rows: the sum of `weight * value`, in FP32.
 pub fn accumulate_fp32(
     table: &[u8],
     row_bytes: usize,
@@ -163,6 +164,7 @@ pub fn accumulate_fp32(
     acc: &mut [f32],
 ) {
     let dim = acc.len();
+    acc.fill(0.0);
     for (i, &id) in ids.iter().enumerate() {
         let row = &table[id as usize * row_bytes..id as usize * row_bytes + 4 * dim];
         let values = row.chunks_exact(4).map(|v| f32::from_le_bytes([v[0], v[1], v[2], v[3]]));
@@ -314,6 +316,7 @@ mod avx2 {
     ) {
         let dim = acc.len();
         let whole = dim / 8 * 8;
+        acc.fill(0.0);
         for (i, &id) in ids.iter().enumerate() {
             let weight = weights.map_or(1.0, |w| w[i]);
             // SAFETY: `id` is a row of `table`, so its `row_bytes >= 4 +
@@ -425,9 +428,10 @@ mod tests {
             let ids: Vec<i64> = (0..40).map(|i| (i * 7 % 50) as i64).collect();
             let weights: Vec<f32> = (0..40).map(|i| 0.25 + i as f32 / 16.0).collect();
             for weights in [None, Some(&weights[..])] {
-                let mut scalar = vec![0.0; dim];
+                // Whatever the output held before is overwritten.
+                let mut scalar = vec![f32::NAN; dim];
                 accumulate_scalar(&data, row_bytes, &ids, weights, &mut scalar);
-                let mut chosen = vec![0.0; dim];
+                let mut chosen = vec![-7.0; dim];
                 // SAFETY: every id is below the table's 50 rows, and
                 // `table` sized each row for its `dim` values.
                 unsafe { kernel()(&data, row_bytes, &ids, weights, &mut chosen) };
