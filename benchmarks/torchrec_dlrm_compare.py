@@ -18,7 +18,9 @@ and skewed (Zipf) traffic, whose hot ids repeat within and across requests:
     the split form (tables served by Narsil's embedding stage,
     --split-table-store), each also with the stage one batch ahead
     (`--stage-ahead`), and Narsil split pt2 fp32 / bf16 (`--dense-form pt2`)
-    where DIR's schema names an AOTInductor package for the precision
+    where DIR's schema names an AOTInductor package for the precision;
+    `--precisions int8` adds Narsil split pt2 int8 (DIR exported with
+    `--int8`), held against TorchRec's bf16
   * with --baselines: Narsil worker fp32, Narsil burn (FP32), and the Python
     baseline (benchmarks/baselines/torchrec_python_server.py)
 
@@ -100,7 +102,9 @@ def servers(args, cores, torchrec_bin):
               "--max-batch-requests", str(args.narsil_batch_size), "--batch-timeout-ms", "0"]
     torch_model = ["--backend", "torch", "--model", args.model]
     out = []
-    for precision in args.precisions:
+    # INT8 is a split model's package only (dense_int8.pt2).
+    whole_model_precisions = [p for p in args.precisions if p != "int8"]
+    for precision in whole_model_precisions:
         out.append((f"Narsil batch {precision}", lambda addr, p=precision: narsil + torch_model + [
             "--dense-precision", p, "--execution-mode", "batch", "--addr", addr]))
     if args.split_model:
@@ -109,15 +113,16 @@ def servers(args, cores, torchrec_bin):
         with open(os.path.join(args.split_model, "schema.json")) as f:
             schema = json.load(f)
         for precision in args.precisions:
-            torchscript = split + ["--dense-precision", precision, "--dense-form", "torchscript"]
-            out.append((f"Narsil split {precision}", lambda addr, c=torchscript: c + ["--addr", addr]))
-            out.append((f"Narsil split {precision} ahead", lambda addr, c=torchscript: c + [
-                "--stage-ahead", "--addr", addr]))
+            if precision != "int8":
+                torchscript = split + ["--dense-precision", precision, "--dense-form", "torchscript"]
+                out.append((f"Narsil split {precision}", lambda addr, c=torchscript: c + ["--addr", addr]))
+                out.append((f"Narsil split {precision} ahead", lambda addr, c=torchscript: c + [
+                    "--stage-ahead", "--addr", addr]))
             if schema.get("dense_package" if precision == "fp32" else f"dense_package_{precision}"):
                 out.append((f"Narsil split pt2 {precision}", lambda addr, p=precision: split + [
                     "--dense-precision", p, "--dense-form", "pt2", "--addr", addr]))
     if torchrec_bin:
-        for precision in args.precisions:
+        for precision in whole_model_precisions:
             model = torchrec_model(args, precision)
             env = [] if args.torchrec_no_thp else ["env", "THP_MEM_ALLOC_ENABLE=1"]
             out.append((f"TorchRec C++ {precision}", lambda addr, m=model, env=env: env + [torchrec_bin, m]))
@@ -197,14 +202,14 @@ def print_tables(rows, limits):
     for cores, ids, distribution in configs:
         print(f"\n### {cores} core(s), {ids} id(s) per bag, {distribution} ids\n")
         print("| Server | Concurrency | Req/s | Samples/s | p50 ms | p99 ms | vs TorchRec C++ fp32 req/s | "
-              "vs TorchRec C++ same precision | of limit | peak RSS MiB |")
+              "vs TorchRec C++ same precision (int8: bf16) | of limit | peak RSS MiB |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         mine = [r for r in rows if config(r) == (cores, ids, distribution)]
         for r in mine:
             def ratio(server):
                 ref = next((x for x in mine if x["server"] == server and x["concurrency"] == r["concurrency"]), None)
                 return f"{r['req_per_s'] / ref['req_per_s']:.2f}x" if ref and ref["req_per_s"] else "-"
-            precision = next((w for w in r["server"].split() if w in ("fp32", "bf16")), "fp32")
+            precision = next((w for w in r["server"].split() if w in ("fp32", "bf16", "int8")), "fp32")
             rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "?"
             limit = limits.get(precision, {}).get("samples_per_s")
             of_limit = f"{r['samples_per_s'] / (limit * cores):.2f}" if limit else "-"
@@ -212,7 +217,7 @@ def print_tables(rows, limits):
             note = f" ({errors} errors)" if errors else ""
             print(f"| {r['server']}{note} | {r['concurrency']} | {r['req_per_s']:.1f} | {r['samples_per_s']:.0f} | "
                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {ratio('TorchRec C++ fp32')} | "
-                  f"{ratio('TorchRec C++ ' + precision)} | {of_limit} | {rss} |")
+                  f"{ratio('TorchRec C++ ' + ('bf16' if precision == 'int8' else precision))} | {of_limit} | {rss} |")
 
 
 def chart(rows, path):
@@ -247,7 +252,8 @@ def main():
     p.add_argument("--binary", default=DEFAULT_BINARY)
     p.add_argument("--model", default=os.path.join(MODELS, "model_default.pt"))
     p.add_argument("--burn-model", default=os.path.join(MODELS, "weights_fp32.safetensors"))
-    p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
+    p.add_argument("--precisions", nargs="+", choices=["fp32", "bf16", "int8"], default=["fp32", "bf16"],
+                   help="int8: the split model's INT8 package only (--split-model exported with --int8)")
     p.add_argument("--cores", type=int, nargs="+", choices=[1, 2], default=[1, 2])
     p.add_argument("--ids-per-bag", type=int, nargs="+", default=[1, 4],
                    help="ids per bag: 1 one-hot, above 1 multi-hot (bag sizes uniform in [0, 2n-1])")
@@ -284,6 +290,13 @@ def main():
         # Narsil refuses bf16 on such CPUs (it would be emulated, slower than FP32).
         print("this CPU has neither AVX512-BF16 nor AMX-BF16: the bf16 rows are skipped", file=sys.stderr)
         args.precisions = [p for p in args.precisions if p != "bf16"]
+    if "int8" in args.precisions:
+        schema_path = os.path.join(args.split_model or "", "schema.json")
+        with_int8 = os.path.exists(schema_path) and json.load(open(schema_path)).get("dense_package_int8")
+        if not with_int8:
+            print("int8 rows need --split-model with an INT8 package (models/export_dlrm.py --split --int8): "
+                  "skipped", file=sys.stderr)
+            args.precisions = [p for p in args.precisions if p != "int8"]
 
     host = machine()
     limits = roofline(args)
