@@ -7,7 +7,6 @@
 //! No GEMM can beat these numbers on this core; a GEMM library that reaches
 //! them is at the limit.
 
-use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -25,9 +24,9 @@ pub struct VectorPeak {
     pub gops: f64,
 }
 
-/// Independent accumulators per kernel: enough to cover a multiply-add's
-/// latency (4-6 cycles) on two pipes, few enough to stay in the 16
-/// registers AVX2 has.
+/// Independent accumulators per kernel (the `x86` kernels' registers 0-11):
+/// enough to cover a multiply-add's latency (4-6 cycles) on two pipes, few
+/// enough to stay in the 16 registers AVX2 has.
 const ACCUMULATORS: usize = 12;
 
 /// This core's clock in GHz while busy: a chain of dependent 64-bit adds
@@ -93,7 +92,7 @@ pub fn vector_peak(precision: DensePrecision, duration: Duration) -> Option<Vect
     let started = Instant::now();
     while started.elapsed() < duration || best == 0.0 {
         let t = Instant::now();
-        black_box(kernel(iterations));
+        kernel(iterations);
         let elapsed = t.elapsed();
         if elapsed < Duration::from_millis(5) {
             iterations *= 4;
@@ -105,9 +104,8 @@ pub fn vector_peak(precision: DensePrecision, duration: Duration) -> Option<Vect
     Some(VectorPeak { instruction, ops_per_instruction, gops: best })
 }
 
-/// A kernel: `iterations` x [`ACCUMULATORS`] instructions; returns a value
-/// of the accumulators so that none is optimised away.
-type Kernel = fn(u64) -> f32;
+/// A kernel: `iterations` x [`ACCUMULATORS`] instructions.
+type Kernel = fn(u64);
 
 #[cfg(target_arch = "x86_64")]
 fn kernel(precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
@@ -147,79 +145,102 @@ fn kernel(_precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
     None
 }
 
-/// The kernels: the operands come through `black_box` so that no
-/// multiply-add can be folded at compile time; each accumulator is one
-/// dependency chain.
+/// The kernels, in assembly so that they run the same in every build
+/// profile (an unoptimised build would keep intrinsics' operands in
+/// memory): registers 12 and 13 are the operands, 0-11 the accumulators,
+/// each one dependency chain; all start at zero (no denormals, and integer
+/// sums wrap harmlessly).
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use std::arch::x86_64::*;
-    use std::hint::black_box;
+    use std::arch::asm;
 
-    use super::ACCUMULATORS;
-
-    #[target_feature(enable = "avx512f")]
-    pub(super) fn fp32_avx512(iterations: u64) -> f32 {
-        let (a, b) = (black_box(_mm512_set1_ps(0.5)), black_box(_mm512_set1_ps(0.5)));
-        let mut acc = [_mm512_setzero_ps(); ACCUMULATORS];
-        for _ in 0..iterations {
-            for x in acc.iter_mut() {
-                *x = _mm512_fmadd_ps(a, b, *x);
+    /// Declares `$name(iterations)`: zeroes 14 registers of `$width`
+    /// (`zmm`/`ymm`) with `$zero`, then runs `iterations` x 12 `$op`.
+    macro_rules! kernel {
+        ($name:ident, $features:literal, $width:literal, $zero:literal, $op:literal, [$($reg:tt),*]) => {
+            /// # Safety
+            ///
+            /// The CPU has the target features the function enables.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(iterations: u64) {
+                // SAFETY: touches only the registers it declares clobbered
+                // and its counter; no memory, no stack.
+                unsafe {
+                    asm!(
+                        ".irp r,0,1,2,3,4,5,6,7,8,9,10,11,12,13",
+                        concat!($zero, " ", $width, "\\r, ", $width, "\\r, ", $width, "\\r"),
+                        ".endr",
+                        "2:",
+                        ".irp r,0,1,2,3,4,5,6,7,8,9,10,11",
+                        concat!($op, " ", $width, "\\r, ", $width, "12, ", $width, "13"),
+                        ".endr",
+                        "dec {n}",
+                        "jnz 2b",
+                        n = inout(reg) iterations.max(1) => _,
+                        $(out($reg) _,)*
+                        options(nomem, nostack),
+                    );
+                }
             }
-        }
-        _mm512_reduce_add_ps(acc.into_iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, x)))
+        };
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn fp32_fma(iterations: u64) -> f32 {
-        let (a, b) = (black_box(_mm256_set1_ps(0.5)), black_box(_mm256_set1_ps(0.5)));
-        let mut acc = [_mm256_setzero_ps(); ACCUMULATORS];
-        for _ in 0..iterations {
-            for x in acc.iter_mut() {
-                *x = _mm256_fmadd_ps(a, b, *x);
-            }
-        }
-        let sum = acc.into_iter().fold(_mm256_setzero_ps(), |s, x| _mm256_add_ps(s, x));
-        _mm256_cvtss_f32(sum)
-    }
-
-    #[target_feature(enable = "avx512f,avx512bf16")]
-    pub(super) fn bf16_avx512(iterations: u64) -> f32 {
-        let half = _mm512_set1_ps(0.5);
-        let (a, b) = (black_box(_mm512_cvtne2ps_pbh(half, half)), black_box(_mm512_cvtne2ps_pbh(half, half)));
-        let mut acc = [_mm512_setzero_ps(); ACCUMULATORS];
-        for _ in 0..iterations {
-            for x in acc.iter_mut() {
-                *x = _mm512_dpbf16_ps(*x, a, b);
-            }
-        }
-        _mm512_reduce_add_ps(acc.into_iter().fold(_mm512_setzero_ps(), |s, x| _mm512_add_ps(s, x)))
-    }
-
-    #[target_feature(enable = "avx512f,avx512vnni")]
-    pub(super) fn int8_avx512(iterations: u64) -> f32 {
-        let (a, b) = (black_box(_mm512_set1_epi8(1)), black_box(_mm512_set1_epi8(1)));
-        let mut acc = [_mm512_setzero_si512(); ACCUMULATORS];
-        for _ in 0..iterations {
-            for x in acc.iter_mut() {
-                *x = _mm512_dpbusd_epi32(*x, a, b);
-            }
-        }
-        _mm512_reduce_add_epi32(acc.into_iter().fold(_mm512_setzero_si512(), |s, x| _mm512_add_epi32(s, x)))
-            as f32
-    }
-
-    #[target_feature(enable = "avxvnni")]
-    pub(super) fn int8_avx_vnni(iterations: u64) -> f32 {
-        let (a, b) = (black_box(_mm256_set1_epi8(1)), black_box(_mm256_set1_epi8(1)));
-        let mut acc = [_mm256_setzero_si256(); ACCUMULATORS];
-        for _ in 0..iterations {
-            for x in acc.iter_mut() {
-                *x = _mm256_dpbusd_avx_epi32(*x, a, b);
-            }
-        }
-        let sum = acc.into_iter().fold(_mm256_setzero_si256(), |s, x| _mm256_add_epi32(s, x));
-        _mm256_extract_epi32::<0>(sum) as f32
-    }
+    kernel!(
+        fp32_avx512,
+        "avx512f",
+        "zmm",
+        "vpxord",
+        "vfmadd231ps",
+        [
+            "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
+            "zmm12", "zmm13"
+        ]
+    );
+    kernel!(
+        fp32_fma,
+        "avx2,fma",
+        "ymm",
+        "vpxor",
+        "vfmadd231ps",
+        [
+            "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11",
+            "ymm12", "ymm13"
+        ]
+    );
+    kernel!(
+        bf16_avx512,
+        "avx512f,avx512bf16",
+        "zmm",
+        "vpxord",
+        "vdpbf16ps",
+        [
+            "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
+            "zmm12", "zmm13"
+        ]
+    );
+    kernel!(
+        int8_avx512,
+        "avx512f,avx512vnni",
+        "zmm",
+        "vpxord",
+        "vpdpbusd",
+        [
+            "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
+            "zmm12", "zmm13"
+        ]
+    );
+    // AVX-VNNI's VEX form of the same instruction.
+    kernel!(
+        int8_avx_vnni,
+        "avx2,avxvnni",
+        "ymm",
+        "vpxor",
+        "{{vex}} vpdpbusd",
+        [
+            "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11",
+            "ymm12", "ymm13"
+        ]
+    );
 }
 
 #[cfg(test)]
