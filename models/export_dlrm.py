@@ -130,15 +130,20 @@ def golden_requests(args: argparse.Namespace) -> List[dict]:
     g = torch.Generator().manual_seed(seed + 1)
     requests = []
     for i, batch_size in enumerate(args.golden_batch_sizes):
-        multi_hot = i % 2 == 1
-        dense = torch.randn(batch_size, args.num_dense, generator=g) * 2.0
-        if multi_hot:
-            lengths = torch.randint(0, 5, (batch_size, args.num_sparse), generator=g, dtype=torch.int32)
-        else:
-            lengths = torch.ones(batch_size, args.num_sparse, dtype=torch.int32)
-        ids = torch.randint(0, args.num_rows, (int(lengths.sum()),), generator=g, dtype=torch.int64)
-        requests.append({"batch_size": batch_size, "dense": dense, "lengths": lengths, "ids": ids})
+        requests.append(random_request(args, g, batch_size, multi_hot=i % 2 == 1))
     return requests
+
+
+def random_request(args: argparse.Namespace, g: torch.Generator, rows: int, multi_hot: bool) -> dict:
+    """One request of `rows` samples drawn from `g`: dense features N(0,
+    2^2), one id per bag or (`multi_hot`) 0-4, uniform ids."""
+    dense = torch.randn(rows, args.num_dense, generator=g) * 2.0
+    if multi_hot:
+        lengths = torch.randint(0, 5, (rows, args.num_sparse), generator=g, dtype=torch.int32)
+    else:
+        lengths = torch.ones(rows, args.num_sparse, dtype=torch.int32)
+    ids = torch.randint(0, args.num_rows, (int(lengths.sum()),), generator=g, dtype=torch.int64)
+    return {"batch_size": rows, "dense": dense, "lengths": lengths, "ids": ids}
 
 
 def key_major(request: dict) -> tuple:
@@ -234,14 +239,7 @@ def sampled_requests(args: argparse.Namespace, seed: int, samples: int, batch_si
     g = torch.Generator().manual_seed(seed)
     requests = []
     for i in range(0, samples, batch_size):
-        rows = min(batch_size, samples - i)
-        dense = torch.randn(rows, args.num_dense, generator=g) * 2.0
-        if (i // batch_size) % 2 == 1:
-            lengths = torch.randint(0, 5, (rows, args.num_sparse), generator=g, dtype=torch.int32)
-        else:
-            lengths = torch.ones(rows, args.num_sparse, dtype=torch.int32)
-        ids = torch.randint(0, args.num_rows, (int(lengths.sum()),), generator=g, dtype=torch.int64)
-        requests.append({"batch_size": rows, "dense": dense, "lengths": lengths, "ids": ids})
+        requests.append(random_request(args, g, min(batch_size, samples - i), multi_hot=(i // batch_size) % 2 == 1))
     return requests
 
 

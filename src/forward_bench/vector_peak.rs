@@ -35,20 +35,8 @@ const ACCUMULATORS: usize = 12;
 pub fn clock_ghz(duration: Duration) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
-        const ADDS_PER_ITERATION: u64 = 100;
-        let mut iterations = 10_000u64;
-        let mut best = 0.0f64;
-        let started = Instant::now();
-        while started.elapsed() < duration || best == 0.0 {
-            let t = Instant::now();
-            dependent_adds(iterations);
-            let elapsed = t.elapsed();
-            if elapsed < Duration::from_millis(5) {
-                iterations *= 4;
-                continue;
-            }
-            best = best.max((iterations * ADDS_PER_ITERATION) as f64 / elapsed.as_nanos() as f64);
-        }
+        const ADDS_PER_ITERATION: f64 = 100.0;
+        let best = fastest_rate(duration, ADDS_PER_ITERATION, dependent_adds);
         (0.2..10.0).contains(&best).then_some(best)
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -56,6 +44,26 @@ pub fn clock_ghz(duration: Duration) -> Option<f64> {
         let _ = duration;
         None
     }
+}
+
+/// The fastest rate, in operations per nanosecond, of `run(iterations)`
+/// (`ops_per_iteration` each) over runs of at least 5 ms for `duration`:
+/// the iterations grow 4x until a run is that long.
+fn fastest_rate(duration: Duration, ops_per_iteration: f64, run: impl Fn(u64)) -> f64 {
+    let mut iterations = 1_000u64;
+    let mut best = 0.0f64;
+    let started = Instant::now();
+    while started.elapsed() < duration || best == 0.0 {
+        let t = Instant::now();
+        run(iterations);
+        let elapsed = t.elapsed();
+        if elapsed < Duration::from_millis(5) {
+            iterations *= 4;
+            continue;
+        }
+        best = best.max(iterations as f64 * ops_per_iteration / elapsed.as_nanos() as f64);
+    }
+    best
 }
 
 /// `iterations` x 100 dependent register adds (register operands: some
@@ -87,20 +95,8 @@ fn dependent_adds(iterations: u64) {
 /// no such instruction (or off x86-64).
 pub fn vector_peak(precision: DensePrecision, duration: Duration) -> Option<VectorPeak> {
     let (instruction, ops_per_instruction, kernel) = kernel(precision)?;
-    let mut iterations = 1_000u64;
-    let mut best = 0.0f64;
-    let started = Instant::now();
-    while started.elapsed() < duration || best == 0.0 {
-        let t = Instant::now();
-        kernel(iterations);
-        let elapsed = t.elapsed();
-        if elapsed < Duration::from_millis(5) {
-            iterations *= 4;
-            continue;
-        }
-        let ops = iterations as f64 * ACCUMULATORS as f64 * ops_per_instruction as f64;
-        best = best.max(ops / elapsed.as_nanos() as f64);
-    }
+    let ops_per_iteration = ACCUMULATORS as f64 * ops_per_instruction as f64;
+    let best = fastest_rate(duration, ops_per_iteration, kernel);
     Some(VectorPeak { instruction, ops_per_instruction, gops: best })
 }
 
