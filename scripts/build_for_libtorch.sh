@@ -2,14 +2,16 @@
 # Builds a stripped `narsil` (--features torch, the `image` profile) against
 # another libtorch than the project's, from that PyTorch version's PyPI wheel,
 # and writes a folder to carry to a machine that has that PyTorch: the
-# binary, the CUDA shim (libnarsil_cuda_shim.so, when it builds), the small
-# split test model with its golden requests, and scripts/gpu_check.sh.
+# binary, the CUDA shim (libnarsil_cuda_shim.so: CUDA graphs and streams;
+# the build fails without it), the small split test model with its golden
+# requests, and scripts/gpu_check.sh.
 #
 #   scripts/build_for_libtorch.sh [TORCH_VERSION] [OUT_DIR]
 #
 # TORCH_VERSION defaults to 2.11.0 (the GPU machines' PyTorch: 2.11.0+cu130,
 # the same git hash as PyPI's torch==2.11.0); OUT_DIR to
-# $NARSIL_BUILD_CACHE/carry-torch-TORCH_VERSION. The project's own
+# target/carry-torch-TORCH_VERSION in the checkout (ignored by git, so the
+# device tool carries it with `carry`; docs/guide/gpu.md). The project's own
 # Cargo.toml, Cargo.lock and target/ are never touched: the sources are
 # copied to $NARSIL_BUILD_CACHE/src-torch-VERSION, tch and torch-sys are set
 # there to the version that compiles against those headers (tch 0.26 does not
@@ -23,7 +25,10 @@
 #   NARSIL_TCH_VERSION  the tch/torch-sys version (default: by TORCH_VERSION)
 #   NARSIL_BUILD_JOBS   cargo -j (default 2)
 #   NARSIL_CUDA_INCLUDE CUDA runtime headers for the shim (default: the
-#                       project venv's nvidia/cu13/include, with nvidia-cuda-crt)
+#                       project venv's nvidia/cu13/include, with
+#                       nvidia-cuda-crt; else the nvidia-cuda-runtime and
+#                       nvidia-cuda-crt wheels, downloaded beside the torch
+#                       wheel and unpacked)
 #
 # On the GPU machine (no Rust there):
 #   TL=$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__)+"/lib")')
@@ -34,7 +39,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 TORCH_VERSION="${1:-2.11.0}"
 CACHE="${NARSIL_BUILD_CACHE:-$HOME/.cache/narsil}"
-OUT="${2:-$CACHE/carry-torch-$TORCH_VERSION}"
+OUT="${2:-$ROOT/target/carry-torch-$TORCH_VERSION}"
+# The CUDA 13.0 runtime's headers, as the project venv pins them
+# (scripts/setup_python.sh): the GPU machines' torch 2.11.0+cu130 runs CUDA 13.0.
+CUDA_RUNTIME_WHEEL="nvidia-cuda-runtime==13.0.96"
+CUDA_CRT_WHEEL="nvidia-cuda-crt==13.0.88"
 JOBS="${NARSIL_BUILD_JOBS:-2}"
 LIMIT_MIB=60
 
@@ -87,8 +96,28 @@ sed -i -E "s/^torch-sys = \{ version = \"[^\"]+\"/torch-sys = { version = \"$TCH
 grep -q "^tch = \"$TCH\"" "$SRC/crates/narsil-torch/Cargo.toml" || die "could not set tch $TCH"
 (cd "$SRC" && cargo update -p tch -p torch-sys >&2) || die "cargo could not resolve tch $TCH"
 
-step "cargo build --profile image --features torch (target $CACHE/target-torch-$TORCH_VERSION)"
-CUDA_INCLUDE="${NARSIL_CUDA_INCLUDE:-$ROOT/.venv/lib/python3.11/site-packages/nvidia/cu13/include}"
+# The CUDA shim's headers: NARSIL_CUDA_INCLUDE, else the project venv's,
+# else the two header wheels unpacked into the cache.
+has_cuda_headers() { [ -f "$1/cuda_runtime_api.h" ] && [ -f "$1/crt/host_config.h" ]; }
+CUDA_INCLUDE="${NARSIL_CUDA_INCLUDE:-}"
+if [ -z "$CUDA_INCLUDE" ]; then
+  for dir in "$ROOT"/.venv/lib/python3*/site-packages/nvidia/cu13/include "$CACHE/cuda-headers/nvidia/cu13/include"; do
+    if has_cuda_headers "$dir"; then CUDA_INCLUDE="$dir"; break; fi
+  done
+fi
+if [ -z "$CUDA_INCLUDE" ]; then
+  step "CUDA runtime headers: $CUDA_RUNTIME_WHEEL and $CUDA_CRT_WHEEL into $CACHE/cuda-headers"
+  "$PIP" download "$CUDA_RUNTIME_WHEEL" "$CUDA_CRT_WHEEL" --no-deps -d "$CACHE/wheels" >&2 \
+    || die "pip could not download $CUDA_RUNTIME_WHEEL and $CUDA_CRT_WHEEL (the CUDA shim's headers)"
+  for wheel in "$CACHE"/wheels/nvidia_cuda_runtime-13.0.96-*.whl "$CACHE"/wheels/nvidia_cuda_crt-13.0.88-*.whl; do
+    unzip -qo "$wheel" 'nvidia/*/include/*' -d "$CACHE/cuda-headers" || die "cannot unpack $wheel"
+  done
+  CUDA_INCLUDE="$CACHE/cuda-headers/nvidia/cu13/include"
+fi
+has_cuda_headers "$CUDA_INCLUDE" \
+  || die "no CUDA runtime headers (cuda_runtime_api.h and crt/host_config.h) in $CUDA_INCLUDE: the CUDA shim cannot be built"
+
+step "cargo build --profile image --features torch (target $CACHE/target-torch-$TORCH_VERSION, CUDA headers $CUDA_INCLUDE)"
 (
   cd "$SRC"
   unset LIBTORCH_USE_PYTORCH
@@ -105,11 +134,8 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 strip -o "$OUT/narsil" "$TARGET/narsil"
 SHIM="$(ls -t "$TARGET"/build/narsil-torch-*/out/libnarsil_cuda_shim.so 2>/dev/null | head -1 || true)"
-if [ -n "$SHIM" ]; then
-  strip -o "$OUT/libnarsil_cuda_shim.so" "$SHIM"
-else
-  echo "build_for_libtorch: WARNING: no CUDA shim was built (no CUDA headers found): CUDA graphs and streams will be unavailable" >&2
-fi
+[ -n "$SHIM" ] || die "no CUDA shim was built (see the build's warnings above): a GPU check without it would measure eager forwards on one stream"
+strip -o "$OUT/libnarsil_cuda_shim.so" "$SHIM"
 MODEL="$ROOT/models/generated/test-small/split"
 [ -f "$MODEL/schema.json" ] || die "no test model at $MODEL: run scripts/test.sh (it exports one) first"
 mkdir -p "$OUT/split"
@@ -124,4 +150,4 @@ BYTES=$(du -sb "$OUT" | cut -f1)
 MIB=$(( (BYTES + 1048575) / 1048576 ))
 ls -la "$OUT" >&2
 [ "$MIB" -le "$LIMIT_MIB" ] || die "the carry folder is $MIB MiB, over $LIMIT_MIB MiB"
-echo "carry folder: $OUT ($MIB MiB)"
+echo "carry folder: $OUT ($MIB MiB; the device tool's carry takes at most 64 MiB)"

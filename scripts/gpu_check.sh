@@ -1,153 +1,252 @@
 #!/usr/bin/env bash
-# The GPU check (issue 47): one command on a GPU machine that has PyTorch
-# (2.11 on the machines lent here) in its python3 and no Rust, run in the
-# folder scripts/build_for_libtorch.sh writes (narsil, libnarsil_cuda_shim.so,
-# split/ with golden.json). Prints one table:
+# The GPU check: one command for a lent GPU machine (PyTorch 2.11 in its
+# python3, no Rust), run in the folder scripts/build_for_libtorch.sh writes
+# (narsil, libnarsil_cuda_shim.so, split/, golden.json, BUILD). Made for the
+# device tool as it is: 15 minutes of device time a task (starts included),
+# 10 minutes a call, at most 8 files of at most 2 folders' depth back from
+# $OUT. So:
 #
-#   * golden parity on CUDA: FP32 within 1e-5 and bf16 within 2e-2 of the
-#     golden scores, tables in GPU memory and on the host; alone (one client)
-#     and fused (8 concurrent clients, batches held up to 2 ms to fuse);
-#   * `narsil load`, 100 samples a request, at c1, c16, c64, c256, in batch
-#     mode and in worker mode (one forward per request), on a model of the
-#     default size (26 x 100,000 x 64 INT8 tables, generated here with the
-#     test model's dense network), with req/s, p50/p99, the server's GPU
-#     memory (nvidia-smi), its CPU per request and its busy cores;
-#   * the zero-cost mock at c256: req/s, server CPU per request, busy cores.
+#   * work files (server logs, the default-size tables) live in the
+#     machine's /tmp; at exit, whatever happened, at most 4 small files are
+#     copied to $OUT (or ./gpu_check_out): table.txt (the results),
+#     servers.txt (the head and tail of every server's log), failures.txt
+#     (what failed, with the failing server's log tail) and commands.txt;
+#   * every server and client runs under `timeout`, requests carry
+#     --timeout-ms, a server is killed 10 s after SIGTERM, and each phase has
+#     its own limit, so a hang costs one phase, never the call;
+#   * LD_PRELOAD (libtorch_cuda, which a tch binary built against the wheel
+#     needs to see CUDA) is given to the narsil processes only;
+#   * every section says what the server logged of its CUDA graphs ("CUDA
+#     graphs: used for buckets [..]" or "not used: why").
 #
-# It stops at the first thing that fails, saying what, with the server's log.
-# Takes ~4-6 minutes. Environment: NARSIL_BIN, NARSIL_GPU_DEVICE (cuda:0),
-# NARSIL_GPU_LOAD_SECS (8 per load point), NARSIL_GPU_CHECK_DIR (work files;
-# $OUT/gpu_check when $OUT is set, else ./gpu_check_out).
-set -euo pipefail
+# Phase A (<= NARSIL_GPU_PHASE_A_SECS, 150): golden parity on CUDA (FP32
+# within 1e-5, bf16 within 2e-2 of the golden scores), alone (one client)
+# and fused (8 clients at once): tables in GPU memory and on the host, CUDA
+# graphs on and off, and --stage-ahead on with 2 lanes (the copy stream,
+# events and double buffer).
+# Phase B (<= NARSIL_GPU_PHASE_B_SECS, 180): `narsil load`, 100 samples a
+# request, c1/c16/c64/c256, batch mode (2 lanes, stage ahead) and worker
+# mode (16 lanes), on 26 x NARSIL_GPU_CHECK_ROWS (100,000) x 64 INT8 tables
+# generated here with the test model's dense network; then the zero-cost
+# mock at c256.
+#
+# The exact device call is in docs/guide/gpu.md. Environment: NARSIL_BIN,
+# NARSIL_GPU_CHECK_PHASES ("A B"; one of them for a rerun),
+# NARSIL_GPU_DEVICE (cuda:0), NARSIL_GPU_LOAD_SECS (5 per load point),
+# NARSIL_GPU_CHECK_DIR (work files; default a new /tmp folder),
+# NARSIL_GPU_CHECK_DRY_RUN=1 (the same steps on the CPU, through the device
+# lane on the CPU device, with short load points and small tables: checks
+# this script, not the GPU; CI runs it through scripts/gpu_check_dry.sh).
+# Exits 0 when every parity check passed and every load point answered.
+set -uo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
-BIN="${NARSIL_BIN:-$HERE/narsil}"
-MODEL="$HERE/split"
+SELF="$HERE/$(basename "$0")"
+export BIN="${NARSIL_BIN:-$HERE/narsil}"
+export MODEL="${NARSIL_GPU_CHECK_MODEL:-$HERE/split}"
 # The INT8 model's golden scores: the split form serves the same ones.
-GOLDEN="$HERE/golden.json"
-DEVICE="${NARSIL_GPU_DEVICE:-cuda:0}"
-SECS="${NARSIL_GPU_LOAD_SECS:-8}"
-WORK="${NARSIL_GPU_CHECK_DIR:-${OUT:+$OUT/gpu_check}}"
-WORK="${WORK:-$HERE/gpu_check_out}"
-PORT=50151
-ADDR="127.0.0.1:$PORT"
-mkdir -p "$WORK"
-TABLE="$WORK/table.txt"
-: > "$TABLE"
-SERVER_PID=""
+export GOLDEN="${NARSIL_GPU_CHECK_GOLDEN:-$HERE/golden.json}"
+export DRY="${NARSIL_GPU_CHECK_DRY_RUN:-}"
+export DEVICE="${NARSIL_GPU_DEVICE:-cuda:0}"
+export SECS="${NARSIL_GPU_LOAD_SECS:-5}"
+export ROWS="${NARSIL_GPU_CHECK_ROWS:-100000}"
+LIMIT_A="${NARSIL_GPU_PHASE_A_SECS:-150}"
+LIMIT_B="${NARSIL_GPU_PHASE_B_SECS:-180}"
+# NARSIL_GPU_CHECK_PHASES=A (or B): one phase only, for a rerun.
+PHASES="${NARSIL_GPU_CHECK_PHASES:-A B}"
+export ADDR="127.0.0.1:${NARSIL_GPU_CHECK_PORT:-50151}"
+if [ -n "$DRY" ]; then
+  DEVICE=cpu
+  SECS="${NARSIL_GPU_LOAD_SECS:-1}"
+  ROWS="${NARSIL_GPU_CHECK_ROWS:-5000}"
+fi
 
-fail() {
-  echo "gpu_check: FAILED: $*" >&2
-  if [ -n "$SERVER_PID" ] && [ -f "$WORK/server.log" ]; then
-    echo "--- last 40 lines of the server's log ($WORK/server.log) ---" >&2
-    tail -40 "$WORK/server.log" >&2
-  fi
-  stop_server
-  echo "--- table so far ---" >&2
-  cat "$TABLE" >&2
-  exit 1
+# ---- helpers shared by the phases ----------------------------------------
+
+row() { printf '%s\n' "$*" >> "$TABLE"; printf '%s\n' "$*"; }
+# A failure: one line in the table, the details in failures.txt.
+failed() {
+  row "FAILED: $*"
+  {
+    echo "=== FAILED: $*"
+    if [ -n "${SERVER_LOG:-}" ] && [ -f "$SERVER_LOG" ]; then
+      echo "--- last 60 lines of $(basename "$SERVER_LOG") ---"
+      tail -60 "$SERVER_LOG"
+    fi
+    echo
+  } >> "$WORK/failures.txt"
+  echo 1 > "$WORK/failed"
 }
-row() { printf '%s\n' "$*" | tee -a "$TABLE"; }
+
+# Runs a narsil client for at most LIMIT_S seconds: `narsil_run LIMIT_S
+# ARGS...` (through --exec-narsil: the CUDA libraries for narsil only).
+narsil_run() {
+  local limit=$1
+  shift
+  timeout -k 5 "$limit" "$SELF" --exec-narsil "$@"
+}
 
 stop_server() {
-  if [ -n "$SERVER_PID" ]; then
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-    SERVER_PID=""
+  local pid
+  pid="$(cat "$WORK/server.pid" 2>/dev/null || true)"
+  [ -n "$pid" ] || return 0
+  kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 1 50); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.2
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "server $pid still running 10 s after SIGTERM: killed" >> "${SERVER_LOG:-/dev/null}"
+    kill -KILL "$pid" 2>/dev/null || true
   fi
+  wait "$pid" 2>/dev/null || true
+  rm -f "$WORK/server.pid"
 }
-trap stop_server EXIT
 
-# NARSIL_GPU_CHECK_DRY_RUN=1: the same steps on the CPU (no GPU, no
-# LD_PRELOAD, the device path never taken), to check this script itself.
-DRY="${NARSIL_GPU_CHECK_DRY_RUN:-}"
-[ -n "$DRY" ] && DEVICE=cpu
-[ -x "$BIN" ] || fail "no narsil binary at $BIN (set NARSIL_BIN)"
-[ -f "$MODEL/schema.json" ] || fail "no split test model at $MODEL"
-[ -f "$GOLDEN" ] || fail "no golden.json (the test model's, with scores_int8) at $GOLDEN"
-[ -n "$DRY" ] || command -v nvidia-smi >/dev/null || fail "no nvidia-smi: not a GPU machine?"
-command -v python3 >/dev/null || fail "no python3"
-TL="$(python3 -c 'import torch,os;print(os.path.dirname(torch.__file__)+"/lib")')" \
-  || fail "python3 cannot import torch"
-if [ -z "$DRY" ]; then
-  python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
-    || fail "PyTorch sees no CUDA device"
-  export LD_LIBRARY_PATH="$TL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  export LD_PRELOAD="$TL/libtorch_cuda.so"
-fi
-if [ -f "$HERE/libnarsil_cuda_shim.so" ]; then export NARSIL_CUDA_SHIM="$HERE/libnarsil_cuda_shim.so"; fi
-"$BIN" --version >/dev/null 2>&1 || "$BIN" --help >/dev/null 2>&1 || fail "$BIN does not start: $("$BIN" --help 2>&1 | tail -3)"
-
-GPU="$( ([ -n "$DRY" ] && echo "DRY RUN on the CPU: no GPU") || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
-row "# Narsil GPU check: $(date -u +%FT%TZ), $GPU, $(nproc) host cores, torch $(python3 -c 'import torch;print(torch.__version__)'), $(cat "$HERE/BUILD" 2>/dev/null || echo 'build unknown')"
-echo "CUDA shim: ${NARSIL_CUDA_SHIM:-none carried (CUDA graphs unavailable)}" | tee -a "$TABLE"
-
-# Starts `narsil serve` with the given flags; waits until SERVING.
+# start_server NAME [VAR=VALUE ...] -- FLAGS...: `narsil serve` (at most
+# the phase's length), waited for until SERVING (at most 90 s).
 start_server() {
+  local name=$1 envs=() line
+  shift
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
   stop_server
-  "$BIN" serve --addr "$ADDR" "$@" > "$WORK/server.log" 2>&1 &
-  SERVER_PID=$!
-  for _ in $(seq 1 240); do
-    if grep -q "SERVING" "$WORK/server.log" 2>/dev/null && ! grep -q "NOT_SERVING" "$WORK/server.log"; then
+  SERVER_LOG="$WORK/server-$name.log"
+  echo "[$name] ${envs[*]} narsil serve --addr $ADDR $*" >> "$WORK/commands.txt"
+  # Its pid is narsil's own (exec all the way), for stop_server.
+  env "${envs[@]}" bash -c 'echo $$ > "$0"; exec "$@"' "$WORK/server.pid" \
+    "$SELF" --exec-narsil serve --addr "$ADDR" "$@" > "$SERVER_LOG" 2>&1 &
+  for _ in $(seq 1 450); do
+    if grep -q "warm version; SERVING" "$SERVER_LOG" 2>/dev/null; then
+      line="$(grep -o 'CUDA graphs: .*' "$SERVER_LOG" | sed 's/\x1b\[[0-9;]*m//g' | sort | uniq -c \
+        | awk '{ n = $1; $1 = ""; printf "%s%s (%d lane%s)", (NR > 1 ? "; " : ""), substr($0, 2), n, (n > 1 ? "s" : "") }')"
+      GRAPHS="${line:-CUDA graphs: nothing logged}"
       return 0
     fi
-    kill -0 "$SERVER_PID" 2>/dev/null || fail "narsil serve $* exited during start-up"
-    sleep 0.5
+    if ! kill -0 "$(cat "$WORK/server.pid" 2>/dev/null || echo 0)" 2>/dev/null && [ -s "$SERVER_LOG" ]; then
+      failed "[$name] narsil serve exited during start-up"
+      rm -f "$WORK/server.pid"
+      return 1
+    fi
+    sleep 0.2
   done
-  fail "narsil serve $* was not SERVING after 120 s"
+  failed "[$name] narsil serve was not SERVING after 90 s"
+  stop_server
+  return 1
 }
+
+# ---- phase A: parity -------------------------------------------------------
+
+verify() { # output file
+  narsil_run 60 verify --addr "http://$ADDR" --golden "$GOLDEN" --scores int8 \
+    --tolerance "$TOLERANCE" --wait-secs 10 > "$1" 2>&1
+}
+
+parity() { # name precision tables(device|host) [VAR=VALUE ...] -- FLAGS...
+  local name=$1 precision=$2 tables=$3 budget alone fused i pids=()
+  shift 3
+  TOLERANCE=$([ "$precision" = bf16 ] && echo 2e-2 || echo 1e-5)
+  budget=$([ "$tables" = device ] && echo 17179869184 || echo 0)
+  if [ "$precision" = bf16 ] && [ -n "$DRY" ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
+    row "| $name | $precision | $tables | skipped: this CPU has no bf16 instructions (dry run) | | | |"
+    return 0
+  fi
+  start_server "$name" NARSIL_DEVICE_TABLE_BYTES="$budget" "$@" --backend torch --model "$MODEL" \
+    --device "$DEVICE" --dense-precision "$precision" --execution-mode batch --max-batch-requests 16 \
+    --batch-timeout-ms 2 || return 0
+  if verify "$WORK/verify-$name.log"; then
+    alone="ok ($(grep -o 'max |diff| [^)]*' "$WORK/verify-$name.log"))"
+  else
+    alone="FAILED"
+    failed "[$name] parity alone: $(tail -2 "$WORK/verify-$name.log" | tr '\n' ' ')"
+  fi
+  for i in 1 2 3 4 5 6 7 8; do
+    verify "$WORK/verify-$name-$i.log" &
+    pids+=($!)
+  done
+  fused=ok
+  for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+      fused=FAILED
+      failed "[$name] parity fused, client $((i + 1)): $(tail -2 "$WORK/verify-$name-$((i + 1)).log" | tr '\n' ' ')"
+    fi
+  done
+  row "| $name | $precision | $tables | ${alone//|/} | $fused | $TOLERANCE | $GRAPHS |"
+  stop_server
+}
+
+phase_a() {
+  local graphs=()
+  # The dry run pads to buckets on the CPU device (the same bucket logic).
+  [ -n "$DRY" ] && graphs=(NARSIL_CUDA_GRAPH_BUCKETS=128,256,512,1024)
+  row ""
+  row "## A. golden parity on $DEVICE (narsil verify against golden.json, int8 tables; fused: 8 clients at once)"
+  row "| section | precision | tables | alone | fused | tolerance | CUDA graphs (the server's log) |"
+  row "|---|---|---|---|---|---|---|"
+  parity fp32-device fp32 device "${graphs[@]}" --
+  parity fp32-host fp32 host "${graphs[@]}" --
+  parity bf16-device bf16 device "${graphs[@]}" --
+  parity bf16-host bf16 host "${graphs[@]}" --
+  parity fp32-device-eager fp32 device NARSIL_CUDA_GRAPH_BUCKETS= --
+  parity fp32-device-stage-ahead-2-lanes fp32 device "${graphs[@]}" -- --lanes 2 --stage-ahead on
+}
+
+# ---- phase B: load ---------------------------------------------------------
 
 # The server's CPU seconds so far (user + system, all threads).
 server_cpu() {
-  awk -v hz="$(getconf CLK_TCK)" '{ print ($14 + $15) / hz }' "/proc/$SERVER_PID/stat"
+  awk -v hz="$(getconf CLK_TCK)" '{ print ($14 + $15) / hz }' "/proc/$(cat "$WORK/server.pid")/stat" 2>/dev/null || echo 0
 }
 
 # The server's GPU memory (MiB), from nvidia-smi's compute apps.
 gpu_mib() {
   local used
   [ -n "$DRY" ] && { echo n/a; return; }
-  used="$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
-    | awk -F', *' -v pid="$SERVER_PID" '$1 == pid { print $2 }')"
+  used="$(timeout 10 nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
+    | awk -F', *' -v pid="$(cat "$WORK/server.pid")" '$1 == pid { print $2 }')"
   echo "${used:-n/a}"
 }
 
-# ---- 1. golden parity on CUDA --------------------------------------------
-row ""
-row "## golden parity on $DEVICE (narsil verify against golden.json; int8 tables)"
-row "| precision | tables | alone | fused (8 clients) | tolerance |"
-row "|---|---|---|---|---|"
-for case in "fp32 device 1e-5" "fp32 host 1e-5" "bf16 device 2e-2" "bf16 host 2e-2"; do
-  set -- $case
-  precision=$1 tables=$2 tolerance=$3
-  budget=$([ "$tables" = device ] && echo 17179869184 || echo 0)
-  NARSIL_DEVICE_TABLE_BYTES=$budget start_server --backend torch --model "$MODEL" --device "$DEVICE" \
-    --dense-precision "$precision" --execution-mode batch --max-batch-requests 16 --batch-timeout-ms 2
-  alone="$("$BIN" verify --addr "http://$ADDR" --golden "$GOLDEN" --scores int8 --tolerance "$tolerance" 2>&1 | tail -1)" \
-    || fail "parity $precision, tables on the $tables, alone: $alone"
-  pids=()
-  for i in $(seq 1 8); do
-    "$BIN" verify --addr "http://$ADDR" --golden "$GOLDEN" --scores int8 --tolerance "$tolerance" \
-      > "$WORK/verify_$i.log" 2>&1 &
-    pids+=($!)
-  done
-  fused=ok
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || fused="FAILED: $(tail -1 "$WORK/verify_$((i + 1)).log")"
-  done
-  row "| $precision | $tables | ${alone//|//} | $fused | $tolerance |"
-  [ "$fused" = ok ] || fail "parity $precision, tables on the $tables, fused: $fused"
-  grep -q "capture failed" "$WORK/server.log" && row "  (a CUDA graph capture failed: eager forwards; see the server log)"
-done
-stop_server
+load_point() { # mode concurrency
+  local mode=$1 c=$2 json="$WORK/load-$1-c$2.json" log="$WORK/load-$1-c$2.log" before after
+  local flags=(--addr "http://$ADDR" --concurrency "$c" --connections "$((c < 16 ? c : 16))"
+    --samples-per-request 100 --timeout-ms 5000 --warmup 0)
+  # Warm-up apart, so that the server's CPU is read around the measured
+  # requests only.
+  if ! narsil_run 60 load "${flags[@]}" --requests "$((c * 4 < 200 ? 200 : c * 4))" > /dev/null 2> "$log"; then
+    failed "narsil load $mode c$c (warm-up): $(tail -2 "$log" | tr '\n' ' ')"
+    return 0
+  fi
+  before="$(server_cpu)"
+  if ! narsil_run "$((SECS + 60))" load "${flags[@]}" --duration "$SECS" --json > "$json" 2> "$log"; then
+    failed "narsil load $mode c$c: $(tail -2 "$log" | tr '\n' ' ')"
+    return 0
+  fi
+  after="$(server_cpu)"
+  timeout 30 python3 - "$json" "$before" "$after" "$mode" "$c" "$(gpu_mib)" > "$WORK/point.txt" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+cpu = float(sys.argv[3]) - float(sys.argv[2])
+ok = max(r["ok"], 1)
+errors = r["requests"] - r["ok"]
+print(f"| {sys.argv[4]} | c{sys.argv[5]} | {r['req_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
+      f"{r.get('mean_fused_rows', 0):.0f} | {cpu / ok * 1e6:.0f} | {cpu / r['elapsed_s']:.2f} | {sys.argv[6]} | {errors} |")
+if r["ok"] == 0:
+    sys.exit(f"no request succeeded: {r['by_code']}")
+EOF
+  local rc=$?
+  row "$(tail -1 "$WORK/point.txt")"
+  [ "$rc" = 0 ] || failed "narsil load $mode c$c: no request succeeded"
+}
 
-# ---- 2. load on a model of the default size --------------------------------
-BIG="$WORK/default-size"
-if [ ! -f "$BIG/schema.json" ]; then
-  python3 - "$MODEL" "$BIG" <<'EOF' || fail "cannot generate the default-size tables"
+make_default_size_model() {
+  local big=$1
+  [ -f "$big/schema.json" ] && return 0
+  timeout 120 python3 - "$MODEL" "$big" "$ROWS" <<'EOF'
 import ctypes, hashlib, json, os, shutil, sys
 import torch  # not numpy: PyTorch's wheel does not bring it
-src, dst = sys.argv[1], sys.argv[2]
-rows, dim = 100_000, 64
+src, dst, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dim = 64
 os.makedirs(os.path.join(dst, "tables"), exist_ok=True)
 schema = json.load(open(os.path.join(src, "schema.json")))
 shutil.copy(os.path.join(src, schema["dense_network"]), os.path.join(dst, schema["dense_network"]))
@@ -165,57 +264,140 @@ for table in schema["tables"]:
     table["rows"] = rows
     table["sha256"] = hashlib.sha256(blob).hexdigest()
     table.pop("layout", None)
-for key in ("dense_package", "dense_package_bf16", "dense_weights"):
+for key in ("dense_package", "dense_package_bf16", "dense_package_int8", "dense_weights"):
     schema.pop(key, None)
 json.dump(schema, open(os.path.join(dst, "schema.json"), "w"), indent=1)
 print(f"default-size model: {len(schema['tables'])} x {rows} x {dim} INT8 in {dst}")
 EOF
-fi
-
-load_point() { # mode, concurrency
-  local mode=$1 c=$2 json="$WORK/load_$1_c$2.json" before after
-  local flags=(--addr "http://$ADDR" --concurrency "$c" --connections "$(( c < 16 ? c : 16 ))" --samples-per-request 100)
-  # Warm-up apart, so that the server's CPU is read around the measured
-  # requests only.
-  "$BIN" load "${flags[@]}" --requests "$(( c * 4 < 200 ? 200 : c * 4 ))" --warmup 0 > /dev/null 2> "$WORK/load_$1_c$2.log" \
-    || fail "narsil load $mode c$c (warm-up): $(tail -3 "$WORK/load_$1_c$2.log")"
-  before="$(server_cpu)"
-  "$BIN" load "${flags[@]}" --duration "$SECS" --warmup 0 --json > "$json" 2> "$WORK/load_$1_c$2.log" \
-    || fail "narsil load $mode c$c: $(tail -3 "$WORK/load_$1_c$2.log")"
-  after="$(server_cpu)"
-  python3 - "$json" "$before" "$after" "$mode" "$c" "$(gpu_mib)" <<'EOF' | tee -a "$TABLE"
-import json, sys
-r = json.load(open(sys.argv[1]))
-cpu = float(sys.argv[3]) - float(sys.argv[2])
-ok = max(r["ok"], 1)
-errors = r["requests"] - r["ok"]
-print(f"| {sys.argv[4]} | c{sys.argv[5]} | {r['req_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
-      f"{r.get('mean_fused_rows', 0):.0f} | {cpu / ok * 1e6:.0f} | {cpu / r['elapsed_s']:.2f} | {sys.argv[6]} | {errors} |")
-if r["ok"] == 0:
-    sys.exit(f"no request succeeded: {r['by_code']}")
-EOF
 }
 
-row ""
-row "## narsil load on $DEVICE: 26 x 100,000 x 64 INT8 tables in GPU memory, FP32, 100 samples a request, ${SECS} s a point"
-row "| mode | clients | req/s | p50 ms | p99 ms | mean fused rows | server CPU µs/req | busy cores | GPU MiB | errors |"
-row "|---|---|---|---|---|---|---|---|---|---|"
-NARSIL_DEVICE_TABLE_BYTES=17179869184 start_server --backend torch --model "$BIG" --device "$DEVICE" \
-  --execution-mode batch --lanes 2 --max-batch-requests 64 --stage-ahead on
-for c in 1 16 64 256; do load_point batch "$c"; done
-NARSIL_DEVICE_TABLE_BYTES=17179869184 start_server --backend torch --model "$BIG" --device "$DEVICE" \
-  --execution-mode worker --lanes 16
-for c in 1 16 64 256; do load_point worker "$c"; done
-stop_server
+phase_b() {
+  local big="$WORK/default-size" c
+  local head="| mode | clients | req/s | p50 ms | p99 ms | mean fused rows | server CPU µs/req | busy cores | GPU MiB | errors |"
+  local line="|---|---|---|---|---|---|---|---|---|---|"
+  local device_lane=()
+  [ -n "$DRY" ] && device_lane=(NARSIL_CUDA_GRAPH_BUCKETS=128,256,512,1024)
+  if ! make_default_size_model "$big" > "$WORK/generate.log" 2>&1; then
+    failed "cannot generate the default-size tables: $(tail -3 "$WORK/generate.log" | tr '\n' ' ')"
+    return 0
+  fi
+  row ""
+  row "## B. narsil load on $DEVICE: 26 x $ROWS x 64 INT8 tables in GPU memory, FP32, 100 samples a request, $SECS s a point"
+  if start_server batch NARSIL_DEVICE_TABLE_BYTES=17179869184 "${device_lane[@]}" -- --backend torch \
+    --model "$big" --device "$DEVICE" --execution-mode batch --lanes 2 --max-batch-requests 64 --stage-ahead on; then
+    row "batch mode, 2 lanes, stage ahead: $GRAPHS"
+    row "$head"
+    row "$line"
+    for c in 1 16 64 256; do load_point batch "$c"; done
+  fi
+  if start_server worker NARSIL_DEVICE_TABLE_BYTES=17179869184 "${device_lane[@]}" -- --backend torch \
+    --model "$big" --device "$DEVICE" --execution-mode worker --lanes 16; then
+    row "worker mode, 16 lanes: $GRAPHS"
+    row "$head"
+    row "$line"
+    for c in 1 16 64 256; do load_point worker "$c"; done
+  fi
+  stop_server
+  row ""
+  row "## zero-cost mock (--backend mock --mock-latency-ms 0), batch mode, 4 lanes, c256 (CUDA graphs: none, the mock runs no model)"
+  row "$head"
+  row "$line"
+  if start_server mock -- --backend mock --mock-latency-ms 0 --execution-mode batch --lanes 4 --max-batch-requests 64; then
+    load_point mock 256
+  fi
+  stop_server
+}
 
-# ---- 3. the zero-cost mock -------------------------------------------------
-row ""
-row "## zero-cost mock (--backend mock --mock-latency-ms 0), batch mode, 4 lanes, c256"
-row "| mode | clients | req/s | p50 ms | p99 ms | mean fused rows | server CPU µs/req | busy cores | GPU MiB | errors |"
-row "|---|---|---|---|---|---|---|---|---|---|"
-start_server --backend mock --mock-latency-ms 0 --execution-mode batch --lanes 4 --max-batch-requests 64
-load_point mock 256
-stop_server
+# ---- entry points ----------------------------------------------------------
 
+case "${1:-}" in
+  --exec-narsil) # internal: narsil, with the machine's CUDA libraries
+    shift
+    [ -n "$DRY" ] && exec "$BIN" "$@"
+    exec env LD_LIBRARY_PATH="$TL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$TL/libtorch_cuda.so" "$BIN" "$@" ;;
+  --phase) # internal: one phase, under the caller's time limit
+    trap stop_server EXIT
+    case "$2" in A) phase_a ;; B) phase_b ;; esac
+    exit 0 ;;
+esac
+
+RESULTS="${OUT:-$HERE/gpu_check_out}"
+export WORK="${NARSIL_GPU_CHECK_DIR:-$(mktemp -d /tmp/narsil-gpu-check.XXXXXX)}"
+mkdir -p "$WORK" "$RESULTS"
+export TABLE="$WORK/table.txt"
+: > "$TABLE"
+: > "$WORK/commands.txt"
+: > "$WORK/failures.txt"
+rm -f "$WORK/failed" "$WORK/server.pid"
+started=$SECONDS
+
+# At exit, whatever happened: the server stopped, and the few small files
+# that matter copied to $RESULTS (each at most 1 MiB).
+collect() {
+  stop_server
+  {
+    for log in "$WORK"/server-*.log; do
+      [ -f "$log" ] || continue
+      echo "=== $(basename "$log") ($(wc -l < "$log") lines): first 40 and last 40 lines"
+      head -40 "$log"
+      echo "..."
+      tail -40 "$log"
+      echo
+    done
+  } > "$WORK/servers.txt"
+  for f in table.txt servers.txt failures.txt commands.txt; do
+    head -c 1048576 "$WORK/$f" > "$RESULTS/$f" 2>/dev/null || true
+  done
+  echo "gpu_check: results in $RESULTS (table.txt, servers.txt, failures.txt, commands.txt); work files in $WORK"
+}
+trap collect EXIT
+
+preflight() {
+  [ -x "$BIN" ] || { failed "no narsil binary at $BIN (set NARSIL_BIN)"; return 1; }
+  [ -f "$MODEL/schema.json" ] || { failed "no split test model at $MODEL"; return 1; }
+  [ -f "$GOLDEN" ] || { failed "no golden.json (the test model's, with scores_int8) at $GOLDEN"; return 1; }
+  command -v python3 > /dev/null || { failed "no python3"; return 1; }
+  TL="$(timeout 60 python3 -c 'import torch,os;print(os.path.dirname(torch.__file__)+"/lib")')" \
+    || { failed "python3 cannot import torch"; return 1; }
+  export TL
+  if [ -z "$DRY" ]; then
+    command -v nvidia-smi > /dev/null || { failed "no nvidia-smi: not a GPU machine?"; return 1; }
+    timeout 60 python3 -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+      || { failed "PyTorch sees no CUDA device"; return 1; }
+    if [ -f "$HERE/libnarsil_cuda_shim.so" ]; then
+      export NARSIL_CUDA_SHIM="$HERE/libnarsil_cuda_shim.so"
+    else
+      row "WARNING: no libnarsil_cuda_shim.so beside narsil: no CUDA graphs, one stream (rebuild with scripts/build_for_libtorch.sh)"
+    fi
+  else
+    # The dry run serves split models through the device lane on the CPU.
+    export NARSIL_DEVICE_PATH_ON_CPU=1
+  fi
+  narsil_run 60 --version > /dev/null 2>&1 || narsil_run 60 --help > "$WORK/help.log" 2>&1 \
+    || { failed "$BIN does not start: $(tail -3 "$WORK/help.log" | tr '\n' ' ')"; return 1; }
+}
+
+if preflight; then
+  GPU="$( ([ -n "$DRY" ] && echo "DRY RUN on the CPU ($(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)): no GPU") \
+    || timeout 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+  row "# Narsil GPU check: $(date -u +%FT%TZ), $GPU, $(nproc) host cores, torch $(timeout 60 python3 -c 'import torch;print(torch.__version__)'), $(cat "$HERE/BUILD" 2>/dev/null || echo 'build unknown'), carried $([ -n "$DRY" ] && echo n/a || echo "$(( ($(du -sb "$HERE" | cut -f1) + 1048575) / 1048576 )) MiB")"
+  row "CUDA shim: ${NARSIL_CUDA_SHIM:-none}"
+  for phase in $PHASES; do
+    limit=$([ "$phase" = A ] && echo "$LIMIT_A" || echo "$LIMIT_B")
+    phase_started=$SECONDS
+    timeout -k 10 "$limit" bash "$SELF" --phase "$phase"
+    rc=$?
+    stop_server
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+      failed "phase $phase stopped at its limit of $limit s"
+    fi
+    row ""
+    row "phase $phase: $((SECONDS - phase_started)) s (limit $limit s)"
+  done
+fi
 row ""
-row "gpu_check: done (table in $TABLE)"
+if [ -f "$WORK/failed" ]; then
+  row "gpu_check: FAILED after $((SECONDS - started)) s (see failures.txt)"
+  exit 1
+fi
+row "gpu_check: passed in $((SECONDS - started)) s"

@@ -176,6 +176,8 @@ impl LoadOptions {
         config.model_config = model_config.map(Path::to_path_buf);
         config.intra_op_threads = self.intra_op_threads;
         config.device_table_bytes = self.device_table_bytes;
+        config.device_path_on_cpu =
+            std::env::var(narsil_torch::DEVICE_PATH_ON_CPU_ENV).is_ok_and(|value| value == "1");
         config.fbgemm_dir = self.fbgemm_dir.clone();
         config.table_store = self.table_store.clone();
         config.dense_precision = match self.dense_precision {

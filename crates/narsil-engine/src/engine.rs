@@ -127,19 +127,54 @@ impl Engine {
     }
 
     /// Stops taking requests, runs every queued one to completion, and joins
-    /// the lanes.
+    /// the lanes, waiting at most [`LANE_STOP_LIMIT`] for them.
     pub async fn shutdown(self) {
+        self.shutdown_within(LANE_STOP_LIMIT).await;
+    }
+
+    /// [`Engine::shutdown`] waiting at most `limit` for the lanes to finish
+    /// the queued work and stop. Lanes still running then (stuck in a
+    /// forward: a hung device, a store that never answers) are logged and
+    /// left behind, so that the process can still exit. True when every lane
+    /// stopped in time.
+    pub async fn shutdown_within(self, limit: Duration) -> bool {
         self.handle.shared.collector.close();
         let threads = self.lane_threads;
-        let joined = tokio::task::spawn_blocking(move || {
-            threads.into_iter().map(|t| t.join()).filter(Result::is_err).count()
-        })
-        .await;
-        if !matches!(joined, Ok(0)) {
-            tracing::error!("a lane thread ended abnormally");
+        let lanes = threads.len();
+        let (joined, all_joined) = oneshot::channel();
+        // A thread of its own, not `spawn_blocking`: a runtime waits for its
+        // blocking tasks when it drops, so a stuck lane joined there would
+        // keep the process from exiting after all.
+        let joiner = std::thread::Builder::new().name("narsil-lane-join".into()).spawn(move || {
+            let failed = threads.into_iter().map(|t| t.join()).filter(Result::is_err).count();
+            let _ = joined.send(failed);
+        });
+        if let Err(e) = joiner {
+            tracing::error!(error = %e, "cannot start the thread that joins the lanes: not waiting for them");
+            return false;
+        }
+        match tokio::time::timeout(limit, all_joined).await {
+            Ok(Ok(0)) => true,
+            Ok(_) => {
+                tracing::error!("a lane thread ended abnormally");
+                true
+            }
+            Err(_) => {
+                tracing::error!(
+                    lanes,
+                    limit_s = limit.as_secs_f64(),
+                    "the lanes did not stop within the limit (a forward that never returns?): left behind"
+                );
+                false
+            }
         }
     }
 }
+
+/// How long [`Engine::shutdown`] waits for the lanes to finish the queued
+/// work and stop. Forwards take milliseconds and the queue is bounded, so a
+/// lane still busy after a minute is stuck.
+pub const LANE_STOP_LIMIT: Duration = Duration::from_secs(60);
 
 /// Turns the backend unhealthy while its outside dependencies do not
 /// answer, for as long as this engine lives.
@@ -420,5 +455,104 @@ async fn wait(
             }
         },
         None => answers.await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use narsil_core::request::{IdPolicy, RequestLimits};
+    use narsil_core::{BackendError, KeyedBatch, ModelBackend};
+
+    use super::*;
+    use crate::config::ExecutionMode;
+
+    static HUNG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Answers every forward at once, except a 3-row batch, which it never
+    /// finishes (a hung device).
+    struct HangsOnThreeRows;
+
+    impl ModelBackend for HangsOnThreeRows {
+        fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+            if batch.rows == 3 {
+                HUNG.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+            Ok(vec![0.5; batch.rows])
+        }
+    }
+
+    struct Factory(ModelSchema);
+
+    impl BackendFactory for Factory {
+        fn schema(&self) -> &ModelSchema {
+            &self.0
+        }
+
+        fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+            Ok(Box::new(HangsOnThreeRows))
+        }
+    }
+
+    fn config() -> EngineConfig {
+        EngineConfig {
+            mode: ExecutionMode::Batch,
+            max_batch_requests: 16,
+            max_batch_rows: 1024,
+            batch_timeout: Duration::ZERO,
+            lanes: 1,
+            max_forward_threads: 1,
+            max_queue_requests: 64,
+            max_queue_rows: 1024,
+            memory: MemoryBudget::new(1 << 30),
+            queue_timeout: None,
+            limits: RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject },
+            unhealthy_after_failures: 5,
+            health_probe_interval: Duration::from_secs(60),
+            stage_ahead: false,
+        }
+    }
+
+    fn samples(schema: &ModelSchema, rows: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: rows,
+            dense: vec![0.5; rows * schema.num_dense],
+            lengths: vec![1; rows * schema.num_sparse()],
+            ids: vec![0; rows * schema.num_sparse()],
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_leaves_a_lane_stuck_in_its_forward_behind_at_its_limit() {
+        let schema = ModelSchema::dlrm("test", "cpu", 1000);
+        let engine = Engine::start(Arc::new(Factory(schema.clone())), config()).unwrap();
+        let handle = engine.handle();
+        handle.wait_ready().await.unwrap();
+        let answer = handle.predict(samples(&schema, 1), None, None).await;
+        assert!(answer.is_ok(), "{answer:?}");
+        let stuck = tokio::spawn({
+            let handle = handle.clone();
+            let request = samples(&schema, 3);
+            async move { handle.predict(request, None, None).await }
+        });
+        let give_up = Instant::now() + Duration::from_secs(20);
+        while !HUNG.load(Ordering::SeqCst) {
+            assert!(Instant::now() < give_up, "the 3-row forward never started");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let started = Instant::now();
+        assert!(!engine.shutdown_within(Duration::from_millis(200)).await, "a stuck lane cannot stop");
+        let waited = started.elapsed();
+        assert!(waited < Duration::from_secs(10), "shutdown waited {waited:?} past its 200 ms limit");
+        assert!(!stuck.is_finished(), "the stuck request was answered");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_of_idle_lanes_joins_them_within_its_limit() {
+        let schema = ModelSchema::dlrm("test", "cpu", 1000);
+        let engine = Engine::start(Arc::new(Factory(schema)), config()).unwrap();
+        engine.handle().wait_ready().await.unwrap();
+        assert!(engine.shutdown_within(Duration::from_secs(20)).await);
     }
 }

@@ -45,6 +45,30 @@ extern "C" {
     ) -> i32;
 }
 
+static PINNING_FAILURE_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// `host` pinned for `device`'s copies; where pinning fails (the locked
+/// memory limit, a driver that refuses), `host` itself, pageable: its
+/// copies are then staged by the driver and wait for the host, slower but
+/// correct (warned once per process).
+fn pinned_or_pageable(host: Tensor, device: Device) -> Tensor {
+    match host.f_pin_memory(device) {
+        Ok(pinned) => pinned,
+        Err(why) => {
+            if !PINNING_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(reason = %why, "cannot pin host memory: staging through pageable buffers (slower copies)");
+            }
+            host
+        }
+    }
+}
+
+/// Graph captures run one lane at a time. Lanes start together, so without
+/// it every lane would capture at once through the one TorchScript
+/// executor their dense network shares (whose first runs on CUDA profile
+/// and fuse), and a capture that fails for it runs its bucket eagerly.
+static CAPTURE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// `dst.copy_(src, non_blocking)` (tch's `copy_` always blocks).
 fn copy_into(dst: &mut Tensor, src: &Tensor, non_blocking: bool) -> Result<(), BackendError> {
     let mut error = std::ptr::null_mut();
@@ -110,7 +134,7 @@ impl StagedBuffer {
             let host = Tensor::f_empty([size], (self.kind, Device::Cpu)).map_err(torch_error)?;
             self.host = Some(match self.device {
                 Device::Cpu => host,
-                device => host.f_pin_memory(device).map_err(torch_error)?,
+                device => pinned_or_pageable(host, device),
             });
             self.on_device = match self.device {
                 Device::Cpu => None,
@@ -277,6 +301,7 @@ impl DeviceLane {
         capture: bool,
     ) -> Result<Self, BackendError> {
         let device = model.device;
+        let mut no_shim = None;
         let streams = match device {
             Device::Cpu => None,
             Device::Cuda(index) => match cuda::shim() {
@@ -289,6 +314,7 @@ impl DeviceLane {
                     if !CAPTURE_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(reason = %why, "no CUDA shim: one stream, no CUDA graphs (eager forwards)");
                     }
+                    no_shim = Some(why.to_string());
                     None
                 }
             },
@@ -316,7 +342,8 @@ impl DeviceLane {
             model,
         };
         if capture {
-            lane.capture_graphs();
+            let eager = lane.capture_graphs();
+            tracing::info!("{}", lane.graphs_line(no_shim.as_deref(), &eager));
         }
         Ok(lane)
     }
@@ -338,10 +365,37 @@ impl DeviceLane {
         }
     }
 
+    /// The lane's one info-level line on its graphs, which `gpu_check.sh`
+    /// reads: "CUDA graphs: used for buckets [..]" (and the buckets left
+    /// eager, with why) or "CUDA graphs: not used: <why>".
+    fn graphs_line(&self, no_shim: Option<&str>, eager: &[(usize, String)]) -> String {
+        let graphs = self.graph_buckets();
+        let why_eager = match eager {
+            [] => String::new(),
+            [(_, why), ..] => {
+                let buckets: Vec<usize> = eager.iter().map(|(bucket, _)| *bucket).collect();
+                format!("; eager for buckets {buckets:?}: {why}")
+            }
+        };
+        match (self.model.device, no_shim) {
+            (Device::Cpu, _) => {
+                format!("CUDA graphs: not used: the CPU device (padded eager buckets {graphs:?})")
+            }
+            (_, Some(why)) => format!("CUDA graphs: not used: no CUDA shim ({why})"),
+            _ if self.model.buckets.rows().is_empty() => {
+                format!("CUDA graphs: not used: no buckets ({} is empty)", crate::buckets::BUCKETS_ENV)
+            }
+            _ if graphs.is_empty() => format!("CUDA graphs: not used: every capture failed{why_eager}"),
+            _ => format!("CUDA graphs: used for buckets {graphs:?}{why_eager}"),
+        }
+    }
+
     /// Captures a graph per bucket (CUDA), or sets up padded buckets (the
     /// CPU device, when the model asks for them); a bucket whose capture
-    /// fails runs eagerly (logged once per process).
-    fn capture_graphs(&mut self) {
+    /// fails runs eagerly (warned once per process). Returns the buckets
+    /// left eager, with why.
+    fn capture_graphs(&mut self) -> Vec<(usize, String)> {
+        let mut eager = Vec::new();
         let model = Arc::clone(&self.model);
         let (device, kind) = (model.device, self.network_kind());
         let width = model.stage.pooled_width() as i64;
@@ -352,14 +406,21 @@ impl DeviceLane {
             ];
             let [Ok(dense), Ok(pooled)] = inputs else {
                 tracing::warn!(bucket, "cannot allocate a bucket's static inputs: eager forwards for it");
+                eager.push((bucket, "cannot allocate its static inputs".to_string()));
                 continue;
             };
             let replay = match (&self.streams, device) {
                 (None, Device::Cpu) => Ok(Replay::Padded),
                 (None, _) => continue,
-                (Some(streams), _) => streams
-                    .capture(|| model.dense_network.forward_tensors(&[&dense, &pooled]).map_err(|e| e.0), 3)
-                    .map(Replay::Cuda),
+                (Some(streams), _) => {
+                    let _one_at_a_time = CAPTURE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    streams
+                        .capture(
+                            || model.dense_network.forward_tensors(&[&dense, &pooled]).map_err(|e| e.0),
+                            3,
+                        )
+                        .map(Replay::Cuda)
+                }
             };
             match replay {
                 Ok(replay) => self.graphs.push(BucketGraph { bucket, inputs: [dense, pooled], replay }),
@@ -367,12 +428,11 @@ impl DeviceLane {
                     if !CAPTURE_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(bucket, reason = %why, "CUDA graph capture failed: eager forwards for this bucket (logged once)");
                     }
+                    eager.push((bucket, format!("capture failed: {why}")));
                 }
             }
         }
-        if !self.graphs.is_empty() {
-            tracing::debug!(buckets = ?self.graph_buckets(), graphs = matches!(self.graphs[0].replay, Replay::Cuda(_)), "lane buckets ready");
-        }
+        eager
     }
 
     /// Pools (if the tables are on the device), runs the dense network and
@@ -448,10 +508,8 @@ impl DeviceLane {
         if self.scores.as_ref().map_or(0, Tensor::numel) < values.max(1) {
             // Pinned, grown to the largest batch: a DMA copy, not a staged one.
             let size = values.max(1).next_power_of_two() as i64;
-            let host = Tensor::f_empty([size], (Kind::Float, Device::Cpu))
-                .and_then(|t| t.f_pin_memory(self.model.device))
-                .map_err(torch_error)?;
-            self.scores = Some(host);
+            let host = Tensor::f_empty([size], (Kind::Float, Device::Cpu)).map_err(torch_error)?;
+            self.scores = Some(pinned_or_pageable(host, self.model.device));
         }
         let host = self.scores.as_ref().expect("allocated above");
         let mut head = host.f_narrow(0, 0, values as i64).map_err(torch_error)?;

@@ -76,13 +76,19 @@ pub struct TorchConfig {
     /// Serves a split model through the device lane on the CPU device
     /// (staging buffers, the tensor stage, padded buckets, the double-buffer
     /// hand-off): the GPU path's logic, testable without a GPU. No serving
-    /// flag sets it.
+    /// flag sets it; `narsil serve` sets it under
+    /// [`DEVICE_PATH_ON_CPU_ENV`]`=1` (`gpu_check.sh`'s dry run).
     pub device_path_on_cpu: bool,
     /// Batch-size buckets for CUDA graphs (and padded forwards on the CPU
     /// device path); `None`: `NARSIL_CUDA_GRAPH_BUCKETS` or the default on
     /// CUDA, none on the CPU.
     pub graph_buckets: Option<crate::buckets::Buckets>,
 }
+
+/// Environment variable that serves split models on `--device cpu` through
+/// the device lane ([`TorchConfig::device_path_on_cpu`]): for checks of the
+/// GPU path's logic on a CPU, never for serving.
+pub const DEVICE_PATH_ON_CPU_ENV: &str = "NARSIL_DEVICE_PATH_ON_CPU";
 
 /// Environment variable with the device table budget
 /// ([`TorchConfig::device_table_bytes`]).

@@ -44,7 +44,7 @@ pub mod split_model;
 pub mod tensor_stage;
 
 pub use dense_network::DenseForm;
-pub use factory::{TorchConfig, TorchFactory};
+pub use factory::{TorchConfig, TorchFactory, DEVICE_PATH_ON_CPU_ENV};
 pub use model::TorchModel;
 pub use narsil_embedding::TableStore;
 pub use precision::{cpu_bf16_instructions, cpu_flags, DensePrecision};

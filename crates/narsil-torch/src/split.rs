@@ -75,6 +75,13 @@ impl SplitFactory {
         let device_path = device != Device::Cpu || config.device_path_on_cpu;
         let buckets = match (&config.graph_buckets, device) {
             (Some(buckets), _) => buckets.clone(),
+            // The device path on the CPU pads to the buckets the environment
+            // names, if any (how `gpu_check.sh`'s dry run exercises them).
+            (None, Device::Cpu)
+                if config.device_path_on_cpu && std::env::var_os(crate::buckets::BUCKETS_ENV).is_some() =>
+            {
+                Buckets::from_env().map_err(BackendError::setup)?
+            }
             (None, Device::Cpu) => Buckets::new(Vec::new()),
             (None, _) => Buckets::from_env().map_err(BackendError::setup)?,
         };
