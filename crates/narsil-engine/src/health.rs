@@ -2,7 +2,10 @@
 //! forwards: after `unhealthy_after` failed forwards in a row it is
 //! unhealthy (grpc.health turns NOT_SERVING, so load balancers stop sending
 //! it requests), and the next successful forward (a request's, or an idle
-//! lane's probe) makes it healthy again. It is unhealthy too while what its
+//! lane's probe) makes it healthy again. The lanes record a batch abandoned
+//! by its callers as a failure when its time went into the forward (a
+//! stalled table store), and not at all when it went into the queue
+//! ([`crate::lanes`]). It is unhealthy too while what its
 //! forwards need outside the process does not answer (a table store that
 //! watches its cluster, [`narsil_core::BackendFactory::watch_dependencies`]):
 //! that turns a replica NOT_SERVING without any traffic, and sooner than

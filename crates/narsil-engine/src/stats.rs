@@ -5,7 +5,9 @@
 //! Per request: end-to-end time of answered requests, queue time (admission
 //! to a lane, or its stage thread, taking the request's batch) and the
 //! outcome. Per forward: compute time, fused rows and fused requests, and
-//! whether every caller of its batch left first (abandoned). Per staged
+//! whether it failed. Per batch whose every caller left first (abandoned):
+//! that alone (no forward, rows or compute time), and whether its time went
+//! into the forward rather than the queue (stalled). Per staged
 //! batch (`--stage-ahead`): its wait at the hand-over to its lane. Gauges:
 //! queued requests and rows, busy lanes.
 
@@ -83,6 +85,7 @@ pub struct Stats {
     pub(crate) requests_abandoned: Counter,
     pub(crate) backend_errors: Counter,
     pub(crate) batches_abandoned: Counter,
+    pub(crate) batches_stalled: Counter,
     pub(crate) batches_staged: Counter,
     pub(crate) probe_forwards: Counter,
     pub(crate) busy_lanes: Gauge,
@@ -106,7 +109,8 @@ pub struct Stats {
 /// A copy of the counters at one instant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StatsSnapshot {
-    /// Forward passes run (warm-up excluded).
+    /// Forward passes run (warm-up excluded), failed ones included,
+    /// abandoned batches not.
     pub forwards: u64,
     /// Rows those forwards computed.
     pub rows_computed: u64,
@@ -118,8 +122,12 @@ pub struct StatsSnapshot {
     pub backend_errors: u64,
     /// Batches whose every caller stopped waiting before their forward
     /// could finish ([`narsil_core::BackendError::Abandoned`]): their
-    /// requests got DEADLINE_EXCEEDED; neither a failure nor a success.
+    /// requests got DEADLINE_EXCEEDED; not a failed forward.
     pub batches_abandoned: u64,
+    /// Abandoned batches whose time went into their forward, not the queue
+    /// (a table store too slow to deliver): each counts toward the
+    /// backend's health as a failed forward does.
+    pub batches_stalled: u64,
     /// Batches a stage thread staged ahead and handed to its lane
     /// (`--stage-ahead`), whatever their outcome.
     pub batches_staged: u64,
@@ -156,6 +164,7 @@ impl Stats {
             requests_abandoned: Counter::default(),
             backend_errors: Counter::default(),
             batches_abandoned: Counter::default(),
+            batches_stalled: Counter::default(),
             batches_staged: Counter::default(),
             probe_forwards: Counter::default(),
             busy_lanes: Gauge::default(),
@@ -209,7 +218,7 @@ impl Stats {
         );
         r.register("batch_rows", "Rows fused into one forward", self.batch_rows.clone());
         r.register("batch_requests", "Requests fused into one forward", self.batch_requests.clone());
-        r.register("forwards", "Forward passes run", self.forwards.clone());
+        r.register("forwards", "Forward passes run (abandoned batches excluded)", self.forwards.clone());
         r.register(
             "forward_errors",
             "Forwards that failed or panicked (abandoned batches excluded)",
@@ -219,6 +228,11 @@ impl Stats {
             "batches_abandoned",
             "Batches whose every caller's deadline passed before the forward could finish",
             self.batches_abandoned.clone(),
+        );
+        r.register(
+            "batches_stalled",
+            "Abandoned batches whose time went into the forward, not the queue; each counts toward unhealthy",
+            self.batches_stalled.clone(),
         );
         r.register(
             "batches_staged",
@@ -244,7 +258,7 @@ impl Stats {
         r.register("busy_lanes", "Lanes running a forward", self.busy_lanes.clone());
         r.register(
             "backend_healthy",
-            "1 while the backend serves, 0 after too many failed forwards in a row",
+            "1 while the backend serves, 0 after too many failed or stalled forwards in a row",
             self.backend_healthy.clone(),
         );
         r.register(
@@ -285,6 +299,7 @@ impl Stats {
             requests_abandoned: self.requests_abandoned.get(),
             backend_errors: self.backend_errors.get(),
             batches_abandoned: self.batches_abandoned.get(),
+            batches_stalled: self.batches_stalled.get(),
             batches_staged: self.batches_staged.get(),
             busy_lanes: self.busy_lanes.get().max(0) as usize,
             queued_requests,
@@ -382,6 +397,7 @@ mod tests {
         assert!(text.contains("narsil_queue_seconds_bucket"), "{text}");
         assert!(text.contains("narsil_stage_handover_seconds_count 0"), "{text}");
         assert!(text.contains("narsil_batches_abandoned_total 0"), "{text}");
+        assert!(text.contains("narsil_batches_stalled_total 0"), "{text}");
         assert!(text.contains("narsil_batches_staged_total 0"), "{text}");
         assert!(text.contains("narsil_queue_depth 3"), "{text}");
         assert!(text.contains("narsil_queue_rows 300"), "{text}");

@@ -95,13 +95,30 @@ pub struct BlockRead<'a> {
 /// Makes every read of `reads` with `pread` on up to `threads` threads,
 /// each into one buffer of its own reused read after read, calling
 /// `land(i, bytes)` with read `i`'s bytes as each completes; no read starts
-/// after `deadline` ([`deadline_passed`]). The first failure (with the
-/// index of its read) once every thread has stopped.
+/// after `deadline` ([`deadline_passed`]). Once every thread has stopped,
+/// the failure (with the index of its read): the disk's own error wins over
+/// the deadline ([`first_failure`]: a read that fails after the deadline
+/// passed is still the disk failing), else the first in thread order.
 pub fn read_on_threads(
     reads: &[BlockRead<'_>],
     threads: usize,
     deadline: Option<Instant>,
     land: impl Fn(usize, &[u8]) + Sync,
+) -> Result<(), (usize, std::io::Error)> {
+    read_on_threads_with(reads, threads, deadline, land, |_, read, buf| {
+        read_blocks(read.file, read.offset, buf, read.needed)
+    })
+}
+
+/// [`read_on_threads`], each read made by `read_one(i, read, buf)`
+/// (returning the bytes read): [`read_blocks`], or in tests a read that
+/// is slow or fails.
+fn read_on_threads_with(
+    reads: &[BlockRead<'_>],
+    threads: usize,
+    deadline: Option<Instant>,
+    land: impl Fn(usize, &[u8]) + Sync,
+    read_one: impl Fn(usize, &BlockRead<'_>, &mut [u8]) -> std::io::Result<usize> + Sync,
 ) -> Result<(), (usize, std::io::Error)> {
     let threads = threads.min(reads.len()).max(1);
     let read_share = |thread: usize| -> Result<(), (usize, std::io::Error)> {
@@ -116,7 +133,7 @@ pub fn read_on_threads(
             let slice = &mut buf.as_mut_slice()[..read.len];
             read.counters.in_flight.inc();
             let started = Instant::now();
-            let result = read_blocks(read.file, read.offset, slice, read.needed);
+            let result = read_one(i, read, slice);
             read.counters.in_flight.dec();
             read.counters.read_seconds.observe(started.elapsed().as_secs_f64());
             let filled = result.map_err(|e| (i, e))?;
@@ -129,14 +146,32 @@ pub fn read_on_threads(
         return read_share(0);
     }
     std::thread::scope(|scope| {
+        let read_share = &read_share;
         let handles: Vec<_> = (0..threads).map(|thread| scope.spawn(move || read_share(thread))).collect();
-        // Every thread is joined before the first failure is returned.
-        let results: Vec<_> = handles
+        // Every thread is joined before the failure is returned.
+        let results = handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err((0, std::io::Error::other("a disk reader panicked")))))
-            .collect();
-        results.into_iter().collect()
+            .map(|h| h.join().unwrap_or_else(|_| Err((0, std::io::Error::other("a disk reader panicked")))));
+        first_failure(results.filter_map(Result::err)).map_or(Ok(()), Err)
     })
+}
+
+/// The failure a batch's reads end with, of those its reads met (in the
+/// order given): the first of the disk's own errors, or else the first
+/// [`deadline_passed`]. A deadline never hides a read that failed: a disk
+/// that is slow and then fails (the way disks die) is a failing store, not
+/// a batch its callers gave up on.
+pub fn first_failure(
+    failures: impl IntoIterator<Item = (usize, std::io::Error)>,
+) -> Option<(usize, std::io::Error)> {
+    let mut first: Option<(usize, std::io::Error)> = None;
+    for failure in failures {
+        match &first {
+            Some((_, kept)) if !is_deadline_passed(kept) || is_deadline_passed(&failure.1) => {}
+            _ => first = Some(failure),
+        }
+    }
+    first
 }
 
 /// Why reads stopped when every caller of their batch had left
@@ -228,6 +263,61 @@ mod tests {
         assert!(is_deadline_passed(&deadline_passed()));
         assert!(!is_deadline_passed(&std::io::Error::from(std::io::ErrorKind::TimedOut)));
         assert!(!is_deadline_passed(&std::io::Error::from_raw_os_error(libc::ETIMEDOUT)));
+    }
+
+    #[test]
+    fn a_read_that_fails_after_a_slow_read_on_threads_is_the_disk_s_error_not_the_deadline() {
+        // 300 reads on 16 threads, each read 5 ms, but read 17 (thread 1's
+        // second) takes 150 ms and then fails with EIO. The deadline (20
+        // ms) stops every other thread, thread 0 first, with most reads not
+        // started: the EIO, which comes later from a later thread, is still
+        // what the batch reports (a disk slow and then failing is a failing
+        // disk).
+        let file = tempfile::tempfile().unwrap();
+        let counters = DiskCounters::default();
+        let reads: Vec<BlockRead<'_>> = (0..300)
+            .map(|b| BlockRead {
+                file: &file,
+                offset: b * BLOCK,
+                len: BLOCK as usize,
+                needed: 80,
+                counters: &counters,
+            })
+            .collect();
+        let deadline = Some(Instant::now() + std::time::Duration::from_millis(20));
+        let landed = std::sync::atomic::AtomicUsize::new(0);
+        let land = |_: usize, _: &[u8]| {
+            landed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
+        let (i, error) = read_on_threads_with(&reads, 16, deadline, land, |i, _, buf| {
+            let slow = i == 17;
+            std::thread::sleep(std::time::Duration::from_millis(if slow { 150 } else { 5 }));
+            if slow {
+                return Err(std::io::Error::from_raw_os_error(libc::EIO));
+            }
+            Ok(buf.len())
+        })
+        .unwrap_err();
+        assert_eq!((i, error.raw_os_error()), (17, Some(libc::EIO)), "{error}");
+        assert!(!is_deadline_passed(&error));
+        let landed = landed.into_inner();
+        assert!(landed < 299, "the deadline stopped reads: {landed} landed");
+        assert_eq!(counters.in_flight.get(), 0);
+    }
+
+    #[test]
+    fn the_disk_s_error_wins_over_the_deadline_whatever_their_order() {
+        let eio = || (3, std::io::Error::from_raw_os_error(libc::EIO));
+        let (i, error) = first_failure([(0, deadline_passed()), eio(), (5, deadline_passed())]).unwrap();
+        assert_eq!((i, error.raw_os_error()), (3, Some(libc::EIO)));
+        let (i, error) = first_failure([eio(), (0, deadline_passed())]).unwrap();
+        assert_eq!((i, error.raw_os_error()), (3, Some(libc::EIO)));
+        let cut = (7, cut_short(80, 0, 0));
+        let (i, _) = first_failure([(0, deadline_passed()), cut, eio()]).unwrap();
+        assert_eq!(i, 7, "the first of the disk's errors");
+        let (i, error) = first_failure([(4, deadline_passed()), (1, deadline_passed())]).unwrap();
+        assert!(i == 4 && is_deadline_passed(&error));
+        assert!(first_failure([]).is_none());
     }
 
     #[test]

@@ -493,13 +493,20 @@ mod tests {
         for reads in both_reads("a_batch_whose_callers_all_left_reads_nothing_and_is_abandoned_not_failed") {
             let rows =
                 DiskRows::open(&dir.path().join("t.bin"), &spec, None, &DiskStore::new(0, reads)).unwrap();
-            let mut out = vec![7u8; 80];
-            let error = rows.fetch(&[5], 80, &mut out, Some(Instant::now())).unwrap_err();
+            let counters = crate::metrics::TableCounters::default();
+            let ids = [5, 500, 999];
+            let mut out = vec![7u8; ids.len() * 80];
+            let part =
+                FetchPart { store: &rows, ids: &ids, row_bytes: 80, out: &mut out, counters: &counters };
+            let (_, error) = rows.fetch_parts(&mut [part], Some(Instant::now())).unwrap_err();
             assert!(
                 error.message.contains("t.bin") && error.message.contains("deadline passed"),
                 "{reads:?}: {error}"
             );
             assert!(error.abandoned, "{reads:?}: nobody waits for these rows: not the store's failure");
+            assert_eq!(counters.disk.bytes_read.get(), 0, "{reads:?}: no read started");
+            assert_eq!(counters.disk.in_flight.get(), 0);
+            assert!(out.iter().all(|&b| b == 7), "{reads:?}: nothing landed");
         }
     }
 
@@ -513,12 +520,41 @@ mod tests {
             let rows = DiskRows::open(&dir.path().join("t.bin"), &spec, None, &store).unwrap();
             let ids = [39, 0, 17, 18];
             let expected: Vec<u8> = ids.iter().flat_map(|&i| vec![i as u8; 5_000]).collect();
-            for pass in ["disk", "cache"] {
+            for (pass, cached) in [("disk", 0), ("cache", ids.len())] {
                 let mut out = vec![0u8; ids.len() * 5_000];
-                rows.fetch(&ids, 5_000, &mut out, None).unwrap();
+                let fetched = rows.fetch(&ids, 5_000, &mut out, None).unwrap();
                 assert!(out == expected, "{reads:?}, from the {pass}");
+                assert_eq!(fetched.cached, cached, "{reads:?}, from the {pass}");
             }
         }
+    }
+
+    #[test]
+    fn a_table_in_popularity_order_opens_by_id_and_two_swapped_slots_fail_the_open() {
+        // Ids 0, 1, 2 at slots 2, 0, 1: the file holds row 1, row 2, row 0.
+        let Some((dir, spec)) = table_file(3) else { return };
+        let index = |slots: [u32; 3]| -> Vec<u8> { slots.iter().flat_map(|s| s.to_le_bytes()).collect() };
+        let (right, swapped) = (index([2, 0, 1]), index([0, 2, 1]));
+        let (_, sha256) = SlotIndex::read(|| Ok(right.as_slice()), 3).unwrap();
+        let (_, swapped_sha256) = SlotIndex::read(|| Ok(swapped.as_slice()), 3).unwrap();
+        std::fs::write(dir.path().join("t.slots"), &right).unwrap();
+        let layout = crate::schema::Layout { slots: "t.slots".into(), sha256: sha256.clone() };
+        let schema = SplitSchema {
+            tables: vec![TableSpec { layout: Some(layout), ..spec }],
+            ..SplitSchema::one_table_per_feature("m", "1", 1, Vec::new(), Vec::new())
+        };
+        let store = DiskStore::new(0, Reads::Auto);
+        let (stores, _) = store.open(dir.path(), &schema).unwrap();
+        let mut out = vec![0u8; 3 * 80];
+        stores[0].fetch(&[0, 1, 2], 80, &mut out, None).unwrap();
+        assert_eq!(out, expected(&[2, 0, 1]), "id i reads the file's row at slot i");
+        // Still a permutation: only the hash tells ids 0 and 1 apart.
+        std::fs::write(dir.path().join("t.slots"), &swapped).unwrap();
+        let error = store.open(dir.path(), &schema).err().expect("the open fails").to_string();
+        assert!(
+            error.contains("t.slots") && error.contains(&sha256) && error.contains(&swapped_sha256),
+            "{error}"
+        );
     }
 
     #[test]

@@ -24,7 +24,7 @@ use io_uring::{opcode, types, IoUring};
 
 use std::time::Instant;
 
-use super::reads::{cut_short, deadline_passed, AlignedBuf, BlockRead};
+use super::reads::{cut_short, deadline_passed, first_failure, is_deadline_passed, AlignedBuf, BlockRead};
 
 /// Most reads in flight on a ring (and its entries).
 pub const DEPTH: usize = 128;
@@ -59,7 +59,10 @@ pub fn available() -> Result<(), String> {
 /// `deadline` passing, stops new reads and is returned, with the index of
 /// the read it concerns (0 for the ring's own), once every read already
 /// submitted has completed (or, where waiting for them failed, once the
-/// ring has been given up).
+/// ring has been given up). Every completion is looked at, those after the
+/// deadline passed too: a read that fails then (EIO from a disk that was
+/// slow and then failed, the way disks die) is the failure returned, never
+/// hidden behind the deadline ([`super::reads::first_failure`]).
 pub fn read_all(
     reads: &[BlockRead<'_>],
     deadline: Option<Instant>,
@@ -189,17 +192,23 @@ impl Flight<'_> {
                 bytes -= read.len;
                 read.counters.in_flight.dec();
                 read.counters.read_seconds.observe(submitted.elapsed().as_secs_f64());
-                if failed.is_some() {
-                    continue;
-                }
-                match usize::try_from(result) {
-                    Err(_) => failed = Some((i, io::Error::from_raw_os_error(-result))),
-                    Ok(n) if n < read.needed => failed = Some((i, cut_short(read.needed, read.offset, n))),
-                    // A direct read stops early only at the end of the file.
-                    Ok(n) => {
-                        read.counters.bytes_read.inc_by(read.len as u64);
-                        land(i, &buf.as_slice()[..n.min(read.len)]);
-                    }
+                #[cfg(test)]
+                let result = tests::injected(i, result);
+                // After a failure of the disk nothing lands; after the
+                // deadline, reads already submitted still land (their rows
+                // go to the cache) and one that fails replaces it.
+                if failed.as_ref().is_none_or(|(_, e)| is_deadline_passed(e)) {
+                    let failure = match usize::try_from(result) {
+                        Err(_) => Some((i, io::Error::from_raw_os_error(-result))),
+                        Ok(n) if n < read.needed => Some((i, cut_short(read.needed, read.offset, n))),
+                        // A direct read stops early only at the end of the file.
+                        Ok(n) => {
+                            read.counters.bytes_read.inc_by(read.len as u64);
+                            land(i, &buf.as_slice()[..n.min(read.len)]);
+                            None
+                        }
+                    };
+                    failed = first_failure(failed.take().into_iter().chain(failure));
                 }
                 // A slot keeps a small buffer for its next read, not a large
                 // one: the buffers stay within MAX_BYTES_IN_FLIGHT plus
@@ -217,6 +226,9 @@ impl Flight<'_> {
     fn wait(&mut self, want: usize) -> io::Result<usize> {
         #[cfg(test)]
         if tests::FAILED_WAITS.with(|left| left.replace(left.get().saturating_sub(1))) > 0 {
+            // The reads queued reach the kernel first, as they would
+            // before a real wait fails.
+            self.ring.submit()?;
             return Err(io::Error::other("an injected failure to wait"));
         }
         self.ring.submit_and_wait(want)
@@ -272,6 +284,23 @@ mod tests {
         pub(super) static RINGS_MADE: Cell<usize> = const { Cell::new(0) };
         /// Waits on this thread's rings that fail, from the next one on.
         pub(super) static FAILED_WAITS: Cell<usize> = const { Cell::new(0) };
+        /// Reads (by index) whose completion on this thread says this
+        /// errno, whatever the kernel said.
+        pub(super) static FAILED_READS: RefCell<Vec<(usize, i32)>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// The completion `result` of read `i`, or the failure
+    /// [`FAILED_READS`] injects for it.
+    pub(super) fn injected(i: usize, result: i32) -> i32 {
+        FAILED_READS.with(|failed| {
+            failed.borrow().iter().find(|&&(read, _)| read == i).map_or(result, |&(_, errno)| -errno)
+        })
+    }
+
+    /// A pipe's ends: its reads wait until something is written.
+    fn pipe() -> (File, File) {
+        let (reader, writer) = std::io::pipe().unwrap();
+        (File::from(std::os::fd::OwnedFd::from(reader)), File::from(std::os::fd::OwnedFd::from(writer)))
     }
 
     /// A file of `blocks` blocks, block `b` filled with `b as u8`, opened
@@ -331,8 +360,9 @@ mod tests {
         let made = RINGS_MADE.with(Cell::get);
         read_all(&reads, None, |_, _| {}).unwrap();
         assert_eq!(RINGS_MADE.with(Cell::get), made, "a ring whose batch ended cleanly is kept");
-        // The batch's wait fails, then so does waiting for its reads in
-        // flight: their completions may still come.
+        // The batch's wait fails once its 64 reads reached the kernel
+        // ([`Flight::wait`] submits them before its injected failure), then
+        // so does waiting for them: their completions may still come.
         FAILED_WAITS.with(|left| left.set(2));
         let (_, error) = read_all(&reads, None, |_, _| {}).unwrap_err();
         assert!(error.to_string().contains("injected"), "{error}");
@@ -345,5 +375,45 @@ mod tests {
         .unwrap();
         assert_eq!(landed, 64);
         assert_eq!(RINGS_MADE.with(Cell::get), made + 1, "the torn ring was given up");
+    }
+
+    #[test]
+    fn a_read_that_fails_after_the_deadline_with_reads_unsubmitted_is_the_disk_s_error() {
+        let test = "a_read_that_fails_after_the_deadline_with_reads_unsubmitted_is_the_disk_s_error";
+        let Some((_dir, file)) = block_file(test, 298) else { return };
+        let counters = DiskCounters::default();
+        // Reads 0 and 1 are slow (pipes written to 100 and 200 ms in) and
+        // large: together they take every byte a ring may have in flight,
+        // so the 298 reads behind them are still unsubmitted when the
+        // deadline (20 ms) passes. Read 0 lands after the deadline; read 1
+        // then fails with EIO.
+        let ((slow_a, mut write_a), (slow_b, mut write_b)) = (pipe(), pipe());
+        let half = MAX_BYTES_IN_FLIGHT / 2;
+        let slow = |file| BlockRead { file, offset: 0, len: half, needed: 1, counters: &counters };
+        let reads: Vec<BlockRead<'_>> = [slow(&slow_a), slow(&slow_b)]
+            .into_iter()
+            .chain((0..298).map(|b| read(&file, &counters, b)))
+            .collect();
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            write_a.write_all(&[1; BLOCK as usize]).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            write_b.write_all(&[2; BLOCK as usize]).unwrap();
+        });
+        FAILED_READS.with(|failed| *failed.borrow_mut() = vec![(1, libc::EIO)]);
+        let deadline = Some(Instant::now() + std::time::Duration::from_millis(20));
+        let mut landed = Vec::new();
+        let result = read_all(&reads, deadline, |i, _| landed.push(i));
+        FAILED_READS.with(|failed| failed.borrow_mut().clear());
+        writer.join().unwrap();
+        let (i, error) = result.unwrap_err();
+        assert_eq!((i, error.raw_os_error()), (1, Some(libc::EIO)), "{error}");
+        assert_eq!(landed, vec![0], "read 0 landed; none started after the deadline");
+        assert_eq!(counters.in_flight.get(), 0, "every read submitted was reaped");
+        // Every completion was reaped: the ring is kept for the next batch.
+        let made = RINGS_MADE.with(Cell::get);
+        read_all(&reads[2..], None, |_, _| {}).unwrap();
+        assert_eq!(RINGS_MADE.with(Cell::get), made, "the ring was kept");
     }
 }
