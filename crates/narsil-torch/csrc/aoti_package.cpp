@@ -7,9 +7,10 @@
 // stores a malloc'd message there (the caller frees it; null if even that
 // allocation failed) and returns null (or -1). No exception leaves an
 // `extern "C"` function: unwinding into Rust is undefined behaviour, so each
-// catches `std::exception` (its message) and then anything else (a generic
-// message), and each is `noexcept` besides, so that a throw we missed ends
-// the process (std::terminate) instead.
+// runs its body in shim_errors.h's `guarded` (or catches the same way where
+// it must clean up first: `std::exception`'s message, then anything else),
+// and each is `noexcept` besides, so that a throw we missed ends the process
+// (std::terminate) instead.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include "shim_errors.h"
@@ -24,6 +25,7 @@
 
 namespace {
 
+using narsil_shim::guarded;
 using narsil_shim::set_error;
 using narsil_shim::set_unknown_error;
 
@@ -65,37 +67,25 @@ int narsil_aoti_package_metadata(const char* path, const char* key, char** value
 // Loads the package at `path` for the CPU with `runners` model instances
 // (forwards that may run at once; a forward waits for a free one).
 NarsilAotiPackage* narsil_aoti_package_load(const char* path, int runners, char** error) noexcept {
-  try {
+  return guarded(error, static_cast<NarsilAotiPackage*>(nullptr), [&] {
     auto loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
         path, "model", /*run_single_threaded=*/false, static_cast<size_t>(runners), /*device_index=*/-1);
     return new NarsilAotiPackage{std::move(loader)};
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  });
 }
 
 // Runs the package on `inputs` and returns its first output as a new tensor
 // (the caller takes ownership).
 at::Tensor* narsil_aoti_package_run(NarsilAotiPackage* package, int num_inputs, const at::Tensor* const* inputs,
                                     char** error) noexcept {
-  try {
+  return guarded(error, static_cast<at::Tensor*>(nullptr), [&] {
     std::vector<at::Tensor> values;
     values.reserve(num_inputs);
     for (int i = 0; i < num_inputs; ++i) values.push_back(*inputs[i]);
     auto outputs = package->loader->run(values);
     if (outputs.empty()) throw std::runtime_error("the package returned no output");
     return new at::Tensor(std::move(outputs[0]));
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  });
 }
 
 // Frees a package from narsil_aoti_package_load. Destructors do not throw

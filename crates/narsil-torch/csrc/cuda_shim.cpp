@@ -11,10 +11,10 @@
 // c10::Stream go through libtorch's device guard, CUDAGraph lives in
 // libtorch_cuda.
 //
-// Errors follow csrc/script_module.cpp: every function that can fail takes
-// `char** error`, stores a malloc'd message there on failure and returns null
-// (or -1); no exception leaves an extern "C" function (each is noexcept and
-// catches everything).
+// Errors follow csrc/shim_errors.h: every function that can fail takes
+// `char** error`, runs its body in `guarded` (a throw becomes a malloc'd
+// message there and null or -1 is returned); no exception leaves an
+// extern "C" function.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/Event.h>
@@ -34,9 +34,7 @@
 
 namespace {
 
-using narsil_shim::copy_string;
-using narsil_shim::set_error;
-using narsil_shim::set_unknown_error;
+using narsil_shim::guarded;
 
 }  // namespace
 
@@ -78,17 +76,11 @@ int narsil_cuda_device_count() noexcept {
 
 // Two streams from libtorch's pool for one lane on `device`.
 NarsilLaneStreams* narsil_cuda_streams_new(int device, char** error) noexcept {
-  try {
+  return guarded(error, static_cast<NarsilLaneStreams*>(nullptr), [&] {
     auto index = static_cast<c10::DeviceIndex>(device);
     return new NarsilLaneStreams{c10::cuda::getStreamFromPool(false, index),
                                  c10::cuda::getStreamFromPool(false, index)};
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  });
 }
 
 void narsil_cuda_streams_free(NarsilLaneStreams* s) noexcept { delete s; }
@@ -100,42 +92,22 @@ static c10::cuda::CUDAStream which_stream(NarsilLaneStreams* s, int which) {
 // Makes stream `which` (0 compute, 1 copy) the calling thread's current
 // stream on its device: every libtorch op this thread issues then runs there.
 int narsil_cuda_use_stream(NarsilLaneStreams* s, int which, char** error) noexcept {
-  try {
+  return guarded(error, -1, [&] {
     c10::cuda::setCurrentCUDAStream(which_stream(s, which));
     return 0;
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return -1;
-  } catch (...) {
-    set_unknown_error(error);
-    return -1;
-  }
+  });
 }
 
 // Waits (on the host) until stream `which` has run everything issued to it.
 int narsil_cuda_stream_synchronize(NarsilLaneStreams* s, int which, char** error) noexcept {
-  try {
+  return guarded(error, -1, [&] {
     c10::Stream(which_stream(s, which)).synchronize();
     return 0;
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return -1;
-  } catch (...) {
-    set_unknown_error(error);
-    return -1;
-  }
+  });
 }
 
 NarsilEvent* narsil_cuda_event_new(char** error) noexcept {
-  try {
-    return new NarsilEvent();
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  return guarded(error, static_cast<NarsilEvent*>(nullptr), [] { return new NarsilEvent(); });
 }
 
 void narsil_cuda_event_free(NarsilEvent* e) noexcept { delete e; }
@@ -143,44 +115,26 @@ void narsil_cuda_event_free(NarsilEvent* e) noexcept { delete e; }
 // Records `e` on stream `which`: it completes once the stream has run what
 // was issued to it so far.
 int narsil_cuda_event_record(NarsilEvent* e, NarsilLaneStreams* s, int which, char** error) noexcept {
-  try {
+  return guarded(error, -1, [&] {
     e->event.record(c10::Stream(which_stream(s, which)));
     return 0;
-  } catch (const std::exception& ex) {
-    set_error(error, ex);
-    return -1;
-  } catch (...) {
-    set_unknown_error(error);
-    return -1;
-  }
+  });
 }
 
 // Makes stream `which` wait (on the device, the host goes on) for `e`.
 int narsil_cuda_event_block(NarsilEvent* e, NarsilLaneStreams* s, int which, char** error) noexcept {
-  try {
+  return guarded(error, -1, [&] {
     e->event.block(c10::Stream(which_stream(s, which)));
     return 0;
-  } catch (const std::exception& ex) {
-    set_error(error, ex);
-    return -1;
-  } catch (...) {
-    set_unknown_error(error);
-    return -1;
-  }
+  });
 }
 
 // Waits on the host for `e` (a never-recorded event is complete).
 int narsil_cuda_event_synchronize(NarsilEvent* e, char** error) noexcept {
-  try {
+  return guarded(error, -1, [&] {
     e->event.synchronize();
     return 0;
-  } catch (const std::exception& ex) {
-    set_error(error, ex);
-    return -1;
-  } catch (...) {
-    set_unknown_error(error);
-    return -1;
-  }
+  });
 }
 
 // Captures `forward(context)` as a CUDA graph on the lane's compute stream,
@@ -192,8 +146,7 @@ int narsil_cuda_event_synchronize(NarsilEvent* e, char** error) noexcept {
 // meanwhile. Each graph has its own memory pool.
 NarsilGraph* narsil_cuda_graph_capture(NarsilLaneStreams* s, narsil_forward_fn forward, void* context,
                                        int warmups, char** error) noexcept {
-  NarsilGraph* g = nullptr;
-  try {
+  return guarded(error, static_cast<NarsilGraph*>(nullptr), [&] {
     c10::cuda::CUDAStreamGuard guard(s->compute);
     auto run = [&]() {
       char* message = nullptr;
@@ -209,7 +162,7 @@ NarsilGraph* narsil_cuda_graph_capture(NarsilLaneStreams* s, narsil_forward_fn f
     };
     for (int i = 0; i < warmups; ++i) run();
     c10::Stream(s->compute).synchronize();
-    g = new NarsilGraph(s->compute);
+    auto g = std::make_unique<NarsilGraph>(s->compute);
     g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
     try {
       g->output = run();
@@ -222,45 +175,23 @@ NarsilGraph* narsil_cuda_graph_capture(NarsilLaneStreams* s, narsil_forward_fn f
     }
     g->graph.capture_end();
     c10::Stream(s->compute).synchronize();
-    return g;
-  } catch (const std::exception& e) {
-    delete g;
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    delete g;
-    set_unknown_error(error);
-    return nullptr;
-  }
+    return g.release();
+  });
 }
 
 // The graph's output tensor (a new handle; the caller owns it): rewritten by
 // each replay.
 at::Tensor* narsil_cuda_graph_output(NarsilGraph* g, char** error) noexcept {
-  try {
-    return new at::Tensor(g->output);
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  return guarded(error, static_cast<at::Tensor*>(nullptr), [&] { return new at::Tensor(g->output); });
 }
 
 // Replays the graph on the stream it was captured on (asynchronously).
 int narsil_cuda_graph_replay(NarsilGraph* g, char** error) noexcept {
-  try {
+  return guarded(error, -1, [&] {
     c10::cuda::CUDAStreamGuard guard(g->stream);
     g->graph.replay();
     return 0;
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return -1;
-  } catch (...) {
-    set_unknown_error(error);
-    return -1;
-  }
+  });
 }
 
 void narsil_cuda_graph_free(NarsilGraph* g) noexcept {

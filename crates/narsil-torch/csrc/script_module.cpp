@@ -8,9 +8,10 @@
 // stores a malloc'd message there (the caller frees it; null if even that
 // allocation failed) and returns null (or -1). No exception leaves an
 // `extern "C"` function: unwinding into Rust is undefined behaviour, so each
-// catches `std::exception` (its message) and then anything else (a generic
-// message), and each is `noexcept` besides, so that a throw we missed ends
-// the process (std::terminate) instead.
+// runs its body in shim_errors.h's `guarded` (or catches the same way where
+// it must clean up first: `std::exception`'s message, then anything else),
+// and each is `noexcept` besides, so that a throw we missed ends the process
+// (std::terminate) instead.
 #include <torch/csrc/jit/ir/constants.h>
 #include <torch/csrc/jit/runtime/graph_iterator.h>
 #include <torch/script.h>
@@ -27,6 +28,7 @@
 namespace {
 
 using narsil_shim::copy_string;
+using narsil_shim::guarded;
 using narsil_shim::set_error;
 using narsil_shim::set_unknown_error;
 
@@ -147,27 +149,21 @@ NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, 
 // forward(dense, lengths, ids) -> a new tensor (tch takes ownership).
 at::Tensor* narsil_script_module_forward(NarsilScriptModule* m, const at::Tensor* dense, const at::Tensor* lengths,
                                          const at::Tensor* ids, char** error) noexcept {
-  try {
+  return guarded(error, static_cast<at::Tensor*>(nullptr), [&] {
     std::vector<c10::IValue> inputs{*dense, *lengths, *ids};
     auto output = m->module.forward(std::move(inputs));
     if (!output.isTensor()) {
       throw std::runtime_error("the model's forward returned " + output.tagKind() + ", not a tensor");
     }
     return new at::Tensor(std::move(output).toTensor());
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  });
 }
 
 // forward(inputs[0], ..., inputs[num_inputs - 1]) -> a new tensor (the
 // caller takes ownership): a split model's dense network, forward(dense, pooled).
 at::Tensor* narsil_script_module_forward_tensors(NarsilScriptModule* m, int num_inputs,
                                                  const at::Tensor* const* inputs, char** error) noexcept {
-  try {
+  return guarded(error, static_cast<at::Tensor*>(nullptr), [&] {
     std::vector<c10::IValue> values;
     values.reserve(num_inputs);
     for (int i = 0; i < num_inputs; ++i) values.emplace_back(*inputs[i]);
@@ -176,13 +172,7 @@ at::Tensor* narsil_script_module_forward_tensors(NarsilScriptModule* m, int num_
       throw std::runtime_error("the model's forward returned " + output.tagKind() + ", not a tensor");
     }
     return new at::Tensor(std::move(output).toTensor());
-  } catch (const std::exception& e) {
-    set_error(error, e);
-    return nullptr;
-  } catch (...) {
-    set_unknown_error(error);
-    return nullptr;
-  }
+  });
 }
 
 // forward(batch: Dict[str, Tensor]) -> Dict[str, Tensor]: the batch holds

@@ -35,4 +35,19 @@ inline void set_unknown_error(char** error) noexcept {
   *error = copy_string("libtorch threw an exception that is not a std::exception");
 }
 
+// Every shim function's edge: runs `body` and returns what it returns; a
+// throw becomes the message in `*error` and `failed` is returned instead.
+// `body` runs inside the try, so nothing it throws reaches the caller.
+template <typename Result, typename Body>
+Result guarded(char** error, Result failed, Body&& body) noexcept {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    set_error(error, e);
+  } catch (...) {
+    set_unknown_error(error);
+  }
+  return failed;
+}
+
 }  // namespace narsil_shim
