@@ -1,0 +1,63 @@
+//! The first step of a batch, per table: range-checking the ids of every
+//! feature that indexes the table and, where the table deduplicates,
+//! collecting its distinct ids; counts the ids looked up and the distinct
+//! ones.
+
+use narsil_core::KeyedBatch;
+
+use super::{EmbeddingStage, StageError, StageTable};
+use crate::dedup::DistinctIds;
+use crate::pool::OutOfRange;
+
+impl EmbeddingStage {
+    /// Range-checks the ids of `table`'s features and, where the table
+    /// deduplicates ([`StageTable::deduplicates`]), deduplicates them.
+    pub(super) fn collect(
+        &self,
+        table: &StageTable,
+        batch: &KeyedBatch,
+        distinct: &mut DistinctIds,
+    ) -> Result<(), StageError> {
+        distinct.clear();
+        let rows = table.spec.rows;
+        let mut looked_up = 0;
+        for &f in &table.features {
+            let ids = batch.feature_ids(f);
+            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+                let source = OutOfRange { id, rows };
+                return Err(StageError::OutOfRange { feature: self.features[f].name.clone(), source });
+            }
+            looked_up += ids.len();
+            if table.deduplicates {
+                distinct.add(ids);
+            }
+        }
+        table.counters.ids.inc_by(looked_up as u64);
+        if table.deduplicates {
+            table.counters.distinct_ids.inc_by(distinct.count().distinct as u64);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::fixtures::{batch, rows, schema};
+    use super::super::{EmbeddingStage, StageScratch};
+    use crate::stores::row_store::RowStore;
+
+    #[test]
+    fn an_id_outside_its_table_names_the_feature() {
+        let schema = schema();
+        let stores = schema.tables.iter().map(|t| Arc::new(rows(t, 1)) as Arc<dyn RowStore>).collect();
+        let stage = EmbeddingStage::new(&schema, stores);
+        let mut batch = batch();
+        let b = batch.feature_offsets[1];
+        batch.ids[b] = 10;
+        let error =
+            stage.pool(&batch, &mut StageScratch::default(), &mut Vec::new()).unwrap_err().to_string();
+        assert!(error.contains("\"b\"") && error.contains("id 10") && error.contains("10 rows"), "{error}");
+    }
+}

@@ -1,0 +1,263 @@
+//! The embedding stage: for a fused batch, each table's ids are collected
+//! across every feature that indexes it, deduplicated, their rows fetched
+//! once from the table's store, and every bag pooled (sum or mean, with
+//! per-id weights for weighted features) into the dense network's pooled
+//! input, `[rows, features * dim]` row-major.
+//!
+//! Stores that hold their rows in this process's address space (`memory`,
+//! `mmap`) are pooled straight from those rows: reading a row twice costs a
+//! cache hit, not a fetch, so deduplication there only feeds the metrics.
+//! A store that fetches rows gets each distinct id once, and the bags are
+//! pooled from the fetched copies through each id's slot. Tables whose
+//! stores fetch many tables at once ([`crate::stores::batch`]: a Redis
+//! Cluster's, the disk's) are handed to their store together, before any is
+//! pooled, not one table after another.
+//!
+//! Once lookups of a memory-mapped table wait on the disk (the last batch
+//! took major faults), the next batch's distinct rows are read ahead by
+//! [`READERS`](read_ahead::READERS) threads at once before pooling: page
+//! reads in flight together instead of one synchronous fault at a time on
+//! the lane.
+//!
+//! One stage serves every lane of a model version (its tables and metrics
+//! are shared); each lane brings its own [`StageScratch`].
+//!
+//! This file holds the stage, how it is built and the order of a batch's
+//! steps ([`EmbeddingStage::pool`]); each step is a file of its own:
+//!
+//! * `error.rs`: why a batch cannot be pooled ([`StageError`]) and what
+//!   that makes of its requests;
+//! * `collect.rs`: range-checking each table's ids and deduplicating them;
+//! * `read_ahead.rs`: reading mapped rows ahead from many threads once
+//!   lookups wait on the disk, and counting the major faults taken;
+//! * `fetch.rs`: fetching the distinct rows of the tables whose stores
+//!   fetch, grouped per store that fetches many tables at once, and
+//!   counting each fetch;
+//! * `pooling.rs`: pooling each feature's bags of one table into the pooled
+//!   input.
+
+mod collect;
+mod error;
+mod fetch;
+mod pooling;
+mod read_ahead;
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use narsil_core::KeyedBatch;
+
+use crate::dedup::DistinctIds;
+use crate::metrics::{StageMetrics, TableCounters};
+use crate::schema::{PoolingMode, SplitSchema, TableSpec};
+use crate::stores::config::{OpenedTables, TableStore};
+use crate::stores::local::table::TableError;
+use crate::stores::row_store::RowStore;
+
+pub use error::StageError;
+
+struct StageTable {
+    spec: TableSpec,
+    store: Arc<dyn RowStore>,
+    /// The features that index it, in schema order.
+    features: Vec<usize>,
+    counters: TableCounters,
+    /// Whether a batch's ids are deduplicated: for stores that fetch rows
+    /// (each distinct row once) and mapped files (each distinct row read
+    /// ahead once). A table in process memory is read in place, one row per
+    /// id: a hash per id would cost more than the reads it saves (6% of
+    /// the default DLRM's INT8 forward at 1,600 rows), so its ids are
+    /// counted, not deduplicated.
+    deduplicates: bool,
+}
+
+struct FeatureLookup {
+    name: String,
+    pooling: PoolingMode,
+    weighted: bool,
+}
+
+/// A lane's buffers, reused from batch to batch.
+#[derive(Default)]
+pub struct StageScratch {
+    /// Per table: the batch's distinct ids.
+    distinct: Vec<DistinctIds>,
+    /// Per table whose store fetches: the rows of its distinct ids.
+    fetched: Vec<Vec<u8>>,
+    /// A feature's ids as their rows in the file, for local rows laid out
+    /// in popularity order.
+    file_rows: Vec<i64>,
+}
+
+/// A split model's embedding stage.
+pub struct EmbeddingStage {
+    tables: Vec<StageTable>,
+    features: Vec<FeatureLookup>,
+    dim: usize,
+    metrics: StageMetrics,
+    /// Whether the last batch's lookups waited on the disk: the next one
+    /// reads its mapped rows ahead first ([`READERS`](read_ahead::READERS)
+    /// threads).
+    faulting: AtomicBool,
+}
+
+impl EmbeddingStage {
+    /// A stage over `schema` whose table `i` is `stores[i]`.
+    pub fn new(schema: &SplitSchema, stores: Vec<Arc<dyn RowStore>>) -> Self {
+        assert_eq!(stores.len(), schema.tables.len(), "one store per table");
+        let metrics = StageMetrics::default();
+        let tables = schema
+            .tables
+            .iter()
+            .zip(stores)
+            .map(|(spec, store)| StageTable {
+                spec: spec.clone(),
+                deduplicates: store.local_rows().is_none() || store.may_fault(),
+                store,
+                features: (0..schema.features.len())
+                    .filter(|&f| schema.features[f].table == spec.name)
+                    .collect(),
+                counters: metrics.table(&spec.name),
+            })
+            .collect();
+        let features = schema
+            .features
+            .iter()
+            .map(|f| FeatureLookup { name: f.name.clone(), pooling: f.pooling, weighted: f.weighted })
+            .collect();
+        Self { tables, features, dim: schema.pooled_dim(), metrics, faulting: AtomicBool::new(false) }
+    }
+
+    /// Opens every table of the split model in `dir` in `store` (how each
+    /// kind opens them: [`crate::stores::config::StoreConfig::open`]; the
+    /// local stores share the tables a live model version already holds,
+    /// the `redis` store checks each table is loaded on the cluster).
+    pub fn open(
+        dir: &Path,
+        schema: &SplitSchema,
+        store: &TableStore,
+    ) -> Result<(Self, OpenedTables), TableError> {
+        let (stores, opened) = store.open(dir, schema)?;
+        Ok((Self::new(schema, stores), opened))
+    }
+
+    /// Values in the pooled input per row: features times the pooled width.
+    pub fn pooled_width(&self) -> usize {
+        self.features.len() * self.dim
+    }
+
+    /// Tells `watcher` whether the store its tables are on answers (see
+    /// [`narsil_core::BackendFactory::watch_dependencies`]); tables in this
+    /// process always do, and never call it.
+    pub fn watch_store(&self, watcher: narsil_core::DependencyWatcher) {
+        // Every table of a model is in the one store it was opened in: the
+        // first that takes the watcher watches them all.
+        let mut watcher = Some(watcher);
+        for table in &self.tables {
+            let Some(unwatched) = watcher.take() else { break };
+            watcher = table.store.watch_reachability(unwatched);
+        }
+    }
+
+    /// The per-table metrics, to register with the engine's.
+    pub fn metrics(&self) -> &StageMetrics {
+        &self.metrics
+    }
+
+    /// Pools every bag of `batch` into `pooled` (resized to
+    /// `[batch.rows, pooled_width]`).
+    pub fn pool(
+        &self,
+        batch: &KeyedBatch,
+        scratch: &mut StageScratch,
+        pooled: &mut Vec<f32>,
+    ) -> Result<(), StageError> {
+        let width = self.pooled_width();
+        pooled.resize(batch.rows * width, 0.0);
+        scratch.distinct.resize_with(self.tables.len(), DistinctIds::default);
+        for (table, distinct) in self.tables.iter().zip(&mut scratch.distinct) {
+            self.collect(table, batch, distinct)?;
+        }
+        let mut faults = 0;
+        if self.faulting.load(Ordering::Relaxed) {
+            faults += self.read_ahead(&scratch.distinct);
+        }
+        self.fetch(batch, scratch)?;
+        for ((table, distinct), fetched) in self.tables.iter().zip(&scratch.distinct).zip(&scratch.fetched) {
+            faults +=
+                self.pool_table(table, batch, distinct, fetched, &mut scratch.file_rows, pooled, width)?;
+        }
+        self.faulting.store(faults > 0, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod fixtures;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use super::fixtures::{rows, schema};
+    use super::EmbeddingStage;
+    use crate::stores::local::table::Table;
+    use crate::stores::row_store::{FetchError, Fetched, RowStore};
+
+    /// Rows whose store can stop answering: it keeps the watchers it takes.
+    struct Watched(Table, Arc<std::sync::Mutex<usize>>);
+
+    impl RowStore for Watched {
+        fn kind(&self) -> &'static str {
+            "watched"
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn local_rows(&self) -> Option<&[u8]> {
+            self.0.local_rows()
+        }
+        fn fetch(
+            &self,
+            _: &[i64],
+            _: usize,
+            _: &mut [u8],
+            _: Option<Instant>,
+        ) -> Result<Fetched, FetchError> {
+            unreachable!("local rows")
+        }
+        fn may_fault(&self) -> bool {
+            false
+        }
+        fn watch_reachability(
+            &self,
+            watcher: narsil_core::DependencyWatcher,
+        ) -> Option<narsil_core::DependencyWatcher> {
+            watcher(true);
+            *self.1.lock().unwrap() += 1;
+            None
+        }
+    }
+
+    #[test]
+    fn the_store_is_watched_through_the_first_table_that_takes_the_watcher_and_only_once() {
+        let schema = schema();
+        let watched = Arc::new(std::sync::Mutex::new(0));
+        let stores: Vec<Arc<dyn RowStore>> = vec![
+            Arc::new(rows(&schema.tables[0], 1)),
+            Arc::new(Watched(rows(&schema.tables[1], 1), watched.clone())),
+        ];
+        let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let h = heard.clone();
+        EmbeddingStage::new(&schema, stores).watch_store(Box::new(move |answers| {
+            h.lock().unwrap().push(answers);
+            true
+        }));
+        assert_eq!((*watched.lock().unwrap(), heard.lock().unwrap().clone()), (1, vec![true]));
+        // Tables in this process only: nobody is told anything.
+        let local = schema.tables.iter().map(|t| Arc::new(rows(t, 1)) as Arc<dyn RowStore>).collect();
+        EmbeddingStage::new(&schema, local).watch_store(Box::new(|_| panic!("no store to watch")));
+    }
+}

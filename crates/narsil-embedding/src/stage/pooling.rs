@@ -1,0 +1,183 @@
+//! Pooling one table's bags: for each feature that indexes the table, its
+//! bags (sum or mean, weighted where the feature is) from the table's rows
+//! in place (through the slot index where the file is laid out in
+//! popularity order) or from a fetching store's copies (through each id's
+//! slot among the distinct ids), into the feature's columns of the pooled
+//! input; counts the rows read, the major faults taken and the time.
+
+use std::time::Instant;
+
+use narsil_core::KeyedBatch;
+
+use super::read_ahead::thread_major_faults;
+use super::{EmbeddingStage, StageError, StageTable};
+use crate::dedup::DistinctIds;
+use crate::pool::{pool_rows, Pooling};
+
+impl EmbeddingStage {
+    /// Pools `table`'s bags (its ids deduplicated in `distinct`, the rows
+    /// of a fetching store in `fetched`; `file_rows` holds a feature's ids
+    /// as rows of a local file in popularity order); returns the major
+    /// faults the lookups took.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pool_table(
+        &self,
+        table: &StageTable,
+        batch: &KeyedBatch,
+        distinct: &DistinctIds,
+        fetched: &[u8],
+        file_rows: &mut Vec<i64>,
+        pooled: &mut [f32],
+        width: usize,
+    ) -> Result<u64, StageError> {
+        let started = Instant::now();
+        let faults_before = table.store.may_fault().then(thread_major_faults);
+        let spec = &table.spec;
+        let local = table.store.local_rows();
+        if local.is_some() {
+            // Each distinct row read once, or each id's row in place.
+            let read = match table.deduplicates {
+                true => distinct.distinct().len(),
+                false => table.features.iter().map(|&f| batch.feature_ids(f).len()).sum(),
+            };
+            table.counters.rows_fetched.inc_by(read as u64);
+        }
+        let mut slot_start = 0;
+        for &f in &table.features {
+            let feature = &self.features[f];
+            let ids = batch.feature_ids(f);
+            let weights = (feature.weighted && !batch.weights.is_empty())
+                .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
+            let (rows, ids) = match (local, table.store.slots()) {
+                (Some(rows), None) => (rows, ids),
+                (Some(rows), Some(index)) => {
+                    file_rows.clear();
+                    file_rows.extend(ids.iter().map(|&id| index.slot(id)));
+                    (rows, &file_rows[..])
+                }
+                (None, _) => (fetched, &distinct.slots()[slot_start..slot_start + ids.len()]),
+            };
+            slot_start += ids.len();
+            let pooling = Pooling { mode: feature.pooling, weights };
+            pool_rows(
+                spec.storage,
+                rows,
+                spec.row_bytes,
+                spec.dim,
+                batch.feature_lengths(f),
+                ids,
+                pooling,
+                &mut pooled[f * self.dim..],
+                width,
+            )
+            .map_err(|source| StageError::OutOfRange { feature: feature.name.clone(), source })?;
+        }
+        let faults = faults_before.map_or(0, |before| thread_major_faults().saturating_sub(before));
+        table.counters.major_faults.inc_by(faults);
+        table.counters.fetch_seconds.observe(started.elapsed().as_secs_f64());
+        Ok(faults)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use super::super::fixtures::{batch, rows, schema};
+    use super::super::{EmbeddingStage, StageScratch};
+    use crate::pool::{pool_rows, Pooling};
+    use crate::schema::Storage;
+    use crate::stores::local::table::Table;
+    use crate::stores::row_store::{FetchError, Fetched, RowStore};
+
+    /// The same rows, fetched by copy instead of read in place.
+    struct Fetching(Table);
+
+    impl RowStore for Fetching {
+        fn kind(&self) -> &'static str {
+            "fetching"
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+        fn local_rows(&self) -> Option<&[u8]> {
+            None
+        }
+        fn fetch(
+            &self,
+            ids: &[i64],
+            row_bytes: usize,
+            out: &mut [u8],
+            deadline: Option<Instant>,
+        ) -> Result<Fetched, FetchError> {
+            self.0.fetch(ids, row_bytes, out, deadline)
+        }
+        fn may_fault(&self) -> bool {
+            false
+        }
+    }
+
+    #[test]
+    fn features_sharing_a_table_pool_their_own_bags_and_a_fetching_store_reads_each_row_once() {
+        let schema = schema();
+        let tables: Vec<Table> =
+            schema.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
+        let batch = batch();
+        let mut expected = vec![0.0f32; batch.rows * 24];
+        for (f, feature) in schema.features.iter().enumerate() {
+            let table = &tables[if feature.table == "shared" { 0 } else { 1 }];
+            let weights = feature
+                .weighted
+                .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
+            let pooling = Pooling { mode: feature.pooling, weights };
+            pool_rows(
+                Storage::Int8Rowwise,
+                table.bytes(),
+                16,
+                8,
+                batch.feature_lengths(f),
+                batch.feature_ids(f),
+                pooling,
+                &mut expected[f * 8..],
+                24,
+            )
+            .unwrap();
+        }
+        let local: Vec<Arc<dyn RowStore>> =
+            tables.into_iter().map(|t| Arc::new(t) as Arc<dyn RowStore>).collect();
+        let fetching: Vec<Arc<dyn RowStore>> = schema
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(i, t)| Arc::new(Fetching(rows(t, 3 + i as u8))) as Arc<dyn RowStore>)
+            .collect();
+        // In-memory tables are read in place, one row per id: counted, not
+        // deduplicated. A fetching store gets each distinct row once.
+        for (stores, deduplicates) in [(local, false), (fetching, true)] {
+            let stage = EmbeddingStage::new(&schema, stores);
+            let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+            stage.pool(&batch, &mut scratch, &mut pooled).unwrap();
+            assert_eq!(pooled, expected);
+            let shared = stage.metrics().table("shared");
+            let own = stage.metrics().table("own");
+            if deduplicates {
+                // a: 4 4, 9 4; c: 3 40, 0 9.
+                assert_eq!(
+                    (shared.ids.get(), shared.distinct_ids.get(), shared.rows_fetched.get()),
+                    (8, 5, 5)
+                );
+                // b: 9, 4 9 9, 4, 4 4 4.
+                assert_eq!((own.ids.get(), own.distinct_ids.get(), own.rows_fetched.get()), (8, 2, 2));
+            } else {
+                assert_eq!(
+                    (shared.ids.get(), shared.distinct_ids.get(), shared.rows_fetched.get()),
+                    (8, 0, 8)
+                );
+                assert_eq!((own.ids.get(), own.distinct_ids.get(), own.rows_fetched.get()), (8, 0, 8));
+            }
+        }
+        // The weighted feature's weights matter, and mean pooling divides.
+        assert_ne!(expected[16..24], expected[..8]);
+    }
+}
