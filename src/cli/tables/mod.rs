@@ -201,9 +201,10 @@ fn record_locations(dir: &Path, specs: &[(String, RedisTableSpec)]) -> anyhow::R
     })
 }
 
-/// Writes `from/schema.json` to `to/schema.json` (through a temporary file
-/// renamed into place) with `edit(name, table)` applied to each table's
-/// JSON object, every other field as it is.
+/// Writes `from/schema.json` to `to/schema.json` (through a temporary file,
+/// synced, renamed into place, and `to` synced: a power cut leaves the old
+/// schema or the new one, never an empty one) with `edit(name, table)`
+/// applied to each table's JSON object, every other field as it is.
 fn edit_tables(
     from: &Path,
     to: &Path,
@@ -218,8 +219,16 @@ fn edit_tables(
         edit(&name, table)?;
     }
     let (temporary, out) = (to.join("schema.json.tmp"), to.join("schema.json"));
-    std::fs::write(&temporary, serde_json::to_string_pretty(&schema)? + "\n")
+    let text = serde_json::to_string_pretty(&schema)? + "\n";
+    std::fs::File::create(&temporary)
+        .and_then(|mut file| {
+            file.write_all(text.as_bytes())?;
+            file.sync_all()
+        })
         .with_context(|| format!("writing {}", temporary.display()))?;
     std::fs::rename(&temporary, &out).with_context(|| format!("replacing {}", out.display()))?;
+    std::fs::File::open(to)
+        .and_then(|dir| dir.sync_all())
+        .with_context(|| format!("syncing the directory {}", to.display()))?;
     Ok(())
 }

@@ -9,8 +9,27 @@
 //! write are hard-linked (model versions are immutable), and every file it
 //! writes (the reordered tables, their slot indexes, schema.json) is
 //! created new beside its place and renamed into it, so ordering an
-//! ordered model leaves that model as it was. The source's slot indexes
-//! are checked against their SHA-256 as the stores check them.
+//! ordered model leaves that model as it was. The source's tables and
+//! slot indexes are checked against their SHA-256 as the stores check them
+//! (a source table that is not the one its schema names is not copied).
+//!
+//! Publishing, safe with runs beside it and against a power cut: the copy
+//! is written into `OUT.partial` (the whole `--out` name plus `.partial`,
+//! so `--out m/v.a` and `--out m/v.b` never share it), created exclusively:
+//! if it exists (a run writing it, or one a crash left behind) the command
+//! refuses, names it, and leaves it as it is. Every file written is synced,
+//! then every directory of the copy, then the copy is renamed to `--out`
+//! and `--out`'s parent directory is synced: once the command has said so,
+//! the model is on disk whole, and before, `--out` does not exist (a
+//! `.partial` directory is not a version a repository serves). A run that
+//! fails removes its own `OUT.partial`.
+//!
+//! The copy carries a stamp ([`STAMP_FILE`]): each table file's SHA-256
+//! (those it wrote, as it wrote them; the others checked in the source)
+//! with the file's size, modification time, inode and device, which the
+//! stores trust at load instead of hashing the file again while the file
+//! is as it was (`narsil_embedding::stores::local::table` says why: a
+//! table larger than RAM would be read end to end at every load).
 //!
 //! Memory: the command streams, so its peak does not grow with the tables
 //! (but for a bit per row of the table being written): while the log is
@@ -28,13 +47,16 @@
 mod layout_builder;
 
 use std::io::BufRead;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
 use layout_builder::{slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder};
-use narsil_embedding::stores::local::table::{checked_file, slot_index};
+use narsil_embedding::stores::local::table::{
+    checked_file, is_sha256, slot_index, Stamp, StampedFile, STAMP_FILE,
+};
 use narsil_embedding::{Layout, SplitSchema, TableSpec};
 
 /// Rows a reordered table is written through: at most this many bytes of
@@ -55,8 +77,9 @@ pub struct OrderTablesArgs {
     #[arg(long)]
     id_log: PathBuf,
     /// Where the copy goes: a directory that does not exist yet (written
-    /// beside it, then renamed into place). Files other than the tables
-    /// and schema.json are hard-linked (copied across file systems).
+    /// beside it into OUT.partial, which must not exist either, synced,
+    /// then renamed into place). Files other than the tables and
+    /// schema.json are hard-linked (copied across file systems).
     #[arg(long)]
     out: PathBuf,
 }
@@ -80,20 +103,18 @@ fn order_through(args: &OrderTablesArgs, buffer_bytes: usize) -> anyhow::Result<
     }
     // The counts' memory back to the OS before the rows' buffer is taken.
     narsil_engine::release_freed_memory();
-    let partial = args.out.with_extension("partial");
-    if partial.exists() {
-        std::fs::remove_dir_all(&partial).with_context(|| format!("removing {}", partial.display()))?;
-    }
+    let partial = PartialDir::create(&args.out)?;
     // What this command writes, and the temporary names it writes them
     // under: never linked from the source.
     let mut written: Vec<PathBuf> = vec!["schema.json".into(), "schema.json.tmp".into()];
+    written.extend([PathBuf::from(STAMP_FILE), temporary(Path::new(STAMP_FILE))]);
     for (spec, _) in schema.tables.iter().zip(&ranked).filter(|(_, hot)| hot.is_some()) {
         for path in [spec.file.clone(), slots_file(&spec.file)] {
             written.push(temporary(&path));
             written.push(path);
         }
     }
-    link_tree(&args.model, &partial, Path::new(""), &written)?;
+    link_tree(&args.model, partial.path(), Path::new(""), &written)?;
     let mut layouts = Vec::new();
     for (i, (spec, hot)) in schema.tables.iter().zip(ranked).enumerate() {
         let label = format!("[{}/{}] {}", i + 1, schema.tables.len(), spec.name);
@@ -103,7 +124,7 @@ fn order_through(args: &OrderTablesArgs, buffer_bytes: usize) -> anyhow::Result<
         };
         let table_started = Instant::now();
         let order = SlotOrder::new(spec.rows, hot);
-        let (table_sha, layout) = write_table(&args.model, &partial, spec, &order, buffer_bytes)?;
+        let (table_sha, layout) = write_table(&args.model, partial.path(), spec, &order, buffer_bytes)?;
         eprintln!(
             "{label}: {} of {} ids named, hottest first; {:.1} MiB in {:.1} s",
             order.logged(),
@@ -113,9 +134,9 @@ fn order_through(args: &OrderTablesArgs, buffer_bytes: usize) -> anyhow::Result<
         );
         layouts.push((spec.name.clone(), table_sha, layout));
     }
-    write_schema(&args.model, &partial, &layouts)?;
-    std::fs::rename(&partial, &args.out)
-        .with_context(|| format!("renaming {} to {}", partial.display(), args.out.display()))?;
+    write_schema(&args.model, partial.path(), &layouts)?;
+    write_stamp(&args.model, partial.path(), &schema, &layouts)?;
+    partial.publish(&args.out)?;
     println!(
         "{} of {} tables laid out in popularity order in {} ({:.1} s)",
         layouts.len(),
@@ -123,6 +144,122 @@ fn order_through(args: &OrderTablesArgs, buffer_bytes: usize) -> anyhow::Result<
         args.out.display(),
         started.elapsed().as_secs_f64()
     );
+    Ok(())
+}
+
+/// The directory a copy is written into before it is renamed to `out`:
+/// `out`'s whole name plus `.partial` (never `with_extension`, which gives
+/// `m/v.a` and `m/v.b` the same one).
+fn partial_path(out: &Path) -> PathBuf {
+    let mut name = out.as_os_str().to_owned();
+    name.push(".partial");
+    name.into()
+}
+
+/// The copy being written, in a directory this run created: removed if
+/// the run stops before [`PartialDir::publish`] (an error, a panic), left
+/// behind only by a crash or power cut.
+struct PartialDir {
+    path: PathBuf,
+    published: bool,
+}
+
+impl PartialDir {
+    /// Creates `out`'s [`partial_path`], exclusively: one that exists is
+    /// another run's, or a crashed run's, and is refused, never removed.
+    fn create(out: &Path) -> anyhow::Result<Self> {
+        let path = partial_path(out);
+        match std::fs::create_dir(&path) {
+            Ok(()) => Ok(Self { path, published: false }),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => anyhow::bail!(
+                "{} exists: another `narsil tables order --out {}` is writing it, or one was stopped by a crash \
+                 or power cut and left it (it is not served, and it is left as it is). Once no run is writing \
+                 it, remove it (`rm -r {}`) and run again",
+                path.display(),
+                out.display(),
+                path.display()
+            ),
+            Err(e) => Err(e).with_context(|| format!("creating {}", path.display())),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Syncs every directory of the copy (its files are synced as they are
+    /// written), renames it to `out`, and syncs `out`'s parent.
+    fn publish(mut self, out: &Path) -> anyhow::Result<()> {
+        sync_directories(&self.path)?;
+        std::fs::rename(&self.path, out)
+            .with_context(|| format!("renaming {} to {}", self.path.display(), out.display()))?;
+        self.published = true;
+        let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        sync_directory(parent)
+    }
+}
+
+impl Drop for PartialDir {
+    fn drop(&mut self) {
+        if !self.published {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+/// `fsync`s the directory `dir` (its entries: names created, renamed).
+fn sync_directory(dir: &Path) -> anyhow::Result<()> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("syncing the directory {}", dir.display()))
+}
+
+/// [`sync_directory`] on `dir` and every directory under it, deepest first.
+fn sync_directories(dir: &Path) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let entry = entry?;
+        if entry.file_type()?.is_dir() {
+            sync_directories(&entry.path())?;
+        }
+    }
+    sync_directory(dir)
+}
+
+/// Writes the copy `to`'s [`STAMP_FILE`]: each table file with a SHA-256 as
+/// it is now, the ones written (`layouts`) with the hash of what was
+/// written, the others once checked in the source `from` (as the stores
+/// check them: its stamp, else hashed) and, where a link could not be made
+/// and the file was copied, in the copy too.
+fn write_stamp(
+    from: &Path,
+    to: &Path,
+    schema: &SplitSchema,
+    layouts: &[(String, String, Layout)],
+) -> anyhow::Result<()> {
+    let mut stamped = Vec::new();
+    for spec in &schema.tables {
+        let sha = match layouts.iter().find(|(name, _, _)| *name == spec.name) {
+            Some((_, sha, _)) => sha.clone(),
+            None if is_sha256(&spec.sha256) => {
+                let source = checked_file(from, spec)?;
+                let linked = |path: &Path| std::fs::metadata(path).map(|m| (m.dev(), m.ino()));
+                if linked(&source)? != linked(&to.join(&spec.file))? {
+                    checked_file(to, spec)?;
+                }
+                spec.sha256.clone()
+            }
+            None => continue,
+        };
+        stamped.push(
+            StampedFile::of(to, &spec.file, &sha)
+                .with_context(|| format!("{}", to.join(&spec.file).display()))?,
+        );
+    }
+    let json = serde_json::to_string_pretty(&Stamp::new(stamped))? + "\n";
+    write_new(&to.join(STAMP_FILE), |out| {
+        use std::io::Write;
+        out.write_all(json.as_bytes()).map(|()| String::new())
+    })?;
     Ok(())
 }
 
@@ -227,7 +364,9 @@ fn link_tree(from: &Path, to: &Path, relative: &Path, skip: &[PathBuf]) -> anyho
         } else if !skip.contains(&path) {
             let (source, target) = (from.join(&path), to.join(&path));
             if std::fs::hard_link(&source, &target).is_err() {
+                // A copy is new data: synced, as a written file is.
                 std::fs::copy(&source, &target)
+                    .and_then(|_| std::fs::File::open(&target)?.sync_all())
                     .with_context(|| format!("copying {} to {}", source.display(), target.display()))?;
             }
         }
@@ -360,5 +499,145 @@ mod tests {
         let schema = SplitSchema::read(&c).unwrap();
         assert!(schema.tables.iter().all(|t| t.layout.is_some()));
         assert_ne!(std::fs::read(c.join("tables/t1.bin")).unwrap(), tables[1], "t1's rows moved");
+    }
+
+    /// A log naming ids of both tables of [`model`], most often `hot`.
+    fn log(dir: &Path, name: &str, hot: u64) -> PathBuf {
+        let path = dir.join(name);
+        let lines: String =
+            (0..40).map(|i| format!("a {}\nb {}\na {hot}\n", (i * 7 + hot) % 300, i % 50)).collect();
+        std::fs::write(&path, lines).unwrap();
+        path
+    }
+
+    fn args(model: &Path, id_log: PathBuf, out: &Path) -> OrderTablesArgs {
+        OrderTablesArgs { model: model.to_owned(), id_log, out: out.to_owned() }
+    }
+
+    /// Every table of the split model in `dir` serves `tables`' rows by id,
+    /// from each local store (each checked against its hash).
+    fn serves(dir: &Path, tables: &[Vec<u8>]) {
+        let schema = SplitSchema::read(dir).unwrap();
+        for (spec, rows) in schema.tables.iter().zip(tables) {
+            for store in [LocalRows::Memory, LocalRows::Mmap] {
+                let table = Table::load(dir, spec, store).unwrap();
+                for id in 0..spec.rows {
+                    assert_eq!(table.row(id), &rows[id as usize * 16..][..16], "{}: id {id}", dir.display());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn two_runs_to_different_outputs_write_through_different_temporary_directories() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, versions) = (dir.path().join("a"), dir.path().join("m"));
+        let (first, second) = (versions.join("v.a"), versions.join("v.b"));
+        assert_eq!(partial_path(&first), versions.join("v.a.partial"));
+        assert_ne!(partial_path(&first), partial_path(&second));
+        let tables = model(&a);
+        std::fs::create_dir(&versions).unwrap();
+        let logs = [log(dir.path(), "one.log", 3), log(dir.path(), "two.log", 250)];
+        // At once, each with a buffer of three rows (many writes each).
+        std::thread::scope(|scope| {
+            let runs: Vec<_> = [(&first, &logs[0]), (&second, &logs[1])]
+                .into_iter()
+                .map(|(out, log)| scope.spawn(|| order_through(&args(&a, log.clone(), out), 3 * 16)))
+                .collect();
+            for run in runs {
+                run.join().unwrap().unwrap();
+            }
+        });
+        for out in [&first, &second] {
+            serves(out, &tables);
+            assert!(!partial_path(out).exists());
+        }
+        assert_ne!(
+            std::fs::read(first.join("tables/t0.bin")).unwrap(),
+            std::fs::read(second.join("tables/t0.bin")).unwrap()
+        );
+    }
+
+    #[test]
+    fn an_existing_partial_directory_is_refused_named_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, out) = (dir.path().join("a"), dir.path().join("3"));
+        model(&a);
+        // What a crash left: a copy half written.
+        let partial = dir.path().join("3.partial");
+        std::fs::create_dir_all(partial.join("tables")).unwrap();
+        std::fs::write(partial.join("tables/t0.bin"), b"half").unwrap();
+        let error = order_through(&args(&a, log(dir.path(), "ids.log", 3), &out), 3 * 16).unwrap_err();
+        let error = format!("{error:#}");
+        assert!(error.contains(&partial.display().to_string()) && error.contains("remove it"), "{error}");
+        assert_eq!(std::fs::read(partial.join("tables/t0.bin")).unwrap(), b"half", "left as it was");
+        assert!(!out.exists());
+        // Not a version a repository serves.
+        assert_eq!(crate::lifecycle::repository::version_number("3.partial"), None);
+        // Once removed, the run goes through.
+        std::fs::remove_dir_all(&partial).unwrap();
+        order_through(&args(&a, log(dir.path(), "ids.log", 3), &out), 3 * 16).unwrap();
+        assert!(out.join("schema.json").exists() && !partial.exists());
+    }
+
+    /// `dir`'s schema.json with table `t`'s `sha256` set to `sha256`.
+    fn name_hash(dir: &Path, t: usize, sha256: &str) {
+        let path = dir.join("schema.json");
+        let mut schema: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        schema["tables"][t]["sha256"] = sha256.into();
+        std::fs::write(path, schema.to_string()).unwrap();
+    }
+
+    #[test]
+    fn a_source_table_that_is_not_its_sha256_is_not_copied_and_the_run_removes_its_own_partial() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, out) = (dir.path().join("a"), dir.path().join("4"));
+        let tables = model(&a);
+        // t1 is not in the log: linked, so checked in the source.
+        for (t, file) in [(0, "tables/t0.bin"), (1, "tables/t1.bin")] {
+            let wrong = narsil_embedding::stores::local::table::sha256_of(&b"other rows"[..]).unwrap();
+            name_hash(&a, t, &wrong);
+            let log = dir.path().join("t0.log");
+            std::fs::write(&log, "a 3\na 9\n").unwrap();
+            let error = format!("{:#}", order_through(&args(&a, log, &out), 3 * 16).unwrap_err());
+            assert!(error.contains(file) && error.contains(&wrong), "{error}");
+            assert!(!out.exists() && !partial_path(&out).exists());
+            let right = narsil_embedding::stores::local::table::sha256_of(&tables[t][..]).unwrap();
+            name_hash(&a, t, &right);
+        }
+    }
+
+    #[test]
+    fn a_published_copy_is_stamped_and_a_table_replaced_after_is_refused_at_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        let tables = model(&a);
+        // t1's hash is named: it is linked into the copy, checked, stamped.
+        name_hash(&a, 1, &narsil_embedding::stores::local::table::sha256_of(&tables[1][..]).unwrap());
+        let log = dir.path().join("t0.log");
+        std::fs::write(&log, "a 3\na 9\n").unwrap();
+        order_through(&args(&a, log, &b), 3 * 16).unwrap();
+        let stamp = Stamp::read(&b).unwrap();
+        let stamped: Vec<_> = stamp.tables.iter().map(|f| f.file.clone()).collect();
+        assert_eq!(stamped, [PathBuf::from("tables/t0.bin"), PathBuf::from("tables/t1.bin")]);
+        let schema = SplitSchema::read(&b).unwrap();
+        for (spec, file) in schema.tables.iter().zip(&stamp.tables) {
+            assert_eq!(spec.sha256, file.sha256);
+            // Still as stamped once renamed into place: trusted at load.
+            assert_eq!(&StampedFile::of(&b, &file.file, &file.sha256).unwrap(), file);
+        }
+        serves(&b, &tables);
+        // What a power cut could leave of a file not synced: its blocks
+        // zeroed. Written as a new file renamed over the old (a new inode).
+        let (path, spare) = (b.join("tables/t0.bin"), b.join("tables/t0.bin.new"));
+        std::fs::write(&spare, vec![0u8; tables[0].len()]).unwrap();
+        std::fs::rename(&spare, &path).unwrap();
+        for store in [LocalRows::Memory, LocalRows::Mmap] {
+            let error = Table::load(&b, &schema.tables[0], store).unwrap_err().to_string();
+            assert!(
+                error.contains(&path.display().to_string()) && error.contains(&schema.tables[0].sha256),
+                "{error}"
+            );
+        }
     }
 }

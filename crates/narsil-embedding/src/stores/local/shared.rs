@@ -7,9 +7,10 @@
 //! A table's identity is its schema's `sha256` (written by the exporter
 //! from the file's bytes) with its shape (rows, row bytes, storage), its
 //! layout's index (for a table in popularity order) and the store it is
-//! held in. The file is not hashed again at load (that would
-//! read a table larger than RAM end to end): model versions are immutable
-//! once published, and a table without a `sha256` is never shared.
+//! held in. A table is checked against its `sha256` when it is read
+//! ([`crate::stores::local::table`]), so the one a later version shares
+//! holds the rows that hash names; a table without a `sha256` is never
+//! shared.
 
 use std::collections::HashMap;
 use std::path::Path;
