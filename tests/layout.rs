@@ -152,13 +152,90 @@ fn use_tree(rest: &str, prefix: Vec<String>, found: &mut Vec<Vec<String>>) -> us
     }
 }
 
+/// The byte length of the item at the start of `code`: up to its first `;`
+/// outside braces (`use …;`, `mod tests;`) or the `}` that closes its
+/// first brace (`mod tests { … }`, `fn …() { … }`), braces inside
+/// comments, strings and character literals not counted. All of `code`
+/// when it never ends.
+fn item_len(code: &str) -> usize {
+    let bytes = code.as_bytes();
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &code[i..];
+        let ident_before = i > 0 && (bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_');
+        if rest.starts_with("//") {
+            i += rest.find('\n').unwrap_or(rest.len());
+        } else if rest.starts_with("/*") {
+            i += rest.find("*/").map_or(rest.len(), |end| end + 2);
+        } else if let Some(raw) =
+            rest.strip_prefix('r').filter(|r| !ident_before && r.trim_start_matches('#').starts_with('"'))
+        {
+            // r"…", r#"…"#: ends at a quote followed by as many hashes.
+            let hashes = raw.len() - raw.trim_start_matches('#').len();
+            let close = format!("\"{}", "#".repeat(hashes));
+            let body = 1 + hashes + 1;
+            i += body + rest[body..].find(&close).map_or(rest.len() - body, |end| end + close.len());
+        } else if bytes[i] == b'"' {
+            let mut j = i + 1;
+            while j < bytes.len() && bytes[j] != b'"' {
+                j += if bytes[j] == b'\\' { 2 } else { 1 };
+            }
+            i = j + 1;
+        } else if bytes[i] == b'\'' {
+            // A character literal ('{', '\''), or a lifetime ('a), left as is.
+            let mut chars = rest[1..].char_indices();
+            match (chars.next(), chars.next()) {
+                // '\'', '\n', '\u{7b}': the quote after the escaped character.
+                (Some((_, '\\')), _) => {
+                    i += 3 + rest.get(3..).and_then(|r| r.find('\'')).map_or(0, |end| end + 1)
+                }
+                (Some(_), Some((at, '\''))) => i += 1 + at + 1,
+                _ => i += 1,
+            }
+        } else {
+            match bytes[i] {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth = depth.saturating_sub(1);
+                    if depth == 0 {
+                        return i + 1;
+                    }
+                }
+                b';' if depth == 0 => return i + 1,
+                _ => {}
+            }
+            i += rest.chars().next().map_or(1, char::len_utf8);
+        }
+    }
+    code.len()
+}
+
+/// `text` without its `#[cfg(test)]` items (a line of its own, then the
+/// item: a `mod tests { … }` block, a `use`), the code after each kept.
+fn without_test_items(text: &str) -> String {
+    let mut kept = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.match_indices("#[cfg(test)]").map(|(at, _)| at).find(|&at| {
+        let line_start = rest[..at].rfind('\n').map_or(0, |n| n + 1);
+        let line_end = rest[at..].find('\n').map_or(rest.len(), |n| at + n);
+        rest[line_start..line_end].trim() == "#[cfg(test)]"
+    }) {
+        kept.push_str(&rest[..at]);
+        let item = &rest[at + "#[cfg(test)]".len()..];
+        rest = &item[item_len(item)..];
+    }
+    kept.push_str(rest);
+    kept
+}
+
 /// The module paths a file names (`crate::…`, `super::…`) outside comments
-/// and before its `#[cfg(test)]` items (what tests use is not a dependency
-/// of the module).
+/// and its `#[cfg(test)]` items (what tests use is not a dependency of the
+/// module; the code after them is read).
 fn named_modules(text: &str, here: &[String], is_mod_file: bool) -> Vec<Vec<String>> {
     let mut found = Vec::new();
-    let code = text.lines().take_while(|line| line.trim() != "#[cfg(test)]");
-    for line in code.map(|line| line.split("//").next().unwrap_or("")) {
+    let code = without_test_items(text);
+    for line in code.lines().map(|line| line.split("//").next().unwrap_or("")) {
         for (keyword, base) in [("crate::", Vec::new()), ("super::", Vec::new())] {
             for (at, _) in line.match_indices(keyword) {
                 let preceded = line[..at].chars().next_back();
@@ -302,6 +379,17 @@ fn the_circle_check_reads_use_trees_and_super() {
     );
     let as_text: Vec<String> = named.iter().map(|p| p.join("::")).collect();
     assert_eq!(as_text, ["x::y", "x::z", "w", "a::c::D"]);
+    // Only the test module is left out: what follows it is read, whatever
+    // braces its strings, characters and comments hold.
+    let after_tests = named_modules(
+        "use crate::a;\n#[cfg(test)]\nmod tests {\n    use crate::t;\n    fn f<'a>(s: &'a str) {\n        \
+         let _ = ('{', '\\'', \"}\", r#\"}\"#, b'}'); // }\n        /* } */\n    }\n}\n\
+         pub fn later() { crate::b::f(); }\n#[cfg(test)]\nuse crate::u;\nuse crate::c;\n",
+        &here,
+        false,
+    );
+    let as_text: Vec<String> = after_tests.iter().map(|p| p.join("::")).collect();
+    assert_eq!(as_text, ["a", "b::f", "c"]);
     let mut edges = BTreeMap::new();
     edges.insert(1, BTreeSet::from([2]));
     edges.insert(2, BTreeSet::from([3]));

@@ -3,11 +3,13 @@
 //! that serving efficiency is measured against (served samples/s divided by
 //! raw samples/s at the same mean fused rows).
 //!
-//! It also measures this core's peak in every precision ([`roofline`]:
-//! the multiply-add instructions' own peak, the best of large libtorch
-//! GEMMs, AMX's published rate) and reports each size's samples/s as a
-//! fraction of the limit: that peak in the forward's precision over the
-//! dense network's FLOPs per sample. No forward can exceed 1.0.
+//! It also measures one core's peak in every precision ([`roofline`]: the
+//! multiply-add instructions' own peak, the best of large libtorch GEMMs on
+//! one thread, AMX's published rate) and reports each size's samples/s as
+//! a fraction of the limit: that peak in the forward's precision times the
+//! cores the forward uses (its intra-op threads, at most the cores here),
+//! over the dense network's FLOPs per sample. No forward can exceed 1.0.
+//! A forward on a GPU has no fraction (n/a, and the report says why).
 //!
 //! For backends with a stage (split models) each size is timed again in its
 //! two parts, the stage alone and the rest given its output (the dense
@@ -25,9 +27,9 @@ use narsil_core::{assemble, BackendFactory, BatchStage, KeyedBatch, ModelBackend
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::flags::backend::{BackendArgs, DensePrecision};
+use crate::flags::backend::{BackendArgs, BackendKind, DensePrecision};
 use narsil_embedding::{DistinctIds, IdCount};
-use roofline::Roofline;
+use roofline::{forward_limit, Limit, Roofline, AMX_PUBLISHED};
 
 use crate::load::ids::IdDistributions;
 use crate::load::workload::{id_samplers, random_request};
@@ -83,8 +85,9 @@ pub struct ForwardResult {
     pub mean_ms: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
-    /// samples/s over the limit in the forward's precision (this core's
-    /// peak over the dense FLOPs per sample).
+    /// samples/s over the limit in the forward's precision (the peak of
+    /// the cores it uses over the dense FLOPs per sample); `None` where
+    /// there is no limit (`no_limit_because` says why).
     pub fraction_of_limit: Option<f64>,
     /// Mean ids per forward, over every sparse feature.
     pub ids_per_forward: f64,
@@ -108,7 +111,7 @@ pub struct StagedTimes {
     /// entirely could serve on this thread.
     pub rest_samples_per_s: f64,
     /// The rest's samples/s over the limit: the dense network's own
-    /// distance from this core's peak.
+    /// distance from the peak of the cores it uses.
     pub rest_fraction_of_limit: Option<f64>,
     /// The stage's share of the two parts' time.
     pub stage_share: f64,
@@ -129,14 +132,20 @@ pub struct ForwardReport {
     pub rss_after_load_mib: Option<f64>,
     /// Peak resident memory of the whole run, MiB.
     pub peak_rss_mib: Option<f64>,
-    /// This core's peaks (`--peak-seconds 0`: none).
+    /// One core's peaks (`--peak-seconds 0`, or a forward off the CPU:
+    /// none).
     pub roofline: Option<Roofline>,
     /// The dense network's FLOPs per sample, as its export counted them.
     pub dense_flops_per_sample: Option<f64>,
-    /// The peak in the forward's precision over the dense FLOPs per
-    /// sample: samples/s if nothing but the dense arithmetic ran, at the
-    /// peak.
+    /// One core's peak in the forward's precision times `limit_cores`, over
+    /// the dense FLOPs per sample: samples/s if nothing but the dense
+    /// arithmetic ran, at the peak.
     pub limit_samples_per_s: Option<f64>,
+    /// The cores the limit counts: the forward's intra-op threads (1 for
+    /// burn and the mock), at most the cores this process may run on.
+    pub limit_cores: Option<usize>,
+    /// Why there is no limit (and no fraction of it), when there is none.
+    pub no_limit_because: Option<String>,
     pub results: Vec<ForwardResult>,
 }
 
@@ -168,15 +177,14 @@ pub fn run(args: ForwardBenchArgs) -> anyhow::Result<()> {
             .join()
             .map_err(|_| anyhow::anyhow!("the benchmark lane panicked"))?
     })?;
-    match print_report(&report, args.json) {
+    match write_report(&mut std::io::stdout().lock(), &report, args.json) {
         // A closed pipe (`| head`) is not an error worth a panic.
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => Ok(other?),
     }
 }
 
-fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
-    let mut out = std::io::stdout().lock();
+fn write_report(out: &mut impl Write, report: &ForwardReport, json: bool) -> std::io::Result<()> {
     if json {
         writeln!(out, "{}", serde_json::to_string(report)?)?;
         return Ok(());
@@ -195,26 +203,20 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
         report.peak_rss_mib.unwrap_or(f64::NAN)
     )?;
     if let Some(roofline) = &report.roofline {
-        print_roofline(&mut out, roofline)?;
+        print_roofline(out, roofline)?;
     }
-    match (report.dense_flops_per_sample, report.limit_samples_per_s) {
-        (Some(flops), Some(limit)) => writeln!(
+    let flops = report
+        .dense_flops_per_sample
+        .map_or(String::new(), |flops| format!("dense network {:.2} MFLOP/sample; ", flops / 1e6));
+    match (report.limit_samples_per_s, report.limit_cores, &report.no_limit_because) {
+        (Some(limit), Some(cores), _) => writeln!(
             out,
-            "dense network {:.2} MFLOP/sample; limit at the {} peak {:.0} samples/s",
-            flops / 1e6,
+            "{flops}limit at {cores} core(s) x one core's {} peak: {limit:.0} samples/s",
             report.dense_precision,
-            limit
         )?,
-        (None, _) => writeln!(
-            out,
-            "the model states no dense FLOPs per sample (exports since the roofline do): no fraction of the limit"
-        )?,
-        (Some(flops), None) => writeln!(
-            out,
-            "dense network {:.2} MFLOP/sample; no {} peak measured: no fraction of the limit",
-            flops / 1e6,
-            report.dense_precision
-        )?,
+        (_, _, why) => {
+            writeln!(out, "{flops}fraction of the limit n/a: {}", why.as_deref().unwrap_or("no limit"))?
+        }
     }
     writeln!(
         out,
@@ -235,7 +237,7 @@ fn print_report(report: &ForwardReport, json: bool) -> std::io::Result<()> {
         "rest of limit"
     )?;
     for r in &report.results {
-        let fraction = |f: Option<f64>| f.map_or("-".into(), |f| format!("{f:.2}"));
+        let fraction = |f: Option<f64>| f.map_or("n/a".into(), |f| format!("{f:.2}"));
         let staged = r.staged.as_ref().map_or(
             format!("{:>9} {:>9} {:>12} {:>11} {:>13}", "-", "-", "-", "-", "-"),
             |s| {
@@ -275,13 +277,20 @@ fn measure(
     let mut lane = factory.create_lane(0)?;
     let load_ms = started.elapsed().as_secs_f64() * 1e3;
     let rss_after_load_mib = proc_status_mib("VmRSS:");
-    let roofline = (args.peak_seconds > 0.0).then(|| Roofline::measure(args.peak_seconds, libtorch_gemm));
+    // This CPU's peaks bound a forward on this CPU only.
+    let on_cpu = args.backend.device == "cpu";
+    let roofline =
+        (args.peak_seconds > 0.0 && on_cpu).then(|| Roofline::measure(args.peak_seconds, libtorch_gemm));
     let dense_flops_per_sample = factory.dense_flops_per_sample().filter(|flops| *flops > 0.0);
-    let limit_samples_per_s = roofline
-        .as_ref()
-        .and_then(|r| r.limit_gops(args.backend.dense_precision))
-        .zip(dense_flops_per_sample)
-        .map(|(gops, flops)| gops * 1e9 / flops);
+    let limit = forward_limit(
+        &args.backend.device,
+        args.backend.dense_precision,
+        roofline.as_ref().and_then(|r| r.limit_gops(args.backend.dense_precision)),
+        dense_flops_per_sample,
+        arithmetic_threads(&args.backend),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    );
+    let limit_samples_per_s = limit.as_ref().ok().map(|l| l.samples_per_s);
     let info = model_info(&schema, usize::MAX);
     let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
     let ids = id_samplers(&info, &args.id_distribution)?;
@@ -339,8 +348,10 @@ fn measure(
         let staged = match stage.as_mut() {
             Some(stage) => Some(time_staged(lane.as_mut(), stage.as_mut(), &batches, times.len(), rows)?)
                 .map(|staged| StagedTimes {
-                    rest_fraction_of_limit: limit_samples_per_s
-                        .map(|limit| staged.rest_samples_per_s / limit),
+                    rest_fraction_of_limit: limit
+                        .as_ref()
+                        .ok()
+                        .map(|l| l.fraction(staged.rest_samples_per_s)),
                     ..staged
                 }),
             None => None,
@@ -352,7 +363,7 @@ fn measure(
             rows,
             forwards: times.len(),
             samples_per_s,
-            fraction_of_limit: limit_samples_per_s.map(|limit| samples_per_s / limit),
+            fraction_of_limit: limit.as_ref().ok().map(|l| l.fraction(samples_per_s)),
             mean_ms: total.as_secs_f64() * 1e3 / times.len() as f64,
             p50_ms: pct(0.5),
             p99_ms: pct(0.99),
@@ -375,8 +386,19 @@ fn measure(
         roofline,
         dense_flops_per_sample,
         limit_samples_per_s,
+        limit_cores: limit.as_ref().ok().map(|l: &Limit| l.cores),
+        no_limit_because: limit.err(),
         results,
     })
+}
+
+/// The threads a forward's arithmetic runs on: torch's intra-op threads
+/// (`bench-forward` never raises them); burn lanes and the mock use one.
+fn arithmetic_threads(backend: &BackendArgs) -> usize {
+    match backend.kind() {
+        BackendKind::Torch => backend.intra_op_threads.max(1),
+        _ => 1,
+    }
 }
 
 /// Times `forwards` forwards over `batches` in their two parts: the stage,
@@ -407,8 +429,9 @@ fn time_staged(
     })
 }
 
-/// One GEMM's GFLOP/s through libtorch on the calling (lane) thread;
-/// `None` without libtorch, and for INT8 (no aten op tch exposes).
+/// One GEMM's GFLOP/s through libtorch on one intra-op thread of the
+/// calling (lane) thread: one core's rate. `None` without libtorch, and for
+/// INT8 (no aten op tch exposes).
 #[cfg(feature = "torch")]
 fn libtorch_gemm(precision: DensePrecision, shape: [i64; 3], duration: Duration) -> Option<f64> {
     use narsil_torch::roofline::gemm_peak_gflops;
@@ -426,24 +449,43 @@ fn libtorch_gemm(_precision: DensePrecision, _shape: [i64; 3], _duration: Durati
     None
 }
 
-/// The roofline as a few lines: each precision's instruction peak, best
-/// GEMM and limit.
+/// The roofline as a few lines: each precision's instruction peak (every
+/// form timed), best GEMM, AMX's published rate (labelled as such) and
+/// limit, per core.
 fn print_roofline(out: &mut impl Write, roofline: &Roofline) -> std::io::Result<()> {
     let clock = roofline.clock_ghz.map_or("not measured".into(), |ghz| format!("{ghz:.2} GHz"));
-    writeln!(out, "this core's peaks (clock while busy: {clock}):")?;
+    writeln!(out, "one core's peaks (clock while busy: {clock}):")?;
     for peak in &roofline.peaks {
-        let vector = peak.vector.as_ref().map_or("no multiply-add instruction".into(), |v| {
-            let per_cycle = peak.vector_ops_per_cycle.map_or(String::new(), |c| format!(", {c:.0}/cycle"));
-            format!("{} {:.0} GOP/s{per_cycle}", v.instruction, v.gops)
-        });
-        let gemm = peak.best_gemm.as_ref().map_or("-".into(), |g| {
-            format!("{:.0} GFLOP/s ({}x{}x{})", g.gflops, g.shape[0], g.shape[1], g.shape[2])
-        });
-        let amx = peak.amx_published_gops.map_or(String::new(), |g| format!("; AMX published {g:.0} GOP/s"));
-        let limit = peak.limit_gops.map_or("none".into(), |g| format!("{g:.0} GOP/s"));
-        writeln!(out, "  {:<5} {vector}; best libtorch GEMM {gemm}{amx}; limit {limit}", peak.precision)?;
+        writeln!(out, "  {}", roofline_line(peak))?;
     }
     Ok(())
+}
+
+/// One precision's line of [`print_roofline`].
+fn roofline_line(peak: &roofline::PrecisionPeak) -> String {
+    let vector = peak.vector.as_ref().map_or("no multiply-add instruction".into(), |v| {
+        let per_cycle = peak.vector_ops_per_cycle.map_or(String::new(), |c| format!(", {c:.0}/cycle"));
+        let others: Vec<String> = v
+            .timed
+            .iter()
+            .filter(|t| t.instruction != v.instruction || t.gops != v.gops)
+            .map(|t| format!("{} {:.0}", t.instruction, t.gops))
+            .collect();
+        let others =
+            if others.is_empty() { String::new() } else { format!(" (also timed: {})", others.join(", ")) };
+        format!("{} {:.0} GOP/s{per_cycle}{others}", v.instruction, v.gops)
+    });
+    let gemm = peak.best_gemm.as_ref().map_or("-".into(), |g| {
+        format!("{:.0} GFLOP/s ({}x{}x{}, 1 thread)", g.gflops, g.shape[0], g.shape[1], g.shape[2])
+    });
+    let amx =
+        peak.amx_published_gops.map_or(String::new(), |g| format!("; AMX {g:.0} GOP/s ({AMX_PUBLISHED})"));
+    let limit = match (peak.limit_gops, peak.amx_published_gops) {
+        (None, _) => "none".into(),
+        (Some(g), Some(amx)) if g == amx => format!("{g:.0} GOP/s (AMX's rate, {AMX_PUBLISHED})"),
+        (Some(g), _) => format!("{g:.0} GOP/s"),
+    };
+    format!("{:<5} {vector}; best libtorch GEMM {gemm}{amx}; limit {limit}", peak.precision)
 }
 
 #[cfg(test)]
@@ -489,5 +531,126 @@ mod tests {
         assert!(big.mean_ms >= 2.5, "{big:?}");
         assert!(big.samples_per_s <= 250.0 / 2.5e-3 * 1.001, "{big:?}");
         assert!(big.staged.is_none(), "the mock has no stage");
+        assert_eq!(big.fraction_of_limit, None, "no peak measured");
+        assert!(report.no_limit_because.unwrap().contains("no dense FLOPs"), "the mock states none");
+    }
+
+    /// The mock, stating `flops` dense FLOPs per sample as an export does.
+    struct WithFlops {
+        mock: std::sync::Arc<dyn BackendFactory>,
+        flops: f64,
+    }
+
+    impl BackendFactory for WithFlops {
+        fn schema(&self) -> &narsil_core::ModelSchema {
+            self.mock.schema()
+        }
+        fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, narsil_core::BackendError> {
+            self.mock.create_lane(lane)
+        }
+        fn dense_flops_per_sample(&self) -> Option<f64> {
+            Some(self.flops)
+        }
+    }
+
+    fn mock_args(extra: &[&str]) -> ForwardBenchArgs {
+        let mut argv = vec![
+            "bench",
+            "--backend",
+            "mock",
+            "--mock-latency-ms",
+            "0",
+            "--mock-latency-per-row-us",
+            "10",
+            "--rows",
+            "100",
+            "--seconds",
+            "0.03",
+            "--warmup",
+            "1",
+        ];
+        argv.extend_from_slice(extra);
+        Cli::parse_from(argv).args
+    }
+
+    #[test]
+    fn a_measured_peak_gives_each_size_its_fraction_of_the_limit() {
+        let args = mock_args(&["--peak-seconds", "0.02", "--dense-precision", "fp32"]);
+        // 1 kFLOP/sample: a GOP/s is 10^6 samples/s, so that the fraction
+        // stays below 1 even with a peak measured slowly (in parallel with
+        // other tests on few cores).
+        let factory = WithFlops { mock: args.backend.build().unwrap(), flops: 1e3 };
+        let report = measure(&args, &factory, Instant::now()).unwrap();
+        let roofline = report.roofline.as_ref().expect("measured");
+        assert_eq!(roofline.peaks.len(), 3);
+        let no_fp32_peak = roofline.limit_gops(DensePrecision::Fp32).is_none();
+        if no_fp32_peak {
+            // No FMA and no libtorch: nothing to hold a forward against.
+            assert!(report.no_limit_because.unwrap().contains("fp32 peak"));
+            return;
+        }
+        // The mock runs on one thread: one core's peak, over 1 kFLOP.
+        let core = roofline.limit_gops(DensePrecision::Fp32).unwrap();
+        assert_eq!(report.limit_cores, Some(1));
+        let limit = report.limit_samples_per_s.expect("a limit");
+        assert!((limit - core * 1e6).abs() <= limit * 1e-12, "{limit} vs {core} GOP/s");
+        let result = &report.results[0];
+        let fraction = result.fraction_of_limit.expect("a fraction");
+        assert!((fraction - result.samples_per_s / limit).abs() <= fraction * 1e-12);
+        // 10 us per row is 100,000 samples/s at most: below any core's peak
+        // of 0.1 GOP/s or more over 1 kFLOP.
+        assert!(fraction > 0.0 && fraction < 1.0, "{fraction}");
+        let mut text = Vec::new();
+        write_report(&mut text, &report, false).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(text.contains("limit at 1 core(s) x one core's fp32 peak"), "{text}");
+        assert!(text.contains(&format!("{fraction:.2}")), "{text}");
+    }
+
+    #[test]
+    fn a_forward_on_a_gpu_has_no_fraction_of_a_cpu_peak_and_says_why() {
+        // The mock runs here; the flags say the forward runs on a GPU.
+        let factory = WithFlops { mock: mock_args(&[]).backend.build().unwrap(), flops: 1e6 };
+        let args = mock_args(&["--peak-seconds", "0.02", "--device", "cuda"]);
+        let report = measure(&args, &factory, Instant::now()).unwrap();
+        assert!(report.roofline.is_none(), "this CPU's peaks are not measured for a GPU forward");
+        assert_eq!((report.limit_samples_per_s, report.limit_cores), (None, None));
+        assert!(report.results.iter().all(|r| r.fraction_of_limit.is_none()));
+        let why = report.no_limit_because.clone().unwrap();
+        assert!(why.contains("cuda"), "{why}");
+        let mut text = Vec::new();
+        write_report(&mut text, &report, false).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(text.contains(&format!("fraction of the limit n/a: {why}")), "{text}");
+    }
+
+    #[test]
+    fn an_amx_rate_is_printed_as_published_not_measured() {
+        use roofline::{GemmRate, PrecisionPeak};
+        use vector_peak::{InstructionRate, VectorPeak};
+        let rate = |instruction, gops| InstructionRate { instruction, gops };
+        let peak = PrecisionPeak {
+            precision: "bf16".into(),
+            vector: Some(VectorPeak {
+                instruction: "vdpbf16ps zmm",
+                ops_per_instruction: 64,
+                gops: 200.0,
+                timed: vec![rate("vdpbf16ps zmm", 200.0), rate("vdpbf16ps ymm", 150.0)],
+            }),
+            vector_ops_per_cycle: Some(64.0),
+            best_gemm: Some(GemmRate { shape: [2048, 2048, 2048], gflops: 900.0 }),
+            amx_published_gops: Some(3200.0),
+            limit_gops: Some(3200.0),
+        };
+        let line = roofline_line(&peak);
+        assert!(line.contains("AMX 3200 GOP/s (published, not measured)"), "{line}");
+        assert!(line.contains("limit 3200 GOP/s (AMX's rate, published, not measured)"), "{line}");
+        assert!(
+            line.contains("vdpbf16ps zmm 200 GOP/s") && line.contains("also timed: vdpbf16ps ymm 150"),
+            "{line}"
+        );
+        let measured = PrecisionPeak { amx_published_gops: None, limit_gops: Some(900.0), ..peak };
+        let line = roofline_line(&measured);
+        assert!(!line.contains("AMX") && line.ends_with("limit 900 GOP/s"), "{line}");
     }
 }

@@ -22,6 +22,16 @@ pub struct VectorPeak {
     pub ops_per_instruction: u32,
     /// Operations per second, in billions.
     pub gops: f64,
+    /// Every instruction form timed (the 256- and the 512-bit one where
+    /// both exist), the fastest being the peak.
+    pub timed: Vec<InstructionRate>,
+}
+
+/// One instruction form's rate.
+#[derive(Debug, Clone, Serialize)]
+pub struct InstructionRate {
+    pub instruction: &'static str,
+    pub gops: f64,
 }
 
 /// Independent accumulators per kernel (the `x86` kernels' registers 0-11):
@@ -90,56 +100,126 @@ fn dependent_adds(iterations: u64) {
 }
 
 /// `precision`'s multiply-add peak on this core for `duration`: FP32
-/// `vfmadd231ps` (AVX-512, else AVX2), bf16 `vdpbf16ps` (AVX512-BF16),
-/// INT8 `vpdpbusd` (AVX512-VNNI, else AVX-VNNI). `None` when this CPU has
-/// no such instruction (or off x86-64).
+/// `vfmadd231ps` (AVX-512, AVX's FMA), bf16 `vdpbf16ps` (AVX512-BF16),
+/// INT8 `vpdpbusd` (AVX512-VNNI, AVX-VNNI). Where a precision has both a
+/// 512-bit and a 256-bit form on this CPU both are timed (the duration
+/// shared between them) and the faster kept: a core with one 512-bit FMA
+/// unit (some Xeons) issues more ymm than zmm work per cycle. `None` when
+/// this CPU has no such instruction (or off x86-64).
 pub fn vector_peak(precision: DensePrecision, duration: Duration) -> Option<VectorPeak> {
-    let (instruction, ops_per_instruction, kernel) = kernel(precision)?;
-    let ops_per_iteration = ACCUMULATORS as f64 * ops_per_instruction as f64;
-    let best = fastest_rate(duration, ops_per_iteration, kernel);
-    Some(VectorPeak { instruction, ops_per_instruction, gops: best })
+    vector_peak_with(precision, duration, detected)
 }
 
-/// A kernel: `iterations` x [`ACCUMULATORS`] instructions.
-type Kernel = fn(u64);
+/// [`vector_peak`] with only the features `has` says this CPU has (never
+/// one it was not detected to have: a kernel runs only where it can).
+fn vector_peak_with(
+    precision: DensePrecision,
+    duration: Duration,
+    has: impl Fn(&str) -> bool,
+) -> Option<VectorPeak> {
+    let usable = usable_kernels(precision, |feature| has(feature) && detected(feature));
+    let part = duration / usable.len().max(1) as u32;
+    let timed: Vec<InstructionRate> = usable
+        .iter()
+        .map(|kernel| {
+            let ops_per_iteration = ACCUMULATORS as f64 * kernel.ops_per_instruction as f64;
+            // SAFETY: `usable` holds only kernels every feature of which
+            // was detected on this CPU (`detected`, above): the features
+            // the kernel's function enables.
+            let run = |n| unsafe { (kernel.run)(n) };
+            InstructionRate { instruction: kernel.name, gops: fastest_rate(part, ops_per_iteration, run) }
+        })
+        .collect();
+    best_of(&usable, timed)
+}
 
+/// The fastest of the rates timed (one per kernel of `kernels`, in order).
+fn best_of(kernels: &[&KernelSpec], timed: Vec<InstructionRate>) -> Option<VectorPeak> {
+    let (best, rate) = kernels.iter().zip(&timed).max_by(|(_, a), (_, b)| a.gops.total_cmp(&b.gops))?;
+    Some(VectorPeak {
+        instruction: best.name,
+        ops_per_instruction: best.ops_per_instruction,
+        gops: rate.gops,
+        timed: timed.clone(),
+    })
+}
+
+/// A kernel: `iterations` x [`ACCUMULATORS`] instructions. Unsafe: the
+/// CPU must have its [`KernelSpec::features`].
+type Kernel = unsafe fn(u64);
+
+/// One peak kernel: what it runs and exactly the CPU features its
+/// instructions need (its `target_feature` list, each checked at run time,
+/// with what it implies, before it is called).
+#[derive(Debug)]
+struct KernelSpec {
+    precision: DensePrecision,
+    /// The instruction and its width, as printed.
+    name: &'static str,
+    /// The multiply-add instruction with its register width, as in the
+    /// `asm!` template (an encoding prefix escaped: `{{vex}} vpdpbusd ymm`;
+    /// read by the test that checks each kernel's features).
+    #[cfg_attr(not(test), allow(dead_code))]
+    op: &'static str,
+    /// The instruction that zeroes the registers, as assembled (read by
+    /// the test that checks each kernel's features).
+    #[cfg_attr(not(test), allow(dead_code))]
+    zero: &'static str,
+    ops_per_instruction: u32,
+    /// The features the function enables (comma-separated, as
+    /// `#[target_feature(enable)]` takes them).
+    features: &'static str,
+    run: Kernel,
+}
+
+/// The kernels of `precision` that this CPU can run, given which features
+/// `has` (each needs all of its features).
+fn usable_kernels(precision: DensePrecision, has: impl Fn(&str) -> bool) -> Vec<&'static KernelSpec> {
+    KERNELS.iter().filter(|k| k.precision == precision && k.features.split(',').all(&has)).collect()
+}
+
+/// Whether this CPU has `feature` (a name as `target_feature` spells it)
+/// and every feature Rust's `target_feature` implies with it: a function
+/// that enables one may use those too.
 #[cfg(target_arch = "x86_64")]
-fn kernel(precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
-    use x86::*;
-    let avx512 = is_x86_feature_detected!("avx512f");
-    match precision {
-        DensePrecision::Fp32 if avx512 => Some(("vfmadd231ps zmm", 32, |n| {
-            // SAFETY: chosen only when the CPU has AVX-512F.
-            unsafe { fp32_avx512(n) }
-        })),
-        DensePrecision::Fp32 if is_x86_feature_detected!("fma") => Some(("vfmadd231ps ymm", 16, |n| {
-            // SAFETY: chosen only when the CPU has AVX2's FMA.
-            unsafe { fp32_fma(n) }
-        })),
-        DensePrecision::Bf16 if avx512 && is_x86_feature_detected!("avx512bf16") => {
-            Some(("vdpbf16ps zmm", 64, |n| {
-                // SAFETY: chosen only when the CPU has AVX512-BF16.
-                unsafe { bf16_avx512(n) }
-            }))
+fn detected(feature: &str) -> bool {
+    match feature {
+        "avx" => is_x86_feature_detected!("avx") && is_x86_feature_detected!("sse4.2"),
+        "avx2" => is_x86_feature_detected!("avx2") && detected("avx"),
+        "fma" => is_x86_feature_detected!("fma") && detected("avx"),
+        "avx512f" => {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("f16c")
+                && detected("avx2")
+                && detected("fma")
         }
-        DensePrecision::Int8 if avx512 && is_x86_feature_detected!("avx512vnni") => {
-            Some(("vpdpbusd zmm", 128, |n| {
-                // SAFETY: chosen only when the CPU has AVX512-VNNI.
-                unsafe { int8_avx512(n) }
-            }))
-        }
-        DensePrecision::Int8 if is_x86_feature_detected!("avxvnni") => Some(("vpdpbusd ymm", 64, |n| {
-            // SAFETY: chosen only when the CPU has AVX-VNNI.
-            unsafe { int8_avx_vnni(n) }
-        })),
-        _ => None,
+        "avx512bw" => is_x86_feature_detected!("avx512bw") && detected("avx512f"),
+        "avx512vl" => is_x86_feature_detected!("avx512vl") && detected("avx512f"),
+        "avx512bf16" => is_x86_feature_detected!("avx512bf16") && detected("avx512bw"),
+        "avx512vnni" => is_x86_feature_detected!("avx512vnni") && detected("avx512f"),
+        "avxvnni" => is_x86_feature_detected!("avxvnni") && detected("avx2"),
+        _ => false,
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn kernel(_precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
-    None
+fn detected(_feature: &str) -> bool {
+    false
 }
+
+#[cfg(target_arch = "x86_64")]
+const KERNELS: &[KernelSpec] = &[
+    x86::FP32_AVX512,
+    x86::FP32_FMA,
+    x86::BF16_AVX512,
+    x86::BF16_AVX512_YMM,
+    x86::INT8_AVX512,
+    x86::INT8_AVX512_YMM,
+    x86::INT8_AVX_VNNI,
+];
+
+#[cfg(not(target_arch = "x86_64"))]
+const KERNELS: &[KernelSpec] = &[];
 
 /// The kernels, in assembly so that they run the same in every build
 /// profile (an unoptimised build would keep intrinsics' operands in
@@ -150,15 +230,24 @@ fn kernel(_precision: DensePrecision) -> Option<(&'static str, u32, Kernel)> {
 mod x86 {
     use std::arch::asm;
 
+    use super::KernelSpec;
+    use crate::flags::backend::DensePrecision;
+
     /// Declares `$name(iterations)`: zeroes 14 registers of `$width`
-    /// (`zmm`/`ymm`) with `$zero`, then runs `iterations` x 12 `$op`.
+    /// (`zmm`/`ymm`) with `$zero`, then runs `iterations` x 12 `$op`; and
+    /// `$spec`, the [`KernelSpec`] that describes it (the same instruction
+    /// text and features, and `$label` to print), for the run-time check
+    /// before it is called.
     macro_rules! kernel {
-        ($name:ident, $features:literal, $width:literal, $zero:literal, $op:literal, [$($reg:tt),*]) => {
+        (
+            $name:ident, $spec:ident, $precision:ident, $ops:literal, $features:literal, $width:literal,
+            $zero:literal, $op:literal, $label:literal, [$($reg:tt),*]
+        ) => {
             /// # Safety
             ///
             /// The CPU has the target features the function enables.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $name(iterations: u64) {
+            unsafe fn $name(iterations: u64) {
                 // SAFETY: touches only the registers it declares clobbered
                 // and its counter; no memory, no stack.
                 unsafe {
@@ -178,26 +267,46 @@ mod x86 {
                     );
                 }
             }
+
+            pub(super) const $spec: KernelSpec = KernelSpec {
+                precision: DensePrecision::$precision,
+                name: $label,
+                op: concat!($op, " ", $width),
+                zero: concat!($zero, " ", $width),
+                ops_per_instruction: $ops,
+                features: $features,
+                run: $name,
+            };
         };
     }
 
     kernel!(
         fp32_avx512,
+        FP32_AVX512,
+        Fp32,
+        32,
         "avx512f",
         "zmm",
         "vpxord",
         "vfmadd231ps",
+        "vfmadd231ps zmm",
         [
             "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
             "zmm12", "zmm13"
         ]
     );
+    // AVX's `vxorps`, not AVX2's `vpxor`: CPUs with FMA but no AVX2 exist
+    // (AMD Piledriver).
     kernel!(
         fp32_fma,
-        "avx2,fma",
+        FP32_FMA,
+        Fp32,
+        16,
+        "avx,fma",
         "ymm",
-        "vpxor",
+        "vxorps",
         "vfmadd231ps",
+        "vfmadd231ps ymm",
         [
             "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11",
             "ymm12", "ymm13"
@@ -205,33 +314,76 @@ mod x86 {
     );
     kernel!(
         bf16_avx512,
+        BF16_AVX512,
+        Bf16,
+        64,
         "avx512f,avx512bf16",
         "zmm",
         "vpxord",
         "vdpbf16ps",
+        "vdpbf16ps zmm",
         [
             "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
             "zmm12", "zmm13"
         ]
     );
     kernel!(
+        bf16_avx512_ymm,
+        BF16_AVX512_YMM,
+        Bf16,
+        32,
+        "avx,avx512bf16,avx512vl",
+        "ymm",
+        "vxorps",
+        "vdpbf16ps",
+        "vdpbf16ps ymm",
+        [
+            "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11",
+            "ymm12", "ymm13"
+        ]
+    );
+    kernel!(
         int8_avx512,
+        INT8_AVX512,
+        Int8,
+        128,
         "avx512f,avx512vnni",
         "zmm",
         "vpxord",
         "vpdpbusd",
+        "vpdpbusd zmm",
         [
             "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
             "zmm12", "zmm13"
+        ]
+    );
+    // AVX512-VNNI's 256-bit form (EVEX, with AVX512-VL).
+    kernel!(
+        int8_avx512_ymm,
+        INT8_AVX512_YMM,
+        Int8,
+        64,
+        "avx,avx512vnni,avx512vl",
+        "ymm",
+        "vxorps",
+        "{{evex}} vpdpbusd",
+        "vpdpbusd ymm (EVEX)",
+        [
+            "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11",
+            "ymm12", "ymm13"
         ]
     );
     // AVX-VNNI's VEX form of the same instruction.
     kernel!(
         int8_avx_vnni,
-        "avx2,avxvnni",
+        INT8_AVX_VNNI,
+        Int8,
+        64,
+        "avx,avxvnni",
         "ymm",
-        "vpxor",
+        "vxorps",
         "{{vex}} vpdpbusd",
+        "vpdpbusd ymm (VEX)",
         [
             "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11",
             "ymm12", "ymm13"
@@ -255,12 +407,17 @@ mod tests {
     }
 
     #[test]
-    fn every_x86_core_has_an_fp32_multiply_add_peak_of_at_least_eight_ops_per_cycle() {
-        if !cfg!(target_arch = "x86_64") {
-            println!("skipped: every_x86_core_has_an_fp32_…: not x86-64");
+    fn every_x86_core_with_fma_has_an_fp32_multiply_add_peak_of_at_least_eight_ops_per_cycle() {
+        let name = "every_x86_core_with_fma_has_an_fp32_multiply_add_peak_of_at_least_eight_ops_per_cycle";
+        let can = detected("avx512f") || (detected("avx") && detected("fma"));
+        let Some(peak) = vector_peak(DensePrecision::Fp32, Duration::from_millis(30)) else {
+            // An x86-64 core without FMA (or not x86-64): no peak, not a
+            // panic.
+            assert!(!can, "this CPU has FMA or AVX-512 but no FP32 peak");
+            eprintln!("skipped: {name}: no FMA or AVX-512 on this CPU: no FP32 peak");
             return;
-        }
-        let peak = vector_peak(DensePrecision::Fp32, Duration::from_millis(30)).expect("AVX2 or AVX-512");
+        };
+        assert!(can, "an FP32 peak on a CPU without FMA: {peak:?}");
         let ghz = clock_ghz(Duration::from_millis(30)).unwrap();
         let per_cycle = peak.gops / ghz;
         // 8 lanes x 2 ops, one pipe: the least an FMA core has. Above 4x the
@@ -270,15 +427,113 @@ mod tests {
             "{per_cycle} FP32 ops/cycle ({} GOP/s at {ghz} GHz)",
             peak.gops
         );
+        // Where AVX-512 exists, the ymm form is timed too, and the peak is
+        // the faster of the two.
+        let timed: Vec<&str> = peak.timed.iter().map(|t| t.instruction).collect();
+        if detected("avx512f") && detected("avx") && detected("fma") {
+            assert_eq!(timed, ["vfmadd231ps zmm", "vfmadd231ps ymm"]);
+        }
+        let fastest = peak.timed.iter().map(|t| t.gops).fold(0.0, f64::max);
+        assert_eq!(peak.gops, fastest, "{peak:?}");
     }
 
     #[test]
     fn a_precision_this_cpu_cannot_multiply_has_no_peak_and_one_it_can_has_a_finite_one() {
-        for precision in [DensePrecision::Bf16, DensePrecision::Int8] {
+        for precision in [DensePrecision::Fp32, DensePrecision::Bf16, DensePrecision::Int8] {
+            // A CPU with none of the features: no peak, nothing timed.
+            assert!(
+                vector_peak_with(precision, Duration::from_millis(10), |_| false).is_none(),
+                "{precision:?} without any feature"
+            );
+            // This CPU: a peak exactly where it has a kernel's features.
+            let can = !usable_kernels(precision, detected).is_empty();
             match vector_peak(precision, Duration::from_millis(10)) {
-                Some(peak) => assert!(peak.gops.is_finite() && peak.gops > 0.0, "{peak:?}"),
-                None => println!("{precision:?}: no multiply-add instruction on this CPU"),
+                Some(peak) => {
+                    assert!(can, "{precision:?}: a peak without the features: {peak:?}");
+                    assert!(peak.gops.is_finite() && peak.gops > 0.0, "{peak:?}");
+                }
+                None => assert!(!can, "{precision:?}: no peak, though this CPU has a kernel's features"),
             }
         }
+    }
+
+    /// Which CPU features each instruction the kernels assemble needs
+    /// (Intel SDM; a ymm register needs AVX's state).
+    #[cfg(target_arch = "x86_64")]
+    const NEEDS: &[(&str, &[&str])] = &[
+        ("vpxord zmm", &["avx512f"]),
+        ("vxorps ymm", &["avx"]),
+        ("vpxor ymm", &["avx2"]),
+        ("vfmadd231ps zmm", &["avx512f"]),
+        ("vfmadd231ps ymm", &["avx", "fma"]),
+        ("vdpbf16ps zmm", &["avx512f", "avx512bf16"]),
+        ("vdpbf16ps ymm", &["avx", "avx512bf16", "avx512vl"]),
+        ("vpdpbusd zmm", &["avx512f", "avx512vnni"]),
+        ("{{evex}} vpdpbusd ymm", &["avx", "avx512vnni", "avx512vl"]),
+        ("{{vex}} vpdpbusd ymm", &["avx", "avxvnni"]),
+    ];
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn each_kernel_is_gated_on_exactly_the_features_its_instructions_need() {
+        use std::collections::BTreeSet;
+        let needs = |instruction: &str| -> BTreeSet<&str> {
+            let (_, features) = NEEDS
+                .iter()
+                .find(|(i, _)| *i == instruction)
+                .unwrap_or_else(|| panic!("`{instruction}` is not in NEEDS"));
+            features.iter().copied().collect()
+        };
+        for kernel in KERNELS {
+            let instructions: BTreeSet<&str> = needs(kernel.zero).union(&needs(kernel.op)).copied().collect();
+            let enabled: BTreeSet<&str> = kernel.features.split(',').collect();
+            assert_eq!(enabled, instructions, "{kernel:?}");
+        }
+        // A CPU with FMA but no AVX2 (AMD Piledriver) gets the ymm FP32
+        // kernel, which runs nothing it lacks (no AVX2 `vpxor ymm`).
+        let piledriver = |f: &str| ["avx", "fma"].contains(&f);
+        let fp32 = usable_kernels(DensePrecision::Fp32, piledriver);
+        assert_eq!(fp32.iter().map(|k| k.op).collect::<Vec<_>>(), ["vfmadd231ps ymm"]);
+        assert!(fp32[0].features.split(',').all(piledriver), "{:?}", fp32[0]);
+        assert!(usable_kernels(DensePrecision::Bf16, piledriver).is_empty());
+        assert!(usable_kernels(DensePrecision::Int8, piledriver).is_empty());
+        // AVX-512F without VL: no 256-bit EVEX forms.
+        let no_vl = |f: &str| ["avx", "avx2", "fma", "avx512f", "avx512bf16", "avx512vnni"].contains(&f);
+        let names = |p| usable_kernels(p, no_vl).iter().map(|k| k.op).collect::<Vec<_>>();
+        assert_eq!(names(DensePrecision::Bf16), ["vdpbf16ps zmm"]);
+        assert_eq!(names(DensePrecision::Int8), ["vpdpbusd zmm"]);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn where_ymm_and_zmm_both_exist_both_are_timed_and_the_faster_is_the_peak() {
+        // One 512-bit FMA unit: ymm issues more work per cycle than zmm.
+        let avx512 = |f: &str| ["avx", "fma", "avx512f"].contains(&f);
+        let kernels = usable_kernels(DensePrecision::Fp32, avx512);
+        assert_eq!(
+            kernels.iter().map(|k| k.name).collect::<Vec<_>>(),
+            ["vfmadd231ps zmm", "vfmadd231ps ymm"]
+        );
+        let rates = |zmm, ymm| {
+            vec![
+                InstructionRate { instruction: "vfmadd231ps zmm", gops: zmm },
+                InstructionRate { instruction: "vfmadd231ps ymm", gops: ymm },
+            ]
+        };
+        let one_unit = best_of(&kernels, rates(100.0, 140.0)).unwrap();
+        assert_eq!(
+            (one_unit.instruction, one_unit.ops_per_instruction, one_unit.gops),
+            ("vfmadd231ps ymm", 16, 140.0)
+        );
+        assert_eq!(one_unit.timed.len(), 2);
+        let two_units = best_of(&kernels, rates(230.0, 140.0)).unwrap();
+        assert_eq!((two_units.instruction, two_units.ops_per_instruction), ("vfmadd231ps zmm", 32));
+        assert!(best_of(&[], Vec::new()).is_none());
+        // The two 256-bit encodings of `vpdpbusd` print apart.
+        let int8 = usable_kernels(DensePrecision::Int8, |_| true);
+        assert_eq!(
+            int8.iter().map(|k| k.name).collect::<Vec<_>>(),
+            ["vpdpbusd zmm", "vpdpbusd ymm (EVEX)", "vpdpbusd ymm (VEX)"]
+        );
     }
 }

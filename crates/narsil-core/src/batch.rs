@@ -231,14 +231,25 @@ impl<T: Copy> Segments<T> {
     }
 
     /// Appends `run` to segment `s`. Panics if it does not fit there.
+    ///
+    /// Only the values `run` yields count as written: its `len()` is a hint
+    /// for the early check, never trusted for what [`Segments::finish`]
+    /// exposes (a safe `ExactSizeIterator` may misreport it).
     fn append(&mut self, s: usize, run: impl ExactSizeIterator<Item = T>) {
         let at = self.next[s];
-        assert!(at + run.len() <= self.ends[s], "a run overflows its segment");
-        let slots = &mut self.values.spare_capacity_mut()[at..at + run.len()];
-        for (slot, value) in slots.iter_mut().zip(run) {
+        let end = self.ends[s];
+        assert!(run.len() <= end - at, "a run overflows its segment");
+        let mut slots = self.values.spare_capacity_mut()[at..end].iter_mut();
+        let mut written = 0;
+        for value in run {
+            let slot = slots.next().expect("a run overflows its segment");
             slot.write(value);
+            written += 1;
         }
-        self.next[s] = at + slots.len();
+        // Counted, not taken from `len()`: a slot is marked written only
+        // once a value was written into it. (A panic above leaves `next`
+        // short of `end`, and `finish` refuses the gap.)
+        self.next[s] = at + written;
     }
 
     /// Appends `run` to segment `s` with one memory copy. Panics if it does
@@ -261,8 +272,10 @@ impl<T: Copy> Segments<T> {
         let len = self.ends.last().copied().unwrap_or(0);
         // SAFETY: the capacity is at least `len` (`new`), and every slot
         // below it was written: segments tile `0..len` end to end, each
-        // was written from its start without a gap by `append` (which
-        // never writes past its end), and each reached its end (asserted).
+        // was written from its start without a gap by `append` and
+        // `append_slice` (which never write past its end, and advance
+        // `next` only by the values they actually wrote, never by an
+        // iterator's reported length), and each reached its end (asserted).
         unsafe { self.values.set_len(len) };
         self.values
     }
@@ -508,6 +521,50 @@ mod tests {
         gap.append(0, [1, 2].into_iter());
         gap.append(1, [3].into_iter());
         assert!(std::panic::catch_unwind(move || gap.finish()).is_err(), "a slot never written is refused");
+    }
+
+    /// An iterator that yields `values` but reports `len` as its length:
+    /// safe code may implement `ExactSizeIterator` wrongly.
+    struct LyingLen {
+        values: std::vec::IntoIter<i32>,
+        len: usize,
+    }
+
+    impl Iterator for LyingLen {
+        type Item = i32;
+        fn next(&mut self) -> Option<i32> {
+            self.values.next()
+        }
+    }
+
+    impl ExactSizeIterator for LyingLen {
+        fn len(&self) -> usize {
+            self.len
+        }
+    }
+
+    #[test]
+    fn a_run_whose_len_lies_marks_only_what_it_yielded_as_written() {
+        let lying = |values: Vec<i32>, len| LyingLen { values: values.into_iter(), len };
+        // Claims 3, yields 1: two slots were never written, so the vector is
+        // refused (marking the claimed 3 would expose uninitialised memory).
+        let mut short = Segments::new(&[0, 3]);
+        short.append(0, lying(vec![1], 3));
+        assert_eq!(short.next, [1], "only the yielded value is marked written");
+        assert!(std::panic::catch_unwind(move || short.finish()).is_err(), "unwritten slots are refused");
+        // Claims 1, yields 3 that fit: all three are written and kept.
+        let mut long = Segments::new(&[0, 3, 4]);
+        long.append(0, lying(vec![1, 2, 3], 1));
+        long.append(1, lying(vec![4], 0));
+        assert_eq!(long.finish(), vec![1, 2, 3, 4]);
+        // Claims 1, yields more than fit: refused while appending, never
+        // written past the segment's end.
+        let overflow = std::panic::catch_unwind(|| {
+            let mut segments = Segments::new(&[0, 2, 3]);
+            segments.append(0, lying(vec![1, 2, 3], 1));
+            segments
+        });
+        assert!(overflow.is_err(), "a run yielding past its segment is refused");
     }
 
     #[test]

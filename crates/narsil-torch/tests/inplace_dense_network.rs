@@ -7,7 +7,14 @@
 //! The network is a real TorchScript module, traced here with tch from a
 //! function that modifies its inputs in place and saved over a copy of the
 //! test model's `split/dense.pt` (`scripts/test.sh` exports
-//! `models/generated/test-small`).
+//! `models/generated/test-small`; without it the tests say `skipped`, or
+//! fail under `NARSIL_REQUIRE_TEST_MODEL=1`, which CI sets).
+
+mod common;
+
+/// Set to `1`, a test without the exported test model fails instead of
+/// skipping.
+const REQUIRE_TEST_MODEL: &str = "NARSIL_REQUIRE_TEST_MODEL";
 
 use std::path::{Path, PathBuf};
 
@@ -39,10 +46,8 @@ fn writes_its_inputs(inputs: &[Tensor]) -> Vec<Tensor> {
 fn model_whose_network_writes_its_inputs(test: &str) -> Option<PathBuf> {
     let source = test_model_dir().join("split");
     if !source.join("schema.json").is_file() {
-        eprintln!(
-            "skipped: {test}: no split test model in {} (scripts/test.sh exports it)",
-            source.display()
-        );
+        let why = format!("no split test model in {} (scripts/test.sh exports it)", source.display());
+        common::skip_or_fail(REQUIRE_TEST_MODEL, test, &why);
         return None;
     }
     let split = SplitSchema::read(&source).unwrap();
