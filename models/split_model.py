@@ -35,7 +35,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Tuple
 
 import torch
 from torch import nn
@@ -271,13 +271,32 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def forward_ms(package, inputs) -> float:
-    """The fastest of a few timed forwards of `package` on one thread."""
+def cpu_identity() -> str:
+    """This CPU as `vendor family F model M` (from /proc/cpuinfo): what a
+    form's timings at export hold for (Narsil reads the same fields: the
+    model name alone says "AMD EPYC" for Zen 3, 4 and 5 alike)."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
+def forward_ms(package, inputs, warmups: int = 1) -> float:
+    """The fastest of a few timed forwards of `package` on one thread (after
+    `warmups` untimed ones: TorchScript profiles its first runs)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.inference_mode():
-            package(*inputs)
+            for _ in range(warmups):
+                package(*inputs)
             best = float("inf")
             for _ in range(5):
                 started = time.perf_counter()
@@ -299,8 +318,42 @@ def load_unlinked_package(path: str):
     return aoti_load_package(path)
 
 
+TIMED_ROWS = (100, 1600)
+
+
+def torchscript_ms(out: Path, num_dense: int, pooled_width: int, dtype) -> List[float]:
+    """`out/dense.pt` (the TorchScript dense network) timed as Narsil runs
+    it (frozen; bf16: floating-point parameters and inputs cast) at
+    TIMED_ROWS on one thread."""
+    module = torch.jit.load(str(out / "dense.pt")).eval()
+    if dtype != torch.float32:
+        module = module.to(dtype)
+    frozen = torch.jit.freeze(module)
+    return [forward_ms(frozen, (torch.randn(rows, num_dense, dtype=dtype), torch.rand(rows, pooled_width, dtype=dtype)),
+                       warmups=3) for rows in TIMED_ROWS]
+
+
+def form_timings(out: Path, num_dense: int, pooled_width: int, precision: str, pt2_ms: List[float], log) -> dict:
+    """The schema's record of both forms of one precision timed on this CPU
+    at TIMED_ROWS (microseconds), which `--dense-form auto` reads to serve
+    the faster where it runs on the same CPU; empty if TorchScript cannot
+    be timed in this precision."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    try:
+        ts_ms = torchscript_ms(out, num_dense, pooled_width, dtype)
+    except Exception as e:  # a network that does not run in bf16 as TorchScript: the package only
+        log(f"dense.pt not timed in {precision} ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+        return {}
+    per_sample = lambda ms: sum(m / rows for m, rows in zip(ms, TIMED_ROWS))
+    faster = "TorchScript" if per_sample(ts_ms) < per_sample(pt2_ms) else ".pt2"
+    log(f"{precision} forms on this CPU ({cpu_identity()}), one thread, {TIMED_ROWS[0]} / {TIMED_ROWS[1]:,} rows: "
+        f"TorchScript {ts_ms[0]:.2f} / {ts_ms[1]:.1f} ms, .pt2 {pt2_ms[0]:.2f} / {pt2_ms[1]:.1f} ms: "
+        f"--dense-form auto serves {faster} here")
+    return {"torchscript_us": [round(m * 1e3) for m in ts_ms], "pt2_us": [round(m * 1e3) for m in pt2_ms]}
+
+
 def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log,
-                        precision: str = "fp32") -> str:
+                        precision: str = "fp32") -> Tuple[str, List[float]]:
     """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
     torch.export (a dynamic row dimension) and AOTInductor into
     `out/dense.pt2` (FP32) or, for `precision` "bf16", `out/dense_bf16.pt2`
@@ -311,7 +364,7 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     compiled for this CPU's vector ISA without -march=native (so it runs on
     any CPU with that ISA) and records the CPU flags it needs; compiling
     needs a C++ compiler (here, at export time only). Returns the file's
-    name."""
+    name and the kept package's times at TIMED_ROWS (ms)."""
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -352,7 +405,7 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
                     raise SystemExit(f"{name} ({label}) check failed: {diff} from the dense network at {batch} rows")
         timed[label] = (candidate, [forward_ms(package, (torch.randn(batch, num_dense, dtype=dtype),
                                                         torch.rand(batch, pooled_width, dtype=dtype)))
-                                    for batch in (100, 1600)])
+                                    for batch in TIMED_ROWS])
         del package
     best = min(timed, key=lambda label: timed[label][1][0] / 100 + timed[label][1][1] / 1600)
     for label, (candidate, _) in timed.items():
@@ -363,19 +416,25 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     measured = "; ".join(f"{label} {ms[0]:.2f} / {ms[1]:.1f} ms" for label, (_, ms) in timed.items())
     log(f"compiled {name} with AOTInductor for {isa} in {time.time() - started:.0f} s, kept {best} "
         f"(one thread, 100 / 1,600 rows: {measured}; scores within {bound:g} of the FP32 network)")
-    return name
+    return name, timed[best][1]
 
 
 def write_dense_packages(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> dict:
     """`dense_network`'s AOTInductor packages (write_dense_package): FP32,
     and bf16 where this CPU has bf16 instructions; the schema's fields
-    naming them."""
-    packages = {"dense_package": write_dense_package(out, dense_network, num_dense, pooled_width, log)}
-    if cpu_has_bf16():
-        packages["dense_package_bf16"] = write_dense_package(out, dense_network, num_dense, pooled_width, log,
-                                                             precision="bf16")
-    else:
+    naming them, and `dense_form_timings`: each precision's package and
+    TorchScript network (`out/dense.pt`, written before) timed on this CPU
+    (form_timings)."""
+    timings = {"cpu": cpu_identity(), "rows": list(TIMED_ROWS)}
+    packages = {}
+    precisions = ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]
+    for precision in precisions:
+        name, pt2_ms = write_dense_package(out, dense_network, num_dense, pooled_width, log, precision=precision)
+        packages["dense_package" if precision == "fp32" else f"dense_package_{precision}"] = name
+        timings[precision] = form_timings(out, num_dense, pooled_width, precision, pt2_ms, log)
+    if not cpu_has_bf16():
         log("dense_bf16.pt2 not compiled: this CPU has no bf16 instructions (AVX512-BF16 or AMX-BF16)")
+    packages["dense_form_timings"] = {key: value for key, value in timings.items() if value != {}}
     return packages
 
 

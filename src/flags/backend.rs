@@ -61,8 +61,9 @@ pub struct BackendArgs {
     /// torch, split models: the dense network's form. `auto` runs the
     /// AOTInductor package the schema names for the precision (`dense.pt2`,
     /// `dense_bf16.pt2`) where this CPU has the instructions it was compiled
-    /// for, else `dense.pt`; `torchscript` runs `dense.pt`; `pt2` requires
-    /// the package.
+    /// for, unless the export timed `dense.pt` faster on this kind of CPU
+    /// (the schema's `dense_form_timings`), else `dense.pt`; `torchscript`
+    /// runs `dense.pt`; `pt2` requires the package.
     #[arg(long, env = "NARSIL_DENSE_FORM", value_enum, default_value_t = DenseForm::Auto)]
     pub dense_form: DenseForm,
     /// Split models (a `--model` directory): where their tables live.

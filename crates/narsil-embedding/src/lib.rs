@@ -34,7 +34,10 @@ pub use dedup::{DistinctIds, IdCount};
 pub use layout::{SlotIndex, SlotIndexError};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
-pub use schema::{Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage, TableSpec};
+pub use schema::{
+    DenseFormTimings, FormTimes, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage,
+    TableSpec,
+};
 pub use stage::{EmbeddingStage, StageError, StageScratch};
 pub use stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 pub use stores::local::table::{LocalRows, Table, TableError};

@@ -33,7 +33,7 @@ use std::fmt;
 use std::path::Path;
 
 use narsil_core::BackendError;
-use narsil_embedding::SplitSchema;
+use narsil_embedding::{DenseFormTimings, SplitSchema};
 use tch::{Device, Tensor};
 
 use crate::aoti_package::AotiPackage;
@@ -41,7 +41,7 @@ use crate::aoti_package::AotiPackage;
 /// The metadata key under which AOTInductor records the device a package
 /// was compiled for (`cpu`, `cuda`).
 pub const AOTI_DEVICE_KEY: &str = "AOTI_DEVICE_KEY";
-use crate::precision::{cpu_flags, DensePrecision};
+use crate::precision::{cpu_flags, cpu_identity, DensePrecision};
 use crate::script_module::{LibtorchError, ScriptModule};
 
 /// `--dense-form`.
@@ -234,6 +234,17 @@ impl DenseNetwork {
                 tracing::info!(%precision, "the schema names no {field}: serving the TorchScript dense network");
                 Ok(None)
             }
+            (DenseForm::Auto, Some(_))
+                if auto_serves_torchscript(split.dense_form_timings.as_ref(), precision, &cpu_identity()) =>
+            {
+                tracing::info!(
+                    %precision,
+                    cpu = %cpu_identity(),
+                    "--dense-form auto: the export timed the TorchScript dense network faster than {field} \
+                     on this CPU: serving TorchScript"
+                );
+                Ok(None)
+            }
             (_, package) => Ok(package),
         }
     }
@@ -269,5 +280,52 @@ impl DenseNetwork {
             Self::TorchScript(module) => module.forward_tensors(inputs),
             Self::Package(package) => package.forward_tensors(inputs),
         }
+    }
+}
+
+/// Whether `--dense-form auto` serves the TorchScript network instead of
+/// the package in `precision`: only where the export timed both on a CPU
+/// of this kind (`this_cpu`, [`cpu_identity`]) and TorchScript cost less
+/// per sample (the form that wins differs by CPU: TorchScript 1.4x the
+/// package on an Intel Xeon with AMX in FP32, the package 1.55x TorchScript
+/// on a Zen 5). Elsewhere the package, as measured on most CPUs.
+pub fn auto_serves_torchscript(
+    timings: Option<&DenseFormTimings>,
+    precision: DensePrecision,
+    this_cpu: &str,
+) -> bool {
+    let Some(timings) = timings else { return false };
+    let times = match precision {
+        DensePrecision::Fp32 => timings.fp32.as_ref(),
+        DensePrecision::Bf16 => timings.bf16.as_ref(),
+        DensePrecision::Int8 => None,
+    };
+    timings.cpu == this_cpu && times.is_some_and(|times| times.torchscript_faster(&timings.rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use narsil_embedding::FormTimes;
+
+    use super::*;
+
+    fn timings(cpu: &str, fp32: Option<FormTimes>) -> DenseFormTimings {
+        DenseFormTimings { cpu: cpu.into(), rows: vec![100, 1600], fp32, bf16: None }
+    }
+
+    #[test]
+    fn auto_serves_torchscript_only_where_the_export_timed_it_faster_on_this_kind_of_cpu() {
+        let faster = || Some(FormTimes { torchscript_us: vec![150, 1500], pt2_us: vec![200, 2200] });
+        let slower = || Some(FormTimes { torchscript_us: vec![200, 2200], pt2_us: vec![150, 1500] });
+        let here = "GenuineIntel family 6 model 207";
+        assert!(auto_serves_torchscript(Some(&timings(here, faster())), DensePrecision::Fp32, here));
+        assert!(!auto_serves_torchscript(Some(&timings(here, slower())), DensePrecision::Fp32, here));
+        // Timed on another kind of CPU: says nothing about this one.
+        let there = "AuthenticAMD family 26 model 2";
+        assert!(!auto_serves_torchscript(Some(&timings(there, faster())), DensePrecision::Fp32, here));
+        // Not timed in this precision, or not at all.
+        assert!(!auto_serves_torchscript(Some(&timings(here, faster())), DensePrecision::Bf16, here));
+        assert!(!auto_serves_torchscript(Some(&timings(here, faster())), DensePrecision::Int8, here));
+        assert!(!auto_serves_torchscript(None, DensePrecision::Fp32, here));
     }
 }

@@ -66,6 +66,26 @@ pub fn cpu_flags() -> Vec<String> {
     flags_of(&cpuinfo).into_iter().map(str::to_owned).collect()
 }
 
+/// This CPU as `vendor family F model M` (the first processor's
+/// `vendor_id`, `cpu family` and `model` in /proc/cpuinfo): the identity
+/// export-time timings are recorded under (`models/split_model.py`'s
+/// `cpu_identity` writes the same).
+pub fn cpu_identity() -> String {
+    identity_of(&std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default())
+}
+
+fn identity_of(cpuinfo: &str) -> String {
+    let field = |key: &str| {
+        cpuinfo
+            .lines()
+            .take_while(|line| !line.trim().is_empty())
+            .filter_map(|line| line.split_once(':'))
+            .find(|(k, _)| k.trim() == key)
+            .map_or("?", |(_, value)| value.trim())
+    };
+    format!("{} family {} model {}", field("vendor_id"), field("cpu family"), field("model"))
+}
+
 fn flags_of(cpuinfo: &str) -> Vec<&str> {
     cpuinfo
         .lines()
@@ -128,5 +148,13 @@ mod tests {
         let zen3 = "flags\t\t: fpu avx2 fma\n";
         assert!(bf16_flags(zen3).is_empty());
         assert!(bf16_flags("").is_empty());
+    }
+
+    #[test]
+    fn a_cpu_is_identified_by_vendor_family_and_model_not_its_marketing_name() {
+        let cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\n\
+                       model name\t: AMD EPYC\nflags\t\t: fpu avx2\n\nprocessor\t: 1\nmodel\t\t: 9\n";
+        assert_eq!(identity_of(cpuinfo), "AuthenticAMD family 26 model 2");
+        assert_eq!(identity_of(""), "? family ? model ?");
     }
 }
