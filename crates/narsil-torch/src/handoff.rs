@@ -2,7 +2,7 @@
 //! is staged (its inputs written into pinned host buffers and copied to the
 //! device on the copy stream) while batch N runs on the compute stream.
 //!
-//! The engine's stage ahead (`narsil-engine`'s `lanes.rs`) hands staged
+//! The engine's stage ahead (`narsil-engine`'s `lanes/staged.rs`) hands staged
 //! batches to the lane through a rendezvous, one at a time, and the lane
 //! takes batch N+1 only once it is done with N (its forward returned, or it
 //! dropped N because every caller stopped waiting). So while the stage

@@ -1,0 +1,262 @@
+//! Staging a batch's inputs onto the lane's device: host buffers allocated
+//! once per lane (pinned on CUDA, grown only when a larger batch comes),
+//! each with its device twin; a set of them per batch in flight (dense
+//! features, and the pooled block or the lookups); and the copies between
+//! host and device (`copy_` without blocking, through the C++ shim).
+
+use std::ffi::c_char;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use narsil_core::{BackendError, KeyedBatch};
+use narsil_embedding::StageScratch;
+use tch::{Device, Kind, Tensor};
+
+use crate::cuda::Event;
+use crate::lane::torch_error;
+use crate::split_model::SplitModel;
+use crate::tensor_stage::{DeviceLookup, Lookup};
+
+type RawTensor = torch_sys::C_tensor;
+
+extern "C" {
+    fn narsil_tensor_copy(
+        dst: *mut RawTensor,
+        src: *const RawTensor,
+        non_blocking: i32,
+        error: *mut *mut c_char,
+    ) -> i32;
+}
+
+static PINNING_FAILURE_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// `host` pinned for `device`'s copies; where pinning fails (the locked
+/// memory limit, a driver that refuses), `host` itself, pageable: its
+/// copies are then staged by the driver and wait for the host, slower but
+/// correct (warned once per process).
+pub(super) fn pinned_or_pageable(host: Tensor, device: Device) -> Tensor {
+    match host.f_pin_memory(device) {
+        Ok(pinned) => pinned,
+        Err(why) => {
+            if !PINNING_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(reason = %why, "cannot pin host memory: staging through pageable buffers (slower copies)");
+            }
+            host
+        }
+    }
+}
+
+/// `dst.copy_(src, non_blocking)` (tch's `copy_` always blocks).
+pub(super) fn copy_into(dst: &mut Tensor, src: &Tensor, non_blocking: bool) -> Result<(), BackendError> {
+    let mut error = std::ptr::null_mut();
+    // SAFETY: two live tensors (tch handles are `at::Tensor*`) and an
+    // out-pointer that outlive the call; the shim throws nothing.
+    let status =
+        unsafe { narsil_tensor_copy(dst.as_mut_ptr(), src.as_ptr(), non_blocking as i32, &mut error) };
+    if status == 0 {
+        Ok(())
+    } else {
+        let message = crate::script_module::take_string(error).unwrap_or_else(|| "unknown error".into());
+        Err(BackendError::forward("libtorch").caused_by(crate::script_module::LibtorchError(message)))
+    }
+}
+
+/// A host buffer (pinned on CUDA) and its device twin, grown to the largest
+/// batch seen; never allocated per batch.
+pub struct StagedBuffer {
+    kind: Kind,
+    device: Device,
+    host: Option<Tensor>,
+    on_device: Option<Tensor>,
+    allocations: usize,
+}
+
+impl StagedBuffer {
+    /// An empty buffer of `kind` for `device`.
+    pub fn new(kind: Kind, device: Device) -> Self {
+        Self { kind, device, host: None, on_device: None, allocations: 0 }
+    }
+
+    /// How many times its memory was allocated (grown).
+    pub fn allocations(&self) -> usize {
+        self.allocations
+    }
+
+    /// Elements it holds without growing.
+    pub fn capacity(&self) -> usize {
+        self.host.as_ref().map_or(0, |t| t.numel())
+    }
+
+    /// Writes `data` into the host buffer and starts its copy to the device
+    /// buffer on the calling thread's current stream (non-blocking: the
+    /// host buffer must not be rewritten before that stream has run it);
+    /// returns the `[len]` device view (on the CPU device: the host view).
+    pub fn upload<T: tch::kind::Element>(&mut self, data: &[T]) -> Result<Tensor, BackendError> {
+        if T::KIND != self.kind {
+            return Err(BackendError::forward(format!(
+                "a {:?} input staged in a {:?} buffer",
+                T::KIND,
+                self.kind
+            )));
+        }
+        let len = data.len();
+        if self.capacity() < len.max(1) {
+            let size = len.max(1).next_power_of_two() as i64;
+            let host = Tensor::f_empty([size], (self.kind, Device::Cpu)).map_err(torch_error)?;
+            self.host = Some(match self.device {
+                Device::Cpu => host,
+                device => pinned_or_pageable(host, device),
+            });
+            self.on_device = match self.device {
+                Device::Cpu => None,
+                device => Some(Tensor::f_empty([size], (self.kind, device)).map_err(torch_error)?),
+            };
+            self.allocations += 1;
+        }
+        let host = self.host.as_ref().expect("allocated above");
+        // SAFETY: `host` is a contiguous CPU tensor of `kind` (checked to be
+        // T's) with at least `len` elements, and `data` has `len` of them;
+        // no other reference to its memory is in use (the caller's contract:
+        // the previous copy from it has run).
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), host.data_ptr() as *mut T, len) };
+        let host = host.f_narrow(0, 0, len as i64).map_err(torch_error)?;
+        match &self.on_device {
+            None => Ok(host),
+            Some(on_device) => {
+                let mut view = on_device.f_narrow(0, 0, len as i64).map_err(torch_error)?;
+                copy_into(&mut view, &host, true)?;
+                Ok(view)
+            }
+        }
+    }
+}
+
+/// One batch's staged inputs, on the device.
+pub struct Held {
+    pub(super) rows: usize,
+    pub(super) dense: Tensor,
+    /// The pooled block (tables on the host), or the lookups to pool it on
+    /// the device (tables there).
+    pub(super) pooled: Pooled,
+}
+
+pub(super) enum Pooled {
+    Block(Tensor),
+    Lookups(Vec<DeviceLookup>),
+}
+
+/// A set of staging buffers: a batch's dense features, and its pooled block
+/// or its lookups.
+pub struct BufferSet {
+    dense: StagedBuffer,
+    pooled: StagedBuffer,
+    rows: Vec<StagedBuffer>,
+    bags: Vec<StagedBuffer>,
+    multipliers: Vec<StagedBuffer>,
+    /// Recorded after the set's copies (CUDA).
+    pub(super) event: Option<Event>,
+    pub(super) held: Option<Held>,
+}
+
+impl BufferSet {
+    pub(super) fn new(device: Device, groups: usize, event: Option<Event>) -> Self {
+        let buffers = |kind| (0..groups).map(|_| StagedBuffer::new(kind, device)).collect();
+        Self {
+            dense: StagedBuffer::new(Kind::Float, device),
+            pooled: StagedBuffer::new(Kind::Float, device),
+            rows: buffers(Kind::Int64),
+            bags: buffers(Kind::Int64),
+            multipliers: buffers(Kind::Float),
+            event,
+            held: None,
+        }
+    }
+
+    /// Host allocations of all its buffers so far.
+    pub fn allocations(&self) -> usize {
+        [&self.dense, &self.pooled]
+            .into_iter()
+            .chain(&self.rows)
+            .chain(&self.bags)
+            .chain(&self.multipliers)
+            .map(StagedBuffer::allocations)
+            .sum()
+    }
+}
+
+/// A lane's host-side scratch for staging.
+#[derive(Default)]
+pub(super) struct HostScratch {
+    stage: StageScratch,
+    pooled: Vec<f32>,
+    lookup: Lookup,
+}
+
+/// Stages `batch` into `set`: dense features, and the pooled block (tables
+/// on the host: pooled here by the CPU stage) or the lookups (tables on the
+/// device).
+pub(super) fn stage_into(
+    model: &SplitModel,
+    batch: &KeyedBatch,
+    set: &mut BufferSet,
+    scratch: &mut HostScratch,
+) -> Result<Held, BackendError> {
+    let rows = batch.rows as i64;
+    let dense =
+        set.dense.upload(&batch.dense)?.f_reshape([rows, batch.num_dense as i64]).map_err(torch_error)?;
+    let pooled = match &model.device_tables {
+        None => {
+            model.stage.pool(batch, &mut scratch.stage, &mut scratch.pooled).map_err(BackendError::from)?;
+            let width = model.stage.pooled_width() as i64;
+            Pooled::Block(set.pooled.upload(&scratch.pooled)?.f_reshape([rows, width]).map_err(torch_error)?)
+        }
+        Some(tables) => {
+            scratch.lookup.fill(batch, tables.features(), tables.groups()).map_err(BackendError::from)?;
+            let mut lookups = Vec::with_capacity(tables.groups());
+            for (g, group) in scratch.lookup.groups.iter().enumerate() {
+                lookups.push(DeviceLookup {
+                    rows: set.rows[g].upload(&group.rows)?,
+                    bags: set.bags[g].upload(&group.bags)?,
+                    multipliers: if group.scaled {
+                        Some(set.multipliers[g].upload(&group.multipliers)?)
+                    } else {
+                        None
+                    },
+                });
+            }
+            Pooled::Lookups(lookups)
+        }
+    };
+    Ok(Held { rows: batch.rows, dense, pooled })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Staging buffers are allocated once and grow only for a larger batch
+    /// (on CUDA the same code pins them: never per request).
+    #[test]
+    fn a_staging_buffer_is_allocated_once_and_grows_only_for_a_larger_batch() {
+        let mut buffer = StagedBuffer::new(Kind::Float, Device::Cpu);
+        let values: Vec<f32> = (0..300).map(|i| i as f32).collect();
+        for len in [100, 50, 100, 128, 1, 0] {
+            let staged = buffer.upload(&values[..len]).unwrap();
+            assert_eq!(staged.numel(), len);
+            assert_eq!(Vec::<f32>::try_from(&staged).unwrap(), values[..len]);
+        }
+        assert_eq!((buffer.allocations(), buffer.capacity()), (1, 128));
+        drop(buffer.upload(&values[..129]).unwrap());
+        assert_eq!((buffer.allocations(), buffer.capacity()), (2, 256));
+        let error = buffer.upload(&[1i64, 2]).unwrap_err().to_string();
+        assert!(error.contains("Int64") && error.contains("Float"), "{error}");
+    }
+
+    #[test]
+    fn a_buffer_set_counts_every_buffers_allocations() {
+        let mut set = BufferSet::new(Device::Cpu, 2, None);
+        drop(set.dense.upload(&[1.0f32; 10]).unwrap());
+        drop(set.rows[1].upload(&[1i64; 10]).unwrap());
+        drop(set.dense.upload(&[1.0f32; 16]).unwrap());
+        assert_eq!(set.allocations(), 2);
+    }
+}
