@@ -17,7 +17,9 @@ and skewed (Zipf) traffic, whose hot ids repeat within and across requests:
   * with --split-model DIR: Narsil split fp32 / bf16 - the same weights in
     the split form (tables served by Narsil's embedding stage,
     --split-table-store), each also with the stage one batch ahead
-    (`--stage-ahead`), and Narsil split pt2 fp32 / bf16 (`--dense-form pt2`)
+    (`--stage-ahead`), Narsil split pt2 fp32 / bf16 (`--dense-form pt2`),
+    and Narsil default fp32 (what scripts/serve.sh serves: `--dense-form
+    auto`, which picks the form the export timed faster on this CPU)
     where DIR's schema names an AOTInductor package for the precision;
     `--precisions int8` adds Narsil split pt2 int8 (DIR exported with
     `--int8`), held against TorchRec's bf16
@@ -112,6 +114,11 @@ def servers(args, cores, torchrec_bin):
                           args.split_table_store, "--execution-mode", "batch"]
         with open(os.path.join(args.split_model, "schema.json")) as f:
             schema = json.load(f)
+        # What scripts/serve.sh serves: the split model, FP32, in the form
+        # `--dense-form auto` picks on this CPU (the server's log says which).
+        if "fp32" in args.precisions:
+            out.append(("Narsil default fp32", lambda addr: split + ["--dense-precision", "fp32", "--dense-form",
+                                                                    "auto", "--addr", addr]))
         for precision in args.precisions:
             if precision != "int8":
                 torchscript = split + ["--dense-precision", precision, "--dense-form", "torchscript"]

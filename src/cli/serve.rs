@@ -138,9 +138,15 @@ pub struct ServeArgs {
     /// by an earlier run is removed at start.
     #[arg(long, env = "NARSIL_BOUND_ADDRESSES_FILE", value_name = "PATH")]
     pub bound_addresses_file: Option<PathBuf>,
-    /// Failed forwards in a row after which grpc.health says NOT_SERVING
-    /// (idle lanes then probe the backend every second; the first success
-    /// turns it SERVING again); 0 never.
+    /// Failed or stalled forwards in a row after which grpc.health says
+    /// NOT_SERVING (a batch abandoned at its deadline while a table store
+    /// stalled it counts as failed); idle lanes then probe the backend every
+    /// second, and the first success turns it SERVING again; 0 never.
+    /// Besides, a split model whose table store stops answering is
+    /// NOT_SERVING until it answers again, whatever this count: a Redis
+    /// Cluster none of whose masters answers pings for 1 s, or a `disk`
+    /// store whose probe (a direct read of one block of every table file
+    /// each second) fails or takes over 1 s.
     #[arg(long, env = "NARSIL_UNHEALTHY_AFTER_FAILURES", default_value_t = 5)]
     pub unhealthy_after_failures: u32,
     /// On SIGTERM/SIGINT, seconds to keep accepting and serving calls after

@@ -7,9 +7,13 @@
 //!
 //! Health ([`health`]: `grpc.health.v1`, and `/healthz`) says NOT_SERVING
 //! until every model that should serve has a warm version, then follows
-//! their backends (NOT_SERVING after `--unhealthy-after-failures` failed
-//! forwards in a row, SERVING again after a successful one); each model also
-//! has its own status under its name. When a stop is asked for ([`drain`]),
+//! their backends (NOT_SERVING after `--unhealthy-after-failures` failed or
+//! stalled forwards in a row, a batch abandoned while a table store stalled
+//! it counting as failed, SERVING again after a successful one; and
+//! NOT_SERVING while a split model's table store does not answer, whatever
+//! the count: a Redis Cluster's masters silent, or the `disk` store's probe
+//! read of a table file failing or slower than 1 s); each model also has
+//! its own status under its name. When a stop is asked for ([`drain`]),
 //! health turns NOT_SERVING for good at once; calls are still accepted for
 //! `--drain-grace-secs`; then the listener closes, every call in flight is
 //! answered, and the models stop.

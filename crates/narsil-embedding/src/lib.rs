@@ -39,8 +39,9 @@ pub use schema::{
     TableSpec,
 };
 pub use stage::{EmbeddingStage, StageError, StageScratch};
-pub use stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
-pub use stores::local::table::{LocalRows, Table, TableError};
+pub use stores::local::table::{LocalRows, Table};
 pub use stores::redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
 pub use stores::registry::STORE_KINDS;
 pub use stores::row_store::{FetchError, Fetched, MissingRows, RowStore};
+pub use stores::table_error::TableError;
+pub use stores::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};

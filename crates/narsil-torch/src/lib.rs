@@ -7,7 +7,8 @@
 //! * [`model`]: loads the TorchScript module once and reads its schema.
 //! * [`script_module`]: the frozen TorchScript module behind a C++ shim.
 //! * [`precision`]: `--dense-precision` and the CPU's bf16 instructions.
-//! * [`roofline`]: this core's GEMM peak through the same libtorch.
+//! * [`gemm_peak`]: this core's GEMM peak through the same libtorch (the
+//!   `bench-forward` roofline's GEMM part).
 //! * [`lane`]: one lane's forward: key-major batch in, scores out (pinned
 //!   host staging and asynchronous copies on CUDA).
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
@@ -33,11 +34,11 @@ pub mod device;
 pub mod device_lane;
 pub mod factory;
 pub mod fbgemm;
+pub mod gemm_peak;
 pub mod handoff;
 pub mod lane;
 pub mod model;
 pub mod precision;
-pub mod roofline;
 pub mod script_module;
 pub mod split;
 pub mod split_model;

@@ -9,13 +9,13 @@ use std::time::Instant;
 use narsil_core::KeyedBatch;
 
 use super::{EmbeddingStage, StageError, StageScratch};
-use crate::stores::batch::{group_tables, FetchPart};
-use crate::stores::row_store::{FetchError, Fetched};
+use crate::stores::batch::group_tables;
+use crate::stores::row_store::{FetchError, FetchPart, Fetched};
 
 impl EmbeddingStage {
     /// Copies the distinct rows of every table whose store fetches into
     /// `scratch.fetched`: the tables of a store that fetches many at once
-    /// in one call per [`crate::stores::batch::BatchGroup`], the others one
+    /// in one call per [`crate::stores::BatchGroup`], the others one
     /// by one.
     pub(super) fn fetch(&self, batch: &KeyedBatch, scratch: &mut StageScratch) -> Result<(), StageError> {
         scratch.fetched.resize_with(self.tables.len(), Vec::new);
@@ -101,9 +101,8 @@ mod tests {
 
     use super::super::fixtures::{batch, rows, schema};
     use super::super::{EmbeddingStage, StageError, StageScratch};
-    use crate::stores::batch::FetchPart;
     use crate::stores::local::table::Table;
-    use crate::stores::row_store::{FetchError, Fetched, RowStore};
+    use crate::stores::row_store::{FetchError, FetchPart, Fetched, RowStore};
 
     /// Rows fetched by a store of its own that batches: every table of a
     /// batch in one call, which it counts; or, once told to, a fetch given
@@ -142,8 +141,8 @@ mod tests {
     }
 
     impl crate::stores::BatchFetch for Batching {
-        fn group(&self) -> crate::stores::batch::BatchGroup {
-            crate::stores::batch::BatchGroup { kind: "batching", instance: 0 }
+        fn group(&self) -> crate::stores::BatchGroup {
+            crate::stores::BatchGroup { kind: "batching", instance: 0 }
         }
         fn fetch_parts(
             &self,

@@ -51,9 +51,9 @@ use narsil_core::KeyedBatch;
 use crate::dedup::DistinctIds;
 use crate::metrics::{StageMetrics, TableCounters};
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
-use crate::stores::config::{OpenedTables, TableStore};
-use crate::stores::local::table::TableError;
 use crate::stores::row_store::RowStore;
+use crate::stores::table_error::TableError;
+use crate::stores::table_store::{OpenedTables, TableStore};
 
 pub use error::StageError;
 
@@ -130,7 +130,7 @@ impl EmbeddingStage {
     }
 
     /// Opens every table of the split model in `dir` in `store` (how each
-    /// kind opens them: [`crate::stores::config::StoreConfig::open`]; the
+    /// kind opens them: [`crate::stores::table_store::StoreConfig::open`]; the
     /// local stores share the tables a live model version already holds,
     /// the `redis` store checks each table is loaded on the cluster).
     pub fn open(
@@ -148,8 +148,9 @@ impl EmbeddingStage {
     }
 
     /// Tells `watcher` whether the store its tables are on answers (see
-    /// [`narsil_core::BackendFactory::watch_dependencies`]); tables in this
-    /// process always do, and never call it.
+    /// [`narsil_core::BackendFactory::watch_dependencies`]): a Redis
+    /// cluster's pings, the disk store's probe reads; tables in memory or
+    /// mapped files always answer and never call it.
     pub fn watch_store(&self, watcher: narsil_core::DependencyWatcher) {
         // Every table of a model is in the one store it was opened in: the
         // first that takes the watcher watches them all.

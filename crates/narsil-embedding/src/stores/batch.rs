@@ -1,16 +1,17 @@
-//! Fetching a batch's rows of many tables at once: a store's own
-//! capability, which the embedding stage asks each table's store for
-//! ([`crate::RowStore::batch_fetch`]). Tables whose stores answer with the
-//! same [`BatchGroup`] are fetched in one call (a Redis Cluster's reads of
-//! every table pipelined together; a disk's reads of every table in flight
-//! on one ring), the others one table at a time
-//! ([`crate::RowStore::fetch`]). A new batching store implements
-//! [`BatchFetch`] in its own module; the stage is not edited.
+//! Fetching a batch's rows of many tables at once, as the stage does it.
+//! The capability itself ([`BatchFetch`], asked for by
+//! [`RowStore::batch_fetch`]) is declared with [`RowStore`] in `row_store`,
+//! as the two traits name each other. Tables whose stores answer with the
+//! same [`BatchGroup`] are fetched in one call ([`group_tables`]: a Redis
+//! Cluster's reads of every table pipelined together; a disk's reads of
+//! every table in flight on one ring), the others one table at a time
+//! ([`RowStore::fetch`]); a batching store fetches one table alone through
+//! [`fetch_alone`]. A new batching store implements [`BatchFetch`] in its
+//! own module; the stage is not edited.
 
 use std::time::Instant;
 
-pub use super::row_store::{BatchFetch, BatchGroup, FetchPart};
-use super::row_store::{FetchError, Fetched, RowStore};
+use super::row_store::{BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, RowStore};
 use crate::metrics::TableCounters;
 
 /// One table's fetch through its store's batch fetch (what a batching

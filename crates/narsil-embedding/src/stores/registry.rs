@@ -1,9 +1,9 @@
 //! Every kind of table store `--table-store` can name ([`STORE_KINDS`]),
 //! and parsing the flag's value by asking each kind in turn. A new kind is
-//! its file (its [`StoreKind`] and [`crate::stores::config::StoreConfig`])
+//! its file (its [`StoreKind`] and [`crate::stores::table_store::StoreConfig`])
 //! plus its line here.
 
-use crate::stores::config::{StoreKind, TableStore};
+use crate::stores::table_store::{StoreKind, TableStore};
 
 /// The table stores, in the order `--table-store`'s choices are told.
 pub const STORE_KINDS: &[StoreKind] = &[

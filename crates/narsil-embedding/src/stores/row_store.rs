@@ -3,7 +3,12 @@
 //! space (`memory`, `mmap`: the stage pools straight from them) or for the
 //! rows of a fused batch's distinct ids (a store on other machines copies
 //! them into the stage's buffer, once per distinct id). Which store a
-//! model's tables are opened in is [`crate::stores::config`]'s.
+//! model's tables are opened in is [`crate::stores::table_store`]'s.
+//!
+//! Fetching the rows of many tables of a batch at once is a store's own
+//! capability, declared here with the trait ([`BatchFetch`], its
+//! [`BatchGroup`] and [`FetchPart`]s: the trait and the capability name
+//! each other); the stage's grouping by it is [`crate::stores::batch`]'s.
 
 use std::any::Any;
 use std::time::Instant;
@@ -124,9 +129,11 @@ pub trait RowStore: Send + Sync {
         None
     }
 
-    /// For rows on other machines: tells `watcher` whether their store
-    /// answers, now and at each change (the serving health follows it).
-    /// Rows in this process always answer and give `watcher` back.
+    /// For rows on other machines, or read from a disk that may fail or
+    /// stall (`redis`, `disk`): tells `watcher` whether their store
+    /// answers, now and at each change (the serving health follows it),
+    /// until `watcher` returns false. Rows in this process's memory always
+    /// answer and give `watcher` back.
     fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
         Some(watcher)
     }

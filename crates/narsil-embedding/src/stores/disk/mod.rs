@@ -12,7 +12,10 @@
 //!   threads.
 //! * [`uring`]: making them on an io_uring.
 //! * [`store`]: the store kind, its configuration and a table's rows.
+//! * [`probe`]: whether a model's table files still read (the serving
+//!   health follows it).
 
+pub mod probe;
 pub mod reads;
 pub mod store;
 pub mod uring;

@@ -10,17 +10,18 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use super::probe::{self, ProbeTargets, ProbedFile};
 use super::reads::{
     is_deadline_passed, plan, read_blocks, read_on_threads, AlignedBuf, BlockRead, Read, BLOCK,
 };
 use super::uring;
 use crate::layout::SlotIndex;
 use crate::schema::{SplitSchema, TableSpec};
-use crate::stores::batch::{fetch_alone, BatchFetch, BatchGroup, FetchPart};
-use crate::stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+use crate::stores::batch::fetch_alone;
 use crate::stores::local::table::{checked_file, slot_index, TableError};
 use crate::stores::row_cache::RowCache;
-use crate::stores::row_store::{FetchError, Fetched, RowStore};
+use crate::stores::row_store::{BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, RowStore};
+use crate::stores::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 
 /// `--table-store disk[:io_uring|:threads]`.
 pub const STORE: StoreKind = StoreKind {
@@ -149,21 +150,26 @@ impl fmt::Display for DiskStore {
 }
 
 impl StoreConfig for DiskStore {
-    /// Opens each table's file for direct reads, after checking its size.
+    /// Opens each table's file for direct reads, after checking its size;
+    /// the tables share one [`probe`] of all their files.
     fn open(
         &self,
         dir: &Path,
         schema: &SplitSchema,
     ) -> Result<(Vec<Arc<dyn RowStore>>, OpenedTables), TableError> {
-        let mut stores: Vec<Arc<dyn RowStore>> = Vec::with_capacity(schema.tables.len());
+        let mut tables = Vec::with_capacity(schema.tables.len());
         for spec in &schema.tables {
             let path = checked_file(dir, spec)?;
             let read_error =
                 |source| TableError::Read { table: spec.name.clone(), path: path.clone(), source };
             let slots = slot_index(dir, spec)?;
-            let rows = DiskRows::open(&path, spec, slots, self).map_err(read_error)?;
-            stores.push(Arc::new(rows));
+            tables.push(DiskRows::open(&path, spec, slots, self).map_err(read_error)?);
         }
+        let probed = ProbeTargets::new(tables.iter().map(DiskRows::probed).collect());
+        let stores = tables
+            .into_iter()
+            .map(|rows| Arc::new(DiskRows { probe: probed.clone(), ..rows }) as Arc<dyn RowStore>)
+            .collect();
         Ok((stores, OpenedTables { read: schema.tables.len(), ..OpenedTables::default() }))
     }
 
@@ -181,8 +187,10 @@ impl StoreConfig for DiskStore {
 
 /// A table's rows, read from its file by direct I/O.
 pub struct DiskRows {
-    file: File,
+    file: Arc<File>,
     path: PathBuf,
+    /// Bytes of rows in the file.
+    len: u64,
     row_bytes: usize,
     cache: Option<Arc<RowCache>>,
     /// The table's number in the cache.
@@ -190,6 +198,9 @@ pub struct DiskRows {
     io_uring: bool,
     /// For a file in popularity order: where each id's row is.
     slots: Option<SlotIndex>,
+    /// The files of the tables opened with it (this one alone where it was
+    /// opened alone), which its reachability probe reads.
+    probe: Arc<ProbeTargets>,
 }
 
 impl DiskRows {
@@ -219,15 +230,24 @@ impl DiskRows {
         read_blocks(&file, 0, AlignedBuf::new(blocks as usize).as_mut_slice(), needed)?;
         let key = store.table_key(&file, spec)?;
         let io_uring = store.uses_io_uring()?;
+        let (file, len) = (Arc::new(file), spec.rows * spec.row_bytes as u64);
+        let alone = ProbedFile { file: file.clone(), len };
         Ok(Self {
             file,
             path: path.to_owned(),
+            len,
             row_bytes: spec.row_bytes,
             cache: store.cache.clone(),
             key,
             io_uring,
             slots,
+            probe: ProbeTargets::new(vec![alone]),
         })
+    }
+
+    /// Its file, for a probe.
+    fn probed(&self) -> ProbedFile {
+        ProbedFile { file: self.file.clone(), len: self.len }
     }
 
     /// Where row `id` is in the file, in rows.
@@ -283,7 +303,7 @@ fn fetch_tables(
     for (p, ((part, m), table)) in parts.iter().zip(&misses).zip(&tables).enumerate() {
         for (r, read) in m.reads.iter().enumerate() {
             let needed = m.offsets[read.rows.end - 1] + table.row_bytes as u64 - read.offset;
-            let (file, counters) = (&table.file, &part.counters.disk);
+            let (file, counters) = (&*table.file, &part.counters.disk);
             reads.push(BlockRead {
                 file,
                 offset: read.offset,
@@ -372,13 +392,28 @@ impl RowStore for DiskRows {
     fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
         Some(self)
     }
+
+    /// Probes every file of the tables opened with this one (a model
+    /// version's: the stage gives the watcher to its first table), one
+    /// direct read of a block each per [`probe::PROBE_INTERVAL`]: false
+    /// after a read that fails or takes over [`probe::PROBE_LIMIT`], true
+    /// once a round reads again ([`probe`]).
+    fn watch_reachability(
+        &self,
+        watcher: narsil_core::DependencyWatcher,
+    ) -> Option<narsil_core::DependencyWatcher> {
+        if let Err(e) = probe::watch(&self.probe, watcher, probe::Timing::SERVING, probe::direct_read()) {
+            tracing::warn!("disk store: no reachability probe for {}: {e}", self.path.display());
+        }
+        None
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::schema::Storage;
-    use crate::stores::batch::FetchPart;
+    use crate::stores::FetchPart;
 
     /// A table file of `rows` rows of 80 bytes, row `i` filled with bytes
     /// of `i`, on a file system that takes direct reads; `None`, saying the
@@ -555,6 +590,77 @@ mod tests {
             error.contains("t.slots") && error.contains(&sha256) && error.contains(&swapped_sha256),
             "{error}"
         );
+    }
+
+    #[test]
+    fn a_model_s_probe_reads_every_table_file_and_one_cut_short_makes_the_store_unreachable() {
+        let Some((dir, spec)) = table_file(1_000) else { return };
+        std::fs::copy(dir.path().join("t.bin"), dir.path().join("u.bin")).unwrap();
+        let other = TableSpec { name: "u".into(), file: "u.bin".into(), ..spec.clone() };
+        let schema = SplitSchema {
+            tables: vec![spec, other],
+            ..SplitSchema::one_table_per_feature("m", "1", 1, Vec::new(), Vec::new())
+        };
+        let (stores, _) = DiskStore::new(0, Reads::Threads).open(dir.path(), &schema).unwrap();
+        // The stage gives the watcher to the first table: its probe covers
+        // both files.
+        let rows = |s: &Arc<dyn RowStore>| s.as_any().downcast_ref::<DiskRows>().unwrap().file.clone();
+        let first = stores[0].as_any().downcast_ref::<DiskRows>().unwrap();
+        let probed: Vec<Arc<File>> = first.probe.files().cloned().collect();
+        assert_eq!(probed.len(), 2);
+        assert!(probed.iter().zip(&stores).all(|(file, store)| Arc::ptr_eq(file, &rows(store))));
+
+        // Through the trait, at the serving interval: told at once, and the
+        // prober (which owns the watcher) ends when the tables are dropped.
+        let (told, token) = (Arc::new(Mutex::new(Vec::new())), Arc::new(()));
+        let (t, held) = (told.clone(), token.clone());
+        let watcher: narsil_core::DependencyWatcher = Box::new(move |reads| {
+            let _ = &held;
+            t.lock().unwrap().push(reads);
+            true
+        });
+        assert!(stores[0].watch_reachability(watcher).is_none(), "the disk store takes the watcher");
+        let until = Instant::now() + std::time::Duration::from_secs(5);
+        while told.lock().unwrap().is_empty() {
+            assert!(Instant::now() < until, "told at once");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(*told.lock().unwrap(), [true], "a disk that reads: reachable");
+
+        // Fast, with the real direct read: the second file cut short fails
+        // its probe; written back, it reads again.
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let fast = probe::Timing {
+            interval: std::time::Duration::from_millis(10),
+            limit: std::time::Duration::from_secs(1),
+        };
+        let recorded = heard.clone();
+        let watcher: narsil_core::DependencyWatcher = Box::new(move |reads| {
+            recorded.lock().unwrap().push(reads);
+            true
+        });
+        let prober = probe::watch(&first.probe, watcher, fast, probe::direct_read()).unwrap();
+        let wait_for = |want: &[bool]| {
+            let until = Instant::now() + std::time::Duration::from_secs(5);
+            while heard.lock().unwrap().as_slice() != want {
+                assert!(Instant::now() < until, "{:?}, not {want:?}", heard.lock().unwrap());
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        wait_for(&[true]);
+        let u = dir.path().join("u.bin");
+        let data = std::fs::read(&u).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&u).unwrap().set_len(0).unwrap();
+        wait_for(&[true, false]);
+        std::fs::write(&u, &data).unwrap();
+        wait_for(&[true, false, true]);
+
+        drop(stores);
+        let until = Instant::now() + std::time::Duration::from_secs(2);
+        while !prober.is_finished() || Arc::strong_count(&token) > 1 {
+            assert!(Instant::now() < until, "both probers stop with the tables");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     #[test]

@@ -75,8 +75,8 @@ pub fn read_all(
             None => new_ring().map_err(|e| (0, e))?,
         };
         let mut flight =
-            Flight { ring: &mut ring, slots: Vec::new(), free: Vec::new(), count: 0, torn: false };
-        let result = flight.run(reads, deadline, &mut land);
+            Flight { ring: &mut ring, reads, slots: Vec::new(), free: Vec::new(), count: 0, torn: false };
+        let result = flight.run(deadline, &mut land);
         let torn = flight.finish();
         drop(flight);
         if torn {
@@ -102,9 +102,11 @@ struct Slot {
 /// until their completions are reaped, so finishing or dropping it (on any
 /// path, a panic included) first waits for every read in flight; where
 /// that wait fails, the buffers are leaked and the flight is `torn`: its
-/// ring must not be used again.
-struct Flight<'r> {
+/// ring must not be used again. Every read it submitted leaves
+/// `narsil_table_disk_reads_in_flight` when reaped, or when given up.
+struct Flight<'r, 'f> {
     ring: &'r mut IoUring,
+    reads: &'f [BlockRead<'f>],
     slots: Vec<Slot>,
     /// Slots with no read in flight.
     free: Vec<usize>,
@@ -112,13 +114,13 @@ struct Flight<'r> {
     torn: bool,
 }
 
-impl Flight<'_> {
+impl Flight<'_, '_> {
     fn run(
         &mut self,
-        reads: &[BlockRead<'_>],
         deadline: Option<Instant>,
         land: &mut impl FnMut(usize, &[u8]),
     ) -> Result<(), (usize, io::Error)> {
+        let reads = self.reads;
         let (mut next, mut bytes, mut failed) = (0, 0, None);
         loop {
             if failed.is_none() && next < reads.len() && deadline.is_some_and(|d| Instant::now() >= d) {
@@ -236,7 +238,8 @@ impl Flight<'_> {
 
     /// Waits for every read still in flight; true when that failed and the
     /// ring must be given up (the buffers are then leaked: the kernel may
-    /// still write into them).
+    /// still write into them). Either way no read of the flight is left
+    /// counted in flight.
     fn finish(&mut self) -> bool {
         while self.count > 0 && !self.torn {
             match self.wait(self.count) {
@@ -250,18 +253,34 @@ impl Flight<'_> {
                     break;
                 }
             }
-            let done = self.ring.completion().count();
-            self.count -= done;
+            let done: Vec<usize> = self.ring.completion().map(|cqe| cqe.user_data() as usize).collect();
+            for slot in done {
+                match self.slots.get_mut(slot) {
+                    Some(place) if place.in_flight => {
+                        place.in_flight = false;
+                        self.free.push(slot);
+                        self.count -= 1;
+                        self.reads[place.read].counters.in_flight.dec();
+                    }
+                    // Not a read of this flight: the ring cannot be trusted.
+                    _ => self.torn = true,
+                }
+            }
         }
         if self.torn {
-            std::mem::take(&mut self.slots).into_iter().for_each(std::mem::forget);
+            for slot in std::mem::take(&mut self.slots) {
+                if slot.in_flight {
+                    self.reads[slot.read].counters.in_flight.dec();
+                }
+                std::mem::forget(slot);
+            }
             self.count = 0;
         }
         self.torn
     }
 }
 
-impl Drop for Flight<'_> {
+impl Drop for Flight<'_, '_> {
     /// On a panic between submitting and reaping too: the buffers outlive
     /// the kernel's use of them.
     fn drop(&mut self) {
@@ -366,6 +385,7 @@ mod tests {
         FAILED_WAITS.with(|left| left.set(2));
         let (_, error) = read_all(&reads, None, |_, _| {}).unwrap_err();
         assert!(error.to_string().contains("injected"), "{error}");
+        assert_eq!(counters.in_flight.get(), 0, "reads given up with their ring are not left in flight");
         // The next batch is on a new ring, and reads its own bytes only.
         let mut landed = 0;
         read_all(&reads, None, |i, bytes| {
@@ -375,6 +395,26 @@ mod tests {
         .unwrap();
         assert_eq!(landed, 64);
         assert_eq!(RINGS_MADE.with(Cell::get), made + 1, "the torn ring was given up");
+    }
+
+    #[test]
+    fn a_batch_whose_wait_failed_leaves_no_read_counted_in_flight_and_keeps_its_ring() {
+        let test = "a_batch_whose_wait_failed_leaves_no_read_counted_in_flight_and_keeps_its_ring";
+        let Some((_dir, file)) = block_file(test, 64) else { return };
+        let counters = DiskCounters::default();
+        let reads: Vec<BlockRead<'_>> = (0..64u64).map(|b| read(&file, &counters, b)).collect();
+        read_all(&reads, None, |_, _| {}).unwrap();
+        let made = RINGS_MADE.with(Cell::get);
+        // The batch's wait fails with its 64 reads in the kernel; waiting
+        // for them afterwards works: they are reaped, and leave the gauge.
+        FAILED_WAITS.with(|left| left.set(1));
+        let (_, error) =
+            read_all(&reads, None, |_, _| panic!("nothing lands after a failed wait")).unwrap_err();
+        assert!(error.to_string().contains("injected"), "{error}");
+        assert_eq!(counters.in_flight.get(), 0, "every read reaped after the failed wait left the gauge");
+        read_all(&reads, None, |_, _| {}).unwrap();
+        assert_eq!(RINGS_MADE.with(Cell::get), made, "every read was reaped: the ring was kept");
+        assert_eq!(counters.in_flight.get(), 0);
     }
 
     #[test]

@@ -11,10 +11,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::schema::SplitSchema;
-use crate::stores::config::{OpenedTables, StoreConfig, StoreKind, TableStore};
 use crate::stores::local::shared::open_shared;
-use crate::stores::local::table::{LocalRows, TableError};
+use crate::stores::local::table::LocalRows;
 use crate::stores::row_store::RowStore;
+use crate::stores::table_error::TableError;
+use crate::stores::table_store::{OpenedTables, StoreConfig, StoreKind, TableStore};
 
 /// `--table-store memory`.
 pub const MEMORY: StoreKind =
@@ -93,7 +94,7 @@ mod tests {
     #[test]
     fn the_default_store_is_memory_and_flags_leave_local_stores_alone() {
         assert_eq!(TableStore::default().to_string(), "memory");
-        let flags = crate::stores::config::StoreFlags {
+        let flags = crate::stores::table_store::StoreFlags {
             cache_bytes: 1,
             fetch_timeout: std::time::Duration::from_millis(1),
             missing_rows: crate::stores::row_store::MissingRows::Zero,

@@ -17,7 +17,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::schema::{Storage, TableSpec};
-use crate::stores::local::table::{LocalRows, Table, TableError};
+use crate::stores::local::table::{LocalRows, Table};
+use crate::stores::table_error::TableError;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Identity {

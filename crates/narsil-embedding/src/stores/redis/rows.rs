@@ -29,8 +29,10 @@ use super::cluster::RedisCluster;
 use super::invalidation::TableState;
 use super::keys::{row_key, rows_key};
 use crate::schema::RedisTableSpec;
-use crate::stores::batch::{fetch_alone, BatchFetch, BatchGroup, FetchPart};
-use crate::stores::row_store::{FetchError, Fetched, MissingRows, RowStore};
+use crate::stores::batch::fetch_alone;
+use crate::stores::row_store::{
+    BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, MissingRows, RowStore,
+};
 
 /// A table whose rows are on a Redis Cluster.
 pub struct RedisRows {

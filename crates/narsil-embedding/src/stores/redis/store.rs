@@ -11,9 +11,9 @@ use super::cluster::RedisCluster;
 use super::config::{RedisSeeds, RedisStoreConfig};
 use super::rows::RedisRows;
 use crate::schema::SplitSchema;
-use crate::stores::config::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
-use crate::stores::local::table::TableError;
 use crate::stores::row_store::{FetchError, RowStore};
+use crate::stores::table_error::TableError;
+use crate::stores::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 
 /// `--table-store redis://HOST:PORT[,HOST:PORT...]`.
 pub const STORE: StoreKind = StoreKind { syntax: "redis://HOST:PORT[,HOST:PORT...]", parse };

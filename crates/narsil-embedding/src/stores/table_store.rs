@@ -20,8 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::schema::SplitSchema;
-use crate::stores::local::table::TableError;
 use crate::stores::row_store::{MissingRows, RowStore};
+use crate::stores::table_error::TableError;
 
 /// One kind of table store, as [`crate::stores::registry::STORE_KINDS`] lists it.
 #[derive(Debug, Clone, Copy)]

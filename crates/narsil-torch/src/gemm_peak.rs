@@ -1,6 +1,7 @@
 //! One core's GEMM peak through the same libtorch the model runs on: the
-//! ceiling the model's MLP arithmetic can reach (`narsil bench-forward`
-//! reports each forward's samples/s against it).
+//! ceiling the model's MLP arithmetic can reach. It only times a GEMM; the
+//! roofline `narsil bench-forward` holds each forward against (this rate
+//! among others) is `src/forward_bench/roofline.rs`.
 
 use std::time::{Duration, Instant};
 
