@@ -460,11 +460,10 @@ async fn wait(
 
 #[cfg(test)]
 mod tests {
-    use narsil_core::request::{IdPolicy, RequestLimits};
     use narsil_core::{BackendError, KeyedBatch, ModelBackend};
 
     use super::*;
-    use crate::config::ExecutionMode;
+    use crate::lanes::fixtures::config;
 
     static HUNG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -494,25 +493,6 @@ mod tests {
         }
     }
 
-    fn config() -> EngineConfig {
-        EngineConfig {
-            mode: ExecutionMode::Batch,
-            max_batch_requests: 16,
-            max_batch_rows: 1024,
-            batch_timeout: Duration::ZERO,
-            lanes: 1,
-            max_forward_threads: 1,
-            max_queue_requests: 64,
-            max_queue_rows: 1024,
-            memory: MemoryBudget::new(1 << 30),
-            queue_timeout: None,
-            limits: RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject },
-            unhealthy_after_failures: 5,
-            health_probe_interval: Duration::from_secs(60),
-            stage_ahead: false,
-        }
-    }
-
     fn samples(schema: &ModelSchema, rows: usize) -> RequestSamples {
         RequestSamples {
             num_samples: rows,
@@ -526,7 +506,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_leaves_a_lane_stuck_in_its_forward_behind_at_its_limit() {
         let schema = ModelSchema::dlrm("test", "cpu", 1000);
-        let engine = Engine::start(Arc::new(Factory(schema.clone())), config()).unwrap();
+        let engine = Engine::start(Arc::new(Factory(schema.clone())), config(false)).unwrap();
         let handle = engine.handle();
         handle.wait_ready().await.unwrap();
         let answer = handle.predict(samples(&schema, 1), None, None).await;
@@ -551,7 +531,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_of_idle_lanes_joins_them_within_its_limit() {
         let schema = ModelSchema::dlrm("test", "cpu", 1000);
-        let engine = Engine::start(Arc::new(Factory(schema)), config()).unwrap();
+        let engine = Engine::start(Arc::new(Factory(schema)), config(false)).unwrap();
         engine.handle().wait_ready().await.unwrap();
         assert!(engine.shutdown_within(Duration::from_secs(20)).await);
     }

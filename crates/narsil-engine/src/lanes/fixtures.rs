@@ -87,7 +87,7 @@ pub(super) fn abandoned_error() -> BackendError {
     BackendError::abandoned("reading rows: every caller's deadline passed")
 }
 
-pub(super) fn config(stage_ahead: bool) -> EngineConfig {
+pub(crate) fn config(stage_ahead: bool) -> EngineConfig {
     EngineConfig {
         mode: ExecutionMode::Batch,
         max_batch_requests: 16,

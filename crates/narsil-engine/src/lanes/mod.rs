@@ -89,4 +89,4 @@ impl std::ops::Deref for LaneContext {
 }
 
 #[cfg(test)]
-mod fixtures;
+pub(crate) mod fixtures;
