@@ -54,7 +54,7 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use layout_builder::{slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder};
-use narsil_embedding::stores::local::table::{
+use narsil_embedding::stores::table_file::{
     checked_file, is_sha256, slot_index, Stamp, StampedFile, STAMP_FILE,
 };
 use narsil_embedding::{Layout, SplitSchema, TableSpec};
@@ -595,14 +595,14 @@ mod tests {
         let tables = model(&a);
         // t1 is not in the log: linked, so checked in the source.
         for (t, file) in [(0, "tables/t0.bin"), (1, "tables/t1.bin")] {
-            let wrong = narsil_embedding::stores::local::table::sha256_of(&b"other rows"[..]).unwrap();
+            let wrong = narsil_embedding::stores::table_file::sha256_of(&b"other rows"[..]).unwrap();
             name_hash(&a, t, &wrong);
             let log = dir.path().join("t0.log");
             std::fs::write(&log, "a 3\na 9\n").unwrap();
             let error = format!("{:#}", order_through(&args(&a, log, &out), 3 * 16).unwrap_err());
             assert!(error.contains(file) && error.contains(&wrong), "{error}");
             assert!(!out.exists() && !partial_path(&out).exists());
-            let right = narsil_embedding::stores::local::table::sha256_of(&tables[t][..]).unwrap();
+            let right = narsil_embedding::stores::table_file::sha256_of(&tables[t][..]).unwrap();
             name_hash(&a, t, &right);
         }
     }
@@ -613,7 +613,7 @@ mod tests {
         let (a, b) = (dir.path().join("a"), dir.path().join("b"));
         let tables = model(&a);
         // t1's hash is named: it is linked into the copy, checked, stamped.
-        name_hash(&a, 1, &narsil_embedding::stores::local::table::sha256_of(&tables[1][..]).unwrap());
+        name_hash(&a, 1, &narsil_embedding::stores::table_file::sha256_of(&tables[1][..]).unwrap());
         let log = dir.path().join("t0.log");
         std::fs::write(&log, "a 3\na 9\n").unwrap();
         order_through(&args(&a, log, &b), 3 * 16).unwrap();

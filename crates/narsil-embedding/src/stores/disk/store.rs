@@ -18,9 +18,10 @@ use super::uring;
 use crate::layout::SlotIndex;
 use crate::schema::{SplitSchema, TableSpec};
 use crate::stores::batch::fetch_alone;
-use crate::stores::local::table::{checked_file, slot_index, TableError};
 use crate::stores::row_cache::RowCache;
 use crate::stores::row_store::{BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, RowStore};
+use crate::stores::table_error::TableError;
+use crate::stores::table_file::{checked_file, slot_index};
 use crate::stores::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
 
 /// `--table-store disk[:io_uring|:threads]`.

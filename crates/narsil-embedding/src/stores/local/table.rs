@@ -40,12 +40,9 @@ use std::time::Instant;
 use crate::layout::SlotIndex;
 use crate::schema::{Storage, TableSpec};
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
-use crate::stores::table_file::{check_hash, sha256_of_bytes, sized_file, vouched_for};
-// Their paths before they had files of their own (the `disk` store and
-// `narsil tables order` import them from here).
-pub use crate::stores::table_error::TableError;
-pub use crate::stores::table_file::{
-    checked_file, is_sha256, sha256_of, slot_index, Stamp, StampedFile, STAMP_FILE,
+use crate::stores::table_error::TableError;
+use crate::stores::table_file::{
+    check_hash, sha256_of, sha256_of_bytes, sized_file, slot_index, vouched_for,
 };
 
 /// Where a local table's rows live (`--table-store memory` or `mmap`).
