@@ -14,8 +14,13 @@
 //! `--table-rows`. `--protocol kserve` speaks the Open Inference Protocol
 //! (KServe v2), reading the shape from ModelMetadata and ids below
 //! `--table-rows`.
+//!
+//! `--candidates N` sends the ranking workload instead ([`ranking`]): one
+//! user and N candidate rows a request, the user's request-level features
+//! repeated on every row (the flat form every protocol accepts today).
 
 pub mod ids;
+pub mod ranking;
 pub mod report;
 pub mod workload;
 
@@ -26,7 +31,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use tonic::transport::{Channel, Endpoint};
 
-use self::ids::IdDistributions;
+use self::ids::{IdDistribution, IdDistributions};
 use crate::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient as KServeClient;
 use crate::kserve_proto::{ModelInferRequest, ModelMetadataRequest};
 use crate::proto::predictor_client::PredictorClient;
@@ -74,16 +79,40 @@ pub struct LoadArgs {
     /// older name for it.
     #[arg(long, alias = "batch-size", env = "NARSIL_LOAD_SAMPLES_PER_REQUEST", default_value_t = 100)]
     pub samples_per_request: usize,
-    /// Ids per (sample, feature) bag; above 1, bag sizes vary in [0, 2N-1] (multi-hot).
+    /// Ids per (sample, feature) bag; above 1, bag sizes vary in [0, 2N-1]
+    /// (multi-hot). With --candidates: the candidate features' bags.
     #[arg(long, env = "NARSIL_LOAD_IDS_PER_FEATURE", default_value_t = 1)]
     pub ids_per_feature: u32,
     /// Which ids are sent: `uniform`, or `zipf:ALPHA` (skewed traffic: rank
     /// r drawn with probability proportional to 1/(r+1)^ALPHA, hot ids
     /// scattered over the table); one for every feature, or one per feature,
     /// comma-separated. Draws are seeded by --seed; which ids are hot is
-    /// the same for every seed.
-    #[arg(long, env = "NARSIL_LOAD_ID_DISTRIBUTION", default_value = "uniform")]
-    pub id_distribution: IdDistributions,
+    /// the same for every seed. Default: `uniform`, or `zipf:1.05` with
+    /// --candidates.
+    #[arg(long, env = "NARSIL_LOAD_ID_DISTRIBUTION")]
+    pub id_distribution: Option<IdDistributions>,
+    /// Ranking workload: each request is one user and this many candidate
+    /// rows (overrides --samples-per-request), the user's request-level
+    /// features repeated on every row (sent flat). 0: independent samples.
+    #[arg(long, env = "NARSIL_LOAD_CANDIDATES", default_value_t = 0)]
+    pub candidates: usize,
+    /// --candidates: users, drawn per request by Zipf (--user-zipf); a
+    /// user's request-level features are a function of its id.
+    #[arg(long, env = "NARSIL_LOAD_USERS", default_value_t = 100_000)]
+    pub users: u64,
+    /// --candidates: Zipf exponent of the users' popularity (users recur).
+    #[arg(long, env = "NARSIL_LOAD_USER_ZIPF", default_value_t = 1.05)]
+    pub user_zipf: f64,
+    /// --candidates: the request-level (user) sparse features are the first
+    /// K of the model's schema (default: half of them, rounded down); all
+    /// dense features are request-level, the other sparse features the
+    /// candidates' own.
+    #[arg(long, env = "NARSIL_LOAD_REQUEST_FEATURES")]
+    pub request_features: Option<usize>,
+    /// --candidates: ids in each request-level bag: `N`, or `MIN-MAX`
+    /// (uniform, drawn per user and feature).
+    #[arg(long, env = "NARSIL_LOAD_USER_BAG_IDS", default_value = "20")]
+    pub user_bag_ids: ranking::BagLength,
     /// Distinct prebuilt requests cycled through.
     #[arg(long, env = "NARSIL_LOAD_DISTINCT_REQUESTS", default_value_t = 64)]
     pub distinct_requests: usize,
@@ -121,6 +150,26 @@ pub struct LoadArgs {
     /// drawn below it).
     #[arg(long, default_value_t = 100_000)]
     pub table_rows: u64,
+}
+
+impl LoadArgs {
+    /// Rows per request: --candidates when set, else --samples-per-request.
+    pub fn rows_per_request(&self) -> usize {
+        if self.candidates > 0 {
+            self.candidates
+        } else {
+            self.samples_per_request
+        }
+    }
+
+    /// --id-distribution, or its default for the workload.
+    pub fn id_distributions(&self) -> IdDistributions {
+        self.id_distribution.clone().unwrap_or_else(|| {
+            let default =
+                if self.candidates > 0 { IdDistribution::Zipf(1.05) } else { IdDistribution::Uniform };
+            IdDistributions(vec![default])
+        })
+    }
 }
 
 /// One connection, in the protocol of the run.
@@ -173,6 +222,18 @@ impl Client {
     }
 }
 
+impl Message {
+    /// Its protobuf-encoded size: the bytes the request takes on the wire
+    /// (before gRPC's 5-byte frame and HTTP/2's).
+    fn encoded_len(&self) -> usize {
+        match self {
+            Message::Narsil(m) => prost::Message::encoded_len(m),
+            Message::TorchRec(m) => prost::Message::encoded_len(m.as_ref()),
+            Message::KServe(m) => prost::Message::encoded_len(m.as_ref()),
+        }
+    }
+}
+
 /// Runs the load described by `args` and prints the report.
 pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
     let report = drive(&args).await?;
@@ -186,7 +247,7 @@ pub async fn run(args: LoadArgs) -> anyhow::Result<()> {
 
 /// Runs the load and returns the report (used by `run` and by tests).
 pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
-    if args.concurrency == 0 || args.connections == 0 || args.samples_per_request == 0 {
+    if args.concurrency == 0 || args.connections == 0 || args.rows_per_request() == 0 {
         anyhow::bail!("--concurrency, --connections and --samples-per-request must be at least 1");
     }
     if let Some(rate) = args.rate {
@@ -242,6 +303,8 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
             })
             .collect(),
     };
+    let request_bytes_mean =
+        pool.iter().map(|m| m.encoded_len() as f64).sum::<f64>() / pool.len().max(1) as f64;
     let pool = Arc::new(pool);
     let warmup = Phase { requests: Some(args.warmup), duration: None };
     let measured = Phase {
@@ -252,7 +315,7 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
         run_phase(args, &clients, &pool, warmup).await;
     }
     let (recorder, elapsed) = run_phase(args, &clients, &pool, measured).await;
-    Ok(Report::new(args, &info, recorder, elapsed))
+    Ok(Report::new(args, &info, recorder, elapsed, request_bytes_mean))
 }
 
 /// A model of `num_sparse` unweighted features `cat_i` of `table_rows` ids,

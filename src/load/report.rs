@@ -100,8 +100,17 @@ pub struct Report {
     pub concurrency: usize,
     /// Open loop target rate.
     pub rate: Option<f64>,
-    /// Samples per request.
+    /// Samples (rows) per request: --candidates when set.
     pub batch_size: usize,
+    /// Ranking workload: candidate rows per request (one user each); 0 for
+    /// independent samples.
+    pub candidates_per_request: usize,
+    /// Ranking workload: request-level (user) sparse features, the first of
+    /// the schema; 0 for independent samples.
+    pub request_features: usize,
+    /// Mean protobuf-encoded size of the prebuilt requests, bytes: what a
+    /// request takes on the wire, before gRPC and HTTP/2 framing.
+    pub request_bytes_mean: f64,
     /// How ids were drawn (`--id-distribution`).
     pub id_distribution: String,
     /// Backend the server reported.
@@ -118,7 +127,7 @@ pub struct Report {
     pub client_overflow: u64,
     /// OK calls per second.
     pub req_per_s: f64,
-    /// OK samples per second.
+    /// OK samples per second (candidates per second with --candidates).
     pub samples_per_s: f64,
     /// Latency of OK calls, milliseconds.
     pub p50_ms: f64,
@@ -152,11 +161,20 @@ pub struct Report {
     pub outside_forward_p50_ms: f64,
     /// The same, 99th percentile, ms.
     pub outside_forward_p99_ms: f64,
+    /// Sparse features of the model (for the text report).
+    #[serde(skip)]
+    sparse_features: usize,
 }
 
 impl Report {
     /// Summarises a measured phase.
-    pub fn new(args: &LoadArgs, info: &ModelInfoResponse, r: Recorder, elapsed: Duration) -> Self {
+    pub fn new(
+        args: &LoadArgs,
+        info: &ModelInfoResponse,
+        r: Recorder,
+        elapsed: Duration,
+        request_bytes_mean: f64,
+    ) -> Self {
         let ok = r.by_code.get("OK").copied().unwrap_or(0);
         let secs = elapsed.as_secs_f64().max(1e-9);
         let h = &r.ok_latency_us;
@@ -166,8 +184,15 @@ impl Report {
             mode: if args.rate.is_some() { "open" } else { "closed" }.into(),
             concurrency: args.concurrency,
             rate: args.rate,
-            batch_size: args.samples_per_request,
-            id_distribution: args.id_distribution.to_string(),
+            batch_size: args.rows_per_request(),
+            candidates_per_request: args.candidates,
+            request_features: if args.candidates > 0 {
+                super::ranking::request_features(args, info.sparse_features.len())
+            } else {
+                0
+            },
+            request_bytes_mean,
+            id_distribution: args.id_distributions().to_string(),
             backend: info.backend.clone(),
             elapsed_s: secs,
             requests: r.by_code.values().sum(),
@@ -175,7 +200,7 @@ impl Report {
             by_code: r.by_code.clone(),
             client_overflow: r.client_overflow,
             req_per_s: ok as f64 / secs,
-            samples_per_s: (ok as f64 * args.samples_per_request as f64) / secs,
+            samples_per_s: (ok as f64 * args.rows_per_request() as f64) / secs,
             p50_ms: ms(h.value_at_quantile(0.50)),
             p90_ms: ms(h.value_at_quantile(0.90)),
             p99_ms: ms(h.value_at_quantile(0.99)),
@@ -197,6 +222,7 @@ impl Report {
             mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,
             outside_forward_p50_ms: ms(r.outside_forward_us.value_at_quantile(0.50)),
             outside_forward_p99_ms: ms(r.outside_forward_us.value_at_quantile(0.99)),
+            sparse_features: info.sparse_features.len(),
         }
     }
 
@@ -226,13 +252,22 @@ impl Report {
         } else {
             "server      no timings (this protocol's answers carry none)\n".to_string()
         };
+        let (shape, rows) = if self.candidates_per_request > 0 {
+            let shape = format!(
+                "ranking: 1 user x {} candidates ({} of {} sparse features and all dense request-level, sent flat)",
+                self.candidates_per_request, self.request_features, self.sparse_features
+            );
+            (shape, "candidates")
+        } else {
+            (format!("{} samples/request", self.batch_size), "samples")
+        };
         format!(
-            "narsil load: {load}, {} samples/request, ids {}, backend {}\n\
+            "narsil load: {load}, {shape}, ids {}, backend {}\n\
              requests    {} in {:.2} s ({})\n\
-             throughput  {:.1} req/s, {:.0} samples/s\n\
+             throughput  {:.1} req/s, {:.0} {rows}/s\n\
+             wire        {:.0} bytes/request (protobuf, mean of the prebuilt requests)\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
              {server}{}",
-            self.batch_size,
             self.id_distribution,
             self.backend,
             self.requests,
@@ -240,6 +275,7 @@ impl Report {
             codes.join(" "),
             self.req_per_s,
             self.samples_per_s,
+            self.request_bytes_mean,
             self.p50_ms,
             self.p90_ms,
             self.p99_ms,
@@ -290,5 +326,58 @@ mod tests {
         }
         let outside = r.outside_forward_us.value_at_quantile(0.5);
         assert!((4_290..=4_310).contains(&outside), "{outside}");
+    }
+
+    #[test]
+    fn a_ranking_report_gives_candidates_per_second_and_bytes_per_request() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            load: LoadArgs,
+        }
+        let info = ModelInfoResponse {
+            backend: "mock".into(),
+            num_dense: 13,
+            sparse_features: (0..26)
+                .map(|i| crate::proto::SparseFeature {
+                    name: format!("cat_{i}"),
+                    num_rows: 10,
+                    weighted: false,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let report = |flags: &[&str]| {
+            let args = <Cli as clap::Parser>::parse_from(["load"].iter().chain(flags)).load;
+            let mut r = Recorder::default();
+            for _ in 0..4 {
+                r.record(Duration::from_millis(2), ok(500, 1));
+            }
+            Report::new(&args, &info, r, Duration::from_secs(2), 123_456.0)
+        };
+        let ranking = report(&["--candidates", "500"]);
+        assert_eq!(
+            (ranking.batch_size, ranking.candidates_per_request, ranking.request_features),
+            (500, 500, 13)
+        );
+        assert!((ranking.samples_per_s - 1_000.0).abs() < 1e-9, "4 requests of 500 in 2 s");
+        assert_eq!(ranking.id_distribution, "zipf:1.05", "the ranking workload's default ids");
+        let text = ranking.text();
+        assert!(text.contains("1 user x 500 candidates (13 of 26 sparse features"), "{text}");
+        assert!(text.contains("2.0 req/s, 1000 candidates/s"), "{text}");
+        assert!(text.contains("123456 bytes/request"), "{text}");
+        let json = serde_json::to_value(&ranking).unwrap();
+        assert_eq!(json["candidates_per_request"], 500);
+        assert_eq!(json["request_bytes_mean"], 123_456.0);
+        assert_eq!(json["samples_per_s"], 1_000.0);
+        assert!(json.get("sparse_features").is_none());
+        let samples = report(&[]);
+        assert_eq!(
+            (samples.batch_size, samples.candidates_per_request, samples.request_features),
+            (100, 0, 0)
+        );
+        assert_eq!(samples.id_distribution, "uniform");
+        assert!(samples.text().contains("100 samples/request"));
+        assert!(samples.text().contains("samples/s"));
     }
 }

@@ -1,26 +1,36 @@
 //! Builds the load generator's requests: random valid samples for the
-//! schema the server reports, ids drawn per `--id-distribution` ([`super::ids`]).
+//! schema the server reports, ids drawn per `--id-distribution` ([`super::ids`]);
+//! with `--candidates`, the ranking workload ([`super::ranking`]).
 
 use rand::{Rng, SeedableRng};
 
 use super::ids::{IdDistributions, IdSampler};
+use super::ranking::Ranking;
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
 
 /// `args.distinct_requests` requests of `args.samples_per_request` samples each, with
-/// dense values in [0, 1) and ids drawn per `args.id_distribution`.
+/// dense values in [0, 1) and ids drawn per `args.id_distribution`; with
+/// `args.candidates` above 0, flat ranking requests of one user and that
+/// many candidates each ([`Ranking`]).
 pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<Vec<PredictRequest>> {
-    if info.max_batch_size != 0 && args.samples_per_request > info.max_batch_size as usize {
+    let rows = args.rows_per_request();
+    if info.max_batch_size != 0 && rows > info.max_batch_size as usize {
+        let flag = if args.candidates > 0 { "--candidates" } else { "--samples-per-request" };
         anyhow::bail!(
-            "--samples-per-request {} exceeds the server's limit of {} samples per request",
-            args.samples_per_request,
+            "{flag} {rows} exceeds the server's limit of {} samples per request",
             info.max_batch_size
         );
     }
     if info.sparse_features.iter().any(|f| f.num_rows == 0) {
         anyhow::bail!("the server reports a sparse feature with an empty table");
     }
-    let ids = id_samplers(info, &args.id_distribution)?;
+    let ids = id_samplers(info, &args.id_distributions())?;
+    if args.candidates > 0 {
+        let ranking = Ranking::new(info, args, ids)?;
+        let pool = ranking.pool(args.distinct_requests.max(1), args.seed);
+        return Ok(pool.into_iter().map(|(_, request)| request).collect());
+    }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     Ok((0..args.distinct_requests.max(1))
         .map(|i| random_request(info, args.samples_per_request, args.ids_per_feature, &ids, &mut rng, i))
@@ -100,5 +110,131 @@ pub fn random_request(
         model: info.name.clone(),
         model_version: String::new(),
         sparse_weights,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use rand::{Rng, SeedableRng};
+
+    use super::*;
+    use crate::proto::SparseFeature;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        load: LoadArgs,
+    }
+
+    /// The pool builder as it was before `--candidates` (a verbatim copy,
+    /// `id_distribution` then a plain `IdDistributions`): today's requests
+    /// must stay byte-identical to it.
+    fn old_build_pool(
+        info: &ModelInfoResponse,
+        samples_per_request: usize,
+        ids_per_feature: u32,
+        id_distribution: &IdDistributions,
+        distinct_requests: usize,
+        seed: u64,
+    ) -> Vec<PredictRequest> {
+        let ids = id_samplers(info, id_distribution).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..distinct_requests.max(1))
+            .map(|i| old_random_request(info, samples_per_request, ids_per_feature, &ids, &mut rng, i))
+            .collect()
+    }
+
+    fn old_random_request(
+        info: &ModelInfoResponse,
+        batch_size: usize,
+        ids_per_feature: u32,
+        ids: &[IdSampler],
+        rng: &mut impl Rng,
+        index: usize,
+    ) -> PredictRequest {
+        let dense = (0..batch_size * info.num_dense as usize).map(|_| rng.random::<f32>()).collect();
+        let mut sparse_lengths = Vec::new();
+        let mut sparse_ids = Vec::with_capacity(batch_size * info.sparse_features.len());
+        let mut sparse_weights = Vec::new();
+        for _ in 0..batch_size {
+            for (feature, sampler) in info.sparse_features.iter().zip(ids) {
+                let len = if ids_per_feature <= 1 {
+                    ids_per_feature
+                } else {
+                    rng.random_range(0..2 * ids_per_feature)
+                };
+                sparse_lengths.push(len);
+                for _ in 0..len {
+                    sparse_ids.push(sampler.sample(rng));
+                    if feature.weighted {
+                        sparse_weights.push(rng.random::<f32>());
+                    }
+                }
+            }
+        }
+        PredictRequest {
+            batch_size: batch_size as u32,
+            dense,
+            sparse_lengths: if ids_per_feature == 1 { Vec::new() } else { sparse_lengths },
+            sparse_ids,
+            request_id: format!("load-{index}"),
+            model: info.name.clone(),
+            model_version: String::new(),
+            sparse_weights,
+        }
+    }
+
+    fn encoded(pool: &[PredictRequest]) -> Vec<Vec<u8>> {
+        pool.iter().map(prost::Message::encode_to_vec).collect()
+    }
+
+    #[test]
+    fn without_candidates_todays_requests_are_byte_identical_to_the_old_builders() {
+        let info = ModelInfoResponse {
+            name: "dlrm".into(),
+            num_dense: 13,
+            sparse_features: (0..26)
+                .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: 1_000 + i, weighted: i == 5 })
+                .collect(),
+            ..Default::default()
+        };
+        let cases: [&[&str]; 4] = [
+            &[],
+            &["--candidates", "0", "--seed", "11", "--samples-per-request", "7"],
+            &["--ids-per-feature", "3", "--id-distribution", "zipf:1.05", "--distinct-requests", "5"],
+            &["--ids-per-feature", "0", "--user-bag-ids", "3", "--request-features", "2", "--users", "9"],
+        ];
+        for flags in cases {
+            let args = Cli::parse_from(["load"].iter().chain(flags)).load;
+            let distribution = args.id_distribution.clone().unwrap_or("uniform".parse().unwrap());
+            let old = old_build_pool(
+                &info,
+                args.samples_per_request,
+                args.ids_per_feature,
+                &distribution,
+                args.distinct_requests,
+                args.seed,
+            );
+            let new = build_pool(&info, &args).unwrap();
+            assert_eq!(new.len(), old.len(), "{flags:?}");
+            assert_eq!(encoded(&new), encoded(&old), "{flags:?}: requests changed");
+        }
+    }
+
+    #[test]
+    fn candidates_are_checked_against_the_servers_row_limit() {
+        let info = ModelInfoResponse {
+            num_dense: 2,
+            max_batch_size: 256,
+            sparse_features: vec![SparseFeature { name: "a".into(), num_rows: 10, weighted: false }],
+            ..Default::default()
+        };
+        let args = Cli::parse_from(["load", "--candidates", "500"]).load;
+        let error = build_pool(&info, &args).unwrap_err().to_string();
+        assert!(error.contains("--candidates 500") && error.contains("256"), "{error}");
+        let args = Cli::parse_from(["load", "--candidates", "200", "--distinct-requests", "3"]).load;
+        let pool = build_pool(&info, &args).unwrap();
+        assert_eq!(pool.iter().map(|r| r.batch_size).collect::<Vec<_>>(), [200, 200, 200]);
     }
 }
