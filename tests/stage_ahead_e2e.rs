@@ -71,7 +71,7 @@ impl BatchStage for FirstDenseStage {
                 source: None,
             });
         }
-        Ok(StagedBatch { values, width: 1, took: Duration::ZERO })
+        Ok(StagedBatch { values, width: 1, took: Duration::ZERO, ticket: None })
     }
 }
 

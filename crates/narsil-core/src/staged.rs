@@ -29,6 +29,11 @@ pub struct StagedBatch {
     pub width: usize,
     /// How long staging took (part of the batch's compute time).
     pub took: Duration,
+    /// Where the stage put the batch's inputs somewhere else than `values`
+    /// (a device lane's staging buffers, held by its hand-off), the number
+    /// it holds them under; `values` is then empty. Dropping any request's
+    /// rows drops it: the inputs held no longer match the batch.
+    pub ticket: Option<u64>,
 }
 
 impl StagedBatch {
@@ -43,6 +48,8 @@ impl StagedBatch {
             if keep(r) {
                 self.values.copy_within(read..read + len, write);
                 write += len;
+            } else {
+                self.ticket = None;
             }
             read += len;
         }
@@ -58,7 +65,7 @@ mod tests {
     fn dropping_a_request_keeps_the_other_requests_rows_in_order() {
         // Requests of 1, 2 and 1 rows, width 2: row i holds [i, i + 0.5].
         let values: Vec<f32> = (0..4).flat_map(|i| [i as f32, i as f32 + 0.5]).collect();
-        let staged = StagedBatch { values, width: 2, took: Duration::ZERO };
+        let staged = StagedBatch { values, width: 2, took: Duration::ZERO, ticket: None };
         let mut without_middle = staged.clone();
         without_middle.retain_requests(&[1, 2, 1], |r| r != 1);
         assert_eq!(without_middle.values, vec![0.0, 0.5, 3.0, 3.5]);
@@ -68,5 +75,16 @@ mod tests {
         let mut all = staged.clone();
         all.retain_requests(&[1, 2, 1], |_| true);
         assert_eq!(all, staged);
+    }
+
+    #[test]
+    fn a_ticket_survives_only_while_every_request_is_kept() {
+        let held = StagedBatch { ticket: Some(7), ..StagedBatch::default() };
+        let mut all = held.clone();
+        all.retain_requests(&[1, 2, 1], |_| true);
+        assert_eq!(all.ticket, Some(7));
+        let mut without_one = held.clone();
+        without_one.retain_requests(&[1, 2, 1], |r| r != 2);
+        assert_eq!(without_one.ticket, None, "the held inputs no longer match the batch");
     }
 }

@@ -9,10 +9,21 @@
 //! The library is looked for at `NARSIL_CUDA_SHIM` (a file), beside the
 //! running executable (how `scripts/build_for_libtorch.sh` carries it), then
 //! where build.rs wrote it.
+//!
+//! Lanes draw their two streams from c10's pool, which hands out its 32
+//! streams per pool per device round-robin, whoever holds them: a lane that
+//! got a stream another live lane holds would share it (and one lane's work
+//! could be recorded into the other's graph). [`LaneStreams::new`] mirrors
+//! the pool's order and never hands out a held stream: it skips held pairs
+//! and refuses a 17th lane on a device ([`LANES_PER_DEVICE`]).
+//!
+//! In unit tests, `fake` is a recording [`CudaShim`] made of Rust
+//! functions: the device lane runs on the CPU device with it, and the order
+//! of its stream, event and graph calls is checked (`device_lane/tests.rs`).
 
 use std::ffi::{c_char, c_int, c_void, CString};
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 use tch::Tensor;
 
@@ -30,6 +41,40 @@ const ABI: c_int = 1;
 /// The forward a graph captures: the caller's closure, run on the capture
 /// stream; returns a new heap tensor or null with a malloc'd message.
 type ForwardFn = unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> *mut RawTensor;
+
+#[cfg(test)]
+pub(crate) mod fake;
+
+/// Streams c10 keeps per pool per device (`kStreamsPerPool`), handed out
+/// round-robin by `getStreamFromPool`, whoever still holds them.
+pub const STREAMS_PER_POOL: usize = 32;
+
+/// Lanes (two streams each) one CUDA device holds without two of them
+/// sharing a stream: every model's lanes on that device count.
+pub const LANES_PER_DEVICE: usize = STREAMS_PER_POOL / 2;
+
+/// c10's stream pool on one device as this process's lanes draw from it:
+/// how many streams were drawn (the pool's counter, which only the shim's
+/// `narsil_cuda_streams_new` advances: nothing else in a Narsil process
+/// draws from the low-priority pool) and which of its slots a live lane
+/// holds.
+#[derive(Default)]
+struct PoolMirror {
+    drawn: usize,
+    held: [bool; STREAMS_PER_POOL],
+}
+
+impl PoolMirror {
+    /// The pool slots the draw after `skip` more pairs hands out.
+    fn slots(&self, skip: usize) -> [usize; 2] {
+        let first = (self.drawn + 2 * skip) % STREAMS_PER_POOL;
+        [first, (first + 1) % STREAMS_PER_POOL]
+    }
+
+    fn live_lanes(&self) -> usize {
+        self.held.iter().filter(|&&h| h).count() / 2
+    }
+}
 
 /// The shim's functions.
 #[allow(clippy::type_complexity)]
@@ -49,6 +94,8 @@ pub struct CudaShim {
     graph_output: unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> *mut RawTensor,
     graph_replay: unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> c_int,
     graph_free: unsafe extern "C" fn(*mut c_void),
+    /// Per CUDA device index: its stream pool as lanes drew from it.
+    pools: Mutex<Vec<PoolMirror>>,
 }
 
 /// The shim, opened once; or why it is unavailable.
@@ -146,6 +193,7 @@ fn open() -> Result<CudaShim, String> {
         graph_output: load!("narsil_cuda_graph_output"),
         graph_replay: load!("narsil_cuda_graph_replay"),
         graph_free: load!("narsil_cuda_graph_free"),
+        pools: Mutex::new(Vec::new()),
     })
 }
 
@@ -178,6 +226,9 @@ pub enum Which {
 pub struct LaneStreams {
     shim: &'static CudaShim,
     raw: *mut c_void,
+    device: usize,
+    /// The pool slots its two streams are (compute, copy).
+    slots: [usize; 2],
 }
 
 // SAFETY: the streams are plain handles any thread may use; freed by Drop once.
@@ -186,15 +237,50 @@ unsafe impl Send for LaneStreams {}
 unsafe impl Sync for LaneStreams {}
 
 impl LaneStreams {
-    /// Two streams from libtorch's pool on CUDA device `device`.
-    pub fn new(shim: &'static CudaShim, device: usize) -> Result<Self, String> {
-        let mut error = std::ptr::null_mut();
-        // SAFETY: an out-pointer that outlives the call; the shim throws nothing.
-        let raw = unsafe { (shim.streams_new)(device as c_int, &mut error) };
-        if raw.is_null() {
-            return Err(take_string(error).unwrap_or_else(|| "unknown error".into()));
+    /// Two streams from libtorch's pool on CUDA device `device`, neither
+    /// held by another live lane: pairs a live lane holds are drawn and put
+    /// back (the pool's counter moves past them); with [`LANES_PER_DEVICE`]
+    /// lanes live on the device, refused.
+    pub fn new(shim: &'static CudaShim, device: usize) -> Result<Self, StreamsError> {
+        let mut pools = shim.pools.lock().unwrap_or_else(PoisonError::into_inner);
+        if pools.len() <= device {
+            pools.resize_with(device + 1, PoolMirror::default);
         }
-        Ok(Self { shim, raw })
+        let pool = &mut pools[device];
+        let free = |skip: usize| pool.slots(skip).iter().all(|&slot| !pool.held[slot]);
+        let Some(skip) = (0..LANES_PER_DEVICE).find(|&skip| free(skip)) else {
+            return Err(StreamsError::Full { device, lanes: pool.live_lanes() });
+        };
+        let draw = || {
+            let mut error = std::ptr::null_mut();
+            // SAFETY: an out-pointer that outlives the call; the shim throws nothing.
+            let raw = unsafe { (shim.streams_new)(device as c_int, &mut error) };
+            if raw.is_null() {
+                Err(StreamsError::Shim(take_string(error).unwrap_or_else(|| "unknown error".into())))
+            } else {
+                Ok(raw)
+            }
+        };
+        for _ in 0..skip {
+            // A pair a live lane holds: drawn (the pool's counter moves on)
+            // and put back at once (the pool's streams outlive their handles).
+            let held = draw()?;
+            pool.drawn += 2;
+            // SAFETY: a handle drawn above, freed once, here.
+            unsafe { (shim.streams_free)(held) };
+        }
+        let raw = draw()?;
+        let slots = pool.slots(0);
+        pool.drawn += 2;
+        for slot in slots {
+            pool.held[slot] = true;
+        }
+        Ok(Self { shim, raw, device, slots })
+    }
+
+    /// The shim these streams came from (their events come from it too).
+    pub fn shim(&self) -> &'static CudaShim {
+        self.shim
     }
 
     /// Makes `which` the calling thread's current stream.
@@ -273,9 +359,37 @@ impl LaneStreams {
 
 impl Drop for LaneStreams {
     fn drop(&mut self) {
+        {
+            let mut pools = self.shim.pools.lock().unwrap_or_else(PoisonError::into_inner);
+            for slot in self.slots {
+                pools[self.device].held[slot] = false;
+            }
+        }
         // SAFETY: freed once, here.
         unsafe { (self.shim.streams_free)(self.raw) }
     }
+}
+
+/// Why a lane got no streams.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamsError {
+    /// Every stream of the device's pool is held by a live lane.
+    #[error(
+        "cuda:{device} already has {lanes} lanes, and a CUDA device takes at most {LANES_PER_DEVICE} \
+         (c10 hands out {STREAMS_PER_POOL} streams per pool per device and each lane takes two: \
+         one more lane would share a stream with a live lane, and its work could be recorded \
+         into that lane's CUDA graph); serve with fewer lanes (--lanes), counting every model \
+         on this device and a version being replaced, or on more devices"
+    )]
+    Full {
+        /// The CUDA device index.
+        device: usize,
+        /// Its live lanes.
+        lanes: usize,
+    },
+    /// The shim's own error.
+    #[error("{0}")]
+    Shim(String),
 }
 
 /// A CUDA event.
@@ -386,6 +500,75 @@ mod tests {
             return;
         }
         assert!(line.starts_with("unavailable"), "{line}");
+    }
+
+    /// A lane's streams' pool slots (compute, copy), as the fake's pool
+    /// handed them out.
+    fn slots(lane: &LaneStreams) -> [fake::Stream; 2] {
+        let (compute, copy) = fake::streams_of(lane);
+        [compute, copy]
+    }
+
+    fn assert_no_stream_shared(lanes: &[LaneStreams]) {
+        let mut seen = std::collections::HashSet::new();
+        for lane in lanes {
+            for stream in slots(lane) {
+                assert!(seen.insert(stream), "{stream:?} held by two live lanes");
+            }
+        }
+    }
+
+    /// c10 hands out its 32 streams per device round-robin: 16 lanes take
+    /// them all, a 17th on that device is refused naming the limit (not
+    /// given a live lane's stream); another device is not affected.
+    #[test]
+    fn a_17th_lane_on_a_cuda_device_is_refused_rather_than_given_a_live_lanes_stream() {
+        let session = fake::Session::start();
+        let lanes: Vec<LaneStreams> =
+            (0..LANES_PER_DEVICE).map(|_| LaneStreams::new(session.shim(), 0).unwrap()).collect();
+        assert_no_stream_shared(&lanes);
+        let error = LaneStreams::new(session.shim(), 0).err().expect("a 17th lane is refused");
+        assert!(matches!(error, StreamsError::Full { device: 0, lanes: 16 }), "{error:?}");
+        let message = error.to_string();
+        assert!(
+            message.contains("cuda:0") && message.contains("at most 16") && message.contains("--lanes"),
+            "{message}"
+        );
+        let other_device = LaneStreams::new(session.shim(), 1).unwrap();
+        assert_eq!(slots(&other_device).map(|s| s.device), [1, 1]);
+    }
+
+    /// Lanes come and go (model versions replaced, lanes of several models
+    /// on one device): a new lane's streams are never a live lane's, the
+    /// pool's counter moving past held pairs, and a dropped lane's streams
+    /// are free again.
+    #[test]
+    fn lanes_that_come_and_go_never_share_a_stream_with_a_live_lane() {
+        let session = fake::Session::start();
+        let mut lanes: Vec<LaneStreams> =
+            (0..10).map(|_| LaneStreams::new(session.shim(), 0).unwrap()).collect();
+        let mut state = 12345u64;
+        for round in 0..300 {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let pick = (state >> 33) as usize;
+            // Now and then up to the limit, and one more refused.
+            if round % 37 == 0 {
+                while lanes.len() < LANES_PER_DEVICE {
+                    lanes.push(LaneStreams::new(session.shim(), 0).unwrap());
+                }
+                assert!(LaneStreams::new(session.shim(), 0).is_err(), "round {round}: a 17th lane");
+            }
+            // Drop one or two lanes anywhere, then create lanes up to 4 to 15.
+            for drop in 0..1 + pick % 2 {
+                if !lanes.is_empty() {
+                    lanes.swap_remove((pick >> (4 * drop)) % lanes.len());
+                }
+            }
+            while lanes.len() < 4 + (pick >> 8) % 12 {
+                lanes.push(LaneStreams::new(session.shim(), 0).unwrap());
+            }
+            assert_no_stream_shared(&lanes);
+        }
     }
 
     #[test]

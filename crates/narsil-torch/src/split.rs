@@ -319,7 +319,12 @@ impl BatchStage for SplitStage {
         // dense forward) keeps its pages.
         let mut pooled = self.spent.try_recv().unwrap_or_default();
         self.model.stage.pool(batch, &mut self.scratch, &mut pooled).map_err(BackendError::from)?;
-        Ok(StagedBatch { values: pooled, width: self.model.stage.pooled_width(), took: started.elapsed() })
+        Ok(StagedBatch {
+            values: pooled,
+            width: self.model.stage.pooled_width(),
+            took: started.elapsed(),
+            ticket: None,
+        })
     }
 }
 

@@ -7,6 +7,10 @@
 //! refusal. Then the same on CUDA where a device is present; without one
 //! those tests print `skipped: NAME: no CUDA device` and check nothing.
 //!
+//! The order of the lane's stream, event and graph calls, which the CPU
+//! device does not make, is checked by unit tests through a recording fake
+//! of the CUDA shim (`src/device_lane/tests.rs`, `src/cuda.rs`).
+//!
 //! Needs the exported test models (`scripts/test.sh`).
 
 use std::path::PathBuf;

@@ -131,7 +131,7 @@ mod tests {
     impl BatchStage for CountingStage {
         fn stage(&mut self, batch: &KeyedBatch) -> Result<StagedBatch, BackendError> {
             self.0.staged.fetch_add(1, Ordering::SeqCst);
-            Ok(StagedBatch { values: vec![0.0; batch.rows], width: 1, took: Duration::ZERO })
+            Ok(StagedBatch { values: vec![0.0; batch.rows], width: 1, took: Duration::ZERO, ticket: None })
         }
     }
 

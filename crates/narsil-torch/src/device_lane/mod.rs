@@ -36,6 +36,8 @@ mod forward;
 mod graphs;
 mod staged;
 mod staging;
+#[cfg(test)]
+mod tests;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -43,13 +45,13 @@ use std::sync::Arc;
 use narsil_core::{BackendError, BatchStage, KeyedBatch, ModelBackend, StagedBatch};
 use tch::{Device, Kind, Tensor};
 
-use crate::cuda::{self, Event, LaneStreams, Which};
+use crate::cuda::{self, CudaShim, Event, LaneStreams, Which};
 use crate::handoff::Handoff;
 use crate::lane::IntraOpThreads;
 use crate::precision::DensePrecision;
 use crate::split_model::SplitModel;
 use graphs::{BucketGraph, CAPTURE_FAILURE_LOGGED};
-use staging::{stage_into, HostScratch};
+use staging::{CopyOrder, HostScratch};
 
 pub use staging::{BufferSet, Held, StagedBuffer};
 
@@ -81,37 +83,56 @@ impl DeviceLane {
         min_threads: usize,
         capture: bool,
     ) -> Result<Self, BackendError> {
-        let device = model.device;
-        let mut no_shim = None;
-        let streams = match device {
-            Device::Cpu => None,
-            Device::Cuda(index) => match cuda::shim() {
-                Ok(shim) => {
-                    let streams = LaneStreams::new(shim, index).map_err(cuda_error("lane streams"))?;
-                    streams.use_on_this_thread(Which::Compute).map_err(cuda_error("lane streams"))?;
-                    Some(Arc::new(streams))
-                }
-                Err(why) => {
-                    if !CAPTURE_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
-                        tracing::warn!(reason = %why, "no CUDA shim: one stream, no CUDA graphs (eager forwards)");
-                    }
-                    no_shim = Some(why.to_string());
-                    None
-                }
-            },
+        let shim = match model.device {
+            Device::Cpu => Ok(None),
+            Device::Cuda(index) => cuda::shim().map(|shim| Some((shim, index))),
             other => return Err(BackendError::setup(format!("split models do not run on {other:?}"))),
         };
-        let groups = model.device_tables.as_ref().map_or(0, |t| t.groups());
-        let event = |streams: &Option<Arc<LaneStreams>>| -> Result<Option<Event>, BackendError> {
-            match streams {
-                None => Ok(None),
-                Some(_) => {
-                    let shim = cuda::shim().map_err(cuda_error("events"))?;
-                    Event::new(shim).map(Some).map_err(cuda_error("events"))
+        Self::with_shim(model, min_threads, capture, shim)
+    }
+
+    /// A lane on the CPU device whose stream, event and graph calls go to
+    /// `shim` (the recording fake) as CUDA device 0's would.
+    #[cfg(test)]
+    pub(super) fn with_fake(
+        model: Arc<SplitModel>,
+        capture: bool,
+        shim: &'static CudaShim,
+    ) -> Result<Self, BackendError> {
+        Self::with_shim(model, 1, capture, Ok(Some((shim, 0))))
+    }
+
+    /// A lane whose streams come from `shim` on its CUDA device index (none:
+    /// the CPU device; an error: CUDA without the shim, why).
+    fn with_shim(
+        model: Arc<SplitModel>,
+        min_threads: usize,
+        capture: bool,
+        shim: Result<Option<(&'static CudaShim, usize)>, String>,
+    ) -> Result<Self, BackendError> {
+        let device = model.device;
+        let mut no_shim = None;
+        let streams = match shim {
+            Ok(None) => None,
+            Ok(Some((shim, index))) => {
+                let streams = LaneStreams::new(shim, index).map_err(|e| match e {
+                    e @ cuda::StreamsError::Full { .. } => BackendError::setup(e.to_string()),
+                    cuda::StreamsError::Shim(message) => cuda_error("lane streams")(message),
+                })?;
+                streams.use_on_this_thread(Which::Compute).map_err(cuda_error("lane streams"))?;
+                Some(Arc::new(streams))
+            }
+            Err(why) => {
+                if !CAPTURE_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(reason = %why, "no CUDA shim: one stream, no CUDA graphs (eager forwards)");
                 }
+                no_shim = Some(why);
+                None
             }
         };
-        let set = BufferSet::new(device, groups, event(&streams)?);
+        let groups = model.device_tables.as_ref().map_or(0, |t| t.groups());
+        // The lane's own set: its copies go to the compute stream.
+        let set = BufferSet::new(device, groups, copy_order(&streams, Which::Compute)?);
         let mut lane = Self {
             set,
             scratch: HostScratch::default(),
@@ -154,16 +175,30 @@ impl ModelBackend for DeviceLane {
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         let model = Arc::clone(&self.model);
-        let held = stage_into(&model, batch, &mut self.set, &mut self.scratch)?;
+        let held = self.set.stage(&model, batch, &mut self.scratch)?;
         self.run(held)
     }
 
     fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
-        Some(self.stage_thread())
+        match self.stage_thread() {
+            Ok(stage) => Some(stage),
+            Err(error) => {
+                // Never two sets without the events that order their copies.
+                tracing::warn!(error = %narsil_core::error_chain(&error), "no stage ahead for this lane: it stages its batches itself");
+                None
+            }
+        }
     }
 
     fn forward_staged(&mut self, batch: &KeyedBatch, staged: StagedBatch) -> Result<Vec<f32>, BackendError> {
-        drop(staged);
-        self.forward_handed_over(batch)
+        self.forward_handed_over(batch, &staged)
     }
+}
+
+/// Where a buffer set's copies go and their event: `which` of the lane's
+/// streams (none without streams).
+fn copy_order(streams: &Option<Arc<LaneStreams>>, which: Which) -> Result<Option<CopyOrder>, BackendError> {
+    let Some(streams) = streams else { return Ok(None) };
+    let event = Event::new(streams.shim()).map_err(cuda_error("events"))?;
+    Ok(Some(CopyOrder { streams: Arc::clone(streams), which, event }))
 }

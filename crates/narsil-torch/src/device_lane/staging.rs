@@ -3,15 +3,27 @@
 //! each with its device twin; a set of them per batch in flight (dense
 //! features, and the pooled block or the lookups); and the copies between
 //! host and device (`copy_` without blocking, through the C++ shim).
+//!
+//! A copy without blocking reads its host buffer when its stream gets to
+//! it, so a host buffer must not be rewritten before that: a set rewrites
+//! its host buffers only in [`BufferSet::stage`], which first waits on the
+//! host for the event it recorded after its previous copies (on CUDA with
+//! the shim: each set's copies go to one stream of the lane, the compute
+//! stream for the lane's own set, the copy stream for stage ahead's).
+//! Without the shim there is one stream and no event: the lane's forward
+//! ends with a blocking copy of its scores, which waits for that stream,
+//! copies included; on the CPU device there is no copy.
 
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use narsil_core::{BackendError, KeyedBatch};
 use narsil_embedding::StageScratch;
 use tch::{Device, Kind, Tensor};
 
-use crate::cuda::Event;
+use super::cuda_error;
+use crate::cuda::{Event, LaneStreams, Which};
 use crate::lane::torch_error;
 use crate::split_model::SplitModel;
 use crate::tensor_stage::{DeviceLookup, Lookup};
@@ -87,10 +99,17 @@ impl StagedBuffer {
     }
 
     /// Writes `data` into the host buffer and starts its copy to the device
-    /// buffer on the calling thread's current stream (non-blocking: the
-    /// host buffer must not be rewritten before that stream has run it);
+    /// buffer on the calling thread's current stream (non-blocking);
     /// returns the `[len]` device view (on the CPU device: the host view).
-    pub fn upload<T: tch::kind::Element>(&mut self, data: &[T]) -> Result<Tensor, BackendError> {
+    ///
+    /// # Safety
+    ///
+    /// No copy from the host buffer may still be pending: the stream of
+    /// its previous upload has run it (waited for on the host, as
+    /// [`BufferSet::stage`] does with its event), or there was none (the
+    /// CPU device, or a first upload). Otherwise the pending copy may read
+    /// this batch's values, or half of them.
+    unsafe fn upload<T: tch::kind::Element>(&mut self, data: &[T]) -> Result<Tensor, BackendError> {
         if T::KIND != self.kind {
             return Err(BackendError::forward(format!(
                 "a {:?} input staged in a {:?} buffer",
@@ -99,7 +118,8 @@ impl StagedBuffer {
             )));
         }
         let len = data.len();
-        if self.capacity() < len.max(1) {
+        let grown = self.capacity() < len.max(1);
+        if grown {
             let size = len.max(1).next_power_of_two() as i64;
             let host = Tensor::f_empty([size], (self.kind, Device::Cpu)).map_err(torch_error)?;
             self.host = Some(match self.device {
@@ -113,6 +133,8 @@ impl StagedBuffer {
             self.allocations += 1;
         }
         let host = self.host.as_ref().expect("allocated above");
+        #[cfg(test)]
+        crate::cuda::fake::host_write(host.data_ptr() as usize, grown);
         // SAFETY: `host` is a contiguous CPU tensor of `kind` (checked to be
         // T's) with at least `len` elements, and `data` has `len` of them;
         // no other reference to its memory is in use (the caller's contract:
@@ -144,6 +166,15 @@ pub(super) enum Pooled {
     Lookups(Vec<DeviceLookup>),
 }
 
+/// Where a set's copies go (one of the lane's streams) and the event
+/// recorded there after them (CUDA, with the shim).
+pub(super) struct CopyOrder {
+    /// Dropped first: before the streams it was recorded on.
+    pub(super) event: Event,
+    pub(super) streams: Arc<LaneStreams>,
+    pub(super) which: Which,
+}
+
 /// A set of staging buffers: a batch's dense features, and its pooled block
 /// or its lookups.
 pub struct BufferSet {
@@ -152,13 +183,12 @@ pub struct BufferSet {
     rows: Vec<StagedBuffer>,
     bags: Vec<StagedBuffer>,
     multipliers: Vec<StagedBuffer>,
-    /// Recorded after the set's copies (CUDA).
-    pub(super) event: Option<Event>,
+    order: Option<CopyOrder>,
     pub(super) held: Option<Held>,
 }
 
 impl BufferSet {
-    pub(super) fn new(device: Device, groups: usize, event: Option<Event>) -> Self {
+    pub(super) fn new(device: Device, groups: usize, order: Option<CopyOrder>) -> Self {
         let buffers = |kind| (0..groups).map(|_| StagedBuffer::new(kind, device)).collect();
         Self {
             dense: StagedBuffer::new(Kind::Float, device),
@@ -166,8 +196,45 @@ impl BufferSet {
             rows: buffers(Kind::Int64),
             bags: buffers(Kind::Int64),
             multipliers: buffers(Kind::Float),
-            event,
+            order,
             held: None,
+        }
+    }
+
+    /// Stages `batch` into the set (see [`stage_into`]): waits on the host
+    /// for the set's previous copies (its event) before rewriting its host
+    /// buffers, issues the new copies on the set's stream and records the
+    /// event after them.
+    pub(super) fn stage(
+        &mut self,
+        model: &SplitModel,
+        batch: &KeyedBatch,
+        scratch: &mut HostScratch,
+    ) -> Result<Held, BackendError> {
+        if let Some(order) = &self.order {
+            order.streams.use_on_this_thread(order.which).map_err(cuda_error("the staging stream"))?;
+            order.event.synchronize().map_err(cuda_error("waiting for the previous copy"))?;
+        }
+        // SAFETY: the copies from the set's host buffers are done: waited
+        // for above (they were issued on the set's stream before its event
+        // was recorded there), or, without an event, there is one stream
+        // whose previous forward ended with a blocking copy (or no copy: the
+        // CPU device).
+        let held = unsafe { stage_into(model, batch, self, scratch) }?;
+        if let Some(order) = &self.order {
+            order.event.record(&order.streams, order.which).map_err(cuda_error("recording the copy"))?;
+        }
+        Ok(held)
+    }
+
+    /// Makes `which` of `streams` wait (on the device) for the set's copies
+    /// before what is issued to it next (the forward that reads them).
+    pub(super) fn wait_on(&self, streams: &LaneStreams, which: Which) -> Result<(), BackendError> {
+        match &self.order {
+            Some(order) => {
+                order.event.block(streams, which).map_err(cuda_error("waiting for the staged copy"))
+            }
+            None => Ok(()),
         }
     }
 
@@ -194,30 +261,44 @@ pub(super) struct HostScratch {
 /// Stages `batch` into `set`: dense features, and the pooled block (tables
 /// on the host: pooled here by the CPU stage) or the lookups (tables on the
 /// device).
-pub(super) fn stage_into(
+///
+/// # Safety
+///
+/// As [`StagedBuffer::upload`]'s, for every buffer of the set.
+unsafe fn stage_into(
     model: &SplitModel,
     batch: &KeyedBatch,
     set: &mut BufferSet,
     scratch: &mut HostScratch,
 ) -> Result<Held, BackendError> {
     let rows = batch.rows as i64;
-    let dense =
-        set.dense.upload(&batch.dense)?.f_reshape([rows, batch.num_dense as i64]).map_err(torch_error)?;
+    // SAFETY: no copy from the set's buffers is pending (the caller's).
+    let dense = unsafe { set.dense.upload(&batch.dense) }?
+        .f_reshape([rows, batch.num_dense as i64])
+        .map_err(torch_error)?;
     let pooled = match &model.device_tables {
         None => {
             model.stage.pool(batch, &mut scratch.stage, &mut scratch.pooled).map_err(BackendError::from)?;
             let width = model.stage.pooled_width() as i64;
-            Pooled::Block(set.pooled.upload(&scratch.pooled)?.f_reshape([rows, width]).map_err(torch_error)?)
+            Pooled::Block(
+                // SAFETY: as above.
+                unsafe { set.pooled.upload(&scratch.pooled) }?
+                    .f_reshape([rows, width])
+                    .map_err(torch_error)?,
+            )
         }
         Some(tables) => {
             scratch.lookup.fill(batch, tables.features(), tables.groups()).map_err(BackendError::from)?;
             let mut lookups = Vec::with_capacity(tables.groups());
             for (g, group) in scratch.lookup.groups.iter().enumerate() {
                 lookups.push(DeviceLookup {
-                    rows: set.rows[g].upload(&group.rows)?,
-                    bags: set.bags[g].upload(&group.bags)?,
+                    // SAFETY: as above.
+                    rows: unsafe { set.rows[g].upload(&group.rows) }?,
+                    // SAFETY: as above.
+                    bags: unsafe { set.bags[g].upload(&group.bags) }?,
                     multipliers: if group.scaled {
-                        Some(set.multipliers[g].upload(&group.multipliers)?)
+                        // SAFETY: as above.
+                        Some(unsafe { set.multipliers[g].upload(&group.multipliers) }?)
                     } else {
                         None
                     },
@@ -233,6 +314,12 @@ pub(super) fn stage_into(
 mod tests {
     use super::*;
 
+    fn upload<T: tch::kind::Element>(buffer: &mut StagedBuffer, data: &[T]) -> Result<Tensor, BackendError> {
+        assert_eq!(buffer.device, Device::Cpu);
+        // SAFETY: the CPU device: no copy is ever pending.
+        unsafe { buffer.upload(data) }
+    }
+
     /// Staging buffers are allocated once and grow only for a larger batch
     /// (on CUDA the same code pins them: never per request).
     #[test]
@@ -240,23 +327,23 @@ mod tests {
         let mut buffer = StagedBuffer::new(Kind::Float, Device::Cpu);
         let values: Vec<f32> = (0..300).map(|i| i as f32).collect();
         for len in [100, 50, 100, 128, 1, 0] {
-            let staged = buffer.upload(&values[..len]).unwrap();
+            let staged = upload(&mut buffer, &values[..len]).unwrap();
             assert_eq!(staged.numel(), len);
             assert_eq!(Vec::<f32>::try_from(&staged).unwrap(), values[..len]);
         }
         assert_eq!((buffer.allocations(), buffer.capacity()), (1, 128));
-        drop(buffer.upload(&values[..129]).unwrap());
+        drop(upload(&mut buffer, &values[..129]).unwrap());
         assert_eq!((buffer.allocations(), buffer.capacity()), (2, 256));
-        let error = buffer.upload(&[1i64, 2]).unwrap_err().to_string();
+        let error = upload(&mut buffer, &[1i64, 2]).unwrap_err().to_string();
         assert!(error.contains("Int64") && error.contains("Float"), "{error}");
     }
 
     #[test]
     fn a_buffer_set_counts_every_buffers_allocations() {
         let mut set = BufferSet::new(Device::Cpu, 2, None);
-        drop(set.dense.upload(&[1.0f32; 10]).unwrap());
-        drop(set.rows[1].upload(&[1i64; 10]).unwrap());
-        drop(set.dense.upload(&[1.0f32; 16]).unwrap());
+        drop(upload(&mut set.dense, &[1.0f32; 10]).unwrap());
+        drop(upload(&mut set.rows[1], &[1i64; 10]).unwrap());
+        drop(upload(&mut set.dense, &[1.0f32; 16]).unwrap());
         assert_eq!(set.allocations(), 2);
     }
 }
