@@ -405,6 +405,35 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_bag_pools_to_zeros_in_every_mode_and_storage_whatever_the_output_held() {
+        // The kernels write a bag's result instead of adding to the output:
+        // an empty bag must write its zeros too, mean pooling (which
+        // divides by the length, 0) included.
+        let (int8, int8_row_bytes) = table(4, 16, 7);
+        let fp32: Vec<u8> = (0..4 * 16).flat_map(|v| (v as f32).to_le_bytes()).collect();
+        let weights = [0.5, 2.0, 1.5];
+        for (storage, data, row_bytes) in
+            [(Storage::Int8Rowwise, &int8, int8_row_bytes), (Storage::Fp32, &fp32, 16 * 4)]
+        {
+            for mode in [PoolingMode::Sum, PoolingMode::Mean] {
+                for weights in [None, Some(&weights[..])] {
+                    let pooling = Pooling { mode, weights };
+                    let mut out = vec![f32::NAN; 3 * 16];
+                    let (lengths, ids) = ([1, 0, 2], [3i64, 0, 2]);
+                    pool_rows(storage, data, row_bytes, 16, &lengths, &ids, pooling, &mut out, 16).unwrap();
+                    let case = format!("{storage:?} {mode:?} weights {}", weights.is_some());
+                    assert!(
+                        out[16..32].iter().all(|&v| v == 0.0),
+                        "{case}: the empty bag: {:?}",
+                        &out[16..32]
+                    );
+                    assert!(out.iter().all(|v| v.is_finite()), "{case}: {out:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn fp32_bags_sum_weight_and_average_their_rows() {
         let rows: [[f32; 3]; 3] = [[1.0, 2.0, 3.0], [0.5, -1.0, 4.0], [10.0, 0.0, -2.0]];
         let table: Vec<u8> = rows.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();

@@ -104,6 +104,43 @@ fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
     }
 }
 
+/// The export's INT8 quality verdict (`int8_quality.json`'s
+/// `labelled.auc_goal_met`) is met, and agrees with the numbers it rests
+/// on: |AUC change| within the stated goal, and the sampled and golden
+/// score differences within the cap the serving test holds them to.
+#[test]
+fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
+    let name = "the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers";
+    if let Some(why) = skip_reason() {
+        common::skip_or_fail(REQUIRE_INT8, name, why);
+        return;
+    }
+    let path = split_dir().join("int8_quality.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let quality: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let number = |pointer: &str| {
+        quality
+            .pointer(pointer)
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or_else(|| panic!("{pointer} in {text}"))
+    };
+    let (change, goal) = (number("/labelled/auc_change"), number("/labelled/auc_change_goal"));
+    let met = quality.pointer("/labelled/auc_goal_met").and_then(serde_json::Value::as_bool);
+    assert_eq!(met, Some(change.abs() <= goal), "the verdict disagrees with |{change}| <= {goal}");
+    assert_eq!(
+        met,
+        Some(true),
+        "the export's INT8 quality goal is missed: AUC change {change} (goal {goal})"
+    );
+    for pointer in ["/golden/max_abs_diff", "/sampled/max_abs_diff"] {
+        let diff = number(pointer);
+        assert!(
+            diff > 0.0 && diff <= f64::from(ABSOLUTE_CAP),
+            "{pointer} = {diff:e}: not an INT8 network's, or over the cap"
+        );
+    }
+}
+
 /// INT8 is never served as another form: `--dense-form torchscript`, a
 /// split model without the package (naming the field and the command that
 /// makes it) and a single-file model are refused. On a CPU without INT8
