@@ -11,8 +11,43 @@
 
 use std::time::Instant;
 
+use super::row_cache::RowCache;
 use super::row_store::{BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, RowStore};
 use crate::metrics::TableCounters;
+
+/// The body every batching store's fetch starts with, part one: each
+/// part's store as the concrete `T` a batch of this store is made of (the
+/// stage groups parts by [`BatchGroup`], so all are), or the failure
+/// naming the first that is not (`kind`: the store, for the message).
+pub fn parts_as<'a, T: 'static>(
+    parts: &[FetchPart<'a>],
+    kind: &str,
+) -> Result<Vec<&'a T>, (usize, FetchError)> {
+    parts
+        .iter()
+        .enumerate()
+        .map(|(p, part)| {
+            part.store.as_any().downcast_ref::<T>().ok_or_else(|| {
+                (p, FetchError::failed(format!("a {kind} fetch was handed another store's table")))
+            })
+        })
+        .collect()
+}
+
+/// Part two: the rows of `part` that `cache` holds (under `table`) copied
+/// into its `out`; the places (indexes into its ids) of the others, to
+/// fetch, in order.
+pub fn copy_cached(part: &mut FetchPart<'_>, cache: Option<&RowCache>, table: u32) -> Vec<usize> {
+    let row_bytes = part.row_bytes;
+    let mut missing = Vec::new();
+    for (place, &id) in part.ids.iter().enumerate() {
+        let out = &mut part.out[place * row_bytes..(place + 1) * row_bytes];
+        if !cache.is_some_and(|cache| cache.get_into(table, id as u64, out)) {
+            missing.push(place);
+        }
+    }
+    missing
+}
 
 /// One table's fetch through its store's batch fetch (what a batching
 /// store's [`RowStore::fetch`] is), its reads counted nowhere.

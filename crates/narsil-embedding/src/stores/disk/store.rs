@@ -17,7 +17,7 @@ use super::reads::{
 use super::uring;
 use crate::layout::SlotIndex;
 use crate::schema::{SplitSchema, TableSpec};
-use crate::stores::batch::fetch_alone;
+use crate::stores::batch::{copy_cached, fetch_alone, parts_as};
 use crate::stores::row_cache::RowCache;
 use crate::stores::row_store::{BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, RowStore};
 use crate::stores::table_error::TableError;
@@ -276,24 +276,18 @@ fn fetch_tables(
     parts: &mut [FetchPart<'_>],
     deadline: Option<Instant>,
 ) -> Result<Vec<Fetched>, (usize, FetchError)> {
-    let mut tables = Vec::with_capacity(parts.len());
-    for (p, part) in parts.iter().enumerate() {
-        match part.store.as_any().downcast_ref::<DiskRows>() {
-            Some(rows) if rows.row_bytes == part.row_bytes => tables.push(rows),
-            _ => return Err((p, FetchError::failed("a disk fetch was handed another store's table"))),
-        }
+    let tables = parts_as::<DiskRows>(parts, "disk")?;
+    if let Some(p) =
+        tables.iter().zip(parts.iter()).position(|(table, part)| table.row_bytes != part.row_bytes)
+    {
+        return Err((p, FetchError::failed("a disk fetch was handed rows of another size than its table's")));
     }
     let mut fetched = Vec::with_capacity(parts.len());
     let mut misses = Vec::with_capacity(parts.len());
     for (part, &table) in parts.iter_mut().zip(&tables) {
         let row_bytes = table.row_bytes;
-        let mut rows = Vec::new();
-        for (place, &id) in part.ids.iter().enumerate() {
-            let out = &mut part.out[place * row_bytes..(place + 1) * row_bytes];
-            if !table.cache.as_ref().is_some_and(|cache| cache.get_into(table.key, id as u64, out)) {
-                rows.push((place, id));
-            }
-        }
+        let missing = copy_cached(part, table.cache.as_deref(), table.key);
+        let mut rows: Vec<(usize, i64)> = missing.into_iter().map(|place| (place, part.ids[place])).collect();
         fetched.push(Fetched { cached: part.ids.len() - rows.len(), zeroed: 0 });
         rows.sort_unstable_by_key(|&(_, id)| table.slot(id));
         let offsets: Vec<u64> = rows.iter().map(|&(_, id)| table.slot(id) * row_bytes as u64).collect();

@@ -29,7 +29,7 @@ use super::cluster::RedisCluster;
 use super::invalidation::TableState;
 use super::keys::{row_key, rows_key};
 use crate::schema::RedisTableSpec;
-use crate::stores::batch::fetch_alone;
+use crate::stores::batch::{copy_cached, fetch_alone, parts_as};
 use crate::stores::row_store::{
     BatchFetch, BatchGroup, FetchError, FetchPart, Fetched, MissingRows, RowStore,
 };
@@ -75,13 +75,7 @@ impl RedisRows {
 /// `deadline` at the latest. Returns what each part got from the cache and
 /// how many rows it lacked (zeros).
 fn fetch_tables(parts: &mut [FetchPart<'_>], deadline: Option<Instant>) -> Result<Vec<Fetched>, FetchError> {
-    let mut tables = Vec::with_capacity(parts.len());
-    for part in parts.iter() {
-        let Some(rows) = part.store.as_any().downcast_ref::<RedisRows>() else {
-            return Err(FetchError::failed("a Redis fetch was handed another store's table"));
-        };
-        tables.push(rows);
-    }
+    let tables = parts_as::<RedisRows>(parts, "Redis").map_err(|(_, error)| error)?;
     let Some(cluster) = tables.first().map(|rows| Arc::clone(&rows.cluster)) else { return Ok(Vec::new()) };
     let cache = cluster.invalidation.cache();
     let mut fetched = vec![Fetched::default(); parts.len()];
@@ -92,14 +86,10 @@ fn fetch_tables(parts: &mut [FetchPart<'_>], deadline: Option<Instant>) -> Resul
         debug_assert!(Arc::ptr_eq(&table.cluster, &cluster), "one cluster per fetch");
         epochs.push(table.state.epoch.load(Ordering::Acquire));
         let mut by_bucket: Vec<Vec<usize>> = vec![Vec::new(); table.spec.buckets as usize];
-        let row_bytes = part.row_bytes;
-        for (i, &id) in part.ids.iter().enumerate() {
-            let out = &mut part.out[i * row_bytes..(i + 1) * row_bytes];
-            if cache.is_some_and(|cache| cache.get_into(table.state.number, id as u64, out)) {
-                fetched[p].cached += 1;
-            } else {
-                by_bucket[table.spec.bucket(id as u64) as usize].push(i);
-            }
+        let missing = copy_cached(part, cache, table.state.number);
+        fetched[p].cached = part.ids.len() - missing.len();
+        for i in missing {
+            by_bucket[table.spec.bucket(part.ids[i] as u64) as usize].push(i);
         }
         reads.extend(by_bucket.into_iter().filter(|b| !b.is_empty()).map(|b| (p, b)));
     }
