@@ -63,7 +63,7 @@ struct NarsilGraph {
 extern "C" {
 
 // The shim's interface version (the Rust side checks it).
-int narsil_cuda_shim_abi() noexcept { return 1; }
+int narsil_cuda_shim_abi() noexcept { return 2; }
 
 // CUDA devices libtorch sees (0 without a driver).
 int narsil_cuda_device_count() noexcept {
@@ -143,9 +143,12 @@ int narsil_cuda_event_synchronize(NarsilEvent* e, char** error) noexcept {
 // eager forwards first (lazy initialisation: cuBLAS handles, the allocator,
 // TorchScript's profiling runs must not happen inside the capture). The
 // capture is thread-local, so other lanes' threads may use the device
-// meanwhile. Each graph has its own memory pool.
+// meanwhile. The graph allocates from the memory pool of `share` (a graph
+// of the same lane, captured before on the same stream: a lane's graphs
+// run one at a time, so they may share their intermediates' memory), or
+// from a new pool when `share` is null.
 NarsilGraph* narsil_cuda_graph_capture(NarsilLaneStreams* s, narsil_forward_fn forward, void* context,
-                                       int warmups, char** error) noexcept {
+                                       int warmups, NarsilGraph* share, char** error) noexcept {
   return guarded(error, static_cast<NarsilGraph*>(nullptr), [&] {
     c10::cuda::CUDAStreamGuard guard(s->compute);
     auto run = [&]() {
@@ -163,7 +166,8 @@ NarsilGraph* narsil_cuda_graph_capture(NarsilLaneStreams* s, narsil_forward_fn f
     for (int i = 0; i < warmups; ++i) run();
     c10::Stream(s->compute).synchronize();
     auto g = std::make_unique<NarsilGraph>(s->compute);
-    g->graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+    auto pool = share ? share->graph.pool() : decltype(share->graph.pool()){0, 0};
+    g->graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
     try {
       g->output = run();
     } catch (...) {

@@ -36,7 +36,7 @@ pub const SHIM_FILE: &str = "libnarsil_cuda_shim.so";
 /// Environment variable naming the shim's file.
 pub const SHIM_ENV: &str = "NARSIL_CUDA_SHIM";
 /// The interface version this code calls.
-const ABI: c_int = 1;
+const ABI: c_int = 2;
 
 /// The forward a graph captures: the caller's closure, run on the capture
 /// stream; returns a new heap tensor or null with a malloc'd message.
@@ -89,8 +89,14 @@ pub struct CudaShim {
     event_record: unsafe extern "C" fn(*mut c_void, *mut c_void, c_int, *mut *mut c_char) -> c_int,
     event_block: unsafe extern "C" fn(*mut c_void, *mut c_void, c_int, *mut *mut c_char) -> c_int,
     event_synchronize: unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> c_int,
-    graph_capture:
-        unsafe extern "C" fn(*mut c_void, ForwardFn, *mut c_void, c_int, *mut *mut c_char) -> *mut c_void,
+    graph_capture: unsafe extern "C" fn(
+        *mut c_void,
+        ForwardFn,
+        *mut c_void,
+        c_int,
+        *mut c_void,
+        *mut *mut c_char,
+    ) -> *mut c_void,
     graph_output: unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> *mut RawTensor,
     graph_replay: unsafe extern "C" fn(*mut c_void, *mut *mut c_char) -> c_int,
     graph_free: unsafe extern "C" fn(*mut c_void),
@@ -298,11 +304,15 @@ impl LaneStreams {
     }
 
     /// Captures `forward` (which runs the dense network over inputs it
-    /// holds) as a graph on the compute stream, after `warmups` eager runs.
+    /// holds) as a graph on the compute stream, after `warmups` eager runs,
+    /// in the memory pool of `share` (a graph this lane captured before: a
+    /// lane replays one graph at a time, so its graphs may reuse each
+    /// other's intermediates' memory), or in a new pool.
     pub fn capture<F: FnMut() -> Result<Tensor, String>>(
         &self,
         mut forward: F,
         warmups: usize,
+        share: Option<&Graph>,
     ) -> Result<Graph, String> {
         unsafe extern "C" fn trampoline<F: FnMut() -> Result<Tensor, String>>(
             context: *mut c_void,
@@ -330,14 +340,17 @@ impl LaneStreams {
             }
         }
         let mut error = std::ptr::null_mut();
+        let share = share.map_or(std::ptr::null_mut(), |graph| graph.raw);
         // SAFETY: a live handle; `forward` outlives the call (the shim calls
-        // it only during it); the trampoline matches `ForwardFn`.
+        // it only during it); the trampoline matches `ForwardFn`; `share` is
+        // null or a live graph (borrowed for the call).
         let raw = unsafe {
             (self.shim.graph_capture)(
                 self.raw,
                 trampoline::<F>,
                 (&mut forward as *mut F).cast(),
                 warmups as c_int,
+                share,
                 &mut error,
             )
         };

@@ -63,6 +63,8 @@ pub(crate) enum Call {
     CaptureBegin {
         graph: usize,
         stream: Option<Stream>,
+        /// The graph whose memory pool it allocates from (its own: a new pool).
+        pool: usize,
     },
     CaptureEnd {
         graph: usize,
@@ -131,6 +133,8 @@ struct FakeEvent(usize);
 
 struct FakeGraph {
     id: usize,
+    /// The graph whose memory pool it allocates from.
+    pool: usize,
     stream: Stream,
     output: Tensor,
 }
@@ -262,9 +266,11 @@ unsafe extern "C" fn graph_capture(
     forward: ForwardFn,
     context: *mut c_void,
     warmups: c_int,
+    share: *mut c_void,
     error: *mut *mut c_char,
 ) -> *mut c_void {
     let compute = streams(s).compute;
+    let shared_pool = (!share.is_null()).then(|| graph(share).pool);
     // The shim's CUDAStreamGuard: the compute stream is current meanwhile.
     let previous = CURRENT.with(|c| c.replace(Some(compute)));
     let captured = (|| {
@@ -277,10 +283,11 @@ unsafe extern "C" fn graph_capture(
             state.graphs += 1;
             state.graphs
         };
-        log(Call::CaptureBegin { graph: id, stream: CURRENT.with(Cell::get) });
+        let pool = shared_pool.unwrap_or(id);
+        log(Call::CaptureBegin { graph: id, stream: CURRENT.with(Cell::get), pool });
         let output = run(forward, context, error);
         log(Call::CaptureEnd { graph: id });
-        Some(FakeGraph { id, stream: compute, output: output? })
+        Some(FakeGraph { id, pool, stream: compute, output: output? })
     })();
     CURRENT.with(|c| c.set(previous));
     match captured {

@@ -87,10 +87,16 @@ impl DeviceLane {
                 (None, _) => continue,
                 (Some(streams), _) => {
                     let _one_at_a_time = CAPTURE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    // One memory pool for the lane's graphs: the first's.
+                    let share = self.graphs.iter().find_map(|g| match &g.replay {
+                        Replay::Cuda(graph) => Some(graph),
+                        Replay::Padded => None,
+                    });
                     streams
                         .capture(
                             || model.dense_network.forward_tensors(&[&dense, &pooled]).map_err(|e| e.0),
                             3,
+                            share,
                         )
                         .map(Replay::Cuda)
                 }

@@ -77,18 +77,27 @@ fn of_thread(log: &[Entry], thread: ThreadId) -> Vec<(usize, &Call)> {
 }
 
 /// On the lane's thread: every capture begins after `WARMUPS` warm-ups,
-/// all on the lane's compute stream; every replay is of one of its own
+/// all on the lane's compute stream, every graph in the memory pool of the
+/// lane's first (one pool per lane); every replay is of one of its own
 /// graphs, on that stream (the thread's current stream too). Returns its
 /// graphs and how many replays ran.
 fn check_graphs(log: &[Entry], thread: ThreadId, compute: Stream) -> (HashSet<usize>, usize) {
     let (mut graphs, mut warmups, mut replays) = (HashSet::new(), 0, 0);
+    let mut first_pool = None;
     for (i, call) in of_thread(log, thread) {
         match call {
             Call::Warmup { stream } => {
                 assert_eq!(*stream, Some(compute), "entry {i}: a warm-up off the compute stream");
                 warmups += 1;
             }
-            Call::CaptureBegin { graph, stream } => {
+            Call::CaptureBegin { graph, stream, pool } => {
+                // The lane's first graph makes a new pool (never another
+                // lane's); every later one allocates from it.
+                let lane_pool = *first_pool.get_or_insert(*graph);
+                assert_eq!(
+                    *pool, lane_pool,
+                    "entry {i}: graph {graph} in pool {pool}, not the lane's {lane_pool}"
+                );
                 assert_eq!(
                     *stream,
                     Some(compute),
