@@ -239,7 +239,7 @@ impl DenseNetwork {
             {
                 tracing::info!(
                     %precision,
-                    cpu = %cpu_identity(),
+                    cpu = split.dense_form_timings.as_ref().map_or("?", |timings| timings.cpu.as_str()),
                     "--dense-form auto: the export timed the TorchScript dense network faster than {field} \
                      on this CPU: serving TorchScript"
                 );

@@ -9,6 +9,7 @@
 //! asynchronously; the buffers are reused, which is safe because each
 //! forward ends with a synchronous copy of the scores back to the host.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use narsil_core::{BackendError, KeyedBatch, ModelBackend};
@@ -212,6 +213,24 @@ struct PinnedBuffer {
     device: Device,
 }
 
+static PINNING_FAILURE_LOGGED: AtomicBool = AtomicBool::new(false);
+
+/// `host` pinned for `device`'s copies; where pinning fails (the locked
+/// memory limit, a driver that refuses), `host` itself, pageable: its
+/// copies are then staged by the driver and wait for the host, slower but
+/// correct (warned once per process).
+pub(crate) fn pinned_or_pageable(host: Tensor, device: Device) -> Tensor {
+    match host.f_pin_memory(device) {
+        Ok(pinned) => pinned,
+        Err(why) => {
+            if !PINNING_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(reason = %why, "cannot pin host memory: staging through pageable buffers (slower copies)");
+            }
+            host
+        }
+    }
+}
+
 impl PinnedBuffer {
     fn new(kind: Kind, device: Device) -> Self {
         Self { host: None, kind, device }
@@ -231,14 +250,12 @@ impl PinnedBuffer {
         let capacity = self.host.as_ref().map_or(0, Tensor::numel);
         if capacity < len.max(1) {
             let size = len.max(1).next_power_of_two() as i64;
-            let host = Tensor::f_empty([size], (self.kind, Device::Cpu))
-                .and_then(|t| t.f_pin_memory(self.device))
-                .map_err(torch_error)?;
-            self.host = Some(host);
+            let host = Tensor::f_empty([size], (self.kind, Device::Cpu)).map_err(torch_error)?;
+            self.host = Some(pinned_or_pageable(host, self.device));
         }
         let host = self.host.as_ref().expect("allocated above");
-        // SAFETY: `host` is a contiguous pinned tensor of `kind` with at
-        // least `len` elements; `data` has exactly `len` elements of the
+        // SAFETY: `host` is a contiguous CPU tensor (pinned where the
+        // driver allowed) of `kind` with at least `len` elements; `data` has exactly `len` elements of the
         // same element type.
         unsafe {
             std::ptr::copy_nonoverlapping(data.as_ptr(), host.data_ptr() as *mut T, data.len());

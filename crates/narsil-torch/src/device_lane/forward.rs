@@ -8,9 +8,10 @@ use narsil_core::BackendError;
 use tch::{Device, Kind, Tensor};
 
 use super::graphs::Replay;
-use super::staging::{copy_into, pinned_or_pageable, Held, Pooled};
+use super::staging::{copy_into, Held, Pooled};
 use super::{cuda_error, DeviceLane};
 use crate::buckets::Padded;
+use crate::lane::pinned_or_pageable;
 use crate::lane::torch_error;
 
 impl DeviceLane {

@@ -15,7 +15,6 @@
 //! copies included; on the CPU device there is no copy.
 
 use std::ffi::c_char;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use narsil_core::{BackendError, KeyedBatch};
@@ -24,7 +23,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::cuda_error;
 use crate::cuda::{Event, LaneStreams, Which};
-use crate::lane::torch_error;
+use crate::lane::{pinned_or_pageable, torch_error};
 use crate::split_model::SplitModel;
 use crate::tensor_stage::{DeviceLookup, Lookup};
 
@@ -37,24 +36,6 @@ extern "C" {
         non_blocking: i32,
         error: *mut *mut c_char,
     ) -> i32;
-}
-
-static PINNING_FAILURE_LOGGED: AtomicBool = AtomicBool::new(false);
-
-/// `host` pinned for `device`'s copies; where pinning fails (the locked
-/// memory limit, a driver that refuses), `host` itself, pageable: its
-/// copies are then staged by the driver and wait for the host, slower but
-/// correct (warned once per process).
-pub(super) fn pinned_or_pageable(host: Tensor, device: Device) -> Tensor {
-    match host.f_pin_memory(device) {
-        Ok(pinned) => pinned,
-        Err(why) => {
-            if !PINNING_FAILURE_LOGGED.swap(true, Ordering::Relaxed) {
-                tracing::warn!(reason = %why, "cannot pin host memory: staging through pageable buffers (slower copies)");
-            }
-            host
-        }
-    }
 }
 
 /// `dst.copy_(src, non_blocking)` (tch's `copy_` always blocks).
