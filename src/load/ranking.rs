@@ -22,6 +22,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::Distribution;
 
 use super::ids::IdSampler;
+use super::workload::RandomBag;
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
 
@@ -173,14 +174,8 @@ impl Ranking {
                     sparse_weights.extend_from_slice(&user.weights[f]);
                     continue;
                 }
-                let len = if per <= 1 { per } else { rng.random_range(0..2 * per) };
-                sparse_lengths.push(len);
-                for _ in 0..len {
-                    sparse_ids.push(sampler.sample(rng));
-                    if feature.weighted {
-                        sparse_weights.push(rng.random::<f32>());
-                    }
-                }
+                let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per };
+                bag.push(rng, &mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
             }
         }
         PredictRequest {

@@ -72,6 +72,40 @@ pub fn id_samplers(
     distributions.samplers(&rows)
 }
 
+/// One random bag of a feature: `ids_per_feature` ids (0 or 1: exactly
+/// that many; more: uniform in `[0, 2 * ids_per_feature - 1]`) from
+/// `sampler`, each with a random weight where the feature is weighted.
+pub struct RandomBag<'a> {
+    /// Where its ids come from.
+    pub sampler: &'a IdSampler,
+    /// Whether each id comes with a weight.
+    pub weighted: bool,
+    /// The mean ids per bag (see above).
+    pub ids_per_feature: u32,
+}
+
+impl RandomBag<'_> {
+    /// Draws the bag from `rng` (its length, then each id and its weight)
+    /// onto a request's columns.
+    pub fn push(
+        &self,
+        rng: &mut impl Rng,
+        lengths: &mut Vec<u32>,
+        ids: &mut Vec<i64>,
+        weights: &mut Vec<f32>,
+    ) {
+        let per = self.ids_per_feature;
+        let len = if per <= 1 { per } else { rng.random_range(0..2 * per) };
+        lengths.push(len);
+        for _ in 0..len {
+            ids.push(self.sampler.sample(rng));
+            if self.weighted {
+                weights.push(rng.random::<f32>());
+            }
+        }
+    }
+}
+
 /// One request of `batch_size` random samples, feature `f`'s ids from
 /// `ids[f]`. With `ids_per_feature` above 1, bag sizes are uniform in
 /// `[0, 2 * ids_per_feature - 1]`.
@@ -89,15 +123,8 @@ pub fn random_request(
     let mut sparse_weights = Vec::new();
     for _ in 0..batch_size {
         for (feature, sampler) in info.sparse_features.iter().zip(ids) {
-            let len =
-                if ids_per_feature <= 1 { ids_per_feature } else { rng.random_range(0..2 * ids_per_feature) };
-            sparse_lengths.push(len);
-            for _ in 0..len {
-                sparse_ids.push(sampler.sample(rng));
-                if feature.weighted {
-                    sparse_weights.push(rng.random::<f32>());
-                }
-            }
+            let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature };
+            bag.push(rng, &mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
         }
     }
     PredictRequest {
