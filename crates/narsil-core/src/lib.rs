@@ -15,6 +15,8 @@
 //!   fused == alone, concurrent lanes), each with the backend's tolerance.
 //! * [`mock`]: a fixed-latency backend with deterministic scores, for
 //!   measuring the engine itself.
+//! * [`skip`]: how a test that cannot run on this machine says so, or fails
+//!   where a `NARSIL_REQUIRE_*` switch says it must run.
 //!
 //! No async runtime, no RPC, no tensor library: those live in other crates.
 
@@ -30,6 +32,7 @@ pub mod mock;
 pub mod model_config;
 pub mod request;
 pub mod schema;
+pub mod skip;
 pub mod staged;
 
 pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};

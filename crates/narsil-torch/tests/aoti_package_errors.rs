@@ -7,8 +7,6 @@
 //! `models/generated/test-small`); without it the test says `skipped`, or
 //! fails under `NARSIL_REQUIRE_TEST_MODEL=1` (CI).
 
-mod common;
-
 /// Set to `1`, a test without the exported test model fails instead of
 /// skipping.
 const REQUIRE_TEST_MODEL: &str = "NARSIL_REQUIRE_TEST_MODEL";
@@ -43,7 +41,7 @@ fn a_package_whose_kernels_do_not_load_is_an_error_not_an_abort() {
     let source = test_model_dir().join("split/dense.pt2");
     let Ok(mut bytes) = std::fs::read(&source) else {
         let why = format!("no {} (scripts/test.sh exports it)", source.display());
-        common::skip_or_fail(REQUIRE_TEST_MODEL, test, &why);
+        narsil_core::skip::skip_or_fail(REQUIRE_TEST_MODEL, test, &why);
         return;
     };
     // The package stores its kernels' shared object uncompressed: break its
@@ -57,16 +55,4 @@ fn a_package_whose_kernels_do_not_load_is_an_error_not_an_abort() {
     let err = AotiPackage::load(&path, 1, &flags).err().map(|e| e.to_string());
     std::fs::remove_file(&path).unwrap();
     assert_clear("load", &err.expect("a package with broken kernels loaded"));
-}
-
-#[test]
-fn a_skip_fails_where_its_switch_says_the_test_must_run() {
-    let skip = |value| {
-        std::panic::catch_unwind(|| common::skip_or_fail_as(value, "NARSIL_REQUIRE_X", "t", "no x here"))
-    };
-    assert!(skip(None).is_ok(), "unset: a skip");
-    assert!(skip(Some("0")).is_ok(), "not 1: a skip");
-    let failed = skip(Some("1")).expect_err("set: a failure");
-    let message = failed.downcast_ref::<String>().cloned().unwrap_or_default();
-    assert_eq!(message, "t: no x here, and NARSIL_REQUIRE_X=1 forbids skipping it");
 }

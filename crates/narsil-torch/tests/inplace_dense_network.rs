@@ -10,8 +10,6 @@
 //! `models/generated/test-small`; without it the tests say `skipped`, or
 //! fail under `NARSIL_REQUIRE_TEST_MODEL=1`, which CI sets).
 
-mod common;
-
 /// Set to `1`, a test without the exported test model fails instead of
 /// skipping.
 const REQUIRE_TEST_MODEL: &str = "NARSIL_REQUIRE_TEST_MODEL";
@@ -47,7 +45,7 @@ fn model_whose_network_writes_its_inputs(test: &str) -> Option<PathBuf> {
     let source = test_model_dir().join("split");
     if !source.join("schema.json").is_file() {
         let why = format!("no split test model in {} (scripts/test.sh exports it)", source.display());
-        common::skip_or_fail(REQUIRE_TEST_MODEL, test, &why);
+        narsil_core::skip::skip_or_fail(REQUIRE_TEST_MODEL, test, &why);
         return None;
     }
     let split = SplitSchema::read(&source).unwrap();

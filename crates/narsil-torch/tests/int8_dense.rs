@@ -11,8 +11,6 @@
 //! sets it where the CPU has those instructions, as `scripts/test.sh`
 //! exports the package there) they fail instead.
 
-mod common;
-
 /// Set to `1`, the INT8 tests fail instead of skipping.
 const REQUIRE_INT8: &str = "NARSIL_REQUIRE_INT8";
 
@@ -78,7 +76,7 @@ fn recorded_golden_max_diff() -> f32 {
 fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
     let name = "int8_package_serves_golden_within_the_recorded_bound_alone_and_fused";
     if let Some(why) = skip_reason() {
-        common::skip_or_fail(REQUIRE_INT8, name, why);
+        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
         return;
     }
     let recorded = recorded_golden_max_diff();
@@ -112,7 +110,7 @@ fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
 fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
     let name = "the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers";
     if let Some(why) = skip_reason() {
-        common::skip_or_fail(REQUIRE_INT8, name, why);
+        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
         return;
     }
     let path = split_dir().join("int8_quality.json");

@@ -45,8 +45,5 @@ pub(crate) fn direct_io_dir(test: &str) -> Option<tempfile::TempDir> {
 /// `NARSIL_REQUIRE_DIRECT_IO=1` says this machine must run it.
 #[cfg(test)]
 pub(crate) fn skip_or_fail(test: &str, why: &str) {
-    if std::env::var("NARSIL_REQUIRE_DIRECT_IO").is_ok_and(|v| v == "1") {
-        panic!("{test}: {why}, and NARSIL_REQUIRE_DIRECT_IO=1 forbids skipping it");
-    }
-    eprintln!("skipped: {test}: {why}");
+    narsil_core::skip::skip_or_fail("NARSIL_REQUIRE_DIRECT_IO", test, why);
 }
