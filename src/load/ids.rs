@@ -149,6 +149,40 @@ fn splitmix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// One random bag of a feature: `ids_per_feature` ids (0 or 1: exactly
+/// that many; more: uniform in `[0, 2 * ids_per_feature - 1]`) from
+/// `sampler`, each with a random weight where the feature is weighted.
+pub struct RandomBag<'a> {
+    /// Where its ids come from.
+    pub sampler: &'a IdSampler,
+    /// Whether each id comes with a weight.
+    pub weighted: bool,
+    /// The mean ids per bag (see above).
+    pub ids_per_feature: u32,
+}
+
+impl RandomBag<'_> {
+    /// Draws the bag from `rng` (its length, then each id and its weight)
+    /// onto a request's columns.
+    pub fn push(
+        &self,
+        rng: &mut impl Rng,
+        lengths: &mut Vec<u32>,
+        ids: &mut Vec<i64>,
+        weights: &mut Vec<f32>,
+    ) {
+        let per = self.ids_per_feature;
+        let len = if per <= 1 { per } else { rng.random_range(0..2 * per) };
+        lengths.push(len);
+        for _ in 0..len {
+            ids.push(self.sampler.sample(rng));
+            if self.weighted {
+                weights.push(rng.random::<f32>());
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::{BTreeSet, HashMap};

@@ -21,8 +21,7 @@
 use rand::{Rng, SeedableRng};
 use rand_distr::Distribution;
 
-use super::ids::IdSampler;
-use super::workload::RandomBag;
+use super::ids::{IdSampler, RandomBag};
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
 

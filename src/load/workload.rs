@@ -4,7 +4,7 @@
 
 use rand::{Rng, SeedableRng};
 
-use super::ids::{IdDistributions, IdSampler};
+use super::ids::{IdDistributions, IdSampler, RandomBag};
 use super::ranking::Ranking;
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
@@ -70,40 +70,6 @@ pub fn id_samplers(
 ) -> anyhow::Result<Vec<IdSampler>> {
     let rows: Vec<u64> = info.sparse_features.iter().map(|f| f.num_rows).collect();
     distributions.samplers(&rows)
-}
-
-/// One random bag of a feature: `ids_per_feature` ids (0 or 1: exactly
-/// that many; more: uniform in `[0, 2 * ids_per_feature - 1]`) from
-/// `sampler`, each with a random weight where the feature is weighted.
-pub struct RandomBag<'a> {
-    /// Where its ids come from.
-    pub sampler: &'a IdSampler,
-    /// Whether each id comes with a weight.
-    pub weighted: bool,
-    /// The mean ids per bag (see above).
-    pub ids_per_feature: u32,
-}
-
-impl RandomBag<'_> {
-    /// Draws the bag from `rng` (its length, then each id and its weight)
-    /// onto a request's columns.
-    pub fn push(
-        &self,
-        rng: &mut impl Rng,
-        lengths: &mut Vec<u32>,
-        ids: &mut Vec<i64>,
-        weights: &mut Vec<f32>,
-    ) {
-        let per = self.ids_per_feature;
-        let len = if per <= 1 { per } else { rng.random_range(0..2 * per) };
-        lengths.push(len);
-        for _ in 0..len {
-            ids.push(self.sampler.sample(rng));
-            if self.weighted {
-                weights.push(rng.random::<f32>());
-            }
-        }
-    }
 }
 
 /// One request of `batch_size` random samples, feature `f`'s ids from
