@@ -168,6 +168,14 @@ pub struct ServeArgs {
     /// What to do with sparse ids outside a table.
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
+    /// The features that are the same for every candidate of a ranking
+    /// request, by name, comma-separated (`dense` for the dense features;
+    /// `none` for none): requests may send them once, in their
+    /// request-level block (docs/protocols.md). Replaces what the model
+    /// declares (its `schema.json` or `model.json` `request_level`);
+    /// unset: the model's own.
+    #[arg(long, env = "NARSIL_REQUEST_LEVEL", value_delimiter = ',')]
+    pub request_level: Option<Vec<String>>,
 }
 
 impl ServeArgs {
@@ -189,6 +197,7 @@ impl ServeArgs {
             self.backend.validate()?;
         }
         let config = EngineConfig {
+            request_level: self.request_level.clone(),
             mode: self.execution_mode,
             max_batch_requests: self.max_batch_requests,
             max_batch_rows: self.max_batch_rows,

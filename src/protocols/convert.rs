@@ -2,7 +2,9 @@
 //! types. Shape checks live in `RequestSamples::validate`, so every protocol
 //! shares them.
 
-use narsil_core::{ModelSchema, RequestSamples};
+use std::sync::Arc;
+
+use narsil_core::{ModelSchema, RequestBlock, RequestSamples};
 use narsil_engine::Prediction;
 
 use crate::proto;
@@ -15,6 +17,15 @@ pub fn request_samples(request: proto::PredictRequest) -> RequestSamples {
         lengths: request.sparse_lengths,
         ids: request.sparse_ids,
         weights: request.sparse_weights,
+        request: request.request.map(|block| {
+            Arc::new(RequestBlock {
+                dense: block.dense,
+                lengths: block.sparse_lengths,
+                ids: block.sparse_ids,
+                weights: block.sparse_weights,
+                features: Vec::new(),
+            })
+        }),
         ..Default::default()
     }
 }
@@ -52,7 +63,7 @@ pub fn predict_response(
 
 /// The model's schema as a wire response.
 pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::ModelInfoResponse {
-    proto::ModelInfoResponse {
+    let mut info = proto::ModelInfoResponse {
         name: schema.name.clone(),
         version: schema.version.clone(),
         backend: schema.backend.clone(),
@@ -65,10 +76,16 @@ pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::Mo
                 name: f.name.clone(),
                 num_rows: f.num_rows,
                 weighted: f.weighted,
+                request_level: false,
             })
             .collect(),
         max_batch_size: max_request_samples as u32,
         outputs: schema.outputs.clone(),
         versions: Vec::new(),
+        dense_request_level: schema.request_level.dense,
+    };
+    for &f in &schema.request_level.features {
+        info.sparse_features[f].request_level = true;
     }
+    info
 }

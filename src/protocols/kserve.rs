@@ -42,6 +42,11 @@ pub fn field_name(field: InputField) -> &'static str {
         InputField::Ids | InputField::WeightedIds => "inputs[ids]",
         InputField::Weights => "inputs[weights]",
         InputField::Model => "model_name",
+        InputField::Request => "inputs[request_*]",
+        InputField::RequestDense => "inputs[request_dense]",
+        InputField::RequestLengths => "inputs[request_lengths]",
+        InputField::RequestIds => "inputs[request_ids]",
+        InputField::RequestWeights => "inputs[request_weights]",
         InputField::Message | InputField::Wire(_) => field.name(),
     }
 }

@@ -100,7 +100,15 @@ pub fn field_name(field: InputField) -> &'static str {
         InputField::Ids => "id_list_features.values",
         InputField::WeightedIds => "id_score_list_features.values",
         InputField::Weights => "id_score_list_features.weights",
-        InputField::Model | InputField::Message | InputField::Wire(_) => field.name(),
+        // TorchRec's protocol is flat: it has no request-level block.
+        InputField::Model
+        | InputField::Message
+        | InputField::Wire(_)
+        | InputField::Request
+        | InputField::RequestDense
+        | InputField::RequestLengths
+        | InputField::RequestIds
+        | InputField::RequestWeights => field.name(),
     }
 }
 
@@ -215,7 +223,15 @@ pub fn decode(
         lengths.extend(score_lengths);
         ids.extend(score_ids);
     }
-    Ok(RequestSamples { num_samples: derived, dense, lengths, ids, weights, layout: SparseLayout::KeyMajor })
+    Ok(RequestSamples {
+        num_samples: derived,
+        dense,
+        lengths,
+        ids,
+        weights,
+        layout: SparseLayout::KeyMajor,
+        request: None,
+    })
 }
 
 /// TorchRec's two groups of sparse features.

@@ -41,6 +41,7 @@ pub mod proto {
                 request_id: request_id.into(),
                 model: String::new(),
                 model_version: String::new(),
+                request: None,
             }
         }
     }

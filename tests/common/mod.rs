@@ -163,6 +163,7 @@ pub fn request(tag: u64, b: usize) -> PredictRequest {
         model: String::new(),
         model_version: String::new(),
         sparse_weights: vec![],
+        request: None,
     }
 }
 

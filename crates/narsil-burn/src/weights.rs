@@ -104,6 +104,7 @@ impl DlrmWeights {
         let dense = layers(shape.num_dense, &shape.dense_arch);
         let over = layers(DlrmShape::interaction_width(shape.num_sparse, shape.dim), &shape.over_arch);
         let schema = ModelSchema {
+            request_level: Default::default(),
             name: "dlrm-random".into(),
             version: format!("seed-{seed}"),
             backend: "burn".into(),
@@ -170,6 +171,7 @@ impl DlrmWeights {
             described.as_ref().and_then(|d| d.get(key)?.as_str().map(String::from)).unwrap_or(default.into())
         };
         let schema = ModelSchema {
+            request_level: Default::default(),
             name: text("name", "dlrm"),
             version: text("version", "1"),
             backend: "burn".into(),

@@ -149,6 +149,14 @@ pub trait ModelBackend: Send {
     /// inputs.
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError>;
 
+    /// Whether its forwards take batches with request-level blocks
+    /// ([`KeyedBatch::request_level`]: a grouped request's rows hold empty
+    /// bags for the request-level features, pooled once from the block);
+    /// the lane hands the others [`KeyedBatch::into_flat`]'s batch.
+    fn takes_request_level(&self) -> bool {
+        false
+    }
+
     /// Threads the next forwards may use (at least 1): more when the
     /// other lanes are idle and nothing else is queued, 1 under load. A
     /// backend that cannot change its threads ignores it.

@@ -16,6 +16,7 @@
 //! model.
 
 use crate::request::{RequestSamples, SparseLayout};
+use crate::request_blocks::RequestBlocks;
 
 /// A fused batch in the layout backends consume.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -47,6 +48,11 @@ pub struct KeyedBatch {
     /// the batch past it is wasted, so a store that reads rows over the
     /// network gives up then.
     pub deadline: Option<std::time::Instant>,
+    /// The request-level blocks of its grouped requests (ranking requests:
+    /// one user, many candidates), each distinct one once; their rows hold
+    /// empty bags for the request-level features. `None` when every request
+    /// is flat. See [`crate::request_blocks`].
+    pub request_level: Option<RequestBlocks>,
 }
 
 impl KeyedBatch {
@@ -87,8 +93,21 @@ impl KeyedBatch {
                 .map(|(_, &n)| n)
                 .collect(),
             deadline: self.deadline,
+            request_level: self.request_level.as_ref().map(|blocks| RequestBlocks {
+                request_unit: blocks
+                    .request_unit
+                    .iter()
+                    .enumerate()
+                    .filter(|&(r, _)| keep(r))
+                    .map(|(_, &u)| u)
+                    .collect(),
+                ..blocks.clone()
+            }),
             ..Default::default()
         };
+        if kept.request_level.as_ref().is_some_and(|b| b.request_unit.iter().all(Option::is_none)) {
+            kept.request_level = None;
+        }
         for (row, dense) in self.dense.chunks_exact(self.num_dense.max(1)).enumerate() {
             if self.num_dense > 0 && kept_rows[row] {
                 kept.dense.extend_from_slice(dense);
@@ -168,8 +187,16 @@ pub fn fuse(num_dense: usize, num_sparse: usize, mut requests: Vec<RequestSample
         feature_offsets[f + 1] += feature_offsets[f];
     }
     let request_rows: Vec<usize> = requests.iter().map(|r| r.num_samples).collect();
+    let blocks: Vec<_> = requests.iter().map(|r| r.request.clone()).collect();
+    let request_level = RequestBlocks::gather(&blocks);
+    // Request-level dense features are broadcast to their rows here (a
+    // few values a row; the sparse ones never are).
+    let broadcast_dense = |r: &RequestSamples| r.request.as_ref().filter(|b| !b.dense.is_empty()).cloned();
     // The first request's dense rows stay where they are.
-    let mut dense = requests.first_mut().map(|r| std::mem::take(&mut r.dense)).unwrap_or_default();
+    let mut dense = match requests.first_mut() {
+        Some(first) if broadcast_dense(first).is_none() => std::mem::take(&mut first.dense),
+        _ => Vec::new(),
+    };
     dense.reserve_exact((rows * num_dense).saturating_sub(dense.len()));
     let row_offsets: Vec<usize> = (0..=num_sparse).map(|f| f * rows).collect();
     let mut lengths = Segments::new(&row_offsets);
@@ -177,7 +204,10 @@ pub fn fuse(num_dense: usize, num_sparse: usize, mut requests: Vec<RequestSample
     let mut weights = Segments::new(if weighted { &feature_offsets } else { &[0] });
     for (r, request) in requests.into_iter().enumerate() {
         let (b, counts) = (request.num_samples, &counts[r * num_sparse..(r + 1) * num_sparse]);
-        dense.extend_from_slice(&request.dense);
+        match broadcast_dense(&request) {
+            Some(block) => (0..b).for_each(|_| dense.extend_from_slice(&block.dense)),
+            None => dense.extend_from_slice(&request.dense),
+        }
         let mut read = 0;
         for (f, &count) in counts.iter().enumerate() {
             lengths.append(f, request.lengths[f * b..(f + 1) * b].iter().map(|&l| l as i32));
@@ -206,6 +236,7 @@ pub fn fuse(num_dense: usize, num_sparse: usize, mut requests: Vec<RequestSample
         feature_offsets,
         request_rows,
         deadline: None,
+        request_level,
     }
 }
 
@@ -368,6 +399,7 @@ mod tests {
             ids: order.iter().flat_map(|&i| bags[i].iter().copied()).collect(),
             weights: vec![],
             layout: SparseLayout::KeyMajor,
+            request: None,
         }
     }
 

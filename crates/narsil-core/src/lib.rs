@@ -4,7 +4,11 @@
 //! * [`schema`]: what a served model expects (dense count, sparse features,
 //!   outputs); [`model_config`]: the `model.json` that states it for models
 //!   that cannot.
-//! * [`request`]: one client request, sample-major, and its validation.
+//! * [`request`]: one client request, sample-major, and its validation;
+//!   [`request_level`]: a ranking request's request-level block (one user,
+//!   many candidates); [`request_blocks`]: those blocks in a fused batch;
+//!   [`broadcast`]: the rows each block goes to, and the flat batch;
+//!   [`invalid`]: why a request is refused.
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own;
@@ -25,12 +29,16 @@
 
 pub mod backend;
 pub mod batch;
+pub mod broadcast;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod golden;
+pub mod invalid;
 pub mod mock;
 pub mod model_config;
 pub mod request;
+pub mod request_blocks;
+pub mod request_level;
 pub mod schema;
 pub mod skip;
 pub mod staged;
@@ -38,5 +46,7 @@ pub mod staged;
 pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};
 pub use batch::{assemble, fuse, KeyedBatch};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
-pub use schema::{ModelSchema, SparseFeature};
+pub use request_blocks::RequestBlocks;
+pub use request_level::RequestBlock;
+pub use schema::{ModelSchema, RequestLevel, SparseFeature};
 pub use staged::StagedBatch;

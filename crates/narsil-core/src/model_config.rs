@@ -6,7 +6,8 @@
 //! {"dense_features": 13,
 //!  "sparse_features": [{"name": "cat_0", "num_rows": 100000, "weighted": false}, ...],
 //!  "outputs": ["default"],
-//!  "name": "dlrm", "version": "1"}
+//!  "name": "dlrm", "version": "1",
+//!  "request_level": ["cat_0", "cat_1", "dense"]}
 //! ```
 //!
 //! `sparse_features` lists each feature group in the order of the model's
@@ -15,14 +16,16 @@
 //! Narsil serves the unweighted group first, then the weighted one, each in
 //! the order listed. `weighted` defaults to false, `outputs` to
 //! `["default"]` (TorchRec's single output), `name` to the model directory's
-//! name and `version` to `"1"`.
+//! name and `version` to `"1"`. `request_level` (optional) names the
+//! features that are the same for every candidate of a ranking request
+//! (`dense` for the dense features): see [`crate::request_level`].
 
 use std::collections::HashSet;
 use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::schema::{ModelSchema, SparseFeature, DEFAULT_OUTPUT};
+use crate::schema::{ModelSchema, RequestLevel, SparseFeature, DEFAULT_OUTPUT};
 
 /// The file name looked for beside a model.
 pub const FILE_NAME: &str = "model.json";
@@ -38,6 +41,8 @@ struct ConfigJson {
     name: Option<String>,
     #[serde(default)]
     version: Option<String>,
+    #[serde(default)]
+    request_level: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -75,7 +80,7 @@ pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Res
     }
     let (unweighted, weighted): (Vec<_>, Vec<_>) =
         config.sparse_features.into_iter().partition(|f| !f.weighted);
-    Ok(ModelSchema {
+    let mut schema = ModelSchema {
         name: config.name.unwrap_or_else(|| default_name.into()),
         version: config.version.unwrap_or_else(|| "1".into()),
         backend: backend.into(),
@@ -87,7 +92,11 @@ pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Res
             .map(|f| SparseFeature { name: f.name, num_rows: f.num_rows, weighted: f.weighted })
             .collect(),
         outputs,
-    })
+        request_level: RequestLevel::default(),
+    };
+    schema.request_level = RequestLevel::parse(config.request_level.iter().map(String::as_str), &schema)
+        .map_err(|e| format!("request_level: {e}"))?;
+    Ok(schema)
 }
 
 /// Reads and parses the config at `path`; errors start with the path.

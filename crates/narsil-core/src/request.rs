@@ -5,6 +5,10 @@
 //! has explicit lengths, finite dense values and in-range ids, so nothing
 //! downstream (reorder, backends, FBGEMM's unchecked lookups) re-checks.
 
+use std::sync::Arc;
+
+pub use crate::invalid::{IdPolicy, InputField, InvalidInput};
+use crate::request_level::{widen_row_lengths, RequestBlock};
 use crate::schema::ModelSchema;
 
 /// How a request lays out its sparse lengths and ids.
@@ -40,86 +44,27 @@ pub struct RequestSamples {
     pub weights: Vec<f32>,
     /// Order of `lengths` and `ids`; dense values are always sample-major.
     pub layout: SparseLayout,
+    /// A ranking request's request-level features, sent once for all its
+    /// samples (its candidates); `None` for a flat request. See
+    /// [`crate::request_level`]: once validated, the rows hold an empty
+    /// bag for each request-level feature.
+    pub request: Option<Arc<RequestBlock>>,
 }
 
 impl RequestSamples {
     /// Memory its decoded values take (what a queued request holds).
     pub fn decoded_bytes(&self) -> usize {
+        self.row_bytes() + self.request.as_ref().map_or(0, |b| b.decoded_bytes())
+    }
+
+    /// Memory its rows take (without its request-level block, which the
+    /// parts of a split request share).
+    pub fn row_bytes(&self) -> usize {
         use std::mem::size_of;
         self.dense.len() * size_of::<f32>()
             + self.lengths.len() * size_of::<u32>()
             + self.ids.len() * size_of::<i64>()
             + self.weights.len() * size_of::<f32>()
-    }
-}
-
-/// What to do with an id outside `[0, num_rows)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum IdPolicy {
-    /// Reject the request with INVALID_ARGUMENT (default).
-    #[default]
-    Reject,
-    /// Map the id into range with `id.rem_euclid(num_rows)`.
-    Modulo,
-}
-
-/// The part of a request at fault, whatever a protocol calls it: every
-/// protocol maps these to its own wire names when it answers (see
-/// `narsil::protocols::status`), so validation is written once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InputField {
-    /// The number of samples.
-    SampleCount,
-    /// The dense features.
-    Dense,
-    /// The ids per (sample, feature) bag.
-    Lengths,
-    /// The sparse ids.
-    Ids,
-    /// A weighted feature's ids (where a protocol sends them apart).
-    WeightedIds,
-    /// The weights of the weighted features' ids.
-    Weights,
-    /// The requested model's name.
-    Model,
-    /// The message as a whole (its size, its encoding).
-    Message,
-    /// A field only one protocol has, by its wire name.
-    Wire(&'static str),
-}
-
-impl InputField {
-    /// The name used where no protocol applies (logs, [`InvalidInput`]'s
-    /// `Display`): `narsil.v1`'s wire names.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::SampleCount => "batch_size",
-            Self::Dense => "dense",
-            Self::Lengths => "sparse_lengths",
-            Self::Ids | Self::WeightedIds => "sparse_ids",
-            Self::Weights => "sparse_weights",
-            Self::Model => "model",
-            Self::Message => "message",
-            Self::Wire(name) => name,
-        }
-    }
-}
-
-/// A request that cannot be served as sent. `field` names the part at
-/// fault; the message names the sample and feature where one applies.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {}: {message}", field.name())]
-pub struct InvalidInput {
-    /// The part of the request at fault.
-    pub field: InputField,
-    /// Human-readable explanation.
-    pub message: String,
-}
-
-impl InvalidInput {
-    /// The error for `field`.
-    pub fn new(field: InputField, message: impl Into<String>) -> Self {
-        Self { field, message: message.into() }
     }
 }
 
@@ -174,7 +119,13 @@ impl RequestSamples {
                 format!("{b} exceeds the server's limit of {}", limits.max_samples),
             ));
         }
-        self.check_dense(schema.num_dense)?;
+        let row_dense = match self.request.as_mut() {
+            Some(block) => {
+                widen_row_lengths(Arc::make_mut(block), &mut self.lengths, b, schema, limits.id_policy)?
+            }
+            None => schema.num_dense,
+        };
+        self.check_dense(row_dense)?;
         if self.lengths.is_empty() {
             self.lengths = vec![1; b * num_sparse];
         } else if self.lengths.len() != b * num_sparse {
@@ -273,6 +224,7 @@ impl RequestSamples {
             num_samples: b,
             dense: self.dense.clone(),
             layout: SparseLayout::KeyMajor,
+            request: self.request.clone(),
             ..Default::default()
         };
         if self.layout == SparseLayout::KeyMajor || num_sparse == 0 || b == 0 {
@@ -348,6 +300,8 @@ impl RequestSamples {
                     ids: Vec::new(),
                     weights: Vec::new(),
                     layout: self.layout,
+                    // Shared, never copied per part.
+                    request: self.request.clone(),
                 };
                 // Runs of consecutive bags that belong to this part: one run
                 // sample-major, one per feature key-major.
@@ -370,14 +324,16 @@ impl RequestSamples {
     fn check_dense(&self, num_dense: usize) -> Result<(), InvalidInput> {
         let expected = self.num_samples * num_dense;
         if self.dense.len() != expected {
-            return Err(InvalidInput::new(
-                InputField::Dense,
+            let why = if self.request.is_some() && num_dense == 0 {
+                format!("has {} values, but the dense features are request-level: send them once in request.dense", self.dense.len())
+            } else {
                 format!(
                     "has {} values, expected batch_size x num_dense = {} x {num_dense} = {expected}",
                     self.dense.len(),
                     self.num_samples
-                ),
-            ));
+                )
+            };
+            return Err(InvalidInput::new(InputField::Dense, why));
         }
         // Scanned without early exit (vectorizes); located only when needed.
         let all_finite = self.dense.iter().fold(true, |ok, v| ok & v.is_finite());
@@ -481,6 +437,7 @@ mod tests {
             ids: vec![1, 2, 3, 4, 5, 99],
             weights: vec![],
             layout: SparseLayout::KeyMajor,
+            request: None,
         };
         let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
         assert_eq!(e.field, InputField::Ids);
@@ -505,6 +462,7 @@ mod tests {
             ids: vec![0, 1, 2, 3, 4, 5, 6, 7, 10],
             weights: vec![],
             layout: SparseLayout::KeyMajor,
+            request: None,
         };
         let e = r.clone().validate(&schema(), LIMITS).unwrap_err();
         assert!(e.message.contains("sample 2 feature 2"), "{e}");
@@ -623,6 +581,7 @@ mod tests {
             ids: key_major.ids.clone(),
             weights: vec![],
             layout: SparseLayout::KeyMajor,
+            request: None,
         };
         for whole in [sample_major, key_major] {
             let expected = mock_scores(&assemble(2, 3, [&whole]));

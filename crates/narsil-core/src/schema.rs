@@ -43,6 +43,8 @@ pub struct ModelSchema {
     /// The model's outputs, in the order a forward returns them: one score
     /// per sample each.
     pub outputs: Vec<String>,
+    /// Its request-level inputs (none: flat requests only).
+    pub request_level: RequestLevel,
 }
 
 impl ModelSchema {
@@ -72,6 +74,61 @@ impl ModelSchema {
             num_dense: 13,
             sparse: (0..26).map(|i| SparseFeature::new(format!("cat_{i}"), rows)).collect(),
             outputs: vec![DEFAULT_OUTPUT.into()],
+            request_level: RequestLevel::default(),
         }
+    }
+}
+
+/// Which inputs of a model are request-level.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RequestLevel {
+    /// Schema indices of the request-level sparse features, ascending.
+    pub features: Vec<usize>,
+    /// Whether the dense features (all of them) are request-level.
+    pub dense: bool,
+}
+
+impl RequestLevel {
+    /// Whether the model has any request-level input (else requests are
+    /// flat only).
+    pub fn is_declared(&self) -> bool {
+        !self.features.is_empty() || self.dense
+    }
+
+    /// Whether sparse feature `f` is request-level.
+    pub fn contains(&self, f: usize) -> bool {
+        self.features.binary_search(&f).is_ok()
+    }
+
+    /// The declaration named by `names` (sparse feature names of `schema`,
+    /// and `dense` for the dense features), as given to `--request-level`;
+    /// `none` (or nothing) declares none.
+    pub fn parse<'a>(names: impl IntoIterator<Item = &'a str>, schema: &ModelSchema) -> Result<Self, String> {
+        let mut level = Self::default();
+        for name in names.into_iter().map(str::trim).filter(|n| !n.is_empty() && *n != "none") {
+            match schema.sparse.iter().position(|f| f.name == name) {
+                Some(f) => level.features.push(f),
+                None if name == "dense" => level.dense = true,
+                None => {
+                    let known: Vec<&str> = schema.sparse.iter().map(|f| f.name.as_str()).collect();
+                    return Err(format!(
+                        "{name:?} is not a feature of the model (its sparse features: {}; `dense` names the dense features)",
+                        known.join(", ")
+                    ));
+                }
+            }
+        }
+        level.features.sort_unstable();
+        level.features.dedup();
+        Ok(level)
+    }
+
+    /// The names it declares, as [`RequestLevel::parse`] reads them.
+    pub fn names(&self, schema: &ModelSchema) -> Vec<String> {
+        let mut names: Vec<String> = self.features.iter().map(|&f| schema.sparse[f].name.clone()).collect();
+        if self.dense {
+            names.push("dense".into());
+        }
+        names
     }
 }

@@ -30,7 +30,12 @@
 //!   run of touching blocks), and the reads under way now;
 //! * `narsil_table_read_ahead_seconds` (no `table` label): reading a fused
 //!   batch's mapped rows ahead in parallel, which the stage does while
-//!   lookups take major faults.
+//!   lookups take major faults;
+//! * `narsil_request_level_bags_pooled_total`,
+//!   `narsil_request_level_rows_broadcast_total` (no `table` label): the
+//!   request-level bags of ranking requests pooled (once per distinct
+//!   block of a fused batch and feature), and the candidate rows they were
+//!   broadcast to: rows over bags is what sending them once saved.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -105,6 +110,8 @@ pub struct StageMetrics {
     disk_reads_in_flight: Family<TableLabel, Gauge>,
     read_ahead_seconds: Histogram,
     remote_fetch_seconds: Histogram,
+    request_level_bags: Counter,
+    request_level_rows: Counter,
 }
 
 impl Default for StageMetrics {
@@ -123,6 +130,8 @@ impl Default for StageMetrics {
             disk_reads_in_flight: Family::default(),
             read_ahead_seconds: fetch_buckets(),
             remote_fetch_seconds: fetch_buckets(),
+            request_level_bags: Counter::default(),
+            request_level_rows: Counter::default(),
         }
     }
 }
@@ -159,8 +168,30 @@ impl StageMetrics {
         &self.remote_fetch_seconds
     }
 
+    /// Counts a batch's request-level bags pooled and the rows they were
+    /// broadcast to.
+    pub fn count_request_level(&self, bags: usize, rows: usize) {
+        self.request_level_bags.inc_by(bags as u64);
+        self.request_level_rows.inc_by(rows as u64);
+    }
+
+    /// Request-level bags pooled and rows broadcast, so far.
+    pub fn request_level_counts(&self) -> (u64, u64) {
+        (self.request_level_bags.get(), self.request_level_rows.get())
+    }
+
     /// Adds every family to `registry` (whose prefix is `narsil`).
     pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "request_level_bags_pooled",
+            "Request-level bags of ranking requests pooled (once per distinct block of a fused batch and feature)",
+            self.request_level_bags.clone(),
+        );
+        registry.register(
+            "request_level_rows_broadcast",
+            "Candidate rows that took request-level bags pooled once (rows / bags pooled x features = the saving)",
+            self.request_level_rows.clone(),
+        );
         registry.register("table_ids", "Ids looked up in a table", self.ids.clone());
         registry.register(
             "table_distinct_ids",

@@ -156,6 +156,12 @@ pub struct SplitSchema {
     /// `--dense-form auto` reads to serve the faster there; optional.
     #[serde(default)]
     pub dense_form_timings: Option<DenseFormTimings>,
+    /// The features that are the same for every candidate of a ranking
+    /// request, by name (`dense` for the dense features): requests may send
+    /// them once ([`narsil_core::request_level`]); optional (none: flat
+    /// requests only).
+    #[serde(default)]
+    pub request_level: Vec<String>,
 }
 
 /// The dense network's forms (TorchScript, the `.pt2` package) timed at
@@ -262,6 +268,7 @@ impl SplitSchema {
             dense_weights: None,
             dense_flops_per_sample: None,
             dense_form_timings: None,
+            request_level: Vec::new(),
         }
     }
 
@@ -339,6 +346,9 @@ impl SplitSchema {
         if self.outputs.is_empty() {
             return Err("no outputs".into());
         }
+        let schema = self.model_schema("", "");
+        narsil_core::RequestLevel::parse(self.request_level.iter().map(String::as_str), &schema)
+            .map_err(|e| format!("request_level: {e}"))?;
         Ok(())
     }
 
@@ -351,7 +361,7 @@ impl SplitSchema {
     /// request order, each with its table's rows (every feature names a
     /// listed table: [`Self::check`]).
     pub fn model_schema(&self, backend: &str, device: &str) -> narsil_core::ModelSchema {
-        narsil_core::ModelSchema {
+        let mut schema = narsil_core::ModelSchema {
             name: self.name.clone(),
             version: self.version.clone(),
             backend: backend.into(),
@@ -369,7 +379,14 @@ impl SplitSchema {
                 })
                 .collect(),
             outputs: self.outputs.clone(),
-        }
+            request_level: narsil_core::RequestLevel::default(),
+        };
+        // Checked at load ([`Self::check`]); a name it does not know
+        // declares nothing.
+        schema.request_level =
+            narsil_core::RequestLevel::parse(self.request_level.iter().map(String::as_str), &schema)
+                .unwrap_or_default();
+        schema
     }
 
     /// Values in each pooled vector.

@@ -104,6 +104,10 @@ pub struct EngineConfig {
     /// embedding stage) runs it one batch ahead on a thread of its own
     /// (see `lanes`).
     pub stage_ahead: bool,
+    /// The model's request-level features by name (`dense` for the dense
+    /// features), replacing what the model declares
+    /// ([`narsil_core::RequestLevel::parse`]); `None`: the model's own.
+    pub request_level: Option<Vec<String>>,
 }
 
 impl EngineConfig {

@@ -74,7 +74,12 @@ impl Engine {
     /// a tokio runtime.
     pub fn start(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> Result<Self, StartError> {
         config.validate()?;
-        let schema = factory.schema().clone();
+        let mut schema = factory.schema().clone();
+        if let Some(names) = &config.request_level {
+            schema.request_level =
+                narsil_core::RequestLevel::parse(names.iter().map(String::as_str), &schema)
+                    .map_err(StartError::RequestLevel)?;
+        }
         let mut stats = Stats::labelled(&[("model", &schema.name), ("version", &schema.version)]);
         factory.register_metrics(stats.registry_mut());
         let stats = Arc::new(stats);
@@ -349,7 +354,8 @@ impl EngineHandle {
         let last = parts.len() - 1;
         let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
-        let mut leases: Vec<_> = parts[..last].iter().map(|p| lease.split_off(p.decoded_bytes())).collect();
+        // A request-level block, shared by every part, stays with the last.
+        let mut leases: Vec<_> = parts[..last].iter().map(|p| lease.split_off(p.row_bytes())).collect();
         leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()

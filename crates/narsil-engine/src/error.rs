@@ -14,6 +14,9 @@ pub enum StartError {
     /// A lane thread could not be spawned.
     #[error("cannot start lane threads")]
     Threads(#[source] std::io::Error),
+    /// The request-level features named for the model are not its own.
+    #[error("--request-level: {0}")]
+    RequestLevel(String),
 }
 
 /// Why the lanes did not all become ready.

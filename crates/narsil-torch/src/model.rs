@@ -161,6 +161,7 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         return Err(BackendError::load(path, "the schema needs at least one sparse feature, each with rows"));
     }
     let schema = ModelSchema {
+        request_level: Default::default(),
         name: parsed.name,
         version: parsed.version,
         backend: "torch".into(),

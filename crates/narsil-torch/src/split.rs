@@ -375,6 +375,12 @@ fn in_precision(input: Tensor, precision: DensePrecision) -> Result<Tensor, Back
 }
 
 impl ModelBackend for SplitLane {
+    /// The stage pools request-level bags once per unit and broadcasts them
+    /// (on the host, or by a gather on the device).
+    fn takes_request_level(&self) -> bool {
+        true
+    }
+
     fn set_threads(&mut self, threads: usize) {
         self.threads.set(threads);
     }

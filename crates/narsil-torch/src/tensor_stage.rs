@@ -250,10 +250,21 @@ impl TensorTables {
     /// Pools a batch of `rows` rows whose lookups (per group, already on
     /// the device: [`Lookup`] uploaded) are `lookups`: a `[rows, width]`
     /// FP32 tensor on the device.
-    pub fn pool(&self, rows: usize, lookups: &[DeviceLookup]) -> Result<Tensor, BackendError> {
+    ///
+    /// With ranking requests, `broadcast` holds the batch's request-level
+    /// units and the gather index ([`Lookup::gather`], on the device): the
+    /// units' bags are pooled once, into bags past the rows', and gathered
+    /// into their candidate rows.
+    pub fn pool(
+        &self,
+        rows: usize,
+        lookups: &[DeviceLookup],
+        broadcast: Option<(usize, &Tensor)>,
+    ) -> Result<Tensor, BackendError> {
         let features = self.features.len() as i64;
         let dim = self.dim as i64;
-        let mut out = Tensor::f_zeros([rows as i64 * features, dim], (Kind::Float, self.device))
+        let bag_rows = rows + broadcast.map_or(0, |(units, _)| units);
+        let mut out = Tensor::f_zeros([bag_rows as i64 * features, dim], (Kind::Float, self.device))
             .map_err(torch_error)?;
         for (group, lookup) in self.groups.iter().zip(lookups) {
             if lookup.rows.numel() == 0 {
@@ -290,6 +301,9 @@ impl TensorTables {
             };
             out = out.f_index_add_(0, &lookup.bags, &values).map_err(torch_error)?;
         }
+        if let Some((_, gather)) = broadcast {
+            out = out.f_index_select(0, gather).map_err(torch_error)?;
+        }
         out.f_view([rows as i64, features * dim]).map_err(torch_error)
     }
 }
@@ -313,6 +327,13 @@ pub struct GroupLookup {
 pub struct Lookup {
     /// Per group.
     pub groups: Vec<GroupLookup>,
+    /// The batch's request-level units (ranking requests), whose bags are
+    /// `(rows + unit) * features + feature`, past the rows' own.
+    pub units: usize,
+    /// With units: for every bag of the pooled block (`row * features +
+    /// feature`), the bag it takes (its own, or its unit's for a
+    /// request-level feature of a grouped row); empty without units.
+    pub gather: Vec<i64>,
 }
 
 /// A group's lookups on the device.
@@ -343,28 +364,62 @@ impl Lookup {
         }
         let count = features.len() as i64;
         for (f, feature) in features.iter().enumerate() {
-            let ids = batch.feature_ids(f);
-            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= feature.rows) {
-                let source = OutOfRange { id, rows: feature.rows };
-                return Err(StageError::OutOfRange { feature: feature.name.clone(), source });
-            }
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
-            let group = &mut self.groups[feature.group];
-            group.rows.extend(ids.iter().map(|&id| id + feature.base));
-            let mut at = 0;
-            for (row, &len) in batch.feature_lengths(f).iter().enumerate() {
-                let len = len.max(0) as usize;
-                let bag = row as i64 * count + f as i64;
-                let mean = if feature.mode == PoolingMode::Mean && len > 0 { 1.0 / len as f32 } else { 1.0 };
-                for i in at..at + len {
-                    let m = weights.map_or(1.0, |w| w[i]) * mean;
-                    group.scaled |= m != 1.0;
-                    group.bags.push(bag);
-                    group.multipliers.push(m);
+            let first_bag = f as i64;
+            self.add(feature, batch.feature_lengths(f), batch.feature_ids(f), weights, first_bag, count)?;
+        }
+        self.units = 0;
+        self.gather.clear();
+        let Some(blocks) = &batch.request_level else { return Ok(()) };
+        self.units = blocks.units;
+        for (k, &f) in blocks.features.iter().enumerate() {
+            let feature = &features[f];
+            let weights = blocks.feature_weights(k).filter(|_| feature.weighted);
+            let first_bag = batch.rows as i64 * count + f as i64;
+            self.add(feature, blocks.feature_lengths(k), blocks.feature_ids(k), weights, first_bag, count)?;
+        }
+        self.gather.extend(0..batch.rows as i64 * count);
+        for run in batch.broadcasts() {
+            let unit_bag = (batch.rows + run.unit) as i64 * count;
+            for row in run.start..run.start + run.rows {
+                for &f in &blocks.features {
+                    self.gather[row * count as usize + f] = unit_bag + f as i64;
                 }
-                at += len;
             }
+        }
+        Ok(())
+    }
+
+    /// Adds one feature's bags (`lengths` of `ids`), bag `b` of them into
+    /// pooled bag `first_bag + b * count`.
+    fn add(
+        &mut self,
+        feature: &FeatureTable,
+        lengths: &[i32],
+        ids: &[i64],
+        weights: Option<&[f32]>,
+        first_bag: i64,
+        count: i64,
+    ) -> Result<(), StageError> {
+        if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= feature.rows) {
+            let source = OutOfRange { id, rows: feature.rows };
+            return Err(StageError::OutOfRange { feature: feature.name.clone(), source });
+        }
+        let group = &mut self.groups[feature.group];
+        group.rows.extend(ids.iter().map(|&id| id + feature.base));
+        let mut at = 0;
+        for (b, &len) in lengths.iter().enumerate() {
+            let len = len.max(0) as usize;
+            let bag = first_bag + b as i64 * count;
+            let mean = if feature.mode == PoolingMode::Mean && len > 0 { 1.0 / len as f32 } else { 1.0 };
+            for i in at..at + len {
+                let m = weights.map_or(1.0, |w| w[i]) * mean;
+                group.scaled |= m != 1.0;
+                group.bags.push(bag);
+                group.multipliers.push(m);
+            }
+            at += len;
         }
         Ok(())
     }

@@ -19,8 +19,10 @@ use std::sync::Arc;
 
 use narsil_core::conformance::{self, fused_equals_alone, golden_parity};
 use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
-use narsil_core::request::IdPolicy;
-use narsil_core::{assemble, error_chain, BackendFactory, KeyedBatch};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{
+    assemble, error_chain, BackendFactory, KeyedBatch, RequestBlock, RequestLevel, RequestSamples,
+};
 use narsil_embedding::{EmbeddingStage, RowStore, SplitSchema, StageScratch, TableStore};
 use narsil_torch::buckets::Buckets;
 use narsil_torch::tensor_stage::{DeviceLookup, Lookup, TensorTables, TOLERANCE};
@@ -91,6 +93,57 @@ fn assert_close(what: &str, got: &[f32], want: &[f32]) -> f32 {
     worst
 }
 
+/// Ranking requests for `schema` fused (users 1, 2 and 1 again, 5, 3 and 4
+/// candidates): the first two features, the last (weighted, where the
+/// model has weighted features) and the dense features request-level.
+fn ranking_batch(schema: &SplitSchema) -> KeyedBatch {
+    let mut model = schema.model_schema("torch", "cpu");
+    let last = model.sparse.len() - 1;
+    model.request_level = RequestLevel { features: vec![0, 1, last], dense: true };
+    let rows = |f: usize| model.sparse[f].num_rows as i64;
+    let requests: Vec<RequestSamples> = [(1usize, 5usize), (2, 3), (1, 4)]
+        .into_iter()
+        .map(|(user, candidates)| {
+            let mut block = RequestBlock {
+                dense: (0..model.num_dense).map(|d| (user + d) as f32 / 10.0).collect(),
+                ..Default::default()
+            };
+            for &f in &model.request_level.features {
+                let len = 1 + (user + f) % 3;
+                block.lengths.push(len as u32);
+                for k in 0..len {
+                    block.ids.push((user as i64 * 31 + k as i64 * 7 + f as i64) % rows(f));
+                    if model.sparse[f].weighted {
+                        block.weights.push(0.5 + k as f32);
+                    }
+                }
+            }
+            let mut request = RequestSamples {
+                num_samples: candidates,
+                request: Some(Arc::new(block)),
+                ..Default::default()
+            };
+            for c in 0..candidates {
+                for f in (0..model.sparse.len()).filter(|f| !model.request_level.contains(*f)) {
+                    let len = (c + f) % 3;
+                    request.lengths.push(len as u32);
+                    for k in 0..len {
+                        request.ids.push((c as i64 * 13 + f as i64 * 5 + k as i64) % rows(f));
+                        if model.sparse[f].weighted {
+                            request.weights.push(0.25 * (k + 1) as f32);
+                        }
+                    }
+                }
+            }
+            request.validate(&model, RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject }).unwrap();
+            request
+        })
+        .collect();
+    let batch = assemble(schema.num_dense, schema.features.len(), &requests);
+    assert_eq!(batch.request_level.as_ref().map(|b| b.units), Some(2));
+    batch
+}
+
 fn tensor_pool(tables: &TensorTables, batch: &KeyedBatch, lookup: &mut Lookup) -> Vec<f32> {
     lookup.fill(batch, tables.features(), tables.groups()).unwrap();
     let lookups: Vec<DeviceLookup> = lookup
@@ -102,7 +155,9 @@ fn tensor_pool(tables: &TensorTables, batch: &KeyedBatch, lookup: &mut Lookup) -
             multipliers: g.scaled.then(|| Tensor::from_slice(&g.multipliers).to_device(tables.device())),
         })
         .collect();
-    let pooled = tables.pool(batch.rows, &lookups).unwrap().to_device(Device::Cpu).reshape([-1]);
+    let gather = Tensor::from_slice(&lookup.gather).to_device(tables.device());
+    let broadcast = (lookup.units > 0).then_some((lookup.units, &gather));
+    let pooled = tables.pool(batch.rows, &lookups, broadcast).unwrap().to_device(Device::Cpu).reshape([-1]);
     let len = pooled.numel();
     let mut out = vec![0.0f32; len];
     pooled.copy_data(&mut out, len);
@@ -125,6 +180,9 @@ fn tensor_stage_matches_cpu_stage(name: &str, device: Device) {
         .iter()
         .map(|&rows| (format!("{rows} random rows"), random_batch(&schema, rows, rows as u64)))
         .collect();
+    let ranking = ranking_batch(&schema);
+    batches.push(("ranking requests, flat".into(), ranking.clone().into_flat()));
+    batches.push(("ranking requests, grouped".into(), ranking));
     if let Ok(golden) = Golden::read(&dir) {
         let model_schema = schema.model_schema("torch", "cpu");
         let requests: Vec<_> =

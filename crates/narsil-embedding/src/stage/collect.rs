@@ -21,15 +21,20 @@ impl EmbeddingStage {
         distinct.clear();
         let rows = table.spec.rows;
         let mut looked_up = 0;
+        let blocks = batch.request_level.as_ref();
         for &f in &table.features {
-            let ids = batch.feature_ids(f);
-            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
-                let source = OutOfRange { id, rows };
-                return Err(StageError::OutOfRange { feature: self.features[f].name.clone(), source });
-            }
-            looked_up += ids.len();
-            if table.deduplicates {
-                distinct.add(ids);
+            // The feature's own bags, then its request-level units' (the
+            // order `pool_table` reads their slots in).
+            let units = blocks.and_then(|b| Some(b.feature_ids(b.position(f)?)));
+            for ids in std::iter::once(batch.feature_ids(f)).chain(units) {
+                if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+                    let source = OutOfRange { id, rows };
+                    return Err(StageError::OutOfRange { feature: self.features[f].name.clone(), source });
+                }
+                looked_up += ids.len();
+                if table.deduplicates {
+                    distinct.add(ids);
+                }
             }
         }
         table.counters.ids.inc_by(looked_up as u64);

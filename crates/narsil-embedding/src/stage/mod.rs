@@ -34,8 +34,11 @@
 //!   fetch, grouped per store that fetches many tables at once, and
 //!   counting each fetch;
 //! * `pooling.rs`: pooling each feature's bags of one table into the pooled
-//!   input.
+//!   input, and the request-level units' bags of ranking requests once each;
+//! * `broadcast.rs`: copying each unit's pooled bags into its requests'
+//!   candidate rows.
 
+mod broadcast;
 mod collect;
 mod error;
 mod fetch;
@@ -88,6 +91,9 @@ pub struct StageScratch {
     /// A feature's ids as their rows in the file, for local rows laid out
     /// in popularity order.
     file_rows: Vec<i64>,
+    /// The request-level units' pooled bags, `[units, request-level
+    /// features * dim]`.
+    unit_pooled: Vec<f32>,
 }
 
 /// A split model's embedding stage.
@@ -185,11 +191,16 @@ impl EmbeddingStage {
             faults += self.read_ahead(&scratch.distinct);
         }
         self.fetch(batch, scratch)?;
+        let units = batch.request_level.as_ref().map_or(0, |b| b.units * b.features.len() * self.dim);
+        scratch.unit_pooled.clear();
+        scratch.unit_pooled.resize(units, 0.0);
         for ((table, distinct), fetched) in self.tables.iter().zip(&scratch.distinct).zip(&scratch.fetched) {
+            let (file_rows, unit_pooled) = (&mut scratch.file_rows, &mut scratch.unit_pooled[..]);
             faults +=
-                self.pool_table(table, batch, distinct, fetched, &mut scratch.file_rows, pooled, width)?;
+                self.pool_table(table, batch, distinct, fetched, file_rows, pooled, width, unit_pooled)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
+        self.broadcast(batch, &scratch.unit_pooled, pooled, width);
         Ok(())
     }
 }

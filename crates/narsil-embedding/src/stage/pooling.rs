@@ -10,15 +10,16 @@ use std::time::Instant;
 use narsil_core::KeyedBatch;
 
 use super::read_ahead::thread_major_faults;
-use super::{EmbeddingStage, StageError, StageTable};
+use super::{EmbeddingStage, FeatureLookup, StageError, StageTable};
 use crate::dedup::DistinctIds;
 use crate::pool::{pool_rows, Pooling};
 
 impl EmbeddingStage {
     /// Pools `table`'s bags (its ids deduplicated in `distinct`, the rows
     /// of a fetching store in `fetched`; `file_rows` holds a feature's ids
-    /// as rows of a local file in popularity order); returns the major
-    /// faults the lookups took.
+    /// as rows of a local file in popularity order), the request-level
+    /// units' bags into `unit_pooled` (`[units, request-level features *
+    /// dim]`); returns the major faults the lookups took.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn pool_table(
         &self,
@@ -29,48 +30,52 @@ impl EmbeddingStage {
         file_rows: &mut Vec<i64>,
         pooled: &mut [f32],
         width: usize,
+        unit_pooled: &mut [f32],
     ) -> Result<u64, StageError> {
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
-        let spec = &table.spec;
         let local = table.store.local_rows();
         if local.is_some() {
             // Each distinct row read once, or each id's row in place.
             let read = match table.deduplicates {
                 true => distinct.distinct().len(),
-                false => table.features.iter().map(|&f| batch.feature_ids(f).len()).sum(),
+                false => table
+                    .features
+                    .iter()
+                    .map(|&f| {
+                        let units =
+                            batch.request_level.as_ref().and_then(|b| Some(b.feature_ids(b.position(f)?)));
+                        batch.feature_ids(f).len() + units.map_or(0, <[i64]>::len)
+                    })
+                    .sum(),
             };
             table.counters.rows_fetched.inc_by(read as u64);
         }
+        let blocks = batch.request_level.as_ref();
         let mut slot_start = 0;
         for &f in &table.features {
             let feature = &self.features[f];
-            let ids = batch.feature_ids(f);
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
-            let (rows, ids) = match (local, table.store.slots()) {
-                (Some(rows), None) => (rows, ids),
-                (Some(rows), Some(index)) => {
-                    file_rows.clear();
-                    file_rows.extend(ids.iter().map(|&id| index.slot(id)));
-                    (rows, &file_rows[..])
-                }
-                (None, _) => (fetched, &distinct.slots()[slot_start..slot_start + ids.len()]),
-            };
-            slot_start += ids.len();
-            let pooling = Pooling { mode: feature.pooling, weights };
-            pool_rows(
-                spec.storage,
-                rows,
-                spec.row_bytes,
-                spec.dim,
+            let mut bags = Bags { table, distinct, fetched, file_rows: &mut *file_rows, slot_start };
+            bags.pool(
+                feature,
                 batch.feature_lengths(f),
-                ids,
-                pooling,
+                batch.feature_ids(f),
+                weights,
                 &mut pooled[f * self.dim..],
                 width,
-            )
-            .map_err(|source| StageError::OutOfRange { feature: feature.name.clone(), source })?;
+            )?;
+            // A request-level feature's units: each pooled once, into the
+            // units' block (broadcast to their rows once every table is
+            // pooled).
+            if let Some((blocks, k)) = blocks.and_then(|b| Some((b, b.position(f)?))) {
+                let stride = blocks.features.len() * self.dim;
+                let weights = blocks.feature_weights(k).filter(|_| feature.weighted);
+                let out = &mut unit_pooled[k * self.dim..];
+                bags.pool(feature, blocks.feature_lengths(k), blocks.feature_ids(k), weights, out, stride)?;
+            }
+            slot_start = bags.slot_start;
         }
         let faults = faults_before.map_or(0, |before| thread_major_faults().saturating_sub(before));
         table.counters.major_faults.inc_by(faults);
@@ -79,8 +84,50 @@ impl EmbeddingStage {
     }
 }
 
+/// Where one table's bags read their rows, feature after feature: in
+/// place, through the popularity-order slot index, or from a fetching
+/// store's copies through each id's slot among the distinct ids (taken in
+/// the order [`EmbeddingStage::collect`] added them).
+struct Bags<'a> {
+    table: &'a StageTable,
+    distinct: &'a DistinctIds,
+    fetched: &'a [u8],
+    file_rows: &'a mut Vec<i64>,
+    /// The next bag's first id among the distinct ids' slots.
+    slot_start: usize,
+}
+
+impl Bags<'_> {
+    /// Pools the bags `lengths` of `ids` into `out` (one bag each `stride`
+    /// values).
+    fn pool(
+        &mut self,
+        feature: &FeatureLookup,
+        lengths: &[i32],
+        ids: &[i64],
+        weights: Option<&[f32]>,
+        out: &mut [f32],
+        stride: usize,
+    ) -> Result<(), StageError> {
+        let spec = &self.table.spec;
+        let (rows, ids) = match (self.table.store.local_rows(), self.table.store.slots()) {
+            (Some(rows), None) => (rows, ids),
+            (Some(rows), Some(index)) => {
+                self.file_rows.clear();
+                self.file_rows.extend(ids.iter().map(|&id| index.slot(id)));
+                (rows, &self.file_rows[..])
+            }
+            (None, _) => (self.fetched, &self.distinct.slots()[self.slot_start..self.slot_start + ids.len()]),
+        };
+        self.slot_start += ids.len();
+        let pooling = Pooling { mode: feature.pooling, weights };
+        pool_rows(spec.storage, rows, spec.row_bytes, spec.dim, lengths, ids, pooling, out, stride)
+            .map_err(|source| StageError::OutOfRange { feature: feature.name.clone(), source })
+    }
+}
+
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
@@ -92,7 +139,7 @@ mod tests {
     use crate::stores::row_store::{FetchError, Fetched, RowStore};
 
     /// The same rows, fetched by copy instead of read in place.
-    struct Fetching(Table);
+    pub(in crate::stage) struct Fetching(pub(in crate::stage) Table);
 
     impl RowStore for Fetching {
         fn kind(&self) -> &'static str {

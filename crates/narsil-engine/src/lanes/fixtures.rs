@@ -89,6 +89,7 @@ pub(super) fn abandoned_error() -> BackendError {
 
 pub(crate) fn config(stage_ahead: bool) -> EngineConfig {
     EngineConfig {
+        request_level: None,
         mode: ExecutionMode::Batch,
         max_batch_requests: 16,
         max_batch_rows: 1024,

@@ -46,6 +46,11 @@ impl LaneContext {
     ) {
         backend.set_threads(job.threads);
         let start = Instant::now();
+        if job.batch.request_level.is_some() && !backend.takes_request_level() {
+            // A backend that takes only flat batches gets the request-level
+            // bags copied into every row they belong to.
+            job.batch = std::mem::take(&mut job.batch).into_flat();
+        }
         let (scores, staging) = match staged {
             None => (self.checked_forward(backend, &job.batch, "forward", |b, batch| b.forward(batch)), None),
             Some(Err(error)) => (Err(error), None),

@@ -22,8 +22,9 @@ impl DeviceLane {
         let rows = held.rows;
         let pooled = match held.pooled {
             Pooled::Block(block) => block,
-            Pooled::Lookups(lookups) => {
-                model.device_tables.as_ref().expect("lookups only with device tables").pool(rows, &lookups)?
+            Pooled::Lookups(lookups, broadcast) => {
+                let tables = model.device_tables.as_ref().expect("lookups only with device tables");
+                tables.pool(rows, &lookups, broadcast.as_ref().map(|(units, gather)| (*units, gather)))?
             }
         };
         let outputs = model.schema.outputs.len();

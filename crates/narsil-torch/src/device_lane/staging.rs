@@ -144,7 +144,9 @@ pub struct Held {
 
 pub(super) enum Pooled {
     Block(Tensor),
-    Lookups(Vec<DeviceLookup>),
+    /// Per group, and for ranking requests the request-level units and the
+    /// gather index ([`crate::tensor_stage::Lookup::gather`]).
+    Lookups(Vec<DeviceLookup>, Option<(usize, Tensor)>),
 }
 
 /// Where a set's copies go (one of the lane's streams) and the event
@@ -164,6 +166,7 @@ pub struct BufferSet {
     rows: Vec<StagedBuffer>,
     bags: Vec<StagedBuffer>,
     multipliers: Vec<StagedBuffer>,
+    gather: StagedBuffer,
     order: Option<CopyOrder>,
     pub(super) held: Option<Held>,
 }
@@ -177,6 +180,7 @@ impl BufferSet {
             rows: buffers(Kind::Int64),
             bags: buffers(Kind::Int64),
             multipliers: buffers(Kind::Float),
+            gather: StagedBuffer::new(Kind::Int64, device),
             order,
             held: None,
         }
@@ -221,7 +225,7 @@ impl BufferSet {
 
     /// Host allocations of all its buffers so far.
     pub fn allocations(&self) -> usize {
-        [&self.dense, &self.pooled]
+        [&self.dense, &self.pooled, &self.gather]
             .into_iter()
             .chain(&self.rows)
             .chain(&self.bags)
@@ -285,7 +289,12 @@ unsafe fn stage_into(
                     },
                 });
             }
-            Pooled::Lookups(lookups)
+            let broadcast = match scratch.lookup.units {
+                0 => None,
+                // SAFETY: as above.
+                units => Some((units, unsafe { set.gather.upload(&scratch.lookup.gather) }?)),
+            };
+            Pooled::Lookups(lookups, broadcast)
         }
     };
     Ok(Held { rows: batch.rows, dense, pooled })

@@ -1,0 +1,214 @@
+//! Which rows of a fused batch take a request-level unit's bags
+//! ([`KeyedBatch::broadcasts`]: the embedding stage pools each unit once and
+//! copies it there), and the batch the same requests sent flat would have
+//! made ([`KeyedBatch::into_flat`]: for backends that take only flat
+//! batches, and for tests).
+
+use crate::batch::KeyedBatch;
+
+/// Rows `start..start + rows` of a batch use unit `unit`'s request-level
+/// bags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Broadcast {
+    /// First row.
+    pub start: usize,
+    /// Rows.
+    pub rows: usize,
+    /// The unit.
+    pub unit: usize,
+}
+
+impl KeyedBatch {
+    /// The runs of rows that take a unit's request-level bags, in row
+    /// order (none for a batch of flat requests).
+    pub fn broadcasts(&self) -> Vec<Broadcast> {
+        let Some(blocks) = &self.request_level else { return Vec::new() };
+        let mut start = 0;
+        let mut runs = Vec::new();
+        for (&rows, unit) in self.request_rows.iter().zip(&blocks.request_unit) {
+            if let Some(unit) = *unit {
+                runs.push(Broadcast { start, rows, unit });
+            }
+            start += rows;
+        }
+        runs
+    }
+
+    /// The batch the same requests sent flat would have made: every
+    /// grouped row's request-level bags filled from its unit (a copy per
+    /// row: for backends that take only flat batches, and for tests).
+    pub fn into_flat(self) -> KeyedBatch {
+        let Some(blocks) = self.request_level.as_ref() else { return self };
+        let mut unit_of_row = Vec::with_capacity(self.rows);
+        for (&rows, &unit) in self.request_rows.iter().zip(&blocks.request_unit) {
+            unit_of_row.extend(std::iter::repeat_n(unit, rows));
+        }
+        let weighted = !self.weights.is_empty() || !blocks.weights.is_empty();
+        let mut flat = KeyedBatch {
+            lengths: Vec::with_capacity(self.lengths.len()),
+            feature_offsets: vec![0],
+            request_level: None,
+            dense: Vec::new(),
+            ..self.clone()
+        };
+        flat.ids.clear();
+        flat.weights.clear();
+        for f in 0..self.num_sparse {
+            let own = self.feature_ids(f);
+            let own_weights = (!self.weights.is_empty())
+                .then(|| &self.weights[self.feature_offsets[f]..self.feature_offsets[f + 1]]);
+            let k = blocks.position(f);
+            let mut at = 0;
+            for (row, &len) in self.feature_lengths(f).iter().enumerate() {
+                let len = len as usize;
+                match (k, unit_of_row[row]) {
+                    (Some(k), Some(unit)) => {
+                        let starts: usize =
+                            blocks.feature_lengths(k)[..unit].iter().map(|&l| l as usize).sum();
+                        let unit_len = blocks.feature_lengths(k)[unit] as usize;
+                        let bag = starts..starts + unit_len;
+                        flat.lengths.push(unit_len as i32);
+                        flat.ids.extend_from_slice(&blocks.feature_ids(k)[bag.clone()]);
+                        if weighted {
+                            match blocks.feature_weights(k) {
+                                Some(w) => flat.weights.extend_from_slice(&w[bag]),
+                                None => flat.weights.resize(flat.weights.len() + unit_len, 1.0),
+                            }
+                        }
+                    }
+                    _ => {
+                        flat.lengths.push(len as i32);
+                        flat.ids.extend_from_slice(&own[at..at + len]);
+                        if weighted {
+                            match own_weights {
+                                Some(w) => flat.weights.extend_from_slice(&w[at..at + len]),
+                                None => flat.weights.resize(flat.weights.len() + len, 1.0),
+                            }
+                        }
+                    }
+                }
+                at += len;
+            }
+            flat.feature_offsets.push(flat.ids.len());
+        }
+        flat.dense = self.dense;
+        flat
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use crate::batch::assemble;
+    use crate::request::{IdPolicy, RequestLimits, RequestSamples};
+    use crate::request_level::RequestBlock;
+    use crate::schema::{ModelSchema, RequestLevel};
+
+    /// 2 dense, 4 sparse features (weighted: cat_3); cat_0, cat_2 and the
+    /// dense features request-level.
+    fn schema() -> ModelSchema {
+        let mut s = ModelSchema::dlrm("mock", "cpu", 100);
+        s.num_dense = 2;
+        s.sparse.truncate(4);
+        s.sparse[3].weighted = true;
+        s.request_level = RequestLevel::parse(["cat_0", "cat_2", "dense"], &s).unwrap();
+        s
+    }
+
+    const LIMITS: RequestLimits = RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject };
+
+    /// User `user`'s request of `b` candidates, grouped, and the same
+    /// request flat (the user's features on every row), both validated.
+    fn user_request(user: i64, b: usize) -> (RequestSamples, RequestSamples) {
+        let user_ids = [vec![user, user + 1, user + 2], vec![user + 3]];
+        let dense = vec![user as f32, 0.5];
+        let candidate = |c: usize| (vec![c as i64 + 10], vec![c as i64 + 20, c as i64 + 30]);
+        let mut grouped = RequestSamples {
+            num_samples: b,
+            request: Some(Arc::new(RequestBlock {
+                dense: dense.clone(),
+                lengths: vec![3, 1],
+                ids: user_ids.concat(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let mut flat = RequestSamples { num_samples: b, ..Default::default() };
+        for c in 0..b {
+            let (c1, c3) = candidate(c);
+            grouped.lengths.extend([1, 2]);
+            grouped.ids.extend(c1.iter().chain(&c3));
+            grouped.weights.extend([0.5, c as f32]);
+            flat.dense.extend(&dense);
+            flat.lengths.extend([3, 1, 1, 2]);
+            flat.ids.extend(user_ids[0].iter().chain(&c1).chain(&user_ids[1]).chain(&c3));
+            flat.weights.extend([0.5, c as f32]);
+        }
+        grouped.validate(&schema(), LIMITS).unwrap();
+        flat.validate(&schema(), LIMITS).unwrap();
+        (grouped, flat)
+    }
+
+    #[test]
+    fn a_fused_batch_of_grouped_requests_made_flat_is_the_flat_requests_batch() {
+        let (a, a_flat) = user_request(1, 3);
+        let (b, b_flat) = user_request(50, 2);
+        let plain = RequestSamples {
+            num_samples: 1,
+            dense: vec![7.0, 8.0],
+            lengths: vec![1, 1, 2, 1],
+            ids: vec![1, 2, 3, 4, 5],
+            weights: vec![9.0],
+            ..Default::default()
+        };
+        let mut plain = plain;
+        plain.validate(&schema(), LIMITS).unwrap();
+        let fused = assemble(2, 4, [&a, &plain, &b]);
+        let blocks = fused.request_level.as_ref().unwrap();
+        assert_eq!((blocks.units, blocks.request_unit.clone()), (2, vec![Some(0), None, Some(1)]));
+        assert_eq!(blocks.dense, [1.0, 0.5, 50.0, 0.5]);
+        assert_eq!(
+            fused.dense,
+            assemble(2, 4, [&a_flat, &plain, &b_flat]).dense,
+            "dense broadcast to every row"
+        );
+        let broadcasts = fused.broadcasts();
+        assert_eq!(
+            broadcasts.iter().map(|b| (b.start, b.rows, b.unit)).collect::<Vec<_>>(),
+            [(0, 3, 0), (4, 2, 1)]
+        );
+        assert_eq!(fused.into_flat(), assemble(2, 4, [&a_flat, &plain, &b_flat]));
+    }
+
+    #[test]
+    fn the_same_user_twice_and_the_parts_of_a_split_request_share_one_unit() {
+        let (a, a_flat) = user_request(1, 5);
+        let (again, _) = user_request(1, 2);
+        let parts = a.clone().split_rows(2, 4);
+        assert_eq!(parts.len(), 3);
+        assert!(parts.iter().all(|p| Arc::ptr_eq(p.request.as_ref().unwrap(), a.request.as_ref().unwrap())));
+        assert_eq!(
+            parts[1].decoded_bytes() - parts[1].row_bytes(),
+            a.request.as_ref().unwrap().decoded_bytes()
+        );
+        let mut requests: Vec<&RequestSamples> = parts.iter().collect();
+        requests.push(&again);
+        let fused = assemble(2, 4, requests);
+        let blocks = fused.request_level.as_ref().unwrap();
+        assert_eq!((blocks.units, blocks.request_unit.clone()), (1, vec![Some(0); 4]));
+        let (_, again_flat) = user_request(1, 2);
+        let mut flat = a_flat.split_rows(2, 4);
+        flat.push(again_flat);
+        assert_eq!(fused.into_flat(), assemble(2, 4, &flat));
+    }
+
+    #[test]
+    fn dropping_a_fused_grouped_request_keeps_the_others_units_right() {
+        let (a, a_flat) = user_request(1, 2);
+        let (b, b_flat) = user_request(9, 3);
+        let fused = assemble(2, 4, [&a, &b]);
+        assert_eq!(fused.retain_requests(|r| r == 1).into_flat(), assemble(2, 4, [&b_flat]));
+        assert_eq!(fused.retain_requests(|r| r == 0).into_flat(), assemble(2, 4, [&a_flat]));
+    }
+}

@@ -1,0 +1,338 @@
+//! Ranking requests: one user (and its context) scored against many
+//! candidates. The features that are the same for every candidate — the
+//! *request-level* ones, declared by the model ([`crate::RequestLevel`]) — arrive
+//! once per request in a [`RequestBlock`] instead of on every row; the
+//! candidate rows carry only the others.
+//!
+//! Once validated, a grouped request's rows hold an empty bag for every
+//! request-level feature (and no dense values when the dense features are
+//! request-level), and its block holds those features once, shared (an
+//! `Arc`) by every part the request is split into. Fusing keeps the blocks
+//! apart from the rows ([`crate::request_blocks`]): the embedding stage
+//! pools each block once and broadcasts it to its request's rows; a
+//! backend that takes only flat batches gets them expanded
+//! ([`crate::KeyedBatch::into_flat`]).
+
+use crate::invalid::{IdPolicy, InputField, InvalidInput};
+use crate::schema::ModelSchema;
+
+/// A ranking request's request-level features, sent once for all its
+/// candidates.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RequestBlock {
+    /// The dense features, `[num_dense]`, when they are request-level;
+    /// empty otherwise.
+    pub dense: Vec<f32>,
+    /// Ids per request-level feature, in schema order. Empty as sent means
+    /// one id each; validation fills it in.
+    pub lengths: Vec<u32>,
+    /// Their ids, feature after feature.
+    pub ids: Vec<i64>,
+    /// As sent: one weight per id of a weighted request-level feature.
+    /// Validation widens it to one per id (1.0 for unweighted features'),
+    /// or leaves it empty where no request-level feature is weighted.
+    pub weights: Vec<f32>,
+    /// Schema indices of the features `lengths` are for (set by
+    /// validation: the model's [`crate::RequestLevel::features`]).
+    pub features: Vec<usize>,
+}
+
+impl RequestBlock {
+    /// Memory its values take.
+    pub fn decoded_bytes(&self) -> usize {
+        use std::mem::size_of;
+        self.dense.len() * size_of::<f32>()
+            + self.lengths.len() * size_of::<u32>()
+            + self.ids.len() * size_of::<i64>()
+            + self.weights.len() * size_of::<f32>()
+            + self.features.len() * size_of::<usize>()
+    }
+
+    /// Checks the block against the model's declaration and fills in
+    /// implicit lengths, widens weights and maps ids (`policy`).
+    fn validate(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
+        let level = &schema.request_level;
+        let k = level.features.len();
+        let expected_dense = if level.dense { schema.num_dense } else { 0 };
+        if self.dense.len() != expected_dense {
+            let why = if level.dense {
+                format!(
+                    "has {} values, expected the model's {expected_dense} dense features",
+                    self.dense.len()
+                )
+            } else {
+                format!(
+                    "has {} values, but the model's dense features are per candidate: send them in dense",
+                    self.dense.len()
+                )
+            };
+            return Err(InvalidInput::new(InputField::RequestDense, why));
+        }
+        if let Some(pos) = self.dense.iter().position(|v| !v.is_finite()) {
+            return Err(InvalidInput::new(
+                InputField::RequestDense,
+                format!("feature {pos} is {} (values must be finite)", self.dense[pos]),
+            ));
+        }
+        if self.lengths.is_empty() {
+            self.lengths = vec![1; k];
+        } else if self.lengths.len() != k {
+            return Err(InvalidInput::new(
+                InputField::RequestLengths,
+                format!(
+                    "has {} entries, expected one per request-level feature ({k}: {}) or none for one id each",
+                    self.lengths.len(),
+                    level.names(schema).into_iter().filter(|n| n != "dense").collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
+        let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
+        if total != self.ids.len() as u64 {
+            return Err(InvalidInput::new(
+                InputField::RequestIds,
+                format!("has {} ids but request.sparse_lengths sum to {total}", self.ids.len()),
+            ));
+        }
+        let mut at = 0;
+        let mut weighted_ids = 0u64;
+        for (&f, &len) in level.features.iter().zip(&self.lengths) {
+            let feature = &schema.sparse[f];
+            let rows = feature.num_rows as i64;
+            for id in &mut self.ids[at..at + len as usize] {
+                if (0..rows).contains(id) {
+                    continue;
+                }
+                match policy {
+                    IdPolicy::Modulo => *id = id.rem_euclid(rows),
+                    IdPolicy::Reject => {
+                        return Err(InvalidInput::new(
+                            InputField::RequestIds,
+                            format!(
+                                "request feature {f} ({}) has id {} outside [0, {rows})",
+                                feature.name, *id
+                            ),
+                        ))
+                    }
+                }
+            }
+            at += len as usize;
+            if feature.weighted {
+                weighted_ids += u64::from(len);
+            }
+        }
+        let any_weighted = level.features.iter().any(|&f| schema.sparse[f].weighted);
+        if self.weights.len() as u64 != weighted_ids {
+            return Err(InvalidInput::new(
+                InputField::RequestWeights,
+                format!(
+                    "has {} weights, but the weighted request-level features' bags hold {weighted_ids} ids (one weight per id)",
+                    self.weights.len()
+                ),
+            ));
+        }
+        if let Some(pos) = self.weights.iter().position(|w| !w.is_finite()) {
+            return Err(InvalidInput::new(
+                InputField::RequestWeights,
+                format!("weight {pos} is {} (weights must be finite)", self.weights[pos]),
+            ));
+        }
+        if any_weighted {
+            let mut sent = std::mem::take(&mut self.weights).into_iter();
+            let mut widened = Vec::with_capacity(self.ids.len());
+            for (&f, &len) in level.features.iter().zip(&self.lengths) {
+                if schema.sparse[f].weighted {
+                    widened.extend(sent.by_ref().take(len as usize));
+                } else {
+                    widened.resize(widened.len() + len as usize, 1.0);
+                }
+            }
+            self.weights = widened;
+        }
+        self.features.clone_from(&level.features);
+        Ok(())
+    }
+
+    /// Feature number `k`'s (of [`RequestBlock::features`]) ids, once
+    /// validated.
+    pub fn feature_ids(&self, k: usize) -> &[i64] {
+        &self.ids[self.feature_range(k)]
+    }
+
+    /// Where feature number `k`'s ids (and weights) are, once validated.
+    pub fn feature_range(&self, k: usize) -> std::ops::Range<usize> {
+        let start: usize = self.lengths[..k].iter().map(|&l| l as usize).sum();
+        start..start + self.lengths[k] as usize
+    }
+}
+
+/// For a grouped request (one with `block`): checks the block and the
+/// candidate rows' lengths (`[samples x candidate features]` as sent), then
+/// widens the rows' lengths to every feature (an empty bag for each
+/// request-level one), so the rest of validation, the reorder and the
+/// fusion treat its rows like any other. Returns the dense values each row
+/// carries.
+pub(crate) fn widen_row_lengths(
+    block: &mut RequestBlock,
+    lengths: &mut Vec<u32>,
+    samples: usize,
+    schema: &ModelSchema,
+    policy: IdPolicy,
+) -> Result<usize, InvalidInput> {
+    let level = &schema.request_level;
+    if !level.is_declared() {
+        return Err(InvalidInput::new(
+            InputField::Request,
+            format!(
+                "model {:?} declares no request-level feature: send every feature on every row (no request block)",
+                schema.name
+            ),
+        ));
+    }
+    block.validate(schema, policy)?;
+    let num_sparse = schema.num_sparse();
+    let candidate: Vec<usize> = (0..num_sparse).filter(|&f| !level.contains(f)).collect();
+    if lengths.is_empty() {
+        *lengths = vec![1; samples * candidate.len()];
+    } else if lengths.len() != samples * candidate.len() {
+        return Err(InvalidInput::new(
+            InputField::Lengths,
+            format!(
+                "has {} entries, expected batch_size x candidate features = {samples} x {} = {} (the {} request-level \
+                 features go once in request.sparse_lengths), or none for one id per bag",
+                lengths.len(),
+                candidate.len(),
+                samples * candidate.len(),
+                level.features.len()
+            ),
+        ));
+    }
+    let row_dense = if level.dense { 0 } else { schema.num_dense };
+    if level.features.is_empty() {
+        return Ok(row_dense);
+    }
+    let mut widened = vec![0u32; samples * num_sparse];
+    for (row, sent) in widened.chunks_exact_mut(num_sparse).zip(lengths.chunks_exact(candidate.len().max(1)))
+    {
+        for (&f, &len) in candidate.iter().zip(sent) {
+            row[f] = len;
+        }
+    }
+    *lengths = widened;
+    Ok(row_dense)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::request::{RequestLimits, RequestSamples};
+    use crate::schema::RequestLevel;
+
+    /// 2 dense, 4 sparse features of 10 rows: `cat_0` and `cat_2` and the
+    /// dense features request-level.
+    fn schema() -> ModelSchema {
+        let mut s = ModelSchema::dlrm("mock", "cpu", 10);
+        s.num_dense = 2;
+        s.sparse.truncate(4);
+        s.request_level = RequestLevel::parse(["cat_0", "cat_2", "dense"], &s).unwrap();
+        s
+    }
+
+    const LIMITS: RequestLimits = RequestLimits { max_samples: 8, id_policy: IdPolicy::Reject };
+
+    fn grouped() -> RequestSamples {
+        // 2 candidates: cat_1 and cat_3 one id each; the user: cat_0 [1, 2], cat_2 [3].
+        RequestSamples {
+            num_samples: 2,
+            lengths: vec![],
+            ids: vec![4, 5, 6, 7],
+            request: Some(Arc::new(RequestBlock {
+                dense: vec![0.5, 0.25],
+                lengths: vec![2, 1],
+                ids: vec![1, 2, 3],
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_declaration_reads_feature_names_and_dense_and_refuses_unknown_names() {
+        let s = schema();
+        assert_eq!(s.request_level, RequestLevel { features: vec![0, 2], dense: true });
+        assert_eq!(s.request_level.names(&s), ["cat_0", "cat_2", "dense"]);
+        let e = RequestLevel::parse(["cat_9"], &s).unwrap_err();
+        assert!(e.contains("\"cat_9\" is not a feature") && e.contains("cat_3"), "{e}");
+        assert!(!RequestLevel::parse(["none"], &s).unwrap().is_declared());
+    }
+
+    #[test]
+    fn a_grouped_requests_rows_get_empty_bags_for_the_request_level_features() {
+        let mut r = grouped();
+        r.validate(&schema(), LIMITS).unwrap();
+        // Row-major over the 4 features: cat_0 and cat_2 empty on each row.
+        assert_eq!(r.lengths, [0, 1, 0, 1, 0, 1, 0, 1]);
+        let block = r.request.as_ref().unwrap();
+        assert_eq!(
+            (block.features.as_slice(), block.feature_ids(0), block.feature_ids(1)),
+            (&[0, 2][..], &[1, 2][..], &[3][..])
+        );
+        assert!(r.dense.is_empty());
+    }
+
+    #[test]
+    fn a_block_the_model_cannot_take_is_refused_naming_the_request_field() {
+        let field = |r: RequestSamples, s: &ModelSchema| r.clone().validate(s, LIMITS).unwrap_err();
+        let mut flat_only = schema();
+        flat_only.request_level = RequestLevel::default();
+        let e = field(grouped(), &flat_only);
+        assert_eq!((e.field, e.field.name()), (InputField::Request, "request"));
+        let mut r = grouped();
+        Arc::make_mut(r.request.as_mut().unwrap()).dense.pop();
+        assert_eq!(field(r, &schema()).field.name(), "request.dense");
+        let mut r = grouped();
+        Arc::make_mut(r.request.as_mut().unwrap()).lengths = vec![3];
+        let e = field(r, &schema());
+        assert!(e.field.name() == "request.sparse_lengths" && e.message.contains("cat_0, cat_2"), "{e}");
+        let mut r = grouped();
+        Arc::make_mut(r.request.as_mut().unwrap()).ids[2] = 10;
+        let e = field(r, &schema());
+        assert!(e.field.name() == "request.sparse_ids" && e.message.contains("(cat_2) has id 10"), "{e}");
+        let mut r = grouped();
+        r.lengths = vec![1; 8];
+        let e = field(r, &schema());
+        assert!(e.field == InputField::Lengths && e.message.contains("2 x 2 = 4"), "{e}");
+        let mut r = grouped();
+        r.dense = vec![0.0; 4];
+        assert_eq!(field(r, &schema()).field, InputField::Dense);
+        let mut r = grouped();
+        r.num_samples = 0;
+        assert_eq!(field(r, &schema()).field, InputField::SampleCount);
+    }
+
+    #[test]
+    fn modulo_maps_the_blocks_ids_too() {
+        let mut r = grouped();
+        Arc::make_mut(r.request.as_mut().unwrap()).ids = vec![11, -1, 3];
+        r.validate(&schema(), RequestLimits { id_policy: IdPolicy::Modulo, ..LIMITS }).unwrap();
+        assert_eq!(r.request.unwrap().ids, [1, 9, 3]);
+    }
+
+    #[test]
+    fn weights_of_weighted_request_level_features_are_widened_in_the_block() {
+        // Weighted features come last: cat_2 (request-level) and cat_3.
+        let mut s = schema();
+        s.sparse[2].weighted = true;
+        s.sparse[3].weighted = true;
+        let mut r = grouped();
+        r.weights = vec![2.0, 3.0];
+        Arc::make_mut(r.request.as_mut().unwrap()).weights = vec![0.5];
+        let mut ok = r.clone();
+        ok.validate(&s, LIMITS).unwrap();
+        assert_eq!(ok.weights, [1.0, 2.0, 1.0, 3.0], "the rows' own weights, one per row id");
+        assert_eq!(ok.request.unwrap().weights, [1.0, 1.0, 0.5]);
+        Arc::make_mut(r.request.as_mut().unwrap()).weights = vec![];
+        assert_eq!(r.validate(&s, LIMITS).unwrap_err().field, InputField::RequestWeights);
+    }
+}

@@ -1,0 +1,229 @@
+//! Ranking requests end to end over real gRPC on loopback: one user and
+//! many candidates per call, the user's features (13 multi-hot sparse
+//! features and the dense features) sent once in `narsil.v1`'s request
+//! block. Every candidate must score as the same request sent flat (the
+//! user repeated on every row) scores, within `SCORE_TOLERANCE` (1e-6),
+//! alone and fused with other users' requests and flat ones: the test
+//! model's split form on every local store (memory, mmap, disk) and through
+//! the device lane on the CPU device, and its single-file form (whose lanes
+//! take the batch made flat). Bad blocks are refused naming the field.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{assert_close, batch_mode, start_with, TestServer};
+use narsil::proto::{self, PredictRequest, RequestFeatures};
+use narsil_core::golden::test_model_dir;
+use narsil_core::BackendFactory;
+use narsil_engine::EngineConfig;
+use narsil_torch::{SplitFactory, TorchConfig, TorchFactory};
+
+/// The request-level features of the goals' workload: the first 13 sparse
+/// features and the dense features.
+fn request_level() -> Vec<String> {
+    (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect()
+}
+
+fn config() -> EngineConfig {
+    EngineConfig { request_level: Some(request_level()), max_batch_rows: 128, ..batch_mode(1, 16) }
+}
+
+/// User `user`'s request of `candidates` candidates, grouped and flat.
+/// Request-level bags hold 1 to 20 ids; candidates' features one id each.
+fn ranking(
+    info: &proto::ModelInfoResponse,
+    user: u64,
+    candidates: usize,
+) -> (PredictRequest, PredictRequest) {
+    let rows = |f: usize| info.sparse_features[f].num_rows;
+    let dense: Vec<f32> =
+        (0..info.num_dense as u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
+    let user_bags: Vec<Vec<i64>> = (0..13)
+        .map(|f| {
+            let len = 1 + (user as usize * 7 + f * 3) % 20;
+            (0..len as u64).map(|k| ((user * 7919 + f as u64 * 31 + k * 17) % rows(f)) as i64).collect()
+        })
+        .collect();
+    let candidate = |c: usize, f: usize| ((c as u64 * 104_729 + f as u64 * 13 + user) % rows(f)) as i64;
+    let num_sparse = info.sparse_features.len();
+    let mut grouped = PredictRequest {
+        batch_size: candidates as u32,
+        request: Some(RequestFeatures {
+            dense: dense.clone(),
+            sparse_lengths: user_bags.iter().map(|b| b.len() as u32).collect(),
+            sparse_ids: user_bags.concat(),
+            sparse_weights: vec![],
+        }),
+        request_id: format!("user-{user}"),
+        ..Default::default()
+    };
+    let mut flat = PredictRequest { batch_size: candidates as u32, ..Default::default() };
+    for c in 0..candidates {
+        flat.dense.extend(&dense);
+        for f in 0..num_sparse {
+            match user_bags.get(f) {
+                Some(bag) => {
+                    flat.sparse_lengths.push(bag.len() as u32);
+                    flat.sparse_ids.extend(bag);
+                }
+                None => {
+                    flat.sparse_lengths.push(1);
+                    flat.sparse_ids.push(candidate(c, f));
+                    grouped.sparse_ids.push(candidate(c, f));
+                }
+            }
+        }
+    }
+    (grouped, flat)
+}
+
+/// Serves `factory` with the workload's request-level features and checks
+/// grouped == flat alone and fused; returns the server.
+async fn grouped_scores_equal_flat(factory: Arc<dyn BackendFactory>, what: &str) -> TestServer {
+    let server = start_with(factory, config()).await.ready().await;
+    let mut client = server.client().await;
+    let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    let declared: Vec<&str> =
+        info.sparse_features.iter().filter(|f| f.request_level).map(|f| f.name.as_str()).collect();
+    assert_eq!((declared.len(), info.dense_request_level), (13, true), "{what}: ModelInfo declares them");
+    // Alone: users 1..4, 1 to 300 candidates (more than one forward's rows
+    // for the largest: split, its block shared by the parts).
+    let mut flat_scores = Vec::new();
+    let requests: Vec<_> =
+        [(1, 40), (2, 1), (3, 300), (1, 7)].iter().map(|&(u, c)| ranking(&info, u, c)).collect();
+    for (i, (grouped, flat)) in requests.iter().enumerate() {
+        let want = client.predict(flat.clone()).await.unwrap().into_inner().scores;
+        let got = client.predict(grouped.clone()).await.unwrap().into_inner();
+        assert_close(&got.scores, &want, &format!("{what}: ranking request {i} alone"));
+        assert_eq!(got.request_id, grouped.request_id);
+        flat_scores.push(want);
+    }
+    // Fused: the same requests grouped, twice over, beside their flat twins.
+    let channel = server.channel().await;
+    let mut fused = false;
+    for round in 0..3 {
+        let calls = requests.iter().flat_map(|(g, f)| [g.clone(), f.clone(), g.clone()]).map(|request| {
+            let mut client = proto::predictor_client::PredictorClient::new(channel.clone());
+            tokio::spawn(async move { client.predict(request).await.unwrap().into_inner() })
+        });
+        let responses: Vec<_> =
+            futures_util::future::join_all(calls).await.into_iter().map(Result::unwrap).collect();
+        for (i, response) in responses.iter().enumerate() {
+            assert_close(&response.scores, &flat_scores[i / 3], &format!("{what}: round {round} call {i}"));
+        }
+        fused |= responses.iter().any(|r| r.fused_requests > 1);
+    }
+    assert!(fused, "{what}: some requests shared a forward");
+    server
+}
+
+fn split_config() -> TorchConfig {
+    TorchConfig::new(test_model_dir().join("split"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_requests_score_as_flat_ones_on_tables_in_memory_and_pool_user_bags_once() {
+    let factory = Arc::new(SplitFactory::load(split_config()).unwrap());
+    let server = grouped_scores_equal_flat(factory, "memory tables").await;
+    let text = server.scrape().await;
+    let bags = common::metric(&text, "narsil_request_level_bags_pooled_total");
+    let rows = common::metric(&text, "narsil_request_level_rows_broadcast_total");
+    assert!(bags > 0.0 && rows > 10.0 * bags / 13.0, "{bags} request-level bags pooled for {rows} rows");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_requests_score_as_flat_ones_on_mapped_and_disk_tables() {
+    let mut mapped = split_config();
+    mapped.table_store = narsil_torch::TableStore::Mmap;
+    grouped_scores_equal_flat(Arc::new(SplitFactory::load(mapped).unwrap()), "mapped tables")
+        .await
+        .stop()
+        .await
+        .unwrap();
+    let table = test_model_dir().join("split/tables/cat_0.bin");
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&table) {
+        let why = format!("{} refuses direct reads ({e})", table.display());
+        return common::skip_direct_io(
+            "grouped_requests_score_as_flat_ones_on_mapped_and_disk_tables (disk)",
+            &why,
+        );
+    }
+    let mut disk = split_config();
+    let flags = narsil_embedding::StoreFlags {
+        cache_bytes: 26 * 40 * (80 + 16),
+        fetch_timeout: Duration::from_secs(1),
+        missing_rows: narsil_embedding::MissingRows::Error,
+    };
+    disk.table_store = "disk".parse::<narsil_torch::TableStore>().unwrap().with_flags(&flags);
+    let server = grouped_scores_equal_flat(Arc::new(SplitFactory::load(disk).unwrap()), "disk tables").await;
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_requests_score_as_flat_ones_through_the_device_lane_on_the_cpu_device() {
+    for device_tables in [true, false] {
+        let mut config = split_config();
+        config.device_path_on_cpu = true;
+        config.dense_form = narsil_torch::DenseForm::TorchScript;
+        if !device_tables {
+            config.device_table_bytes = Some(0);
+        }
+        let what =
+            if device_tables { "device lane, tables on the device" } else { "device lane, host tables" };
+        grouped_scores_equal_flat(Arc::new(SplitFactory::load(config).unwrap()), what)
+            .await
+            .stop()
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_file_model_takes_grouped_requests_made_flat() {
+    let factory = TorchFactory::load(TorchConfig::new(test_model_dir().join("model_default.pt"))).unwrap();
+    grouped_scores_equal_flat(Arc::new(factory), "single-file model").await.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_request_blocks_are_refused_naming_the_field() {
+    let factory = || Arc::new(SplitFactory::load(split_config()).unwrap());
+    let server = start_with(factory(), config()).await.ready().await;
+    let mut client = server.client().await;
+    let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    let (grouped, _) = ranking(&info, 5, 3);
+    let refused = |edit: &dyn Fn(&mut PredictRequest)| {
+        let mut request = grouped.clone();
+        edit(&mut request);
+        request
+    };
+    let cases: [(&str, PredictRequest); 5] = [
+        (
+            "request.sparse_lengths",
+            refused(&|r| r.request.as_mut().unwrap().sparse_lengths.pop().map(drop).unwrap()),
+        ),
+        ("request.sparse_ids", refused(&|r| r.request.as_mut().unwrap().sparse_ids[0] = 1 << 40)),
+        ("request.dense", refused(&|r| r.request.as_mut().unwrap().dense.push(f32::NAN))),
+        ("sparse_lengths", refused(&|r| r.sparse_lengths = vec![1; 3 * 26])),
+        ("batch_size", refused(&|r| r.batch_size = 0)),
+    ];
+    for (field, request) in cases {
+        let status = client.predict(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}: {status:?}");
+        assert!(status.message().starts_with(&format!("invalid {field}:")), "{field}: {}", status.message());
+    }
+    server.stop().await.unwrap();
+    // A model that declares no request-level feature refuses a block.
+    let server = start_with(factory(), batch_mode(1, 16)).await.ready().await;
+    let status = server.client().await.predict(grouped).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().contains("invalid request:")
+            && status.message().contains("declares no request-level")
+    );
+    server.stop().await.unwrap();
+}
