@@ -51,7 +51,7 @@ from split_model import (DenseNetwork, DlrmPredictor, cpu_has_bf16, dense_flops_
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 9
+EXPORT_FORMAT = 10
 
 
 def log(msg: str) -> None:
@@ -436,6 +436,11 @@ def main() -> int:
     p.add_argument("--golden-seed", type=int, default=None,
                    help="seed of the golden requests (default: --seed); the same one gives two models the same inputs")
     p.add_argument("--golden-batch-sizes", type=int_list, default=[1, 100, 7, 100, 16, 3, 64, 100])
+    p.add_argument("--request-level", default=None,
+                   help="comma-separated features that are the same for every candidate of a ranking request "
+                        "(`dense` for the dense features; `none` for none), declared in the schemas so requests "
+                        "may send them once (default: the first half of the sparse features and the dense "
+                        "features, e.g. cat_0..cat_12 and dense for the default DLRM)")
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
@@ -485,6 +490,13 @@ def main() -> int:
         f"dense {args.num_dense}->{args.dense_arch}, over {args.over_arch}")
     dlrm = build_dlrm(args)
     keys = [f"cat_{i}" for i in range(args.num_sparse)]
+    if args.request_level is None:
+        request_level = keys[:args.num_sparse // 2] + ["dense"]
+    else:
+        request_level = [n for n in args.request_level.split(",") if n and n != "none"]
+    unknown = [n for n in request_level if n not in keys and n != "dense"]
+    if unknown:
+        p.error(f"--request-level names {unknown}, not features of the model ({keys[0]}..{keys[-1]}, dense)")
     dense_flops = dense_flops_per_sample(DenseNetwork(dlrm, len(keys)).eval(), args.num_dense,
                                          len(keys) * args.embedding_dim)
     schema = json.dumps({
@@ -493,6 +505,7 @@ def main() -> int:
         "num_dense": args.num_dense,
         "sparse": [{"name": k, "num_rows": args.num_rows} for k in keys],
         "dense_flops_per_sample": dense_flops,
+        "request_level": request_level,
     })
 
     log("writing FP32 weights (safetensors)")
@@ -535,6 +548,7 @@ def main() -> int:
         log("writing the split model (tables apart from the dense network)")
         write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
                     golden_requests(args), key_major, log, dense_weights, pt2=args.pt2)
+        add_to_schema(out / "split", {"request_level": request_level})
         if args.int8:
             log("quantizing the dense network to INT8 (PT2E, calibrated on sampled traffic) and compiling it")
             add_to_schema(out / "split", write_int8_package(out / "split", dlrm, quantized, keys, args))
@@ -542,6 +556,7 @@ def main() -> int:
         log("writing the split model with FP32 tables")
         write_split(out / "split_fp32", dlrm, quantized, keys, args.name, args.version, args.num_dense,
                     golden_requests(args), key_major, log, dense_weights, storage="fp32", pt2=False)
+        add_to_schema(out / "split_fp32", {"request_level": request_level})
 
     manifest = {
         "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,

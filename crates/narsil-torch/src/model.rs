@@ -39,6 +39,10 @@ struct SchemaJson {
     /// it.
     #[serde(default, alias = "mlp_flops_per_sample")]
     dense_flops_per_sample: Option<f64>,
+    /// The features that are the same for every candidate of a ranking
+    /// request (`dense` for the dense features); older exports lack it.
+    #[serde(default)]
+    request_level: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -160,7 +164,7 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
     if parsed.sparse.is_empty() || parsed.sparse.iter().any(|f| f.num_rows == 0) {
         return Err(BackendError::load(path, "the schema needs at least one sparse feature, each with rows"));
     }
-    let schema = ModelSchema {
+    let mut schema = ModelSchema {
         request_level: Default::default(),
         name: parsed.name,
         version: parsed.version,
@@ -170,6 +174,9 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         sparse: parsed.sparse.into_iter().map(|f| SparseFeature::new(f.name, f.num_rows)).collect(),
         outputs: vec![DEFAULT_OUTPUT.into()],
     };
+    schema.request_level =
+        narsil_core::RequestLevel::parse(parsed.request_level.iter().map(String::as_str), &schema)
+            .map_err(|e| BackendError::load(path, format!("narsil_schema()'s request_level: {e}")))?;
     Ok((schema, parsed.dense_flops_per_sample))
 }
 
