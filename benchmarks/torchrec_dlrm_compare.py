@@ -42,6 +42,32 @@ Every server gets identical TorchRec-protocol bytes from `narsil load
 ratios against TorchRec C++, and writes JSON (git sha, CPU, flags, raw
 reports) and a PNG chart.
 
+Ranking workload (opt-in, `--candidates N`): each request is one user and N
+candidates (`narsil load --candidates N`: users drawn Zipf, 13 request-level
+sparse features of 20 ids each and the dense features the user's, 13 one-hot
+candidate features, Zipf ids; the issue's workload at N=500). The same
+requests (the same draws) go, per precision:
+
+  * Narsil grouped {prec} - the split model (--ranking-model, default
+    --split-model, else models/generated/default/split; it must declare its
+    request-level features, or pass --ranking-request-level), `--dense-form
+    auto`, sent over narsil.v1 with the user's features once per request
+    (`--ranking-form grouped`); before the run each prebuilt request's flat
+    twin is sent to the same server and every grouped answer is compared
+    with it (`--compare-flat`): `max_abs_diff_vs_flat` is the largest
+    |grouped - flat| score over the run
+  * Narsil flat {prec} - the same server command, the same requests over
+    narsil.v1 with the user repeated on every row (`--ranking-form flat`)
+  * TorchRec C++ flat {prec} - TorchRec's server on the same weights, the
+    same requests flat over TorchRec's protocol (`--protocol torchrec
+    --ranking-form flat`); int8 rows are held against its bf16
+
+Their table gives candidates/s, req/s, the whole request's p50/p99, request
+bytes on the wire, ratios to Narsil flat and TorchRec C++ flat of the same
+precision, and max_abs_diff_vs_flat; the JSON keeps them under
+"ranking_rows" ("rows" holds the standard rows only). `--ranking-only`
+skips the standard rows.
+
 Needs `scripts/serve.sh` to have run once (venv, default model, release
 build). TorchRec's server is found at benchmarks/torchrec_cpp/build/
 torchrec_server, or built from --torchrec-checkout; without either its rows
@@ -199,6 +225,105 @@ def roofline(args):
     return limits
 
 
+def ranking_servers(args, cores, torchrec_bin):
+    """(name, command builder taking the address, `narsil load` flags) for
+    every server of the ranking workload on `cores` cores."""
+    lanes = "1" if cores == 1 else str(args.lanes_on_two_cores)
+    split = [args.binary, "serve", "--log-level", "warn", "--lanes", lanes, "--intra-op-threads", "1",
+             "--max-batch-requests", str(args.narsil_batch_size), "--batch-timeout-ms", "0",
+             "--backend", "torch", "--model", args.ranking_model, "--table-store", args.split_table_store,
+             "--execution-mode", "batch", "--dense-form", "auto"]
+    if args.ranking_request_level:
+        split += ["--request-level", args.ranking_request_level]
+    grouped = ["--protocol", "narsil", "--ranking-form", "grouped", "--compare-flat",
+               str(args.compare_flat_requests)]
+    flat = ["--protocol", "narsil", "--ranking-form", "flat"]
+    out = []
+    for precision in args.precisions:
+        command = split + ["--dense-precision", precision]
+        out.append((f"Narsil grouped {precision}", lambda addr, c=command: c + ["--addr", addr], grouped))
+        out.append((f"Narsil flat {precision}", lambda addr, c=command: c + ["--addr", addr], flat))
+    if torchrec_bin:
+        torchrec_flat = ["--protocol", "torchrec", "--ranking-form", "flat", "--table-rows", str(args.table_rows)]
+        for precision in [p for p in args.precisions if p != "int8"]:
+            model = torchrec_model(args, precision)
+            env = [] if args.torchrec_no_thp else ["env", "THP_MEM_ALLOC_ENABLE=1"]
+            out.append((f"TorchRec C++ flat {precision}",
+                        lambda addr, m=model, env=env: env + [torchrec_bin, m], torchrec_flat))
+    return out
+
+
+def measure_ranking(args, name, command, load_flags, cores):
+    """One server of the ranking workload, started, loaded at every
+    --concurrency with `--candidates`, stopped; its rows."""
+    torchrec = name.startswith("TorchRec C++")
+    addr = TORCHREC_ADDR if torchrec else f"127.0.0.1:{free_port()}"
+    server_cores = "0" if cores == 1 else "0,1"
+    load_core = 1 if cores == 1 else None
+    print(f"  [{cores} core(s), ranking: 1 user x {args.candidates} candidates] starting {name} on {addr}",
+          file=sys.stderr, flush=True)
+    process = subprocess.Popen(["taskset", "-c", server_cores] + command(addr), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    rows = []
+    try:
+        ready_s = wait_serving(args.binary, addr, process, args.start_timeout,
+                               protocol="torchrec" if torchrec else "narsil")
+        for concurrency in args.concurrency:
+            load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
+                    "--requests", str(args.ranking_requests), "--warmup", str(args.ranking_warmup),
+                    "--candidates", str(args.candidates), "--json"] + load_flags
+            out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
+            if out.returncode != 0:
+                raise SystemExit(f"ranking load against {name} failed:\n{out.stderr[-2000:]}")
+            report = json.loads(out.stdout)
+            rows.append({"server": name, "workload": "ranking", "cores": cores, "concurrency": concurrency,
+                         "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
+            diff = report.get("max_abs_diff_vs_flat")
+            vs_flat = f", max |grouped - flat| {diff:.2e}" if diff is not None else ""
+            print(f"    concurrency {concurrency}: {report['candidates_per_s']:.0f} candidates/s, "
+                  f"{report['req_per_s']:.1f} req/s, p50 {report['p50_ms']:.1f} ms, p99 {report['p99_ms']:.1f} ms, "
+                  f"{report['request_bytes_mean'] / 1e3:.1f} KB/request{vs_flat}", file=sys.stderr, flush=True)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return rows
+
+
+def print_ranking_tables(rows):
+    for cores in dict.fromkeys(r["cores"] for r in rows):
+        mine = [r for r in rows if r["cores"] == cores]
+        first = mine[0]
+        print(f"\n### Ranking, {cores} core(s): 1 user x {first['candidates_per_request']} candidates, "
+              f"{first['request_features']} request-level sparse features (and the dense ones), "
+              f"{first['id_distribution']} ids\n")
+        print("| Server | Concurrency | Candidates/s | Req/s | p50 ms | p99 ms | KB/request | "
+              "vs Narsil flat same precision | vs TorchRec C++ flat same precision (int8: bf16) | "
+              "max abs diff vs flat | peak RSS MiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in mine:
+            def ratio(server):
+                ref = next((x for x in mine if x["server"] == server and x["concurrency"] == r["concurrency"]), None)
+                if not ref or not ref["candidates_per_s"] or ref is r:
+                    return "-"
+                return f"{r['candidates_per_s'] / ref['candidates_per_s']:.2f}x"
+            precision = r["server"].split()[-1]
+            rss = f"{r['peak_rss_mib']:.0f}" if r["peak_rss_mib"] else "?"
+            errors = r["requests"] - r["ok"]
+            note = f" ({errors} errors)" if errors else ""
+            diff = r.get("max_abs_diff_vs_flat")
+            diff = "-" if "grouped" not in r["server"] else ("none compared" if diff is None else f"{diff:.2e}")
+            if r.get("vs_flat_mismatches"):
+                diff += f" ({r['vs_flat_mismatches']} not comparable)"
+            print(f"| {r['server']}{note} | {r['concurrency']} | {r['candidates_per_s']:.0f} | {r['req_per_s']:.1f} | "
+                  f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['request_bytes_mean'] / 1e3:.1f} | "
+                  f"{ratio('Narsil flat ' + precision)} | "
+                  f"{ratio('TorchRec C++ flat ' + ('bf16' if precision == 'int8' else precision))} | "
+                  f"{diff} | {rss} |")
+
+
 def config(row):
     """The table a row belongs to: cores, ids per bag, id distribution."""
     return row["cores"], row["ids_per_bag"], row.get("id_distribution", "uniform")
@@ -284,10 +409,31 @@ def main():
     p.add_argument("--torchrec-no-thp", action="store_true",
                    help="run TorchRec's server without THP_MEM_ALLOC_ENABLE=1 (Narsil sets it for itself)")
     p.add_argument("--torchrec-checkout", help="a torchrec clone to build the C++ server from when it is missing")
+    p.add_argument("--candidates", type=int, default=0,
+                   help="also run the ranking workload: 1 user x this many candidates per request (500: the "
+                   "issue's workload), Narsil grouped and flat and TorchRec C++ flat; 0 (default): not run")
+    p.add_argument("--ranking-only", action="store_true",
+                   help="with --candidates: only the ranking rows (no standard rows, no roofline, no chart)")
+    p.add_argument("--ranking-model",
+                   help="split model the ranking rows' Narsil serves (declaring its request-level features); "
+                   "default: --split-model, else models/generated/default/split")
+    p.add_argument("--ranking-request-level",
+                   help="`narsil serve --request-level` for the ranking rows' Narsil (e.g. "
+                   "cat_0,...,cat_12,dense for an export made before the default DLRM declared them); "
+                   "default: what the model declares")
+    p.add_argument("--ranking-requests", type=int, default=500, help="measured ranking requests per row")
+    p.add_argument("--ranking-warmup", type=int, default=50, help="ranking warm-up requests per row")
+    p.add_argument("--compare-flat-requests", type=int, default=200,
+                   help="Narsil grouped rows: how many of the prebuilt requests' flat twins are sent first and "
+                   "compared with every grouped answer (narsil load --compare-flat)")
     p.add_argument("--start-timeout", type=float, default=180)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "torchrec_dlrm_compare"),
                    help="path prefix of the .json and .png written")
     args = p.parse_args()
+    if args.ranking_only and args.candidates <= 0:
+        p.error("--ranking-only needs --candidates N")
+    if args.candidates > 0:
+        args.ranking_model = args.ranking_model or args.split_model or os.path.join(MODELS, "split")
     require_binary(args.binary, "--features torch")
     for needed in [args.model] + ([args.burn_model] if args.baselines else []):
         if not os.path.exists(needed):
@@ -297,8 +443,11 @@ def main():
         # Narsil refuses bf16 on such CPUs (it would be emulated, slower than FP32).
         print("this CPU has neither AVX512-BF16 nor AMX-BF16: the bf16 rows are skipped", file=sys.stderr)
         args.precisions = [p for p in args.precisions if p != "bf16"]
+    if args.candidates > 0 and not os.path.exists(os.path.join(args.ranking_model, "schema.json")):
+        raise SystemExit(f"--candidates: no split model at {args.ranking_model} (pass --ranking-model or "
+                         "--split-model, or run scripts/serve.sh once)")
     if "int8" in args.precisions:
-        schema_path = os.path.join(args.split_model or "", "schema.json")
+        schema_path = os.path.join(args.split_model or args.ranking_model or "", "schema.json")
         with_int8 = os.path.exists(schema_path) and json.load(open(schema_path)).get("dense_package_int8")
         if not with_int8:
             print("int8 rows need --split-model with an INT8 package (models/export_dlrm.py --split --int8): "
@@ -306,26 +455,44 @@ def main():
             args.precisions = [p for p in args.precisions if p != "int8"]
 
     host = machine()
-    limits = roofline(args)
+    limits = {} if args.ranking_only else roofline(args)
     for precision, limit in limits.items():
         print(f"{precision} limit: {limit['samples_per_s']:.0f} samples/s per core "
               f"({limit['dense_flops_per_sample'] / 1e6:.2f} MFLOP/sample)", file=sys.stderr)
     rows = []
-    for cores in args.cores:
+    for cores in [] if args.ranking_only else args.cores:
         for ids_per_bag in args.ids_per_bag:
             for distribution in args.id_distribution:
                 for name, command in servers(args, cores, torchrec_bin):
                     rows.extend(measure(args, name, command, cores, ids_per_bag, distribution))
+    ranking_rows = []
+    if args.candidates > 0:
+        for cores in args.cores:
+            for name, command, load_flags in ranking_servers(args, cores, torchrec_bin):
+                ranking_rows.extend(measure_ranking(args, name, command, load_flags, cores))
 
-    print(f"# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; {args.batch_size} samples/request; "
-          f"Narsil batch size {args.narsil_batch_size}, batch timeout 0; load: narsil load --protocol torchrec, "
-          f"{args.requests} requests after {args.warmup} warm-up")
-    print_tables(rows, limits)
+    if rows:
+        print(f"# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; {args.batch_size} samples/request; "
+              f"Narsil batch size {args.narsil_batch_size}, batch timeout 0; load: narsil load --protocol torchrec, "
+              f"{args.requests} requests after {args.warmup} warm-up")
+        print_tables(rows, limits)
+    if ranking_rows:
+        print(f"\n# {host['cpu']}, {host['cores']} cores, git {host['git_sha']}; ranking: 1 user x "
+              f"{args.candidates} candidates/request; Narsil batch size {args.narsil_batch_size}, batch timeout 0, "
+              f"{args.ranking_model}; load: narsil load --candidates {args.candidates}, {args.ranking_requests} "
+              f"requests after {args.ranking_warmup} warm-up")
+        print_ranking_tables(ranking_rows)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    result = {**host, "args": vars(args), "limits": limits, "rows": rows}
+    if args.candidates > 0:
+        result["ranking_rows"] = ranking_rows
     with open(args.out + ".json", "w") as f:
-        json.dump({**host, "args": vars(args), "limits": limits, "rows": rows}, f, indent=2)
-    chart(rows, args.out + ".png")
-    print(f"\nwrote {args.out}.json and {args.out}.png", file=sys.stderr)
+        json.dump(result, f, indent=2)
+    if rows:
+        chart(rows, args.out + ".png")
+        print(f"\nwrote {args.out}.json and {args.out}.png", file=sys.stderr)
+    else:
+        print(f"\nwrote {args.out}.json", file=sys.stderr)
     return 0
 
 

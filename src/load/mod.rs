@@ -17,7 +17,11 @@
 //!
 //! `--candidates N` sends the ranking workload instead ([`ranking`]): one
 //! user and N candidate rows a request, the user's request-level features
-//! repeated on every row (the flat form every protocol accepts today).
+//! sent once in the request's request-level block (`--ranking-form grouped`,
+//! narsil.v1) or repeated on every row (`flat`, every protocol).
+//! `--compare-flat` also sends a grouped run's requests flat, once each
+//! before the measured phase, and compares every grouped answer with its
+//! flat twin's scores (`max_abs_diff_vs_flat`).
 
 pub mod ids;
 pub mod ranking;
@@ -92,10 +96,25 @@ pub struct LoadArgs {
     #[arg(long, env = "NARSIL_LOAD_ID_DISTRIBUTION")]
     pub id_distribution: Option<IdDistributions>,
     /// Ranking workload: each request is one user and this many candidate
-    /// rows (overrides --samples-per-request), the user's request-level
-    /// features repeated on every row (sent flat). 0: independent samples.
+    /// rows (overrides --samples-per-request), in the form --ranking-form
+    /// says. 0: independent samples.
     #[arg(long, env = "NARSIL_LOAD_CANDIDATES", default_value_t = 0)]
     pub candidates: usize,
+    /// --candidates: `grouped` sends the user's request-level features once
+    /// per request (narsil.v1's `request` block), the rows only the
+    /// candidate features; `flat` repeats them on every row. Both forms are
+    /// built from the same draws. Default: grouped over narsil.v1 to a model
+    /// that declares request-level features (ModelInfo), else flat; the
+    /// TorchRec protocol and KServe take flat only.
+    #[arg(long, env = "NARSIL_LOAD_RANKING_FORM", value_enum)]
+    pub ranking_form: Option<ranking::RankingForm>,
+    /// --ranking-form grouped: first send up to this many of the prebuilt
+    /// requests flat (default 200 when the flag has no value), then compare
+    /// every grouped answer of the run with its flat twin's scores; the
+    /// report gives the largest difference (`max_abs_diff_vs_flat`).
+    #[arg(long, env = "NARSIL_LOAD_COMPARE_FLAT", value_name = "REQUESTS", num_args = 0..=1,
+          default_missing_value = "200")]
+    pub compare_flat: Option<usize>,
     /// --candidates: users, drawn per request by Zipf (--user-zipf); a
     /// user's request-level features are a function of its id.
     #[arg(long, env = "NARSIL_LOAD_USERS", default_value_t = 100_000)]
@@ -104,9 +123,10 @@ pub struct LoadArgs {
     #[arg(long, env = "NARSIL_LOAD_USER_ZIPF", default_value_t = 1.05)]
     pub user_zipf: f64,
     /// --candidates: the request-level (user) sparse features are the first
-    /// K of the model's schema (default: half of them, rounded down); all
-    /// dense features are request-level, the other sparse features the
-    /// candidates' own.
+    /// K of the model's schema (default: half of them, rounded down), or
+    /// those the model declares request-level when it declares any (K must
+    /// then count them); all dense features are the user's, the other
+    /// sparse features the candidates' own.
     #[arg(long, env = "NARSIL_LOAD_REQUEST_FEATURES")]
     pub request_features: Option<usize>,
     /// --candidates: ids in each request-level bag: `N`, or `MIN-MAX`
@@ -180,9 +200,16 @@ enum Client {
     KServe(KServeClient<Channel>),
 }
 
+/// One prebuilt request, with its flat twin's scores when --compare-flat
+/// fetched them.
+struct Prebuilt {
+    message: Message,
+    flat_scores: Option<Vec<f32>>,
+}
+
 /// One prebuilt request, in the protocol of the run.
 enum Message {
-    Narsil(PredictRequest),
+    Narsil(Box<PredictRequest>),
     TorchRec(Box<PredictionRequest>),
     KServe(Box<ModelInferRequest>),
 }
@@ -197,7 +224,7 @@ impl Client {
     ) -> Result<PredictResponse, tonic::Status> {
         match (self, message) {
             (Client::Narsil(client), Message::Narsil(m)) => {
-                Ok(client.predict(with_timeout(m.clone(), timeout_ms)).await?.into_inner())
+                Ok(client.predict(with_timeout(m.as_ref().clone(), timeout_ms)).await?.into_inner())
             }
             (Client::TorchRec(client), Message::TorchRec(m)) => {
                 let mut response =
@@ -227,7 +254,7 @@ impl Message {
     /// (before gRPC's 5-byte frame and HTTP/2's).
     fn encoded_len(&self) -> usize {
         match self {
-            Message::Narsil(m) => prost::Message::encoded_len(m),
+            Message::Narsil(m) => prost::Message::encoded_len(m.as_ref()),
             Message::TorchRec(m) => prost::Message::encoded_len(m.as_ref()),
             Message::KServe(m) => prost::Message::encoded_len(m.as_ref()),
         }
@@ -282,12 +309,13 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
             shaped_info("torchrec", "torchrec-protocol", args.num_dense, args.num_sparse, args.table_rows)
         }
     };
+    let form = ranking::form(args, &info)?;
     let requests = workload::build_pool(&info, args)?;
     if let Some(path) = &args.id_log {
         workload::write_id_log(path, &info, &requests)?;
     }
     let pool: Vec<Message> = match args.protocol {
-        Protocol::Narsil => requests.into_iter().map(Message::Narsil).collect(),
+        Protocol::Narsil => requests.into_iter().map(|r| Message::Narsil(Box::new(r))).collect(),
         Protocol::Torchrec => requests
             .iter()
             .map(|r| {
@@ -305,6 +333,14 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
     };
     let request_bytes_mean =
         pool.iter().map(|m| m.encoded_len() as f64).sum::<f64>() / pool.len().max(1) as f64;
+    let flat_scores = match args.compare_flat {
+        Some(count) => flat_twin_scores(args, &info, &clients[0], count.min(pool.len())).await?,
+        None => Vec::new(),
+    };
+    let flat_reference_requests = flat_scores.len();
+    let mut flat_scores = flat_scores.into_iter();
+    let pool: Vec<Prebuilt> =
+        pool.into_iter().map(|message| Prebuilt { message, flat_scores: flat_scores.next() }).collect();
     let pool = Arc::new(pool);
     let warmup = Phase { requests: Some(args.warmup), duration: None };
     let measured = Phase {
@@ -315,7 +351,36 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
         run_phase(args, &clients, &pool, warmup).await;
     }
     let (recorder, elapsed) = run_phase(args, &clients, &pool, measured).await;
-    Ok(Report::new(args, &info, recorder, elapsed, request_bytes_mean))
+    let mut report = Report::new(args, &info, form, recorder, elapsed, request_bytes_mean);
+    report.flat_reference_requests = flat_reference_requests;
+    Ok(report)
+}
+
+/// --compare-flat: the scores of the first `count` prebuilt requests sent
+/// flat (their twins, built from the same draws), one at a time.
+async fn flat_twin_scores(
+    args: &LoadArgs,
+    info: &ModelInfoResponse,
+    client: &Client,
+    count: usize,
+) -> anyhow::Result<Vec<Vec<f32>>> {
+    let twins = workload::build_flat_twins(info, args)?;
+    let mut scores = Vec::with_capacity(count);
+    for (index, twin) in twins.into_iter().take(count).enumerate() {
+        let response = client
+            .clone()
+            .call(&Message::Narsil(Box::new(twin)), args.timeout_ms)
+            .await
+            .with_context(|| format!("--compare-flat: the flat twin of request {index} failed"))?;
+        anyhow::ensure!(
+            response.scores.len() == args.candidates,
+            "--compare-flat: the flat twin of request {index} got {} scores for {} candidates",
+            response.scores.len(),
+            args.candidates
+        );
+        scores.push(response.scores);
+    }
+    Ok(scores)
 }
 
 /// A model of `num_sparse` unweighted features `cat_i` of `table_rows` ids,
@@ -332,7 +397,12 @@ fn shaped_info(
         backend: backend.into(),
         num_dense,
         sparse_features: (0..num_sparse)
-            .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: table_rows, weighted: false })
+            .map(|i| SparseFeature {
+                name: format!("cat_{i}"),
+                num_rows: table_rows,
+                weighted: false,
+                request_level: false,
+            })
             .collect(),
         ..Default::default()
     }
@@ -394,7 +464,7 @@ impl Issuer {
 async fn run_phase(
     args: &LoadArgs,
     clients: &[Client],
-    pool: &Arc<Vec<Message>>,
+    pool: &Arc<Vec<Prebuilt>>,
     phase: Phase,
 ) -> (Recorder, Duration) {
     let issuer = Arc::new(Issuer { phase, issued: AtomicU64::new(0), start: Instant::now() });
@@ -416,7 +486,7 @@ fn with_timeout<T>(message: T, timeout_ms: Option<u64>) -> tonic::Request<T> {
 async fn closed_loop(
     args: &LoadArgs,
     clients: &[Client],
-    pool: &Arc<Vec<Message>>,
+    pool: &Arc<Vec<Prebuilt>>,
     issuer: &Arc<Issuer>,
 ) -> Recorder {
     let callers: Vec<_> = (0..args.concurrency)
@@ -428,10 +498,14 @@ async fn closed_loop(
             tokio::spawn(async move {
                 let mut recorder = Recorder::default();
                 while let Some(n) = issuer.next() {
-                    let message = &pool[n as usize % pool.len()];
+                    let prebuilt = &pool[n as usize % pool.len()];
                     let start = Instant::now();
-                    let result = client.call(message, timeout_ms).await;
-                    recorder.record(start.elapsed(), result);
+                    let result = client.call(&prebuilt.message, timeout_ms).await;
+                    let latency = start.elapsed();
+                    if let (Ok(response), Some(flat)) = (&result, &prebuilt.flat_scores) {
+                        recorder.compare_with_flat(&response.scores, flat);
+                    }
+                    recorder.record(latency, result);
                 }
                 recorder
             })
@@ -449,7 +523,7 @@ async fn closed_loop(
 async fn open_loop(
     args: &LoadArgs,
     clients: &[Client],
-    pool: &Arc<Vec<Message>>,
+    pool: &Arc<Vec<Prebuilt>>,
     issuer: &Arc<Issuer>,
     rate: f64,
 ) -> Recorder {
@@ -458,7 +532,7 @@ async fn open_loop(
     // Each call reports its latency and outcome; one recorder (one
     // histogram) collects them all.
     let (done_tx, mut done_rx) =
-        tokio::sync::mpsc::unbounded_channel::<(Duration, Result<PredictResponse, tonic::Status>)>();
+        tokio::sync::mpsc::unbounded_channel::<(Duration, usize, Result<PredictResponse, tonic::Status>)>();
     let mut overflow = 0u64;
     while let Some(n) = issuer.next() {
         let scheduled = issuer.start + interval.mul_f64(n as f64);
@@ -472,14 +546,18 @@ async fn open_loop(
         let done = done_tx.clone();
         let timeout_ms = args.timeout_ms;
         tokio::spawn(async move {
-            let result = client.call(&pool[n as usize % pool.len()], timeout_ms).await;
-            let _ = done.send((scheduled.elapsed(), result));
+            let index = n as usize % pool.len();
+            let result = client.call(&pool[index].message, timeout_ms).await;
+            let _ = done.send((scheduled.elapsed(), index, result));
             drop(permit);
         });
     }
     drop(done_tx);
     let mut total = Recorder::default();
-    while let Some((latency, result)) = done_rx.recv().await {
+    while let Some((latency, index, result)) = done_rx.recv().await {
+        if let (Ok(response), Some(flat)) = (&result, &pool[index].flat_scores) {
+            total.compare_with_flat(&response.scores, flat);
+        }
         total.record(latency, result);
     }
     total.client_overflow = overflow;

@@ -5,25 +5,35 @@
 //!   so they recur across requests, as real users do.
 //! * A user's **request-level** features are a function of the user id
 //!   alone (the user's generator is seeded from the id, not from `--seed`):
-//!   every dense feature, and the first `--request-features` sparse features
-//!   of the model's schema, each a multi-hot bag of `--user-bag-ids` ids
-//!   drawn per `--id-distribution` from that feature's table. The same user
-//!   carries the same features in every request, and in every run.
+//!   every dense feature, and the request-level sparse features, each a
+//!   multi-hot bag of `--user-bag-ids` ids drawn per `--id-distribution`
+//!   from that feature's table. The request-level sparse features are those
+//!   the model declares (`ModelInfo.sparse_features[].request_level`) when it
+//!   declares any request-level feature, else the first `--request-features`
+//!   of the schema. The same user carries the same features in every
+//!   request, and in every run.
 //! * The other sparse features are the **candidates'** own: per row, bags of
 //!   `--ids-per-feature` ids (1 by default: one-hot), drawn per
 //!   `--id-distribution` from the request's generator (`--seed`).
 //!
-//! Requests are sent **flat**: the user's dense values and bags repeated on
-//! every candidate row, in the request types every protocol accepts today.
-//! What that costs (bytes on the wire, lookups, the bottom MLP per row) is
-//! what a grouped request form would save.
+//! Requests are sent in one of two forms (`--ranking-form`), built from the
+//! same draws, so a grouped request and its flat twin score the same:
+//!
+//! * **grouped** (narsil.v1 only; its default there when the model declares
+//!   request-level features): the request-level sparse features once, in
+//!   `PredictRequest.request`, the dense features once in `request.dense`
+//!   when the model's dense features are request-level
+//!   (`ModelInfo.dense_request_level`), the candidate rows carrying only the
+//!   candidate features;
+//! * **flat**: the user's dense values and bags repeated on every candidate
+//!   row, the request every protocol accepts.
 
 use rand::{Rng, SeedableRng};
 use rand_distr::Distribution;
 
 use super::ids::{IdSampler, RandomBag};
-use super::LoadArgs;
-use crate::proto::{ModelInfoResponse, PredictRequest};
+use super::{LoadArgs, Protocol};
+use crate::proto::{ModelInfoResponse, PredictRequest, RequestFeatures};
 
 /// `--user-bag-ids`: how many ids each request-level bag holds: `N`
 /// (exactly N) or `MIN-MAX` (uniform in MIN..=MAX, drawn per user and
@@ -63,12 +73,126 @@ impl std::fmt::Display for BagLength {
     }
 }
 
+/// `--ranking-form`: how a ranking request travels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RankingForm {
+    /// The request-level features once, in `PredictRequest.request`; the
+    /// candidate rows carry only the candidate features (narsil.v1).
+    Grouped,
+    /// The user's features repeated on every candidate row (every protocol).
+    Flat,
+}
+
+impl RankingForm {
+    /// Its name, as the flag and the report spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            RankingForm::Grouped => "grouped",
+            RankingForm::Flat => "flat",
+        }
+    }
+}
+
+impl std::fmt::Display for RankingForm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether the model declares any request-level feature (sparse, or its
+/// dense features): then the grouped form is the one it takes, and its
+/// declaration says which features are the user's.
+pub fn declares_request_level(info: &ModelInfoResponse) -> bool {
+    info.dense_request_level || info.sparse_features.iter().any(|f| f.request_level)
+}
+
+/// The form of this run's ranking requests: `--ranking-form` as given, or
+/// by default grouped over narsil.v1 to a model that declares request-level
+/// features, flat otherwise. `None` without `--candidates`.
+pub fn form(args: &LoadArgs, info: &ModelInfoResponse) -> anyhow::Result<Option<RankingForm>> {
+    if args.candidates == 0 {
+        anyhow::ensure!(
+            args.ranking_form.is_none(),
+            "--ranking-form applies to the ranking workload: it needs --candidates N"
+        );
+        anyhow::ensure!(
+            args.compare_flat.is_none(),
+            "--compare-flat applies to the ranking workload: it needs --candidates N and --ranking-form grouped"
+        );
+        return Ok(None);
+    }
+    let form = match (args.ranking_form, args.protocol) {
+        (Some(RankingForm::Grouped), Protocol::Torchrec) => anyhow::bail!(
+            "--ranking-form grouped: TorchRec's inference protocol has no request-level block, it takes \
+             flat requests only; use --ranking-form flat (the default over --protocol torchrec)"
+        ),
+        (Some(RankingForm::Grouped), Protocol::Kserve) => anyhow::bail!(
+            "--ranking-form grouped: narsil load sends KServe v2 ranking requests flat only; use \
+             --ranking-form flat (the default over --protocol kserve), or --protocol narsil"
+        ),
+        (Some(RankingForm::Grouped), Protocol::Narsil) if !declares_request_level(info) => anyhow::bail!(
+            "--ranking-form grouped: model `{}` declares no request-level feature (ModelInfo: no sparse \
+             feature with request_level, dense_request_level false), so the server takes no grouped \
+             request for it; serve a model that declares them, or use --ranking-form flat",
+            info.name
+        ),
+        (Some(form), _) => form,
+        (None, Protocol::Narsil) if declares_request_level(info) => RankingForm::Grouped,
+        (None, _) => RankingForm::Flat,
+    };
+    anyhow::ensure!(
+        args.compare_flat.is_none() || form == RankingForm::Grouped,
+        "--compare-flat compares grouped answers with their flat twins' scores: it needs the grouped form \
+         (this run sends flat; pass --ranking-form grouped over --protocol narsil)"
+    );
+    Ok(Some(form))
+}
+
+/// Which sparse features are request-level (the user's), one flag per
+/// feature of the schema: those the model declares when it declares any
+/// request-level feature (`--request-features`, if given, must count them),
+/// else the first `--request-features` (default: half of them, rounded
+/// down).
+pub fn request_level(args: &LoadArgs, info: &ModelInfoResponse) -> anyhow::Result<Vec<bool>> {
+    let num_sparse = info.sparse_features.len();
+    if declares_request_level(info) {
+        let declared: Vec<bool> = info.sparse_features.iter().map(|f| f.request_level).collect();
+        let count = declared.iter().filter(|&&r| r).count();
+        if let Some(k) = args.request_features {
+            anyhow::ensure!(
+                k == count,
+                "--request-features {k}: model `{}` declares {count} request-level sparse features ({}); \
+                 leave the flag out, or give {count}",
+                info.name,
+                declared_names(info)
+            );
+        }
+        return Ok(declared);
+    }
+    let k = args.request_features.unwrap_or(num_sparse / 2);
+    anyhow::ensure!(
+        k <= num_sparse,
+        "--request-features {k} exceeds the model's {num_sparse} sparse features"
+    );
+    Ok((0..num_sparse).map(|f| f < k).collect())
+}
+
+fn declared_names(info: &ModelInfoResponse) -> String {
+    let names: Vec<&str> =
+        info.sparse_features.iter().filter(|f| f.request_level).map(|f| f.name.as_str()).collect();
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(", ")
+    }
+}
+
 /// One user's request-level features.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UserFeatures {
     /// Every dense feature, `num_dense` values.
     pub dense: Vec<f32>,
-    /// Per request-level sparse feature (the first K of the schema), its ids.
+    /// Per request-level sparse feature (in schema order), its ids.
     pub bags: Vec<Vec<i64>>,
     /// Per request-level sparse feature, its ids' weights (empty for an
     /// unweighted feature).
@@ -84,7 +208,8 @@ const USER_SALT: u64 = 0x7573_6572_6665_6174; // "userfeat"
 pub struct Ranking {
     info: ModelInfoResponse,
     candidates: usize,
-    request_features: usize,
+    /// Per sparse feature of the schema: whether it is request-level.
+    request_level: Vec<bool>,
     bag_length: BagLength,
     candidate_ids_per_feature: u32,
     ids: Vec<IdSampler>,
@@ -92,10 +217,10 @@ pub struct Ranking {
     user_zipf: rand_distr::Zipf<f64>,
 }
 
-/// `--request-features` as given, or half the model's sparse features
-/// (rounded down).
-pub fn request_features(args: &LoadArgs, num_sparse: usize) -> usize {
-    args.request_features.unwrap_or(num_sparse / 2)
+/// How many sparse features are request-level ([`request_level`]); 0 when
+/// the flags do not fit the model.
+pub fn request_features(args: &LoadArgs, info: &ModelInfoResponse) -> usize {
+    request_level(args, info).map_or(0, |mask| mask.iter().filter(|&&r| r).count())
 }
 
 impl Ranking {
@@ -103,12 +228,8 @@ impl Ranking {
     /// model `info`, ids drawn by `ids` (one sampler per sparse feature).
     pub fn new(info: &ModelInfoResponse, args: &LoadArgs, ids: Vec<IdSampler>) -> anyhow::Result<Self> {
         let num_sparse = info.sparse_features.len();
-        let request_features = request_features(args, num_sparse);
         anyhow::ensure!(args.candidates > 0, "the ranking workload needs --candidates above 0");
-        anyhow::ensure!(
-            request_features <= num_sparse,
-            "--request-features {request_features} exceeds the model's {num_sparse} sparse features"
-        );
+        let request_level = request_level(args, info)?;
         anyhow::ensure!(args.users > 0, "--users must be at least 1");
         anyhow::ensure!(ids.len() == num_sparse, "one id sampler per sparse feature");
         let user_zipf = rand_distr::Zipf::new(args.users as f64, args.user_zipf)
@@ -116,7 +237,7 @@ impl Ranking {
         Ok(Self {
             info: info.clone(),
             candidates: args.candidates,
-            request_features,
+            request_level,
             bag_length: args.user_bag_ids,
             candidate_ids_per_feature: args.ids_per_feature,
             ids,
@@ -125,9 +246,14 @@ impl Ranking {
         })
     }
 
-    /// Request-level sparse features: the first this many of the schema.
+    /// How many sparse features are request-level.
     pub fn request_features(&self) -> usize {
-        self.request_features
+        self.request_level.iter().filter(|&&r| r).count()
+    }
+
+    /// Per sparse feature of the schema: whether it is request-level.
+    pub fn request_level(&self) -> &[bool] {
+        &self.request_level
     }
 
     /// One user id (below `--users`; 0 the most frequent).
@@ -142,8 +268,8 @@ impl Ranking {
         let mut rng = rand::rngs::StdRng::seed_from_u64(user ^ USER_SALT);
         let dense = (0..self.info.num_dense).map(|_| rng.random::<f32>()).collect();
         let (mut bags, mut weights) = (Vec::new(), Vec::new());
-        for (feature, sampler) in self.info.sparse_features.iter().zip(&self.ids).take(self.request_features)
-        {
+        let features = self.info.sparse_features.iter().zip(&self.ids).zip(&self.request_level);
+        for ((feature, sampler), _) in features.filter(|(_, request_level)| **request_level) {
             let len = rng.random_range(self.bag_length.min..=self.bag_length.max);
             let bag: Vec<i64> = (0..len).map(|_| sampler.sample(&mut rng)).collect();
             let bag_weights =
@@ -166,11 +292,13 @@ impl Ranking {
         let per = self.candidate_ids_per_feature;
         for _ in 0..rows {
             dense.extend_from_slice(&user.dense);
+            let mut user_bag = 0;
             for (f, (feature, sampler)) in self.info.sparse_features.iter().zip(&self.ids).enumerate() {
-                if f < self.request_features {
-                    sparse_lengths.push(user.bags[f].len() as u32);
-                    sparse_ids.extend_from_slice(&user.bags[f]);
-                    sparse_weights.extend_from_slice(&user.weights[f]);
+                if self.request_level[f] {
+                    sparse_lengths.push(user.bags[user_bag].len() as u32);
+                    sparse_ids.extend_from_slice(&user.bags[user_bag]);
+                    sparse_weights.extend_from_slice(&user.weights[user_bag]);
+                    user_bag += 1;
                     continue;
                 }
                 let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per };
@@ -186,17 +314,71 @@ impl Ranking {
             model: self.info.name.clone(),
             model_version: String::new(),
             sparse_weights,
+            request: None,
+        }
+    }
+
+    /// One grouped request: `user`'s sparse features once in `request`
+    /// (its dense features too when the model's dense features are
+    /// request-level, else on every row), the candidate rows carrying only
+    /// the candidate features. Draws from `rng` exactly what
+    /// [`Self::flat_request`] draws, so the two forms of one draw are twins.
+    pub fn grouped_request(&self, user: &UserFeatures, rng: &mut impl Rng, index: usize) -> PredictRequest {
+        let rows = self.candidates;
+        let candidate_features = self.request_level.iter().filter(|&&r| !r).count();
+        let dense_once = self.info.dense_request_level;
+        let dense = if dense_once { Vec::new() } else { user.dense.repeat(rows) };
+        let mut sparse_lengths = Vec::with_capacity(rows * candidate_features);
+        let mut sparse_ids = Vec::new();
+        let mut sparse_weights = Vec::new();
+        let per = self.candidate_ids_per_feature;
+        for _ in 0..rows {
+            for (f, (feature, sampler)) in self.info.sparse_features.iter().zip(&self.ids).enumerate() {
+                if !self.request_level[f] {
+                    let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per };
+                    bag.push(rng, &mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
+                }
+            }
+        }
+        let request = RequestFeatures {
+            dense: if dense_once { user.dense.clone() } else { Vec::new() },
+            sparse_lengths: user.bags.iter().map(|bag| bag.len() as u32).collect(),
+            sparse_ids: user.bags.concat(),
+            sparse_weights: user.weights.concat(),
+        };
+        PredictRequest {
+            batch_size: rows as u32,
+            dense,
+            // One id per candidate bag is the wire default: send no lengths.
+            sparse_lengths: if per == 1 { Vec::new() } else { sparse_lengths },
+            sparse_ids,
+            request_id: format!("load-{index}"),
+            model: self.info.name.clone(),
+            model_version: String::new(),
+            sparse_weights,
+            request: Some(request),
         }
     }
 
     /// `count` flat requests, each with the user it is for; users drawn
     /// and candidates built from one generator seeded by `seed`.
     pub fn pool(&self, count: usize, seed: u64) -> Vec<(u64, PredictRequest)> {
+        self.pool_in(RankingForm::Flat, count, seed)
+    }
+
+    /// `count` requests in `form`, each with the user it is for: the same
+    /// draws in either form, so `pool_in(Grouped, n, s)[i]` and
+    /// `pool_in(Flat, n, s)[i]` are one request's two forms.
+    pub fn pool_in(&self, form: RankingForm, count: usize, seed: u64) -> Vec<(u64, PredictRequest)> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         (0..count)
             .map(|index| {
                 let user = self.draw_user(&mut rng);
-                let request = self.flat_request(&self.user(user), &mut rng, index);
+                let features = self.user(user);
+                let request = match form {
+                    RankingForm::Flat => self.flat_request(&features, &mut rng, index),
+                    RankingForm::Grouped => self.grouped_request(&features, &mut rng, index),
+                };
                 (user, request)
             })
             .collect()
@@ -233,10 +415,74 @@ mod tests {
                     name: format!("cat_{i}"),
                     num_rows: rows + i as u64,
                     weighted: weighted && i == 3,
+                    request_level: false,
                 })
                 .collect(),
             ..Default::default()
         }
+    }
+
+    /// `info`, declaring the features of `request_level` request-level, and
+    /// its dense features when `dense`.
+    fn declared(mut info: ModelInfoResponse, request_level: &[usize], dense: bool) -> ModelInfoResponse {
+        for &f in request_level {
+            info.sparse_features[f].request_level = true;
+        }
+        info.dense_request_level = dense;
+        info
+    }
+
+    /// A grouped request as the flat request it stands for: its
+    /// request-level block copied onto every row, each feature where the
+    /// schema puts it.
+    fn expand(info: &ModelInfoResponse, grouped: &PredictRequest) -> PredictRequest {
+        let block = grouped.request.as_ref().expect("a grouped request has a request-level block");
+        let rows = grouped.batch_size as usize;
+        let num_dense = info.num_dense as usize;
+        // The request-level bags, in schema order: (ids, weights).
+        let mut user = Vec::new();
+        let (mut ids, mut weights) = (block.sparse_ids.iter(), block.sparse_weights.iter());
+        let user_features = info.sparse_features.iter().filter(|f| f.request_level);
+        for (k, feature) in user_features.enumerate() {
+            let len = block.sparse_lengths.get(k).map_or(1, |&len| len as usize);
+            let bag: Vec<i64> = ids.by_ref().take(len).copied().collect();
+            let bag_weights: Vec<f32> =
+                if feature.weighted { weights.by_ref().take(len).copied().collect() } else { Vec::new() };
+            user.push((bag, bag_weights));
+        }
+        assert!(ids.next().is_none() && weights.next().is_none(), "the block holds nothing more");
+        let mut flat = PredictRequest { request: None, ..grouped.clone() };
+        (flat.dense, flat.sparse_lengths, flat.sparse_ids, flat.sparse_weights) = Default::default();
+        let (mut ids, mut weights) = (grouped.sparse_ids.iter(), grouped.sparse_weights.iter());
+        let mut candidate_bag = 0;
+        for row in 0..rows {
+            if info.dense_request_level {
+                assert!(grouped.dense.is_empty(), "request-level dense features are sent once");
+                flat.dense.extend_from_slice(&block.dense);
+            } else {
+                assert!(block.dense.is_empty());
+                flat.dense.extend_from_slice(&grouped.dense[row * num_dense..(row + 1) * num_dense]);
+            }
+            let mut user_bag = user.iter();
+            for feature in &info.sparse_features {
+                if feature.request_level {
+                    let (bag, bag_weights) = user_bag.next().unwrap();
+                    flat.sparse_lengths.push(bag.len() as u32);
+                    flat.sparse_ids.extend_from_slice(bag);
+                    flat.sparse_weights.extend_from_slice(bag_weights);
+                    continue;
+                }
+                let len = grouped.sparse_lengths.get(candidate_bag).map_or(1, |&len| len as usize);
+                candidate_bag += 1;
+                flat.sparse_lengths.push(len as u32);
+                flat.sparse_ids.extend(ids.by_ref().take(len));
+                if feature.weighted {
+                    flat.sparse_weights.extend(weights.by_ref().take(len));
+                }
+            }
+        }
+        assert!(ids.next().is_none() && weights.next().is_none(), "the rows hold nothing more");
+        flat
     }
 
     fn ranking(info: &ModelInfoResponse, flags: &[&str]) -> Ranking {
@@ -375,6 +621,135 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_grouped_request_expanded_equals_its_flat_twin_from_the_same_seed() {
+        let cases: [(ModelInfoResponse, &[&str]); 4] = [
+            // The issue's workload: cat_0..cat_12 and the dense features
+            // request-level, feature 3 weighted (a weighted user bag).
+            (declared(dlrm(100_000, true), &(0..13).collect::<Vec<_>>(), true), &["--candidates", "50"]),
+            // Request-level features scattered over the schema, dense
+            // features per row, multi-hot weighted candidates.
+            (
+                declared(dlrm(1_000, true), &[1, 4, 7, 25], false),
+                &["--candidates", "9", "--ids-per-feature", "3", "--user-bag-ids", "0-6"],
+            ),
+            // Only the dense features request-level.
+            (declared(dlrm(500, false), &[], true), &["--candidates", "4", "--id-distribution", "uniform"]),
+            // A weighted candidate feature, one-hot.
+            (declared(dlrm(500, true), &[0, 1, 2], true), &["--candidates", "7", "--request-features", "3"]),
+        ];
+        for (info, flags) in cases {
+            let workload = ranking(&info, flags);
+            for seed in [1, 9] {
+                let grouped = workload.pool_in(RankingForm::Grouped, 12, seed);
+                let flat = workload.pool_in(RankingForm::Flat, 12, seed);
+                assert_eq!(grouped.len(), flat.len());
+                for ((user, grouped), (twin_user, flat)) in grouped.iter().zip(&flat) {
+                    assert_eq!(user, twin_user, "{flags:?}: one user per twin");
+                    assert!(flat.request.is_none(), "flat requests carry no block");
+                    let block = grouped.request.as_ref().unwrap();
+                    assert_eq!(block.sparse_lengths.len(), workload.request_features(), "{flags:?}");
+                    // Multi-hot candidates send their lengths, one-hot ones none.
+                    let lengths_per_row = if flags.contains(&"--ids-per-feature") {
+                        26 - workload.request_features()
+                    } else {
+                        0
+                    };
+                    assert_eq!(grouped.sparse_lengths.len(), grouped.batch_size as usize * lengths_per_row);
+                    assert_eq!(&expand(&info, grouped), flat, "{flags:?} seed {seed}: grouped != flat");
+                }
+            }
+        }
+        // And the flat pool is the one `pool` has always built.
+        let info = declared(dlrm(100_000, true), &(0..13).collect::<Vec<_>>(), true);
+        let workload = ranking(&info, &["--candidates", "20"]);
+        assert_eq!(workload.pool(5, 3), workload.pool_in(RankingForm::Flat, 5, 3));
+    }
+
+    #[test]
+    fn declaring_the_first_features_request_level_changes_no_flat_request() {
+        // The default DLRM's export declares cat_0..cat_12: the flat requests
+        // are those of a model that declares nothing (the first 13 of 26).
+        let plain = dlrm(100_000, true);
+        let with = declared(plain.clone(), &(0..13).collect::<Vec<_>>(), true);
+        let flags = ["--candidates", "30"];
+        let encode = |pool: Vec<(u64, PredictRequest)>| -> Vec<Vec<u8>> {
+            pool.iter().map(|(_, r)| prost::Message::encode_to_vec(r)).collect()
+        };
+        assert_eq!(encode(ranking(&plain, &flags).pool(6, 4)), encode(ranking(&with, &flags).pool(6, 4)));
+    }
+
+    #[test]
+    fn the_grouped_form_of_the_default_workload_is_over_ten_times_smaller() {
+        let info = declared(dlrm(100_000, false), &(0..13).collect::<Vec<_>>(), true);
+        let workload = ranking(&info, &["--candidates", "500"]);
+        let bytes = |form| -> usize {
+            let pool = workload.pool_in(form, 8, 1);
+            pool.iter().map(|(_, r)| prost::Message::encoded_len(r)).sum()
+        };
+        let (grouped, flat) = (bytes(RankingForm::Grouped), bytes(RankingForm::Flat));
+        assert!(flat > 10 * grouped, "flat {flat} bytes, grouped {grouped}");
+        // One-hot candidates: their lengths are left to the wire's default.
+        let (_, request) = &workload.pool_in(RankingForm::Grouped, 1, 1)[0];
+        assert!(request.sparse_lengths.is_empty());
+        assert_eq!(request.sparse_ids.len(), 500 * 13);
+        assert!(request.dense.is_empty());
+        assert_eq!(request.request.as_ref().unwrap().dense.len(), 13);
+        assert_eq!(request.request.as_ref().unwrap().sparse_lengths, [20; 13]);
+    }
+
+    #[test]
+    fn the_form_defaults_to_grouped_where_it_can_and_is_refused_by_name_where_it_cannot() {
+        let plain = dlrm(100, false);
+        let with = declared(plain.clone(), &[0, 1], true);
+        let form = |info: &ModelInfoResponse, flags: &[&str]| form(&args(flags), info);
+        let c = ["--candidates", "5"];
+        let flags = |more: &[&'static str]| -> Vec<&'static str> { c.iter().chain(more).copied().collect() };
+        assert_eq!(form(&with, &c).unwrap(), Some(RankingForm::Grouped), "narsil.v1, declared: grouped");
+        assert_eq!(form(&plain, &c).unwrap(), Some(RankingForm::Flat), "nothing declared: flat");
+        assert_eq!(form(&with, &flags(&["--protocol", "torchrec"])).unwrap(), Some(RankingForm::Flat));
+        assert_eq!(form(&with, &flags(&["--protocol", "kserve"])).unwrap(), Some(RankingForm::Flat));
+        assert_eq!(form(&with, &flags(&["--ranking-form", "flat"])).unwrap(), Some(RankingForm::Flat));
+        assert_eq!(form(&with, &[]).unwrap(), None, "no ranking workload");
+        let refused = |info: &ModelInfoResponse, more: &[&'static str]| -> String {
+            form(info, &flags(more)).unwrap_err().to_string()
+        };
+        for (info, more, says) in [
+            (&with, &["--ranking-form", "grouped", "--protocol", "torchrec"][..], "TorchRec"),
+            (&with, &["--ranking-form", "grouped", "--protocol", "kserve"][..], "KServe"),
+            (&plain, &["--ranking-form", "grouped"][..], "declares no request-level feature"),
+            (&plain, &["--compare-flat"][..], "--compare-flat"),
+            (&with, &["--compare-flat", "--ranking-form", "flat"][..], "--compare-flat"),
+        ] {
+            let error = refused(info, more);
+            assert!(error.contains(says) && error.contains("--"), "{more:?}: {error}");
+            if more.contains(&"grouped") {
+                assert!(error.contains("--ranking-form"), "{more:?}: {error}");
+            }
+        }
+        assert!(form(&with, &["--ranking-form", "grouped"])
+            .unwrap_err()
+            .to_string()
+            .contains("--candidates"));
+        let compare = args(&flags(&["--compare-flat"]));
+        assert_eq!(compare.compare_flat, Some(200), "--compare-flat alone: 200 requests");
+        assert_eq!(args(&flags(&["--compare-flat", "7"])).compare_flat, Some(7));
+        assert_eq!(form(&with, &flags(&["--compare-flat"])).unwrap(), Some(RankingForm::Grouped));
+    }
+
+    #[test]
+    fn a_model_that_declares_request_level_features_decides_which_are_the_users() {
+        let info = declared(dlrm(100, false), &[2, 5, 9], false);
+        let workload = ranking(&info, &["--candidates", "3"]);
+        assert_eq!(workload.request_features(), 3);
+        let mask: Vec<usize> = (0..26).filter(|&f| workload.request_level()[f]).collect();
+        assert_eq!(mask, [2, 5, 9]);
+        let args = args(&["--candidates", "3", "--request-features", "4"]);
+        let ids = super::super::workload::id_samplers(&info, &args.id_distributions()).unwrap();
+        let error = Ranking::new(&info, &args, ids).unwrap_err().to_string();
+        assert!(error.contains("--request-features 4") && error.contains("cat_2, cat_5, cat_9"), "{error}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use super::ranking::RankingForm;
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictResponse};
 
@@ -30,6 +31,14 @@ pub struct Recorder {
     compute_us_sum: u64,
     /// Open loop: scheduled requests not sent because too many were in flight.
     pub client_overflow: u64,
+    /// --compare-flat: OK answers compared with their flat twin's scores.
+    vs_flat_compared: u64,
+    /// The largest |answer's score - flat twin's score| over them.
+    vs_flat_max_abs_diff: f64,
+    /// Of them, answers whose scores could not be compared: another count
+    /// of scores than the twin's, or NaN where the twin's is a number (or
+    /// the reverse).
+    vs_flat_mismatches: u64,
 }
 
 impl Default for Recorder {
@@ -45,6 +54,9 @@ impl Default for Recorder {
             queue_us_sum: 0,
             compute_us_sum: 0,
             client_overflow: 0,
+            vs_flat_compared: 0,
+            vs_flat_max_abs_diff: 0.0,
+            vs_flat_mismatches: 0,
         }
     }
 }
@@ -74,6 +86,27 @@ impl Recorder {
         *self.by_code.entry(code).or_default() += 1;
     }
 
+    /// Compares an OK answer's `scores` with its flat twin's (`flat`).
+    pub fn compare_with_flat(&mut self, scores: &[f32], flat: &[f32]) {
+        self.vs_flat_compared += 1;
+        if scores.len() != flat.len() {
+            self.vs_flat_mismatches += 1;
+            return;
+        }
+        let mut max = 0.0f64;
+        for (&a, &b) in scores.iter().zip(flat) {
+            if a.is_nan() || b.is_nan() {
+                if a.is_nan() != b.is_nan() {
+                    self.vs_flat_mismatches += 1;
+                    return;
+                }
+                continue;
+            }
+            max = max.max((f64::from(a) - f64::from(b)).abs());
+        }
+        self.vs_flat_max_abs_diff = self.vs_flat_max_abs_diff.max(max);
+    }
+
     /// Adds another recorder's outcomes to this one.
     pub fn merge(&mut self, other: Recorder) {
         self.ok_latency_us.add(&other.ok_latency_us).expect("same bounds");
@@ -88,6 +121,9 @@ impl Recorder {
         self.queue_us_sum += other.queue_us_sum;
         self.compute_us_sum += other.compute_us_sum;
         self.client_overflow += other.client_overflow;
+        self.vs_flat_compared += other.vs_flat_compared;
+        self.vs_flat_max_abs_diff = self.vs_flat_max_abs_diff.max(other.vs_flat_max_abs_diff);
+        self.vs_flat_mismatches += other.vs_flat_mismatches;
     }
 }
 
@@ -105,9 +141,13 @@ pub struct Report {
     /// Ranking workload: candidate rows per request (one user each); 0 for
     /// independent samples.
     pub candidates_per_request: usize,
-    /// Ranking workload: request-level (user) sparse features, the first of
-    /// the schema; 0 for independent samples.
+    /// Ranking workload: request-level (user) sparse features; 0 for
+    /// independent samples.
     pub request_features: usize,
+    /// Ranking workload: how the requests were sent, `grouped` (the user's
+    /// features once per request) or `flat` (on every row); null for
+    /// independent samples.
+    pub ranking_form: Option<String>,
     /// Mean protobuf-encoded size of the prebuilt requests, bytes: what a
     /// request takes on the wire, before gRPC and HTTP/2 framing.
     pub request_bytes_mean: f64,
@@ -129,6 +169,9 @@ pub struct Report {
     pub req_per_s: f64,
     /// OK samples per second (candidates per second with --candidates).
     pub samples_per_s: f64,
+    /// Ranking workload: OK candidates per second (`samples_per_s`); 0 for
+    /// independent samples.
+    pub candidates_per_s: f64,
     /// Latency of OK calls, milliseconds.
     pub p50_ms: f64,
     /// 90th percentile, ms.
@@ -161,9 +204,26 @@ pub struct Report {
     pub outside_forward_p50_ms: f64,
     /// The same, 99th percentile, ms.
     pub outside_forward_p99_ms: f64,
+    /// --compare-flat: requests sent flat before the run for their scores
+    /// (each prebuilt request's flat twin, up to the flag's count).
+    pub flat_reference_requests: usize,
+    /// --compare-flat: OK answers of the measured run compared with their
+    /// flat twin's scores.
+    pub compared_vs_flat: u64,
+    /// --compare-flat: the largest |grouped score - flat score| over every
+    /// candidate of those answers; null without --compare-flat (or when no
+    /// answer could be compared).
+    pub max_abs_diff_vs_flat: Option<f64>,
+    /// --compare-flat: answers whose scores could not be compared with the
+    /// twin's (another count of scores, or NaN on one side only).
+    pub vs_flat_mismatches: u64,
     /// Sparse features of the model (for the text report).
     #[serde(skip)]
     sparse_features: usize,
+    /// Grouped: whether the dense features travel once (the model's dense
+    /// features are request-level) or on every row (for the text report).
+    #[serde(skip)]
+    dense_once: bool,
 }
 
 impl Report {
@@ -171,6 +231,7 @@ impl Report {
     pub fn new(
         args: &LoadArgs,
         info: &ModelInfoResponse,
+        form: Option<RankingForm>,
         r: Recorder,
         elapsed: Duration,
         request_bytes_mean: f64,
@@ -187,10 +248,11 @@ impl Report {
             batch_size: args.rows_per_request(),
             candidates_per_request: args.candidates,
             request_features: if args.candidates > 0 {
-                super::ranking::request_features(args, info.sparse_features.len())
+                super::ranking::request_features(args, info)
             } else {
                 0
             },
+            ranking_form: form.map(|form| form.name().to_string()),
             request_bytes_mean,
             id_distribution: args.id_distributions().to_string(),
             backend: info.backend.clone(),
@@ -201,6 +263,7 @@ impl Report {
             client_overflow: r.client_overflow,
             req_per_s: ok as f64 / secs,
             samples_per_s: (ok as f64 * args.rows_per_request() as f64) / secs,
+            candidates_per_s: (ok as f64 * args.candidates as f64) / secs,
             p50_ms: ms(h.value_at_quantile(0.50)),
             p90_ms: ms(h.value_at_quantile(0.90)),
             p99_ms: ms(h.value_at_quantile(0.99)),
@@ -222,7 +285,13 @@ impl Report {
             mean_compute_ms: per_ok(r.compute_us_sum) / 1e3,
             outside_forward_p50_ms: ms(r.outside_forward_us.value_at_quantile(0.50)),
             outside_forward_p99_ms: ms(r.outside_forward_us.value_at_quantile(0.99)),
+            flat_reference_requests: 0,
+            compared_vs_flat: r.vs_flat_compared,
+            max_abs_diff_vs_flat: (r.vs_flat_compared > r.vs_flat_mismatches)
+                .then_some(r.vs_flat_max_abs_diff),
+            vs_flat_mismatches: r.vs_flat_mismatches,
             sparse_features: info.sparse_features.len(),
+            dense_once: info.dense_request_level,
         }
     }
 
@@ -253,8 +322,14 @@ impl Report {
             "server      no timings (this protocol's answers carry none)\n".to_string()
         };
         let (shape, rows) = if self.candidates_per_request > 0 {
+            let form = match self.ranking_form.as_deref() {
+                Some("grouped") if self.dense_once => "sent grouped".to_string(),
+                Some("grouped") => "sent grouped, the dense features on every row".to_string(),
+                Some(form) => format!("sent {form}"),
+                None => "sent flat".to_string(),
+            };
             let shape = format!(
-                "ranking: 1 user x {} candidates ({} of {} sparse features and all dense request-level, sent flat)",
+                "ranking: 1 user x {} candidates ({} of {} sparse features and all dense request-level, {form})",
                 self.candidates_per_request, self.request_features, self.sparse_features
             );
             (shape, "candidates")
@@ -267,7 +342,7 @@ impl Report {
              throughput  {:.1} req/s, {:.0} {rows}/s\n\
              wire        {:.0} bytes/request (protobuf, mean of the prebuilt requests)\n\
              latency ms  p50 {:.3}  p90 {:.3}  p99 {:.3}  max {:.3}  mean {:.3}\n\
-             {server}{}",
+             {server}{}{}",
             self.id_distribution,
             self.backend,
             self.requests,
@@ -285,7 +360,28 @@ impl Report {
                 format!("client      {} scheduled requests not sent (in-flight cap)\n", self.client_overflow)
             } else {
                 String::new()
-            }
+            },
+            self.vs_flat_text(),
+        )
+    }
+
+    /// The --compare-flat line, empty without it.
+    fn vs_flat_text(&self) -> String {
+        if self.flat_reference_requests == 0 && self.compared_vs_flat == 0 {
+            return String::new();
+        }
+        let diff = match self.max_abs_diff_vs_flat {
+            Some(diff) => format!("max |grouped - flat| {diff:.3e}"),
+            None => "nothing compared".to_string(),
+        };
+        let mismatches = if self.vs_flat_mismatches > 0 {
+            format!(", {} answers NOT comparable (score count or NaN differs)", self.vs_flat_mismatches)
+        } else {
+            String::new()
+        };
+        format!(
+            "vs flat     {diff} over {} answers ({} requests' flat twins){mismatches}\n",
+            self.compared_vs_flat, self.flat_reference_requests
         )
     }
 }
@@ -343,18 +439,21 @@ mod tests {
                     name: format!("cat_{i}"),
                     num_rows: 10,
                     weighted: false,
+                    request_level: false,
                 })
                 .collect(),
             ..Default::default()
         };
-        let report = |flags: &[&str]| {
+        let report_for = |info: &ModelInfoResponse, flags: &[&str]| {
             let args = <Cli as clap::Parser>::parse_from(["load"].iter().chain(flags)).load;
             let mut r = Recorder::default();
             for _ in 0..4 {
                 r.record(Duration::from_millis(2), ok(500, 1));
             }
-            Report::new(&args, &info, r, Duration::from_secs(2), 123_456.0)
+            let form = super::super::ranking::form(&args, info).unwrap();
+            Report::new(&args, info, form, r, Duration::from_secs(2), 123_456.0)
         };
+        let report = |flags: &[&str]| report_for(&info, flags);
         let ranking = report(&["--candidates", "500"]);
         assert_eq!(
             (ranking.batch_size, ranking.candidates_per_request, ranking.request_features),
@@ -370,7 +469,28 @@ mod tests {
         assert_eq!(json["candidates_per_request"], 500);
         assert_eq!(json["request_bytes_mean"], 123_456.0);
         assert_eq!(json["samples_per_s"], 1_000.0);
+        assert_eq!(json["candidates_per_s"], 1_000.0);
         assert!(json.get("sparse_features").is_none());
+        // A model that declares nothing request-level gets flat requests,
+        // and the report says so.
+        assert_eq!(json["ranking_form"], "flat");
+        assert!(text.contains("request-level, sent flat)"), "{text}");
+        assert_eq!(json["max_abs_diff_vs_flat"], serde_json::Value::Null);
+        assert!(!text.contains("vs flat "), "{text}");
+        // One that declares cat_0..cat_12 and its dense features: grouped.
+        let mut declared = info.clone();
+        declared.dense_request_level = true;
+        for feature in &mut declared.sparse_features[..13] {
+            feature.request_level = true;
+        }
+        let grouped = report_for(&declared, &["--candidates", "500"]);
+        assert_eq!(serde_json::to_value(&grouped).unwrap()["ranking_form"], "grouped");
+        assert!(grouped.text().contains("request-level, sent grouped)"), "{}", grouped.text());
+        declared.dense_request_level = false;
+        let text = report_for(&declared, &["--candidates", "500"]).text();
+        assert!(text.contains("sent grouped, the dense features on every row)"), "{text}");
+        let text = report_for(&declared, &["--candidates", "500", "--ranking-form", "flat"]).text();
+        assert!(text.contains("sent flat)"), "{text}");
         let samples = report(&[]);
         assert_eq!(
             (samples.batch_size, samples.candidates_per_request, samples.request_features),
@@ -379,5 +499,56 @@ mod tests {
         assert_eq!(samples.id_distribution, "uniform");
         assert!(samples.text().contains("100 samples/request"));
         assert!(samples.text().contains("samples/s"));
+        let json = serde_json::to_value(&samples).unwrap();
+        assert_eq!(
+            (&json["ranking_form"], &json["candidates_per_s"]),
+            (&serde_json::Value::Null, &0.0.into())
+        );
+    }
+
+    #[test]
+    fn grouped_answers_are_compared_with_their_flat_twins_scores() {
+        let mut a = Recorder::default();
+        a.compare_with_flat(&[0.5, 0.25, 0.125], &[0.5, 0.25, 0.125]);
+        a.compare_with_flat(&[0.5, 0.2501], &[0.5, 0.25]);
+        let mut b = Recorder::default();
+        b.compare_with_flat(&[0.7, 0.1], &[0.7, 0.1004]);
+        b.compare_with_flat(&[0.7], &[0.7, 0.1]); // one score short
+        b.compare_with_flat(&[f32::NAN, 0.1], &[0.3, 0.1]);
+        b.compare_with_flat(&[f32::NAN], &[f32::NAN]);
+        a.merge(b);
+        assert_eq!((a.vs_flat_compared, a.vs_flat_mismatches), (6, 2));
+        assert!((a.vs_flat_max_abs_diff - 0.0004).abs() < 1e-6, "{}", a.vs_flat_max_abs_diff);
+        a.record(Duration::from_millis(1), ok(2, 1));
+        let info = ModelInfoResponse { backend: "mock".into(), ..Default::default() };
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            load: LoadArgs,
+        }
+        let args = <Cli as clap::Parser>::parse_from(["load", "--candidates", "2"]).load;
+        let form = Some(RankingForm::Grouped);
+        let mut report = Report::new(&args, &info, form, a, Duration::from_secs(1), 10.0);
+        report.flat_reference_requests = 3;
+        let diff = report.max_abs_diff_vs_flat.unwrap();
+        assert!((diff - 0.0004).abs() < 1e-6, "{diff}");
+        let json = serde_json::to_value(&report).unwrap();
+        assert_eq!(
+            (json["compared_vs_flat"].as_u64(), json["vs_flat_mismatches"].as_u64()),
+            (Some(6), Some(2))
+        );
+        assert_eq!(json["flat_reference_requests"], 3);
+        let text = report.text();
+        assert!(
+            text.contains("vs flat     max |grouped - flat| 4.00") && text.contains("over 6 answers"),
+            "{text}"
+        );
+        assert!(text.contains("(3 requests' flat twins), 2 answers NOT comparable"), "{text}");
+        // Nothing comparable: no difference to report.
+        let mut none = Recorder::default();
+        none.compare_with_flat(&[1.0], &[]);
+        let report = Report::new(&args, &info, form, none, Duration::from_secs(1), 10.0);
+        assert_eq!(report.max_abs_diff_vs_flat, None);
+        assert!(report.text().contains("nothing compared over 1 answers"), "{}", report.text());
     }
 }

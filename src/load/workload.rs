@@ -1,19 +1,36 @@
 //! Builds the load generator's requests: random valid samples for the
 //! schema the server reports, ids drawn per `--id-distribution` ([`super::ids`]);
-//! with `--candidates`, the ranking workload ([`super::ranking`]).
+//! with `--candidates`, the ranking workload ([`super::ranking`]), grouped
+//! or flat.
 
 use rand::{Rng, SeedableRng};
 
 use super::ids::{IdDistributions, IdSampler, RandomBag};
-use super::ranking::Ranking;
+use super::ranking::{Ranking, RankingForm};
 use super::LoadArgs;
 use crate::proto::{ModelInfoResponse, PredictRequest};
 
 /// `args.distinct_requests` requests of `args.samples_per_request` samples each, with
 /// dense values in [0, 1) and ids drawn per `args.id_distribution`; with
-/// `args.candidates` above 0, flat ranking requests of one user and that
-/// many candidates each ([`Ranking`]).
+/// `args.candidates` above 0, ranking requests of one user and that many
+/// candidates each ([`Ranking`]), in the run's form ([`super::ranking::form`]).
 pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<Vec<PredictRequest>> {
+    let form = super::ranking::form(args, info)?.unwrap_or(RankingForm::Flat);
+    build_pool_in(info, args, form)
+}
+
+/// The flat twins of a ranking run's requests: the pool [`build_pool`]
+/// builds, every request in the flat form, from the same draws.
+pub fn build_flat_twins(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<Vec<PredictRequest>> {
+    anyhow::ensure!(args.candidates > 0, "flat twins are ranking requests: they need --candidates");
+    build_pool_in(info, args, RankingForm::Flat)
+}
+
+fn build_pool_in(
+    info: &ModelInfoResponse,
+    args: &LoadArgs,
+    form: RankingForm,
+) -> anyhow::Result<Vec<PredictRequest>> {
     let rows = args.rows_per_request();
     if info.max_batch_size != 0 && rows > info.max_batch_size as usize {
         let flag = if args.candidates > 0 { "--candidates" } else { "--samples-per-request" };
@@ -28,7 +45,7 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
     let ids = id_samplers(info, &args.id_distributions())?;
     if args.candidates > 0 {
         let ranking = Ranking::new(info, args, ids)?;
-        let pool = ranking.pool(args.distinct_requests.max(1), args.seed);
+        let pool = ranking.pool_in(form, args.distinct_requests.max(1), args.seed);
         return Ok(pool.into_iter().map(|(_, request)| request).collect());
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
@@ -38,7 +55,9 @@ pub fn build_pool(info: &ModelInfoResponse, args: &LoadArgs) -> anyhow::Result<V
 }
 
 /// Writes every id of `requests` to `path`, one `FEATURE ID` line each
-/// (`narsil load --id-log`).
+/// (`narsil load --id-log`): as sent, so a grouped request's request-level
+/// ids once (they are the features `info` declares request-level), then its
+/// candidates'.
 pub fn write_id_log(
     path: &std::path::Path,
     info: &ModelInfoResponse,
@@ -48,14 +67,34 @@ pub fn write_id_log(
     use std::io::Write;
     let file = std::fs::File::create(path).with_context(|| format!("--id-log {}", path.display()))?;
     let mut out = std::io::BufWriter::new(file);
-    let features = info.sparse_features.len();
-    for request in requests {
-        let mut ids = request.sparse_ids.iter();
-        for bag in 0..request.batch_size as usize * features {
-            let len = request.sparse_lengths.get(bag).map_or(1, |&len| len as usize);
-            let name = &info.sparse_features[bag % features].name;
+    let all: Vec<&str> = info.sparse_features.iter().map(|f| f.name.as_str()).collect();
+    let of = |request_level: bool| -> Vec<&str> {
+        let features = info.sparse_features.iter().filter(|f| f.request_level == request_level);
+        features.map(|f| f.name.as_str()).collect()
+    };
+    let (user, candidate) = (of(true), of(false));
+    let mut write = |names: &[&str], bags: usize, lengths: &[u32], ids: &[i64]| -> std::io::Result<()> {
+        let mut ids = ids.iter();
+        for bag in 0..bags * names.len() {
+            let len = lengths.get(bag).map_or(1, |&len| len as usize);
+            let name = names[bag % names.len()];
             for &id in ids.by_ref().take(len) {
                 writeln!(out, "{name} {id}")?;
+            }
+        }
+        Ok(())
+    };
+    for request in requests {
+        let rows = request.batch_size as usize;
+        match &request.request {
+            None => write(&all, rows, &request.sparse_lengths, &request.sparse_ids)?,
+            Some(block) => {
+                if !user.is_empty() {
+                    write(&user, 1, &block.sparse_lengths, &block.sparse_ids)?;
+                }
+                if !candidate.is_empty() {
+                    write(&candidate, rows, &request.sparse_lengths, &request.sparse_ids)?;
+                }
             }
         }
     }
@@ -103,6 +142,7 @@ pub fn random_request(
         model: info.name.clone(),
         model_version: String::new(),
         sparse_weights,
+        request: None,
     }
 }
 
@@ -175,6 +215,7 @@ mod tests {
             model: info.name.clone(),
             model_version: String::new(),
             sparse_weights,
+            request: None,
         }
     }
 
@@ -188,7 +229,12 @@ mod tests {
             name: "dlrm".into(),
             num_dense: 13,
             sparse_features: (0..26)
-                .map(|i| SparseFeature { name: format!("cat_{i}"), num_rows: 1_000 + i, weighted: i == 5 })
+                .map(|i| SparseFeature {
+                    name: format!("cat_{i}"),
+                    num_rows: 1_000 + i,
+                    weighted: i == 5,
+                    request_level: false,
+                })
                 .collect(),
             ..Default::default()
         };
@@ -216,11 +262,70 @@ mod tests {
     }
 
     #[test]
+    fn the_id_log_of_a_grouped_run_lists_the_users_ids_once_per_request() {
+        let mut info = ModelInfoResponse {
+            name: "dlrm".into(),
+            num_dense: 2,
+            dense_request_level: true,
+            sparse_features: (0..4)
+                .map(|i| SparseFeature {
+                    name: format!("f{i}"),
+                    num_rows: 50,
+                    weighted: false,
+                    request_level: false,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        // f1 and f3 are the user's: 5 ids each; f0 and f2 one per candidate.
+        info.sparse_features[1].request_level = true;
+        info.sparse_features[3].request_level = true;
+        let dir = tempfile::tempdir().unwrap();
+        let log = |form: &str| -> Vec<String> {
+            let flags = ["load", "--candidates", "6", "--user-bag-ids", "5", "--ranking-form", form];
+            let args = Cli::parse_from(flags.iter().chain(&["--distinct-requests", "2"])).load;
+            let pool = build_pool(&info, &args).unwrap();
+            assert_eq!(pool[0].request.is_some(), form == "grouped");
+            let path = dir.path().join(form);
+            write_id_log(&path, &info, &pool).unwrap();
+            std::fs::read_to_string(path).unwrap().lines().map(str::to_string).collect()
+        };
+        let (grouped, flat) = (log("grouped"), log("flat"));
+        let count = |lines: &[String], feature: &str| lines.iter().filter(|l| l.starts_with(feature)).count();
+        for (feature, grouped_ids, flat_ids) in
+            [("f0 ", 12, 12), ("f1 ", 10, 60), ("f2 ", 12, 12), ("f3 ", 10, 60)]
+        {
+            assert_eq!(count(&grouped, feature), grouped_ids, "{feature}grouped");
+            assert_eq!(count(&flat, feature), flat_ids, "{feature}flat");
+        }
+        // The same ids, the user's repeated on every row when flat.
+        let mut expanded: Vec<&String> =
+            grouped.iter().filter(|l| l.starts_with("f0") || l.starts_with("f2")).collect();
+        for request in grouped.chunks(12 + 10) {
+            let user: Vec<&String> =
+                request.iter().filter(|l| l.starts_with("f1") || l.starts_with("f3")).collect();
+            assert_eq!(user.len(), 10, "the user's bags first, once");
+            for _ in 0..6 {
+                expanded.extend(&user);
+            }
+        }
+        let mut flat_sorted: Vec<&String> = flat.iter().collect();
+        expanded.sort();
+        flat_sorted.sort();
+        assert_eq!(expanded, flat_sorted);
+    }
+
+    #[test]
     fn candidates_are_checked_against_the_servers_row_limit() {
         let info = ModelInfoResponse {
             num_dense: 2,
             max_batch_size: 256,
-            sparse_features: vec![SparseFeature { name: "a".into(), num_rows: 10, weighted: false }],
+            sparse_features: vec![SparseFeature {
+                name: "a".into(),
+                num_rows: 10,
+                weighted: false,
+                request_level: false,
+            }],
             ..Default::default()
         };
         let args = Cli::parse_from(["load", "--candidates", "500"]).load;
