@@ -1,7 +1,9 @@
 //! The Open Inference Protocol (KServe v2) end to end with the small
 //! exported model: its requests fuse with narsil.v1's and TorchRec's in one
-//! forward and score alike, and a stock `tritonclient` (Python, project venv)
-//! works against the real binary unchanged.
+//! forward and score alike, ranking requests in KServe's grouped form
+//! (`request_*` inputs) score as the same requests sent flat, and a stock
+//! `tritonclient` (Python, project venv) works against the real binary
+//! unchanged, flat and grouped.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -13,11 +15,14 @@ use std::time::Duration;
 
 use common::{assert_close, batch_mode, start_with, wire};
 use narsil::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient;
+use narsil::kserve_proto::{ModelInferRequest, ModelMetadataRequest};
+use narsil::proto::{PredictRequest, RequestFeatures};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::wire::kserve::{encode, first_scores};
 use narsil::wire::torchrec::SCORES_KEY;
 use narsil_core::golden::{test_model_dir, Golden};
-use narsil_torch::{TorchConfig, TorchFactory};
+use narsil_engine::EngineConfig;
+use narsil_torch::{SplitFactory, TorchConfig, TorchFactory};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kserve_requests_fuse_with_the_other_protocols_and_score_like_them() {
@@ -72,8 +77,12 @@ async fn a_stock_tritonclient_gets_golden_scores_from_the_real_binary() {
     let python = root.join(".venv/bin/python");
     assert!(python.is_file(), "no project venv: run scripts/setup_python.sh");
     let listeners = common::Listeners::new();
+    // Declares the ranking workload's request-level features, so the
+    // script's grouped call is taken (its flat calls are, as for any model).
     let server = Command::new(env!("CARGO_BIN_EXE_narsil"))
         .args(["serve", "--log-level", "warn"])
+        .arg("--request-level")
+        .arg(request_level().join(","))
         .args(listeners.args(false))
         .arg("--model")
         .arg(test_model_dir().join("model_default.pt"))
@@ -143,5 +152,229 @@ async fn a_model_that_is_not_served_is_not_found_as_triton_answers() {
     request.model_name = "nope".into();
     let status = kserve.model_infer(request).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    server.stop().await.unwrap();
+}
+
+/// The request-level features of the ranking workload: the first 13 sparse
+/// features and the dense features.
+fn request_level() -> Vec<String> {
+    (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect()
+}
+
+fn ranking_config() -> EngineConfig {
+    EngineConfig { request_level: Some(request_level()), max_batch_rows: 128, ..batch_mode(1, 16) }
+}
+
+fn split_factory() -> Arc<SplitFactory> {
+    Arc::new(SplitFactory::load(TorchConfig::new(test_model_dir().join("split"))).unwrap())
+}
+
+/// User `user`'s ranking request of `candidates` candidates to the test
+/// model (13 dense features, 26 sparse of `rows` rows each), as `narsil.v1`
+/// requests grouped (the user's 13 bags of 1 to 20 ids and its dense
+/// features in the request block) and flat (the user on every row).
+fn ranking(user: u64, candidates: usize, rows: u64) -> (PredictRequest, PredictRequest) {
+    let dense: Vec<f32> = (0..13u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
+    let user_bags: Vec<Vec<i64>> = (0..13u64)
+        .map(|f| {
+            let len = 1 + (user * 7 + f * 3) % 20;
+            (0..len).map(|k| ((user * 7919 + f * 31 + k * 17) % rows) as i64).collect()
+        })
+        .collect();
+    let candidate = |c: u64, f: u64| ((c * 104_729 + f * 13 + user) % rows) as i64;
+    let mut grouped = PredictRequest {
+        batch_size: candidates as u32,
+        request: Some(RequestFeatures {
+            dense: dense.clone(),
+            sparse_lengths: user_bags.iter().map(|b| b.len() as u32).collect(),
+            sparse_ids: user_bags.concat(),
+            sparse_weights: vec![],
+        }),
+        request_id: format!("user-{user}"),
+        ..Default::default()
+    };
+    let mut flat = PredictRequest { batch_size: candidates as u32, ..Default::default() };
+    for c in 0..candidates as u64 {
+        flat.dense.extend(&dense);
+        for f in 0..26u64 {
+            match user_bags.get(f as usize) {
+                Some(bag) => {
+                    flat.sparse_lengths.push(bag.len() as u32);
+                    flat.sparse_ids.extend(bag);
+                }
+                None => {
+                    flat.sparse_lengths.push(1);
+                    grouped.sparse_lengths.push(1);
+                    flat.sparse_ids.push(candidate(c, f));
+                    grouped.sparse_ids.push(candidate(c, f));
+                }
+            }
+        }
+    }
+    (grouped, flat)
+}
+
+/// A raw-contents ModelInfer request with typed contents instead.
+fn typed(request: &ModelInferRequest) -> ModelInferRequest {
+    let mut typed = request.clone();
+    for (tensor, bytes) in typed.inputs.iter_mut().zip(std::mem::take(&mut typed.raw_input_contents)) {
+        let mut contents = narsil::kserve_proto::InferTensorContents::default();
+        match tensor.datatype.as_str() {
+            "FP32" => {
+                contents.fp32_contents =
+                    bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+            }
+            _ => {
+                contents.int64_contents =
+                    bytes.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect()
+            }
+        }
+        tensor.contents = Some(contents);
+    }
+    typed
+}
+
+fn position(request: &ModelInferRequest, name: &str) -> usize {
+    request.inputs.iter().position(|t| t.name == name).unwrap_or_else(|| panic!("no input {name}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grouped_kserve_requests_score_as_the_same_requests_sent_flat() {
+    let server = start_with(split_factory(), ranking_config()).await.ready().await;
+    let channel = server.channel().await;
+    let mut kserve = GrpcInferenceServiceClient::new(channel.clone());
+    let metadata = kserve
+        .model_metadata(ModelMetadataRequest { name: "dlrm".into(), version: String::new() })
+        .await
+        .unwrap()
+        .into_inner();
+    let inputs: Vec<(&str, &str, &[i64])> =
+        metadata.inputs.iter().map(|t| (t.name.as_str(), t.datatype.as_str(), t.shape.as_slice())).collect();
+    assert_eq!(
+        inputs,
+        [
+            ("dense", "FP32", &[-1, 13][..]),
+            ("lengths", "INT64", &[-1, 26]),
+            ("ids", "INT64", &[-1]),
+            ("request_dense", "FP32", &[1, 13]),
+            ("request_lengths", "INT64", &[1, 13]),
+            ("request_ids", "INT64", &[1, -1]),
+        ],
+        "ModelMetadata lists the request-level inputs"
+    );
+    // Alone: users 1..3, 1 to 300 candidates (the largest split across
+    // forwards of 128 rows, its block shared by the parts); the grouped
+    // form with raw contents, typed contents and B from lengths (no dense).
+    let requests: Vec<_> =
+        [(1, 40), (2, 1), (3, 300), (1, 7)].iter().map(|&(u, c)| ranking(u, c, 1000)).collect();
+    let mut flat_scores = Vec::new();
+    for (i, (grouped, flat)) in requests.iter().enumerate() {
+        let want =
+            first_scores(&kserve.model_infer(encode(flat, 13, 26)).await.unwrap().into_inner()).unwrap();
+        assert_eq!(want.len(), flat.batch_size as usize);
+        let raw = encode(grouped, 13, 26);
+        assert_eq!(raw.inputs[0].shape, [i64::from(grouped.batch_size), 0], "dense [B, 0]");
+        let mut without_dense = typed(&raw);
+        without_dense.inputs.remove(position(&raw, "dense"));
+        for (form, request) in
+            [("raw", raw.clone()), ("typed", typed(&raw)), ("without dense", without_dense)]
+        {
+            let response = kserve.model_infer(request).await.unwrap().into_inner();
+            assert_eq!(response.id, grouped.request_id);
+            assert_eq!(response.outputs[0].shape, [i64::from(grouped.batch_size)]);
+            assert_close(&first_scores(&response).unwrap(), &want, &format!("grouped request {i}, {form}"));
+        }
+        flat_scores.push(want);
+    }
+    // Concurrently, grouped twice beside their flat twin, so they fuse.
+    let calls = requests.iter().flat_map(|(g, f)| [g, f, g]).map(|r| {
+        let (request, mut kserve) = (encode(r, 13, 26), GrpcInferenceServiceClient::new(channel.clone()));
+        tokio::spawn(async move {
+            first_scores(&kserve.model_infer(request).await.unwrap().into_inner()).unwrap()
+        })
+    });
+    for (i, scores) in futures_util::future::join_all(calls).await.into_iter().enumerate() {
+        assert_close(&scores.unwrap(), &flat_scores[i / 3], &format!("concurrent call {i}"));
+    }
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_request_level_inputs_get_invalid_argument_naming_them() {
+    let server = start_with(split_factory(), ranking_config()).await.ready().await;
+    let mut kserve = GrpcInferenceServiceClient::new(server.channel().await);
+    let (grouped, _) = ranking(5, 3, 1000);
+    let grouped = encode(&grouped, 13, 26);
+    let edited = |name: &'static str, shape: Vec<i64>, bytes: Vec<u8>| {
+        let mut request = grouped.clone();
+        let i = position(&request, name);
+        request.inputs[i].shape = shape;
+        request.raw_input_contents[i] = bytes.into();
+        request
+    };
+    let floats = |n: usize, v: f32| v.to_le_bytes().repeat(n);
+    let ints = |values: &[i64]| values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+    let user_ids = grouped.raw_input_contents[position(&grouped, "request_ids")].len() as i64 / 8;
+    let mut out_of_range = grouped.raw_input_contents[position(&grouped, "request_ids")].to_vec();
+    out_of_range[..8].copy_from_slice(&1000i64.to_le_bytes());
+    let mut with_weights = grouped.clone();
+    with_weights.inputs.push(narsil::kserve_proto::model_infer_request::InferInputTensor {
+        name: "request_weights".into(),
+        datatype: "FP32".into(),
+        shape: vec![1, 2],
+        ..Default::default()
+    });
+    with_weights.raw_input_contents.push(floats(2, 1.0).into());
+    let cases: Vec<(&str, &str, ModelInferRequest)> = vec![
+        (
+            "request_dense",
+            "has shape [1, 12], expected [1, 13]",
+            edited("request_dense", vec![1, 12], floats(12, 0.5)),
+        ),
+        ("request_dense", "is NaN", edited("request_dense", vec![1, 13], floats(13, f32::NAN))),
+        (
+            "request_lengths",
+            "has shape [1, 12], expected [1, 13] or [13]",
+            edited("request_lengths", vec![1, 12], ints(&[1; 12])),
+        ),
+        ("request_lengths", "has length -1", edited("request_lengths", vec![13], ints(&[-1; 13]))),
+        (
+            "request_ids",
+            "has id 1000 outside [0, 1000)",
+            edited("request_ids", vec![1, user_ids], out_of_range),
+        ),
+        ("request_ids", "has 2 ids but", edited("request_ids", vec![2], ints(&[1, 2]))),
+        (
+            "request_ids",
+            "expected [1, N] or [N]",
+            edited("request_ids", vec![2, user_ids / 2], ints(&vec![1; user_ids as usize / 2 * 2])),
+        ),
+        ("request_weights", "has 2 weights", with_weights),
+        ("dense", "has shape [3, 13], expected [B, 0]", edited("dense", vec![3, 13], floats(39, 0.5))),
+        ("lengths", "has shape [3, 26], expected [3, 13]", edited("lengths", vec![3, 26], ints(&[1; 78]))),
+        ("ids", "has 3 ids but the lengths sum to 39", edited("ids", vec![3], ints(&[1, 2, 3]))),
+    ];
+    for (input, says, request) in cases {
+        let status = kserve.model_infer(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{input}: {status:?}");
+        let prefix = format!("invalid inputs[{input}]: ");
+        assert!(
+            status.message().starts_with(&prefix) && status.message().contains(says),
+            "{input}: want {prefix}...{says}, got {}",
+            status.message()
+        );
+    }
+    server.stop().await.unwrap();
+    // A model that declares no request-level feature refuses request_*.
+    let server = start_with(split_factory(), batch_mode(1, 16)).await.ready().await;
+    let mut kserve = GrpcInferenceServiceClient::new(server.channel().await);
+    let status = kserve.model_infer(grouped).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    assert!(
+        status.message().starts_with("invalid inputs[request_*]: ")
+            && status.message().contains("declares no request-level feature"),
+        "{}",
+        status.message()
+    );
     server.stop().await.unwrap();
 }

@@ -90,7 +90,7 @@ impl RequestBlock {
         if total != self.ids.len() as u64 {
             return Err(InvalidInput::new(
                 InputField::RequestIds,
-                format!("has {} ids but request.sparse_lengths sum to {total}", self.ids.len()),
+                format!("has {} ids but the request-level lengths sum to {total}", self.ids.len()),
             ));
         }
         let mut at = 0;
