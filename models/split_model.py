@@ -75,6 +75,73 @@ class DenseNetwork(nn.Module):
         return torch.sigmoid(logits.float()).reshape(-1)
 
 
+class BottomNetwork(nn.Module):
+    """DenseNetwork's dense arch alone: `forward(dense) -> [B, D]` FP32, in
+    the dtype of the over arch's weights (as DenseNetwork computes it). A
+    ranking request whose dense features are request-level runs it once,
+    on its user's dense row, instead of once per candidate."""
+
+    def __init__(self, dlrm: nn.Module) -> None:
+        super().__init__()
+        self.dense_arch = dlrm.dense_arch
+        # Its weights' dtype is the arithmetic's (bf16 models cast it too).
+        self.last = dlrm.over_arch.model[-1]
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        return self.dense_arch(dense.to(self.last.weight.dtype)).float()
+
+
+class TopNetwork(nn.Module):
+    """DenseNetwork after its dense arch: `forward(dense_embedding [B, D],
+    pooled) -> scores`, so that `TopNetwork(BottomNetwork(dense), pooled)`
+    is DenseNetwork's forward (bf16's embedding round-trips through FP32
+    exactly)."""
+
+    def __init__(self, dlrm: nn.Module, num_features: int) -> None:
+        super().__init__()
+        self.over_arch = dlrm.over_arch
+        self.num_vectors = num_features + 1
+        self.dim = dlrm.sparse_arch.D
+        rows, cols = torch.triu_indices(self.num_vectors, self.num_vectors, 1)
+        self.register_buffer("upper_triangle", rows * self.num_vectors + cols)
+
+    def forward(self, dense_embedding: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        dtype = self.over_arch.model[-1].weight.dtype
+        dense_embedding = dense_embedding.to(dtype)
+        batch = dense_embedding.shape[0]
+        vectors = torch.cat([dense_embedding, pooled.to(dtype)], dim=1).view(batch, self.num_vectors, self.dim)
+        products = torch.bmm(vectors, vectors.transpose(1, 2)).view(batch, -1)
+        interactions = torch.index_select(products, 1, self.upper_triangle)
+        logits = self.over_arch(torch.cat([dense_embedding, interactions], dim=1))
+        return torch.sigmoid(logits.float()).reshape(-1)
+
+
+def write_dense_cut(out: Path, dlrm: nn.Module, dense_network: nn.Module, num_dense: int, num_features: int,
+                    pt2: bool, log) -> dict:
+    """DenseNetwork cut in two for ranking requests: `dense_bottom.pt` (the
+    dense arch, TorchScript) and `dense_top.pt` (the rest; with `pt2` its
+    packages too), checked to score as the whole network; the schema's
+    fields naming them."""
+    bottom, top = BottomNetwork(dlrm).eval(), TopNetwork(dlrm, num_features).eval()
+    dim = dlrm.sparse_arch.D
+    with torch.inference_mode():
+        for batch in (1, 7, 100):
+            dense, pooled = torch.randn(batch, num_dense), torch.rand(batch, num_features * dim)
+            diff = (top(bottom(dense), pooled) - dense_network(dense, pooled)).abs().max().item()
+            if diff > 1e-6:
+                raise SystemExit(f"dense network cut check failed: {diff} from the whole network at {batch} rows")
+    torch.jit.script(bottom).save(str(out / "dense_bottom.pt"))
+    torch.jit.script(top).save(str(out / "dense_top.pt"))
+    fields = {"dense_bottom": "dense_bottom.pt", "dense_top": "dense_top.pt"}
+    if pt2:
+        for precision in ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]:
+            name, _ = write_dense_package(out, top, dim, num_features * dim, log, precision=precision,
+                                          stem="dense_top")
+            fields["dense_top_package" if precision == "fp32" else f"dense_top_package_{precision}"] = name
+    log(f"wrote the dense network cut for ranking requests ({', '.join(fields.values())})")
+    return fields
+
+
 class DcnDenseNetwork(nn.Module):
     """TorchRec's DLRM_DCN after the embedding lookup: dense arch, the DCNv2
     low-rank cross layers over the dense embedding concatenated with every
@@ -176,6 +243,7 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     dense_network = torch.jit.script(dense_module)
     dense_network.save(str(out / "dense.pt"))
     packages = write_dense_packages(out, dense_module, num_dense, len(keys) * dim, log) if pt2 else {}
+    packages.update(write_dense_cut(out, dlrm, dense_module, num_dense, len(keys), pt2, log))
     from safetensors.torch import save_file
     save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
@@ -353,7 +421,7 @@ def form_timings(out: Path, num_dense: int, pooled_width: int, precision: str, p
 
 
 def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log,
-                        precision: str = "fp32") -> Tuple[str, List[float]]:
+                        precision: str = "fp32", stem: str = "dense") -> Tuple[str, List[float]]:
     """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
     torch.export (a dynamic row dimension) and AOTInductor into
     `out/dense.pt2` (FP32) or, for `precision` "bf16", `out/dense_bf16.pt2`
@@ -371,7 +439,7 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     vec_isa = pick_vec_isa()
     isa = str(vec_isa)
     flags = isa_cpu_flags(vec_isa.build_arch_flags())
-    name = "dense.pt2" if precision == "fp32" else f"dense_{precision}.pt2"
+    name = f"{stem}.pt2" if precision == "fp32" else f"{stem}_{precision}.pt2"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     module = dense_network if dtype == torch.float32 else copy.deepcopy(dense_network).to(dtype)
     bound = 1e-5 if dtype == torch.float32 else BF16_PACKAGE_BOUND

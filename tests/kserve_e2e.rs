@@ -13,10 +13,10 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::ranking::{ranking, request_level};
 use common::{assert_close, batch_mode, start_with, wire};
 use narsil::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient;
 use narsil::kserve_proto::{ModelInferRequest, ModelMetadataRequest};
-use narsil::proto::{PredictRequest, RequestFeatures};
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::wire::kserve::{encode, first_scores};
 use narsil::wire::torchrec::SCORES_KEY;
@@ -155,63 +155,13 @@ async fn a_model_that_is_not_served_is_not_found_as_triton_answers() {
     server.stop().await.unwrap();
 }
 
-/// The request-level features of the ranking workload: the first 13 sparse
-/// features and the dense features.
-fn request_level() -> Vec<String> {
-    (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect()
-}
-
+/// The ranking workload's server: its request-level features declared.
 fn ranking_config() -> EngineConfig {
     EngineConfig { request_level: Some(request_level()), max_batch_rows: 128, ..batch_mode(1, 16) }
 }
 
 fn split_factory() -> Arc<SplitFactory> {
     Arc::new(SplitFactory::load(TorchConfig::new(test_model_dir().join("split"))).unwrap())
-}
-
-/// User `user`'s ranking request of `candidates` candidates to the test
-/// model (13 dense features, 26 sparse of `rows` rows each), as `narsil.v1`
-/// requests grouped (the user's 13 bags of 1 to 20 ids and its dense
-/// features in the request block) and flat (the user on every row).
-fn ranking(user: u64, candidates: usize, rows: u64) -> (PredictRequest, PredictRequest) {
-    let dense: Vec<f32> = (0..13u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
-    let user_bags: Vec<Vec<i64>> = (0..13u64)
-        .map(|f| {
-            let len = 1 + (user * 7 + f * 3) % 20;
-            (0..len).map(|k| ((user * 7919 + f * 31 + k * 17) % rows) as i64).collect()
-        })
-        .collect();
-    let candidate = |c: u64, f: u64| ((c * 104_729 + f * 13 + user) % rows) as i64;
-    let mut grouped = PredictRequest {
-        batch_size: candidates as u32,
-        request: Some(RequestFeatures {
-            dense: dense.clone(),
-            sparse_lengths: user_bags.iter().map(|b| b.len() as u32).collect(),
-            sparse_ids: user_bags.concat(),
-            sparse_weights: vec![],
-        }),
-        request_id: format!("user-{user}"),
-        ..Default::default()
-    };
-    let mut flat = PredictRequest { batch_size: candidates as u32, ..Default::default() };
-    for c in 0..candidates as u64 {
-        flat.dense.extend(&dense);
-        for f in 0..26u64 {
-            match user_bags.get(f as usize) {
-                Some(bag) => {
-                    flat.sparse_lengths.push(bag.len() as u32);
-                    flat.sparse_ids.extend(bag);
-                }
-                None => {
-                    flat.sparse_lengths.push(1);
-                    grouped.sparse_lengths.push(1);
-                    flat.sparse_ids.push(candidate(c, f));
-                    grouped.sparse_ids.push(candidate(c, f));
-                }
-            }
-        }
-    }
-    (grouped, flat)
 }
 
 /// A raw-contents ModelInfer request with typed contents instead.
@@ -365,8 +315,10 @@ async fn bad_request_level_inputs_get_invalid_argument_naming_them() {
         );
     }
     server.stop().await.unwrap();
-    // A model that declares no request-level feature refuses request_*.
-    let server = start_with(split_factory(), batch_mode(1, 16)).await.ready().await;
+    // A model served declaring no request-level feature (`--request-level
+    // none`; the test model's export declares some) refuses request_*.
+    let none = EngineConfig { request_level: Some(vec!["none".into()]), ..batch_mode(1, 16) };
+    let server = start_with(split_factory(), none).await.ready().await;
     let mut kserve = GrpcInferenceServiceClient::new(server.channel().await);
     let status = kserve.model_infer(grouped).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);

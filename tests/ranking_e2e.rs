@@ -14,70 +14,27 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::ranking::request_level;
 use common::{assert_close, batch_mode, start_with, TestServer};
-use narsil::proto::{self, PredictRequest, RequestFeatures};
+use narsil::proto::{self, PredictRequest};
 use narsil_core::golden::test_model_dir;
 use narsil_core::BackendFactory;
 use narsil_engine::EngineConfig;
 use narsil_torch::{SplitFactory, TorchConfig, TorchFactory};
 
-/// The request-level features of the goals' workload: the first 13 sparse
-/// features and the dense features.
-fn request_level() -> Vec<String> {
-    (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect()
-}
-
 fn config() -> EngineConfig {
     EngineConfig { request_level: Some(request_level()), max_batch_rows: 128, ..batch_mode(1, 16) }
 }
 
-/// User `user`'s request of `candidates` candidates, grouped and flat.
-/// Request-level bags hold 1 to 20 ids; candidates' features one id each.
+/// User `user`'s request of `candidates` candidates to the served test
+/// model, grouped and flat.
 fn ranking(
     info: &proto::ModelInfoResponse,
     user: u64,
     candidates: usize,
 ) -> (PredictRequest, PredictRequest) {
-    let rows = |f: usize| info.sparse_features[f].num_rows;
-    let dense: Vec<f32> =
-        (0..info.num_dense as u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
-    let user_bags: Vec<Vec<i64>> = (0..13)
-        .map(|f| {
-            let len = 1 + (user as usize * 7 + f * 3) % 20;
-            (0..len as u64).map(|k| ((user * 7919 + f as u64 * 31 + k * 17) % rows(f)) as i64).collect()
-        })
-        .collect();
-    let candidate = |c: usize, f: usize| ((c as u64 * 104_729 + f as u64 * 13 + user) % rows(f)) as i64;
-    let num_sparse = info.sparse_features.len();
-    let mut grouped = PredictRequest {
-        batch_size: candidates as u32,
-        request: Some(RequestFeatures {
-            dense: dense.clone(),
-            sparse_lengths: user_bags.iter().map(|b| b.len() as u32).collect(),
-            sparse_ids: user_bags.concat(),
-            sparse_weights: vec![],
-        }),
-        request_id: format!("user-{user}"),
-        ..Default::default()
-    };
-    let mut flat = PredictRequest { batch_size: candidates as u32, ..Default::default() };
-    for c in 0..candidates {
-        flat.dense.extend(&dense);
-        for f in 0..num_sparse {
-            match user_bags.get(f) {
-                Some(bag) => {
-                    flat.sparse_lengths.push(bag.len() as u32);
-                    flat.sparse_ids.extend(bag);
-                }
-                None => {
-                    flat.sparse_lengths.push(1);
-                    flat.sparse_ids.push(candidate(c, f));
-                    grouped.sparse_ids.push(candidate(c, f));
-                }
-            }
-        }
-    }
-    (grouped, flat)
+    assert_eq!((info.num_dense, info.sparse_features.len()), (13, 26), "the test model's shape");
+    common::ranking::ranking(user, candidates, info.sparse_features[0].num_rows)
 }
 
 /// Serves `factory` with the workload's request-level features and checks
@@ -217,8 +174,10 @@ async fn bad_request_blocks_are_refused_naming_the_field() {
         assert!(status.message().starts_with(&format!("invalid {field}:")), "{field}: {}", status.message());
     }
     server.stop().await.unwrap();
-    // A model that declares no request-level feature refuses a block.
-    let server = start_with(factory(), batch_mode(1, 16)).await.ready().await;
+    // A model served declaring no request-level feature (`--request-level
+    // none`; the test model's export declares some) refuses a block.
+    let none = EngineConfig { request_level: Some(vec!["none".into()]), ..batch_mode(1, 16) };
+    let server = start_with(factory(), none).await.ready().await;
     let status = server.client().await.predict(grouped).await.unwrap_err();
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(

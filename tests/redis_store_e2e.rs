@@ -9,7 +9,9 @@
 //! (without any traffic, from the store's own pings),
 //! a batch's fetch gives up at its callers' deadline, and both recover
 //! when it answers again; a row the cluster lost fails its batch unless
-//! the operator chose `--missing-rows zero`, which pools it as zeros.
+//! the operator chose `--missing-rows zero`, which pools it as zeros;
+//! ranking requests (the user's features once) score as the same requests
+//! sent flat.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -24,6 +26,7 @@ use narsil_core::conformance::{self, golden_parity};
 use narsil_core::golden::{copy_split_model, test_model_dir, Golden, GoldenRequest};
 use narsil_core::request::IdPolicy;
 use narsil_embedding::{MissingRows, RedisSeeds, RedisStoreConfig};
+use narsil_engine::EngineConfig;
 use narsil_torch::{SplitFactory, TableStore, TorchConfig};
 use tonic::Code;
 
@@ -158,7 +161,8 @@ async fn served_from_redis_fused_requests_get_their_golden_scores() {
     // test does): 250 ms failed a fetch once while seven test clusters
     // shared two cores.
     let store = store_with(&cluster, MissingRows::Error, Duration::from_secs(5));
-    let server = start_with(Arc::new(factory(&dir, store)), batch_mode(1, 16)).await.ready().await;
+    let config = EngineConfig { request_level: Some(common::ranking::request_level()), ..batch_mode(1, 16) };
+    let server = start_with(Arc::new(factory(&dir, store)), config).await.ready().await;
     let golden = Golden::read(&test_model_dir()).unwrap();
     let requests: Vec<&GoldenRequest> = golden.requests.iter().cycle().take(16).collect();
     let channel = server.channel().await;
@@ -168,8 +172,18 @@ async fn served_from_redis_fused_requests_get_their_golden_scores() {
             assert_close(&response.scores, &g.scores_int8, &format!("round {round} client {i}"));
         }
     }
+    // Ranking requests: each user's bags fetched from the cluster and
+    // pooled once per request score as the same requests sent flat.
+    let mut client = server.client().await;
+    for (user, candidates) in [(1, 40), (2, 7), (1, 3)] {
+        let (grouped, flat) = common::ranking::ranking(user, candidates, 1000);
+        let want = client.predict(flat).await.unwrap().into_inner().scores;
+        let got = client.predict(grouped).await.unwrap().into_inner().scores;
+        assert_close(&got, &want, &format!("ranking request of user {user}, {candidates} candidates"));
+    }
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_rows_fetched_total{table="cat_0"}"#) > 0.0, "{text}");
+    assert!(common::metric(&text, "narsil_request_level_bags_pooled_total") >= 3.0 * 13.0, "{text}");
     server.stop().await.unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -2,6 +2,8 @@
 //! the mock backend, gRPC clients, and request builders.
 #![allow(dead_code)]
 
+pub mod ranking;
+
 use std::sync::Arc;
 use std::time::Duration;
 

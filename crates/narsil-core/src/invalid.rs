@@ -1,6 +1,7 @@
-//! Why a request cannot be served as sent, and what to do with ids
-//! outside their tables: shared by every check of a request (its rows in
-//! `request.rs`, its request-level block in `request_level.rs`).
+//! Why a request cannot be served as sent, what to do with ids outside
+//! their tables, and the weights check: shared by every check of a request
+//! (its rows in `request.rs`, its request-level block in
+//! `request_level.rs`).
 
 /// What to do with an id outside `[0, num_rows)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -85,4 +86,45 @@ impl InvalidInput {
     pub fn new(field: InputField, message: impl Into<String>) -> Self {
         Self { field, message: message.into() }
     }
+}
+
+/// Checks `weights` as sent (one per id of the bags `weighted` says yes to,
+/// bag after bag of `lengths`; finite) and widens them to one per id (1.0
+/// for the other bags' ids). `whose` names the weighted bags in the error.
+pub(crate) fn widen_weights(
+    weights: &mut Vec<f32>,
+    lengths: &[u32],
+    weighted: impl Fn(usize) -> bool,
+    field: InputField,
+    whose: &str,
+) -> Result<(), InvalidInput> {
+    let expected: u64 =
+        lengths.iter().enumerate().filter(|&(bag, _)| weighted(bag)).map(|(_, &l)| u64::from(l)).sum();
+    if weights.len() as u64 != expected {
+        return Err(InvalidInput::new(
+            field,
+            format!(
+                "has {} weights, but {whose} bags hold {expected} ids (one weight per id)",
+                weights.len()
+            ),
+        ));
+    }
+    if let Some(pos) = weights.iter().position(|w| !w.is_finite()) {
+        return Err(InvalidInput::new(
+            field,
+            format!("weight {pos} is {} (weights must be finite)", weights[pos]),
+        ));
+    }
+    let mut sent = std::mem::take(weights).into_iter();
+    let total = lengths.iter().map(|&l| l as usize).sum();
+    let mut widened = Vec::with_capacity(total);
+    for (bag, &len) in lengths.iter().enumerate() {
+        if weighted(bag) {
+            widened.extend(sent.by_ref().take(len as usize));
+        } else {
+            widened.resize(widened.len() + len as usize, 1.0);
+        }
+    }
+    *weights = widened;
+    Ok(())
 }

@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use crate::invalid::widen_weights;
 pub use crate::invalid::{IdPolicy, InputField, InvalidInput};
 use crate::request_level::{widen_row_lengths, RequestBlock};
 use crate::schema::ModelSchema;
@@ -163,41 +164,15 @@ impl RequestSamples {
             }
             return Ok(());
         }
-        let b = self.num_samples;
-        let weighted_bag = |bag: usize| self.layout.bag_position(bag, b, num_sparse).1 >= first_weighted;
-        let expected: u64 = self
-            .lengths
-            .iter()
-            .enumerate()
-            .filter(|&(bag, _)| weighted_bag(bag))
-            .map(|(_, &l)| u64::from(l))
-            .sum();
-        if self.weights.len() as u64 != expected {
-            return Err(InvalidInput::new(
-                InputField::Weights,
-                format!(
-                    "has {} weights, but the weighted features' bags hold {expected} ids (one weight per id)",
-                    self.weights.len()
-                ),
-            ));
-        }
-        if let Some(pos) = self.weights.iter().position(|w| !w.is_finite()) {
-            return Err(InvalidInput::new(
-                InputField::Weights,
-                format!("weight {pos} is {} (weights must be finite)", self.weights[pos]),
-            ));
-        }
-        let mut sent = std::mem::take(&mut self.weights).into_iter();
-        let mut widened = Vec::with_capacity(self.ids.len());
-        for (bag, &len) in self.lengths.iter().enumerate() {
-            if weighted_bag(bag) {
-                widened.extend(sent.by_ref().take(len as usize));
-            } else {
-                widened.resize(widened.len() + len as usize, 1.0);
-            }
-        }
-        self.weights = widened;
-        Ok(())
+        let (b, layout) = (self.num_samples, self.layout);
+        let weighted_bag = |bag: usize| layout.bag_position(bag, b, num_sparse).1 >= first_weighted;
+        widen_weights(
+            &mut self.weights,
+            &self.lengths,
+            weighted_bag,
+            InputField::Weights,
+            "the weighted features'",
+        )
     }
 
     /// The request in key-major layout (every bag of feature 0 for all

@@ -13,7 +13,7 @@
 //! backend that takes only flat batches gets them expanded
 //! ([`crate::KeyedBatch::into_flat`]).
 
-use crate::invalid::{IdPolicy, InputField, InvalidInput};
+use crate::invalid::{widen_weights, IdPolicy, InputField, InvalidInput};
 use crate::schema::ModelSchema;
 
 /// A ranking request's request-level features, sent once for all its
@@ -94,7 +94,6 @@ impl RequestBlock {
             ));
         }
         let mut at = 0;
-        let mut weighted_ids = 0u64;
         for (&f, &len) in level.features.iter().zip(&self.lengths) {
             let feature = &schema.sparse[f];
             let rows = feature.num_rows as i64;
@@ -116,37 +115,19 @@ impl RequestBlock {
                 }
             }
             at += len as usize;
-            if feature.weighted {
-                weighted_ids += u64::from(len);
-            }
         }
-        let any_weighted = level.features.iter().any(|&f| schema.sparse[f].weighted);
-        if self.weights.len() as u64 != weighted_ids {
+        let weighted = |k: usize| schema.sparse[level.features[k]].weighted;
+        if (0..k).any(weighted) {
+            let whose = "the weighted request-level features'";
+            widen_weights(&mut self.weights, &self.lengths, weighted, InputField::RequestWeights, whose)?;
+        } else if !self.weights.is_empty() {
             return Err(InvalidInput::new(
                 InputField::RequestWeights,
                 format!(
-                    "has {} weights, but the weighted request-level features' bags hold {weighted_ids} ids (one weight per id)",
+                    "has {} weights, but no request-level feature is weighted: send none",
                     self.weights.len()
                 ),
             ));
-        }
-        if let Some(pos) = self.weights.iter().position(|w| !w.is_finite()) {
-            return Err(InvalidInput::new(
-                InputField::RequestWeights,
-                format!("weight {pos} is {} (weights must be finite)", self.weights[pos]),
-            ));
-        }
-        if any_weighted {
-            let mut sent = std::mem::take(&mut self.weights).into_iter();
-            let mut widened = Vec::with_capacity(self.ids.len());
-            for (&f, &len) in level.features.iter().zip(&self.lengths) {
-                if schema.sparse[f].weighted {
-                    widened.extend(sent.by_ref().take(len as usize));
-                } else {
-                    widened.resize(widened.len() + len as usize, 1.0);
-                }
-            }
-            self.weights = widened;
         }
         self.features.clone_from(&level.features);
         Ok(())

@@ -162,6 +162,21 @@ pub struct SplitSchema {
     /// requests only).
     #[serde(default)]
     pub request_level: Vec<String>,
+    /// The dense network's part that sees only the dense features
+    /// (TorchScript, `forward(dense) -> [rows, D]`), for ranking requests
+    /// whose dense features are request-level; optional, with `dense_top`.
+    #[serde(default)]
+    pub dense_bottom: Option<PathBuf>,
+    /// The rest of the dense network (TorchScript, `forward(dense
+    /// embedding, pooled) -> scores`); optional, with `dense_bottom`.
+    #[serde(default)]
+    pub dense_top: Option<PathBuf>,
+    /// `dense_top` as an AOTInductor package, FP32; optional.
+    #[serde(default)]
+    pub dense_top_package: Option<PathBuf>,
+    /// `dense_top` as an AOTInductor package, bf16; optional.
+    #[serde(default)]
+    pub dense_top_package_bf16: Option<PathBuf>,
 }
 
 /// The dense network's forms (TorchScript, the `.pt2` package) timed at
@@ -269,6 +284,10 @@ impl SplitSchema {
             dense_flops_per_sample: None,
             dense_form_timings: None,
             request_level: Vec::new(),
+            dense_bottom: None,
+            dense_top: None,
+            dense_top_package: None,
+            dense_top_package_bf16: None,
         }
     }
 

@@ -16,7 +16,9 @@
 //!   `narsil-embedding`, then the dense network), loaded once as a
 //!   [`split_model`] their lanes share.
 //! * [`dense_network`]: a split model's dense network, TorchScript or
-//!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`.
+//!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`;
+//!   [`dense_cut`]: the same network cut in two, for ranking requests
+//!   (the dense arch once per request).
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
 //! * [`device_lane`]: a split model's lane on a device (CUDA): staging
 //!   buffers, [`tensor_stage`] (tables in device memory), CUDA graphs per
@@ -29,6 +31,7 @@
 pub mod aoti_package;
 pub mod buckets;
 pub mod cuda;
+pub mod dense_cut;
 pub mod dense_network;
 pub mod device;
 pub mod device_lane;

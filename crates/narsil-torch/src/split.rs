@@ -34,6 +34,7 @@ use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
 use crate::buckets::Buckets;
+use crate::dense_cut::DenseCut;
 use crate::dense_network::DenseNetwork;
 use crate::device::split_model_device;
 use crate::device_lane::DeviceLane;
@@ -101,6 +102,11 @@ impl SplitFactory {
         let dense_network =
             DenseNetwork::load(&dir, &split, config.dense_form, config.dense_precision, runners, device)?;
         let network = dir.join(dense_network.file(&split, config.dense_precision));
+        let dense_cut = match device_path {
+            // Device lanes run the whole network (CUDA graphs per bucket).
+            true => None,
+            false => DenseCut::load(&dir, &split, dense_network.form(), config.dense_precision, runners)?,
+        };
         tracing::info!(
             model = %dir.display(),
             tables_read = opened.read,
@@ -120,6 +126,7 @@ impl SplitFactory {
             schema,
             stage,
             dense_network,
+            dense_cut,
             precision: config.dense_precision,
             device,
             device_path,
@@ -146,6 +153,12 @@ impl SplitFactory {
             .caused_by(e)
         })?;
         Ok(factory)
+    }
+
+    /// Whether its CPU lanes run ranking requests' dense arch once per
+    /// request ([`crate::dense_cut`]).
+    pub fn runs_dense_cut(&self) -> bool {
+        self.model.dense_cut.is_some()
     }
 
     /// The lane the engine would create, on the calling thread (tests).
@@ -290,10 +303,15 @@ impl SplitLane {
         // overwritten whole by the next pool.
         let (dense, pooled) = unsafe { (lent(dense, rows, batch.num_dense)?, lent(pooled, rows, width)?) };
         let (dense, pooled) = (in_precision(dense, model.precision)?, in_precision(pooled, model.precision)?);
-        let output = model
-            .dense_network
-            .forward_tensors(&[&dense, &pooled])
-            .map_err(|e| BackendError::forward("the dense network").caused_by(e))?;
+        let output = match &model.dense_cut {
+            Some(cut) if DenseCut::applies(batch) => {
+                cut.forward(batch, &pooled, |input| in_precision(input, model.precision))?
+            }
+            _ => model
+                .dense_network
+                .forward_tensors(&[&dense, &pooled])
+                .map_err(|e| BackendError::forward("the dense network").caused_by(e))?,
+        };
         // One output: [B]; several: [outputs, B], output after output as
         // the engine splits them.
         let values = rows * model.schema.outputs.len();

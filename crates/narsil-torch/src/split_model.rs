@@ -7,6 +7,7 @@ use narsil_embedding::EmbeddingStage;
 use tch::Device;
 
 use crate::buckets::Buckets;
+use crate::dense_cut::DenseCut;
 use crate::dense_network::DenseNetwork;
 use crate::precision::DensePrecision;
 use crate::tensor_stage::TensorTables;
@@ -16,6 +17,9 @@ pub(crate) struct SplitModel {
     pub(crate) schema: ModelSchema,
     pub(crate) stage: EmbeddingStage,
     pub(crate) dense_network: DenseNetwork,
+    /// The dense network cut for ranking requests, where the schema names
+    /// one and the CPU lanes run it ([`DenseCut::load`]).
+    pub(crate) dense_cut: Option<DenseCut>,
     /// The dense network's parameters and inputs: FP32, or bf16 (the
     /// pooled block and the dense features cast as they enter it; FP32
     /// accumulation in oneDNN's GEMMs; scores returned in FP32).

@@ -45,6 +45,7 @@ fn model(tables_on_device: bool, buckets: &[usize]) -> Arc<SplitModel> {
         schema: split.model_schema("torch", "cpu"),
         stage: EmbeddingStage::new(&split, stores),
         dense_network,
+        dense_cut: None,
         precision: DensePrecision::Fp32,
         device: Device::Cpu,
         device_path: true,

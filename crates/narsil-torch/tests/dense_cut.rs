@@ -1,0 +1,86 @@
+//! The dense network cut for ranking requests (`dense_bottom.pt` +
+//! `dense_top.pt` and its packages, written by `models/export_dlrm.py
+//! --split`): a lane scores a batch of ranking requests (whose dense arch
+//! then runs once per user) as it scores the same requests sent flat,
+//! within 1e-6 in FP32 (TorchScript and `.pt2`) and the bf16 bound in bf16,
+//! with flat requests fused in; a model without the cut is served whole.
+//!
+//! Needs the exported test model (`scripts/test.sh`).
+
+use std::sync::Arc;
+
+use narsil_core::golden::{max_abs_diff, test_model_dir};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{assemble, BackendFactory, KeyedBatch, RequestBlock, RequestLevel, RequestSamples};
+use narsil_torch::{cpu_bf16_instructions, DenseForm, DensePrecision, SplitFactory, TorchConfig};
+
+/// Users 1, 2 and 1 again (4, 3 and 5 candidates) and one flat request:
+/// cat_0..cat_12 and the dense features request-level.
+fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
+    let mut schema = factory.schema().clone();
+    let names: Vec<String> = (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect();
+    schema.request_level = RequestLevel::parse(names.iter().map(String::as_str), &schema).unwrap();
+    let rows = |f: usize| schema.sparse[f].num_rows as i64;
+    let limits = RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject };
+    let mut requests: Vec<RequestSamples> = [(1i64, 4usize), (2, 3), (1, 5)]
+        .into_iter()
+        .map(|(user, candidates)| {
+            let mut block = RequestBlock {
+                dense: (0..schema.num_dense).map(|d| ((user as usize * 7 + d) % 10) as f32 / 10.0).collect(),
+                ..Default::default()
+            };
+            for f in 0..13 {
+                block.lengths.push(2);
+                block.ids.extend([(user * 31 + f as i64) % rows(f), (user * 17 + 3) % rows(f)]);
+            }
+            RequestSamples {
+                num_samples: candidates,
+                ids: (0..candidates * 13).map(|i| (i as i64 * 7919) % rows(13 + i % 13)).collect(),
+                request: Some(Arc::new(block)),
+                ..Default::default()
+            }
+        })
+        .collect();
+    requests.push(RequestSamples {
+        num_samples: 2,
+        dense: (0..2 * schema.num_dense).map(|d| d as f32 / 30.0).collect(),
+        ids: (0..2 * 26).map(|i| (i as i64 * 104_729) % rows(i % 26)).collect(),
+        ..Default::default()
+    });
+    for r in &mut requests {
+        r.validate(&schema, limits).unwrap();
+    }
+    assemble(schema.num_dense, schema.num_sparse(), &requests)
+}
+
+fn grouped_scores_equal_flat(precision: DensePrecision, form: DenseForm, bound: f32) {
+    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    (config.dense_precision, config.dense_form) = (precision, form);
+    config.bf16_emulated = cpu_bf16_instructions().is_empty();
+    let factory = SplitFactory::load(config).unwrap();
+    assert!(factory.runs_dense_cut(), "the export wrote the cut ({precision}, {form})");
+    let batch = ranking_batch(&factory);
+    let mut lane = factory.lane().unwrap();
+    let grouped = lane.forward(&batch).unwrap();
+    let flat = lane.forward(&batch.clone().into_flat()).unwrap();
+    let diff = max_abs_diff(&grouped, &flat).unwrap();
+    assert!(diff <= bound, "{precision} {form}: grouped (cut) vs flat (whole network): {diff} > {bound}");
+}
+
+#[test]
+fn the_cut_scores_ranking_requests_as_the_whole_network_in_fp32() {
+    grouped_scores_equal_flat(DensePrecision::Fp32, DenseForm::TorchScript, 1e-6);
+    grouped_scores_equal_flat(DensePrecision::Fp32, DenseForm::Pt2, 1e-6);
+}
+
+#[test]
+fn the_cut_scores_ranking_requests_as_the_whole_network_in_bf16() {
+    // bf16 rounding differs between the whole network and the two parts.
+    grouped_scores_equal_flat(DensePrecision::Bf16, DenseForm::TorchScript, 2e-2);
+    if cpu_bf16_instructions().is_empty() {
+        // The exporter compiles bf16 packages only where it can run them.
+        eprintln!("skipped: the_cut_scores_ranking_requests_as_the_whole_network_in_bf16 (.pt2): no bf16 instructions");
+        return;
+    }
+    grouped_scores_equal_flat(DensePrecision::Bf16, DenseForm::Pt2, 2e-2);
+}
