@@ -58,7 +58,7 @@ from extract_split import extract
 from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 6
+EXPORT_FORMAT = 7
 
 
 def log(msg: str) -> None:

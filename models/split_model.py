@@ -76,58 +76,55 @@ class DenseNetwork(nn.Module):
 
 
 class BottomNetwork(nn.Module):
-    """DenseNetwork's dense arch alone: `forward(dense) -> [B, D]` FP32, in
-    the dtype of the over arch's weights (as DenseNetwork computes it). A
-    ranking request whose dense features are request-level runs it once,
-    on its user's dense row, instead of once per candidate."""
+    """A dense network's dense arch alone (`forward(dense) -> [B, D]`,
+    FP32), for a network whose forward starts with `self.dense_arch(dense)`
+    (DLRM, DLRM_DCN, the two-task model). A ranking request whose dense
+    features are request-level runs it once, on its user's dense row,
+    instead of once per candidate. Inputs come in the network's dtype, as
+    Narsil casts them."""
 
-    def __init__(self, dlrm: nn.Module) -> None:
+    def __init__(self, network: nn.Module) -> None:
         super().__init__()
-        self.dense_arch = dlrm.dense_arch
-        # Its weights' dtype is the arithmetic's (bf16 models cast it too).
-        self.last = dlrm.over_arch.model[-1]
+        self.dense_arch = network.dense_arch
 
     def forward(self, dense: torch.Tensor) -> torch.Tensor:
-        return self.dense_arch(dense.to(self.last.weight.dtype)).float()
+        return self.dense_arch(dense).float()
 
 
-class TopNetwork(nn.Module):
-    """DenseNetwork after its dense arch: `forward(dense_embedding [B, D],
-    pooled) -> scores`, so that `TopNetwork(BottomNetwork(dense), pooled)`
-    is DenseNetwork's forward (bf16's embedding round-trips through FP32
-    exactly)."""
-
-    def __init__(self, dlrm: nn.Module, num_features: int) -> None:
-        super().__init__()
-        self.over_arch = dlrm.over_arch
-        self.num_vectors = num_features + 1
-        self.dim = dlrm.sparse_arch.D
-        rows, cols = torch.triu_indices(self.num_vectors, self.num_vectors, 1)
-        self.register_buffer("upper_triangle", rows * self.num_vectors + cols)
-
-    def forward(self, dense_embedding: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        dtype = self.over_arch.model[-1].weight.dtype
-        dense_embedding = dense_embedding.to(dtype)
-        batch = dense_embedding.shape[0]
-        vectors = torch.cat([dense_embedding, pooled.to(dtype)], dim=1).view(batch, self.num_vectors, self.dim)
-        products = torch.bmm(vectors, vectors.transpose(1, 2)).view(batch, -1)
-        interactions = torch.index_select(products, 1, self.upper_triangle)
-        logits = self.over_arch(torch.cat([dense_embedding, interactions], dim=1))
-        return torch.sigmoid(logits.float()).reshape(-1)
+def with_child(module: nn.Module, name: str, child: nn.Module) -> nn.Module:
+    """A shallow copy of `module` whose submodule `name` is `child` (the
+    others, and `module` itself, untouched)."""
+    copied = copy.copy(module)
+    copied._modules = type(module._modules)(module._modules)
+    setattr(copied, name, child)
+    return copied
 
 
-def write_dense_cut(out: Path, dlrm: nn.Module, dense_network: nn.Module, num_dense: int, num_features: int,
-                    pt2: bool, log) -> dict:
-    """DenseNetwork cut in two for ranking requests: `dense_bottom.pt` (the
+def top_of(network: nn.Module) -> nn.Module:
+    """`network` after its dense arch: the same forward with the dense arch
+    replaced by the identity, so `forward(dense_embedding, pooled)`
+    (through a WireOrderPooled wrapper too); `top_of(n)(BottomNetwork(n)(dense),
+    pooled)` is `n(dense, pooled)`."""
+    if isinstance(network, WireOrderPooled):
+        return with_child(network, "inner", top_of(network.inner))
+    return with_child(network, "dense_arch", nn.Identity())
+
+
+def write_dense_cut(out: Path, network: nn.Module, num_dense: int, pooled_width: int, pt2: bool, log) -> dict:
+    """`network` cut in two for ranking requests: `dense_bottom.pt` (its
     dense arch, TorchScript) and `dense_top.pt` (the rest; with `pt2` its
     packages too), checked to score as the whole network; the schema's
-    fields naming them."""
-    bottom, top = BottomNetwork(dlrm).eval(), TopNetwork(dlrm, num_features).eval()
-    dim = dlrm.sparse_arch.D
+    fields naming them (none for a network without a dense arch)."""
+    inner = network.inner if isinstance(network, WireOrderPooled) else network
+    if not hasattr(inner, "dense_arch"):
+        log("no dense network cut: the dense network has no dense arch of its own")
+        return {}
+    bottom, top = BottomNetwork(inner).eval(), top_of(network).eval()
     with torch.inference_mode():
+        dim = bottom(torch.randn(2, num_dense)).shape[1]
         for batch in (1, 7, 100):
-            dense, pooled = torch.randn(batch, num_dense), torch.rand(batch, num_features * dim)
-            diff = (top(bottom(dense), pooled) - dense_network(dense, pooled)).abs().max().item()
+            dense, pooled = torch.randn(batch, num_dense), torch.rand(batch, pooled_width)
+            diff = (top(bottom(dense), pooled) - network(dense, pooled)).abs().max().item()
             if diff > 1e-6:
                 raise SystemExit(f"dense network cut check failed: {diff} from the whole network at {batch} rows")
     torch.jit.script(bottom).save(str(out / "dense_bottom.pt"))
@@ -135,8 +132,7 @@ def write_dense_cut(out: Path, dlrm: nn.Module, dense_network: nn.Module, num_de
     fields = {"dense_bottom": "dense_bottom.pt", "dense_top": "dense_top.pt"}
     if pt2:
         for precision in ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]:
-            name, _ = write_dense_package(out, top, dim, num_features * dim, log, precision=precision,
-                                          stem="dense_top")
+            name, _ = write_dense_package(out, top, dim, pooled_width, log, precision=precision, stem="dense_top")
             fields["dense_top_package" if precision == "fp32" else f"dense_top_package_{precision}"] = name
     log(f"wrote the dense network cut for ranking requests ({', '.join(fields.values())})")
     return fields
@@ -243,7 +239,7 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     dense_network = torch.jit.script(dense_module)
     dense_network.save(str(out / "dense.pt"))
     packages = write_dense_packages(out, dense_module, num_dense, len(keys) * dim, log) if pt2 else {}
-    packages.update(write_dense_cut(out, dlrm, dense_module, num_dense, len(keys), pt2, log))
+    packages.update(write_dense_cut(out, dense_module, num_dense, len(keys) * dim, pt2, log))
     from safetensors.torch import save_file
     save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
@@ -573,6 +569,7 @@ def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Mod
     wrapped = torch.jit.script(in_wire_order)
     wrapped.save(str(out / "dense.pt"))
     packages = write_dense_packages(out, in_wire_order, num_dense, len(wire_features) * dim, log) if pt2 else {}
+    packages.update(write_dense_cut(out, in_wire_order, num_dense, len(wire_features) * dim, pt2, log))
     schema = {
         "format": SPLIT_FORMAT, "name": name, "version": version, "num_dense": num_dense,
         "tables": described,

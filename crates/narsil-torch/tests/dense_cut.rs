@@ -1,9 +1,10 @@
 //! The dense network cut for ranking requests (`dense_bottom.pt` +
 //! `dense_top.pt` and its packages, written by `models/export_dlrm.py
-//! --split`): a lane scores a batch of ranking requests (whose dense arch
-//! then runs once per user) as it scores the same requests sent flat,
-//! within 1e-6 in FP32 (TorchScript and `.pt2`) and the bf16 bound in bf16,
-//! with flat requests fused in; a model without the cut is served whole.
+//! --split` and `models/export_torchrec.py --split`): a lane scores a
+//! batch of ranking requests (whose dense arch then runs once per user) as
+//! it scores the same requests sent flat, within 1e-6 in FP32 (TorchScript
+//! and `.pt2`) and the bf16 bound in bf16, with flat requests fused in; for
+//! the DLRM and TorchRec's DLRM, DLRM_DCN and two-task models.
 //!
 //! Needs the exported test model (`scripts/test.sh`).
 
@@ -33,20 +34,36 @@ fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
                 block.lengths.push(2);
                 block.ids.extend([(user * 31 + f as i64) % rows(f), (user * 17 + 3) % rows(f)]);
             }
-            RequestSamples {
+            let mut request = RequestSamples {
                 num_samples: candidates,
-                ids: (0..candidates * 13).map(|i| (i as i64 * 7919) % rows(13 + i % 13)).collect(),
                 request: Some(Arc::new(block)),
                 ..Default::default()
+            };
+            for c in 0..candidates {
+                for f in 13..schema.num_sparse() {
+                    request.ids.push((c as i64 * 7919 + f as i64) % rows(f));
+                    if schema.sparse[f].weighted {
+                        request.weights.push(0.5 + c as f32);
+                    }
+                }
             }
+            request
         })
         .collect();
-    requests.push(RequestSamples {
+    let mut flat = RequestSamples {
         num_samples: 2,
         dense: (0..2 * schema.num_dense).map(|d| d as f32 / 30.0).collect(),
-        ids: (0..2 * 26).map(|i| (i as i64 * 104_729) % rows(i % 26)).collect(),
         ..Default::default()
-    });
+    };
+    for s in 0..2 {
+        for f in 0..schema.num_sparse() {
+            flat.ids.push((s as i64 * 104_729 + f as i64) % rows(f));
+            if schema.sparse[f].weighted {
+                flat.weights.push(1.5);
+            }
+        }
+    }
+    requests.push(flat);
     for r in &mut requests {
         r.validate(&schema, limits).unwrap();
     }
@@ -54,7 +71,16 @@ fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
 }
 
 fn grouped_scores_equal_flat(precision: DensePrecision, form: DenseForm, bound: f32) {
-    let mut config = TorchConfig::new(test_model_dir().join("split"));
+    grouped_scores_equal_flat_for(test_model_dir().join("split"), precision, form, bound);
+}
+
+fn grouped_scores_equal_flat_for(
+    dir: std::path::PathBuf,
+    precision: DensePrecision,
+    form: DenseForm,
+    bound: f32,
+) {
+    let mut config = TorchConfig::new(dir);
     (config.dense_precision, config.dense_form) = (precision, form);
     config.bf16_emulated = cpu_bf16_instructions().is_empty();
     let factory = SplitFactory::load(config).unwrap();
@@ -63,6 +89,7 @@ fn grouped_scores_equal_flat(precision: DensePrecision, form: DenseForm, bound: 
     let mut lane = factory.lane().unwrap();
     let grouped = lane.forward(&batch).unwrap();
     let flat = lane.forward(&batch.clone().into_flat()).unwrap();
+    assert_eq!(grouped.len(), batch.rows * factory.schema().outputs.len());
     let diff = max_abs_diff(&grouped, &flat).unwrap();
     assert!(diff <= bound, "{precision} {form}: grouped (cut) vs flat (whole network): {diff} > {bound}");
 }
@@ -83,4 +110,15 @@ fn the_cut_scores_ranking_requests_as_the_whole_network_in_bf16() {
         return;
     }
     grouped_scores_equal_flat(DensePrecision::Bf16, DenseForm::Pt2, 2e-2);
+}
+
+#[test]
+fn the_cut_of_torchrec_models_scores_ranking_requests_as_the_whole_network() {
+    let torchrec =
+        |kind: &str| test_model_dir().with_file_name(format!("test-torchrec-{kind}")).join("split");
+    grouped_scores_equal_flat_for(torchrec("dlrm"), DensePrecision::Fp32, DenseForm::TorchScript, 1e-6);
+    for kind in ["dcn", "multitask"] {
+        grouped_scores_equal_flat_for(torchrec(kind), DensePrecision::Fp32, DenseForm::TorchScript, 1e-6);
+        grouped_scores_equal_flat_for(torchrec(kind), DensePrecision::Fp32, DenseForm::Pt2, 1e-6);
+    }
 }
