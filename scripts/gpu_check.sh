@@ -23,7 +23,9 @@
 # within 1e-5, bf16 within 2e-2 of the golden scores), alone (one client)
 # and fused (8 clients at once): tables in GPU memory and on the host, CUDA
 # graphs on and off, and --stage-ahead on with 2 lanes (the copy stream,
-# events and double buffer).
+# events and double buffer); in each, ranking requests (the user's features
+# once: the tensor stage's gather, or the host stage's broadcast) against
+# their flat twins, within the same tolerance.
 # Phase B (<= NARSIL_GPU_PHASE_B_SECS, 180): `narsil load`, 100 samples a
 # request, c1/c16/c64/c256, batch mode (2 lanes, stage ahead) and worker
 # mode (16 lanes), on 26 x NARSIL_GPU_CHECK_ROWS (100,000) x 64 INT8 tables
@@ -148,7 +150,7 @@ parity() { # name precision tables(device|host) [VAR=VALUE ...] -- FLAGS...
   TOLERANCE=$([ "$precision" = bf16 ] && echo 2e-2 || echo 1e-5)
   budget=$([ "$tables" = device ] && echo 17179869184 || echo 0)
   if [ "$precision" = bf16 ] && [ -n "$DRY" ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
-    row "| $name | $precision | $tables | skipped: this CPU has no bf16 instructions (dry run) | | | |"
+    row "| $name | $precision | $tables | skipped: this CPU has no bf16 instructions (dry run) | | | | |"
     return 0
   fi
   start_server "$name" NARSIL_DEVICE_TABLE_BYTES="$budget" "$@" --backend torch --model "$MODEL" \
@@ -171,8 +173,29 @@ parity() { # name precision tables(device|host) [VAR=VALUE ...] -- FLAGS...
       failed "[$name] parity fused, client $((i + 1)): $(tail -2 "$WORK/verify-$name-$((i + 1)).log" | tr '\n' ' ')"
     fi
   done
-  row "| $name | $precision | $tables | ${alone//|/} | $fused | $TOLERANCE | $GRAPHS |"
+  row "| $name | $precision | $tables | ${alone//|/} | $fused | $(ranking "$name") | $TOLERANCE | $GRAPHS |"
   stop_server
+}
+
+# Ranking requests on the running server (the test model declares cat_0 to
+# cat_12 and the dense features request-level): 48 grouped requests of 200
+# candidates, 4 at once, each answer compared with its flat twin's scores
+# (narsil load --compare-flat); prints the largest difference, or FAILED.
+ranking() { # name
+  local name=$1 out="$WORK/ranking-$1.json" diff
+  if ! narsil_run 60 load --addr "http://$ADDR" --candidates 200 --ranking-form grouped --compare-flat 16 \
+      --requests 48 --warmup 0 --concurrency 4 --json > "$out" 2> "$WORK/ranking-$name.log"; then
+    failed "[$name] ranking requests: $(tail -2 "$WORK/ranking-$name.log" | tr '\n' ' ')"
+    echo FAILED
+    return 0
+  fi
+  diff="$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["max_abs_diff_vs_flat"])' "$out" 2>&1)"
+  if python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= float(sys.argv[2]) else 1)' "$diff" "$TOLERANCE" 2>/dev/null; then
+    echo "ok (max diff $diff)"
+  else
+    failed "[$name] ranking requests: grouped vs flat max |diff| $diff > $TOLERANCE"
+    echo FAILED
+  fi
 }
 
 phase_a() {
@@ -181,8 +204,8 @@ phase_a() {
   [ -n "$DRY" ] && graphs=(NARSIL_CUDA_GRAPH_BUCKETS=128,256,512,1024)
   row ""
   row "## A. golden parity on $DEVICE (narsil verify against golden.json, int8 tables; fused: 8 clients at once)"
-  row "| section | precision | tables | alone | fused | tolerance | CUDA graphs (the server's log) |"
-  row "|---|---|---|---|---|---|---|"
+  row "| section | precision | tables | alone | fused | ranking: grouped vs flat | tolerance | CUDA graphs (the server's log) |"
+  row "|---|---|---|---|---|---|---|---|"
   parity fp32-device fp32 device "${graphs[@]}" --
   parity fp32-host fp32 host "${graphs[@]}" --
   parity bf16-device bf16 device "${graphs[@]}" --
