@@ -149,9 +149,12 @@ async fn a_single_file_model_takes_grouped_requests_made_flat() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_request_blocks_are_refused_naming_the_field() {
     let factory = || Arc::new(SplitFactory::load(split_config()).unwrap());
-    let server = start_with(factory(), config()).await.ready().await;
+    let mut limited = config();
+    limited.limits.max_samples = 400;
+    let server = start_with(factory(), limited).await.ready().await;
     let mut client = server.client().await;
     let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    assert_eq!(info.max_batch_size, 400);
     let (grouped, _) = ranking(&info, 5, 3);
     let refused = |edit: &dyn Fn(&mut PredictRequest)| {
         let mut request = grouped.clone();
@@ -168,6 +171,9 @@ async fn bad_request_blocks_are_refused_naming_the_field() {
         ("sparse_lengths", refused(&|r| r.sparse_lengths = vec![1; 3 * 26])),
         ("batch_size", refused(&|r| r.batch_size = 0)),
     ];
+    // The candidates count against --max-request-samples, as samples do.
+    let (too_many, _) = ranking(&info, 5, info.max_batch_size as usize + 1);
+    let cases = cases.into_iter().chain([("batch_size", too_many)]);
     for (field, request) in cases {
         let status = client.predict(request).await.unwrap_err();
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}: {status:?}");
