@@ -3,6 +3,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::ValueEnum;
@@ -11,9 +12,11 @@ use narsil_engine::{EngineConfig, ExecutionMode, MemoryBudget};
 
 use crate::flags::backend::BackendArgs;
 use crate::flags::serve_flag;
+use crate::lifecycle::control_token::ControlToken;
 use crate::lifecycle::repository::{self, VersionPolicy};
 use crate::lifecycle::watcher::Repository;
-use crate::server::{bound, Listen, RepositoryServe, Server};
+use crate::server::tls::GrpcTls;
+use crate::server::{bound, is_loopback, open_control_refused, Listen, RepositoryServe, Server};
 
 /// `--execution-mode`: the engine's modes, by name.
 fn execution_mode() -> impl clap::builder::TypedValueParser<Value = ExecutionMode> {
@@ -73,8 +76,16 @@ pub struct ServeArgs {
     pub default_model: Option<String>,
     /// Turn on the load/unload calls on --metrics-addr (`POST /v1/models/…`);
     /// listing (`GET /v1/models`) is always on.
+    /// Without --control-token-file they are open to anyone who reaches
+    /// --metrics-addr, which must then be a loopback address.
     #[arg(long, env = "NARSIL_MODEL_CONTROL", requires_all = ["model_repository", "metrics_addr"])]
     pub model_control: bool,
+    /// File holding the token the --model-control calls must present as
+    /// `Authorization: Bearer <token>` (its trailing line end is not part of
+    /// it); read once at start. Calls without it get 401, with another
+    /// token 403. Listing, /metrics and /healthz stay open.
+    #[arg(long, env = "NARSIL_CONTROL_TOKEN_FILE", value_name = "PATH", requires = "model_control")]
+    pub control_token_file: Option<PathBuf>,
     /// Execution mode.
     #[arg(long, env = "NARSIL_EXECUTION_MODE", default_value = "batch", value_parser = execution_mode())]
     pub execution_mode: ExecutionMode,
@@ -126,6 +137,19 @@ pub struct ServeArgs {
     /// Largest gRPC message accepted, bytes; larger ones get INVALID_ARGUMENT.
     #[arg(long, env = "NARSIL_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
+    /// PEM certificate (chain) to serve gRPC (--addr) over TLS with; needs
+    /// --tls-key. Every protocol is then TLS only. Unset: plaintext (h2c).
+    /// Read once at start.
+    #[arg(long, env = "NARSIL_TLS_CERT", value_name = "PATH", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "NARSIL_TLS_KEY", value_name = "PATH", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// PEM CA certificate(s) for mutual TLS on --addr: a client must present
+    /// a certificate signed by one of them, or is refused at the handshake.
+    /// Needs --tls-cert.
+    #[arg(long, env = "NARSIL_TLS_CLIENT_CA", value_name = "PATH", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
     /// Address to serve Prometheus metrics on (`GET /metrics`); unset: no
     /// metrics endpoint.
     #[arg(long, env = "NARSIL_METRICS_ADDR")]
@@ -262,7 +286,37 @@ impl ServeArgs {
             default_model: self.default_model.clone(),
             poll,
             control: self.model_control,
+            control_token: self.control_token()?,
         }))
+    }
+
+    /// TLS for the gRPC listener from `--tls-cert`, `--tls-key` and
+    /// `--tls-client-ca`, read and checked now; none without them.
+    pub fn grpc_tls(&self) -> anyhow::Result<Option<GrpcTls>> {
+        match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => Ok(Some(GrpcTls::read(cert, key, self.tls_client_ca.as_deref())?)),
+            (None, None) if self.tls_client_ca.is_none() => Ok(None),
+            _ => anyhow::bail!("--tls-cert and --tls-key go together (and --tls-client-ca needs them)"),
+        }
+    }
+
+    /// The model-control token from `--control-token-file`, read now; none
+    /// without the flag, which `--model-control` allows only on a loopback
+    /// `--metrics-addr` (and says once that the calls are open).
+    pub fn control_token(&self) -> anyhow::Result<Option<Arc<ControlToken>>> {
+        if let Some(path) = &self.control_token_file {
+            return Ok(Some(Arc::new(ControlToken::read(path)?)));
+        }
+        if self.model_control {
+            if let Some(admin) = self.metrics_addr.filter(|&addr| !is_loopback(addr)) {
+                anyhow::bail!("{}", open_control_refused(admin));
+            }
+            tracing::warn!(
+                "model control is open: no --control-token-file, so any local process that reaches \
+                 --metrics-addr can load and unload models"
+            );
+        }
+        Ok(None)
     }
 }
 
@@ -278,6 +332,7 @@ impl ServeArgs {
 pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine_config()?;
     let drain_grace = args.drain_grace()?;
+    let tls = args.grpc_tls()?;
     let listen = Listen {
         addr: args.addr,
         metrics_addr: args.metrics_addr,
@@ -297,6 +352,10 @@ pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
                 batch_size = config.max_batch_requests, "starting");
             Server::start(listen, args.backend.build()?, config).await?
         }
+    };
+    let server = match tls {
+        Some(tls) => server.with_tls(tls),
+        None => server,
     };
     if let Some(path) = &args.bound_addresses_file {
         bound::write(path, &server.bound_addresses())?;
@@ -380,6 +439,21 @@ mod tests {
         assert_eq!(config.queue_timeout, Some(Duration::from_micros(2500)));
         let err = serve(&["--queue-timeout-ms", "0"]).engine_config().unwrap_err();
         assert!(err.to_string().contains("--queue-timeout-ms"), "{err}");
+    }
+
+    #[test]
+    fn tls_files_that_cannot_be_read_or_used_are_refused_naming_the_flag() {
+        let err = serve(&["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"])
+            .grpc_tls()
+            .unwrap_err();
+        assert!(format!("{err:#}").contains("cannot read --tls-cert /nonexistent/cert.pem"), "{err:#}");
+        let junk = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(junk.path(), "not a PEM file").unwrap();
+        let path = junk.path().to_str().unwrap();
+        let err = serve(&["--tls-cert", path, "--tls-key", path]).grpc_tls().unwrap_err();
+        assert!(format!("{err:#}").contains("cannot serve TLS with --tls-cert, --tls-key"), "{err:#}");
+        assert!(serve(&[]).grpc_tls().unwrap().is_none());
+        assert!(Cli::try_parse_from(["narsil", "serve", "--tls-cert", path]).is_err(), "needs --tls-key");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Model control over HTTP on the admin (`--metrics-addr`) address:
 //!
-//! * `GET  /v1/models`: every model, its versions and their states (always on).
+//! * `GET  /v1/models`: every model, its versions and their states (always
+//!   on, never behind the token).
 //! * `POST /v1/repository/scan`: look at the repository now.
 //! * `POST /v1/models/{model}/load`: serve the model again after an unload
 //!   (its versions per the version policy).
@@ -12,18 +13,31 @@
 //!
 //! The POST calls change what is served, so they answer 403 unless the
 //! server runs with `--model-control` (which needs `--model-repository`: a
-//! server of one fixed `--model` always answers 403). Each answers once the repository has been reconciled, with the
-//! model's status as JSON: 200 when the call's goal was reached, 422 (with
-//! the failure in the version's `error`) when a load failed.
+//! server of one fixed `--model` always answers 403). Each answers once the
+//! repository has been reconciled, with the model's status as JSON: 200
+//! when the call's goal was reached, 422 (with the failure in the version's
+//! `error`) when a load failed.
+//!
+//! Every POST passes the door (`door`) first, before any work and never
+//! queued behind a scan or a load in progress: a body over
+//! [`MAX_CONTROL_BODY_BYTES`] is refused with 413; with a token
+//! (`--control-token-file`, [`ControlToken`]), a call without
+//! `Authorization: Bearer <token>` gets 401 and one with another token 403,
+//! both with the body `unauthorized` and nothing else, and both counted in
+//! `narsil_control_unauthorized_total{reason}` (`missing`, `wrong`).
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
-use axum::http::{header::CONTENT_TYPE, StatusCode};
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, WWW_AUTHENTICATE};
+use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
+use super::control_token::ControlToken;
 use super::registry::{ModelRegistry, ModelStatus, OperatorMarks, VersionState};
 use super::watcher::RescanHandle;
 
@@ -36,18 +50,76 @@ pub struct ModelControl {
     pub rescan: Option<RescanHandle>,
     /// `--model-control`: whether the POST calls may change anything.
     pub enabled: bool,
+    /// `--control-token-file`: the token every POST must present; none:
+    /// open (allowed on a loopback admin address only).
+    pub token: Option<Arc<ControlToken>>,
 }
+
+/// Largest body a control call may carry (they need none), bytes.
+pub const MAX_CONTROL_BODY_BYTES: usize = 64 << 10;
 
 /// The control routes.
 pub fn routes(control: ModelControl) -> Router {
     Router::new()
-        .route("/v1/models", get(list))
         .route("/v1/repository/scan", post(scan))
         .route("/v1/models/{model}/load", post(load_model))
         .route("/v1/models/{model}/unload", post(unload_model))
         .route("/v1/models/{model}/versions/{version}/load", post(load_version))
         .route("/v1/models/{model}/versions/{version}/unload", post(unload_version))
+        // Every route above, and none below, passes the door first.
+        .route_layer(middleware::from_fn_with_state(control.clone(), door))
+        .route("/v1/models", get(list))
         .with_state(control)
+}
+
+/// The token a call presents: `Authorization: Bearer <token>` (the scheme
+/// in any case); none for a missing header or another scheme.
+fn presented(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(AUTHORIZATION)?.as_bytes();
+    let (scheme, token) = value.split_at_checked(7)?;
+    scheme.eq_ignore_ascii_case(b"bearer ").then(|| token.trim_ascii())
+}
+
+fn unauthorized(status: StatusCode) -> Response {
+    let mut response = (status, "unauthorized").into_response();
+    if status == StatusCode::UNAUTHORIZED {
+        response.headers_mut().insert(WWW_AUTHENTICATE, "Bearer".parse().expect("a valid header value"));
+    }
+    response
+}
+
+fn too_large() -> Response {
+    let message = format!("a control call's body may hold at most {MAX_CONTROL_BODY_BYTES} bytes");
+    error(StatusCode::PAYLOAD_TOO_LARGE, message)
+}
+
+/// What every POST passes before its handler: the body's size, then the
+/// token. Cheap (a header or two and one hash), and run on the call's own
+/// connection task, so a refusal never waits for a scan or a load.
+async fn door(State(control): State<ModelControl>, request: Request, next: Next) -> Response {
+    let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|bytes| bytes > MAX_CONTROL_BODY_BYTES as u64) {
+        return too_large();
+    }
+    if let Some(token) = &control.token {
+        match presented(request.headers()) {
+            None => {
+                control.registry.count_control_unauthorized("missing");
+                return unauthorized(StatusCode::UNAUTHORIZED);
+            }
+            Some(candidate) if !token.matches(candidate) => {
+                control.registry.count_control_unauthorized("wrong");
+                return unauthorized(StatusCode::FORBIDDEN);
+            }
+            Some(_) => {}
+        }
+    }
+    // A chunked body declares no length: read at most the limit of it.
+    let (parts, body) = request.into_parts();
+    let Ok(bytes) = axum::body::to_bytes(body, MAX_CONTROL_BODY_BYTES).await else {
+        return too_large();
+    };
+    next.run(Request::from_parts(parts, Body::from(bytes))).await
 }
 
 fn json(status: StatusCode, body: &impl serde::Serialize) -> Response {

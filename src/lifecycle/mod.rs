@@ -3,9 +3,11 @@
 //! and versions being served ([`registry`]), the watcher that loads,
 //! switches and retires versions ([`watcher`]), the task that stops a
 //! retired version once its last request is answered ([`reaper`]), and the
-//! HTTP control calls ([`control`]).
+//! HTTP control calls ([`control`]) and the token that guards them
+//! ([`control_token`]).
 
 pub mod control;
+pub mod control_token;
 pub mod loader;
 pub mod reaper;
 pub mod registry;

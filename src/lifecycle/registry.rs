@@ -153,6 +153,7 @@ struct RegistryMetrics {
     unrouted: Family<Labels, Counter>,
     tables_held: Gauge,
     table_bytes_held: Gauge,
+    control_unauthorized: Family<Labels, Counter>,
 }
 
 impl RegistryMetrics {
@@ -173,7 +174,13 @@ impl RegistryMetrics {
             "Bytes of the embedding tables held by the process, in memory or mapped (shared tables once)",
             table_bytes_held.clone(),
         );
-        Self { registry, loads, versions, unrouted, tables_held, table_bytes_held }
+        let control_unauthorized = Family::default();
+        registry.register(
+            "control_unauthorized",
+            "Model-control calls refused for their token, by reason (missing, wrong)",
+            control_unauthorized.clone(),
+        );
+        Self { registry, loads, versions, unrouted, tables_held, table_bytes_held, control_unauthorized }
     }
 }
 
@@ -437,6 +444,12 @@ impl ModelRegistry {
     /// The overall half of [`Self::health`].
     pub fn ready(&self) -> bool {
         self.health().0
+    }
+
+    /// Counts a model-control call refused for its token: `reason` is
+    /// `missing` (401) or `wrong` (403).
+    pub fn count_control_unauthorized(&self, reason: &'static str) {
+        self.metrics.control_unauthorized.get_or_create(&labels(&[("reason", reason)])).inc();
     }
 
     /// Every ready version's metrics, labelled by model and version, and the

@@ -2,7 +2,8 @@
 //! served model's metrics as OpenMetrics text; `GET /healthz` answers 200
 //! while grpc.health's overall status is SERVING and 503 otherwise (for
 //! balancers that check over HTTP, like HAProxy); `/v1/models…` lists and
-//! controls models ([`crate::lifecycle::control`]).
+//! controls models ([`crate::lifecycle::control`], whose calls that change
+//! what is served pass its token check first).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -3,7 +3,10 @@
 //! until asked to stop, then drain.
 //!
 //! The admin address (`--metrics-addr`) serves metrics, `/healthz` and the
-//! model calls over HTTP until the drain is over.
+//! model calls over HTTP until the drain is over; the calls that change what
+//! is served need the `--control-token-file` token, and without one a
+//! repository server refuses to open them on a non-loopback address. The
+//! gRPC listener serves plaintext, or TLS and mutual TLS ([`tls`]).
 //!
 //! Health ([`health`]: `grpc.health.v1`, and `/healthz`) says NOT_SERVING
 //! until every model that should serve has a warm version, then follows
@@ -23,6 +26,7 @@ pub mod bound;
 pub mod drain;
 pub mod health;
 pub mod signal;
+pub mod tls;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -37,7 +41,9 @@ use tonic::transport::server::TcpIncoming;
 
 use self::drain::Drain;
 use self::health::Health;
+use self::tls::GrpcTls;
 use crate::lifecycle::control::ModelControl;
+use crate::lifecycle::control_token::ControlToken;
 use crate::lifecycle::watcher::{Repository, Watcher};
 use crate::lifecycle::ModelRegistry;
 use crate::protocols::infer::Infer;
@@ -67,6 +73,9 @@ pub struct RepositoryServe {
     pub poll: Option<Duration>,
     /// Whether the load/unload control calls are on.
     pub control: bool,
+    /// The token the control calls must present; none: open, which only a
+    /// loopback admin address allows.
+    pub control_token: Option<Arc<ControlToken>>,
 }
 
 /// What the server serves.
@@ -75,7 +84,12 @@ enum Served {
     /// fails to load, the server stops.
     Fixed(EngineHandle),
     /// A repository, whose versions the watcher loads and switches.
-    Repository { watcher: Box<Watcher>, poll: Option<Duration>, control: bool },
+    Repository {
+        watcher: Box<Watcher>,
+        poll: Option<Duration>,
+        control: bool,
+        control_token: Option<Arc<ControlToken>>,
+    },
 }
 
 /// Bound listeners and started models, ready to serve.
@@ -88,6 +102,22 @@ pub struct Server {
     /// The bound on request memory every engine shares.
     memory: MemoryBudget,
     drain_grace: Duration,
+    /// TLS on the gRPC listener; none: plaintext (h2c).
+    tls: Option<GrpcTls>,
+}
+
+/// Whether `addr` is a loopback address (IPv4-mapped IPv6 ones included).
+pub fn is_loopback(addr: SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
+}
+
+/// Why model control without a token may not listen on `admin`.
+pub fn open_control_refused(admin: SocketAddr) -> String {
+    format!(
+        "--model-control on --metrics-addr {admin}, which is not a loopback address, needs \
+         --control-token-file (NARSIL_CONTROL_TOKEN_FILE): a file holding the token the control \
+         calls must present as `Authorization: Bearer <token>` (docs/guide/security.md)"
+    )
 }
 
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
@@ -127,6 +157,7 @@ impl Server {
             max_message_bytes: listen.max_message_bytes,
             memory,
             drain_grace: Duration::ZERO,
+            tls: None,
         })
     }
 
@@ -152,6 +183,11 @@ impl Server {
             }
         };
         let (listener, metrics_listener) = bind_all(listen).await?;
+        if let Some(admin) = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+            if repository.control && repository.control_token.is_none() && !is_loopback(admin) {
+                anyhow::bail!("{}", open_control_refused(admin));
+            }
+        }
         let models = ModelRegistry::new(default_model);
         let memory = repository.repository.engine.memory.clone();
         let watcher = Box::new(Watcher::new(repository.repository, Arc::clone(&models)));
@@ -159,10 +195,16 @@ impl Server {
             listener,
             metrics_listener,
             models,
-            served: Served::Repository { watcher, poll: repository.poll, control: repository.control },
+            served: Served::Repository {
+                watcher,
+                poll: repository.poll,
+                control: repository.control,
+                control_token: repository.control_token,
+            },
             max_message_bytes: listen.max_message_bytes,
             memory,
             drain_grace: Duration::ZERO,
+            tls: None,
         })
     }
 
@@ -171,6 +213,13 @@ impl Server {
     /// closes and the drain begins, so that load balancers stop sending first.
     pub fn with_drain_grace(mut self, grace: Duration) -> Self {
         self.drain_grace = grace;
+        self
+    }
+
+    /// Serves gRPC over TLS ([`tls`]: a certificate, and a client CA for
+    /// mutual TLS) instead of plaintext.
+    pub fn with_tls(mut self, tls: GrpcTls) -> Self {
+        self.tls = Some(tls);
         self
     }
 
@@ -232,7 +281,8 @@ impl Server {
                 }
             }
         });
-        let mut control = ModelControl { registry: Arc::clone(&models), rescan: None, enabled: false };
+        let mut control =
+            ModelControl { registry: Arc::clone(&models), rescan: None, enabled: false, token: None };
         let watcher_task = match self.served {
             Served::Fixed(handle) => {
                 let drain = drain.clone();
@@ -243,10 +293,11 @@ impl Server {
                 });
                 None
             }
-            Served::Repository { watcher, poll, control: enabled } => {
+            Served::Repository { watcher, poll, control: enabled, control_token } => {
                 let (rescan, task) = watcher.spawn(poll, drain.draining());
                 control.rescan = Some(rescan);
                 control.enabled = enabled;
+                control.token = control_token;
                 Some(task)
             }
         };
@@ -266,14 +317,23 @@ impl Server {
                 }
             }
         };
-        tracing::info!(%addr, "listening");
+        let tls = match &self.tls {
+            None => "off",
+            Some(tls) if tls.mutual => "mutual",
+            Some(_) => "on",
+        };
+        tracing::info!(%addr, tls, "listening");
         let admin = self.metrics_listener.map(|listener| {
             let admin = listener.local_addr().expect("bound");
             tracing::info!(addr = %admin, "serving /metrics, /healthz and /v1/models");
             tokio::spawn(admin_http::serve(listener, control, health.serving(), drain.drained()))
         });
         let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
-        let served = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.tls {
+            builder = builder.tls_config(tls.config).context("cannot serve TLS")?;
+        }
+        let served = builder
             .layer(message_limit::layer(Arc::clone(&models)))
             .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models), &protocols::PROTOCOLS))
             .add_routes(routes)

@@ -1,0 +1,212 @@
+//! gRPC over TLS on loopback, with certificates made in the test (rcgen): a
+//! client trusting the CA is served, a plaintext client is not; with a
+//! client CA (mutual TLS), a client without a certificate, or with one
+//! another CA signed, is refused at the handshake. The server is the mock
+//! backend in the test's runtime; `narsil serve --tls-cert` is checked to
+//! come up serving TLS too.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use narsil::proto::predictor_client::PredictorClient;
+use narsil::server::tls::GrpcTls;
+use narsil::server::{Listen, Server};
+use narsil_core::mock::{MockConfig, MockFactory};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+use tokio::sync::oneshot;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+/// A CA and the certificates it signed, as PEM.
+struct Authority {
+    issuer: CertifiedIssuer<'static, KeyPair>,
+}
+
+/// A certificate and its key, as PEM.
+struct Leaf {
+    cert: String,
+    key: String,
+}
+
+impl Authority {
+    fn new(name: &str) -> Self {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        Self { issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
+    }
+
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+
+    /// A certificate for `names` (DNS names or IP addresses).
+    fn sign(&self, names: &[&str]) -> Leaf {
+        let key = KeyPair::generate().unwrap();
+        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+        let cert = CertificateParams::new(names).unwrap().signed_by(&key, &self.issuer).unwrap();
+        Leaf { cert: cert.pem(), key: key.serialize_pem() }
+    }
+}
+
+struct TlsServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl TlsServer {
+    async fn start(tls: GrpcTls) -> Self {
+        let factory = Arc::new(MockFactory::new(
+            common::schema(),
+            MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
+        ));
+        let listen = Listen {
+            addr: "127.0.0.1:0".parse().unwrap(),
+            metrics_addr: None,
+            max_message_bytes: common::MAX_MESSAGE_BYTES,
+        };
+        let server = Server::start(listen, factory, common::batch_mode(1, 8)).await.unwrap().with_tls(tls);
+        let addr = server.local_addr();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+        Self { addr, stop: Some(stop), task }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+/// One Predict over a fresh connection to `url` with `tls` (none:
+/// plaintext): the scores' count, or why it failed.
+async fn predict(url: String, tls: Option<ClientTlsConfig>) -> Result<usize, String> {
+    let mut endpoint = Channel::from_shared(url).unwrap().connect_timeout(Duration::from_secs(5));
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).map_err(|e| format!("{e:?}"))?;
+    }
+    let channel = endpoint.connect().await.map_err(|e| format!("connect: {e:?}"))?;
+    let mut client = PredictorClient::new(channel);
+    let mut request = tonic::Request::new(common::request(1, 3));
+    request.set_timeout(Duration::from_secs(10));
+    match client.predict(request).await {
+        Ok(response) => Ok(response.into_inner().scores.len()),
+        Err(status) => Err(format!("{status:?}")),
+    }
+}
+
+fn trusting(ca: &Authority) -> ClientTlsConfig {
+    ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca.pem())).domain_name("localhost")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_trusting_the_ca_is_served_over_tls_and_a_plaintext_client_is_refused() {
+    let ca = Authority::new("narsil test CA");
+    let server_cert = ca.sign(&["localhost", "127.0.0.1"]);
+    let tls = GrpcTls::from_pem(server_cert.cert.as_bytes(), server_cert.key.as_bytes(), None).unwrap();
+    assert!(!format!("{tls:?}").contains("PRIVATE KEY"));
+    let server = TlsServer::start(tls).await;
+    let https = format!("https://127.0.0.1:{}", server.addr.port());
+    common::poll_until("the TLS server to answer", Duration::from_secs(30), || {
+        let (url, tls) = (https.clone(), trusting(&ca));
+        async move { predict(url, Some(tls)).await.ok() }
+    })
+    .await;
+    assert_eq!(predict(https.clone(), Some(trusting(&ca))).await, Ok(3));
+
+    let plaintext = predict(format!("http://127.0.0.1:{}", server.addr.port()), None).await;
+    assert!(plaintext.is_err(), "plaintext served: {plaintext:?}");
+    let stranger = Authority::new("another CA");
+    let untrusted = predict(https, Some(trusting(&stranger))).await;
+    assert!(untrusted.is_err(), "a client that does not trust the server's CA went on: {untrusted:?}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_client_ca_only_clients_with_a_certificate_it_signed_are_served() {
+    let (ca, clients_ca, stranger) =
+        (Authority::new("server CA"), Authority::new("client CA"), Authority::new("another CA"));
+    let server_cert = ca.sign(&["localhost"]);
+    let tls = GrpcTls::from_pem(
+        server_cert.cert.as_bytes(),
+        server_cert.key.as_bytes(),
+        Some(clients_ca.pem().as_bytes()),
+    )
+    .unwrap();
+    assert!(tls.mutual);
+    let server = TlsServer::start(tls).await;
+    let https = format!("https://127.0.0.1:{}", server.addr.port());
+    let with = |leaf: &Leaf| trusting(&ca).identity(Identity::from_pem(&leaf.cert, &leaf.key));
+    let client = clients_ca.sign(&["client"]);
+    common::poll_until("the mTLS server to answer", Duration::from_secs(30), || {
+        let (url, tls) = (https.clone(), with(&client));
+        async move { predict(url, Some(tls)).await.ok() }
+    })
+    .await;
+    assert_eq!(predict(https.clone(), Some(with(&client))).await, Ok(3));
+
+    let anonymous = predict(https.clone(), Some(trusting(&ca))).await;
+    assert!(anonymous.is_err(), "a client without a certificate was served: {anonymous:?}");
+    let forged = predict(https.clone(), Some(with(&stranger.sign(&["client"])))).await;
+    assert!(forged.is_err(), "a client certificate from another CA was accepted: {forged:?}");
+    let plaintext = predict(format!("http://127.0.0.1:{}", server.addr.port()), None).await;
+    assert!(plaintext.is_err(), "plaintext served: {plaintext:?}");
+    server.stop().await;
+}
+
+#[test]
+fn a_key_that_is_not_the_certificate_s_is_refused_at_start() {
+    let ca = Authority::new("narsil test CA");
+    let (one, other) = (ca.sign(&["localhost"]), ca.sign(&["localhost"]));
+    let err = GrpcTls::from_pem(one.cert.as_bytes(), other.key.as_bytes(), None).unwrap_err();
+    assert!(err.to_string().contains("cannot serve TLS with --tls-cert, --tls-key"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narsil_serve_with_tls_cert_serves_grpc_health_over_tls_and_logs_no_key() {
+    let ca = Authority::new("narsil test CA");
+    let leaf = ca.sign(&["localhost"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert, &leaf.cert).unwrap();
+    std::fs::write(&key, &leaf.key).unwrap();
+    let logs = tempfile::NamedTempFile::new().unwrap();
+    let listeners = common::Listeners::new();
+    let mut child = common::KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_narsil"))
+            .args(["serve", "--log-level", "debug", "--tls-cert"])
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
+            .args(listeners.args(false))
+            .stdout(Stdio::null())
+            .stderr(logs.reopen().unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let bound = listeners.wait(&mut child.0, Duration::from_secs(60)).await;
+    let https = format!("https://127.0.0.1:{}", bound.grpc.port());
+    let channel = common::poll_until("narsil serve to answer over TLS", Duration::from_secs(60), || {
+        let endpoint = Channel::from_shared(https.clone()).unwrap().tls_config(trusting(&ca)).unwrap();
+        async move { endpoint.connect().await.ok() }
+    })
+    .await;
+    common::poll_until("SERVING over TLS", Duration::from_secs(60), || {
+        let channel = channel.clone();
+        async move { (common::health_status(channel).await.ok() == Some(1)).then_some(()) }
+    })
+    .await;
+    assert!(predict(bound.url(), None).await.is_err(), "plaintext served");
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+    let logged = std::fs::read_to_string(logs.path()).unwrap();
+    assert!(logged.contains("tls=\"on\"") || logged.contains("tls=on"), "{logged}");
+    let key_body = leaf.key.lines().nth(1).unwrap();
+    assert!(!logged.contains("PRIVATE KEY") && !logged.contains(key_body), "the key is in the logs");
+}
