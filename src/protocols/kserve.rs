@@ -459,8 +459,10 @@ pub fn decode(request: &pb::ModelInferRequest, schema: &ModelSchema) -> Result<R
     // What each candidate row carries.
     let dense_request_level = grouped && level.dense;
     let row_dense = if dense_request_level { 0 } else { schema.num_dense };
-    let candidate: Vec<usize> =
-        (0..schema.num_sparse()).filter(|&f| !grouped || !level.contains(f)).collect();
+    let candidate: Vec<usize> = match grouped {
+        true => level.candidate_features(schema),
+        false => (0..schema.num_sparse()).collect(),
+    };
     let lengths_shape = |b: &str| {
         if grouped {
             format!(
@@ -577,8 +579,8 @@ fn request_block(inputs: &Inputs, schema: &ModelSchema) -> Result<Arc<RequestBlo
     }
     if let Some(lengths) = &inputs.request_lengths {
         let k = level.features.len();
-        let names = level.names(schema).into_iter().filter(|n| n != "dense").collect::<Vec<_>>().join(", ");
-        let expected = format!("[1, {k}] or [{k}] (one per request-level feature: {names})");
+        let expected =
+            format!("[1, {k}] or [{k}] (one per request-level feature: {})", level.sparse_names(schema));
         if lengths.request_width(&expected)? != k {
             return Err(lengths.error(format!("has shape {:?}, expected {expected}", lengths.tensor.shape)));
         }

@@ -43,56 +43,64 @@ impl KeyedBatch {
         for (&rows, &unit) in self.request_rows.iter().zip(&blocks.request_unit) {
             unit_of_row.extend(std::iter::repeat_n(unit, rows));
         }
-        let weighted = !self.weights.is_empty() || !blocks.weights.is_empty();
-        let mut flat = KeyedBatch {
+        let mut flat = Bags {
+            weighted: !self.weights.is_empty() || !blocks.weights.is_empty(),
             lengths: Vec::with_capacity(self.lengths.len()),
-            feature_offsets: vec![0],
-            request_level: None,
-            dense: Vec::new(),
-            ..self.clone()
+            ..Bags::default()
         };
-        flat.ids.clear();
-        flat.weights.clear();
+        let mut feature_offsets = vec![0];
         for f in 0..self.num_sparse {
-            let own = self.feature_ids(f);
-            let own_weights = (!self.weights.is_empty())
-                .then(|| &self.weights[self.feature_offsets[f]..self.feature_offsets[f + 1]]);
-            let k = blocks.position(f);
-            let mut at = 0;
-            for (row, &len) in self.feature_lengths(f).iter().enumerate() {
-                let len = len as usize;
-                match (k, unit_of_row[row]) {
-                    (Some(k), Some(unit)) => {
-                        let starts: usize =
-                            blocks.feature_lengths(k)[..unit].iter().map(|&l| l as usize).sum();
-                        let unit_len = blocks.feature_lengths(k)[unit] as usize;
-                        let bag = starts..starts + unit_len;
-                        flat.lengths.push(unit_len as i32);
-                        flat.ids.extend_from_slice(&blocks.feature_ids(k)[bag.clone()]);
-                        if weighted {
-                            match blocks.feature_weights(k) {
-                                Some(w) => flat.weights.extend_from_slice(&w[bag]),
-                                None => flat.weights.resize(flat.weights.len() + unit_len, 1.0),
-                            }
-                        }
-                    }
-                    _ => {
-                        flat.lengths.push(len as i32);
-                        flat.ids.extend_from_slice(&own[at..at + len]);
-                        if weighted {
-                            match own_weights {
-                                Some(w) => flat.weights.extend_from_slice(&w[at..at + len]),
-                                None => flat.weights.resize(flat.weights.len() + len, 1.0),
-                            }
-                        }
-                    }
+            let range = self.feature_offsets[f]..self.feature_offsets[f + 1];
+            let (own, own_weights) = (&self.ids[range.clone()], self.weights.get(range));
+            // Where each unit's bag of this feature starts, when it has one.
+            let units = blocks.position(f).map(|k| {
+                let mut starts = vec![0];
+                for &len in blocks.feature_lengths(k) {
+                    starts.push(starts.last().copied().unwrap_or(0) + len as usize);
                 }
-                at += len;
+                (blocks.feature_ids(k), blocks.feature_weights(k), starts)
+            });
+            let mut at = 0;
+            for (&len, unit) in self.feature_lengths(f).iter().zip(&unit_of_row) {
+                let bag = at..at + len as usize;
+                at = bag.end;
+                match (&units, unit) {
+                    (Some((unit_ids, unit_weights, starts)), Some(u)) => {
+                        let bag = starts[*u]..starts[u + 1];
+                        flat.push(&unit_ids[bag.clone()], unit_weights.map(|w| &w[bag]));
+                    }
+                    _ => flat.push(&own[bag.clone()], own_weights.map(|w| &w[bag])),
+                }
             }
-            flat.feature_offsets.push(flat.ids.len());
+            feature_offsets.push(flat.ids.len());
         }
-        flat.dense = self.dense;
-        flat
+        let Bags { lengths, ids, weights, .. } = flat;
+        KeyedBatch { lengths, ids, weights, feature_offsets, request_level: None, ..self }
+    }
+}
+
+/// Bags laid end to end, as [`KeyedBatch::into_flat`] builds them.
+#[derive(Default)]
+struct Bags {
+    /// Whether every id gets a weight.
+    weighted: bool,
+    lengths: Vec<i32>,
+    ids: Vec<i64>,
+    weights: Vec<f32>,
+}
+
+impl Bags {
+    /// Appends one bag (a row's own, or a unit's) and its weights (1.0
+    /// each where it has none).
+    fn push(&mut self, run: &[i64], run_weights: Option<&[f32]>) {
+        self.lengths.push(run.len() as i32);
+        self.ids.extend_from_slice(run);
+        if self.weighted {
+            match run_weights {
+                Some(w) => self.weights.extend_from_slice(w),
+                None => self.weights.resize(self.weights.len() + run.len(), 1.0),
+            }
+        }
     }
 }
 

@@ -104,4 +104,9 @@ impl RequestBlocks {
     pub fn position(&self, f: usize) -> Option<usize> {
         self.features.binary_search(&f).ok()
     }
+
+    /// Sparse feature `f`'s ids for every unit, if it is request-level.
+    pub fn unit_ids(&self, f: usize) -> Option<&[i64]> {
+        self.position(f).map(|k| self.feature_ids(k))
+    }
 }

@@ -82,7 +82,7 @@ impl RequestBlock {
                 format!(
                     "has {} entries, expected one per request-level feature ({k}: {}) or none for one id each",
                     self.lengths.len(),
-                    level.names(schema).into_iter().filter(|n| n != "dense").collect::<Vec<_>>().join(", ")
+                    level.sparse_names(schema)
                 ),
             ));
         }
@@ -171,7 +171,7 @@ pub(crate) fn widen_row_lengths(
     }
     block.validate(schema, policy)?;
     let num_sparse = schema.num_sparse();
-    let candidate: Vec<usize> = (0..num_sparse).filter(|&f| !level.contains(f)).collect();
+    let candidate = level.candidate_features(schema);
     if lengths.is_empty() {
         *lengths = vec![1; samples * candidate.len()];
     } else if lengths.len() != samples * candidate.len() {

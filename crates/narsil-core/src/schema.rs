@@ -123,6 +123,18 @@ impl RequestLevel {
         Ok(level)
     }
 
+    /// The sparse features that are not request-level (a grouped
+    /// request's candidate features), in schema order.
+    pub fn candidate_features(&self, schema: &ModelSchema) -> Vec<usize> {
+        (0..schema.num_sparse()).filter(|&f| !self.contains(f)).collect()
+    }
+
+    /// The request-level sparse features' names, comma-separated (for
+    /// messages).
+    pub fn sparse_names(&self, schema: &ModelSchema) -> String {
+        self.features.iter().map(|&f| schema.sparse[f].name.as_str()).collect::<Vec<_>>().join(", ")
+    }
+
     /// The names it declares, as [`RequestLevel::parse`] reads them.
     pub fn names(&self, schema: &ModelSchema) -> Vec<String> {
         let mut names: Vec<String> = self.features.iter().map(|&f| schema.sparse[f].name.clone()).collect();

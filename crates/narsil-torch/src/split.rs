@@ -291,33 +291,38 @@ impl SplitLane {
         pooled: &mut [f32],
     ) -> Result<Vec<f32>, BackendError> {
         let (rows, width) = (batch.rows, model.stage.pooled_width());
-        dense.clear();
-        dense.extend_from_slice(&batch.dense);
         // SAFETY: `dense` and `pooled` are exclusive borrows for the whole
         // of this function, so nothing else reads or writes them while the
-        // tensors exist; the two tensors and the network's output (which
-        // may alias them) are dropped below, before this returns; the dense
+        // tensors exist; the tensors and the network's output (which may
+        // alias them) are dropped below, before this returns; the dense
         // network (a TorchScript module or an AOTInductor package) keeps no
         // reference to its inputs. What it may write into them is never
         // read: `dense` is refilled before each forward and `pooled` is
         // overwritten whole by the next pool.
-        let (dense, pooled) = unsafe { (lent(dense, rows, batch.num_dense)?, lent(pooled, rows, width)?) };
-        let (dense, pooled) = (in_precision(dense, model.precision)?, in_precision(pooled, model.precision)?);
+        let pooled = in_precision(unsafe { lent(pooled, rows, width) }?, model.precision)?;
         let output = match &model.dense_cut {
+            // The dense arch once per request: the batch's dense rows are
+            // the cut's to read, never copied here.
             Some(cut) if DenseCut::applies(batch) => {
                 cut.forward(batch, &pooled, |input| in_precision(input, model.precision))?
             }
-            _ => model
-                .dense_network
-                .forward_tensors(&[&dense, &pooled])
-                .map_err(|e| BackendError::forward("the dense network").caused_by(e))?,
+            _ => {
+                dense.clear();
+                dense.extend_from_slice(&batch.dense);
+                // SAFETY: as above.
+                let dense = in_precision(unsafe { lent(dense, rows, batch.num_dense) }?, model.precision)?;
+                model
+                    .dense_network
+                    .forward_tensors(&[&dense, &pooled])
+                    .map_err(|e| BackendError::forward("the dense network").caused_by(e))?
+            }
         };
         // One output: [B]; several: [outputs, B], output after output as
         // the engine splits them.
         let values = rows * model.schema.outputs.len();
         let mut scores = Vec::with_capacity(values);
         append_scores(&output, values, &mut scores)?;
-        drop((dense, pooled, output));
+        drop((pooled, output));
         Ok(scores)
     }
 }

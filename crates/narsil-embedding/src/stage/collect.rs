@@ -1,7 +1,7 @@
 //! The first step of a batch, per table: range-checking the ids of every
 //! feature that indexes the table and, where the table deduplicates,
 //! collecting its distinct ids; counts the ids looked up and the distinct
-//! ones.
+//! ones, and for a table in this process the rows pooling will read.
 
 use narsil_core::KeyedBatch;
 
@@ -25,7 +25,7 @@ impl EmbeddingStage {
         for &f in &table.features {
             // The feature's own bags, then its request-level units' (the
             // order `pool_table` reads their slots in).
-            let units = blocks.and_then(|b| Some(b.feature_ids(b.position(f)?)));
+            let units = blocks.and_then(|b| b.unit_ids(f));
             for ids in std::iter::once(batch.feature_ids(f)).chain(units) {
                 if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
                     let source = OutOfRange { id, rows };
@@ -40,6 +40,12 @@ impl EmbeddingStage {
         table.counters.ids.inc_by(looked_up as u64);
         if table.deduplicates {
             table.counters.distinct_ids.inc_by(distinct.count().distinct as u64);
+        }
+        if table.store.local_rows().is_some() {
+            // Pooling reads each distinct row once, or each id's row in
+            // place (a store that fetches counts its own fetches).
+            let read = if table.deduplicates { distinct.count().distinct } else { looked_up };
+            table.counters.rows_fetched.inc_by(read as u64);
         }
         Ok(())
     }

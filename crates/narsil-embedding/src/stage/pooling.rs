@@ -3,7 +3,7 @@
 //! in place (through the slot index where the file is laid out in
 //! popularity order) or from a fetching store's copies (through each id's
 //! slot among the distinct ids), into the feature's columns of the pooled
-//! input; counts the rows read, the major faults taken and the time.
+//! input; counts the major faults taken and the time.
 
 use std::time::Instant;
 
@@ -34,23 +34,6 @@ impl EmbeddingStage {
     ) -> Result<u64, StageError> {
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
-        let local = table.store.local_rows();
-        if local.is_some() {
-            // Each distinct row read once, or each id's row in place.
-            let read = match table.deduplicates {
-                true => distinct.distinct().len(),
-                false => table
-                    .features
-                    .iter()
-                    .map(|&f| {
-                        let units =
-                            batch.request_level.as_ref().and_then(|b| Some(b.feature_ids(b.position(f)?)));
-                        batch.feature_ids(f).len() + units.map_or(0, <[i64]>::len)
-                    })
-                    .sum(),
-            };
-            table.counters.rows_fetched.inc_by(read as u64);
-        }
         let blocks = batch.request_level.as_ref();
         let mut slot_start = 0;
         for &f in &table.features {
