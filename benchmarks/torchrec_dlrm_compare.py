@@ -76,6 +76,7 @@ Run with the project venv: .venv/bin/python benchmarks/torchrec_dlrm_compare.py
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -123,11 +124,23 @@ def torchrec_model(args, precision):
     return path
 
 
+def narsil_serve(args, cores):
+    """`narsil serve` as every Narsil row runs it on `cores` cores."""
+    lanes = "1" if cores == 1 else str(args.lanes_on_two_cores)
+    return [args.binary, "serve", "--log-level", "warn", "--lanes", lanes, "--intra-op-threads", "1",
+            "--max-batch-requests", str(args.narsil_batch_size), "--batch-timeout-ms", "0"]
+
+
+def torchrec_command(args, torchrec_bin, precision):
+    """TorchRec's C++ server on the model of `precision`, as a command builder taking the address."""
+    model = torchrec_model(args, precision)
+    env = [] if args.torchrec_no_thp else ["env", "THP_MEM_ALLOC_ENABLE=1"]
+    return lambda addr: env + [torchrec_bin, model]
+
+
 def servers(args, cores, torchrec_bin):
     """(name, command builder taking the address) for every server of a configuration."""
-    lanes = "1" if cores == 1 else str(args.lanes_on_two_cores)
-    narsil = [args.binary, "serve", "--log-level", "warn", "--lanes", lanes, "--intra-op-threads", "1",
-              "--max-batch-requests", str(args.narsil_batch_size), "--batch-timeout-ms", "0"]
+    narsil = narsil_serve(args, cores)
     torch_model = ["--backend", "torch", "--model", args.model]
     out = []
     # INT8 is a split model's package only (dense_int8.pt2).
@@ -156,9 +169,7 @@ def servers(args, cores, torchrec_bin):
                     "--dense-precision", p, "--dense-form", "pt2", "--addr", addr]))
     if torchrec_bin:
         for precision in whole_model_precisions:
-            model = torchrec_model(args, precision)
-            env = [] if args.torchrec_no_thp else ["env", "THP_MEM_ALLOC_ENABLE=1"]
-            out.append((f"TorchRec C++ {precision}", lambda addr, m=model, env=env: env + [torchrec_bin, m]))
+            out.append((f"TorchRec C++ {precision}", torchrec_command(args, torchrec_bin, precision)))
     if args.baselines:
         out.append(("Narsil worker fp32", lambda addr: narsil + torch_model + ["--execution-mode", "worker",
                                                                             "--addr", addr]))
@@ -170,36 +181,52 @@ def servers(args, cores, torchrec_bin):
     return out
 
 
-def measure(args, name, command, cores, ids_per_bag, distribution):
+@contextlib.contextmanager
+def served(args, name, command, cores, started, protocol):
+    """Starts server `name` (`command` of its address) pinned to its cores,
+    waits until it serves `protocol`, yields (address, process, ready_s,
+    the load's core) and stops it; `started` is what the progress line says
+    of it."""
     addr = TORCHREC_ADDR if name.startswith("TorchRec C++") else f"127.0.0.1:{free_port()}"
     server_cores = "0" if cores == 1 else "0,1"
-    load_core = 1 if cores == 1 else None
-    print(f"  [{cores} core(s), {ids_per_bag} id(s)/bag, {distribution} ids] starting {name} on {addr}", file=sys.stderr, flush=True)
+    print(f"  [{cores} core(s), {started}] starting {name} on {addr}", file=sys.stderr, flush=True)
     process = subprocess.Popen(["taskset", "-c", server_cores] + command(addr), stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE)
-    rows = []
     try:
-        ready_s = wait_serving(args.binary, addr, process, args.start_timeout, protocol="torchrec")
-        for concurrency in args.concurrency:
-            load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
-                    "--concurrency", str(concurrency), "--requests", str(args.requests),
-                    "--warmup", str(args.warmup), "--samples-per-request", str(args.batch_size),
-                    "--ids-per-feature", str(ids_per_bag), "--id-distribution", distribution,
-                    "--table-rows", str(args.table_rows), "--json"]
-            out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"load against {name} failed:\n{out.stderr[-2000:]}")
-            report = json.loads(out.stdout)
-            rows.append({"server": name, "cores": cores, "ids_per_bag": ids_per_bag, "concurrency": concurrency,
-                         "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
-            print(f"    concurrency {concurrency}: {report['req_per_s']:.1f} req/s, p50 {report['p50_ms']:.1f} ms, "
-                  f"p99 {report['p99_ms']:.1f} ms", file=sys.stderr, flush=True)
+        ready_s = wait_serving(args.binary, addr, process, args.start_timeout, protocol=protocol)
+        yield addr, process, ready_s, 1 if cores == 1 else None
     finally:
         process.terminate()
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def load_report(load, load_core, what):
+    """`narsil load ... --json` run on `load_core`: its report."""
+    out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def measure(args, name, command, cores, ids_per_bag, distribution):
+    rows = []
+    # Every server of these rows answers TorchRec's protocol (the Python baseline only it).
+    with served(args, name, command, cores, f"{ids_per_bag} id(s)/bag, {distribution} ids", "torchrec") as (
+            addr, process, ready_s, load_core):
+        for concurrency in args.concurrency:
+            load = [args.binary, "load", "--addr", f"http://{addr}", "--protocol", "torchrec",
+                    "--concurrency", str(concurrency), "--requests", str(args.requests),
+                    "--warmup", str(args.warmup), "--samples-per-request", str(args.batch_size),
+                    "--ids-per-feature", str(ids_per_bag), "--id-distribution", distribution,
+                    "--table-rows", str(args.table_rows), "--json"]
+            report = load_report(load, load_core, f"load against {name}")
+            rows.append({"server": name, "cores": cores, "ids_per_bag": ids_per_bag, "concurrency": concurrency,
+                         "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
+            print(f"    concurrency {concurrency}: {report['req_per_s']:.1f} req/s, p50 {report['p50_ms']:.1f} ms, "
+                  f"p99 {report['p99_ms']:.1f} ms", file=sys.stderr, flush=True)
     return rows
 
 
@@ -228,11 +255,9 @@ def roofline(args):
 def ranking_servers(args, cores, torchrec_bin):
     """(name, command builder taking the address, `narsil load` flags) for
     every server of the ranking workload on `cores` cores."""
-    lanes = "1" if cores == 1 else str(args.lanes_on_two_cores)
-    split = [args.binary, "serve", "--log-level", "warn", "--lanes", lanes, "--intra-op-threads", "1",
-             "--max-batch-requests", str(args.narsil_batch_size), "--batch-timeout-ms", "0",
-             "--backend", "torch", "--model", args.ranking_model, "--table-store", args.split_table_store,
-             "--execution-mode", "batch", "--dense-form", "auto"]
+    split = narsil_serve(args, cores) + [
+        "--backend", "torch", "--model", args.ranking_model, "--table-store", args.split_table_store,
+        "--execution-mode", "batch", "--dense-form", "auto"]
     if args.ranking_request_level:
         split += ["--request-level", args.ranking_request_level]
     grouped = ["--protocol", "narsil", "--ranking-form", "grouped", "--compare-flat",
@@ -246,36 +271,23 @@ def ranking_servers(args, cores, torchrec_bin):
     if torchrec_bin:
         torchrec_flat = ["--protocol", "torchrec", "--ranking-form", "flat", "--table-rows", str(args.table_rows)]
         for precision in [p for p in args.precisions if p != "int8"]:
-            model = torchrec_model(args, precision)
-            env = [] if args.torchrec_no_thp else ["env", "THP_MEM_ALLOC_ENABLE=1"]
-            out.append((f"TorchRec C++ flat {precision}",
-                        lambda addr, m=model, env=env: env + [torchrec_bin, m], torchrec_flat))
+            out.append((f"TorchRec C++ flat {precision}", torchrec_command(args, torchrec_bin, precision),
+                        torchrec_flat))
     return out
 
 
 def measure_ranking(args, name, command, load_flags, cores):
     """One server of the ranking workload, started, loaded at every
     --concurrency with `--candidates`, stopped; its rows."""
-    torchrec = name.startswith("TorchRec C++")
-    addr = TORCHREC_ADDR if torchrec else f"127.0.0.1:{free_port()}"
-    server_cores = "0" if cores == 1 else "0,1"
-    load_core = 1 if cores == 1 else None
-    print(f"  [{cores} core(s), ranking: 1 user x {args.candidates} candidates] starting {name} on {addr}",
-          file=sys.stderr, flush=True)
-    process = subprocess.Popen(["taskset", "-c", server_cores] + command(addr), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
     rows = []
-    try:
-        ready_s = wait_serving(args.binary, addr, process, args.start_timeout,
-                               protocol="torchrec" if torchrec else "narsil")
+    protocol = "torchrec" if name.startswith("TorchRec C++") else "narsil"
+    with served(args, name, command, cores, f"ranking: 1 user x {args.candidates} candidates", protocol) as (
+            addr, process, ready_s, load_core):
         for concurrency in args.concurrency:
             load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
                     "--requests", str(args.ranking_requests), "--warmup", str(args.ranking_warmup),
                     "--candidates", str(args.candidates), "--json"] + load_flags
-            out = subprocess.run(pinned(load, load_core), capture_output=True, text=True)
-            if out.returncode != 0:
-                raise SystemExit(f"ranking load against {name} failed:\n{out.stderr[-2000:]}")
-            report = json.loads(out.stdout)
+            report = load_report(load, load_core, f"ranking load against {name}")
             rows.append({"server": name, "workload": "ranking", "cores": cores, "concurrency": concurrency,
                          "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
             diff = report.get("max_abs_diff_vs_flat")
@@ -283,12 +295,6 @@ def measure_ranking(args, name, command, load_flags, cores):
             print(f"    concurrency {concurrency}: {report['candidates_per_s']:.0f} candidates/s, "
                   f"{report['req_per_s']:.1f} req/s, p50 {report['p50_ms']:.1f} ms, p99 {report['p99_ms']:.1f} ms, "
                   f"{report['request_bytes_mean'] / 1e3:.1f} KB/request{vs_flat}", file=sys.stderr, flush=True)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
     return rows
 
 
