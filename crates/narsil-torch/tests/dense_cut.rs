@@ -106,8 +106,12 @@ fn the_cut_scores_ranking_requests_as_the_whole_network_in_bf16() {
     grouped_scores_equal_flat(DensePrecision::Bf16, DenseForm::TorchScript, 2e-2);
     if cpu_bf16_instructions().is_empty() {
         // The exporter compiles bf16 packages only where it can run them.
-        eprintln!("skipped: the_cut_scores_ranking_requests_as_the_whole_network_in_bf16 (.pt2): no bf16 instructions");
-        return;
+        let test = "the_cut_scores_ranking_requests_as_the_whole_network_in_bf16 (.pt2)";
+        return narsil_core::skip::skip_or_fail(
+            "NARSIL_REQUIRE_BF16",
+            test,
+            "this CPU has no bf16 instructions",
+        );
     }
     grouped_scores_equal_flat(DensePrecision::Bf16, DenseForm::Pt2, 2e-2);
 }
