@@ -402,6 +402,7 @@ fn shaped_info(
                 num_rows: table_rows,
                 weighted: false,
                 request_level: false,
+                raw_ids: false,
             })
             .collect(),
         ..Default::default()

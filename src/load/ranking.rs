@@ -416,6 +416,7 @@ mod tests {
                     num_rows: rows + i as u64,
                     weighted: weighted && i == 3,
                     request_level: false,
+                    raw_ids: false,
                 })
                 .collect(),
             ..Default::default()

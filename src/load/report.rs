@@ -440,6 +440,7 @@ mod tests {
                     num_rows: 10,
                     weighted: false,
                     request_level: false,
+                    raw_ids: false,
                 })
                 .collect(),
             ..Default::default()

@@ -234,6 +234,7 @@ mod tests {
                     num_rows: 1_000 + i,
                     weighted: i == 5,
                     request_level: false,
+                    raw_ids: false,
                 })
                 .collect(),
             ..Default::default()
@@ -273,6 +274,7 @@ mod tests {
                     num_rows: 50,
                     weighted: false,
                     request_level: false,
+                    raw_ids: false,
                 })
                 .collect(),
             ..Default::default()
@@ -325,6 +327,7 @@ mod tests {
                 num_rows: 10,
                 weighted: false,
                 request_level: false,
+                raw_ids: false,
             }],
             ..Default::default()
         };

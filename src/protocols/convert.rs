@@ -77,6 +77,7 @@ pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::Mo
                 num_rows: f.num_rows,
                 weighted: f.weighted,
                 request_level: false,
+                raw_ids: f.raw_ids,
             })
             .collect(),
         max_batch_size: max_request_samples as u32,

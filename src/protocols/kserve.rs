@@ -9,7 +9,7 @@
 //! |---|---|---|---|
 //! | `dense` | FP32 | [B, num_dense] | required |
 //! | `lengths` | INT64 or INT32 | [B, num_sparse] | ids per bag, sample-major; absent: one id per bag |
-//! | `ids` | INT64 or INT32 | [N] | bag after bag, sample-major |
+//! | `ids` | INT64, INT32 or UINT64 | [N] | bag after bag, sample-major (UINT64: raw 64-bit ids, above `i64::MAX` taken as their two's complement) |
 //! | `weights` | FP32 | [M] | one per id of the weighted features (models that have them) |
 //!
 //! A ranking request (one user, B candidates) to a model that declares
@@ -19,7 +19,7 @@
 //! |---|---|---|---|
 //! | `request_dense` | FP32 | [1, num_dense] or [num_dense] | when the dense features are request-level |
 //! | `request_lengths` | INT64 or INT32 | [1, K] or [K] | ids per request-level feature (K of them, schema order); absent: one id each |
-//! | `request_ids` | INT64 or INT32 | [1, N] or [N] | their ids, feature after feature |
+//! | `request_ids` | INT64, INT32 or UINT64 | [1, N] or [N] | their ids, feature after feature |
 //! | `request_weights` | FP32 | [1, M] or [M] | one per id of the weighted request-level features |
 //!
 //! Any `request_*` input makes the request grouped: `dense`, `lengths`,
@@ -322,11 +322,13 @@ impl Input<'_> {
         self.counted(values)
     }
 
+    /// INT64, INT32 or UINT64 values, as `i64`: a UINT64 value above
+    /// `i64::MAX` (a raw 64-bit id) keeps its bits, two's complement.
     fn integers(&self) -> Result<Vec<i64>, InvalidInput> {
         let width = match self.tensor.datatype.as_str() {
-            "INT64" => 8,
+            "INT64" | "UINT64" => 8,
             "INT32" => 4,
-            other => return Err(self.error(format!("has datatype {other}, expected INT64 or INT32"))),
+            other => return Err(self.error(format!("has datatype {other}, expected INT64, INT32 or UINT64"))),
         };
         let values = match (self.raw, width) {
             (Some(bytes), _) => match width {
@@ -340,6 +342,12 @@ impl Input<'_> {
                     self.tensor.datatype
                 ))
             })?,
+            (None, 8) if self.tensor.datatype == "UINT64" => self
+                .tensor
+                .contents
+                .as_ref()
+                .map(|c| c.uint64_contents.iter().map(|&v| v as i64).collect())
+                .unwrap_or_default(),
             (None, 8) => self.tensor.contents.as_ref().map(|c| c.int64_contents.clone()).unwrap_or_default(),
             (None, _) => self
                 .tensor
@@ -922,7 +930,7 @@ mod tests {
                 }),
             ),
             (
-                "inputs[request_ids]: has datatype FP32, expected INT64 or INT32",
+                "inputs[request_ids]: has datatype FP32, expected INT64, INT32 or UINT64",
                 Box::new(|r| {
                     let i = input(r, REQUEST_IDS);
                     r.inputs[i].datatype = "FP32".into();

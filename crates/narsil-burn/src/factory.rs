@@ -58,6 +58,7 @@ impl BurnFactory {
                 sha256: String::new(),
                 redis: None,
                 layout: None,
+                ids: Default::default(),
             })
             .collect();
         let stores: Vec<Arc<dyn RowStore>> = specs

@@ -61,6 +61,34 @@ impl KeyedBatch {
         &self.lengths[f * self.rows..(f + 1) * self.rows]
     }
 
+    /// Makes `into` a copy of this batch, reusing its buffers (a lane's
+    /// scratch copy, copied batch after batch without allocating).
+    pub fn copy_into(&self, into: &mut KeyedBatch) {
+        // Every field named: a new one must be copied too.
+        let KeyedBatch {
+            rows,
+            num_dense,
+            num_sparse,
+            dense,
+            lengths,
+            ids,
+            weights,
+            feature_offsets,
+            request_rows,
+            deadline,
+            request_level,
+        } = self;
+        (into.rows, into.num_dense, into.num_sparse, into.deadline) =
+            (*rows, *num_dense, *num_sparse, *deadline);
+        into.dense.clone_from(dense);
+        into.lengths.clone_from(lengths);
+        into.ids.clone_from(ids);
+        into.weights.clone_from(weights);
+        into.feature_offsets.clone_from(feature_offsets);
+        into.request_rows.clone_from(request_rows);
+        into.request_level.clone_from(request_level);
+    }
+
     /// Feature `f`'s ids for every row, bags end to end.
     pub fn feature_ids(&self, f: usize) -> &[i64] {
         &self.ids[self.feature_offsets[f]..self.feature_offsets[f + 1]]

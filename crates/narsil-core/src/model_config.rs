@@ -16,7 +16,9 @@
 //! Narsil serves the unweighted group first, then the weighted one, each in
 //! the order listed. `weighted` defaults to false, `outputs` to
 //! `["default"]` (TorchRec's single output), `name` to the model directory's
-//! name and `version` to `"1"`. `request_level` (optional) names the
+//! name and `version` to `"1"`. `"raw_ids": true` marks a feature whose ids
+//! the model maps to rows itself (a TorchRec managed-collision model): any
+//! 64-bit id is taken, passed to the model as `int64`. `request_level` (optional) names the
 //! features that are the same for every candidate of a ranking request
 //! (`dense` for the dense features): see [`crate::request_level`].
 
@@ -52,6 +54,8 @@ struct FeatureJson {
     num_rows: u64,
     #[serde(default)]
     weighted: bool,
+    #[serde(default)]
+    raw_ids: bool,
 }
 
 /// Parses a model config. `default_name` names the model when the config
@@ -89,7 +93,12 @@ pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Res
         sparse: unweighted
             .into_iter()
             .chain(weighted)
-            .map(|f| SparseFeature { name: f.name, num_rows: f.num_rows, weighted: f.weighted })
+            .map(|f| SparseFeature {
+                name: f.name,
+                num_rows: f.num_rows,
+                weighted: f.weighted,
+                raw_ids: f.raw_ids,
+            })
             .collect(),
         outputs,
         request_level: RequestLevel::default(),

@@ -334,13 +334,14 @@ impl RequestSamples {
             // vectorize) usually finds nothing to report.
             let in_range = match self.layout {
                 SparseLayout::SampleMajor => self.ids.chunks_exact(num_sparse).fold(true, |ok, sample| {
-                    sample.iter().zip(&schema.sparse).fold(ok, |ok, (&id, f)| ok & ((id as u64) < f.num_rows))
+                    sample
+                        .iter()
+                        .zip(&schema.sparse)
+                        .fold(ok, |ok, (&id, f)| ok & (f.raw_ids | ((id as u64) < f.num_rows)))
                 }),
-                SparseLayout::KeyMajor => self
-                    .ids
-                    .chunks_exact(b)
-                    .zip(&schema.sparse)
-                    .all(|(ids, f)| ids.iter().fold(true, |ok, &id| ok & ((id as u64) < f.num_rows))),
+                SparseLayout::KeyMajor => self.ids.chunks_exact(b).zip(&schema.sparse).all(|(ids, f)| {
+                    f.raw_ids || ids.iter().fold(true, |ok, &id| ok & ((id as u64) < f.num_rows))
+                }),
             };
             if in_range {
                 return Ok(());
@@ -353,7 +354,7 @@ impl RequestSamples {
             let rows = feature.num_rows as i64;
             let end = cursor + len as usize;
             for id in &mut self.ids[cursor..end] {
-                if (0..rows).contains(id) {
+                if feature.raw_ids || (0..rows).contains(id) {
                     continue;
                 }
                 match policy {

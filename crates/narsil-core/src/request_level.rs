@@ -98,7 +98,7 @@ impl RequestBlock {
             let feature = &schema.sparse[f];
             let rows = feature.num_rows as i64;
             for id in &mut self.ids[at..at + len as usize] {
-                if (0..rows).contains(id) {
+                if feature.raw_ids || (0..rows).contains(id) {
                     continue;
                 }
                 match policy {

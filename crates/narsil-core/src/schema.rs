@@ -5,16 +5,22 @@
 pub struct SparseFeature {
     /// Feature name, e.g. `cat_0`.
     pub name: String,
-    /// Rows in the feature's table; valid ids are `[0, num_rows)`.
+    /// Rows in the feature's table; valid ids are `[0, num_rows)`, unless
+    /// `raw_ids`.
     pub num_rows: u64,
     /// Each id carries a weight (TorchRec's id-score-list features).
     pub weighted: bool,
+    /// Its ids are raw 64-bit values (any `i64`), which the model maps to
+    /// rows itself (a split model's table with an id map or declared
+    /// modulo, a TorchRec managed-collision model): never range-checked
+    /// nor changed by `--id-policy`.
+    pub raw_ids: bool,
 }
 
 impl SparseFeature {
     /// An unweighted feature.
     pub fn new(name: impl Into<String>, num_rows: u64) -> Self {
-        Self { name: name.into(), num_rows, weighted: false }
+        Self { name: name.into(), num_rows, weighted: false, raw_ids: false }
     }
 }
 
@@ -56,6 +62,11 @@ impl ModelSchema {
     /// Number of unweighted sparse features (the weighted ones follow them).
     pub fn num_unweighted(&self) -> usize {
         self.sparse.iter().take_while(|f| !f.weighted).count()
+    }
+
+    /// Whether any sparse feature takes raw ids.
+    pub fn takes_raw_ids(&self) -> bool {
+        self.sparse.iter().any(|f| f.raw_ids)
     }
 
     /// Number of outputs.

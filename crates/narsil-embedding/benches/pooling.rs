@@ -83,6 +83,7 @@ fn stage(c: &mut Criterion) {
             sha256: String::new(),
             redis: None,
             layout: None,
+            ids: Default::default(),
         })
         .collect();
     let schema = SplitSchema::one_table_per_feature("bench", "1", 1, specs.clone(), vec!["default".into()]);

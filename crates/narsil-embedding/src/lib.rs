@@ -9,6 +9,9 @@
 //!   module of its own (`memory` and `mmap`, `disk`, `redis`), with the row
 //!   cache the fetching stores share and the batch-fetch capability the
 //!   stage asks a store for.
+//! * [`id_map`]: a table's map of raw 64-bit ids to rows (the file
+//!   format, its checks, lookups, and the writer the exporters and `narsil
+//!   tables map` share).
 //! * [`layout`]: the slot index that finds each id's row in a table laid out
 //!   in popularity order (the files are written by `narsil tables order`).
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
@@ -23,6 +26,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod dedup;
+pub mod id_map;
 pub mod layout;
 pub mod metrics;
 pub mod pool;
@@ -31,12 +35,13 @@ pub mod stage;
 pub mod stores;
 
 pub use dedup::{DistinctIds, IdCount};
+pub use id_map::{IdMap, IdMapError};
 pub use layout::{SlotIndex, SlotIndexError};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use schema::{
-    DenseFormTimings, FormTimes, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema, Storage,
-    TableSpec,
+    DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
+    Storage, TableIds, TableSpec,
 };
 pub use stage::{EmbeddingStage, StageError, StageScratch};
 pub use stores::local::table::{LocalRows, Table};

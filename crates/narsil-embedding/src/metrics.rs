@@ -16,6 +16,9 @@
 //!   batch's requests got UNAVAILABLE);
 //! * `narsil_table_missing_rows_total`: rows a remote store lacked, pooled
 //!   as zeros (`--missing-rows zero`);
+//! * `narsil_table_unmapped_ids_total`: raw ids a table's id map did not
+//!   hold, served from its default row (new users and items: over
+//!   `narsil_table_ids_total`, the share the model has never seen);
 //! * `narsil_table_fetch_seconds`: time to look up and pool one fused
 //!   batch's rows of the table (for a remote store, once they arrived);
 //! * `narsil_table_remote_fetch_seconds` (no `table` label): reading one
@@ -65,6 +68,7 @@ pub struct TableCounters {
     pub cache_hits: Counter,
     pub store_errors: Counter,
     pub missing_rows: Counter,
+    pub unmapped_ids: Counter,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
     pub disk: DiskCounters,
@@ -103,6 +107,7 @@ pub struct StageMetrics {
     cache_hits: Family<TableLabel, Counter>,
     store_errors: Family<TableLabel, Counter>,
     missing_rows: Family<TableLabel, Counter>,
+    unmapped_ids: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
     disk_bytes_read: Family<TableLabel, Counter>,
@@ -123,6 +128,7 @@ impl Default for StageMetrics {
             cache_hits: Family::default(),
             store_errors: Family::default(),
             missing_rows: Family::default(),
+            unmapped_ids: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
             disk_bytes_read: Family::default(),
@@ -147,6 +153,7 @@ impl StageMetrics {
             cache_hits: self.cache_hits.get_or_create(&label).clone(),
             store_errors: self.store_errors.get_or_create(&label).clone(),
             missing_rows: self.missing_rows.get_or_create(&label).clone(),
+            unmapped_ids: self.unmapped_ids.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
             disk: DiskCounters {
@@ -217,6 +224,11 @@ impl StageMetrics {
             "table_missing_rows",
             "Rows a remote store lacked, pooled as zeros (--missing-rows zero)",
             self.missing_rows.clone(),
+        );
+        registry.register(
+            "table_unmapped_ids",
+            "Raw ids a table's id map did not hold, served from its default row",
+            self.unmapped_ids.clone(),
         );
         registry.register_with_unit(
             "table_fetch",

@@ -55,6 +55,44 @@ pub struct TableSpec {
     /// tables order`); absent: row `id` is the file's row `id`.
     #[serde(default)]
     pub layout: Option<Layout>,
+    /// How the ids requests send become its rows; absent: they are rows.
+    #[serde(default)]
+    pub ids: TableIds,
+}
+
+/// How a table's ids become rows (`"ids"` in a table of `schema.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TableIds {
+    /// `"identity"` (the default): ids are rows, `0..rows`; others are
+    /// refused (or wrapped, with `--id-policy modulo`).
+    #[default]
+    Identity,
+    /// `"modulo"`: any 64-bit id, row `id.rem_euclid(rows)` (ids hashed
+    /// into the table, collisions and all).
+    Modulo,
+    /// `{"map": {...}}`: any 64-bit id, through the table's id map; ids it
+    /// does not hold get the default row.
+    Map(IdMapSpec),
+}
+
+impl TableIds {
+    /// Whether ids are raw 64-bit values that the stage maps to rows.
+    pub fn are_raw(&self) -> bool {
+        !matches!(self, Self::Identity)
+    }
+}
+
+/// A table's id map ([`crate::id_map`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
+pub struct IdMapSpec {
+    /// The map file, relative to the model directory.
+    pub file: PathBuf,
+    /// SHA-256 of the map file, hex (checked at load).
+    pub sha256: String,
+    /// The row ids the map does not hold are served from: a trained
+    /// "unknown" row, or a row of zeros the table holds for them.
+    pub default_row: u64,
 }
 
 /// A table's rows on a Redis Cluster (see [`crate::stores::redis`]).
@@ -324,6 +362,22 @@ impl SplitSchema {
                     table.name, table.row_bytes, table.storage, table.dim
                 ));
             }
+            if let TableIds::Map(map) = &table.ids {
+                if !crate::stores::table_file::is_sha256(&map.sha256) {
+                    return Err(format!(
+                        "table {:?}: its id map's sha256 {:?} is not a SHA-256 (64 hex digits): the map {} is checked against it at load",
+                        table.name,
+                        map.sha256,
+                        map.file.display()
+                    ));
+                }
+                if map.default_row >= table.rows {
+                    return Err(format!(
+                        "table {:?}: its id map's default_row {} is past its {} rows",
+                        table.name, map.default_row, table.rows
+                    ));
+                }
+            }
             if let Some(layout) = &table.layout {
                 let hex = layout.sha256.len() == 64 && layout.sha256.bytes().all(|b| b.is_ascii_hexdigit());
                 if !hex {
@@ -391,6 +445,7 @@ impl SplitSchema {
                 .iter()
                 .map(|f| narsil_core::SparseFeature {
                     weighted: f.weighted,
+                    raw_ids: self.table(&f.table).is_some_and(|t| t.ids.are_raw()),
                     ..narsil_core::SparseFeature::new(
                         f.name.clone(),
                         self.table(&f.table).map_or(0, |t| t.rows),

@@ -119,16 +119,24 @@ impl ModelBackend for TorchLane {
 
 impl TorchLane {
     /// TorchRec's signature: each feature group key-major under its own
-    /// keys, ids as int32 (what TorchRec's server sends), and every output
-    /// the schema names, output after output.
+    /// keys, ids as int32 (what TorchRec's server sends; int64 for a model
+    /// whose features take raw 64-bit ids, a managed-collision model's
+    /// remapping needs them whole), and every output the schema names,
+    /// output after output.
     fn forward_dict(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         let device = self.model.device();
         let rows = batch.rows;
         let unweighted = self.model.schema().num_unweighted();
         let split = batch.feature_offsets[unweighted];
         let on_device = |t: Tensor| t.f_to_device(device).map_err(torch_error);
-        let ids =
-            |ids: &[i64]| on_device(Tensor::from_slice(&ids.iter().map(|&id| id as i32).collect::<Vec<_>>()));
+        let raw_ids = self.model.schema().takes_raw_ids();
+        let ids = |ids: &[i64]| {
+            on_device(if raw_ids {
+                Tensor::from_slice(ids)
+            } else {
+                Tensor::from_slice(&ids.iter().map(|&id| id as i32).collect::<Vec<_>>())
+            })
+        };
         let dense = on_device(
             Tensor::f_from_slice(&batch.dense)
                 .and_then(|t| t.f_reshape([rows as i64, batch.num_dense as i64]))

@@ -93,7 +93,7 @@ impl SplitFactory {
         } else {
             None
         };
-        let stage = EmbeddingStage::new(&split, stores);
+        let stage = EmbeddingStage::over_stores(&dir, &split, stores).map_err(|e| load_error(&dir, e))?;
         let schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
         // A package's model instances: one per forward that can run at once

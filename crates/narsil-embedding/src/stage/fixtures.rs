@@ -18,6 +18,7 @@ pub(super) fn schema() -> SplitSchema {
         sha256: String::new(),
         redis: None,
         layout: None,
+        ids: Default::default(),
     };
     let feature = |name: &str, table: &str, pooling, weighted| FeatureSpec {
         name: name.into(),

@@ -25,6 +25,8 @@
 //! This file holds the stage, how it is built and the order of a batch's
 //! steps ([`EmbeddingStage::pool`]); each step is a file of its own:
 //!
+//! * `map_ids.rs`: for tables whose ids are raw 64-bit values, a copy of
+//!   the batch whose ids are rows (through the table's id map, or modulo);
 //! * `error.rs`: why a batch cannot be pooled ([`StageError`]) and what
 //!   that makes of its requests;
 //! * `collect.rs`: range-checking each table's ids and deduplicating them;
@@ -42,6 +44,7 @@ mod broadcast;
 mod collect;
 mod error;
 mod fetch;
+mod map_ids;
 mod pooling;
 mod read_ahead;
 
@@ -52,11 +55,14 @@ use std::sync::Arc;
 use narsil_core::KeyedBatch;
 
 use crate::dedup::DistinctIds;
+use crate::id_map::IdMap;
 use crate::metrics::{StageMetrics, TableCounters};
+use crate::schema::TableIds;
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
 use crate::stores::table_store::{OpenedTables, TableStore};
+use map_ids::IdMapping;
 
 pub use error::StageError;
 
@@ -65,6 +71,8 @@ struct StageTable {
     store: Arc<dyn RowStore>,
     /// The features that index it, in schema order.
     features: Vec<usize>,
+    /// How its ids become rows.
+    mapping: IdMapping,
     counters: TableCounters,
     /// Whether a batch's ids are deduplicated: for stores that fetch rows
     /// (each distinct row once) and mapped files (each distinct row read
@@ -94,6 +102,9 @@ pub struct StageScratch {
     /// The request-level units' pooled bags, `[units, request-level
     /// features * dim]`.
     unit_pooled: Vec<f32>,
+    /// The batch with its raw ids mapped to rows, for models with tables
+    /// whose ids are raw.
+    mapped: KeyedBatch,
 }
 
 /// A split model's embedding stage.
@@ -109,15 +120,30 @@ pub struct EmbeddingStage {
 }
 
 impl EmbeddingStage {
-    /// A stage over `schema` whose table `i` is `stores[i]`.
+    /// A stage over `schema` whose table `i` is `stores[i]` (no table of
+    /// which declares an id map).
     pub fn new(schema: &SplitSchema, stores: Vec<Arc<dyn RowStore>>) -> Self {
+        let maps = vec![None; schema.tables.len()];
+        Self::with_id_maps(schema, stores, maps)
+    }
+
+    /// A stage over `schema` whose table `i` is `stores[i]`, with its id
+    /// map `maps[i]` where it declares one.
+    pub fn with_id_maps(
+        schema: &SplitSchema,
+        stores: Vec<Arc<dyn RowStore>>,
+        maps: Vec<Option<Arc<IdMap>>>,
+    ) -> Self {
         assert_eq!(stores.len(), schema.tables.len(), "one store per table");
+        assert_eq!(maps.len(), schema.tables.len(), "one map or none per table");
         let metrics = StageMetrics::default();
         let tables = schema
             .tables
             .iter()
             .zip(stores)
-            .map(|(spec, store)| StageTable {
+            .zip(maps)
+            .map(|((spec, store), map)| StageTable {
+                mapping: IdMapping::of(spec, map),
                 spec: spec.clone(),
                 deduplicates: store.local_rows().is_none() || store.may_fault(),
                 store,
@@ -145,7 +171,17 @@ impl EmbeddingStage {
         store: &TableStore,
     ) -> Result<(Self, OpenedTables), TableError> {
         let (stores, opened) = store.open(dir, schema)?;
-        Ok((Self::new(schema, stores), opened))
+        Ok((Self::over_stores(dir, schema, stores)?, opened))
+    }
+
+    /// A stage over the split model in `dir` whose table `i` is
+    /// `stores[i]` (opened already), its id maps opened from `dir`.
+    pub fn over_stores(
+        dir: &Path,
+        schema: &SplitSchema,
+        stores: Vec<Arc<dyn RowStore>>,
+    ) -> Result<Self, TableError> {
+        Ok(Self::with_id_maps(schema, stores, open_id_maps(dir, schema)?))
     }
 
     /// Values in the pooled input per row: features times the pooled width.
@@ -173,8 +209,25 @@ impl EmbeddingStage {
     }
 
     /// Pools every bag of `batch` into `pooled` (resized to
-    /// `[batch.rows, pooled_width]`).
+    /// `[batch.rows, pooled_width]`), its raw ids mapped to rows first
+    /// where its tables' are raw.
     pub fn pool(
+        &self,
+        batch: &KeyedBatch,
+        scratch: &mut StageScratch,
+        pooled: &mut Vec<f32>,
+    ) -> Result<(), StageError> {
+        if !self.maps_ids() {
+            return self.pool_rows(batch, scratch, pooled);
+        }
+        let mut mapped = std::mem::take(&mut scratch.mapped);
+        let result = self.pool_rows(self.map_ids(batch, &mut mapped), scratch, pooled);
+        scratch.mapped = mapped;
+        result
+    }
+
+    /// [`Self::pool`] of a batch whose ids are rows.
+    fn pool_rows(
         &self,
         batch: &KeyedBatch,
         scratch: &mut StageScratch,
@@ -203,6 +256,29 @@ impl EmbeddingStage {
         self.broadcast(batch, &scratch.unit_pooled, pooled, width);
         Ok(())
     }
+}
+
+/// The id maps of `schema`'s tables that declare one, opened from `dir`
+/// and checked (every byte, and its SHA-256 against the schema's).
+fn open_id_maps(dir: &Path, schema: &SplitSchema) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
+    let mut maps = Vec::with_capacity(schema.tables.len());
+    for table in &schema.tables {
+        let TableIds::Map(spec) = &table.ids else {
+            maps.push(None);
+            continue;
+        };
+        let path = dir.join(&spec.file);
+        let error = |why: String| TableError::IdMap { table: table.name.clone(), path: path.clone(), why };
+        let (map, sha256) = IdMap::open(&path, table.rows).map_err(|e| error(e.to_string()))?;
+        if !sha256.eq_ignore_ascii_case(&spec.sha256) {
+            return Err(error(format!(
+                "its SHA-256 is {sha256}, but schema.json names {} (changed since it was published, or not this table's map): not served",
+                spec.sha256
+            )));
+        }
+        maps.push(Some(Arc::new(map)));
+    }
+    Ok(maps)
 }
 
 #[cfg(test)]

@@ -58,6 +58,16 @@ pub enum TableError {
         /// Why.
         why: String,
     },
+    /// The id map of a table whose ids are raw cannot be used.
+    #[error("table {table:?}: id map {}: {why}", path.display())]
+    IdMap {
+        /// The table.
+        table: String,
+        /// The map's file.
+        path: PathBuf,
+        /// Why.
+        why: String,
+    },
     /// The table is not in the store that holds it elsewhere (or that
     /// store cannot be reached).
     #[error("table {table:?}: {source}")]

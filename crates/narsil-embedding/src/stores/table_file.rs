@@ -366,6 +366,7 @@ mod tests {
                     sha256: sha.clone(),
                     redis: None,
                     layout: None,
+                    ids: Default::default(),
                 }
             })
             .collect();

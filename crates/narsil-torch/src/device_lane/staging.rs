@@ -241,6 +241,8 @@ pub(super) struct HostScratch {
     stage: StageScratch,
     pooled: Vec<f32>,
     lookup: Lookup,
+    /// The batch with its raw ids mapped to rows (tables with id maps).
+    mapped: KeyedBatch,
 }
 
 /// Stages `batch` into `set`: dense features, and the pooled block (tables
@@ -273,6 +275,8 @@ unsafe fn stage_into(
             )
         }
         Some(tables) => {
+            // Raw ids become rows first, as the CPU stage maps them.
+            let batch = model.stage.map_ids(batch, &mut scratch.mapped);
             scratch.lookup.fill(batch, tables.features(), tables.groups()).map_err(BackendError::from)?;
             let mut lookups = Vec::with_capacity(tables.groups());
             for (g, group) in scratch.lookup.groups.iter().enumerate() {

@@ -434,6 +434,7 @@ mod tests {
             sha256: String::new(),
             redis: None,
             layout: None,
+            ids: Default::default(),
         };
         let data: Vec<u8> = (0..rows).flat_map(|i| vec![(i % 251) as u8; row_bytes]).collect();
         std::fs::write(dir.path().join("t.bin"), data).unwrap();

@@ -114,6 +114,7 @@ mod tests {
             sha256: sha256.into(),
             redis: None,
             layout: None,
+            ids: Default::default(),
         }
     }
 

@@ -253,6 +253,7 @@ pub(crate) mod tests {
             sha256: String::new(),
             redis: None,
             layout: None,
+            ids: Default::default(),
         }
     }
 

@@ -1,0 +1,218 @@
+//! The stage's first step where a table's ids are raw 64-bit values
+//! ([`crate::schema::TableIds`]): a copy of the batch whose ids of those
+//! tables' features (the rows' bags and the request-level units') are
+//! rows, through the table's id map ([`crate::id_map`]: ids it does not
+//! hold get its default row, counted in `narsil_table_unmapped_ids_total`)
+//! or `id.rem_euclid(rows)`. Every later step (range checks, dedup, every
+//! store's fetch, pooling, the device path's lookups) then reads rows, as
+//! for any table; a batch of a model without such tables is not copied.
+
+use std::sync::Arc;
+
+use narsil_core::KeyedBatch;
+
+use super::{EmbeddingStage, StageTable};
+use crate::id_map::IdMap;
+use crate::schema::{TableIds, TableSpec};
+
+/// How a table's ids become rows, ready for lookups.
+pub(super) enum IdMapping {
+    /// Ids are rows.
+    Identity,
+    /// `id.rem_euclid(rows)`.
+    Modulo,
+    /// Through the map; ids it does not hold get `default_row`.
+    Map { map: Arc<IdMap>, default_row: u64 },
+}
+
+impl IdMapping {
+    /// The mapping `spec` declares, with its map opened (`map`: the
+    /// table's, where it declares one).
+    pub(super) fn of(spec: &TableSpec, map: Option<Arc<IdMap>>) -> Self {
+        match (&spec.ids, map) {
+            (TableIds::Identity, _) => Self::Identity,
+            (TableIds::Modulo, _) => Self::Modulo,
+            (TableIds::Map(declared), Some(map)) => Self::Map { map, default_row: declared.default_row },
+            (TableIds::Map(_), None) => {
+                panic!("table {:?} declares an id map: the stage is given it opened", spec.name)
+            }
+        }
+    }
+}
+
+impl EmbeddingStage {
+    /// Whether some table's ids are raw (its batches are mapped first).
+    pub fn maps_ids(&self) -> bool {
+        self.tables.iter().any(|t| !matches!(t.mapping, IdMapping::Identity))
+    }
+
+    /// `batch` with every id of a table whose ids are raw replaced by its
+    /// row: written into `into` (its buffers reused) and returned, or
+    /// `batch` itself where no table's ids are raw.
+    pub fn map_ids<'a>(&self, batch: &'a KeyedBatch, into: &'a mut KeyedBatch) -> &'a KeyedBatch {
+        if !self.maps_ids() {
+            return batch;
+        }
+        batch.copy_into(into);
+        for table in &self.tables {
+            for &f in &table.features {
+                let range = batch.feature_offsets[f]..batch.feature_offsets[f + 1];
+                map_table_ids(table, &batch.ids[range.clone()], &mut into.ids[range]);
+                let (Some(from), Some(to)) = (&batch.request_level, &mut into.request_level) else {
+                    continue;
+                };
+                if let Some(k) = from.position(f) {
+                    let range = from.feature_offsets[k]..from.feature_offsets[k + 1];
+                    map_table_ids(table, &from.ids[range.clone()], &mut to.ids[range]);
+                }
+            }
+        }
+        into
+    }
+}
+
+/// `raws` as `table`'s rows, into `rows`.
+fn map_table_ids(table: &StageTable, raws: &[i64], rows: &mut [i64]) {
+    match &table.mapping {
+        IdMapping::Identity => {}
+        IdMapping::Modulo => {
+            let modulus = table.spec.rows as i128;
+            for (row, &raw) in rows.iter_mut().zip(raws) {
+                // In i128: a table of more than i64::MAX rows takes every id.
+                *row = (raw as i128).rem_euclid(modulus) as i64;
+            }
+        }
+        IdMapping::Map { map, default_row } => {
+            let unmapped = map.map_into(raws, rows, *default_row);
+            table.counters.unmapped_ids.inc_by(unmapped);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use narsil_core::KeyedBatch;
+
+    use super::super::fixtures::{batch, rows, schema};
+    use super::super::pooling::tests::Fetching;
+    use super::super::{EmbeddingStage, StageScratch};
+    use crate::id_map::{build, IdMap};
+    use crate::schema::{IdMapSpec, TableIds};
+    use crate::stores::row_store::RowStore;
+
+    /// Raw id of row `row` in the tests' maps: large, and negative for odd
+    /// rows.
+    fn raw(row: i64) -> i64 {
+        let raw = (row + 1).wrapping_mul(0x5851_f42d_4c95_7f2d);
+        if row % 2 == 1 {
+            -raw.abs()
+        } else {
+            raw.abs()
+        }
+    }
+
+    #[test]
+    fn raw_ids_through_a_map_pool_as_their_rows_on_local_and_fetching_stores_and_new_ids_get_the_default_row()
+    {
+        let mut schema = schema();
+        let plain = schema.clone();
+        let mut maps = Vec::new();
+        for table in &mut schema.tables {
+            let pairs: Vec<(i64, u64)> = (0..table.rows as i64 - 1).map(|r| (raw(r), r as u64)).collect();
+            let default_row = table.rows - 1;
+            let map = IdMap::from_bytes(build(&pairs, table.rows).unwrap(), table.rows).unwrap();
+            maps.push(Some(Arc::new(map)));
+            table.ids =
+                TableIds::Map(IdMapSpec { file: "unused".into(), sha256: "00".repeat(32), default_row });
+        }
+        let rows_batch = batch();
+        // The same batch as raw ids; the ids of the last row of each table
+        // become ids never seen (the default row is that last row).
+        let mut raw_batch = rows_batch.clone();
+        let mut unseen = 0;
+        for (f, feature) in schema.features.iter().enumerate() {
+            let last = schema.table(&feature.table).unwrap().rows as i64 - 1;
+            for id in &mut raw_batch.ids[rows_batch.feature_offsets[f]..rows_batch.feature_offsets[f + 1]] {
+                unseen += u64::from(*id == last);
+                *id = if *id == last { 777_000 + f as i64 } else { raw(*id) };
+            }
+        }
+        for local in [true, false] {
+            let stores = |schema: &crate::schema::SplitSchema| -> Vec<Arc<dyn RowStore>> {
+                schema
+                    .tables
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        let table = rows(t, 3 + i as u8);
+                        if local {
+                            Arc::new(table) as Arc<dyn RowStore>
+                        } else {
+                            Arc::new(Fetching(table)) as Arc<dyn RowStore>
+                        }
+                    })
+                    .collect()
+            };
+            let mut expected = Vec::new();
+            EmbeddingStage::new(&plain, stores(&plain))
+                .pool(&rows_batch, &mut StageScratch::default(), &mut expected)
+                .unwrap();
+            let stage = EmbeddingStage::with_id_maps(&schema, stores(&schema), maps.clone());
+            assert!(stage.maps_ids());
+            let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+            // Twice: the scratch copy is reused.
+            for _ in 0..2 {
+                stage.pool(&raw_batch, &mut scratch, &mut pooled).unwrap();
+                assert_eq!(pooled, expected, "local {local}");
+            }
+            let counted: u64 =
+                schema.tables.iter().map(|t| stage.metrics().table(&t.name).unmapped_ids.get()).sum();
+            assert_eq!(counted, 2 * unseen);
+            // The mapped copy leaves the batch as sent.
+            let mut copy = KeyedBatch::default();
+            assert_eq!(stage.map_ids(&raw_batch, &mut copy).ids.len(), raw_batch.ids.len());
+            assert_ne!(copy.ids, raw_batch.ids);
+        }
+    }
+
+    #[test]
+    fn a_modulo_table_takes_any_64_bit_id() {
+        let mut schema = schema();
+        let plain = schema.clone();
+        for table in &mut schema.tables {
+            table.ids = TableIds::Modulo;
+        }
+        let stores = |schema: &crate::schema::SplitSchema| -> Vec<Arc<dyn RowStore>> {
+            schema.tables.iter().map(|t| Arc::new(rows(t, 5)) as Arc<dyn RowStore>).collect()
+        };
+        let rows_batch = batch();
+        let mut raw_batch = rows_batch.clone();
+        for (f, feature) in schema.features.iter().enumerate() {
+            let n = schema.table(&feature.table).unwrap().rows as i64;
+            for (k, id) in raw_batch.ids[rows_batch.feature_offsets[f]..rows_batch.feature_offsets[f + 1]]
+                .iter_mut()
+                .enumerate()
+            {
+                // i64::MIN and -1 wrap too (rem_euclid is never negative).
+                *id = match k % 3 {
+                    0 => *id - n * 1_000_003,
+                    1 => *id + n * ((i64::MAX - *id) / n),
+                    _ => *id,
+                };
+            }
+        }
+        raw_batch.ids[0] = i64::MIN;
+        let mut wrapped = rows_batch.clone();
+        wrapped.ids[0] = (i64::MIN as i128).rem_euclid(schema.tables[0].rows as i128) as i64;
+        let (mut expected, mut pooled) = (Vec::new(), Vec::new());
+        EmbeddingStage::new(&plain, stores(&plain))
+            .pool(&wrapped, &mut StageScratch::default(), &mut expected)
+            .unwrap();
+        EmbeddingStage::new(&schema, stores(&schema))
+            .pool(&raw_batch, &mut StageScratch::default(), &mut pooled)
+            .unwrap();
+        assert_eq!(pooled, expected);
+    }
+}
