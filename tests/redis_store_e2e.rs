@@ -11,7 +11,7 @@
 //! when it answers again; a row the cluster lost fails its batch unless
 //! the operator chose `--missing-rows zero`, which pools it as zeros;
 //! ranking requests (the user's features once) score as the same requests
-//! sent flat.
+//! sent flat; raw ids through a table's id map fetch their rows.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -184,6 +184,35 @@ async fn served_from_redis_fused_requests_get_their_golden_scores() {
     let text = server.scrape().await;
     assert!(common::metric(&text, r#"narsil_table_rows_fetched_total{table="cat_0"}"#) > 0.0, "{text}");
     assert!(common::metric(&text, "narsil_request_level_bags_pooled_total") >= 3.0 * 13.0, "{text}");
+    server.stop().await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// A model whose tables map raw ids (an id map beside each table in the
+/// model directory, its rows on the cluster): the golden requests sent
+/// with raw ids, some never seen, get their golden scores, the ids mapped
+/// before the cluster is asked for rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_ids_through_id_maps_fetch_their_rows_from_redis() {
+    let cluster = Cluster::start("mapped");
+    let dir = std::env::temp_dir().join(format!("narsil-redis-model-mapped-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let defaults = common::id_maps::mapped_copy(&dir, &golden);
+    tables_load(&dir, &cluster.seeds);
+    let store = store_with(&cluster, MissingRows::Error, Duration::from_secs(5));
+    let server = start_with(Arc::new(factory(&dir, store)), batch_mode(1, 16)).await.ready().await;
+    let mut client = server.client().await;
+    let before = common::metric(&server.scrape().await, "narsil_table_unmapped_ids_total");
+    let mut unseen = 0;
+    for (i, g) in golden.requests.iter().enumerate() {
+        let (sent, never_seen) = common::id_maps::raw_request(g, &defaults);
+        unseen += never_seen;
+        let response = client.predict(wire(&sent, "")).await.unwrap().into_inner();
+        assert_close(&response.scores, &g.scores_int8, &format!("golden request {i} with raw ids"));
+    }
+    let text = server.scrape().await;
+    assert_eq!(common::metric(&text, "narsil_table_unmapped_ids_total") - before, unseen as f64);
     server.stop().await.unwrap();
     std::fs::remove_dir_all(dir).unwrap();
 }

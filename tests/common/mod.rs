@@ -2,6 +2,7 @@
 //! the mock backend, gRPC clients, and request builders.
 #![allow(dead_code)]
 
+pub mod id_maps;
 pub mod ranking;
 
 use std::sync::Arc;
