@@ -12,45 +12,13 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::tls::{Authority, Leaf};
 use narsil::proto::predictor_client::PredictorClient;
-use narsil::server::tls::GrpcTls;
+use narsil::server::tls::ServerTls;
 use narsil::server::{Listen, Server};
 use narsil_core::mock::{MockConfig, MockFactory};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use tokio::sync::oneshot;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
-
-/// A CA and the certificates it signed, as PEM.
-struct Authority {
-    issuer: CertifiedIssuer<'static, KeyPair>,
-}
-
-/// A certificate and its key, as PEM.
-struct Leaf {
-    cert: String,
-    key: String,
-}
-
-impl Authority {
-    fn new(name: &str) -> Self {
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params.distinguished_name.push(DnType::CommonName, name);
-        Self { issuer: CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap() }
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-
-    /// A certificate for `names` (DNS names or IP addresses).
-    fn sign(&self, names: &[&str]) -> Leaf {
-        let key = KeyPair::generate().unwrap();
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let cert = CertificateParams::new(names).unwrap().signed_by(&key, &self.issuer).unwrap();
-        Leaf { cert: cert.pem(), key: key.serialize_pem() }
-    }
-}
+use tonic::transport::{Channel, ClientTlsConfig};
 
 struct TlsServer {
     addr: SocketAddr,
@@ -59,7 +27,7 @@ struct TlsServer {
 }
 
 impl TlsServer {
-    async fn start(tls: GrpcTls) -> Self {
+    async fn start(tls: ServerTls) -> Self {
         let factory = Arc::new(MockFactory::new(
             common::schema(),
             MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
@@ -102,14 +70,14 @@ async fn predict(url: String, tls: Option<ClientTlsConfig>) -> Result<usize, Str
 }
 
 fn trusting(ca: &Authority) -> ClientTlsConfig {
-    ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca.pem())).domain_name("localhost")
+    ca.trusted_by_client()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_trusting_the_ca_is_served_over_tls_and_a_plaintext_client_is_refused() {
     let ca = Authority::new("narsil test CA");
     let server_cert = ca.sign(&["localhost", "127.0.0.1"]);
-    let tls = GrpcTls::from_pem(server_cert.cert.as_bytes(), server_cert.key.as_bytes(), None).unwrap();
+    let tls = ServerTls::from_pem(server_cert.cert.as_bytes(), server_cert.key.as_bytes(), None).unwrap();
     assert!(!format!("{tls:?}").contains("PRIVATE KEY"));
     let server = TlsServer::start(tls).await;
     let https = format!("https://127.0.0.1:{}", server.addr.port());
@@ -133,7 +101,7 @@ async fn with_a_client_ca_only_clients_with_a_certificate_it_signed_are_served()
     let (ca, clients_ca, stranger) =
         (Authority::new("server CA"), Authority::new("client CA"), Authority::new("another CA"));
     let server_cert = ca.sign(&["localhost"]);
-    let tls = GrpcTls::from_pem(
+    let tls = ServerTls::from_pem(
         server_cert.cert.as_bytes(),
         server_cert.key.as_bytes(),
         Some(clients_ca.pem().as_bytes()),
@@ -142,7 +110,7 @@ async fn with_a_client_ca_only_clients_with_a_certificate_it_signed_are_served()
     assert!(tls.mutual);
     let server = TlsServer::start(tls).await;
     let https = format!("https://127.0.0.1:{}", server.addr.port());
-    let with = |leaf: &Leaf| trusting(&ca).identity(Identity::from_pem(&leaf.cert, &leaf.key));
+    let with = |leaf: &Leaf| trusting(&ca).identity(leaf.identity());
     let client = clients_ca.sign(&["client"]);
     common::poll_until("the mTLS server to answer", Duration::from_secs(30), || {
         let (url, tls) = (https.clone(), with(&client));
@@ -164,7 +132,7 @@ async fn with_a_client_ca_only_clients_with_a_certificate_it_signed_are_served()
 fn a_key_that_is_not_the_certificate_s_is_refused_at_start() {
     let ca = Authority::new("narsil test CA");
     let (one, other) = (ca.sign(&["localhost"]), ca.sign(&["localhost"]));
-    let err = GrpcTls::from_pem(one.cert.as_bytes(), other.key.as_bytes(), None).unwrap_err();
+    let err = ServerTls::from_pem(one.cert.as_bytes(), other.key.as_bytes(), None).unwrap_err();
     assert!(err.to_string().contains("cannot serve TLS with --tls-cert, --tls-key"), "{err}");
 }
 

@@ -15,7 +15,7 @@ use crate::flags::serve_flag;
 use crate::lifecycle::control_token::ControlToken;
 use crate::lifecycle::repository::{self, VersionPolicy};
 use crate::lifecycle::watcher::Repository;
-use crate::server::tls::GrpcTls;
+use crate::server::tls::{AdminTls, ServerTls};
 use crate::server::{bound, is_loopback, open_control_refused, Listen, RepositoryServe, Server};
 
 /// `--execution-mode`: the engine's modes, by name.
@@ -137,19 +137,27 @@ pub struct ServeArgs {
     /// Largest gRPC message accepted, bytes; larger ones get INVALID_ARGUMENT.
     #[arg(long, env = "NARSIL_MAX_MESSAGE_BYTES", default_value_t = 64 << 20)]
     pub max_message_bytes: usize,
-    /// PEM certificate (chain) to serve gRPC (--addr) over TLS with; needs
-    /// --tls-key. Every protocol is then TLS only. Unset: plaintext (h2c).
-    /// Read once at start.
+    /// PEM certificate (chain) to serve gRPC (--addr) and, as --metrics-tls
+    /// says, --metrics-addr over TLS with; needs --tls-key. Every protocol
+    /// is then TLS only. Unset: plaintext. When the files (--tls-key and
+    /// --tls-client-ca too) change, new connections get the new ones within
+    /// a few seconds; a change that cannot be used keeps the old ones.
     #[arg(long, env = "NARSIL_TLS_CERT", value_name = "PATH", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
     /// PEM private key of --tls-cert.
     #[arg(long, env = "NARSIL_TLS_KEY", value_name = "PATH", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
-    /// PEM CA certificate(s) for mutual TLS on --addr: a client must present
-    /// a certificate signed by one of them, or is refused at the handshake.
+    /// PEM CA certificate(s) for mutual TLS: a client must present a
+    /// certificate signed by one of them, or is refused at the handshake.
     /// Needs --tls-cert.
     #[arg(long, env = "NARSIL_TLS_CLIENT_CA", value_name = "PATH", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
+    /// With --tls-cert, TLS on --metrics-addr: `same` as on --addr (client
+    /// certificates too, with --tls-client-ca), `no-client-cert` (the
+    /// certificate, but none asked of clients: scrapers and probes without
+    /// one), or `off` (plain HTTP).
+    #[arg(long, env = "NARSIL_METRICS_TLS", value_enum, default_value_t = AdminTls::Same)]
+    pub metrics_tls: AdminTls,
     /// Address to serve Prometheus metrics on (`GET /metrics`); unset: no
     /// metrics endpoint.
     #[arg(long, env = "NARSIL_METRICS_ADDR")]
@@ -290,12 +298,21 @@ impl ServeArgs {
         }))
     }
 
-    /// TLS for the gRPC listener from `--tls-cert`, `--tls-key` and
-    /// `--tls-client-ca`, read and checked now; none without them.
-    pub fn grpc_tls(&self) -> anyhow::Result<Option<GrpcTls>> {
+    /// TLS for the listeners from `--tls-cert`, `--tls-key`,
+    /// `--tls-client-ca` and `--metrics-tls`, read and checked now (and
+    /// followed: [`ServerTls::read`]); none without them.
+    pub fn server_tls(&self) -> anyhow::Result<Option<ServerTls>> {
         match (&self.tls_cert, &self.tls_key) {
-            (Some(cert), Some(key)) => Ok(Some(GrpcTls::read(cert, key, self.tls_client_ca.as_deref())?)),
-            (None, None) if self.tls_client_ca.is_none() => Ok(None),
+            (Some(cert), Some(key)) => {
+                let tls = ServerTls::read(cert, key, self.tls_client_ca.as_deref())?;
+                Ok(Some(tls.with_admin(self.metrics_tls)))
+            }
+            (None, None) if self.tls_client_ca.is_none() => {
+                if self.metrics_tls != AdminTls::Same {
+                    anyhow::bail!("--metrics-tls needs --tls-cert and --tls-key: the certificate to serve");
+                }
+                Ok(None)
+            }
             _ => anyhow::bail!("--tls-cert and --tls-key go together (and --tls-client-ca needs them)"),
         }
     }
@@ -332,7 +349,7 @@ impl ServeArgs {
 pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
     let config = args.engine_config()?;
     let drain_grace = args.drain_grace()?;
-    let tls = args.grpc_tls()?;
+    let tls = args.server_tls()?;
     let listen = Listen {
         addr: args.addr,
         metrics_addr: args.metrics_addr,
@@ -444,15 +461,17 @@ mod tests {
     #[test]
     fn tls_files_that_cannot_be_read_or_used_are_refused_naming_the_flag() {
         let err = serve(&["--tls-cert", "/nonexistent/cert.pem", "--tls-key", "/nonexistent/key.pem"])
-            .grpc_tls()
+            .server_tls()
             .unwrap_err();
         assert!(format!("{err:#}").contains("cannot read --tls-cert /nonexistent/cert.pem"), "{err:#}");
         let junk = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(junk.path(), "not a PEM file").unwrap();
         let path = junk.path().to_str().unwrap();
-        let err = serve(&["--tls-cert", path, "--tls-key", path]).grpc_tls().unwrap_err();
+        let err = serve(&["--tls-cert", path, "--tls-key", path]).server_tls().unwrap_err();
         assert!(format!("{err:#}").contains("cannot serve TLS with --tls-cert, --tls-key"), "{err:#}");
-        assert!(serve(&[]).grpc_tls().unwrap().is_none());
+        assert!(serve(&[]).server_tls().unwrap().is_none());
+        let err = serve(&["--metrics-tls", "off"]).server_tls().unwrap_err();
+        assert!(err.to_string().contains("--metrics-tls needs --tls-cert"), "{err}");
         assert!(Cli::try_parse_from(["narsil", "serve", "--tls-cert", path]).is_err(), "needs --tls-key");
     }
 

@@ -3,6 +3,7 @@
 //! compares every score with the one Python computed. Checks a deployment end
 //! to end (a container image, a replica behind a balancer): it waits for
 //! grpc.health SERVING, then fails naming the first request that differs.
+//! It speaks TLS as `narsil load` does ([`crate::load::tls`]).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
+use crate::load::tls::ClientTlsArgs;
 use crate::proto::predictor_client::PredictorClient;
 use crate::proto::PredictRequest;
 use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
@@ -20,7 +22,7 @@ use narsil_core::golden::{max_abs_diff, Golden, GoldenRequest};
 /// `narsil verify` flags.
 #[derive(Debug, clap::Args)]
 pub struct VerifyArgs {
-    /// Server address.
+    /// Server address (`https://`: over TLS, with --tls-ca).
     #[arg(long, env = "NARSIL_VERIFY_ADDR", default_value = "http://127.0.0.1:50051")]
     addr: String,
     /// An exported model's directory (holding `golden.json`) or the golden
@@ -41,6 +43,9 @@ pub struct VerifyArgs {
     /// How long to wait for the server to report SERVING on grpc.health.
     #[arg(long, env = "NARSIL_VERIFY_WAIT_SECS", default_value_t = 60)]
     wait_secs: u64,
+    /// TLS to the server.
+    #[command(flatten)]
+    tls: ClientTlsArgs,
 }
 
 /// Runs `narsil verify`.
@@ -54,7 +59,8 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
     if golden.requests.is_empty() {
         anyhow::bail!("--golden {}: no requests", path.display());
     }
-    let channel = wait_serving(&args.addr, Duration::from_secs(args.wait_secs)).await?;
+    let endpoint = args.tls.endpoint(&args.addr)?;
+    let channel = wait_serving(endpoint, &args.addr, Duration::from_secs(args.wait_secs)).await?;
     let mut client = PredictorClient::new(channel).max_decoding_message_size(usize::MAX);
     let mut worst = 0.0f32;
     for (i, request) in golden.requests.iter().enumerate() {
@@ -103,12 +109,10 @@ fn expected<'a>(request: &'a GoldenRequest, which: &str) -> Option<&'a Vec<f32>>
     (!scores.is_empty()).then_some(scores)
 }
 
-/// A channel to `addr` once its overall grpc.health status is SERVING.
-async fn wait_serving(addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
-    let endpoint = Endpoint::from_shared(addr.to_owned())
-        .with_context(|| format!("bad --addr {addr}"))?
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(30));
+/// A channel to `endpoint` (`addr`) once its overall grpc.health status
+/// is SERVING.
+async fn wait_serving(endpoint: Endpoint, addr: &str, timeout: Duration) -> anyhow::Result<Channel> {
+    let endpoint = endpoint.connect_timeout(Duration::from_secs(2)).timeout(Duration::from_secs(30));
     let started = Instant::now();
     loop {
         let last = match endpoint.connect().await {
@@ -122,7 +126,7 @@ async fn wait_serving(addr: &str, timeout: Duration) -> anyhow::Result<Channel> 
                     Err(status) => format!("health check failed: {}", status.message()),
                 }
             }
-            Err(e) => format!("cannot connect: {e}"),
+            Err(e) => format!("cannot connect: {}", crate::load::tls::causes(&e)),
         };
         if started.elapsed() >= timeout {
             anyhow::bail!("{addr} not SERVING after {} s (--wait-secs): {last}", timeout.as_secs());

@@ -22,10 +22,14 @@
 //! `--compare-flat` also sends a grouped run's requests flat, once each
 //! before the measured phase, and compares every grouped answer with its
 //! flat twin's scores (`max_abs_diff_vs_flat`).
+//!
+//! It speaks TLS to servers that do ([`tls`]: `--tls-ca`, and a client
+//! certificate for mutual TLS).
 
 pub mod ids;
 pub mod ranking;
 pub mod report;
+pub mod tls;
 pub mod workload;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,7 +37,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use self::ids::{IdDistribution, IdDistributions};
 use crate::kserve_proto::grpc_inference_service_client::GrpcInferenceServiceClient as KServeClient;
@@ -58,7 +62,7 @@ pub enum Protocol {
 /// `narsil load` flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LoadArgs {
-    /// Server address.
+    /// Server address (`https://`: over TLS, with --tls-ca).
     #[arg(long, env = "NARSIL_LOAD_ADDR", default_value = "http://127.0.0.1:50051")]
     pub addr: String,
     /// narsil.v1: the model to load (empty: the server's default model).
@@ -170,6 +174,9 @@ pub struct LoadArgs {
     /// drawn below it).
     #[arg(long, default_value_t = 100_000)]
     pub table_rows: u64,
+    /// TLS to the server.
+    #[command(flatten)]
+    pub tls: tls::ClientTlsArgs,
 }
 
 impl LoadArgs {
@@ -411,13 +418,13 @@ fn shaped_info(
 
 async fn connect(args: &LoadArgs) -> anyhow::Result<Vec<Client>> {
     let mut clients = Vec::with_capacity(args.connections);
+    let endpoint = args.tls.endpoint(&args.addr)?.tcp_nodelay(true);
     for _ in 0..args.connections {
-        let channel = Endpoint::from_shared(args.addr.clone())
-            .with_context(|| format!("bad --addr {}", args.addr))?
-            .tcp_nodelay(true)
+        let channel = endpoint
+            .clone()
             .connect()
             .await
-            .with_context(|| format!("cannot connect to {}", args.addr))?;
+            .map_err(|e| anyhow::anyhow!("cannot connect to {}: {}", args.addr, tls::causes(&e)))?;
         clients.push(match args.protocol {
             Protocol::Narsil => Client::Narsil(
                 PredictorClient::new(channel)

@@ -3,7 +3,8 @@
 //! while grpc.health's overall status is SERVING and 503 otherwise (for
 //! balancers that check over HTTP, like HAProxy); `/v1/models…` lists and
 //! controls models ([`crate::lifecycle::control`], whose calls that change
-//! what is served pass its token check first).
+//! what is served pass its token check first). It serves on any
+//! [`Listener`]: a plain TCP one, or a TLS one ([`super::tls`]).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,8 +13,8 @@ use std::sync::Arc;
 use axum::http::header::CONTENT_TYPE;
 use axum::http::StatusCode;
 use axum::routing::get;
+use axum::serve::Listener;
 use axum::Router;
-use tokio::net::TcpListener;
 
 use crate::lifecycle::control::{self, ModelControl};
 
@@ -22,12 +23,16 @@ pub const CONTENT_TYPE_OPENMETRICS: &str = "application/openmetrics-text; versio
 
 /// Serves `/metrics`, `/healthz` and the model routes on `listener` until `shutdown`
 /// resolves.
-pub async fn serve(
-    listener: TcpListener,
+pub async fn serve<L>(
+    listener: L,
     models: ModelControl,
     serving: Arc<AtomicBool>,
     shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
+) -> std::io::Result<()>
+where
+    L: Listener,
+    L::Addr: std::fmt::Debug,
+{
     let registry = Arc::clone(&models.registry);
     let app = Router::new()
         .route(

@@ -5,8 +5,9 @@
 //! The admin address (`--metrics-addr`) serves metrics, `/healthz` and the
 //! model calls over HTTP until the drain is over; the calls that change what
 //! is served need the `--control-token-file` token, and without one a
-//! repository server refuses to open them on a non-loopback address. The
-//! gRPC listener serves plaintext, or TLS and mutual TLS ([`tls`]).
+//! repository server refuses to open them on a non-loopback address. Both
+//! listeners serve plaintext, or TLS and mutual TLS with certificates
+//! reloaded when their files change ([`tls`]).
 //!
 //! Health ([`health`]: `grpc.health.v1`, and `/healthz`) says NOT_SERVING
 //! until every model that should serve has a warm version, then follows
@@ -41,7 +42,7 @@ use tonic::transport::server::TcpIncoming;
 
 use self::drain::Drain;
 use self::health::Health;
-use self::tls::GrpcTls;
+use self::tls::{AdminListener, ServerTls};
 use crate::lifecycle::control::ModelControl;
 use crate::lifecycle::control_token::ControlToken;
 use crate::lifecycle::watcher::{Repository, Watcher};
@@ -102,8 +103,8 @@ pub struct Server {
     /// The bound on request memory every engine shares.
     memory: MemoryBudget,
     drain_grace: Duration,
-    /// TLS on the gRPC listener; none: plaintext (h2c).
-    tls: Option<GrpcTls>,
+    /// TLS on the listeners; none: plaintext (h2c, HTTP/1.1).
+    tls: Option<ServerTls>,
 }
 
 /// Whether `addr` is a loopback address (IPv4-mapped IPv6 ones included).
@@ -216,9 +217,10 @@ impl Server {
         self
     }
 
-    /// Serves gRPC over TLS ([`tls`]: a certificate, and a client CA for
-    /// mutual TLS) instead of plaintext.
-    pub fn with_tls(mut self, tls: GrpcTls) -> Self {
+    /// Serves gRPC, and the admin address as [`ServerTls::admin`] says,
+    /// over TLS ([`tls`]: a certificate, and a client CA for mutual TLS)
+    /// instead of plaintext.
+    pub fn with_tls(mut self, tls: ServerTls) -> Self {
         self.tls = Some(tls);
         self
     }
@@ -317,30 +319,46 @@ impl Server {
                 }
             }
         };
-        let tls = match &self.tls {
-            None => "off",
-            Some(tls) if tls.mutual => "mutual",
-            Some(_) => "on",
+        let describe = |admin: bool| self.tls.as_ref().map_or("off", |tls| tls.describe(admin));
+        tracing::info!(%addr, tls = describe(false), "listening");
+        let admin = match self.metrics_listener {
+            None => None,
+            Some(listener) => {
+                let admin = listener.local_addr().context("the admin listener has no address")?;
+                tracing::info!(addr = %admin, tls = describe(true), "serving /metrics, /healthz and /v1/models");
+                let (serving, drained) = (health.serving(), drain.drained());
+                let listener = match &self.tls {
+                    Some(tls) => {
+                        tls.admin_listener(listener).context("cannot serve TLS on --metrics-addr")?
+                    }
+                    None => AdminListener::Plain(listener),
+                };
+                Some(match listener {
+                    AdminListener::Plain(listener) => {
+                        tokio::spawn(admin_http::serve(listener, control, serving, drained))
+                    }
+                    AdminListener::Tls(listener) => {
+                        tokio::spawn(admin_http::serve(listener, control, serving, drained))
+                    }
+                })
+            }
         };
-        tracing::info!(%addr, tls, "listening");
-        let admin = self.metrics_listener.map(|listener| {
-            let admin = listener.local_addr().expect("bound");
-            tracing::info!(addr = %admin, "serving /metrics, /healthz and /v1/models");
-            tokio::spawn(admin_http::serve(listener, control, health.serving(), drain.drained()))
-        });
-        let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = self.tls {
-            builder = builder.tls_config(tls.config).context("cannot serve TLS")?;
-        }
-        let served = builder
+        let router = tonic::transport::Server::builder()
             .layer(message_limit::layer(Arc::clone(&models)))
             .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models), &protocols::PROTOCOLS))
             .add_routes(routes)
             .add_service(health_service)
-            .add_service(reflection)
-            .serve_with_incoming_shutdown(incoming, stop_listening)
-            .await;
+            .add_service(reflection);
+        let served = match &self.tls {
+            Some(tls) => {
+                let incoming = tls.grpc_incoming(self.listener).context("cannot serve TLS on --addr")?;
+                router.serve_with_incoming_shutdown(incoming, stop_listening).await
+            }
+            None => {
+                let incoming = TcpIncoming::from(self.listener).with_nodelay(Some(true));
+                router.serve_with_incoming_shutdown(incoming, stop_listening).await
+            }
+        };
         following.abort();
         drain.begin(None);
         if let Some(task) = watcher_task {

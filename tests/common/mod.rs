@@ -4,6 +4,7 @@
 
 pub mod id_maps;
 pub mod ranking;
+pub mod tls;
 
 use std::sync::Arc;
 use std::time::Duration;
