@@ -31,6 +31,19 @@ How, and what it relies on:
     its outputs do not depend on (the lookups, their bounds checks, the
     jagged-tensor bookkeeping that fed them) removed from its graph; the
     table buffers are emptied.
+  * A TorchRec managed-collision model (its features `"raw_ids": true` in
+    model.json; ids reach it as int64) keeps, per table, an
+    MCHManagedCollisionModule whose remapping buffers
+    (`_mch_sorted_raw_ids`, `_mch_remapped_ids_mapping`) turn raw ids into
+    rows. Each becomes the table's id map (models/id_map.py, `tables/T.idmap`,
+    `"ids": {"map": ...}` in schema.json), with TorchRec's rule for the ids
+    it does not hold: evicted and never-seen ids go to one row, the default.
+    Which module serves which feature, and that default row, are measured:
+    one raw id in one feature's bag, the row its pooled block equals read
+    back from the table; and a sample of raw ids per table is checked to
+    give through the map the row TorchRec gives them. A hash-ZCH module
+    (HashZchManagedCollisionModule) is refused: the ids it does not hold
+    fall back to a hashed slot each, not to one default row.
   * With --pt2, that dense network is also compiled by AOTInductor
     (dense.pt2, and dense_bf16.pt2 on a CPU with bf16 instructions): its
     TorchScript graph is retraced for torch.export by ts_retrace.py (run
@@ -53,6 +66,7 @@ from torch import nn
 
 import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 
+from id_map import I64_MAX, lookup, mch_remapping, write_map
 from split_model import SPLIT_FORMAT, dense_flops_per_sample, write_dense_packages
 from ts_retrace import RetracedScript
 
@@ -258,13 +272,20 @@ class PackagedDense(nn.Module):
         return torch.stack([result[name] for name in self.outputs])
 
 
+def takes_raw_ids(config: dict) -> bool:
+    """Whether the model takes raw 64-bit ids (a managed-collision model:
+    model.json's `raw_ids`), passed as int64 like Narsil passes them."""
+    return any(f.get("raw_ids", False) for f in config["sparse_features"])
+
+
 def wire_batch(config: dict, request: dict) -> Dict[str, torch.Tensor]:
     """A golden request (sample-major) as TorchRec's input dict: each
-    feature group key-major, ids int32."""
+    feature group key-major, ids int32 (int64 for a model of raw ids)."""
     features = config["sparse_features"]
     b = request["batch_size"]
     lengths = torch.tensor(request["lengths"], dtype=torch.int32).view(b, len(features))
-    bags = torch.split(torch.tensor(request["ids"], dtype=torch.int32), lengths.reshape(-1).tolist())
+    id_type = torch.int64 if takes_raw_ids(config) else torch.int32
+    bags = torch.split(torch.tensor(request["ids"], dtype=id_type), lengths.reshape(-1).tolist())
     weighted_lengths = [int(lengths[s, j]) for s in range(b) for j, f in enumerate(features) if f["weighted"]]
     weights = iter(torch.split(torch.tensor(request.get("weights", []), dtype=torch.float32), weighted_lengths))
     weight_of = {(s, j): next(weights) for s in range(b) for j, f in enumerate(features) if f["weighted"]}
@@ -320,14 +341,123 @@ def place_features(probe: torch.jit.ScriptModule, lookups: List[Lookup], config:
     return places
 
 
+def dequantized(rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """FBGEMM's INT8 row-wise rows (`[rows, row_bytes]` uint8: fp16 scale,
+    fp16 bias, `dim` values) as FP32 `[rows, dim]`."""
+    scale = rows[:, 0:2].contiguous().view(torch.float16).float()
+    bias = rows[:, 2:4].contiguous().view(torch.float16).float()
+    return rows[:, 4:4 + dim].float() * scale + bias
+
+
+class MchModule:
+    """One MCHManagedCollisionModule of the packaged model: its path and
+    remapping buffers."""
+
+    def __init__(self, path: str, module) -> None:
+        self.path = path
+        self.sorted_raw_ids = module._mch_sorted_raw_ids.clone()
+        self.mapping = module._mch_remapped_ids_mapping.clone()
+        held = self.sorted_raw_ids != I64_MAX
+        self.held = self.sorted_raw_ids[held]
+        self.held_rows = self.mapping[held]
+
+
+def mch_modules(module: torch.jit.ScriptModule) -> List[MchModule]:
+    """Every managed-collision module the packaged model holds; refuses the
+    kinds whose remapping an id map cannot reproduce."""
+    found = []
+    for path, sub in module.named_modules():
+        buffers = {name for name, _ in sub.named_buffers(recurse=False)}
+        if "_hash_zch_identities" in buffers or any(n.startswith("_hash_zch") for n in buffers):
+            raise SystemExit(f"{path}: a HashZchManagedCollisionModule; ids it does not hold fall back to a hashed "
+                             "slot each (fbgemm's zero_collision_hash), which an id map with one default row "
+                             "cannot reproduce: not extracted")
+        if {"_mch_sorted_raw_ids", "_mch_remapped_ids_mapping"} <= buffers:
+            found.append(MchModule(path, sub))
+    return found
+
+
+def measured_row(probe, lookups: List["Lookup"], place: Tuple[int, int], config: dict, j: int, raw: int,
+                 table: torch.Tensor) -> int:
+    """The row of `table` (dequantized) that one raw id alone in feature
+    `j`'s bag pools to, as the packaged model computes it."""
+    i, p = place
+    with torch.inference_mode():
+        pooled = block(probe(wire_batch(config, one_id_request(config, j, raw)))[i], lookups[i], p)[0]
+    distance = (table - pooled).abs().max(dim=1).values
+    row = int(distance.argmin())
+    if distance[row] > 1e-5 * max(1.0, float(pooled.abs().max())):
+        raise SystemExit(f"feature {config['sparse_features'][j]['name']}: raw id {raw} pooled to no row of its "
+                         f"table (nearest row {row} off by {float(distance[row]):.3g})")
+    return row
+
+
+def measure_id_maps(probe, lookups: List["Lookup"], places: List[Tuple[int, int]], config: dict,
+                    modules: List[MchModule]) -> Dict[Tuple[int, int], dict]:
+    """Per table (lookup, weights offset) of a managed-collision model, the
+    MCH module that remaps its ids and the row TorchRec sends the ids it
+    does not hold to, both measured by looking raw ids up (module docs).
+    Tables no module remaps are absent (their ids are rows)."""
+    features = config["sparse_features"]
+    found: Dict[Tuple[int, int], dict] = {}
+    for j, (i, p) in enumerate(places):
+        key = (i, lookups[i].offsets[p])
+        if key in found:
+            found[key]["features"].append(j)
+            continue
+        table = dequantized(lookups[i].table_rows(p), lookups[i].dims[p])
+        # A raw id none of the modules holds: its row is the default row.
+        unheld = next(r for r in range(-(1 << 40), 0, 7919) if all(bool((m.held != r).all()) for m in modules))
+        default = measured_row(probe, lookups, (i, p), config, j, unheld, table)
+        matches = []
+        for m in modules:
+            if m.sorted_raw_ids.numel() != table.shape[0]:
+                continue
+            sample = [k for k in range(m.held.numel()) if int(m.held_rows[k]) != default][:4]
+            if sample and all(measured_row(probe, lookups, (i, p), config, j, int(m.held[k]), table)
+                              == int(m.held_rows[k]) for k in sample):
+                matches.append(m)
+        if len(matches) > 1:
+            raise SystemExit(f"feature {features[j]['name']}: {len(matches)} managed-collision modules "
+                             f"({', '.join(m.path for m in matches)}) remap its ids alike; cannot tell which is its")
+        if matches:
+            found[key] = {"module": matches[0], "default_row": default, "features": [j]}
+        elif features[j].get("raw_ids"):
+            raise SystemExit(f"feature {features[j]['name']}: model.json says it takes raw ids but no "
+                             "managed-collision module of the model remaps them")
+    return found
+
+
+def check_id_map(probe, lookups, place, config: dict, j: int, data: bytes, found: dict, table: torch.Tensor) -> int:
+    """Raw ids (a sample of those held, and ids held by none) looked up by
+    the packaged model and through the map give the same row; returns how
+    many were checked."""
+    m = found["module"]
+    step = max(1, m.held.numel() // 24)
+    raws = m.held[::step].tolist() + [-(1 << 62) + 3, (1 << 61) + 11, I64_MAX, -(1 << 63), -1, 0]
+    want = [measured_row(probe, lookups, place, config, j, raw, table) for raw in raws]
+    got = lookup(data, raws, found["default_row"]).tolist()
+    for raw, g, w in zip(raws, got, want):
+        if g != w:
+            raise SystemExit(f"id map check failed: {m.path}: raw id {raw} maps to row {g}, the packaged model "
+                             f"looks up row {w}")
+    return len(raws)
+
+
 def extract(model_dir: Path, out: Path, pt2: bool = False) -> None:
     config = json.loads((model_dir / "model.json").read_text())
     features = config["sparse_features"]
+    for feature in features:  # model.json's defaults
+        feature.setdefault("weighted", False)
     outputs = config.get("outputs", ["default"])
     probe, lookups = returning_lookups(model_dir / "model.pt")
     log(f"{len(lookups)} table-batched lookups: " + ", ".join(
         f"{l.path} ({len(l.dims)} features, {l.pooling})" for l in lookups))
     places = place_features(probe, lookups, config)
+    modules = mch_modules(probe)
+    id_maps = measure_id_maps(probe, lookups, places, config, modules) if modules else {}
+    if modules:
+        log(f"{len(modules)} managed-collision (MCH) modules remap raw ids for {len(id_maps)} tables")
 
     shutil.rmtree(out, ignore_errors=True)
     (out / "tables").mkdir(parents=True)
@@ -351,6 +481,19 @@ def extract(model_dir: Path, out: Path, pt2: bool = False) -> None:
         described.append({"name": name, "rows": table["rows"].shape[0], "dim": table["dim"],
                           "storage": "int8_rowwise", "row_bytes": table["rows"].shape[1], "file": file,
                           "sha256": hashlib.sha256(data).hexdigest()})
+        if key in id_maps:
+            found = id_maps[key]
+            m = found["module"]
+            raws, rows, _ = mch_remapping(m.sorted_raw_ids, m.mapping, found["default_row"])
+            map_file = f"tables/{name}.idmap"
+            sha = write_map(out / map_file, raws, rows, table["rows"].shape[0])
+            described[-1]["ids"] = {"map": {"file": map_file, "sha256": sha, "default_row": found["default_row"]}}
+            j = found["features"][0]
+            i, p = places[j]
+            checked = check_id_map(probe, lookups, (i, p), config, j, (out / map_file).read_bytes(), found,
+                                   dequantized(lookups[i].table_rows(p), lookups[i].dims[p]))
+            log(f"{map_file}: {raws.size} raw ids from {m.path}, default row {found['default_row']} "
+                f"({checked} raw ids checked against the packaged model's lookups)")
     for j, feature in enumerate(features):
         i, p = places[j]
         schema_features.append({"name": feature["name"], "table": names[(i, lookups[i].offsets[p])],
