@@ -40,7 +40,8 @@ enum Command {
     /// Time a backend's forward alone, in process, at fixed fused batch sizes.
     BenchForward(Box<ForwardBenchArgs>),
     /// Manage a split model's tables: on a Redis Cluster (`tables load`,
-    /// `tables push`), or laid out in popularity order (`tables order`).
+    /// `tables push`), laid out in popularity order (`tables order`), or
+    /// their id maps built from a vocabulary (`tables map`).
     Tables(Box<tables::TablesArgs>),
     /// Send an exported model's golden requests to a running server and
     /// check its scores against Python's.

@@ -10,6 +10,16 @@
 //! * `POST /v1/models/{model}/unload`: stop serving every version of it.
 //! * `POST /v1/models/{model}/versions/{version}/unload`: stop serving this
 //!   version, even the last one.
+//! * `POST /v1/models/{model}/tables/{table}/ids`: add raw ids, each with its
+//!   row, to the id map of table `table` of every ready version of the model
+//!   (a split model's mapped table in the `memory` or `mmap` store; `narsil
+//!   tables push-ids` sends them). The body is entries back to back: the
+//!   raw id (8 bytes, little-endian two's complement), then the table's
+//!   `row_bytes` of its row in the table's storage format. Each version
+//!   takes the whole body at once or none of it; the answer lists, per
+//!   version, the ids added, those it already held with the same row, and
+//!   its pushed ids in all (200), or why it refused (422, the others'
+//!   outcomes beside it). Its body may hold [`MAX_PUSH_BODY_BYTES`].
 //!
 //! The POST calls change what is served, so they answer 403 unless the
 //! server runs with `--model-control` (which needs `--model-repository`: a
@@ -20,7 +30,8 @@
 //!
 //! Every POST passes the door (`door`) first, before any work and never
 //! queued behind a scan or a load in progress: a body over
-//! [`MAX_CONTROL_BODY_BYTES`] is refused with 413; with a token
+//! [`MAX_CONTROL_BODY_BYTES`] ([`MAX_PUSH_BODY_BYTES`] for an id push) is
+//! refused with 413; with a token
 //! (`--control-token-file`, [`ControlToken`]), a call without
 //! `Authorization: Bearer <token>` gets 401 and one with another token 403,
 //! both with the body `unauthorized` and nothing else, and both counted in
@@ -28,7 +39,8 @@
 
 use std::sync::Arc;
 
-use axum::body::Body;
+use axum::body::{Body, Bytes};
+use axum::extract::DefaultBodyLimit;
 use axum::extract::{Path, Request, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, WWW_AUTHENTICATE};
 use axum::http::{HeaderMap, StatusCode};
@@ -58,8 +70,21 @@ pub struct ModelControl {
 /// Largest body a control call may carry (they need none), bytes.
 pub const MAX_CONTROL_BODY_BYTES: usize = 64 << 10;
 
+/// Largest body an id push may carry, bytes: 16 MiB, about 190,000 ids
+/// of the default DLRM's 80-byte rows. Large, because each push copies the
+/// table's index of pushed ids (copy-on-write: what keeps every batch's
+/// view whole), so pushing a million ids in 64 KiB bodies would copy it
+/// 1,350 times; bounded, because the door reads a body whole before its
+/// handler. The token is checked before any of the body is read, so only
+/// a caller that holds it can send this much.
+pub const MAX_PUSH_BODY_BYTES: usize = 16 << 20;
+
 /// The control routes.
 pub fn routes(control: ModelControl) -> Router {
+    let pushes = Router::new()
+        .route("/v1/models/{model}/tables/{table}/ids", post(push_ids))
+        .route_layer(middleware::from_fn_with_state(control.clone(), door::<MAX_PUSH_BODY_BYTES>))
+        .layer(DefaultBodyLimit::max(MAX_PUSH_BODY_BYTES));
     Router::new()
         .route("/v1/repository/scan", post(scan))
         .route("/v1/models/{model}/load", post(load_model))
@@ -67,7 +92,8 @@ pub fn routes(control: ModelControl) -> Router {
         .route("/v1/models/{model}/versions/{version}/load", post(load_version))
         .route("/v1/models/{model}/versions/{version}/unload", post(unload_version))
         // Every route above, and none below, passes the door first.
-        .route_layer(middleware::from_fn_with_state(control.clone(), door))
+        .route_layer(middleware::from_fn_with_state(control.clone(), door::<MAX_CONTROL_BODY_BYTES>))
+        .merge(pushes)
         .route("/v1/models", get(list))
         .with_state(control)
 }
@@ -88,18 +114,23 @@ fn unauthorized(status: StatusCode) -> Response {
     response
 }
 
-fn too_large() -> Response {
-    let message = format!("a control call's body may hold at most {MAX_CONTROL_BODY_BYTES} bytes");
+fn too_large(limit: usize) -> Response {
+    let message = format!("a control call's body may hold at most {limit} bytes");
     error(StatusCode::PAYLOAD_TOO_LARGE, message)
 }
 
-/// What every POST passes before its handler: the body's size, then the
-/// token. Cheap (a header or two and one hash), and run on the call's own
-/// connection task, so a refusal never waits for a scan or a load.
-async fn door(State(control): State<ModelControl>, request: Request, next: Next) -> Response {
+/// What every POST passes before its handler: the body's size (at most
+/// `LIMIT` bytes), then the token. Cheap (a header or two and one hash),
+/// and run on the call's own connection task, so a refusal never waits for
+/// a scan or a load.
+async fn door<const LIMIT: usize>(
+    State(control): State<ModelControl>,
+    request: Request,
+    next: Next,
+) -> Response {
     let declared = request.headers().get(CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-    if declared.is_some_and(|bytes| bytes > MAX_CONTROL_BODY_BYTES as u64) {
-        return too_large();
+    if declared.is_some_and(|bytes| bytes > LIMIT as u64) {
+        return too_large(LIMIT);
     }
     if let Some(token) = &control.token {
         match presented(request.headers()) {
@@ -114,10 +145,15 @@ async fn door(State(control): State<ModelControl>, request: Request, next: Next)
             Some(_) => {}
         }
     }
+    if LIMIT > MAX_CONTROL_BODY_BYTES && !control.enabled {
+        // Refused before its large body is read: with control off, the
+        // admin address reads no more of a call than the other calls'.
+        return control_off();
+    }
     // A chunked body declares no length: read at most the limit of it.
     let (parts, body) = request.into_parts();
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_CONTROL_BODY_BYTES).await else {
-        return too_large();
+    let Ok(bytes) = axum::body::to_bytes(body, LIMIT).await else {
+        return too_large(LIMIT);
     };
     next.run(Request::from_parts(parts, Body::from(bytes))).await
 }
@@ -135,6 +171,15 @@ async fn list(State(control): State<ModelControl>) -> Response {
     json(StatusCode::OK, &serde_json::json!({ "models": control.registry.list() }))
 }
 
+/// `--model-control` is off: nothing may change what is served.
+fn control_off() -> Response {
+    error(
+        StatusCode::FORBIDDEN,
+        "model control is off; start `narsil serve` with --model-control to load and unload models and push ids"
+            .into(),
+    )
+}
+
 impl ModelControl {
     /// Checks the call may run, applies `mark` to `model`'s marks (none for
     /// an empty name), reconciles, and returns the model's status after it.
@@ -144,11 +189,7 @@ impl ModelControl {
         mark: impl FnOnce(&mut OperatorMarks),
     ) -> Result<Option<ModelStatus>, Response> {
         if !self.enabled {
-            return Err(error(
-                StatusCode::FORBIDDEN,
-                "model control is off; start `narsil serve` with --model-control to load and unload models"
-                    .into(),
-            ));
+            return Err(control_off());
         }
         let Some(rescan) = &self.rescan else {
             // `--model-control` needs `--model-repository`; kept for embedders.
@@ -254,4 +295,65 @@ async fn unload_version(
         })
         .await;
     answer(result, |_| true)
+}
+
+/// One version's outcome of an id push.
+#[derive(serde::Serialize)]
+struct VersionPush {
+    version: String,
+    #[serde(flatten)]
+    pushed: Option<narsil_core::IdsPushed>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+async fn push_ids(
+    State(control): State<ModelControl>,
+    Path((model, table)): Path<(String, String)>,
+    body: Bytes,
+) -> Response {
+    if !control.enabled {
+        return control_off();
+    }
+    let versions = control.registry.live_versions(&model);
+    if versions.is_empty() {
+        return error(StatusCode::NOT_FOUND, format!("no version of model {model:?} is serving"));
+    }
+    let pushing = table.clone();
+    // Off the async threads: a push copies the table's index of pushed ids.
+    let outcomes = tokio::task::spawn_blocking(move || {
+        versions
+            .iter()
+            .map(|live| {
+                let version = live.number.to_string();
+                match live.engine.push_ids(&pushing, &body) {
+                    Ok(pushed) => VersionPush { version, pushed: Some(pushed), error: None },
+                    Err(why) => VersionPush { version, pushed: None, error: Some(why) },
+                }
+            })
+            .collect::<Vec<_>>()
+    })
+    .await;
+    let Ok(outcomes) = outcomes else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "the push panicked; see the server's log".into());
+    };
+    let refused = outcomes.iter().filter(|o| o.error.is_some()).count();
+    for outcome in &outcomes {
+        match (&outcome.pushed, &outcome.error) {
+            (Some(pushed), _) => tracing::info!(
+                model, version = %outcome.version, table, added = pushed.added,
+                already_held = pushed.already_held, pushed = pushed.pushed, "ids pushed"
+            ),
+            (None, Some(why)) => {
+                tracing::warn!(model, version = %outcome.version, table, reason = %why, "id push refused")
+            }
+            (None, None) => {}
+        }
+    }
+    let status = if refused == 0 { StatusCode::OK } else { StatusCode::UNPROCESSABLE_ENTITY };
+    let mut answer = serde_json::json!({ "model": model, "table": table, "versions": outcomes });
+    if let Some(why) = outcomes.iter().find_map(|o| o.error.as_ref()) {
+        answer["error"] = why.clone().into();
+    }
+    json(status, &answer)
 }

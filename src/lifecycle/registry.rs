@@ -249,6 +249,20 @@ impl ModelRegistry {
         Ok(Arc::clone(found))
     }
 
+    /// Every ready version of `model`, lowest first: none for a model not
+    /// served (what an id push reaches).
+    pub fn live_versions(&self, model: &str) -> Vec<Arc<LiveVersion>> {
+        let models = self.read();
+        let Some(slot) = models.get(model) else { return Vec::new() };
+        slot.versions
+            .values()
+            .filter_map(|v| match v {
+                VersionSlot::Ready(live) => Some(Arc::clone(live)),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// `model` (empty: the default model) and its slot, or why there is none.
     fn slot<'a>(
         &'a self,

@@ -325,6 +325,18 @@ impl BackendFactory for VersionedFactory {
     fn warmup_rows(&self) -> Vec<usize> {
         self.inner.warmup_rows()
     }
+
+    fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        self.inner.register_metrics(registry);
+    }
+
+    fn watch_dependencies(&self, watcher: narsil_core::DependencyWatcher) {
+        self.inner.watch_dependencies(watcher);
+    }
+
+    fn push_ids(&self, table: &str, entries: &[u8]) -> Result<narsil_core::IdsPushed, String> {
+        self.inner.push_ids(table, entries)
+    }
 }
 
 /// SIGHUP, when it can be listened for.

@@ -43,7 +43,9 @@ pub mod schema;
 pub mod skip;
 pub mod staged;
 
-pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};
+pub use backend::{
+    error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, IdsPushed, ModelBackend,
+};
 pub use batch::{assemble, fuse, KeyedBatch};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use request_blocks::RequestBlocks;

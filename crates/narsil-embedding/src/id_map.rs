@@ -144,9 +144,15 @@ impl IdMap {
         // crate::stores::local::table), and every slot read is bounds
         // checked against the length mapped.
         let map = unsafe { memmap2::MmapOptions::new().map_copy_read_only(&file)? };
-        let _ = map.advise(memmap2::Advice::Random);
+        // Hashed and checked front to back (read ahead), then looked up at
+        // random (no read-ahead: it would evict hot slots). Only hints.
+        let _ = map.advise(memmap2::Advice::Sequential);
         let sha = hex(Sha256::digest(&map[..]));
-        Ok((Self::checked(Bytes::Mapped(map), rows)?, sha))
+        let map = Self::checked(Bytes::Mapped(map), rows)?;
+        if let Bytes::Mapped(mapped) = &map.bytes {
+            let _ = mapped.advise(memmap2::Advice::Random);
+        }
+        Ok((map, sha))
     }
 
     /// A map from its bytes (as [`build`] writes them), checked.
@@ -249,6 +255,20 @@ impl IdMap {
     /// slots are asked for [`PREFETCH_IDS`] ids ahead: lookups land at
     /// random in a map larger than the caches.
     pub fn map_into(&self, raws: &[i64], out: &mut [i64], default: u64) -> u64 {
+        self.map_into_or(raws, out, default, |_| None)
+    }
+
+    /// [`Self::map_into`], asking `elsewhere` for each id the map does not
+    /// hold before giving it `default` (the ids pushed to a served table);
+    /// returns how many neither held.
+    #[inline]
+    pub fn map_into_or(
+        &self,
+        raws: &[i64],
+        out: &mut [i64],
+        default: u64,
+        mut elsewhere: impl FnMut(i64) -> Option<i64>,
+    ) -> u64 {
         let mut unmapped = 0;
         for (i, (&raw, out)) in raws.iter().zip(out.iter_mut()).enumerate() {
             if let Some(&ahead) = raws.get(i + PREFETCH_IDS) {
@@ -256,10 +276,10 @@ impl IdMap {
             }
             *out = match self.row(raw) {
                 Some(row) => row as i64,
-                None => {
+                None => elsewhere(raw).unwrap_or_else(|| {
                     unmapped += 1;
                     default as i64
-                }
+                }),
             };
         }
         unmapped

@@ -19,6 +19,8 @@
 //! * `narsil_table_unmapped_ids_total`: raw ids a table's id map did not
 //!   hold, served from its default row (new users and items: over
 //!   `narsil_table_ids_total`, the share the model has never seen);
+//! * `narsil_table_pushed_ids`: raw ids pushed to a table's id map while
+//!   it serves (`narsil tables push-ids`), held with their rows;
 //! * `narsil_table_fetch_seconds`: time to look up and pool one fused
 //!   batch's rows of the table (for a remote store, once they arrived);
 //! * `narsil_table_remote_fetch_seconds` (no `table` label): reading one
@@ -69,6 +71,7 @@ pub struct TableCounters {
     pub store_errors: Counter,
     pub missing_rows: Counter,
     pub unmapped_ids: Counter,
+    pub pushed_ids: Gauge,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
     pub disk: DiskCounters,
@@ -108,6 +111,7 @@ pub struct StageMetrics {
     store_errors: Family<TableLabel, Counter>,
     missing_rows: Family<TableLabel, Counter>,
     unmapped_ids: Family<TableLabel, Counter>,
+    pushed_ids: Family<TableLabel, Gauge>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
     disk_bytes_read: Family<TableLabel, Counter>,
@@ -129,6 +133,7 @@ impl Default for StageMetrics {
             store_errors: Family::default(),
             missing_rows: Family::default(),
             unmapped_ids: Family::default(),
+            pushed_ids: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
             disk_bytes_read: Family::default(),
@@ -154,6 +159,7 @@ impl StageMetrics {
             store_errors: self.store_errors.get_or_create(&label).clone(),
             missing_rows: self.missing_rows.get_or_create(&label).clone(),
             unmapped_ids: self.unmapped_ids.get_or_create(&label).clone(),
+            pushed_ids: self.pushed_ids.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
             disk: DiskCounters {
@@ -229,6 +235,11 @@ impl StageMetrics {
             "table_unmapped_ids",
             "Raw ids a table's id map did not hold, served from its default row",
             self.unmapped_ids.clone(),
+        );
+        registry.register(
+            "table_pushed_ids",
+            "Raw ids pushed to a table's id map while it serves, held with their rows",
+            self.pushed_ids.clone(),
         );
         registry.register_with_unit(
             "table_fetch",

@@ -363,7 +363,7 @@ impl SplitSchema {
                 ));
             }
             if let TableIds::Map(map) = &table.ids {
-                if !crate::stores::table_file::is_sha256(&map.sha256) {
+                if !(map.sha256.len() == 64 && map.sha256.bytes().all(|b| b.is_ascii_hexdigit())) {
                     return Err(format!(
                         "table {:?}: its id map's sha256 {:?} is not a SHA-256 (64 hex digits): the map {} is checked against it at load",
                         table.name,

@@ -61,6 +61,8 @@ struct Shared {
     readiness: watch::Receiver<Readiness>,
     health: Arc<BackendHealth>,
     next_request_id: RequestIds,
+    /// The model, for what it can change while it serves (pushed ids).
+    factory: Arc<dyn BackendFactory>,
 }
 
 /// The next request id, on a cache line of its own: every request bumps it,
@@ -91,6 +93,7 @@ impl Engine {
         ));
         let health = Arc::new(BackendHealth::new(config.unhealthy_after_failures));
         factory.watch_dependencies(dependency_watcher(&health, &stats));
+        let model = Arc::clone(&factory);
         let lane_threads = lanes::spawn(
             config.lanes,
             LaneShared {
@@ -120,6 +123,7 @@ impl Engine {
                     readiness,
                     health,
                     next_request_id: RequestIds(AtomicU64::new(1)),
+                    factory: model,
                 }),
             },
             lane_threads,
@@ -206,6 +210,13 @@ impl EngineHandle {
     /// The served model's schema.
     pub fn schema(&self) -> &ModelSchema {
         &self.shared.schema
+    }
+
+    /// Adds raw ids with their rows to table `table`'s id map of the served
+    /// model ([`BackendFactory::push_ids`]); blocking (it copies the
+    /// table's pushed ids): call it off the async threads.
+    pub fn push_ids(&self, table: &str, entries: &[u8]) -> Result<narsil_core::IdsPushed, String> {
+        self.shared.factory.push_ids(table, entries)
     }
 
     /// Per-request limits.

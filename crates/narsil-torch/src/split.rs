@@ -93,7 +93,12 @@ impl SplitFactory {
         } else {
             None
         };
-        let stage = EmbeddingStage::over_stores(&dir, &split, stores).map_err(|e| load_error(&dir, e))?;
+        let mut stage = EmbeddingStage::over_stores(&dir, &split, stores).map_err(|e| load_error(&dir, e))?;
+        if device_tables.is_some() {
+            stage.refuse_pushes(format!(
+                "the model's tables are on the device ({device:?}): they were copied there when it loaded, and rows pushed since would not reach them; to serve new ids, publish a new model version whose tables and id maps hold them (or serve this one with its tables on the host)"
+            ));
+        }
         let schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
         // A package's model instances: one per forward that can run at once
@@ -243,6 +248,10 @@ impl BackendFactory for SplitFactory {
 
     fn watch_dependencies(&self, watcher: narsil_core::DependencyWatcher) {
         self.model.stage.watch_store(watcher);
+    }
+
+    fn push_ids(&self, table: &str, entries: &[u8]) -> Result<narsil_core::IdsPushed, String> {
+        self.model.stage.push_ids(table, entries)
     }
 }
 

@@ -4,9 +4,14 @@
 //! there, and tells every serving process to drop its cached copies. The
 //! commands are here; writing the rows in the store's key layout is
 //! [`rows`]. `narsil tables order`: a copy of a model with its tables laid
-//! out in popularity order ([`order`]).
+//! out in popularity order ([`order`]). `narsil tables map`: a table's id
+//! map from a vocabulary, sorted on disk ([`map`]). `narsil tables
+//! push-ids`: new raw ids and their rows added to a served model's id maps
+//! ([`push_ids`]).
 
+mod map;
 mod order;
+mod push_ids;
 mod rows;
 
 use std::io::Write;
@@ -38,11 +43,22 @@ enum TablesCommand {
     /// then their ids on the invalidation channel, so that every replica
     /// reads them afresh (no restart, no reload).
     Push(PushTablesArgs),
+    /// Add new raw ids, each with its row, to the id maps of a model while
+    /// it is served (tables in the memory or mmap store): the entries of
+    /// --from's maps that MODEL's maps lack, rows from --from's tables,
+    /// sent to each server's admin address. Each body is added at once to
+    /// every ready version of the model; no new version, no reload.
+    PushIds(push_ids::PushIdsArgs),
     /// Write a copy of a split model whose tables hold their rows in
     /// popularity order (from an id log), each with a slot index: hot rows
     /// then share pages and blocks, which is what the `mmap` and `disk`
     /// stores read. Every store serves the copy with the same scores.
     Order(order::OrderTablesArgs),
+    /// Build a table's id map (raw 64-bit ids to rows) from a vocabulary,
+    /// the raw id of each row, and name it in the model's schema.json. The
+    /// ids are sorted on disk in runs: the peak memory is --memory-bytes
+    /// and a few MiB, whatever the vocabulary's size.
+    Map(map::MapTablesArgs),
 }
 
 /// `narsil tables push`.
@@ -88,7 +104,9 @@ pub fn run(args: TablesArgs) -> anyhow::Result<()> {
     match args.command {
         TablesCommand::Load(args) => load(&args),
         TablesCommand::Push(args) => push(&args),
+        TablesCommand::PushIds(args) => push_ids::push_ids(&args),
         TablesCommand::Order(args) => order::order(&args),
+        TablesCommand::Map(args) => map::map(&args),
     }
 }
 

@@ -1,25 +1,33 @@
 //! The first step of a batch, per table: range-checking the ids of every
 //! feature that indexes the table and, where the table deduplicates,
 //! collecting its distinct ids; counts the ids looked up and the distinct
-//! ones, and for a table in this process the rows pooling will read.
+//! ones, and for a table in this process the rows pooling will read. A
+//! table whose batch found pushed ids takes its virtual rows too (`rows..
+//! rows + pushed`), and is deduplicated for that batch: it is pooled from
+//! copies of its distinct rows.
 
 use narsil_core::KeyedBatch;
 
+use super::PushedIds;
 use super::{EmbeddingStage, StageError, StageTable};
 use crate::dedup::DistinctIds;
 use crate::pool::OutOfRange;
 
 impl EmbeddingStage {
     /// Range-checks the ids of `table`'s features and, where the table
-    /// deduplicates ([`StageTable::deduplicates`]), deduplicates them.
+    /// deduplicates ([`StageTable::deduplicates`]) or the batch found ids
+    /// in `pushed` (its snapshot of the table's pushed ids), deduplicates
+    /// them.
     pub(super) fn collect(
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
         distinct: &mut DistinctIds,
+        pushed: Option<&PushedIds>,
     ) -> Result<(), StageError> {
         distinct.clear();
-        let rows = table.spec.rows;
+        let rows = table.spec.rows + pushed.map_or(0, PushedIds::len);
+        let deduplicates = table.deduplicates || pushed.is_some();
         let mut looked_up = 0;
         let blocks = batch.request_level.as_ref();
         for &f in &table.features {
@@ -32,19 +40,19 @@ impl EmbeddingStage {
                     return Err(StageError::OutOfRange { feature: self.features[f].name.clone(), source });
                 }
                 looked_up += ids.len();
-                if table.deduplicates {
+                if deduplicates {
                     distinct.add(ids);
                 }
             }
         }
         table.counters.ids.inc_by(looked_up as u64);
-        if table.deduplicates {
+        if deduplicates {
             table.counters.distinct_ids.inc_by(distinct.count().distinct as u64);
         }
         if table.store.local_rows().is_some() {
             // Pooling reads each distinct row once, or each id's row in
             // place (a store that fetches counts its own fetches).
-            let read = if table.deduplicates { distinct.count().distinct } else { looked_up };
+            let read = if deduplicates { distinct.count().distinct } else { looked_up };
             table.counters.rows_fetched.inc_by(read as u64);
         }
         Ok(())

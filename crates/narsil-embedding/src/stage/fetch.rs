@@ -3,12 +3,15 @@
 //! store that fetches many at once in one call per group
 //! ([`crate::stores::batch`]), the others one by one; and counting each
 //! table's fetch (rows fetched, cache hits, missing rows, store errors).
+//! A table in this process whose batch found pushed ids has its distinct
+//! rows copied too: its own rows (through the slot index where it has
+//! one), the pushed ones from the batch's snapshot.
 
 use std::time::Instant;
 
 use narsil_core::KeyedBatch;
 
-use super::{EmbeddingStage, StageError, StageScratch};
+use super::{EmbeddingStage, PushedIds, StageError, StageScratch, StageTable};
 use crate::stores::batch::group_tables;
 use crate::stores::row_store::{FetchError, FetchPart, Fetched};
 
@@ -19,9 +22,13 @@ impl EmbeddingStage {
     /// by one.
     pub(super) fn fetch(&self, batch: &KeyedBatch, scratch: &mut StageScratch) -> Result<(), StageError> {
         scratch.fetched.resize_with(self.tables.len(), Vec::new);
-        for ((table, distinct), out) in self.tables.iter().zip(&scratch.distinct).zip(&mut scratch.fetched) {
-            if table.store.local_rows().is_none() {
-                out.resize(distinct.distinct().len() * table.spec.row_bytes, 0);
+        let tables = self.tables.iter().zip(&scratch.distinct).zip(&mut scratch.fetched);
+        for (((table, distinct), out), pushed) in tables.zip(&scratch.pushed) {
+            let (local, pushed) = (table.store.local_rows(), pushed.as_deref());
+            match (local, pushed) {
+                (None, _) => out.resize(distinct.distinct().len() * table.spec.row_bytes, 0),
+                (Some(local), Some(pushed)) => copy_rows(table, local, pushed, distinct.distinct(), out),
+                (Some(_), None) => {}
             }
         }
         let fetching = self.tables.iter().enumerate().filter(|(_, table)| table.store.local_rows().is_none());
@@ -90,6 +97,23 @@ impl EmbeddingStage {
         table.counters.missing_rows.inc_by(fetched.zeroed as u64);
         table.counters.rows_fetched.inc_by((distinct - fetched.cached) as u64);
         Ok(())
+    }
+}
+
+/// Copies the rows of `ids` (distinct, range-checked: rows of `table`,
+/// whose rows are `local`, or virtual rows of `pushed`) into `out`, row
+/// `i` at `i * row_bytes`.
+fn copy_rows(table: &StageTable, local: &[u8], pushed: &PushedIds, ids: &[i64], out: &mut Vec<u8>) {
+    let (rows, row_bytes, slots) = (table.spec.rows as i64, table.spec.row_bytes, table.store.slots());
+    out.clear();
+    out.reserve(ids.len() * row_bytes);
+    for &id in ids {
+        if id < rows {
+            let at = slots.map_or(id, |index| index.slot(id)) as usize * row_bytes;
+            out.extend_from_slice(&local[at..at + row_bytes]);
+        } else {
+            out.extend_from_slice(pushed.row((id - rows) as u32));
+        }
     }
 }
 

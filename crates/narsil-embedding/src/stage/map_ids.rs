@@ -6,11 +6,17 @@
 //! or `id.rem_euclid(rows)`. Every later step (range checks, dedup, every
 //! store's fetch, pooling, the device path's lookups) then reads rows, as
 //! for any table; a batch of a model without such tables is not copied.
+//!
+//! A mapped table that holds pushed ids ([`super::pushed_ids`]) maps the
+//! ids its map lacks through one snapshot of them per batch: a pushed id
+//! becomes the virtual row `rows + k`, and the snapshot is kept for the
+//! batch's later steps (which read that row from it).
 
 use std::sync::Arc;
 
 use narsil_core::KeyedBatch;
 
+use super::pushed_ids::{Overlay, PushedIds};
 use super::{EmbeddingStage, StageTable};
 use crate::id_map::IdMap;
 use crate::schema::{TableIds, TableSpec};
@@ -21,8 +27,9 @@ pub(super) enum IdMapping {
     Identity,
     /// `id.rem_euclid(rows)`.
     Modulo,
-    /// Through the map; ids it does not hold get `default_row`.
-    Map { map: Arc<IdMap>, default_row: u64 },
+    /// Through the map, then the ids pushed since the model loaded; ids
+    /// neither holds get `default_row`.
+    Map { map: Arc<IdMap>, default_row: u64, overlay: Overlay },
 }
 
 impl IdMapping {
@@ -32,13 +39,19 @@ impl IdMapping {
         match (&spec.ids, map) {
             (TableIds::Identity, _) => Self::Identity,
             (TableIds::Modulo, _) => Self::Modulo,
-            (TableIds::Map(declared), Some(map)) => Self::Map { map, default_row: declared.default_row },
+            (TableIds::Map(declared), Some(map)) => {
+                Self::Map { map, default_row: declared.default_row, overlay: Overlay::new(spec.row_bytes) }
+            }
             (TableIds::Map(_), None) => {
                 panic!("table {:?} declares an id map: the stage is given it opened", spec.name)
             }
         }
     }
 }
+
+/// Per table, the pushed ids a batch mapped some of its ids to (none where
+/// it mapped none): what its later steps read those rows from.
+pub(super) type BatchPushed = Vec<Option<Arc<PushedIds>>>;
 
 impl EmbeddingStage {
     /// Whether some table's ids are raw (its batches are mapped first).
@@ -49,42 +62,96 @@ impl EmbeddingStage {
     /// `batch` with every id of a table whose ids are raw replaced by its
     /// row: written into `into` (its buffers reused) and returned, or
     /// `batch` itself where no table's ids are raw.
+    ///
+    /// Through the tables' id maps only: ids pushed while serving are the
+    /// CPU stage's ([`Self::pool`]); a stage whose tables are looked up
+    /// elsewhere (the device's tensor stage, which calls this) refuses
+    /// pushes ([`Self::refuse_pushes`]).
     pub fn map_ids<'a>(&self, batch: &'a KeyedBatch, into: &'a mut KeyedBatch) -> &'a KeyedBatch {
+        self.map_batch(batch, into, None)
+    }
+
+    /// [`Self::map_ids`], through the pushed ids too where `pushed` is
+    /// given: per table, the snapshot of them the batch used (none where
+    /// it found no id in them).
+    pub(super) fn map_batch<'a>(
+        &self,
+        batch: &'a KeyedBatch,
+        into: &'a mut KeyedBatch,
+        mut pushed: Option<&mut BatchPushed>,
+    ) -> &'a KeyedBatch {
+        if let Some(pushed) = pushed.as_deref_mut() {
+            pushed.clear();
+            pushed.resize(self.tables.len(), None);
+        }
         if !self.maps_ids() {
             return batch;
         }
         batch.copy_into(into);
-        for table in &self.tables {
+        for (t, table) in self.tables.iter().enumerate() {
+            // One snapshot per table and batch: every id of it sees the
+            // same pushes.
+            let snapshot = match (&table.mapping, &pushed) {
+                (IdMapping::Map { overlay, .. }, Some(_)) => overlay.snapshot(),
+                _ => None,
+            };
+            let mut hit = false;
             for &f in &table.features {
                 let range = batch.feature_offsets[f]..batch.feature_offsets[f + 1];
-                map_table_ids(table, &batch.ids[range.clone()], &mut into.ids[range]);
+                hit |= map_table_ids(
+                    table,
+                    snapshot.as_deref(),
+                    &batch.ids[range.clone()],
+                    &mut into.ids[range],
+                );
                 let (Some(from), Some(to)) = (&batch.request_level, &mut into.request_level) else {
                     continue;
                 };
                 if let Some(k) = from.position(f) {
                     let range = from.feature_offsets[k]..from.feature_offsets[k + 1];
-                    map_table_ids(table, &from.ids[range.clone()], &mut to.ids[range]);
+                    hit |= map_table_ids(
+                        table,
+                        snapshot.as_deref(),
+                        &from.ids[range.clone()],
+                        &mut to.ids[range],
+                    );
                 }
+            }
+            if let (true, Some(pushed)) = (hit, pushed.as_deref_mut()) {
+                pushed[t] = snapshot;
             }
         }
         into
     }
 }
 
-/// `raws` as `table`'s rows, into `rows`.
-fn map_table_ids(table: &StageTable, raws: &[i64], rows: &mut [i64]) {
+/// `raws` as `table`'s rows, into `rows`, ids its map lacks looked up in
+/// `pushed` (virtual rows `rows + k`); whether any was.
+fn map_table_ids(table: &StageTable, pushed: Option<&PushedIds>, raws: &[i64], rows: &mut [i64]) -> bool {
     match &table.mapping {
-        IdMapping::Identity => {}
+        IdMapping::Identity => false,
         IdMapping::Modulo => {
             let modulus = table.spec.rows as i128;
             for (row, &raw) in rows.iter_mut().zip(raws) {
                 // In i128: a table of more than i64::MAX rows takes every id.
                 *row = (raw as i128).rem_euclid(modulus) as i64;
             }
+            false
         }
-        IdMapping::Map { map, default_row } => {
-            let unmapped = map.map_into(raws, rows, *default_row);
+        IdMapping::Map { map, default_row, .. } => {
+            let Some(pushed) = pushed else {
+                let unmapped = map.map_into(raws, rows, *default_row);
+                table.counters.unmapped_ids.inc_by(unmapped);
+                return false;
+            };
+            let (first, mut hit) = (table.spec.rows as i64, false);
+            let unmapped = map.map_into_or(raws, rows, *default_row, |raw| {
+                let k = pushed.get(raw)?;
+                hit = true;
+                Some(first + i64::from(k))
+            });
             table.counters.unmapped_ids.inc_by(unmapped);
+            hit
         }
     }
 }

@@ -27,6 +27,11 @@
 //!
 //! * `map_ids.rs`: for tables whose ids are raw 64-bit values, a copy of
 //!   the batch whose ids are rows (through the table's id map, or modulo);
+//! * `pushed_ids.rs`: raw ids pushed to a mapped table while it serves,
+//!   with their rows (a copy-on-write overlay on its map; a batch reads one
+//!   snapshot of it);
+//! * `push.rs`: a push of raw ids and rows to a mapped table, how it is
+//!   checked and why one is refused;
 //! * `error.rs`: why a batch cannot be pooled ([`StageError`]) and what
 //!   that makes of its requests;
 //! * `collect.rs`: range-checking each table's ids and deduplicating them;
@@ -34,7 +39,8 @@
 //!   lookups wait on the disk, and counting the major faults taken;
 //! * `fetch.rs`: fetching the distinct rows of the tables whose stores
 //!   fetch, grouped per store that fetches many tables at once, and
-//!   counting each fetch;
+//!   counting each fetch; copying the distinct rows of a table whose batch
+//!   found pushed ids (its rows and the pushed ones);
 //! * `pooling.rs`: pooling each feature's bags of one table into the pooled
 //!   input, and the request-level units' bags of ranking requests once each;
 //! * `broadcast.rs`: copying each unit's pooled bags into its requests'
@@ -46,6 +52,8 @@ mod error;
 mod fetch;
 mod map_ids;
 mod pooling;
+mod push;
+mod pushed_ids;
 mod read_ahead;
 
 use std::path::Path;
@@ -62,9 +70,11 @@ use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
 use crate::stores::table_store::{OpenedTables, TableStore};
-use map_ids::IdMapping;
+use map_ids::{BatchPushed, IdMapping};
 
 pub use error::StageError;
+pub use push::MAX_PUSHED_IDS;
+use pushed_ids::PushedIds;
 
 struct StageTable {
     spec: TableSpec,
@@ -105,6 +115,10 @@ pub struct StageScratch {
     /// The batch with its raw ids mapped to rows, for models with tables
     /// whose ids are raw.
     mapped: KeyedBatch,
+    /// Per table, the snapshot of its pushed ids the batch found ids in
+    /// (none where it found none): the table is pooled through copies of
+    /// its distinct rows, those read from the snapshot.
+    pushed: BatchPushed,
 }
 
 /// A split model's embedding stage.
@@ -117,6 +131,9 @@ pub struct EmbeddingStage {
     /// reads its mapped rows ahead first ([`READERS`](read_ahead::READERS)
     /// threads).
     faulting: AtomicBool,
+    /// Why pushes are refused, for a stage whose tables are looked up
+    /// elsewhere ([`Self::refuse_pushes`]).
+    push_refusal: Option<String>,
 }
 
 impl EmbeddingStage {
@@ -158,7 +175,14 @@ impl EmbeddingStage {
             .iter()
             .map(|f| FeatureLookup { name: f.name.clone(), pooling: f.pooling, weighted: f.weighted })
             .collect();
-        Self { tables, features, dim: schema.pooled_dim(), metrics, faulting: AtomicBool::new(false) }
+        Self {
+            tables,
+            features,
+            dim: schema.pooled_dim(),
+            metrics,
+            faulting: AtomicBool::new(false),
+            push_refusal: None,
+        }
     }
 
     /// Opens every table of the split model in `dir` in `store` (how each
@@ -210,7 +234,7 @@ impl EmbeddingStage {
 
     /// Pools every bag of `batch` into `pooled` (resized to
     /// `[batch.rows, pooled_width]`), its raw ids mapped to rows first
-    /// where its tables' are raw.
+    /// where its tables' are raw (and through the ids pushed to them).
     pub fn pool(
         &self,
         batch: &KeyedBatch,
@@ -218,10 +242,12 @@ impl EmbeddingStage {
         pooled: &mut Vec<f32>,
     ) -> Result<(), StageError> {
         if !self.maps_ids() {
+            scratch.pushed.clear();
             return self.pool_rows(batch, scratch, pooled);
         }
         let mut mapped = std::mem::take(&mut scratch.mapped);
-        let result = self.pool_rows(self.map_ids(batch, &mut mapped), scratch, pooled);
+        let result =
+            self.pool_rows(self.map_batch(batch, &mut mapped, Some(&mut scratch.pushed)), scratch, pooled);
         scratch.mapped = mapped;
         result
     }
@@ -236,8 +262,10 @@ impl EmbeddingStage {
         let width = self.pooled_width();
         pooled.resize(batch.rows * width, 0.0);
         scratch.distinct.resize_with(self.tables.len(), DistinctIds::default);
-        for (table, distinct) in self.tables.iter().zip(&mut scratch.distinct) {
-            self.collect(table, batch, distinct)?;
+        scratch.pushed.resize(self.tables.len(), None);
+        for ((table, distinct), pushed) in self.tables.iter().zip(&mut scratch.distinct).zip(&scratch.pushed)
+        {
+            self.collect(table, batch, distinct, pushed.as_deref())?;
         }
         let mut faults = 0;
         if self.faulting.load(Ordering::Relaxed) {
@@ -247,15 +275,26 @@ impl EmbeddingStage {
         let units = batch.request_level.as_ref().map_or(0, |b| b.units * b.features.len() * self.dim);
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
-        for ((table, distinct), fetched) in self.tables.iter().zip(&scratch.distinct).zip(&scratch.fetched) {
+        for (t, table) in self.tables.iter().enumerate() {
+            let (distinct, fetched) = (&scratch.distinct[t], &scratch.fetched[t][..]);
+            let copies = scratch.pushed[t].is_some() || table.store.local_rows().is_none();
             let (file_rows, unit_pooled) = (&mut scratch.file_rows, &mut scratch.unit_pooled[..]);
-            faults +=
-                self.pool_table(table, batch, distinct, fetched, file_rows, pooled, width, unit_pooled)?;
+            let rows = Rows { distinct, fetched, copies };
+            faults += self.pool_table(table, batch, rows, file_rows, pooled, width, unit_pooled)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         self.broadcast(batch, &scratch.unit_pooled, pooled, width);
         Ok(())
     }
+}
+
+/// Where a table's bags of a batch read their rows: its distinct ids, and
+/// whether they are pooled from `fetched` copies of their rows (a store
+/// that fetches, or a batch that found pushed ids) rather than in place.
+struct Rows<'a> {
+    distinct: &'a DistinctIds,
+    fetched: &'a [u8],
+    copies: bool,
 }
 
 /// The id maps of `schema`'s tables that declare one, opened from `dir`

@@ -2,31 +2,31 @@
 //! bags (sum or mean, weighted where the feature is) from the table's rows
 //! in place (through the slot index where the file is laid out in
 //! popularity order) or from a fetching store's copies (through each id's
-//! slot among the distinct ids), into the feature's columns of the pooled
-//! input; counts the major faults taken and the time.
+//! slot among the distinct ids; a table whose batch found pushed ids too),
+//! into the feature's columns of the pooled input; counts the major faults
+//! taken and the time.
 
 use std::time::Instant;
 
 use narsil_core::KeyedBatch;
 
 use super::read_ahead::thread_major_faults;
-use super::{EmbeddingStage, FeatureLookup, StageError, StageTable};
+use super::{EmbeddingStage, FeatureLookup, Rows, StageError, StageTable};
 use crate::dedup::DistinctIds;
 use crate::pool::{pool_rows, Pooling};
 
 impl EmbeddingStage {
-    /// Pools `table`'s bags (its ids deduplicated in `distinct`, the rows
-    /// of a fetching store in `fetched`; `file_rows` holds a feature's ids
-    /// as rows of a local file in popularity order), the request-level
-    /// units' bags into `unit_pooled` (`[units, request-level features *
-    /// dim]`); returns the major faults the lookups took.
+    /// Pools `table`'s bags (`rows`: its distinct ids, and the copies of
+    /// their rows where it is pooled from copies; `file_rows` holds a
+    /// feature's ids as rows of a local file in popularity order), the
+    /// request-level units' bags into `unit_pooled` (`[units, request-level
+    /// features * dim]`); returns the major faults the lookups took.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn pool_table(
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
-        distinct: &DistinctIds,
-        fetched: &[u8],
+        rows: Rows<'_>,
         file_rows: &mut Vec<i64>,
         pooled: &mut [f32],
         width: usize,
@@ -40,7 +40,13 @@ impl EmbeddingStage {
             let feature = &self.features[f];
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
-            let mut bags = Bags { table, distinct, fetched, file_rows: &mut *file_rows, slot_start };
+            let mut bags = Bags {
+                table,
+                distinct: rows.distinct,
+                fetched: rows.copies.then_some(rows.fetched),
+                file_rows: &mut *file_rows,
+                slot_start,
+            };
             bags.pool(
                 feature,
                 batch.feature_lengths(f),
@@ -74,7 +80,8 @@ impl EmbeddingStage {
 struct Bags<'a> {
     table: &'a StageTable,
     distinct: &'a DistinctIds,
-    fetched: &'a [u8],
+    /// The copies of the distinct ids' rows, where the bags read those.
+    fetched: Option<&'a [u8]>,
     file_rows: &'a mut Vec<i64>,
     /// The next bag's first id among the distinct ids' slots.
     slot_start: usize,
@@ -93,14 +100,17 @@ impl Bags<'_> {
         stride: usize,
     ) -> Result<(), StageError> {
         let spec = &self.table.spec;
-        let (rows, ids) = match (self.table.store.local_rows(), self.table.store.slots()) {
-            (Some(rows), None) => (rows, ids),
-            (Some(rows), Some(index)) => {
+        let (rows, ids) = match (self.fetched, self.table.store.local_rows(), self.table.store.slots()) {
+            (Some(fetched), _, _) => {
+                (fetched, &self.distinct.slots()[self.slot_start..self.slot_start + ids.len()])
+            }
+            (None, Some(rows), None) => (rows, ids),
+            (None, Some(rows), Some(index)) => {
                 self.file_rows.clear();
                 self.file_rows.extend(ids.iter().map(|&id| index.slot(id)));
                 (rows, &self.file_rows[..])
             }
-            (None, _) => (self.fetched, &self.distinct.slots()[self.slot_start..self.slot_start + ids.len()]),
+            (None, None, _) => unreachable!("a table whose store fetches is pooled from its copies"),
         };
         self.slot_start += ids.len();
         let pooling = Pooling { mode: feature.pooling, weights };

@@ -40,7 +40,9 @@ impl EmbeddingStage {
                             let rows = table.store.local_rows().unwrap_or_default();
                             let (row_bytes, slots) = (table.spec.row_bytes, table.store.slots());
                             let before = thread_major_faults();
-                            for &id in ids.iter().skip(reader).step_by(READERS) {
+                            // Pushed ids' virtual rows (`rows..`) are in memory.
+                            let in_file = ids.iter().filter(|&&id| (id as u64) < table.spec.rows);
+                            for &id in in_file.skip(reader).step_by(READERS) {
                                 let at = slots.map_or(id, |index| index.slot(id));
                                 // A row can span two pages: its first and last byte.
                                 let start = at as usize * row_bytes;

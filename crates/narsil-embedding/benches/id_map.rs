@@ -1,0 +1,276 @@
+//! What id maps cost the embedding stage (issue 53): the default DLRM's
+//! shape (26 tables of INT8 rows, 64 values, 80-byte rows, in memory; a
+//! fused batch of 1,600 rows, one id per bag), each table of 1M rows with
+//! an id map of all its rows. `identity`: the stage without maps, sent
+//! rows; `mapped`: the same tables and their maps, sent the same rows as
+//! raw ids (the same pooled output, checked once); `map_ids`: the mapped
+//! stage's copy of the batch and its mapping alone; `batch_copy_into`: the
+//! copy alone; `map_into`: the 26 tables' `IdMap::map_into` alone (41,600
+//! ids). Zipf 1.05 and uniform ids; each iteration takes the next of 32
+//! batches, so that their rows and slots do not all stay in the caches (2
+//! GB of rows, 26 maps of 33.6 MB).
+//! Before criterion's numbers, each distribution prints identity and mapped
+//! timed in alternation, and the median of their ratios: on a shared
+//! machine the drift between criterion's runs of the two is larger than
+//! the difference measured.
+//!
+//! `ID_MAP_BENCH_ROWS=N` measures tables (and maps) of N rows instead.
+//!
+//! In test mode (`cargo test --benches`: no `--bench`) the tables are of
+//! 10k rows, so that building them and their maps stays quick.
+
+use std::sync::Arc;
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use narsil_core::{assemble, KeyedBatch, RequestSamples};
+use narsil_embedding::id_map::build;
+use narsil_embedding::{
+    EmbeddingStage, IdMap, IdMapSpec, RowStore, SplitSchema, StageScratch, Storage, Table, TableIds,
+    TableSpec,
+};
+
+const FEATURES: usize = 26;
+const SAMPLES: usize = 1600;
+const DIM: usize = 64;
+const ROW_BYTES: usize = 80;
+
+/// Criterion's own rule: benchmarks run with `--bench` and without `--test`.
+fn bench_mode() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().any(|a| a == "--bench") && !args.iter().any(|a| a == "--test")
+}
+
+/// Rows per table and batches rotated through.
+fn shape() -> (usize, usize) {
+    if bench_mode() {
+        let rows = std::env::var("ID_MAP_BENCH_ROWS").map_or(1_000_000, |r| r.parse().expect("rows"));
+        (rows, 32)
+    } else {
+        (10_000, 2)
+    }
+}
+
+fn random(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed;
+    move || {
+        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        state
+    }
+}
+
+fn table_rows(rows: usize, next: &mut impl FnMut() -> u64) -> Vec<u8> {
+    let mut table = vec![0u8; rows * ROW_BYTES];
+    for row in table.chunks_mut(ROW_BYTES) {
+        row[..2].copy_from_slice(&0x2000u16.to_le_bytes());
+        row[2..4].copy_from_slice(&0x2400u16.to_le_bytes());
+        for q in row[4..4 + DIM].chunks_mut(8) {
+            q.copy_from_slice(&next().to_le_bytes());
+        }
+    }
+    table
+}
+
+/// The raw id of table `t`'s row `row`: a 64-bit mix, distinct per row.
+fn raw(t: usize, row: i64) -> i64 {
+    ((row as u64) ^ ((t as u64) << 40)).wrapping_mul(0x9e37_79b9_7f4a_7c15) as i64
+}
+
+#[derive(Clone, Copy)]
+enum Ids {
+    Zipf,
+    Uniform,
+}
+
+/// `SAMPLES * FEATURES` rows, sample-major (as `RequestSamples` holds
+/// them): Zipf 1.05 ranks scattered over each table's rows, or uniform.
+fn draw_rows(ids: Ids, rows: usize, cumulative: &[f64], next: &mut impl FnMut() -> u64) -> Vec<i64> {
+    (0..SAMPLES * FEATURES)
+        .map(|k| match ids {
+            Ids::Uniform => ((next() >> 33) % rows as u64) as i64,
+            Ids::Zipf => {
+                let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+                let rank = cumulative.partition_point(|&c| c < u).min(rows - 1) as u64;
+                // An affine bijection of the ranks, one per table.
+                let t = (k % FEATURES) as u64;
+                (rank.wrapping_mul(2_654_435_761).wrapping_add(t * 7919) % rows as u64) as i64
+            }
+        })
+        .collect()
+}
+
+fn batch_of(ids: Vec<i64>) -> KeyedBatch {
+    let request = RequestSamples {
+        num_samples: SAMPLES,
+        dense: vec![0.0; SAMPLES],
+        lengths: vec![1; SAMPLES * FEATURES],
+        ids,
+        ..Default::default()
+    };
+    assemble(1, FEATURES, [&request])
+}
+
+fn id_maps(c: &mut Criterion) {
+    let (rows, batches) = shape();
+    let mut next = random(7);
+    let spec = |f: usize, ids: TableIds| TableSpec {
+        name: format!("cat_{f}"),
+        rows: rows as u64,
+        dim: DIM,
+        storage: Storage::Int8Rowwise,
+        row_bytes: ROW_BYTES,
+        file: format!("tables/cat_{f}.bin").into(),
+        sha256: String::new(),
+        redis: None,
+        layout: None,
+        ids,
+    };
+    let plain: Vec<TableSpec> = (0..FEATURES).map(|f| spec(f, TableIds::Identity)).collect();
+    let declared = |f| {
+        TableIds::Map(IdMapSpec {
+            file: format!("tables/cat_{f}.idmap").into(),
+            sha256: "00".repeat(32),
+            default_row: 0,
+        })
+    };
+    let mapped: Vec<TableSpec> = (0..FEATURES).map(|f| spec(f, declared(f))).collect();
+    let schema = |specs: &[TableSpec]| {
+        SplitSchema::one_table_per_feature("bench", "1", 1, specs.to_vec(), vec!["default".into()])
+    };
+    let tables: Vec<Arc<dyn RowStore>> = plain
+        .iter()
+        .map(|s| Arc::new(Table::from_rows(s, table_rows(rows, &mut next))) as Arc<dyn RowStore>)
+        .collect();
+    let maps: Vec<Arc<IdMap>> = (0..FEATURES)
+        .map(|t| {
+            let pairs: Vec<(i64, u64)> = (0..rows as i64).map(|r| (raw(t, r), r as u64)).collect();
+            Arc::new(IdMap::from_bytes(build(&pairs, rows as u64).unwrap(), rows as u64).unwrap())
+        })
+        .collect();
+    let identity = EmbeddingStage::new(&schema(&plain), tables.clone());
+    let with_maps =
+        EmbeddingStage::with_id_maps(&schema(&mapped), tables, maps.iter().cloned().map(Some).collect());
+    assert!(with_maps.maps_ids() && !identity.maps_ids());
+
+    let weights: Vec<f64> = (1..=rows).map(|rank| (rank as f64).powf(-1.05)).collect();
+    let total: f64 = weights.iter().sum();
+    let cumulative: Vec<f64> = weights
+        .iter()
+        .scan(0.0, |sum, w| {
+            *sum += w / total;
+            Some(*sum)
+        })
+        .collect();
+
+    for (ids, name) in [(Ids::Zipf, "zipf"), (Ids::Uniform, "uniform")] {
+        let row_batches: Vec<KeyedBatch> =
+            (0..batches).map(|_| batch_of(draw_rows(ids, rows, &cumulative, &mut next))).collect();
+        let raw_batches: Vec<KeyedBatch> = row_batches
+            .iter()
+            .map(|b| {
+                let mut raws = b.clone();
+                for f in 0..FEATURES {
+                    let range = b.feature_offsets[f]..b.feature_offsets[f + 1];
+                    raws.ids[range.clone()].iter_mut().for_each(|id| *id = raw(f, *id));
+                }
+                raws
+            })
+            .collect();
+        let (mut scratch, mut expected, mut pooled) = (StageScratch::default(), Vec::new(), Vec::new());
+        for (rows_batch, raw_batch) in row_batches.iter().zip(&raw_batches) {
+            identity.pool(rows_batch, &mut scratch, &mut expected).unwrap();
+            with_maps.pool(raw_batch, &mut scratch, &mut pooled).unwrap();
+            assert_eq!(pooled, expected, "{name}: mapped and identity pool the same rows alike");
+        }
+
+        if bench_mode() {
+            interleaved(
+                name,
+                batches,
+                |at, scratch, pooled| identity.pool(&row_batches[at], scratch, pooled).unwrap(),
+                |at, scratch, pooled| with_maps.pool(&raw_batches[at], scratch, pooled).unwrap(),
+            );
+        }
+
+        let mut group = c.benchmark_group(format!("id_map_{name}"));
+        group.throughput(Throughput::Elements((SAMPLES * FEATURES) as u64));
+        let mut at = 0;
+        group.bench_function("identity_stage", |b| {
+            b.iter(|| {
+                at = (at + 1) % batches;
+                identity.pool(&row_batches[at], &mut scratch, &mut pooled).unwrap()
+            })
+        });
+        group.bench_function("mapped_stage", |b| {
+            b.iter(|| {
+                at = (at + 1) % batches;
+                with_maps.pool(&raw_batches[at], &mut scratch, &mut pooled).unwrap()
+            })
+        });
+        let mut copy = KeyedBatch::default();
+        group.bench_function("map_ids_copy_and_map", |b| {
+            b.iter(|| {
+                at = (at + 1) % batches;
+                with_maps.map_ids(&raw_batches[at], &mut copy).ids.len()
+            })
+        });
+        group.bench_function("batch_copy_into", |b| {
+            b.iter(|| {
+                at = (at + 1) % batches;
+                raw_batches[at].copy_into(&mut copy);
+                copy.ids.len()
+            })
+        });
+        let mut out = vec![0i64; SAMPLES];
+        group.bench_function("map_into_26x1600", |b| {
+            b.iter(|| {
+                at = (at + 1) % batches;
+                let batch = &raw_batches[at];
+                maps.iter()
+                    .enumerate()
+                    .map(|(f, map)| map.map_into(batch.feature_ids(f), &mut out, 0))
+                    .sum::<u64>()
+            })
+        });
+        group.finish();
+    }
+}
+
+/// Identity and mapped stages timed in alternation (rounds of one pass
+/// over the batches each, so that the machine's drift hits both alike), printed
+/// before criterion's numbers: the median per-batch time of each and the
+/// median of the rounds' ratios.
+fn interleaved(
+    name: &str,
+    batches: usize,
+    mut identity: impl FnMut(usize, &mut StageScratch, &mut Vec<f32>),
+    mut mapped: impl FnMut(usize, &mut StageScratch, &mut Vec<f32>),
+) {
+    const ROUNDS: usize = 41;
+    let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+    let mut time = |run: &mut dyn FnMut(usize, &mut StageScratch, &mut Vec<f32>)| {
+        let start = std::time::Instant::now();
+        for at in 0..batches {
+            run(at, &mut scratch, &mut pooled);
+        }
+        start.elapsed().as_secs_f64() * 1e3 / batches as f64
+    };
+    let (mut ids, mut maps, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..ROUNDS {
+        let (i, m) = (time(&mut identity), time(&mut mapped));
+        ids.push(i);
+        maps.push(m);
+        ratios.push(m / i);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (i, m, r) = (median(&mut ids), median(&mut maps), median(&mut ratios));
+    println!(
+        "{name}: interleaved, {ROUNDS} rounds: identity {i:.3} ms, mapped {m:.3} ms per batch (medians); mapped / identity {r:.3} (median of rounds, +{:.1}%)",
+        (r - 1.0) * 100.0
+    );
+}
+
+criterion_group!(benches, id_maps);
+criterion_main!(benches);
