@@ -130,7 +130,7 @@ impl std::fmt::Debug for IdMap {
 }
 
 /// How far ahead [`IdMap::map_into`] asks for home slots, in ids.
-const PREFETCH_IDS: usize = 16;
+const PREFETCH_IDS: usize = 32;
 
 impl IdMap {
     /// Maps `path` read-only, checks it as a map of a table of `rows` rows
@@ -233,13 +233,21 @@ impl IdMap {
     /// Slot `at`'s raw id and row.
     fn slot(&self, at: u64) -> (i64, u64) {
         let at = HEADER_BYTES + at as usize * SLOT_BYTES;
-        let word = |at: usize| u64::from_le_bytes(self.bytes[at..at + 8].try_into().expect("8 bytes"));
-        (word(at) as i64, word(at + 8))
+        let slot: &[u8; SLOT_BYTES] = self.bytes[at..at + SLOT_BYTES].try_into().expect("a whole slot");
+        let (raw, row) = slot.split_at(8);
+        (
+            i64::from_le_bytes(raw.try_into().expect("8 bytes")),
+            u64::from_le_bytes(row.try_into().expect("8 bytes")),
+        )
     }
 
     /// The row of `raw`, if the map holds it.
     pub fn row(&self, raw: i64) -> Option<u64> {
-        let mut at = home(raw, self.home_slots);
+        self.row_from(raw, home(raw, self.home_slots))
+    }
+
+    /// The row of `raw`, looked up from its home slot `at`.
+    fn row_from(&self, raw: i64, mut at: u64) -> Option<u64> {
         while at < self.slots {
             match self.slot(at) {
                 (_, EMPTY) => return None,
@@ -270,11 +278,18 @@ impl IdMap {
         mut elsewhere: impl FnMut(i64) -> Option<i64>,
     ) -> u64 {
         let mut unmapped = 0;
+        // Each id hashed once: its home slot, found (and asked for)
+        // PREFETCH_IDS ids ahead, waits in `homes` until its lookup.
+        let mut homes = [0u64; PREFETCH_IDS];
+        for (home, &raw) in homes.iter_mut().zip(raws) {
+            *home = self.prefetch(raw);
+        }
         for (i, (&raw, out)) in raws.iter().zip(out.iter_mut()).enumerate() {
+            let at = homes[i % PREFETCH_IDS];
             if let Some(&ahead) = raws.get(i + PREFETCH_IDS) {
-                self.prefetch(ahead);
+                homes[i % PREFETCH_IDS] = self.prefetch(ahead);
             }
-            *out = match self.row(raw) {
+            *out = match self.row_from(raw, at) {
                 Some(row) => row as i64,
                 None => elsewhere(raw).unwrap_or_else(|| {
                     unmapped += 1;
@@ -285,10 +300,12 @@ impl IdMap {
         unmapped
     }
 
-    fn prefetch(&self, raw: i64) {
+    /// Asks the CPU for `raw`'s home slot (a hint); returns the slot.
+    fn prefetch(&self, raw: i64) -> u64 {
+        let home = home(raw, self.home_slots);
         #[cfg(target_arch = "x86_64")]
         {
-            let at = HEADER_BYTES + home(raw, self.home_slots) as usize * SLOT_BYTES;
+            let at = HEADER_BYTES + home as usize * SLOT_BYTES;
             // SAFETY: a prefetch changes no memory and never faults; the
             // address is inside the map (home < home_slots <= slots).
             unsafe {
@@ -298,8 +315,7 @@ impl IdMap {
                 )
             };
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = raw;
+        home
     }
 
     /// The raw ids it holds.
