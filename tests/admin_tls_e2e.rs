@@ -8,49 +8,9 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::time::Duration;
 
-use common::tls::{client_config, https, plaintext_get, Authority, Leaf};
-use narsil::proto::predictor_client::PredictorClient;
+use common::tls::{client_config, https, plaintext_get, predict, Authority, Leaf, MockTlsServer};
 use narsil::server::tls::{AdminTls, ServerTls};
-use narsil::server::{Listen, Server};
-use narsil_core::mock::{MockConfig, MockFactory};
-use tokio::sync::oneshot;
-use tonic::transport::{Channel, ClientTlsConfig};
-
-struct AdminServer {
-    grpc: SocketAddr,
-    admin: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl AdminServer {
-    async fn start(tls: ServerTls) -> Self {
-        let factory = Arc::new(MockFactory::new(
-            common::schema(),
-            MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
-        ));
-        let listen = Listen {
-            addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            max_message_bytes: common::MAX_MESSAGE_BYTES,
-        };
-        let server = Server::start(listen, factory, common::batch_mode(1, 8)).await.unwrap().with_tls(tls);
-        let (grpc, admin) = (server.local_addr(), server.metrics_addr().unwrap());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.run(async {
-            let _ = stopped.await;
-        }));
-        Self { grpc, admin, stop: Some(stop), task }
-    }
-
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
-    }
-}
 
 /// `GET path` over HTTPS as a client trusting `ca` with `identity`.
 async fn get(
@@ -62,33 +22,27 @@ async fn get(
     https(addr, client_config(ca, identity, &[b"http/1.1"]), "GET", path, None).await
 }
 
-/// One Predict over a fresh gRPC connection with `tls`.
-async fn predict(addr: SocketAddr, tls: ClientTlsConfig) -> Result<usize, String> {
-    let endpoint = Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap();
-    let channel = endpoint.connect().await.map_err(|e| format!("{e:?}"))?;
-    let response = PredictorClient::new(channel).predict(common::request(1, 2)).await;
-    response.map(|r| r.into_inner().scores.len()).map_err(|s| format!("{s:?}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_over_https_are_served_to_a_client_trusting_the_ca_and_plaintext_gets_no_answer() {
     let ca = Authority::new("narsil test CA");
     let leaf = ca.sign(&["localhost"]);
-    let server =
-        AdminServer::start(ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), None).unwrap())
-            .await;
+    let server = MockTlsServer::start(
+        ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), None).unwrap(),
+        true,
+    )
+    .await;
 
-    let (code, body) = get(server.admin, &ca, None, "/metrics").await.unwrap();
+    let (code, body) = get(server.admin(), &ca, None, "/metrics").await.unwrap();
     assert_eq!(code, 200, "{body}");
     assert!(body.contains("narsil_"), "{body}");
-    let (code, _) = get(server.admin, &ca, None, "/v1/models").await.unwrap();
+    let (code, _) = get(server.admin(), &ca, None, "/v1/models").await.unwrap();
     assert_eq!(code, 200);
     // A client that does not trust the CA, and one offering only h2, are refused.
-    assert!(get(server.admin, &Authority::new("another CA"), None, "/metrics").await.is_err());
-    let h2_only = https(server.admin, client_config(&ca, None, &[b"h2"]), "GET", "/metrics", None).await;
+    assert!(get(server.admin(), &Authority::new("another CA"), None, "/metrics").await.is_err());
+    let h2_only = https(server.admin(), client_config(&ca, None, &[b"h2"]), "GET", "/metrics", None).await;
     assert!(h2_only.is_err(), "the admin address speaks HTTP/1.1: {h2_only:?}");
 
-    let plaintext = plaintext_get(server.admin, "/metrics").await;
+    let plaintext = plaintext_get(server.admin(), "/metrics").await;
     assert!(!plaintext.starts_with("HTTP/"), "plaintext answered: {plaintext:?}");
     assert_eq!(predict(server.grpc, ca.trusted_by_client()).await, Ok(2), "gRPC still served over TLS");
     server.stop().await;
@@ -100,17 +54,17 @@ async fn with_a_client_ca_the_admin_address_refuses_a_client_without_a_certifica
     let leaf = ca.sign(&["localhost"]);
     let tls =
         ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), Some(clients_ca.pem().as_bytes()));
-    let server = AdminServer::start(tls.unwrap()).await;
+    let server = MockTlsServer::start(tls.unwrap(), true).await;
     let client = clients_ca.sign(&["client"]);
 
-    let (code, body) = get(server.admin, &ca, Some(&client), "/metrics").await.unwrap();
+    let (code, body) = get(server.admin(), &ca, Some(&client), "/metrics").await.unwrap();
     assert_eq!(code, 200, "{body}");
-    let anonymous = get(server.admin, &ca, None, "/metrics").await;
+    let anonymous = get(server.admin(), &ca, None, "/metrics").await;
     assert!(anonymous.is_err(), "a client without a certificate was served: {anonymous:?}");
     let forged =
-        get(server.admin, &ca, Some(&Authority::new("another CA").sign(&["client"])), "/metrics").await;
+        get(server.admin(), &ca, Some(&Authority::new("another CA").sign(&["client"])), "/metrics").await;
     assert!(forged.is_err(), "a client certificate from another CA was accepted: {forged:?}");
-    assert!(!plaintext_get(server.admin, "/healthz").await.starts_with("HTTP/"));
+    assert!(!plaintext_get(server.admin(), "/healthz").await.starts_with("HTTP/"));
     server.stop().await;
 }
 
@@ -122,9 +76,9 @@ async fn metrics_tls_no_client_cert_serves_scrapers_without_one_while_grpc_stays
         ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), Some(clients_ca.pem().as_bytes()))
             .unwrap()
             .with_admin(AdminTls::NoClientCert);
-    let server = AdminServer::start(tls).await;
+    let server = MockTlsServer::start(tls, true).await;
 
-    let (code, body) = get(server.admin, &ca, None, "/metrics").await.unwrap();
+    let (code, body) = get(server.admin(), &ca, None, "/metrics").await.unwrap();
     assert_eq!(code, 200, "{body}");
     assert!(
         predict(server.grpc, ca.trusted_by_client()).await.is_err(),
@@ -142,9 +96,9 @@ async fn metrics_tls_off_keeps_the_admin_address_plain_beside_grpc_over_tls() {
     let tls = ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), None)
         .unwrap()
         .with_admin(AdminTls::Off);
-    let server = AdminServer::start(tls).await;
-    assert!(common::scrape(server.admin).await.contains("narsil_"));
-    assert!(get(server.admin, &ca, None, "/metrics").await.is_err(), "no TLS on a plain admin address");
+    let server = MockTlsServer::start(tls, true).await;
+    assert!(common::scrape(server.admin()).await.contains("narsil_"));
+    assert!(get(server.admin(), &ca, None, "/metrics").await.is_err(), "no TLS on a plain admin address");
     assert_eq!(predict(server.grpc, ca.trusted_by_client()).await, Ok(2));
     server.stop().await;
 }

@@ -11,12 +11,12 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::tls::{Authority, Leaf, TlsFiles};
 use narsil_core::golden::test_model_dir;
-use tonic::transport::{Channel, ClientTlsConfig};
+use tonic::transport::ClientTlsConfig;
 
 /// `narsil serve` of the test model over TLS with `files` (and their client CA if `mutual`).
 async fn serve(
@@ -25,30 +25,14 @@ async fn serve(
     client_tls: ClientTlsConfig,
 ) -> (common::KillOnDrop, SocketAddr) {
     let listeners = common::Listeners::new();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_narsil"));
+    let mut command = listeners.serve(false, "warn");
     command
-        .args(["serve", "--log-level", "warn", "--model"])
+        .arg("--model")
         .arg(test_model_dir().join("weights_fp32.safetensors"))
-        .arg("--tls-cert")
-        .arg(files.cert())
-        .arg("--tls-key")
-        .arg(files.key())
-        .args(listeners.args(false))
-        .stdout(Stdio::null());
-    if mutual {
-        command.arg("--tls-client-ca").arg(files.client_ca());
-    }
+        .args(files.serve_args(mutual));
     let mut child = common::KillOnDrop(command.spawn().unwrap());
     let grpc = listeners.wait(&mut child.0, Duration::from_secs(60)).await.grpc;
-    common::poll_until("SERVING over TLS", Duration::from_secs(60), || {
-        let endpoint =
-            Channel::from_shared(format!("https://{grpc}")).unwrap().tls_config(client_tls.clone()).unwrap();
-        async move {
-            let channel = endpoint.connect().await.ok()?;
-            (common::health_status(channel).await.ok() == Some(1)).then_some(())
-        }
-    })
-    .await;
+    common::tls::wait_serving(grpc, client_tls, Duration::from_secs(60)).await;
     (child, grpc)
 }
 

@@ -13,7 +13,6 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -24,8 +23,6 @@ use narsil::lifecycle::control::MAX_CONTROL_BODY_BYTES;
 use narsil::lifecycle::ModelRegistry;
 use narsil::server::{Listen, Server};
 use narsil_core::golden::test_model_dir;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::oneshot;
 
 const TOKEN: &str = "n4rsil-Control-t0ken_for/tests";
 
@@ -52,67 +49,17 @@ fn ready(versions: &[&str]) -> BTreeMap<String, &'static str> {
     versions.iter().map(|v| (v.to_string(), "READY")).collect()
 }
 
-/// Sends `request` (a whole HTTP/1.1 message) to `addr`; the status code and body.
-async fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    // The server may answer (and close) before reading all of a large body.
-    let _ = stream.write_all(request).await;
-    let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response).await;
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{response:?}"));
-    let code = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{head}"));
-    (code, body.to_string())
-}
-
-/// `POST path` with `authorization` (if any) and `body`.
-async fn post(addr: SocketAddr, path: &str, authorization: Option<&str>, body: &[u8]) -> (u16, String) {
-    let mut request = format!("POST {path} HTTP/1.1\r\nHost: narsil\r\nConnection: close\r\n");
-    if let Some(value) = authorization {
-        request.push_str(&format!("Authorization: {value}\r\n"));
-    }
-    request.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-    let mut bytes = request.into_bytes();
-    bytes.extend_from_slice(body);
-    exchange(addr, &bytes).await
-}
-
 fn bearer(token: &str) -> String {
     format!("Bearer {token}")
 }
 
 /// A repository server in the test's runtime, with model control and the
 /// token, polling the repository only when asked.
-struct DoorServer {
-    admin: SocketAddr,
-    models: Arc<ModelRegistry>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-    _token_file: tempfile::NamedTempFile,
-}
+struct DoorServer(common::RepoServer);
 
 impl DoorServer {
     async fn start(repo: &Path) -> Self {
-        let token_file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(token_file.path(), format!("{TOKEN}\n")).unwrap();
-        let mut args = ServeArgs::defaults();
-        args.model_repository = Some(repo.to_path_buf());
-        args.repository_poll_secs = 0.0;
-        args.model_control = true;
-        args.control_token_file = Some(token_file.path().to_path_buf());
-        let repository = args.repository(args.engine_config().unwrap()).unwrap().unwrap();
-        let listen = Listen {
-            addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            max_message_bytes: common::MAX_MESSAGE_BYTES,
-        };
-        let server = Server::start_repository(listen, repository).await.unwrap();
-        let (admin, models) = (server.metrics_addr().unwrap(), server.models());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.run(async {
-            let _ = stopped.await;
-        }));
-        Self { admin, models, stop: Some(stop), task, _token_file: token_file }
+        Self(common::RepoServer::start(repo, TOKEN, |_| {}).await)
     }
 
     async fn wait_for(&self, wanted: BTreeMap<String, &'static str>) {
@@ -123,9 +70,16 @@ impl DoorServer {
         }
     }
 
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
+    async fn stop(self) {
+        self.0.stop().await
+    }
+}
+
+impl std::ops::Deref for DoorServer {
+    type Target = common::RepoServer;
+
+    fn deref(&self) -> &common::RepoServer {
+        &self.0
     }
 }
 
@@ -172,7 +126,7 @@ async fn a_thousand_calls_without_the_token_or_with_a_wrong_one_change_nothing_a
             let mut answered = Vec::new();
             while let Some((path, authorization, expected)) = calls.lock().await.pop() {
                 let sent = Instant::now();
-                let (code, body) = post(admin, &path, authorization.as_deref(), b"").await;
+                let (code, body) = common::post(admin, &path, authorization.as_deref(), b"").await;
                 answered.push((path, authorization, expected, code, body, sent.elapsed()));
             }
             answered
@@ -201,11 +155,11 @@ async fn a_thousand_calls_without_the_token_or_with_a_wrong_one_change_nothing_a
     // Listing stays open; the token itself opens the door.
     let (code, _) = common::http(admin, "GET", "/v1/models").await;
     assert_eq!(code, 200);
-    let (code, body) = post(admin, "/v1/repository/scan", Some(&bearer(TOKEN)), b"").await;
+    let (code, body) = common::post(admin, "/v1/repository/scan", Some(&bearer(TOKEN)), b"").await;
     assert_eq!(code, 200, "{body}");
     server.wait_for(ready(&["3"])).await;
     let (code, body) =
-        post(admin, "/v1/models/dlrm/versions/2/load", Some(&format!("bearer  {TOKEN} ")), b"").await;
+        common::post(admin, "/v1/models/dlrm/versions/2/load", Some(&format!("bearer  {TOKEN} ")), b"").await;
     assert_eq!(code, 200, "the scheme in any case, spaces around the token: {body}");
     assert_eq!(states(&server.models), ready(&["2", "3"]));
     server.stop().await;
@@ -222,7 +176,7 @@ async fn oversized_bodies_get_413_and_malformed_paths_are_refused_without_touchi
     // Declared over the limit: refused before the token is even looked at.
     let big = vec![b'{'; MAX_CONTROL_BODY_BYTES + 1];
     for authorization in [Some(token.as_str()), None] {
-        let (code, body) = post(admin, "/v1/models/dlrm/unload", authorization, &big).await;
+        let (code, body) = common::post(admin, "/v1/models/dlrm/unload", authorization, &big).await;
         assert_eq!(code, 413, "{authorization:?}: {body}");
     }
     // Chunked, so no length declared: read up to the limit, then refused.
@@ -237,7 +191,7 @@ async fn oversized_bodies_get_413_and_malformed_paths_are_refused_without_touchi
         chunked.extend_from_slice(b"\r\n");
     }
     chunked.extend_from_slice(b"0\r\n\r\n");
-    let (code, body) = exchange(admin, &chunked).await;
+    let (code, body) = common::exchange(admin, &chunked).await;
     assert_eq!(code, 413, "{body}");
     assert_eq!(states(&server.models), ready(&["1"]), "no oversized call unloaded anything");
 
@@ -250,17 +204,17 @@ async fn oversized_bodies_get_413_and_malformed_paths_are_refused_without_touchi
         ("/v1/models/dlrm/versions/-1/load", 400),
         ("/v1/models/dlrm/versions/1%2F..%2F2/load", 400),
     ] {
-        let (code, body) = post(admin, path, Some(&token), b"").await;
+        let (code, body) = common::post(admin, path, Some(&token), b"").await;
         assert_eq!(code, expected, "{path}: {body}");
         // Without the token the door answers first, whatever the path.
-        let (code, body) = post(admin, path, None, b"").await;
+        let (code, body) = common::post(admin, path, None, b"").await;
         assert_eq!((code, body.as_str()), (401, "unauthorized"), "{path}");
     }
     assert_eq!(states(&server.models), ready(&["1"]));
     assert_eq!(std::fs::read_dir(repo.path()).unwrap().count(), 1, "nothing written beside dlrm/");
 
     // A small body with the token is fine (the calls need none).
-    let (code, body) = post(admin, "/v1/models/dlrm/unload", Some(&token), b"{}").await;
+    let (code, body) = common::post(admin, "/v1/models/dlrm/unload", Some(&token), b"{}").await;
     assert_eq!(code, 200, "{body}");
     assert_eq!(states(&server.models), BTreeMap::new());
     server.stop().await;
@@ -346,14 +300,8 @@ async fn the_token_never_appears_in_the_logs_of_a_full_run_at_trace_level() {
     let logs = tempfile::NamedTempFile::new().unwrap();
     let listeners = common::Listeners::new();
     let mut child = common::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["serve", "--log-level", "trace", "--repository-poll-secs", "0", "--model-control"])
-            .arg("--model-repository")
-            .arg(repo.path())
-            .arg("--control-token-file")
-            .arg(token_file.path())
-            .args(listeners.args(true))
-            .stdout(Stdio::null())
+        listeners
+            .serve_repository("trace", repo.path(), Some(token_file.path()))
             .stderr(logs.reopen().unwrap())
             .spawn()
             .unwrap(),
@@ -362,10 +310,10 @@ async fn the_token_never_appears_in_the_logs_of_a_full_run_at_trace_level() {
     let admin = bound.admin();
     common::wait_serving(&bound.url(), Duration::from_secs(60)).await;
     let token = bearer(TOKEN);
-    assert_eq!(post(admin, "/v1/models/dlrm/unload", Some("Bearer not-it"), b"").await.0, 403);
-    assert_eq!(post(admin, "/v1/models/dlrm/versions/1/unload", Some(&token), b"").await.0, 200);
-    assert_eq!(post(admin, "/v1/models/dlrm/load", Some(&token), b"").await.0, 200);
-    assert_eq!(post(admin, "/v1/repository/scan", Some(&token), b"").await.0, 200);
+    assert_eq!(common::post(admin, "/v1/models/dlrm/unload", Some("Bearer not-it"), b"").await.0, 403);
+    assert_eq!(common::post(admin, "/v1/models/dlrm/versions/1/unload", Some(&token), b"").await.0, 200);
+    assert_eq!(common::post(admin, "/v1/models/dlrm/load", Some(&token), b"").await.0, 200);
+    assert_eq!(common::post(admin, "/v1/repository/scan", Some(&token), b"").await.0, 200);
     unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
     assert!(child.0.wait().unwrap().success());
     let logged = std::fs::read_to_string(logs.path()).unwrap();
@@ -382,19 +330,15 @@ async fn open_model_control_on_loopback_says_so_once() {
     let logs = tempfile::NamedTempFile::new().unwrap();
     let listeners = common::Listeners::new();
     let mut child = common::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["serve", "--log-level", "warn", "--repository-poll-secs", "0", "--model-control"])
-            .arg("--model-repository")
-            .arg(repo.path())
-            .args(listeners.args(true))
+        listeners
+            .serve_repository("warn", repo.path(), None)
             .env_remove("NARSIL_CONTROL_TOKEN_FILE")
-            .stdout(Stdio::null())
             .stderr(logs.reopen().unwrap())
             .spawn()
             .unwrap(),
     );
     let admin = listeners.wait(&mut child.0, Duration::from_secs(60)).await.admin();
-    let (code, body) = post(admin, "/v1/repository/scan", None, b"").await;
+    let (code, body) = common::post(admin, "/v1/repository/scan", None, b"").await;
     assert_eq!(code, 200, "open on loopback: {body}");
     unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
     assert!(child.0.wait().unwrap().success());

@@ -7,50 +7,12 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::tls::{Authority, Leaf};
+use common::tls::{Authority, Leaf, MockTlsServer, TlsFiles};
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::server::tls::ServerTls;
-use narsil::server::{Listen, Server};
-use narsil_core::mock::{MockConfig, MockFactory};
-use tokio::sync::oneshot;
 use tonic::transport::{Channel, ClientTlsConfig};
-
-struct TlsServer {
-    addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl TlsServer {
-    async fn start(tls: ServerTls) -> Self {
-        let factory = Arc::new(MockFactory::new(
-            common::schema(),
-            MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
-        ));
-        let listen = Listen {
-            addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: None,
-            max_message_bytes: common::MAX_MESSAGE_BYTES,
-        };
-        let server = Server::start(listen, factory, common::batch_mode(1, 8)).await.unwrap().with_tls(tls);
-        let addr = server.local_addr();
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.run(async {
-            let _ = stopped.await;
-        }));
-        Self { addr, stop: Some(stop), task }
-    }
-
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
-    }
-}
 
 /// One Predict over a fresh connection to `url` with `tls` (none:
 /// plaintext): the scores' count, or why it failed.
@@ -79,8 +41,8 @@ async fn a_client_trusting_the_ca_is_served_over_tls_and_a_plaintext_client_is_r
     let server_cert = ca.sign(&["localhost", "127.0.0.1"]);
     let tls = ServerTls::from_pem(server_cert.cert.as_bytes(), server_cert.key.as_bytes(), None).unwrap();
     assert!(!format!("{tls:?}").contains("PRIVATE KEY"));
-    let server = TlsServer::start(tls).await;
-    let https = format!("https://127.0.0.1:{}", server.addr.port());
+    let server = MockTlsServer::start(tls, false).await;
+    let https = format!("https://127.0.0.1:{}", server.grpc.port());
     common::poll_until("the TLS server to answer", Duration::from_secs(30), || {
         let (url, tls) = (https.clone(), trusting(&ca));
         async move { predict(url, Some(tls)).await.ok() }
@@ -88,7 +50,7 @@ async fn a_client_trusting_the_ca_is_served_over_tls_and_a_plaintext_client_is_r
     .await;
     assert_eq!(predict(https.clone(), Some(trusting(&ca))).await, Ok(3));
 
-    let plaintext = predict(format!("http://127.0.0.1:{}", server.addr.port()), None).await;
+    let plaintext = predict(format!("http://127.0.0.1:{}", server.grpc.port()), None).await;
     assert!(plaintext.is_err(), "plaintext served: {plaintext:?}");
     let stranger = Authority::new("another CA");
     let untrusted = predict(https, Some(trusting(&stranger))).await;
@@ -108,8 +70,8 @@ async fn with_a_client_ca_only_clients_with_a_certificate_it_signed_are_served()
     )
     .unwrap();
     assert!(tls.mutual);
-    let server = TlsServer::start(tls).await;
-    let https = format!("https://127.0.0.1:{}", server.addr.port());
+    let server = MockTlsServer::start(tls, false).await;
+    let https = format!("https://127.0.0.1:{}", server.grpc.port());
     let with = |leaf: &Leaf| trusting(&ca).identity(leaf.identity());
     let client = clients_ca.sign(&["client"]);
     common::poll_until("the mTLS server to answer", Duration::from_secs(30), || {
@@ -123,7 +85,7 @@ async fn with_a_client_ca_only_clients_with_a_certificate_it_signed_are_served()
     assert!(anonymous.is_err(), "a client without a certificate was served: {anonymous:?}");
     let forged = predict(https.clone(), Some(with(&stranger.sign(&["client"])))).await;
     assert!(forged.is_err(), "a client certificate from another CA was accepted: {forged:?}");
-    let plaintext = predict(format!("http://127.0.0.1:{}", server.addr.port()), None).await;
+    let plaintext = predict(format!("http://127.0.0.1:{}", server.grpc.port()), None).await;
     assert!(plaintext.is_err(), "plaintext served: {plaintext:?}");
     server.stop().await;
 }
@@ -140,36 +102,19 @@ fn a_key_that_is_not_the_certificate_s_is_refused_at_start() {
 async fn narsil_serve_with_tls_cert_serves_grpc_health_over_tls_and_logs_no_key() {
     let ca = Authority::new("narsil test CA");
     let leaf = ca.sign(&["localhost"]);
-    let dir = tempfile::tempdir().unwrap();
-    let (cert, key) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
-    std::fs::write(&cert, &leaf.cert).unwrap();
-    std::fs::write(&key, &leaf.key).unwrap();
+    let files = TlsFiles::new(&leaf);
     let logs = tempfile::NamedTempFile::new().unwrap();
     let listeners = common::Listeners::new();
     let mut child = common::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["serve", "--log-level", "debug", "--tls-cert"])
-            .arg(&cert)
-            .arg("--tls-key")
-            .arg(&key)
-            .args(listeners.args(false))
-            .stdout(Stdio::null())
+        listeners
+            .serve(false, "debug")
+            .args(files.serve_args(false))
             .stderr(logs.reopen().unwrap())
             .spawn()
             .unwrap(),
     );
     let bound = listeners.wait(&mut child.0, Duration::from_secs(60)).await;
-    let https = format!("https://127.0.0.1:{}", bound.grpc.port());
-    let channel = common::poll_until("narsil serve to answer over TLS", Duration::from_secs(60), || {
-        let endpoint = Channel::from_shared(https.clone()).unwrap().tls_config(trusting(&ca)).unwrap();
-        async move { endpoint.connect().await.ok() }
-    })
-    .await;
-    common::poll_until("SERVING over TLS", Duration::from_secs(60), || {
-        let channel = channel.clone();
-        async move { (common::health_status(channel).await.ok() == Some(1)).then_some(()) }
-    })
-    .await;
+    common::tls::wait_serving(bound.grpc, trusting(&ca), Duration::from_secs(60)).await;
     assert!(predict(bound.url(), None).await.is_err(), "plaintext served");
     unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
     assert!(child.0.wait().unwrap().success());

@@ -28,14 +28,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::id_maps::{mapped_copy, raw_ranking, raw_request, FEATURES, NEVER_SEEN, RANKING_CANDIDATES};
-use narsil::cli::ServeArgs;
-use narsil::lifecycle::ModelRegistry;
 use narsil::proto::predictor_client::PredictorClient;
-use narsil::server::{Listen, Server};
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
 use narsil_embedding::SplitSchema;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::oneshot;
 
 const TOKEN: &str = "push-1ds_T0ken/for.tests";
 /// The table whose ids are pushed.
@@ -54,14 +50,7 @@ fn env_or(name: &str, default: usize) -> usize {
 
 /// A repository server in the test's runtime, with model control and a
 /// token.
-struct PushServer {
-    url: String,
-    admin: SocketAddr,
-    models: Arc<ModelRegistry>,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-    token_file: tempfile::NamedTempFile,
-}
+struct PushServer(common::RepoServer);
 
 impl PushServer {
     async fn start(repo: &Path, store: &str) -> Self {
@@ -69,38 +58,17 @@ impl PushServer {
     }
 
     async fn start_with(repo: &Path, store: &str, control: bool) -> Self {
-        let token_file = tempfile::NamedTempFile::new().unwrap();
-        std::fs::write(token_file.path(), format!("{TOKEN}\n")).unwrap();
-        let mut args = ServeArgs::defaults();
-        args.model_repository = Some(repo.to_path_buf());
-        args.repository_poll_secs = 0.0;
-        args.model_control = control;
-        args.control_token_file = Some(token_file.path().to_path_buf());
-        args.backend.table_store = store.parse().unwrap();
-        let repository = args.repository(args.engine_config().unwrap()).unwrap().unwrap();
-        let listen = Listen {
-            addr: "127.0.0.1:0".parse().unwrap(),
-            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-            max_message_bytes: common::MAX_MESSAGE_BYTES,
-        };
-        let server = Server::start_repository(listen, repository).await.unwrap();
-        let url = format!("http://{}", server.local_addr());
-        let (admin, models) = (server.metrics_addr().unwrap(), server.models());
-        let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(server.run(async {
-            let _ = stopped.await;
-        }));
-        let server = Self { url, admin, models, stop: Some(stop), task, token_file };
+        let server = common::RepoServer::start(repo, TOKEN, |args| {
+            args.model_control = control;
+            args.backend.table_store = store.parse().unwrap();
+        })
+        .await;
         let started = Instant::now();
         while server.models.live_versions("dlrm").is_empty() {
             assert!(started.elapsed() < Duration::from_secs(120), "{:#?}", server.models.list());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        server
-    }
-
-    async fn client(&self) -> PredictorClient<tonic::transport::Channel> {
-        PredictorClient::connect(self.url.clone()).await.unwrap()
+        Self(server)
     }
 
     /// `POST /v1/models/dlrm/tables/{table}/ids` with the token.
@@ -110,30 +78,23 @@ impl PushServer {
         (code, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
     }
 
-    async fn stop(mut self) {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap().unwrap();
+    async fn stop(self) {
+        self.0.stop().await
+    }
+}
+
+impl std::ops::Deref for PushServer {
+    type Target = common::RepoServer;
+
+    fn deref(&self) -> &common::RepoServer {
+        &self.0
     }
 }
 
 /// `POST path` with the token (if any) and `body`: the status and body.
 async fn post(addr: SocketAddr, path: &str, token: Option<&str>, body: &[u8]) -> (u16, String) {
-    let mut request = format!("POST {path} HTTP/1.1\r\nHost: narsil\r\nConnection: close\r\n");
-    if let Some(token) = token {
-        request.push_str(&format!("Authorization: Bearer {token}\r\n"));
-    }
-    request.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
-    let mut bytes = request.into_bytes();
-    bytes.extend_from_slice(body);
-    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    // The server may answer (and close) before reading all of a large body.
-    let _ = stream.write_all(&bytes).await;
-    let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response).await;
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{response:?}"));
-    let code = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{head}"));
-    (code, body.to_string())
+    let authorization = token.map(|token| format!("Bearer {token}"));
+    common::post(addr, path, authorization.as_deref(), body).await
 }
 
 /// The mapped test model published as version 1 of `dlrm` in `repo`; its

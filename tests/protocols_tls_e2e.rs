@@ -13,7 +13,7 @@ mod common;
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,12 +23,11 @@ use narsil::kserve_proto::{ModelMetadataRequest, ServerLiveRequest};
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::ModelInfoRequest;
 use narsil::server::tls::ServerTls;
-use narsil::server::{Listen, Server};
+use narsil::server::Server;
 use narsil::torchrec_proto::predictor_client::PredictorClient as TorchRecClient;
 use narsil::wire::{kserve, torchrec};
 use narsil_burn::BurnFactory;
 use narsil_core::golden::{max_abs_diff, test_model_dir, Golden};
-use tokio::sync::oneshot;
 use tonic::transport::{Channel, ClientTlsConfig};
 
 /// Burn's FP32 scores against Python's (as in burn_e2e).
@@ -46,23 +45,20 @@ async fn narsil_v1_torchrec_and_kserve_all_answer_over_mutual_tls_with_golden_sc
     let tls =
         ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), Some(clients_ca.pem().as_bytes()));
     let factory = BurnFactory::load(&test_model_dir().join("weights_fp32.safetensors")).unwrap();
-    let listen = Listen {
-        addr: "127.0.0.1:0".parse().unwrap(),
-        metrics_addr: None,
-        max_message_bytes: common::MAX_MESSAGE_BYTES,
-    };
-    let server = Server::start(listen, Arc::new(factory), common::batch_mode(1, 16)).await.unwrap();
+    let server =
+        Server::start(common::listen(false), Arc::new(factory), common::batch_mode(1, 16)).await.unwrap();
     let (addr, engine) = (server.local_addr(), server.engine().unwrap());
-    let server = server.with_tls(tls.unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = stopped.await;
-    }));
+    let server = common::Running::spawn(server.with_tls(tls.unwrap()));
     engine.wait_ready().await.unwrap();
 
     let client = clients_ca.sign(&["client"]);
     let channel = connect(addr, ca.trusted_by_client().identity(client.identity())).await.unwrap();
-    assert_eq!(common::health_status(channel.clone()).await.unwrap(), 1, "grpc.health over TLS");
+    // The health service turns SERVING from a watcher task of its own,
+    // moments after the engine is ready.
+    common::poll_until("grpc.health over TLS to answer SERVING", Duration::from_secs(10), || async {
+        (common::health_status(channel.clone()).await.ok()? == 1).then_some(())
+    })
+    .await;
     let mut narsil = PredictorClient::new(channel.clone());
     let mut torchrec = TorchRecClient::new(channel.clone());
     let mut kserve = KServeClient::new(channel.clone());
@@ -107,8 +103,7 @@ async fn narsil_v1_torchrec_and_kserve_all_answer_over_mutual_tls_with_golden_sc
         let request = torchrec::encode(&common::request(1, 1), sparse);
         assert!(TorchRecClient::new(channel).predict(request).await.is_err());
     }
-    let _ = stop.send(());
-    tokio::time::timeout(Duration::from_secs(30), task).await.unwrap().unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(30), server.stop()).await.unwrap();
 }
 
 /// The services grpc.reflection.v1 lists.
@@ -151,30 +146,17 @@ async fn a_stock_tritonclient_gets_golden_scores_over_mutual_tls_from_the_real_b
     );
     let listeners = common::Listeners::new();
     let mut server = common::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["serve", "--log-level", "warn", "--model"])
+        listeners
+            .serve(false, "warn")
+            .arg("--model")
             .arg(test_model_dir().join("weights_fp32.safetensors"))
-            .arg("--tls-cert")
-            .arg(files.cert())
-            .arg("--tls-key")
-            .arg(files.key())
-            .arg("--tls-client-ca")
-            .arg(files.client_ca())
-            .args(listeners.args(false))
-            .stdout(Stdio::null())
+            .args(files.serve_args(true))
             .spawn()
             .unwrap(),
     );
     let grpc = listeners.wait(&mut server.0, Duration::from_secs(60)).await.grpc;
     let tls = ca.trusted_by_client().identity(client.identity());
-    common::poll_until("SERVING over TLS", Duration::from_secs(60), || {
-        let tls = tls.clone();
-        async move {
-            let channel = connect(grpc, tls).await.ok()?;
-            (common::health_status(channel).await.ok() == Some(1)).then_some(())
-        }
-    })
-    .await;
+    common::tls::wait_serving(grpc, tls, Duration::from_secs(60)).await;
     let script = root.join("tests/python/kserve_tritonclient_tls.py");
     let golden = test_model_dir().join("golden.json");
     let out = tokio::task::spawn_blocking(move || {

@@ -10,14 +10,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::tls::{client_config, https, Authority, Leaf, TlsFiles};
 use narsil_core::golden::test_model_dir;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::PrivateKeyDer;
-use tonic::transport::Channel;
 
 const TOKEN: &str = "s3cret-Narsil-control_token.for/log-test";
 
@@ -59,37 +57,16 @@ async fn no_token_or_key_appears_in_a_trace_level_log_of_a_full_run_over_tls() {
     let logs = tempfile::NamedTempFile::new().unwrap();
     let listeners = common::Listeners::new();
     let mut child = common::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["serve", "--log-level", "trace", "--repository-poll-secs", "0", "--model-control"])
-            .arg("--model-repository")
-            .arg(repo.path())
-            .arg("--control-token-file")
-            .arg(&token_file)
-            .arg("--tls-cert")
-            .arg(files.cert())
-            .arg("--tls-key")
-            .arg(files.key())
-            .arg("--tls-client-ca")
-            .arg(files.client_ca())
-            .args(listeners.args(true))
-            .stdout(Stdio::null())
+        listeners
+            .serve_repository("trace", repo.path(), Some(&token_file))
+            .args(files.serve_args(true))
             .stderr(logs.reopen().unwrap())
             .spawn()
             .unwrap(),
     );
     let bound = listeners.wait(&mut child.0, Duration::from_secs(60)).await;
     let grpc_tls = ca.trusted_by_client().identity(client.identity());
-    let channel = common::poll_until("SERVING over TLS", Duration::from_secs(60), || {
-        let endpoint = Channel::from_shared(format!("https://{}", bound.grpc))
-            .unwrap()
-            .tls_config(grpc_tls.clone())
-            .unwrap();
-        async move {
-            let channel = endpoint.connect().await.ok()?;
-            (common::health_status(channel.clone()).await.ok() == Some(1)).then_some(channel)
-        }
-    })
-    .await;
+    let channel = common::tls::wait_serving(bound.grpc, grpc_tls, Duration::from_secs(60)).await;
     let mut predictor = narsil::proto::predictor_client::PredictorClient::new(channel);
     predictor.predict(common::request(1, 2)).await.unwrap();
 

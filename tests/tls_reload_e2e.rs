@@ -9,17 +9,13 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tls::{served_certificate, Authority, Leaf, TlsFiles};
+use common::tls::{predict, served_certificate, Authority, Leaf, MockTlsServer, TlsFiles};
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::server::tls::ServerTls;
-use narsil::server::{Listen, Server};
-use narsil_core::mock::{MockConfig, MockFactory};
-use tonic::transport::{Channel, ClientTlsConfig};
 
 /// The most a renewed certificate may take to reach new connections.
 const RELOAD_WITHIN: Duration = Duration::from_secs(5);
@@ -36,14 +32,6 @@ async fn until_served(addr: SocketAddr, ca: &Authority, leaf: &Leaf, since: Inst
     None
 }
 
-/// One Predict over a fresh connection with `tls`.
-async fn predict(addr: SocketAddr, tls: ClientTlsConfig) -> Result<usize, String> {
-    let endpoint = Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap();
-    let channel = endpoint.connect().await.map_err(|e| format!("{e:?}"))?;
-    let response = PredictorClient::new(channel).predict(common::request(1, 2)).await;
-    response.map(|r| r.into_inner().scores.len()).map_err(|s| format!("{s:?}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_certificate_reaches_new_connections_within_5_s_and_calls_on_old_ones_never_fail() {
     let ca = Authority::new("narsil test CA");
@@ -52,31 +40,16 @@ async fn a_renewed_certificate_reaches_new_connections_within_5_s_and_calls_on_o
     let logs = tempfile::NamedTempFile::new().unwrap();
     let listeners = common::Listeners::new();
     let mut child = common::KillOnDrop(
-        Command::new(env!("CARGO_BIN_EXE_narsil"))
-            .args(["serve", "--log-level", "info", "--tls-cert"])
-            .arg(files.cert())
-            .arg("--tls-key")
-            .arg(files.key())
-            .args(listeners.args(true))
-            .stdout(Stdio::null())
+        listeners
+            .serve(true, "info")
+            .args(files.serve_args(false))
             .stderr(logs.reopen().unwrap())
             .spawn()
             .unwrap(),
     );
     let bound = listeners.wait(&mut child.0, Duration::from_secs(60)).await;
     let (grpc, admin) = (bound.grpc, bound.admin());
-    let https = format!("https://127.0.0.1:{}", grpc.port());
-    let channel = common::poll_until("narsil serve to answer over TLS", Duration::from_secs(60), || {
-        let endpoint =
-            Channel::from_shared(https.clone()).unwrap().tls_config(ca.trusted_by_client()).unwrap();
-        async move { endpoint.connect().await.ok() }
-    })
-    .await;
-    common::poll_until("SERVING over TLS", Duration::from_secs(60), || {
-        let channel = channel.clone();
-        async move { (common::health_status(channel).await.ok() == Some(1)).then_some(()) }
-    })
-    .await;
+    let channel = common::tls::wait_serving(grpc, ca.trusted_by_client(), Duration::from_secs(60)).await;
     assert_eq!(served_certificate(grpc, &ca, None).await.unwrap(), first.der);
     assert_eq!(served_certificate(admin, &ca, None).await.unwrap(), first.der);
 
@@ -142,21 +115,8 @@ async fn a_replaced_client_ca_lets_the_new_ca_s_clients_in_and_keeps_the_old_one
     let files = TlsFiles::new(&ca.sign(&["localhost"]));
     files.write("clients-ca.crt", &old_clients.pem());
     let tls = ServerTls::read(&files.cert(), &files.key(), Some(&files.client_ca())).unwrap();
-    let factory = Arc::new(MockFactory::new(
-        common::schema(),
-        MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
-    ));
-    let listen = Listen {
-        addr: "127.0.0.1:0".parse().unwrap(),
-        metrics_addr: None,
-        max_message_bytes: common::MAX_MESSAGE_BYTES,
-    };
-    let server = Server::start(listen, factory, common::batch_mode(1, 8)).await.unwrap().with_tls(tls);
-    let addr = server.local_addr();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = stopped.await;
-    }));
+    let server = MockTlsServer::start(tls, false).await;
+    let addr = server.grpc;
     let (old_client, new_client) = (old_clients.sign(&["client"]), new_clients.sign(&["client"]));
     let with = |leaf: &Leaf| ca.trusted_by_client().identity(leaf.identity());
     assert_eq!(predict(addr, with(&old_client)).await, Ok(2));
@@ -173,6 +133,5 @@ async fn a_replaced_client_ca_lets_the_new_ca_s_clients_in_and_keeps_the_old_one
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(predict(addr, with(&old_client)).await.is_err(), "the old client CA is still trusted");
-    let _ = stop.send(());
-    task.await.unwrap().unwrap();
+    server.stop().await;
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use narsil::cli::ServeArgs;
+use narsil::lifecycle::ModelRegistry;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::PredictRequest;
 use narsil::server::{Listen, Server};
@@ -28,15 +29,13 @@ pub struct TestServer {
     /// Address of the Prometheus endpoint.
     pub metrics_addr: std::net::SocketAddr,
     pub engine: EngineHandle,
-    stop: Option<oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+    running: Running,
 }
 
 impl TestServer {
     /// Stops accepting, drains, and returns the server's result.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
-        let _ = self.stop.take().unwrap().send(());
-        self.task.await.unwrap()
+    pub async fn stop(self) -> anyhow::Result<()> {
+        self.running.finish().await
     }
 
     pub async fn client(&self) -> PredictorClient<Channel> {
@@ -76,6 +75,37 @@ async fn http_exchange(addr: std::net::SocketAddr, method: &str, path: &str) -> 
     stream.read_to_string(&mut response).await.unwrap();
     let (head, body) = response.split_once("\r\n\r\n").unwrap();
     (head.to_string(), body.to_string())
+}
+
+/// Sends `request` (a whole HTTP/1.1 message) to `addr`; the status code and body.
+pub async fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    // The server may answer (and close) before reading all of a large body.
+    let _ = stream.write_all(request).await;
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response).await;
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{response:?}"));
+    let code = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{head}"));
+    (code, body.to_string())
+}
+
+/// `POST path` with `authorization` (if any) and `body`.
+pub async fn post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    authorization: Option<&str>,
+    body: &[u8],
+) -> (u16, String) {
+    let mut request = format!("POST {path} HTTP/1.1\r\nHost: narsil\r\nConnection: close\r\n");
+    if let Some(value) = authorization {
+        request.push_str(&format!("Authorization: {value}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n", body.len()));
+    let mut bytes = request.into_bytes();
+    bytes.extend_from_slice(body);
+    exchange(addr, &bytes).await
 }
 
 /// The Prometheus text from `GET /metrics` on `addr`, over real HTTP.
@@ -124,20 +154,87 @@ pub async fn start(config: EngineConfig, latency_ms: u64) -> TestServer {
 
 /// Starts a server over any backend.
 pub async fn start_with(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> TestServer {
-    let listen = Listen {
-        addr: "127.0.0.1:0".parse().unwrap(),
-        metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
-        max_message_bytes: MAX_MESSAGE_BYTES,
-    };
-    let server = Server::start(listen, factory, config).await.unwrap();
+    let server = Server::start(listen(true), factory, config).await.unwrap();
     let url = format!("http://{}", server.local_addr());
     let metrics_addr = server.metrics_addr().unwrap();
     let engine = server.engine().expect("a server of one model");
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(server.run(async {
-        let _ = stopped.await;
-    }));
-    TestServer { url, metrics_addr, engine, stop: Some(stop), task }
+    TestServer { url, metrics_addr, engine, running: Running::spawn(server) }
+}
+
+/// The listeners of a server started in the test's runtime: gRPC on
+/// 127.0.0.1:0 and, with `admin`, the admin address on 127.0.0.1:0 too.
+pub fn listen(admin: bool) -> Listen {
+    Listen {
+        addr: "127.0.0.1:0".parse().unwrap(),
+        metrics_addr: admin.then(|| "127.0.0.1:0".parse().unwrap()),
+        max_message_bytes: MAX_MESSAGE_BYTES,
+    }
+}
+
+/// A started server running in the test's runtime until it is stopped.
+pub struct Running {
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Running {
+    /// Runs `server` in a task of the test's runtime.
+    pub fn spawn(server: Server) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server.run(async {
+            let _ = stopped.await;
+        }));
+        Self { stop: Some(stop), task }
+    }
+
+    /// Stops accepting, drains, and returns the server's result.
+    pub async fn finish(mut self) -> anyhow::Result<()> {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap()
+    }
+
+    /// Stops accepting and drains; panics if the server failed.
+    pub async fn stop(self) {
+        self.finish().await.unwrap()
+    }
+}
+
+/// A repository server in the test's runtime: `repo` polled only when
+/// asked, model control on behind `token` (read from a file), and the rest
+/// of `narsil serve`'s defaults as `edit` leaves them.
+pub struct RepoServer {
+    pub url: String,
+    pub admin: std::net::SocketAddr,
+    pub models: Arc<ModelRegistry>,
+    pub token_file: tempfile::NamedTempFile,
+    running: Running,
+}
+
+impl RepoServer {
+    pub async fn start(repo: &std::path::Path, token: &str, edit: impl FnOnce(&mut ServeArgs)) -> Self {
+        let token_file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(token_file.path(), format!("{token}\n")).unwrap();
+        let mut args = ServeArgs::defaults();
+        args.model_repository = Some(repo.to_path_buf());
+        args.repository_poll_secs = 0.0;
+        args.model_control = true;
+        args.control_token_file = Some(token_file.path().to_path_buf());
+        edit(&mut args);
+        let repository = args.repository(args.engine_config().unwrap()).unwrap().unwrap();
+        let server = Server::start_repository(listen(true), repository).await.unwrap();
+        let url = format!("http://{}", server.local_addr());
+        let (admin, models) = (server.metrics_addr().unwrap(), server.models());
+        Self { url, admin, models, token_file, running: Running::spawn(server) }
+    }
+
+    pub async fn client(&self) -> PredictorClient<Channel> {
+        PredictorClient::connect(self.url.clone()).await.unwrap()
+    }
+
+    /// Stops accepting and drains; panics if the server failed.
+    pub async fn stop(self) {
+        self.running.stop().await
+    }
 }
 
 /// A deterministic request of `b` samples; `tag` varies its content. Bag
@@ -341,6 +438,35 @@ impl Listeners {
         }
         args.extend(["--bound-addresses-file".into(), self.file().into()]);
         args
+    }
+
+    /// `narsil serve --log-level LEVEL` on these listeners (with `metrics`
+    /// the admin address too), its stdout discarded; the test adds the
+    /// rest and spawns it.
+    pub fn serve(&self, metrics: bool, level: &str) -> std::process::Command {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_narsil"));
+        command
+            .args(["serve", "--log-level", level])
+            .args(self.args(metrics))
+            .stdout(std::process::Stdio::null());
+        command
+    }
+
+    /// [`Listeners::serve`] with the admin address, of the repository
+    /// `repo` (polled only when asked) with model control, behind
+    /// `token_file` if any.
+    pub fn serve_repository(
+        &self,
+        level: &str,
+        repo: &std::path::Path,
+        token_file: Option<&std::path::Path>,
+    ) -> std::process::Command {
+        let mut command = self.serve(true, level);
+        command.args(["--repository-poll-secs", "0", "--model-control", "--model-repository"]).arg(repo);
+        if let Some(file) = token_file {
+            command.arg("--control-token-file").arg(file);
+        }
+        command
     }
 
     /// Waits until `server` has written its addresses; panics if it exits

@@ -4,17 +4,22 @@
 //! tokio-rustls that returns the status and body of one HTTP/1.1 call, or
 //! the certificate a server presents.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use narsil::proto::predictor_client::PredictorClient;
+use narsil::server::tls::ServerTls;
+use narsil::server::Server;
+use narsil_core::mock::{MockConfig, MockFactory};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use tokio_rustls::rustls::{ClientConfig, RootCertStore};
-use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
 /// A CA, which signs certificates.
 pub struct Authority {
@@ -109,6 +114,74 @@ impl TlsFiles {
         let path = self.dir.path().join(name);
         std::fs::write(&path, pem).unwrap();
         path
+    }
+}
+
+impl TlsFiles {
+    /// `narsil serve`'s flags for these files: `--tls-cert`, `--tls-key`
+    /// and, if `mutual`, `--tls-client-ca`.
+    pub fn serve_args(&self, mutual: bool) -> Vec<OsString> {
+        let mut args: Vec<OsString> =
+            vec!["--tls-cert".into(), self.cert().into(), "--tls-key".into(), self.key().into()];
+        if mutual {
+            args.extend(["--tls-client-ca".into(), self.client_ca().into()]);
+        }
+        args
+    }
+}
+
+/// Waits until the server at `grpc` reports SERVING on grpc.health to a
+/// client with `tls`; a channel to it.
+pub async fn wait_serving(grpc: SocketAddr, tls: ClientTlsConfig, timeout: Duration) -> Channel {
+    super::poll_until("SERVING over TLS", timeout, || {
+        let endpoint =
+            Channel::from_shared(format!("https://{grpc}")).unwrap().tls_config(tls.clone()).unwrap();
+        async move {
+            let channel = endpoint.connect().await.ok()?;
+            (super::health_status(channel.clone()).await.ok() == Some(1)).then_some(channel)
+        }
+    })
+    .await
+}
+
+/// One Predict of 2 samples over a fresh gRPC connection to `addr` with
+/// `tls`: the scores' count, or why there is none.
+pub async fn predict(addr: SocketAddr, tls: ClientTlsConfig) -> Result<usize, String> {
+    let endpoint = Channel::from_shared(format!("https://{addr}")).unwrap().tls_config(tls).unwrap();
+    let channel = endpoint.connect().await.map_err(|e| format!("{e:?}"))?;
+    let response = PredictorClient::new(channel).predict(super::request(1, 2)).await;
+    response.map(|r| r.into_inner().scores.len()).map_err(|s| format!("{s:?}"))
+}
+
+/// The mock backend's server in the test's runtime over `tls`.
+pub struct MockTlsServer {
+    pub grpc: SocketAddr,
+    /// The admin address, if it was asked for.
+    pub metrics: Option<SocketAddr>,
+    running: super::Running,
+}
+
+impl MockTlsServer {
+    /// Starts it, with the admin address too if `admin`.
+    pub async fn start(tls: ServerTls, admin: bool) -> Self {
+        let factory = Arc::new(MockFactory::new(
+            super::schema(),
+            MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
+        ));
+        let server = Server::start(super::listen(admin), factory, super::batch_mode(1, 8)).await.unwrap();
+        let server = server.with_tls(tls);
+        let (grpc, metrics) = (server.local_addr(), server.metrics_addr());
+        Self { grpc, metrics, running: super::Running::spawn(server) }
+    }
+
+    /// The admin address.
+    pub fn admin(&self) -> SocketAddr {
+        self.metrics.expect("the server was started with the admin address")
+    }
+
+    /// Stops accepting and drains; panics if the server failed.
+    pub async fn stop(self) {
+        self.running.stop().await
     }
 }
 

@@ -1,11 +1,17 @@
 //! The stage's test fixtures, shared by the tests of its files: a split
 //! schema of two tables (one indexed by two features, one weighted), rows
-//! for its tables, and a fused batch of two requests.
+//! for its tables, a fused batch of two requests, and a store of local
+//! rows laid out or watched.
 
-use narsil_core::{assemble, KeyedBatch, RequestSamples};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use narsil_core::{assemble, DependencyWatcher, KeyedBatch, RequestSamples};
+
+use crate::layout::SlotIndex;
 use crate::schema::{FeatureSpec, PoolingMode, SplitSchema, Storage, TableSpec};
 use crate::stores::local::table::Table;
+use crate::stores::row_store::{FetchError, Fetched, RowStore};
 
 pub(super) fn schema() -> SplitSchema {
     let table = |name: &str, rows| TableSpec {
@@ -69,4 +75,66 @@ pub(super) fn batch() -> KeyedBatch {
     let first = request(vec![4, 4, 9, 3, 4, 9, 9, 40], [0.5, -1.25]);
     let second = request(vec![9, 4, 4, 0, 4, 4, 4, 9], [1.5, 3.0]);
     assemble(1, 3, [&first, &second])
+}
+
+/// Local rows, read in place: laid out through a slot index, or watched.
+pub(super) struct LocalRows {
+    kind: &'static str,
+    rows: Vec<u8>,
+    index: Option<SlotIndex>,
+    /// How many watchers it took, for a store that can stop answering.
+    watchers: Option<Arc<Mutex<usize>>>,
+}
+
+impl LocalRows {
+    /// `table`'s `rows` rows laid out in reverse order, found through a
+    /// slot index (what `narsil tables order` writes).
+    pub(super) fn laid_out(table: &Table, rows: usize, row_bytes: usize) -> Self {
+        let slots: Vec<u32> = (0..rows as u32).map(|id| rows as u32 - 1 - id).collect();
+        let mut laid = vec![0u8; rows * row_bytes];
+        for (id, &slot) in slots.iter().enumerate() {
+            let slot = slot as usize;
+            laid[slot * row_bytes..(slot + 1) * row_bytes]
+                .copy_from_slice(&table.bytes()[id * row_bytes..(id + 1) * row_bytes]);
+        }
+        Self {
+            kind: "laid-out",
+            rows: laid,
+            index: Some(SlotIndex::from_slots(&slots).unwrap()),
+            watchers: None,
+        }
+    }
+
+    /// `table`'s rows in a store that can stop answering: it keeps the
+    /// watchers it takes, counting them in `watchers`.
+    pub(super) fn watched(table: &Table, watchers: Arc<Mutex<usize>>) -> Self {
+        Self { kind: "watched", rows: table.bytes().to_vec(), index: None, watchers: Some(watchers) }
+    }
+}
+
+impl RowStore for LocalRows {
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn local_rows(&self) -> Option<&[u8]> {
+        Some(&self.rows)
+    }
+    fn slots(&self) -> Option<&SlotIndex> {
+        self.index.as_ref()
+    }
+    fn fetch(&self, _: &[i64], _: usize, _: &mut [u8], _: Option<Instant>) -> Result<Fetched, FetchError> {
+        unreachable!("local rows")
+    }
+    fn may_fault(&self) -> bool {
+        false
+    }
+    fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
+        let Some(watchers) = &self.watchers else { return Some(watcher) };
+        watcher(true);
+        *watchers.lock().unwrap() += 1;
+        None
+    }
 }

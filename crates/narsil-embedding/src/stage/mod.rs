@@ -326,47 +326,10 @@ mod fixtures;
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::Instant;
 
-    use super::fixtures::{rows, schema};
+    use super::fixtures::{rows, schema, LocalRows};
     use super::EmbeddingStage;
-    use crate::stores::local::table::Table;
-    use crate::stores::row_store::{FetchError, Fetched, RowStore};
-
-    /// Rows whose store can stop answering: it keeps the watchers it takes.
-    struct Watched(Table, Arc<std::sync::Mutex<usize>>);
-
-    impl RowStore for Watched {
-        fn kind(&self) -> &'static str {
-            "watched"
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-        fn local_rows(&self) -> Option<&[u8]> {
-            self.0.local_rows()
-        }
-        fn fetch(
-            &self,
-            _: &[i64],
-            _: usize,
-            _: &mut [u8],
-            _: Option<Instant>,
-        ) -> Result<Fetched, FetchError> {
-            unreachable!("local rows")
-        }
-        fn may_fault(&self) -> bool {
-            false
-        }
-        fn watch_reachability(
-            &self,
-            watcher: narsil_core::DependencyWatcher,
-        ) -> Option<narsil_core::DependencyWatcher> {
-            watcher(true);
-            *self.1.lock().unwrap() += 1;
-            None
-        }
-    }
+    use crate::stores::row_store::RowStore;
 
     #[test]
     fn the_store_is_watched_through_the_first_table_that_takes_the_watcher_and_only_once() {
@@ -374,7 +337,7 @@ mod tests {
         let watched = Arc::new(std::sync::Mutex::new(0));
         let stores: Vec<Arc<dyn RowStore>> = vec![
             Arc::new(rows(&schema.tables[0], 1)),
-            Arc::new(Watched(rows(&schema.tables[1], 1), watched.clone())),
+            Arc::new(LocalRows::watched(&rows(&schema.tables[1], 1), watched.clone())),
         ];
         let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
         let h = heard.clone();

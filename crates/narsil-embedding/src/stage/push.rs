@@ -138,19 +138,17 @@ fn store_refusal(kind: &str) -> String {
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    use std::time::Instant;
 
     use narsil_core::{IdsPushed, KeyedBatch};
 
-    use super::super::fixtures::{batch, rows, schema};
+    use super::super::fixtures::{batch, rows, schema, LocalRows};
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch};
     use super::store_refusal;
     use crate::id_map::{build, IdMap};
-    use crate::layout::SlotIndex;
     use crate::schema::{IdMapSpec, SplitSchema, TableIds};
     use crate::stores::local::table::Table;
-    use crate::stores::row_store::{FetchError, Fetched, RowStore};
+    use crate::stores::row_store::RowStore;
 
     /// Row `row`'s raw id in the tests' maps.
     fn raw(table: usize, row: i64) -> i64 {
@@ -208,53 +206,6 @@ mod tests {
         body
     }
 
-    /// The fixtures' rows laid out in reverse order, found through a slot
-    /// index (what `narsil tables order` writes).
-    struct LaidOut {
-        rows: Vec<u8>,
-        index: SlotIndex,
-    }
-
-    impl LaidOut {
-        fn of(table: &Table, rows: usize, row_bytes: usize) -> Self {
-            let slots: Vec<u32> = (0..rows as u32).map(|id| rows as u32 - 1 - id).collect();
-            let mut laid = vec![0u8; rows * row_bytes];
-            for (id, &slot) in slots.iter().enumerate() {
-                let slot = slot as usize;
-                laid[slot * row_bytes..(slot + 1) * row_bytes]
-                    .copy_from_slice(&table.bytes()[id * row_bytes..(id + 1) * row_bytes]);
-            }
-            Self { rows: laid, index: SlotIndex::from_slots(&slots).unwrap() }
-        }
-    }
-
-    impl RowStore for LaidOut {
-        fn kind(&self) -> &'static str {
-            "laid-out"
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-        fn local_rows(&self) -> Option<&[u8]> {
-            Some(&self.rows)
-        }
-        fn slots(&self) -> Option<&SlotIndex> {
-            Some(&self.index)
-        }
-        fn fetch(
-            &self,
-            _: &[i64],
-            _: usize,
-            _: &mut [u8],
-            _: Option<Instant>,
-        ) -> Result<Fetched, FetchError> {
-            unreachable!("local rows")
-        }
-        fn may_fault(&self) -> bool {
-            false
-        }
-    }
-
     #[test]
     fn a_pushed_id_pools_the_same_bits_as_the_row_it_copies_in_memory_and_laid_out() {
         let (mapped, maps) = mapped();
@@ -278,7 +229,7 @@ mod tests {
                 .enumerate()
                 .map(|(i, (spec, table))| match laid_out {
                     false => Arc::new(rows(spec, 3 + i as u8)) as Arc<dyn RowStore>,
-                    true => Arc::new(LaidOut::of(table, spec.rows as usize, 16)),
+                    true => Arc::new(LocalRows::laid_out(table, spec.rows as usize, 16)),
                 })
                 .collect();
             let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps.clone());
