@@ -27,7 +27,7 @@ impl EmbeddingStage {
             let (local, pushed) = (table.store.local_rows(), pushed.as_deref());
             match (local, pushed) {
                 (None, _) => out.resize(distinct.distinct().len() * table.spec.row_bytes, 0),
-                (Some(local), Some(pushed)) => copy_rows(table, local, pushed, distinct.distinct(), out),
+                (Some(_), Some(pushed)) => copy_rows(table, pushed, distinct.distinct(), out),
                 (Some(_), None) => {}
             }
         }
@@ -101,16 +101,15 @@ impl EmbeddingStage {
 }
 
 /// Copies the rows of `ids` (distinct, range-checked: rows of `table`,
-/// whose rows are `local`, or virtual rows of `pushed`) into `out`, row
-/// `i` at `i * row_bytes`.
-fn copy_rows(table: &StageTable, local: &[u8], pushed: &PushedIds, ids: &[i64], out: &mut Vec<u8>) {
-    let (rows, row_bytes, slots) = (table.spec.rows as i64, table.spec.row_bytes, table.store.slots());
+/// whose rows are in this process, or virtual rows of `pushed`) into
+/// `out`, row `i` at `i * row_bytes`.
+fn copy_rows(table: &StageTable, pushed: &PushedIds, ids: &[i64], out: &mut Vec<u8>) {
+    let (rows, row_bytes) = (table.spec.rows as i64, table.spec.row_bytes);
     out.clear();
     out.reserve(ids.len() * row_bytes);
     for &id in ids {
         if id < rows {
-            let at = slots.map_or(id, |index| index.slot(id)) as usize * row_bytes;
-            out.extend_from_slice(&local[at..at + row_bytes]);
+            out.extend_from_slice(table.store.local_row(id, row_bytes).expect("a table in this process"));
         } else {
             out.extend_from_slice(pushed.row((id - rows) as u32));
         }

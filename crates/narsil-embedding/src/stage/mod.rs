@@ -276,25 +276,19 @@ impl EmbeddingStage {
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
         for (t, table) in self.tables.iter().enumerate() {
-            let (distinct, fetched) = (&scratch.distinct[t], &scratch.fetched[t][..]);
+            let distinct = &scratch.distinct[t];
+            // Pooled from copies of its distinct rows: a store that
+            // fetches, or a table whose batch found pushed ids.
             let copies = scratch.pushed[t].is_some() || table.store.local_rows().is_none();
+            let fetched = copies.then_some(&scratch.fetched[t][..]);
             let (file_rows, unit_pooled) = (&mut scratch.file_rows, &mut scratch.unit_pooled[..]);
-            let rows = Rows { distinct, fetched, copies };
-            faults += self.pool_table(table, batch, rows, file_rows, pooled, width, unit_pooled)?;
+            faults +=
+                self.pool_table(table, batch, distinct, fetched, file_rows, pooled, width, unit_pooled)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         self.broadcast(batch, &scratch.unit_pooled, pooled, width);
         Ok(())
     }
-}
-
-/// Where a table's bags of a batch read their rows: its distinct ids, and
-/// whether they are pooled from `fetched` copies of their rows (a store
-/// that fetches, or a batch that found pushed ids) rather than in place.
-struct Rows<'a> {
-    distinct: &'a DistinctIds,
-    fetched: &'a [u8],
-    copies: bool,
 }
 
 /// The id maps of `schema`'s tables that declare one, opened from `dir`

@@ -11,13 +11,13 @@ use std::time::Instant;
 use narsil_core::KeyedBatch;
 
 use super::read_ahead::thread_major_faults;
-use super::{EmbeddingStage, FeatureLookup, Rows, StageError, StageTable};
+use super::{EmbeddingStage, FeatureLookup, StageError, StageTable};
 use crate::dedup::DistinctIds;
 use crate::pool::{pool_rows, Pooling};
 
 impl EmbeddingStage {
-    /// Pools `table`'s bags (`rows`: its distinct ids, and the copies of
-    /// their rows where it is pooled from copies; `file_rows` holds a
+    /// Pools `table`'s bags (its ids deduplicated in `distinct`; `fetched`:
+    /// the copies of their rows, where it is pooled from copies; `file_rows` holds a
     /// feature's ids as rows of a local file in popularity order), the
     /// request-level units' bags into `unit_pooled` (`[units, request-level
     /// features * dim]`); returns the major faults the lookups took.
@@ -26,7 +26,8 @@ impl EmbeddingStage {
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
-        rows: Rows<'_>,
+        distinct: &DistinctIds,
+        fetched: Option<&[u8]>,
         file_rows: &mut Vec<i64>,
         pooled: &mut [f32],
         width: usize,
@@ -40,13 +41,7 @@ impl EmbeddingStage {
             let feature = &self.features[f];
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
-            let mut bags = Bags {
-                table,
-                distinct: rows.distinct,
-                fetched: rows.copies.then_some(rows.fetched),
-                file_rows: &mut *file_rows,
-                slot_start,
-            };
+            let mut bags = Bags { table, distinct, fetched, file_rows: &mut *file_rows, slot_start };
             bags.pool(
                 feature,
                 batch.feature_lengths(f),

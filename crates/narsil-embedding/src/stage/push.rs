@@ -57,9 +57,9 @@ impl EmbeddingStage {
         if let Some(why) = &self.push_refusal {
             return Err(format!("table {table:?}: {why}"));
         }
-        let Some(local) = t.store.local_rows() else {
+        if t.store.local_rows().is_none() {
             return Err(format!("table {table:?}: {}", store_refusal(t.store.kind())));
-        };
+        }
         let (row_bytes, storage) = (t.spec.row_bytes, t.spec.storage);
         let entry = 8 + row_bytes;
         if !entries.len().is_multiple_of(entry) {
@@ -68,10 +68,7 @@ impl EmbeddingStage {
                 entries.len()
             ));
         }
-        let held_row = |row: u64| {
-            let at = t.store.slots().map_or(row as i64, |index| index.slot(row as i64)) as usize * row_bytes;
-            &local[at..at + row_bytes]
-        };
+        let held_row = |row: u64| t.store.local_row(row as i64, row_bytes).expect("checked above");
         overlay.push(|current| {
             let (mut raws, mut rows, mut already_held) = (Vec::new(), Vec::new(), 0u64);
             let mut new = RawIds::default();

@@ -102,6 +102,14 @@ pub trait RowStore: Send + Sync {
         None
     }
 
+    /// Row `id`'s `row_bytes` bytes among [`RowStore::local_rows`] (through
+    /// [`RowStore::slots`] where the rows are laid out in popularity order);
+    /// `None` when the rows are not in this process.
+    fn local_row(&self, id: i64, row_bytes: usize) -> Option<&[u8]> {
+        let at = self.slots().map_or(id, |index| index.slot(id)) as usize * row_bytes;
+        Some(&self.local_rows()?[at..at + row_bytes])
+    }
+
     /// Copies the rows of `ids` (distinct, each a valid row) into `out`:
     /// row `i` at `i * row_bytes`, `out.len() == ids.len() * row_bytes`,
     /// giving up at `deadline` (when the batch's callers stop waiting).
