@@ -29,7 +29,7 @@ fn narsil_request(schema: &ModelSchema) -> PredictRequest {
 
 fn bench_decode(c: &mut Criterion) {
     let schema = ModelSchema::dlrm("bench", "cpu", 100_000);
-    let limits = RequestLimits { max_samples: 10_000, id_policy: IdPolicy::Reject };
+    let limits = RequestLimits::new(10_000, IdPolicy::Reject);
     let narsil = narsil_request(&schema);
     let narsil_bytes = prost::bytes::Bytes::from(narsil.encode_to_vec());
     let torchrec_bytes = prost::bytes::Bytes::from(

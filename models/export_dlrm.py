@@ -9,6 +9,8 @@ table-batched embeddings), scripts it and writes, into --out:
   model_fp32.pt             TorchScript, the same weights before quantization
   weights_fp32.safetensors  the FP32 weights by name (see models/README.md)
   golden.json               fixed random requests and their scores computed here
+  golden_ranking.json       fixed ranking requests (a user and its candidates) and the scores
+                            TorchRec's eager DLRM gives the user tiled onto each candidate
   split/                    (--split) the split model; with --int8 also dense_int8.pt2 (INT8 GEMMs)
                             and int8_quality.json (its scores against FP32)
   manifest.json             the shape, seed and files written
@@ -51,7 +53,7 @@ from split_model import (DenseNetwork, DlrmPredictor, cpu_has_bf16, dense_flops_
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 10
+EXPORT_FORMAT = 11
 
 
 def log(msg: str) -> None:
@@ -144,6 +146,50 @@ def random_request(args: argparse.Namespace, g: torch.Generator, rows: int, mult
         lengths = torch.ones(rows, args.num_sparse, dtype=torch.int32)
     ids = torch.randint(0, args.num_rows, (int(lengths.sum()),), generator=g, dtype=torch.int64)
     return {"batch_size": rows, "dense": dense, "lengths": lengths, "ids": ids}
+
+
+def golden_ranking_requests(args: argparse.Namespace, request_level: List[str]) -> List[dict]:
+    """Fixed random ranking requests: one user (the request-level features:
+    dense features N(0, 2^2) when `dense` is among them, 0 to 20 ids per
+    request-level bag) and 1 to 130 candidates (0 to 4 ids per candidate
+    bag), each with the user tiled onto every candidate row here, as the
+    flat sample-major request the same call would have been."""
+    seed = args.seed if args.golden_seed is None else args.golden_seed
+    g = torch.Generator().manual_seed(seed + 2)
+    keys = [f"cat_{i}" for i in range(args.num_sparse)]
+    user_features = [f for f, k in enumerate(keys) if k in request_level]
+    dense_per_user = "dense" in request_level
+    requests = []
+    for candidates in (1, 3, 40, 130):
+        user_dense = torch.randn(args.num_dense, generator=g) * 2.0
+        user_lengths = torch.randint(0, 21, (len(user_features),), generator=g, dtype=torch.int32)
+        user_ids = torch.randint(0, args.num_rows, (int(user_lengths.sum()),), generator=g, dtype=torch.int64)
+        user_bags = dict(zip(user_features, torch.split(user_ids, user_lengths.tolist())))
+        flat = random_request(args, g, candidates, multi_hot=True)
+        own_bags = torch.split(flat["ids"], flat["lengths"].reshape(-1).tolist())
+        lengths, ids, candidate_lengths, candidate_ids = [], [], [], []
+        for row in range(candidates):
+            for f in range(args.num_sparse):
+                bag = user_bags.get(f)
+                if bag is None:
+                    bag = own_bags[row * args.num_sparse + f]
+                    candidate_lengths.append(len(bag))
+                    candidate_ids.append(bag)
+                lengths.append(len(bag))
+                ids.append(bag)
+        dense = user_dense.repeat(candidates, 1) if dense_per_user else flat["dense"]
+        requests.append({
+            "user": {"dense": user_dense.tolist() if dense_per_user else [], "lengths": user_lengths.tolist(),
+                     "ids": user_ids.tolist()},
+            "candidates": candidates,
+            "dense": [] if dense_per_user else flat["dense"].reshape(-1).tolist(),
+            "lengths": candidate_lengths,
+            "ids": torch.cat(candidate_ids).tolist() if candidate_ids else [],
+            "tiled": {"batch_size": candidates, "dense": dense,
+                      "lengths": torch.tensor(lengths, dtype=torch.int32).reshape(candidates, args.num_sparse),
+                      "ids": torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)},
+        })
+    return requests
 
 
 def key_major(request: dict) -> tuple:
@@ -544,6 +590,17 @@ def main() -> int:
             })
     (out / "golden.json").write_text(json.dumps({"schema": json.loads(schema), "requests": golden}))
 
+    log("scoring golden ranking requests with TorchRec's eager DLRM forward (the user tiled onto each candidate)")
+    ranking = []
+    with torch.inference_mode():
+        for request in golden_ranking_requests(args, request_level):
+            dense, lengths, ids = key_major(request.pop("tiled"))
+            sparse = KeyedJaggedTensor(keys=keys, values=ids, lengths=lengths)
+            request["scores_int8"] = torch.sigmoid(quantized(dense, sparse)).reshape(-1).tolist()
+            request["scores_fp32"] = torch.sigmoid(dlrm(dense, sparse)).reshape(-1).tolist()
+            ranking.append(request)
+    (out / "golden_ranking.json").write_text(json.dumps({"request_level": request_level, "requests": ranking}))
+
     if args.split:
         log("writing the split model (tables apart from the dense network)")
         write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
@@ -563,7 +620,8 @@ def main() -> int:
         "num_dense": args.num_dense, "num_sparse": args.num_sparse, "num_rows": args.num_rows,
         "embedding_dim": args.embedding_dim, "dense_arch": args.dense_arch, "over_arch": args.over_arch,
         "torch": torch.__version__,
-        "files": ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json"]
+        "files": ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json",
+                  "golden_ranking.json"]
         + (["split/"] if args.split else []) + (["split_fp32/"] if args.split_fp32 else []),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -13,7 +13,7 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::request;
+use common::{memory_mib, request};
 use futures_util::future::join_all;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::PredictRequest;
@@ -33,16 +33,6 @@ fn huge_bag(ids: usize) -> PredictRequest {
     r.sparse_lengths[0] = ids as u32;
     r.sparse_ids = std::iter::repeat_n(0, ids).chain(rest).collect();
     r
-}
-
-/// (VmRSS, VmHWM) of a process, MiB.
-fn memory_mib(pid: u32) -> (f64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let field = |name: &str| {
-        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap() / 1024.0
-    };
-    (field("VmRSS:"), field("VmHWM:"))
 }
 
 struct Server(Child);

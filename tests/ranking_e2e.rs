@@ -3,7 +3,9 @@
 //! features and the dense features) sent once in `narsil.v1`'s request
 //! block. Every candidate must score as the same request sent flat (the
 //! user repeated on every row) scores, within `SCORE_TOLERANCE` (1e-6),
-//! alone and fused with other users' requests and flat ones: the test
+//! alone and fused with other users' requests and flat ones, and as
+//! TorchRec's eager forward scores the exporter's ranking requests (the
+//! user tiled by the exporter: an oracle outside the server): the test
 //! model's split form on every local store (memory, mmap, disk) and through
 //! the device lane on the CPU device, and its single-file form (whose lanes
 //! take the batch made flat). Bad blocks are refused naming the field.
@@ -14,7 +16,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::ranking::request_level;
+use common::ranking::{golden_ranking, request_level};
 use common::{assert_close, batch_mode, start_with, TestServer};
 use narsil::proto::{self, PredictRequest};
 use narsil_core::golden::test_model_dir;
@@ -57,6 +59,15 @@ async fn grouped_scores_equal_flat(factory: Arc<dyn BackendFactory>, what: &str)
         assert_close(&got.scores, &want, &format!("{what}: ranking request {i} alone"));
         assert_eq!(got.request_id, grouped.request_id);
         flat_scores.push(want);
+    }
+    // Against an oracle outside the server: the exporter's ranking requests,
+    // scored by TorchRec's eager forward with the user tiled by the
+    // exporter (a convention the server's grouped and flat paths shared
+    // would show here).
+    for golden in golden_ranking(&test_model_dir()) {
+        let what = format!("{what}: {} against TorchRec's eager forward", golden.grouped.request_id);
+        let got = client.predict(golden.grouped).await.unwrap().into_inner().scores;
+        assert_close(&got, &golden.scores_int8, &what);
     }
     // Fused: the same requests grouped, twice over, beside their flat twins.
     let channel = server.channel().await;

@@ -27,7 +27,7 @@ fuzz_target!(|data: &[u8]| {
     let Some((&selector, bytes)) = data.split_first() else { return };
     let schema = schema();
     let policy = if selector & 2 == 0 { IdPolicy::Reject } else { IdPolicy::Modulo };
-    let limits = RequestLimits { max_samples: 64, id_policy: policy };
+    let limits = RequestLimits::new(64, policy);
     let decoded = if selector & 0x80 != 0 {
         let Ok(request) = kserve_proto::ModelInferRequest::decode(bytes) else { return };
         match kserve::decode(&request, &schema) {

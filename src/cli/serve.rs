@@ -104,6 +104,13 @@ pub struct ServeArgs {
     /// --max-batch-rows are split across forwards and reassembled in order.
     #[arg(long, env = "NARSIL_MAX_REQUEST_SAMPLES", default_value_t = 65_536)]
     pub max_request_samples: usize,
+    /// Most ids one ranking request's request-level block may carry, its
+    /// features together; more are refused with INVALID_ARGUMENT. A model
+    /// whose backend takes only flat batches (a single-file model, Burn,
+    /// the mock) copies the block into every candidate row: that copy is
+    /// charged to --max-queue-bytes before the request is queued.
+    #[arg(long, env = "NARSIL_MAX_REQUEST_LEVEL_IDS", default_value_t = RequestLimits::DEFAULT_MAX_REQUEST_LEVEL_IDS)]
+    pub max_request_level_ids: usize,
     /// Executor lanes: threads each owning a model instance.
     #[arg(long, env = "NARSIL_LANES", default_value_t = 1)]
     pub lanes: usize,
@@ -253,6 +260,7 @@ impl ServeArgs {
             queue_timeout,
             limits: RequestLimits {
                 max_samples: self.max_request_samples,
+                max_request_level_ids: self.max_request_level_ids,
                 id_policy: match self.id_policy {
                     IdPolicyArg::Reject => IdPolicy::Reject,
                     IdPolicyArg::Modulo => IdPolicy::Modulo,

@@ -51,7 +51,7 @@ pub(super) fn measure(
     );
     let limit_samples_per_s = limit.as_ref().ok().map(|l| l.samples_per_s);
     let info = model_info(&schema, usize::MAX);
-    let limits = RequestLimits { max_samples: usize::MAX, id_policy: IdPolicy::Reject };
+    let limits = RequestLimits::new(usize::MAX, IdPolicy::Reject);
     let ids = id_samplers(&info, &args.id_distribution)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut random = |samples: usize, index: usize| -> anyhow::Result<RequestSamples> {

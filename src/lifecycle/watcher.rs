@@ -318,6 +318,10 @@ impl BackendFactory for VersionedFactory {
         self.inner.create_lane(lane)
     }
 
+    fn takes_request_level(&self) -> bool {
+        self.inner.takes_request_level()
+    }
+
     fn dense_flops_per_sample(&self) -> Option<f64> {
         self.inner.dense_flops_per_sample()
     }

@@ -530,3 +530,14 @@ pub fn assert_close(got: &[f32], want: &[f32], what: &str) {
         .unwrap_or_else(|| panic!("{what}: {} scores, want {}", got.len(), want.len()));
     assert!(diff <= SCORE_TOLERANCE, "{what}: max |diff| {diff} > {SCORE_TOLERANCE}");
 }
+
+/// (VmRSS, VmHWM) of a process, MiB.
+#[allow(dead_code)]
+pub fn memory_mib(pid: u32) -> (f64, f64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| {
+        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap() / 1024.0
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}

@@ -54,3 +54,66 @@ pub fn ranking(user: u64, candidates: usize, rows: u64) -> (PredictRequest, Pred
     }
     (grouped, flat)
 }
+
+/// A ranking request the exporter scored outside Narsil
+/// (`golden_ranking.json`): TorchRec's eager DLRM forward over the flat
+/// batch the exporter made by tiling the user onto each candidate row.
+#[allow(dead_code)]
+pub struct GoldenRanking {
+    /// The request as `narsil.v1` sends it grouped.
+    pub grouped: PredictRequest,
+    /// The eager forward's scores with the INT8 tables.
+    pub scores_int8: Vec<f32>,
+}
+
+/// The test model's golden ranking requests; `request_level` is what its
+/// export declared (checked against [`request_level`]).
+#[allow(dead_code)]
+pub fn golden_ranking(model_dir: &std::path::Path) -> Vec<GoldenRanking> {
+    #[derive(serde::Deserialize)]
+    struct File {
+        request_level: Vec<String>,
+        requests: Vec<Request>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Request {
+        user: User,
+        candidates: u32,
+        dense: Vec<f32>,
+        lengths: Vec<u32>,
+        ids: Vec<i64>,
+        scores_int8: Vec<f32>,
+    }
+    #[derive(serde::Deserialize)]
+    struct User {
+        dense: Vec<f32>,
+        lengths: Vec<u32>,
+        ids: Vec<i64>,
+    }
+    let path = model_dir.join("golden_ranking.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (export the test model again: scripts/test.sh)", path.display()));
+    let file: File = serde_json::from_str(&text).unwrap();
+    assert_eq!(file.request_level, request_level(), "{}: the user's features", path.display());
+    file.requests
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| GoldenRanking {
+            grouped: PredictRequest {
+                batch_size: r.candidates,
+                dense: r.dense,
+                sparse_lengths: r.lengths,
+                sparse_ids: r.ids,
+                request: Some(RequestFeatures {
+                    dense: r.user.dense,
+                    sparse_lengths: r.user.lengths,
+                    sparse_ids: r.user.ids,
+                    sparse_weights: vec![],
+                }),
+                request_id: format!("golden-ranking-{i}"),
+                ..Default::default()
+            },
+            scores_int8: r.scores_int8,
+        })
+        .collect()
+}

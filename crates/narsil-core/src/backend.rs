@@ -198,6 +198,14 @@ pub trait BackendFactory: Send + Sync {
     /// per-thread settings (intra-op threads, timer slack) apply to it.
     fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError>;
 
+    /// Whether its lanes take batches with request-level blocks
+    /// ([`ModelBackend::takes_request_level`]). The engine charges a
+    /// grouped request to a model whose lanes do not the copy of its block
+    /// into every row that their flat batch makes, before it is queued.
+    fn takes_request_level(&self) -> bool {
+        false
+    }
+
     /// Floating-point operations of the model's dense arithmetic per sample
     /// (its GEMMs and batched products, 2 per multiply-add), when the backend
     /// knows them: the arithmetic a forward cannot avoid, which `narsil

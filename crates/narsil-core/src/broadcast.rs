@@ -124,7 +124,7 @@ mod tests {
         s
     }
 
-    const LIMITS: RequestLimits = RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject };
+    const LIMITS: RequestLimits = RequestLimits::new(64, IdPolicy::Reject);
 
     /// User `user`'s request of `b` candidates, grouped, and the same
     /// request flat (the user's features on every row), both validated.

@@ -69,7 +69,7 @@ impl GoldenRequest {
     /// the engine would queue it.
     pub fn validated(&self, schema: &ModelSchema, policy: IdPolicy) -> Result<RequestSamples, InvalidInput> {
         let mut batch = self.sample_batch();
-        batch.validate(schema, RequestLimits { max_samples: usize::MAX, id_policy: policy })?;
+        batch.validate(schema, RequestLimits::new(usize::MAX, policy))?;
         Ok(batch)
     }
 }

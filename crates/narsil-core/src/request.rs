@@ -94,8 +94,33 @@ impl SparseLayout {
 pub struct RequestLimits {
     /// Most samples one request may carry.
     pub max_samples: usize,
+    /// Most ids a ranking request's request-level block may carry, all its
+    /// features together (`--max-request-level-ids`).
+    pub max_request_level_ids: usize,
     /// Out-of-range id handling.
     pub id_policy: IdPolicy,
+}
+
+impl RequestLimits {
+    /// `--max-request-level-ids`' default: 65,536 ids (512 KiB decoded), far
+    /// more than a user's bags hold, far less than what a flat-only
+    /// backend's copy per candidate could bear unbounded.
+    pub const DEFAULT_MAX_REQUEST_LEVEL_IDS: usize = 65_536;
+
+    /// At most `max_samples` samples, the default bound on request-level
+    /// ids, and `id_policy`.
+    pub const fn new(max_samples: usize, id_policy: IdPolicy) -> Self {
+        Self { max_samples, max_request_level_ids: Self::DEFAULT_MAX_REQUEST_LEVEL_IDS, id_policy }
+    }
+}
+
+/// Refuses `ids` ids where the lengths (as sent, or one per bag when none
+/// were) sum to `total`.
+pub(crate) fn ids_match_lengths(ids: usize, total: usize, field: InputField) -> Result<(), InvalidInput> {
+    if ids == total {
+        return Ok(());
+    }
+    Err(InvalidInput::new(field, format!("has {ids} ids but the lengths sum to {total}")))
 }
 
 impl RequestSamples {
@@ -122,12 +147,16 @@ impl RequestSamples {
         }
         let row_dense = match self.request.as_mut() {
             Some(block) => {
-                widen_row_lengths(Arc::make_mut(block), &mut self.lengths, b, schema, limits.id_policy)?
+                widen_row_lengths(Arc::make_mut(block), &mut self.lengths, self.ids.len(), b, schema, limits)?
             }
             None => schema.num_dense,
         };
         self.check_dense(row_dense)?;
         if self.lengths.is_empty() {
+            // One id per bag: the count is checked before the lengths are
+            // written out, so a message that claims many samples and sends
+            // few ids allocates nothing for them.
+            ids_match_lengths(self.ids.len(), b * num_sparse, InputField::Ids)?;
             self.lengths = vec![1; b * num_sparse];
         } else if self.lengths.len() != b * num_sparse {
             return Err(InvalidInput::new(
@@ -140,12 +169,7 @@ impl RequestSamples {
             ));
         }
         let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
-        if total != self.ids.len() as u64 {
-            return Err(InvalidInput::new(
-                InputField::Ids,
-                format!("has {} ids but the lengths sum to {total}", self.ids.len()),
-            ));
-        }
+        ids_match_lengths(self.ids.len(), total as usize, InputField::Ids)?;
         self.check_ids(schema, limits.id_policy)?;
         self.widen_weights(schema)
     }
@@ -387,7 +411,7 @@ mod tests {
         s
     }
 
-    const LIMITS: RequestLimits = RequestLimits { max_samples: 8, id_policy: IdPolicy::Reject };
+    const LIMITS: RequestLimits = RequestLimits::new(8, IdPolicy::Reject);
 
     fn valid(b: usize) -> RequestSamples {
         RequestSamples {

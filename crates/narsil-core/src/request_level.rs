@@ -14,6 +14,7 @@
 //! ([`crate::KeyedBatch::into_flat`]).
 
 use crate::invalid::{widen_weights, IdPolicy, InputField, InvalidInput};
+use crate::request::{ids_match_lengths, RequestLimits, RequestSamples};
 use crate::schema::ModelSchema;
 
 /// A ranking request's request-level features, sent once for all its
@@ -48,9 +49,22 @@ impl RequestBlock {
             + self.features.len() * size_of::<usize>()
     }
 
-    /// Checks the block against the model's declaration and fills in
-    /// implicit lengths, widens weights and maps ids (`policy`).
-    fn validate(&mut self, schema: &ModelSchema, policy: IdPolicy) -> Result<(), InvalidInput> {
+    /// Checks the block against the model's declaration and the server's
+    /// bound on its ids, and fills in implicit lengths, widens weights and
+    /// maps ids (`limits.id_policy`).
+    fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<(), InvalidInput> {
+        if self.ids.len() > limits.max_request_level_ids {
+            return Err(InvalidInput::new(
+                InputField::RequestIds,
+                format!(
+                    "has {} ids, more than the server's limit of {} request-level ids a request \
+                     (--max-request-level-ids)",
+                    self.ids.len(),
+                    limits.max_request_level_ids
+                ),
+            ));
+        }
+        let policy = limits.id_policy;
         let level = &schema.request_level;
         let k = level.features.len();
         let expected_dense = if level.dense { schema.num_dense } else { 0 };
@@ -146,6 +160,23 @@ impl RequestBlock {
     }
 }
 
+impl RequestSamples {
+    /// Bytes its rows grow by once fused, beyond [`Self::decoded_bytes`]:
+    /// a grouped request's request-level dense values are broadcast to each
+    /// of its rows, and for a backend that takes only flat batches
+    /// (`flat_only`) its block's ids, with a weight each, are copied into
+    /// every row ([`crate::KeyedBatch::into_flat`]). 0 for a flat request.
+    /// Saturates rather than overflows: the engine refuses what does not
+    /// fit its memory bound.
+    pub fn fused_growth_bytes(&self, flat_only: bool) -> usize {
+        use std::mem::size_of;
+        let Some(block) = &self.request else { return 0 };
+        let per_row = block.dense.len() * size_of::<f32>()
+            + if flat_only { block.ids.len() * (size_of::<i64>() + size_of::<f32>()) } else { 0 };
+        self.num_samples.saturating_mul(per_row)
+    }
+}
+
 /// For a grouped request (one with `block`): checks the block and the
 /// candidate rows' lengths (`[samples x candidate features]` as sent), then
 /// widens the rows' lengths to every feature (an empty bag for each
@@ -155,9 +186,10 @@ impl RequestBlock {
 pub(crate) fn widen_row_lengths(
     block: &mut RequestBlock,
     lengths: &mut Vec<u32>,
+    ids_sent: usize,
     samples: usize,
     schema: &ModelSchema,
-    policy: IdPolicy,
+    limits: RequestLimits,
 ) -> Result<usize, InvalidInput> {
     let level = &schema.request_level;
     if !level.is_declared() {
@@ -169,10 +201,11 @@ pub(crate) fn widen_row_lengths(
             ),
         ));
     }
-    block.validate(schema, policy)?;
+    block.validate(schema, limits)?;
     let num_sparse = schema.num_sparse();
     let candidate = level.candidate_features(schema);
     if lengths.is_empty() {
+        ids_match_lengths(ids_sent, samples * candidate.len(), InputField::Ids)?;
         *lengths = vec![1; samples * candidate.len()];
     } else if lengths.len() != samples * candidate.len() {
         return Err(InvalidInput::new(
@@ -220,7 +253,7 @@ mod tests {
         s
     }
 
-    const LIMITS: RequestLimits = RequestLimits { max_samples: 8, id_policy: IdPolicy::Reject };
+    const LIMITS: RequestLimits = RequestLimits::new(8, IdPolicy::Reject);
 
     fn grouped() -> RequestSamples {
         // 2 candidates: cat_1 and cat_3 one id each; the user: cat_0 [1, 2], cat_2 [3].
@@ -290,6 +323,45 @@ mod tests {
         let mut r = grouped();
         r.num_samples = 0;
         assert_eq!(field(r, &schema()).field, InputField::SampleCount);
+    }
+
+    #[test]
+    fn a_block_over_the_servers_bound_on_request_level_ids_is_refused_naming_it() {
+        let mut r = grouped();
+        let limits = RequestLimits { max_request_level_ids: 2, ..LIMITS };
+        let e = r.clone().validate(&schema(), limits).unwrap_err();
+        assert_eq!(e.field, InputField::RequestIds);
+        assert!(e.message.contains("3 ids") && e.message.contains("--max-request-level-ids"), "{e}");
+        r.validate(&schema(), RequestLimits { max_request_level_ids: 3, ..LIMITS }).unwrap();
+    }
+
+    #[test]
+    fn implicit_lengths_need_one_id_per_bag_before_they_are_written() {
+        let mut r = grouped();
+        r.num_samples = 8;
+        let e = r.validate(&schema(), LIMITS).unwrap_err();
+        assert_eq!(e.field, InputField::Ids);
+        assert_eq!(e.message, "has 4 ids but the lengths sum to 16");
+        assert!(r.lengths.is_empty(), "nothing written for the 8 rows claimed");
+        let mut flat =
+            RequestSamples { num_samples: 8, dense: vec![0.0; 16], ids: vec![1; 3], ..Default::default() };
+        let e = flat.validate(&schema(), LIMITS).unwrap_err();
+        assert_eq!((e.field, e.message.as_str()), (InputField::Ids, "has 3 ids but the lengths sum to 32"));
+        assert!(flat.lengths.is_empty());
+    }
+
+    #[test]
+    fn fused_growth_counts_the_dense_broadcast_and_the_flat_copy() {
+        let mut r = grouped();
+        r.validate(&schema(), LIMITS).unwrap();
+        // 2 rows: 2 dense values each; flat: the block's 3 ids and weights too.
+        assert_eq!(r.fused_growth_bytes(false), 2 * 2 * 4);
+        assert_eq!(r.fused_growth_bytes(true), 2 * (2 * 4 + 3 * 12));
+        let flat = RequestSamples { num_samples: 2, ..Default::default() };
+        assert_eq!(flat.fused_growth_bytes(true), 0);
+        let mut huge = grouped();
+        huge.num_samples = usize::MAX;
+        assert_eq!(huge.fused_growth_bytes(true), usize::MAX, "saturates");
     }
 
     #[test]

@@ -238,6 +238,12 @@ impl BackendFactory for SplitFactory {
         self.config.warmup_rows.clone()
     }
 
+    /// Both its lanes (host and device path) pool request-level bags once
+    /// per unit.
+    fn takes_request_level(&self) -> bool {
+        true
+    }
+
     fn dense_flops_per_sample(&self) -> Option<f64> {
         self.model.dense_flops_per_sample
     }

@@ -22,7 +22,7 @@ fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
     let names: Vec<String> = (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect();
     schema.request_level = RequestLevel::parse(names.iter().map(String::as_str), &schema).unwrap();
     let rows = |f: usize| schema.sparse[f].num_rows as i64;
-    let limits = RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject };
+    let limits = RequestLimits::new(64, IdPolicy::Reject);
     let mut requests: Vec<RequestSamples> = [(1i64, 4usize), (2, 3), (1, 5)]
         .into_iter()
         .map(|(user, candidates)| {

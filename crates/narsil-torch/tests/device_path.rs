@@ -135,7 +135,7 @@ fn ranking_batch(schema: &SplitSchema) -> KeyedBatch {
                     }
                 }
             }
-            request.validate(&model, RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject }).unwrap();
+            request.validate(&model, RequestLimits::new(64, IdPolicy::Reject)).unwrap();
             request
         })
         .collect();

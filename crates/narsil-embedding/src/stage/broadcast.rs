@@ -46,7 +46,7 @@ mod tests {
     use super::super::{EmbeddingStage, StageScratch};
     use crate::stores::row_store::RowStore;
 
-    const LIMITS: RequestLimits = RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject };
+    const LIMITS: RequestLimits = RequestLimits::new(64, IdPolicy::Reject);
 
     /// A ranking request of `b` candidates for `user`: features a and c
     /// (weighted) and the dense feature request-level, b per candidate.

@@ -100,7 +100,7 @@ pub(crate) fn config(stage_ahead: bool) -> EngineConfig {
         max_queue_rows: 1024,
         memory: MemoryBudget::new(1 << 30),
         queue_timeout: None,
-        limits: RequestLimits { max_samples: 64, id_policy: IdPolicy::Reject },
+        limits: RequestLimits::new(64, IdPolicy::Reject),
         unhealthy_after_failures: 5,
         health_probe_interval: Duration::from_millis(50),
         stage_ahead,

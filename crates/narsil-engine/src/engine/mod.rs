@@ -1,39 +1,27 @@
-//! Startup, the request path, and shutdown of the engine.
+//! Startup and shutdown of the engine, and the handle the RPC layer holds.
 //!
 //! [`Engine::start`] creates the collector and spawns the lanes (which load
-//! and warm up their models in the background). [`EngineHandle::predict`]
-//! validates a request, admits it, splits it into parts when it has more
-//! rows than one forward may carry, queues the parts and waits for their
-//! answers, its deadline or its queue timeout, whichever comes first.
-//! [`Engine::shutdown`] stops intake, lets every queued request finish and
-//! joins the lanes.
-//!
-//! Timers live with the caller: when the queue timeout or the deadline
-//! fires, the caller abandons the request's [`Ticket`] and answers
-//! DEADLINE_EXCEEDED at once; the lane that later meets the request drops
-//! it uncomputed. A caller that goes away (client cancelled) drops its reply
-//! channels, which lanes see the same way. When admission is full, queued
-//! requests nobody waits for any more are swept out before refusing (only
-//! when a caller has stopped waiting since the last sweep).
+//! and warm up their models in the background); the request path
+//! ([`EngineHandle::predict`]) is [`predict`]'s. [`Engine::shutdown`] stops
+//! intake, lets every queued request finish and joins the lanes.
 
-use std::future::Future;
+mod predict;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use narsil_core::request::RequestLimits;
-use narsil_core::{BackendFactory, InvalidInput, ModelSchema, RequestSamples};
+use narsil_core::{BackendFactory, InvalidInput, ModelSchema};
 use tokio::sync::{oneshot, watch};
-use tracing::Instrument;
 
-use crate::admission::{Admission, QueueFull, QueueLimit};
+use crate::admission::Admission;
 use crate::collector::{BatchQueue, Collector};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, LaneFailed, StartError};
 use crate::health::BackendHealth;
-use crate::job::{Entry, Prediction, Ticket};
 use crate::lanes::{self, LaneShared, Readiness};
-use crate::memory::{Lease, MemoryBudget};
+use crate::memory::MemoryBudget;
 use crate::stats::{Outcome, Stats, StatsSnapshot};
 
 /// The running engine: owns the collector and the lane threads.
@@ -54,6 +42,9 @@ struct Shared {
     memory: MemoryBudget,
     schema: ModelSchema,
     limits: RequestLimits,
+    /// The lanes take only flat batches: a grouped request's block is
+    /// copied into each of its rows ([`RequestSamples::fused_growth_bytes`]).
+    flat_only: bool,
     max_batch_rows: usize,
     queue_timeout: Option<Duration>,
     lanes: usize,
@@ -116,6 +107,7 @@ impl Engine {
                     memory: config.memory.clone(),
                     schema,
                     limits: config.limits,
+                    flat_only: !model.takes_request_level(),
                     max_batch_rows: config.max_batch_rows,
                     queue_timeout: config.queue_timeout,
                     lanes: config.lanes,
@@ -275,209 +267,13 @@ impl EngineHandle {
         self.shared.stats.record(Outcome::Invalid);
         EngineError::Invalid(invalid)
     }
-
-    /// Validates, admits and queues a request, then waits for its scores.
-    /// `lease` is what its decode holds on the memory budget (resized to
-    /// the request's decoded bytes; taken from the budget when `None`).
-    /// Past `deadline` (or the queue timeout, while it has not started) the
-    /// caller gets DeadlineExceeded at once, and a request that had not
-    /// started is never computed. Every call is counted by outcome; a call
-    /// dropped before its answer counts as cancelled.
-    ///
-    /// The call runs in a `request` tracing span holding the engine's id for
-    /// it; the lane that runs it names the same id when its forward fails.
-    pub async fn predict(
-        &self,
-        request: RequestSamples,
-        lease: Option<Lease>,
-        deadline: Option<Instant>,
-    ) -> Result<Prediction, EngineError> {
-        let received = Instant::now();
-        let id = self.shared.next_request_id.0.fetch_add(1, Ordering::Relaxed);
-        let mut tally = Tally { stats: &self.shared.stats, recorded: false };
-        let result =
-            self.run(id, request, lease, deadline).instrument(tracing::info_span!("request", id)).await;
-        let outcome = match &result {
-            Ok(_) => {
-                self.shared.stats.request_seconds.observe(received.elapsed().as_secs_f64());
-                Outcome::Ok
-            }
-            Err(EngineError::Invalid(_) | EngineError::NeverFits(_)) => Outcome::Invalid,
-            Err(EngineError::Overloaded(_)) => Outcome::Rejected,
-            Err(EngineError::DeadlineExceeded) => Outcome::Deadline,
-            Err(EngineError::NotReady | EngineError::NoServingVersion(_) | EngineError::ShuttingDown) => {
-                Outcome::Unavailable
-            }
-            Err(EngineError::Backend(_)) => Outcome::BackendError,
-        };
-        tally.record(outcome);
-        result
-    }
-
-    async fn run(
-        &self,
-        id: u64,
-        mut request: RequestSamples,
-        lease: Option<Lease>,
-        deadline: Option<Instant>,
-    ) -> Result<Prediction, EngineError> {
-        let shared = &self.shared;
-        if !self.is_ready() {
-            return Err(EngineError::NotReady);
-        }
-        request.validate(&shared.schema, shared.limits)?;
-        let bytes = request.decoded_bytes();
-        let memory = &shared.memory;
-        if bytes > memory.max() {
-            let full = QueueFull {
-                limit: QueueLimit::Bytes,
-                queued: memory.used(),
-                max: memory.max(),
-                needed: bytes,
-            };
-            return Err(EngineError::NeverFits(full));
-        }
-        let admitted = Instant::now();
-        if deadline.is_some_and(|d| d <= admitted) {
-            return Err(EngineError::DeadlineExceeded);
-        }
-        let mut lease = match lease {
-            Some(mut lease) => lease.resize(bytes).map(|()| lease),
-            None => memory.try_reserve(bytes),
-        }
-        .map_err(EngineError::Overloaded)?;
-        let rows = request.num_samples;
-        let mut permit = match shared.admission.try_admit(rows, bytes) {
-            Ok(permit) => permit,
-            // Full: free the places of requests nobody waits for (if any
-            // caller left since the last sweep), then retry once.
-            Err(_) if shared.collector.sweep() > 0 => {
-                shared.admission.try_admit(rows, bytes).map_err(EngineError::Overloaded)?
-            }
-            Err(full) => return Err(EngineError::Overloaded(full)),
-        };
-        let queue_deadline = shared.queue_timeout.map(|t| admitted + t);
-        let expires = deadline.into_iter().chain(queue_deadline).min();
-        let ticket = Ticket::new();
-        let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
-        // Each part frees its rows when it starts, and its bytes when its
-        // forward ends; the last also frees the request's place.
-        let last = parts.len() - 1;
-        let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
-        permits.push(permit);
-        // A request-level block, shared by every part, stays with the last.
-        let mut leases: Vec<_> = parts[..last].iter().map(|p| lease.split_off(p.row_bytes())).collect();
-        leases.push(lease);
-        let (entries, answers): (Vec<_>, Vec<_>) = parts
-            .into_iter()
-            .zip(permits.into_iter().zip(leases))
-            .map(|(part, (permit, lease))| {
-                let (reply, answer) = oneshot::channel();
-                let ticket = Arc::clone(&ticket);
-                let entry = Entry {
-                    id,
-                    rows: part.num_samples,
-                    lease,
-                    reply,
-                    admitted,
-                    expires,
-                    deadline,
-                    ticket,
-                    permit,
-                };
-                ((entry, part), answer)
-            })
-            .unzip();
-        shared.collector.submit(entries)?;
-        // Until every answer is in, leaving (timer, cancelled call) leaves
-        // the request queued for a sweep to free.
-        let mut leaving = StaleOnLeave { collector: &shared.collector, armed: true };
-        let answers = async move {
-            let mut parts = Vec::with_capacity(answers.len());
-            for answer in answers {
-                parts.push(answer.await.unwrap_or(Err(EngineError::ShuttingDown))?);
-            }
-            Ok(Prediction::merge(parts))
-        };
-        let result = wait(answers, &ticket, queue_deadline, deadline).await;
-        leaving.armed = matches!(result, Err(EngineError::DeadlineExceeded));
-        result
-    }
-}
-
-/// Tells the collector a caller stopped waiting for its queued request,
-/// unless disarmed because every answer came.
-struct StaleOnLeave<'a> {
-    collector: &'a Collector,
-    armed: bool,
-}
-
-impl Drop for StaleOnLeave<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.collector.mark_stale();
-        }
-    }
-}
-
-/// Counts a call's outcome exactly once; a call dropped before recording one
-/// (its client went away) counts as cancelled.
-struct Tally<'a> {
-    stats: &'a Stats,
-    recorded: bool,
-}
-
-impl Tally<'_> {
-    fn record(&mut self, outcome: Outcome) {
-        self.stats.record(outcome);
-        self.recorded = true;
-    }
-}
-
-impl Drop for Tally<'_> {
-    fn drop(&mut self) {
-        if !self.recorded {
-            self.stats.record(Outcome::Cancelled);
-        }
-    }
-}
-
-/// Waits for a request's answers. At the queue deadline it gives up if no
-/// part has started; at the caller's deadline it gives up regardless, and
-/// parts not yet started are never computed.
-async fn wait(
-    answers: impl Future<Output = Result<Prediction, EngineError>>,
-    ticket: &Ticket,
-    queue_deadline: Option<Instant>,
-    deadline: Option<Instant>,
-) -> Result<Prediction, EngineError> {
-    tokio::pin!(answers);
-    if let Some(queue_deadline) = queue_deadline.filter(|&q| deadline.is_none_or(|d| q < d)) {
-        tokio::select! {
-            biased;
-            answer = &mut answers => return answer,
-            () = tokio::time::sleep_until(queue_deadline.into()) => {
-                if ticket.abandon() {
-                    return Err(EngineError::DeadlineExceeded);
-                }
-            }
-        }
-    }
-    match deadline {
-        Some(deadline) => match tokio::time::timeout_at(deadline.into(), answers).await {
-            Ok(answer) => answer,
-            Err(_) => {
-                ticket.abandon();
-                Err(EngineError::DeadlineExceeded)
-            }
-        },
-        None => answers.await,
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use narsil_core::{BackendError, KeyedBatch, ModelBackend};
+    use std::time::Instant;
+
+    use narsil_core::{BackendError, KeyedBatch, ModelBackend, RequestSamples};
 
     use super::*;
     use crate::lanes::fixtures::config;

@@ -1,0 +1,347 @@
+//! The request path: [`EngineHandle::predict`] validates a request,
+//! charges its memory, admits it, splits it into parts when it has more
+//! rows than one forward may carry, queues the parts and waits for their
+//! answers, its deadline or its queue timeout, whichever comes first.
+//!
+//! Timers live with the caller: when the queue timeout or the deadline
+//! fires, the caller abandons the request's [`Ticket`] and answers
+//! DEADLINE_EXCEEDED at once; the lane that later meets the request drops
+//! it uncomputed. A caller that goes away (client cancelled) drops its reply
+//! channels, which lanes see the same way. When admission is full, queued
+//! requests nobody waits for any more are swept out before refusing (only
+//! when a caller has stopped waiting since the last sweep).
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use narsil_core::{InputField, InvalidInput, RequestSamples};
+use tokio::sync::oneshot;
+use tracing::Instrument;
+
+use super::EngineHandle;
+use crate::admission::{QueueFull, QueueLimit};
+use crate::collector::Collector;
+use crate::error::EngineError;
+use crate::job::{Entry, Prediction, Ticket};
+use crate::memory::Lease;
+use crate::stats::{Outcome, Stats};
+
+impl EngineHandle {
+    /// Validates, admits and queues a request, then waits for its scores.
+    /// `lease` is what its decode holds on the memory budget (resized to
+    /// the request's decoded bytes; taken from the budget when `None`).
+    /// Past `deadline` (or the queue timeout, while it has not started) the
+    /// caller gets DeadlineExceeded at once, and a request that had not
+    /// started is never computed. Every call is counted by outcome; a call
+    /// dropped before its answer counts as cancelled.
+    ///
+    /// The call runs in a `request` tracing span holding the engine's id for
+    /// it; the lane that runs it names the same id when its forward fails.
+    pub async fn predict(
+        &self,
+        request: RequestSamples,
+        lease: Option<Lease>,
+        deadline: Option<Instant>,
+    ) -> Result<Prediction, EngineError> {
+        let received = Instant::now();
+        let id = self.shared.next_request_id.0.fetch_add(1, Ordering::Relaxed);
+        let mut tally = Tally { stats: &self.shared.stats, recorded: false };
+        let result =
+            self.run(id, request, lease, deadline).instrument(tracing::info_span!("request", id)).await;
+        let outcome = match &result {
+            Ok(_) => {
+                self.shared.stats.request_seconds.observe(received.elapsed().as_secs_f64());
+                Outcome::Ok
+            }
+            Err(EngineError::Invalid(_) | EngineError::NeverFits(_)) => Outcome::Invalid,
+            Err(EngineError::Overloaded(_)) => Outcome::Rejected,
+            Err(EngineError::DeadlineExceeded) => Outcome::Deadline,
+            Err(EngineError::NotReady | EngineError::NoServingVersion(_) | EngineError::ShuttingDown) => {
+                Outcome::Unavailable
+            }
+            Err(EngineError::Backend(_)) => Outcome::BackendError,
+        };
+        tally.record(outcome);
+        result
+    }
+
+    async fn run(
+        &self,
+        id: u64,
+        mut request: RequestSamples,
+        lease: Option<Lease>,
+        deadline: Option<Instant>,
+    ) -> Result<Prediction, EngineError> {
+        let shared = &self.shared;
+        if !self.is_ready() {
+            return Err(EngineError::NotReady);
+        }
+        request.validate(&shared.schema, shared.limits)?;
+        let growth = |part: &RequestSamples| part.fused_growth_bytes(shared.flat_only);
+        let bytes = request.decoded_bytes().saturating_add(growth(&request));
+        let memory = &shared.memory;
+        if bytes > memory.max() && shared.flat_only && growth(&request) > 0 {
+            return Err(EngineError::Invalid(never_fits_flat(&request, bytes, memory.max())));
+        }
+        if bytes > memory.max() {
+            let full = QueueFull {
+                limit: QueueLimit::Bytes,
+                queued: memory.used(),
+                max: memory.max(),
+                needed: bytes,
+            };
+            return Err(EngineError::NeverFits(full));
+        }
+        let admitted = Instant::now();
+        if deadline.is_some_and(|d| d <= admitted) {
+            return Err(EngineError::DeadlineExceeded);
+        }
+        let mut lease = match lease {
+            Some(mut lease) => lease.resize(bytes).map(|()| lease),
+            None => memory.try_reserve(bytes),
+        }
+        .map_err(EngineError::Overloaded)?;
+        let rows = request.num_samples;
+        let mut permit = match shared.admission.try_admit(rows, bytes) {
+            Ok(permit) => permit,
+            // Full: free the places of requests nobody waits for (if any
+            // caller left since the last sweep), then retry once.
+            Err(_) if shared.collector.sweep() > 0 => {
+                shared.admission.try_admit(rows, bytes).map_err(EngineError::Overloaded)?
+            }
+            Err(full) => return Err(EngineError::Overloaded(full)),
+        };
+        let queue_deadline = shared.queue_timeout.map(|t| admitted + t);
+        let expires = deadline.into_iter().chain(queue_deadline).min();
+        let ticket = Ticket::new();
+        let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
+        // Each part frees its rows when it starts, and its bytes when its
+        // forward ends; the last also frees the request's place.
+        let last = parts.len() - 1;
+        let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
+        permits.push(permit);
+        // A request-level block, shared by every part, stays with the last;
+        // each part holds what its own rows grow by once fused.
+        let mut leases: Vec<_> =
+            parts[..last].iter().map(|p| lease.split_off(p.row_bytes() + growth(p))).collect();
+        leases.push(lease);
+        let (entries, answers): (Vec<_>, Vec<_>) = parts
+            .into_iter()
+            .zip(permits.into_iter().zip(leases))
+            .map(|(part, (permit, lease))| {
+                let (reply, answer) = oneshot::channel();
+                let ticket = Arc::clone(&ticket);
+                let entry = Entry {
+                    id,
+                    rows: part.num_samples,
+                    lease,
+                    reply,
+                    admitted,
+                    expires,
+                    deadline,
+                    ticket,
+                    permit,
+                };
+                ((entry, part), answer)
+            })
+            .unzip();
+        shared.collector.submit(entries)?;
+        // Until every answer is in, leaving (timer, cancelled call) leaves
+        // the request queued for a sweep to free.
+        let mut leaving = StaleOnLeave { collector: &shared.collector, armed: true };
+        let answers = async move {
+            let mut parts = Vec::with_capacity(answers.len());
+            for answer in answers {
+                parts.push(answer.await.unwrap_or(Err(EngineError::ShuttingDown))?);
+            }
+            Ok(Prediction::merge(parts))
+        };
+        let result = wait(answers, &ticket, queue_deadline, deadline).await;
+        leaving.armed = matches!(result, Err(EngineError::DeadlineExceeded));
+        result
+    }
+}
+
+/// Why a grouped request can never be admitted by lanes that take only
+/// flat batches: with its block copied into every row it needs `bytes`,
+/// more than the memory bound `max`.
+fn never_fits_flat(request: &RequestSamples, bytes: usize, max: usize) -> InvalidInput {
+    let ids = request.request.as_deref().map_or(0, |b| b.ids.len());
+    InvalidInput::new(
+        InputField::Request,
+        format!(
+            "this model's lanes take only flat batches (a single-file model, Burn or the mock; a split model pools \
+             the block once), so its {ids} request-level ids are copied into each of its {} candidate rows: {bytes} \
+             bytes, more than the server's memory bound of {max} bytes (--max-queue-bytes); send fewer candidates \
+             or request-level ids per request",
+            request.num_samples
+        ),
+    )
+}
+
+/// Tells the collector a caller stopped waiting for its queued request,
+/// unless disarmed because every answer came.
+struct StaleOnLeave<'a> {
+    collector: &'a Collector,
+    armed: bool,
+}
+
+impl Drop for StaleOnLeave<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.collector.mark_stale();
+        }
+    }
+}
+
+/// Counts a call's outcome exactly once; a call dropped before recording one
+/// (its client went away) counts as cancelled.
+struct Tally<'a> {
+    stats: &'a Stats,
+    recorded: bool,
+}
+
+impl Tally<'_> {
+    fn record(&mut self, outcome: Outcome) {
+        self.stats.record(outcome);
+        self.recorded = true;
+    }
+}
+
+impl Drop for Tally<'_> {
+    fn drop(&mut self) {
+        if !self.recorded {
+            self.stats.record(Outcome::Cancelled);
+        }
+    }
+}
+
+/// Waits for a request's answers. At the queue deadline it gives up if no
+/// part has started; at the caller's deadline it gives up regardless, and
+/// parts not yet started are never computed.
+async fn wait(
+    answers: impl Future<Output = Result<Prediction, EngineError>>,
+    ticket: &Ticket,
+    queue_deadline: Option<Instant>,
+    deadline: Option<Instant>,
+) -> Result<Prediction, EngineError> {
+    tokio::pin!(answers);
+    if let Some(queue_deadline) = queue_deadline.filter(|&q| deadline.is_none_or(|d| q < d)) {
+        tokio::select! {
+            biased;
+            answer = &mut answers => return answer,
+            () = tokio::time::sleep_until(queue_deadline.into()) => {
+                if ticket.abandon() {
+                    return Err(EngineError::DeadlineExceeded);
+                }
+            }
+        }
+    }
+    match deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline.into(), answers).await {
+            Ok(answer) => answer,
+            Err(_) => {
+                ticket.abandon();
+                Err(EngineError::DeadlineExceeded)
+            }
+        },
+        None => answers.await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
+
+    use super::*;
+    use crate::lanes::fixtures::config;
+    use crate::{Engine, EngineConfig, MemoryBudget};
+
+    /// Answers every forward at once.
+    struct Answers;
+
+    impl ModelBackend for Answers {
+        fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+            Ok(vec![0.5; batch.rows])
+        }
+    }
+
+    /// Lanes that pool request-level blocks once (a split model's), or
+    /// that take only flat batches.
+    struct GroupedFactory {
+        schema: ModelSchema,
+        takes_request_level: bool,
+    }
+
+    impl BackendFactory for GroupedFactory {
+        fn schema(&self) -> &ModelSchema {
+            &self.schema
+        }
+
+        fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
+            Ok(Box::new(Answers))
+        }
+
+        fn takes_request_level(&self) -> bool {
+            self.takes_request_level
+        }
+    }
+
+    /// `candidates` rows of the one candidate feature (cat_1) and a block
+    /// of `ids` ids of cat_0, request-level.
+    fn grouped(candidates: usize, ids: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: candidates,
+            dense: vec![0.5; candidates],
+            ids: vec![1; candidates],
+            request: Some(Arc::new(narsil_core::RequestBlock {
+                lengths: vec![ids as u32],
+                ids: vec![2; ids],
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    async fn grouped_engine(takes_request_level: bool, budget: usize) -> (Engine, MemoryBudget) {
+        let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
+        schema.num_dense = 1;
+        schema.sparse.truncate(2);
+        let memory = MemoryBudget::new(budget);
+        let config = EngineConfig {
+            request_level: Some(vec!["cat_0".into()]),
+            memory: memory.clone(),
+            ..config(false)
+        };
+        let engine = Engine::start(Arc::new(GroupedFactory { schema, takes_request_level }), config).unwrap();
+        engine.handle().wait_ready().await.unwrap();
+        (engine, memory)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grouped_request_is_charged_its_copy_per_row_where_lanes_take_only_flat_batches() {
+        // 64 candidates x 10,000 ids x 12 bytes: 7.7 MB once made flat,
+        // 80 kB as sent.
+        let (flat_only, memory) = grouped_engine(false, 4 << 20).await;
+        let error = flat_only.handle().predict(grouped(64, 10_000), None, None).await.unwrap_err();
+        let EngineError::Invalid(invalid) = &error else { panic!("{error:?}") };
+        assert_eq!(invalid.field, InputField::Request);
+        for words in
+            ["take only flat batches", "10000 request-level ids", "64 candidate rows", "--max-queue-bytes"]
+        {
+            assert!(invalid.message.contains(words), "{words:?} in {invalid}");
+        }
+        assert_eq!(memory.used(), 0, "refused before any lease");
+        // A smaller one fits, and held its copy's bytes while it ran.
+        let request = grouped(8, 10_000);
+        let charged = request.decoded_bytes() + 8 * 10_000 * 12 + 8 * 4;
+        flat_only.handle().predict(request, None, None).await.unwrap();
+        assert!(memory.peak() >= charged, "peak {} of {charged} charged", memory.peak());
+        // Lanes that pool the block once are charged the block once.
+        let (pooled, memory) = grouped_engine(true, 4 << 20).await;
+        pooled.handle().predict(grouped(64, 10_000), None, None).await.unwrap();
+        assert!(memory.peak() < 200_000, "peak {}", memory.peak());
+    }
+}
