@@ -52,7 +52,8 @@ async fn serve(repo: &Path, request_level: &[&str]) -> RepoServer {
     let request_level = forms(request_level);
     let server = RepoServer::start(repo, "secret", |args| args.request_level = request_level).await;
     let settled = |list: &[ModelStatus]| {
-        list.len() == 2 && list.iter().all(|m| m.versions.iter().all(|v| v.state != "LOADING") && !m.versions.is_empty())
+        list.len() == 2
+            && list.iter().all(|m| m.versions.iter().all(|v| v.state != "LOADING") && !m.versions.is_empty())
     };
     common::wait_until("both models loaded or failed", Duration::from_secs(120), || {
         settled(&server.models.list())
@@ -62,7 +63,8 @@ async fn serve(repo: &Path, request_level: &[&str]) -> RepoServer {
 }
 
 fn version_of<'a>(list: &'a [ModelStatus], model: &str) -> &'a narsil::lifecycle::registry::VersionStatus {
-    &list.iter().find(|m| m.name == model).unwrap_or_else(|| panic!("no model {model}: {list:#?}")).versions[0]
+    &list.iter().find(|m| m.name == model).unwrap_or_else(|| panic!("no model {model}: {list:#?}")).versions
+        [0]
 }
 
 async fn info(server: &RepoServer, model: &str) -> ModelInfoResponse {
@@ -99,7 +101,8 @@ async fn a_models_form_applies_to_that_model_alone_and_the_other_serves_as_it_de
         load: narsil::load::LoadArgs,
     }
     let flags = ["load", "--addr", &server.url, "--model", "users", "--candidates", "16", "--requests", "8"];
-    let more = ["--warmup", "0", "--ranking-form", "grouped", "--compare-flat", "8", "--request-features", "2"];
+    let more =
+        ["--warmup", "0", "--ranking-form", "grouped", "--compare-flat", "8", "--request-features", "2"];
     let args = <Cli as clap::Parser>::parse_from(flags.iter().chain(&more)).load;
     let report = narsil::load::drive(&args).await.unwrap();
     assert_eq!((report.ok, report.requests), (8, 8), "{:?}", report.by_code);
@@ -119,7 +122,8 @@ async fn a_name_a_model_lacks_fails_that_models_load_only_naming_the_feature_and
     assert_eq!(users.state, "FAILED", "{list:#?}");
     let error = users.error.as_deref().unwrap_or_default();
     assert!(
-        error.contains("--request-level users:u_0,cat_0") && error.contains("for model users")
+        error.contains("--request-level users:u_0,cat_0")
+            && error.contains("for model users")
             && error.contains("\"cat_0\" is not a feature"),
         "{error}"
     );
@@ -127,8 +131,9 @@ async fn a_name_a_model_lacks_fails_that_models_load_only_naming_the_feature_and
     let dlrm = info(&server, "dlrm").await;
     assert_eq!(declared(&dlrm), (vec!["cat_0".to_string()], true), "dlrm's own form applied");
     let golden = narsil_core::golden::Golden::read(&test_model_dir()).unwrap();
-    let request = narsil::proto::PredictRequest { model: "dlrm".into(), ..common::wire(&golden.requests[0], "") };
+    let request =
+        narsil::proto::PredictRequest { model: "dlrm".into(), ..common::wire(&golden.requests[0], "") };
     let response = server.client().await.predict(request).await.unwrap();
-    common::assert_close(&response.into_inner().scores, &golden.requests[0].outputs["default"], "dlrm");
+    common::assert_close(&response.into_inner().scores, &golden.requests[0].scores_int8, "dlrm");
     server.stop().await;
 }

@@ -67,7 +67,8 @@ impl std::fmt::Display for RequestLevelForm {
 fn no_repeats(forms: &[RequestLevelForm]) -> Result<(), String> {
     for (i, form) in forms.iter().enumerate() {
         if let Some(earlier) = forms[..i].iter().find(|f| f.model == form.model) {
-            let whose = form.model.as_deref().map_or("the served model".to_string(), |m| format!("model {m}"));
+            let whose =
+                form.model.as_deref().map_or("the served model".to_string(), |m| format!("model {m}"));
             return Err(format!(
                 "{FLAG} names {whose} twice ({earlier} and {form}); name all its request-level features in one form"
             ));
@@ -84,8 +85,8 @@ pub fn per_model(forms: &[RequestLevelForm]) -> Result<BTreeMap<String, Vec<Stri
     for form in forms {
         let Some(model) = &form.model else {
             return Err(format!(
-                "{FLAG} {form} names no model, and a repository serves several: write it MODEL:{form} \
-                 for each model it is for (a model no form names keeps its own declaration)"
+                "{FLAG} {form} names no model, and a --model-repository server needs one: write it \
+                 MODEL:{form} for each model it is for (a model no form names keeps its own declaration)"
             ));
         };
         by_model.insert(model.clone(), form.names.clone());
@@ -150,7 +151,10 @@ mod tests {
         assert_eq!(by_model["other"], ["none"]);
         assert!(per_model(&[]).unwrap().is_empty(), "no form: every model keeps its own");
         let err = per_model(&forms(&["dlrm:cat_0", "cat_1,dense"])).unwrap_err();
-        assert!(err.contains("--request-level cat_1,dense names no model") && err.contains("MODEL:cat_1,dense"), "{err}");
+        assert!(
+            err.contains("--request-level cat_1,dense names no model") && err.contains("MODEL:cat_1,dense"),
+            "{err}"
+        );
         let err = per_model(&forms(&["dlrm:cat_0", "dlrm:cat_1"])).unwrap_err();
         assert!(err.contains("model dlrm twice (dlrm:cat_0 and dlrm:cat_1)"), "{err}");
     }

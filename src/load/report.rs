@@ -575,7 +575,8 @@ mod tests {
         }
         let args = <Cli as clap::Parser>::parse_from(["load"]).load;
         let info = ModelInfoResponse { backend: "mock".into(), ..Default::default() };
-        let report_of = |recorder: Recorder| Report::new(&args, &info, None, recorder, Duration::from_secs(1), 10.0);
+        let report_of =
+            |recorder: Recorder| Report::new(&args, &info, None, recorder, Duration::from_secs(1), 10.0);
         let mut all_ok = Recorder::default();
         all_ok.record(Duration::from_millis(1), ok(4, 1));
         assert_eq!(report_of(all_ok).failures(), None);
