@@ -183,7 +183,7 @@ def run(args, model_dir, limit_mib, store, distribution, layout):
             cmd = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(args.concurrency),
                    "--samples-per-request", str(args.samples), "--duration", str(duration), "--warmup", "0",
                    "--id-distribution", distribution, "--distinct-requests", str(args.distinct_requests),
-                   "--seed", str(seed), "--json"]
+                   "--seed", str(seed), "--json", "--allow-failures"]
             out = subprocess.run(pinned(cmd, 1), capture_output=True, text=True, check=True).stdout
             return json.loads(out)
 

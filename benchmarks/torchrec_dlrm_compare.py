@@ -221,7 +221,7 @@ def measure(args, name, command, cores, ids_per_bag, distribution):
                     "--concurrency", str(concurrency), "--requests", str(args.requests),
                     "--warmup", str(args.warmup), "--samples-per-request", str(args.batch_size),
                     "--ids-per-feature", str(ids_per_bag), "--id-distribution", distribution,
-                    "--table-rows", str(args.table_rows), "--json"]
+                    "--table-rows", str(args.table_rows), "--json", "--allow-failures"]
             report = load_report(load, load_core, f"load against {name}")
             rows.append({"server": name, "cores": cores, "ids_per_bag": ids_per_bag, "concurrency": concurrency,
                          "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
@@ -286,7 +286,7 @@ def measure_ranking(args, name, command, load_flags, cores):
         for concurrency in args.concurrency:
             load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
                     "--requests", str(args.ranking_requests), "--warmup", str(args.ranking_warmup),
-                    "--candidates", str(args.candidates), "--json"] + load_flags
+                    "--candidates", str(args.candidates), "--json", "--allow-failures"] + load_flags
             report = load_report(load, load_core, f"ranking load against {name}")
             rows.append({"server": name, "workload": "ranking", "cores": cores, "concurrency": concurrency,
                          "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})

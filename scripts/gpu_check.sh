@@ -233,7 +233,7 @@ gpu_mib() {
 load_point() { # mode concurrency
   local mode=$1 c=$2 json="$WORK/load-$1-c$2.json" log="$WORK/load-$1-c$2.log" before after
   local flags=(--addr "http://$ADDR" --concurrency "$c" --connections "$((c < 16 ? c : 16))"
-    --samples-per-request 100 --timeout-ms 5000 --warmup 0)
+    --samples-per-request 100 --timeout-ms 5000 --warmup 0 --allow-failures)
   # Warm-up apart, so that the server's CPU is read around the measured
   # requests only.
   if ! narsil_run 60 load "${flags[@]}" --requests "$((c * 4 < 200 ? 200 : c * 4))" > /dev/null 2> "$log"; then

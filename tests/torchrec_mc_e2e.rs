@@ -364,11 +364,13 @@ fn a_changed_id_map_fails_the_load_naming_the_file() {
     }
 }
 
-/// Without `"raw_ids": true` the single-file model gets its ids as int32,
-/// which TorchRec's remapping refuses (its `index_put_` of int64 rows into
-/// an int32 tensor): the load fails, saying so.
+/// Without `"raw_ids": true` the single-file model would get its ids as
+/// int32, which TorchRec's remapping cannot take (its `index_put_` of int64
+/// rows into an int32 tensor). Narsil recognises the model by its MCH
+/// modules' buffers and refuses it at load, naming `raw_ids`, the
+/// model.json to fix and the MCH tables, not with TorchScript's dtype error.
 #[test]
-fn a_single_file_mc_model_without_raw_ids_in_model_json_fails_at_load() {
+fn a_single_file_mc_model_without_raw_ids_in_model_json_is_refused_at_load_naming_raw_ids() {
     let dir = model_dir();
     let copy = tempfile::tempdir().unwrap();
     std::fs::copy(dir.join("model.pt"), copy.path().join("model.pt")).unwrap();
@@ -382,5 +384,18 @@ fn a_single_file_mc_model_without_raw_ids_in_model_json_fails_at_load() {
         .err()
         .map(|e| error_chain(&e))
         .expect("an MC model fed int32 ids must not load");
-    assert!(error.contains("does not match the model") && error.contains("dtypes match"), "{error}");
+    let config = copy.path().join("model.json");
+    assert!(
+        error.contains("managed-collision model")
+            && error.contains(r#"marks no feature "raw_ids": true"#)
+            && error.contains(&config.display().to_string())
+            && error.contains("t_cat_2"),
+        "names the model's kind, raw_ids, the model.json and the MCH tables: {error}"
+    );
+    assert!(!error.contains("dtypes match"), "refused before any forward: {error}");
+    // With raw_ids marked again in the copy, the same files load.
+    std::fs::copy(dir.join("model.json"), &config).unwrap();
+    let factory = TorchFactory::load(TorchConfig::new(copy.path().join("model.pt")))
+        .unwrap_or_else(|e| panic!("{}", error_chain(&e)));
+    assert!(factory.schema().takes_raw_ids());
 }

@@ -11,6 +11,7 @@ use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_engine::{EngineConfig, ExecutionMode, MemoryBudget};
 
 use crate::flags::backend::BackendArgs;
+use crate::flags::request_level::{self, RequestLevelForm};
 use crate::flags::serve_flag;
 use crate::lifecycle::control_token::ControlToken;
 use crate::lifecycle::repository::{self, VersionPolicy};
@@ -208,13 +209,16 @@ pub struct ServeArgs {
     #[arg(long, env = "NARSIL_ID_POLICY", value_enum, default_value_t = IdPolicyArg::Reject)]
     pub id_policy: IdPolicyArg,
     /// The features that are the same for every candidate of a ranking
-    /// request, by name, comma-separated (`dense` for the dense features;
-    /// `none` for none): requests may send them once, in their
-    /// request-level block (docs/protocols.md). Replaces what the model
-    /// declares (its `schema.json` or `model.json` `request_level`);
-    /// unset: the model's own.
-    #[arg(long, env = "NARSIL_REQUEST_LEVEL", value_delimiter = ',')]
-    pub request_level: Option<Vec<String>>,
+    /// request: requests may send them once, in their request-level block
+    /// (docs/guide/ranking.md). `MODEL:NAMES` for a model, or `NAMES` alone
+    /// for a --model server's one model; NAMES comma-separated (`dense`
+    /// for the dense features, `none` for none). Repeat the flag for
+    /// several models (the variable: forms separated by `;`); a repository
+    /// takes MODEL:NAMES only. Replaces what that model declares (its
+    /// `schema.json` or `model.json` `request_level`); a model no form
+    /// names keeps its own.
+    #[arg(long, env = "NARSIL_REQUEST_LEVEL", value_delimiter = ';', value_name = "[MODEL:]NAMES")]
+    pub request_level: Vec<RequestLevelForm>,
 }
 
 impl ServeArgs {
@@ -236,7 +240,9 @@ impl ServeArgs {
             self.backend.validate()?;
         }
         let config = EngineConfig {
-            request_level: self.request_level.clone(),
+            // Per model: `repository` for a repository's, `serve_until_signal`
+            // for a --model server's once its model is known.
+            request_level: None,
             mode: self.execution_mode,
             max_batch_requests: self.max_batch_requests,
             max_batch_rows: self.max_batch_rows,
@@ -298,6 +304,7 @@ impl ServeArgs {
                 policy: self.version_policy.clone(),
                 load: self.backend.load_options(),
                 engine,
+                request_level: request_level::per_model(&self.request_level).map_err(anyhow::Error::msg)?,
             },
             default_model: self.default_model.clone(),
             poll,
@@ -375,7 +382,10 @@ pub async fn serve_until_signal(args: ServeArgs) -> anyhow::Result<()> {
         None => {
             tracing::info!(backend = args.backend.kind().name(), mode = ?config.mode, lanes = config.lanes,
                 batch_size = config.max_batch_requests, "starting");
-            Server::start(listen, args.backend.build()?, config).await?
+            let factory = args.backend.build()?;
+            let request_level = request_level::for_single_model(&args.request_level, &factory.schema().name)
+                .map_err(anyhow::Error::msg)?;
+            Server::start(listen, factory, EngineConfig { request_level, ..config }).await?
         }
     };
     let server = match tls {
@@ -487,5 +497,26 @@ mod tests {
     fn negative_timeout_is_rejected() {
         let err = serve(&["--batch-timeout-ms=-1"]).engine_config().unwrap_err();
         assert!(err.to_string().contains("--batch-timeout-ms"), "{err}");
+    }
+
+    #[test]
+    fn request_level_forms_repeat_or_share_one_value_and_a_repository_takes_model_forms_only() {
+        let repo = tempfile::tempdir().unwrap();
+        let repo_flag = repo.path().to_str().unwrap();
+        let forms = ["--request-level", "dlrm:cat_0,dense", "--request-level", "other:none"];
+        let by_model = |args: &[&str]| {
+            let args = serve(&[&["--model-repository", repo_flag], args].concat());
+            args.repository(args.engine_config().unwrap()).map(|r| r.unwrap().repository.request_level)
+        };
+        let repeated = by_model(&forms).unwrap();
+        assert_eq!(repeated["dlrm"], ["cat_0", "dense"]);
+        assert_eq!(repeated["other"], ["none"]);
+        assert_eq!(by_model(&["--request-level", "dlrm:cat_0,dense;other:none"]).unwrap(), repeated);
+        assert!(by_model(&[]).unwrap().is_empty());
+        let err = by_model(&["--request-level", "cat_0,dense"]).unwrap_err().to_string();
+        assert!(err.contains("names no model") && err.contains("MODEL:cat_0,dense"), "{err}");
+        assert!(Cli::try_parse_from(["narsil", "serve", "--request-level", "dlrm:"]).is_err(), "no names");
+        let engine = serve(&["--request-level", "cat_0"]).engine_config().unwrap();
+        assert_eq!(engine.request_level, None, "a --model server's is set once its model is known");
     }
 }

@@ -1,9 +1,11 @@
 //! The command line's vocabulary, shared by the commands that take it and
 //! the messages that point a user at it: the `narsil serve` flag behind each
-//! engine setting ([`serve_flag`]), and the backend flags of `narsil serve`
-//! and `narsil bench-forward` ([`backend`]).
+//! engine setting ([`serve_flag`]), the backend flags of `narsil serve`
+//! and `narsil bench-forward` ([`backend`]), and `--request-level`'s forms,
+//! per model ([`request_level`]).
 
 pub mod backend;
+pub mod request_level;
 
 use narsil_engine::Setting;
 

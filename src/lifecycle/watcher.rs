@@ -34,6 +34,10 @@ pub struct Repository {
     pub load: LoadOptions,
     /// Lanes, batching and queue limits of every version's engine.
     pub engine: EngineConfig,
+    /// Request-level features named at serve time, by model
+    /// (`--request-level MODEL:NAMES`), each replacing what that model
+    /// declares; a model not here keeps its own declaration.
+    pub request_level: BTreeMap<String, Vec<String>>,
 }
 
 /// Asks the watcher to look at the repository now; resolves once it has.
@@ -241,8 +245,15 @@ impl Watcher {
             same_interface(&serving, &schema)
                 .map_err(|difference| format!("does not match the served schema: {difference}"))?;
         }
+        let mut config = self.source.engine.clone();
+        if let Some(names) = self.source.request_level.get(model) {
+            narsil_core::RequestLevel::parse(names.iter().map(String::as_str), &schema).map_err(|e| {
+                format!("--request-level {model}:{}: for model {model}, {e}", names.join(","))
+            })?;
+            config.request_level = Some(names.clone());
+        }
         let factory = Arc::new(VersionedFactory { inner, schema, _files: files });
-        let engine = Engine::start(factory, self.source.engine.clone()).map_err(|e| format!("{e:#}"))?;
+        let engine = Engine::start(factory, config).map_err(|e| format!("{e:#}"))?;
         if let Err(failure) = engine.handle().wait_ready().await {
             engine.shutdown().await;
             return Err(narsil_core::error_chain(&failure));

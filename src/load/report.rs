@@ -295,6 +295,19 @@ impl Report {
         }
     }
 
+    /// How many measured requests failed, of how many, by status code
+    /// (`3 of 40 requests failed: DeadlineExceeded=2 Unavailable=1`); none
+    /// when every answered request was OK.
+    pub fn failures(&self) -> Option<String> {
+        let failed = self.requests - self.ok;
+        if failed == 0 {
+            return None;
+        }
+        let codes: Vec<String> =
+            self.by_code.iter().filter(|(code, _)| *code != "OK").map(|(c, n)| format!("{c}={n}")).collect();
+        Some(format!("{failed} of {} requests failed: {}", self.requests, codes.join(" ")))
+    }
+
     /// The human-readable report.
     pub fn text(&self) -> String {
         let load = match self.rate {
@@ -551,5 +564,32 @@ mod tests {
         let report = Report::new(&args, &info, form, none, Duration::from_secs(1), 10.0);
         assert_eq!(report.max_abs_diff_vs_flat, None);
         assert!(report.text().contains("nothing compared over 1 answers"), "{}", report.text());
+    }
+
+    #[test]
+    fn failed_requests_are_counted_by_status_code_and_none_failed_is_no_failure() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            load: LoadArgs,
+        }
+        let args = <Cli as clap::Parser>::parse_from(["load"]).load;
+        let info = ModelInfoResponse { backend: "mock".into(), ..Default::default() };
+        let report_of =
+            |recorder: Recorder| Report::new(&args, &info, None, recorder, Duration::from_secs(1), 10.0);
+        let mut all_ok = Recorder::default();
+        all_ok.record(Duration::from_millis(1), ok(4, 1));
+        assert_eq!(report_of(all_ok).failures(), None);
+        let mut mixed = Recorder::default();
+        for _ in 0..37 {
+            mixed.record(Duration::from_millis(1), ok(4, 1));
+        }
+        mixed.record(Duration::from_millis(1), Err(tonic::Status::deadline_exceeded("late")));
+        mixed.record(Duration::from_millis(1), Err(tonic::Status::deadline_exceeded("late")));
+        mixed.record(Duration::from_millis(1), Err(tonic::Status::unavailable("gone")));
+        assert_eq!(
+            report_of(mixed).failures().as_deref(),
+            Some("3 of 40 requests failed: DeadlineExceeded=2 Unavailable=1")
+        );
     }
 }

@@ -90,6 +90,25 @@ int layer_inputs_to_bf16(std::shared_ptr<torch::jit::Graph> graph) {
   return static_cast<int>(layers.size());
 }
 
+// TorchRec's managed-collision modules (`MCHManagedCollisionModule`) that
+// remap raw ids to rows inside the model, by their buffer
+// `<path>.<table>._mch_sorted_raw_ids`: their table names, one a line (empty
+// when there are none). Read before freezing, which folds buffers away.
+std::string managed_collision_tables(const torch::jit::Module& module) {
+  static const std::string kSuffix = "._mch_sorted_raw_ids";
+  std::string tables;
+  for (const auto& buffer : module.named_buffers(/*recurse=*/true)) {
+    const auto& name = buffer.name;
+    if (name.size() <= kSuffix.size() || name.compare(name.size() - kSuffix.size(), kSuffix.size(), kSuffix) != 0) {
+      continue;
+    }
+    const auto path = name.substr(0, name.size() - kSuffix.size());
+    const auto dot = path.rfind('.');
+    tables += (dot == std::string::npos ? path : path.substr(dot + 1)) + "\n";
+  }
+  return tables;
+}
+
 }  // namespace
 
 struct NarsilScriptModule {
@@ -106,12 +125,23 @@ extern "C" {
 // lookups return bf16 (`*bf16_lookups` counts them) and linear layers cast
 // their inputs to bf16. In FP32 the module is frozen as it is.
 // `*dict_signature` is set to 1 when forward takes one `Dict[str, Tensor]`
-// (TorchRec's inference signature), 0 otherwise.
+// (TorchRec's inference signature), 0 otherwise. `*managed_collision`
+// receives the tables of TorchRec's managed-collision modules the module
+// holds, one a line, or null when it holds none.
 NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, int bf16, char** schema_json,
-                                              int* bf16_lookups, int* dict_signature, char** error) noexcept {
+                                              int* bf16_lookups, int* dict_signature, char** managed_collision,
+                                              char** error) noexcept {
   *schema_json = nullptr;
   *bf16_lookups = 0;
   *dict_signature = 0;
+  *managed_collision = nullptr;
+  // On failure, no string is left behind.
+  auto no_strings = [&]() noexcept {
+    std::free(*schema_json);
+    *schema_json = nullptr;
+    std::free(*managed_collision);
+    *managed_collision = nullptr;
+  };
   try {
     const auto device = cuda_index < 0 ? c10::Device(c10::kCPU) : c10::Device(c10::kCUDA, cuda_index);
     auto module = torch::jit::load(path, device);
@@ -125,6 +155,11 @@ NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, 
         if (!*schema_json) throw std::bad_alloc();
       }
     }
+    const auto tables = managed_collision_tables(module);
+    if (!tables.empty()) {
+      *managed_collision = copy_string(tables.c_str());
+      if (!*managed_collision) throw std::bad_alloc();
+    }
     if (bf16) floating_point_to_bf16(module);
     auto frozen = torch::jit::freeze(module);
     if (bf16) {
@@ -134,13 +169,11 @@ NarsilScriptModule* narsil_script_module_load(const char* path, int cuda_index, 
     }
     return new NarsilScriptModule{std::move(frozen)};
   } catch (const std::exception& e) {
-    std::free(*schema_json);
-    *schema_json = nullptr;
+    no_strings();
     set_error(error, e);
     return nullptr;
   } catch (...) {
-    std::free(*schema_json);
-    *schema_json = nullptr;
+    no_strings();
     set_unknown_error(error);
     return nullptr;
   }

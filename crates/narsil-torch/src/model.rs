@@ -10,7 +10,9 @@
 //!   schema comes from `narsil_schema()` when the module has one, else from
 //!   a `model.json` ([`narsil_core::model_config`]) beside the model or
 //!   named by `--model-config`. A probe forward at load checks the module
-//!   against that schema, so a mismatch fails at start-up, naming the file.
+//!   against that schema, so a mismatch fails at start-up, naming the file;
+//!   a TorchRec managed-collision model whose config marks no feature
+//!   `raw_ids` is refused before it, naming the fix.
 //!
 //! The module is frozen at load ([`crate::script_module`]): its weights
 //! become constants the graph optimizer folds, which is also when the dense
@@ -90,6 +92,7 @@ impl TorchModel {
             (Some(json), _) if config.is_none() => parse_schema(json, path, device_name)?,
             (_, true) => {
                 let (schema, source) = config_schema(path, config, device_name)?;
+                managed_collision_takes_raw_ids(path, &source, &schema, &loaded.managed_collision_tables)?;
                 schema_source = Some(source);
                 (schema, None)
             }
@@ -178,6 +181,35 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         narsil_core::RequestLevel::parse(parsed.request_level.iter().map(String::as_str), &schema)
             .map_err(|e| BackendError::load(path, format!("narsil_schema()'s request_level: {e}")))?;
     Ok((schema, parsed.dense_flops_per_sample))
+}
+
+/// A TorchRec managed-collision model (`tables`: its MCH modules' tables)
+/// remaps raw 64-bit ids to rows inside itself, so it takes its ids whole,
+/// as int64: refused when its config marks no feature `raw_ids`, naming the
+/// fix (fed int32 ids, TorchRec's remapping fails with "Index put requires
+/// the source and destination dtypes match"). Not served with raw ids by
+/// default: which features the tables serve cannot be read from the module
+/// (a table may serve several, and other collections may not remap), and a
+/// `raw_ids` feature skips the check of its ids against the table's rows.
+fn managed_collision_takes_raw_ids(
+    model: &Path,
+    config: &Path,
+    schema: &ModelSchema,
+    tables: &[String],
+) -> Result<(), BackendError> {
+    if tables.is_empty() || schema.takes_raw_ids() {
+        return Ok(());
+    }
+    Err(BackendError::load(
+        model,
+        format!(
+            "a TorchRec managed-collision model (its MCH modules remap raw ids to rows for tables {}) takes raw \
+             64-bit ids, and {} marks no feature \"raw_ids\": true; add \"raw_ids\": true to each sparse \
+             feature those tables serve (docs/guide/production-ids.md)",
+            tables.join(", "),
+            config.display()
+        ),
+    ))
 }
 
 /// A TorchRec-signature model's schema from its config file: `config`, or

@@ -31,6 +31,7 @@ extern "C" {
         schema_json: *mut *mut c_char,
         bf16_lookups: *mut c_int,
         dict_signature: *mut c_int,
+        managed_collision: *mut *mut c_char,
         error: *mut *mut c_char,
     ) -> *mut RawModule;
     fn narsil_script_module_forward_dict(
@@ -82,6 +83,10 @@ pub struct Loaded {
     /// Whether forward takes TorchRec's `Dict[str, Tensor]` (else Narsil's
     /// three positional tensors).
     pub dict_signature: bool,
+    /// The tables of the TorchRec managed-collision modules it holds (found
+    /// by their `_mch_sorted_raw_ids` buffers): the model remaps raw ids to
+    /// rows itself. Empty for any other model.
+    pub managed_collision_tables: Vec<String>,
 }
 
 /// The message libtorch raised (a C++ exception's `what()`).
@@ -101,10 +106,11 @@ impl ScriptModule {
         let mut schema: *mut c_char = std::ptr::null_mut();
         let mut bf16_lookups: c_int = 0;
         let mut dict_signature: c_int = 0;
+        let mut managed_collision: *mut c_char = std::ptr::null_mut();
         let mut error: *mut c_char = std::ptr::null_mut();
         // SAFETY: a valid C string and out-pointers that outlive the call;
-        // the shim sets `error` or returns a module, never both, and throws
-        // nothing (module docs).
+        // the shim sets `error` or returns a module (and the strings), never
+        // both, and throws nothing (module docs).
         let raw = unsafe {
             narsil_script_module_load(
                 c_path.as_ptr(),
@@ -113,6 +119,7 @@ impl ScriptModule {
                 &mut schema,
                 &mut bf16_lookups,
                 &mut dict_signature,
+                &mut managed_collision,
                 &mut error,
             )
         };
@@ -124,6 +131,9 @@ impl ScriptModule {
             schema_json: take_string(schema),
             bf16_lookups: bf16_lookups.max(0) as usize,
             dict_signature: dict_signature != 0,
+            managed_collision_tables: take_string(managed_collision)
+                .map(|tables| tables.lines().map(String::from).collect())
+                .unwrap_or_default(),
         })
     }
 
