@@ -7,7 +7,8 @@
 //! is served need the `--control-token-file` token, and without one a
 //! repository server refuses to open them on a non-loopback address. Both
 //! listeners serve plaintext, or TLS and mutual TLS with certificates
-//! reloaded when their files change ([`tls`]).
+//! reloaded when their files change and connections that end with their
+//! age ([`tls`]).
 //!
 //! Health ([`health`]: `grpc.health.v1`, and `/healthz`) says NOT_SERVING
 //! until every model that should serve has a warm version, then follows
@@ -333,17 +334,23 @@ impl Server {
                     }
                     None => AdminListener::Plain(listener),
                 };
+                let tls_metrics = self.tls.as_ref().map(ServerTls::metrics);
                 Some(match listener {
                     AdminListener::Plain(listener) => {
-                        tokio::spawn(admin_http::serve(listener, control, serving, drained))
+                        tokio::spawn(admin_http::serve(listener, control, tls_metrics, serving, drained))
                     }
                     AdminListener::Tls(listener) => {
-                        tokio::spawn(admin_http::serve(listener, control, serving, drained))
+                        tokio::spawn(admin_http::serve(listener, control, tls_metrics, serving, drained))
                     }
                 })
             }
         };
-        let router = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(age) = self.tls.as_ref().and_then(ServerTls::connection_age) {
+            // A GOAWAY at the age; the TLS stream closes at age + grace.
+            builder = builder.max_connection_age(age.max);
+        }
+        let router = builder
             .layer(message_limit::layer(Arc::clone(&models)))
             .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models), &protocols::PROTOCOLS))
             .add_routes(routes)
