@@ -38,7 +38,7 @@ use std::time::Duration;
 use anyhow::Context;
 use narsil_core::BackendFactory;
 use narsil_engine::{Engine, EngineConfig, EngineHandle, MemoryBudget};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tonic::transport::server::TcpIncoming;
 
 use self::drain::Drain;
@@ -122,8 +122,20 @@ pub fn open_control_refused(admin: SocketAddr) -> String {
     )
 }
 
+/// Connections the kernel queues for a listener before the accept loop
+/// takes them (capped by `net.core.somaxconn`, 4096 on current kernels):
+/// a burst of connects, a flood's included, is queued rather than answered
+/// with a dropped SYN and a client's 1 s retransmission.
+const ACCEPT_BACKLOG: u32 = 4096;
+
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} ({what})"))
+    let listen = || {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(ACCEPT_BACKLOG)
+    };
+    listen().with_context(|| format!("cannot listen on {addr} ({what})"))
 }
 
 async fn bind_all(listen: Listen) -> anyhow::Result<(TcpListener, Option<TcpListener>)> {
