@@ -4,7 +4,8 @@
 //! admin address, within 5 s, while calls on a connection made before keep
 //! succeeding; a broken file then keeps the renewed certificate in service
 //! with one warning naming the file. A client CA replaced on disk lets the
-//! new CA's clients in and keeps the old one's out.
+//! new CA's clients in and keeps the old one's out. Reloads refused and
+//! taken are counted in `narsil_tls_reloads_total`.
 
 mod common;
 
@@ -13,9 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::tls::{predict, served_certificate, Authority, Leaf, MockTlsServer, TlsFiles};
+use common::tls::{
+    client_config, https, predict, served_certificate, Authority, Leaf, MockTlsServer, TlsFiles,
+};
 use narsil::proto::predictor_client::PredictorClient;
-use narsil::server::tls::ServerTls;
+use narsil::server::tls::{ServerTls, CHECK_EVERY};
 
 /// The most a renewed certificate may take to reach new connections.
 const RELOAD_WITHIN: Duration = Duration::from_secs(5);
@@ -133,5 +136,41 @@ async fn a_replaced_client_ca_lets_the_new_ca_s_clients_in_and_keeps_the_old_one
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(predict(addr, with(&old_client)).await.is_err(), "the old client CA is still trusted");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reloads_refused_and_taken_are_counted() {
+    let ca = Authority::new("narsil test CA");
+    let files = TlsFiles::new(&ca.sign_named(&["localhost"], "first"));
+    let tls = ServerTls::read(&files.cert(), &files.key(), None).unwrap();
+    let server = MockTlsServer::start(tls, true).await;
+    let admin = server.admin();
+    let reloads = |outcome: &'static str| {
+        let config = client_config(&ca, None, &[b"http/1.1"]);
+        async move {
+            let (code, text) = https(admin, config, "GET", "/metrics", None).await.unwrap();
+            assert_eq!(code, 200, "{text}");
+            common::metric(&text, &format!(r#"narsil_tls_reloads_total{{outcome="{outcome}"}}"#))
+        }
+    };
+    assert_eq!((reloads("ok").await, reloads("failed").await), (0.0, 0.0));
+
+    std::fs::write(files.dir.path().join("broken"), "not a certificate\n").unwrap();
+    std::fs::rename(files.dir.path().join("broken"), files.cert()).unwrap();
+    let broken = Instant::now();
+    while reloads("failed").await < 1.0 {
+        assert!(broken.elapsed() < RELOAD_WITHIN, "a refused reload was not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Looked at again and again, the same broken file counts once.
+    tokio::time::sleep(CHECK_EVERY * 5 / 2).await;
+    assert_eq!(reloads("failed").await, 1.0, "the broken file was counted more than once");
+    ca.sign_named(&["localhost"], "second").install(&files.cert(), &files.key());
+    let renewed = Instant::now();
+    while reloads("ok").await < 1.0 {
+        assert!(renewed.elapsed() < RELOAD_WITHIN, "a reload taken was not counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     server.stop().await;
 }

@@ -16,7 +16,8 @@ use crate::flags::serve_flag;
 use crate::lifecycle::control_token::ControlToken;
 use crate::lifecycle::repository::{self, VersionPolicy};
 use crate::lifecycle::watcher::Repository;
-use crate::server::tls::{AdminTls, ServerTls};
+use crate::server::tls::aged::MAX_CONNECTION_AGE_SECS;
+use crate::server::tls::{AdminTls, ConnectionAge, ServerTls};
 use crate::server::{bound, is_loopback, open_control_refused, Listen, RepositoryServe, Server};
 
 /// `--execution-mode`: the engine's modes, by name.
@@ -166,6 +167,21 @@ pub struct ServeArgs {
     /// one), or `off` (plain HTTP).
     #[arg(long, env = "NARSIL_METRICS_TLS", value_enum, default_value_t = AdminTls::Same)]
     pub metrics_tls: AdminTls,
+    /// With --tls-cert, the longest a TLS connection lives, seconds
+    /// (default 3600): then its client is told to go (gRPC: an HTTP/2
+    /// GOAWAY, the calls in flight finish and new ones go to a new
+    /// connection; the admin address: the connection closes after its
+    /// response), and its next handshake is checked against the
+    /// certificate and client CA in service. 0: as long as clients keep
+    /// them. Plaintext connections never age.
+    #[arg(long, env = "NARSIL_TLS_MAX_CONNECTION_AGE_SECS", value_name = "SECS", requires = "tls_cert",
+          value_parser = clap::value_parser!(u64).range(..=MAX_CONNECTION_AGE_SECS))]
+    pub tls_max_connection_age_secs: Option<u64>,
+    /// How long a TLS connection past its age may take to go before it is
+    /// closed, calls in flight or not, seconds (default 30).
+    #[arg(long, env = "NARSIL_TLS_CONNECTION_AGE_GRACE_SECS", value_name = "SECS", requires = "tls_cert",
+          value_parser = clap::value_parser!(u64).range(..=MAX_CONNECTION_AGE_SECS))]
+    pub tls_connection_age_grace_secs: Option<u64>,
     /// Address to serve Prometheus metrics on (`GET /metrics`); unset: no
     /// metrics endpoint.
     #[arg(long, env = "NARSIL_METRICS_ADDR")]
@@ -320,7 +336,7 @@ impl ServeArgs {
         match (&self.tls_cert, &self.tls_key) {
             (Some(cert), Some(key)) => {
                 let tls = ServerTls::read(cert, key, self.tls_client_ca.as_deref())?;
-                Ok(Some(tls.with_admin(self.metrics_tls)))
+                Ok(Some(tls.with_admin(self.metrics_tls).with_connection_age(self.connection_age())))
             }
             (None, None) if self.tls_client_ca.is_none() => {
                 if self.metrics_tls != AdminTls::Same {
@@ -330,6 +346,15 @@ impl ServeArgs {
             }
             _ => anyhow::bail!("--tls-cert and --tls-key go together (and --tls-client-ca needs them)"),
         }
+    }
+
+    /// How long TLS connections live: `--tls-max-connection-age-secs` (0:
+    /// forever) and `--tls-connection-age-grace-secs`, or their defaults.
+    pub fn connection_age(&self) -> Option<ConnectionAge> {
+        let default = ConnectionAge::default();
+        let max = self.tls_max_connection_age_secs.map_or(default.max, Duration::from_secs);
+        let grace = self.tls_connection_age_grace_secs.map_or(default.grace, Duration::from_secs);
+        (!max.is_zero()).then_some(ConnectionAge { max, grace })
     }
 
     /// The model-control token from `--control-token-file`, read now; none
@@ -491,6 +516,29 @@ mod tests {
         let err = serve(&["--metrics-tls", "off"]).server_tls().unwrap_err();
         assert!(err.to_string().contains("--metrics-tls needs --tls-cert"), "{err}");
         assert!(Cli::try_parse_from(["narsil", "serve", "--tls-cert", path]).is_err(), "needs --tls-key");
+    }
+
+    #[test]
+    fn tls_connections_age_an_hour_with_30_s_of_grace_unless_told_otherwise() {
+        let secs = Duration::from_secs;
+        let age = |max: u64, grace: u64| Some(ConnectionAge { max: secs(max), grace: secs(grace) });
+        assert_eq!(serve(&[]).connection_age(), age(3600, 30));
+        let tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem"];
+        let given = |flags: &[&str]| serve(&[&tls[..], flags].concat()).connection_age();
+        assert_eq!(given(&["--tls-max-connection-age-secs", "60"]), age(60, 30));
+        assert_eq!(given(&["--tls-connection-age-grace-secs", "0"]), age(3600, 0));
+        assert_eq!(given(&["--tls-max-connection-age-secs", "0"]), None);
+        for refused in [
+            vec!["--tls-max-connection-age-secs", "60"],
+            [&tls[..], &["--tls-max-connection-age-secs", "99999999999"]].concat(),
+        ] {
+            let err = Cli::try_parse_from([&["narsil", "serve"], &refused[..]].concat()).err();
+            let err = err.map(|e| e.to_string()).unwrap_or_default();
+            assert!(
+                err.contains("--tls-max-connection-age-secs") || err.contains("--tls-cert"),
+                "{refused:?}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The admin endpoint on `--metrics-addr`: `GET /metrics` answers every
-//! served model's metrics as OpenMetrics text; `GET /healthz` answers 200
+//! served model's metrics, and with TLS the door's ([`super::tls::metrics`]),
+//! as OpenMetrics text; `GET /healthz` answers 200
 //! while grpc.health's overall status is SERVING and 503 otherwise (for
 //! balancers that check over HTTP, like HAProxy); `/v1/models…` lists and
 //! controls models ([`crate::lifecycle::control`], whose calls that change
@@ -16,16 +17,18 @@ use axum::routing::get;
 use axum::serve::Listener;
 use axum::Router;
 
+use super::tls::TlsMetrics;
 use crate::lifecycle::control::{self, ModelControl};
 
 /// OpenMetrics' content type, which Prometheus scrapes natively.
 pub const CONTENT_TYPE_OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Serves `/metrics`, `/healthz` and the model routes on `listener` until `shutdown`
-/// resolves.
+/// Serves `/metrics` (the models', and `tls`'s if any), `/healthz` and the
+/// model routes on `listener` until `shutdown` resolves.
 pub async fn serve<L>(
     listener: L,
     models: ModelControl,
+    tls: Option<Arc<TlsMetrics>>,
     serving: Arc<AtomicBool>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()>
@@ -38,7 +41,10 @@ where
         .route(
             "/metrics",
             get(move || {
-                let text = registry.metrics_text();
+                let mut text = registry.metrics_text();
+                if let Some(tls) = &tls {
+                    text = narsil_engine::merge_expositions([text.as_str(), tls.text().as_str()]);
+                }
                 async move { ([(CONTENT_TYPE, CONTENT_TYPE_OPENMETRICS)], text) }
             }),
         )

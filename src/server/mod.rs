@@ -7,7 +7,8 @@
 //! is served need the `--control-token-file` token, and without one a
 //! repository server refuses to open them on a non-loopback address. Both
 //! listeners serve plaintext, or TLS and mutual TLS with certificates
-//! reloaded when their files change ([`tls`]).
+//! reloaded when their files change and connections that end with their
+//! age ([`tls`]).
 //!
 //! Health ([`health`]: `grpc.health.v1`, and `/healthz`) says NOT_SERVING
 //! until every model that should serve has a warm version, then follows
@@ -37,7 +38,7 @@ use std::time::Duration;
 use anyhow::Context;
 use narsil_core::BackendFactory;
 use narsil_engine::{Engine, EngineConfig, EngineHandle, MemoryBudget};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tonic::transport::server::TcpIncoming;
 
 use self::drain::Drain;
@@ -121,8 +122,20 @@ pub fn open_control_refused(admin: SocketAddr) -> String {
     )
 }
 
+/// Connections the kernel queues for a listener before the accept loop
+/// takes them (capped by `net.core.somaxconn`, 4096 on current kernels):
+/// a burst of connects, a flood's included, is queued rather than answered
+/// with a dropped SYN and a client's 1 s retransmission.
+const ACCEPT_BACKLOG: u32 = 4096;
+
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr} ({what})"))
+    let listen = || {
+        let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)?;
+        socket.listen(ACCEPT_BACKLOG)
+    };
+    listen().with_context(|| format!("cannot listen on {addr} ({what})"))
 }
 
 async fn bind_all(listen: Listen) -> anyhow::Result<(TcpListener, Option<TcpListener>)> {
@@ -333,17 +346,23 @@ impl Server {
                     }
                     None => AdminListener::Plain(listener),
                 };
+                let tls_metrics = self.tls.as_ref().map(ServerTls::metrics);
                 Some(match listener {
                     AdminListener::Plain(listener) => {
-                        tokio::spawn(admin_http::serve(listener, control, serving, drained))
+                        tokio::spawn(admin_http::serve(listener, control, tls_metrics, serving, drained))
                     }
                     AdminListener::Tls(listener) => {
-                        tokio::spawn(admin_http::serve(listener, control, serving, drained))
+                        tokio::spawn(admin_http::serve(listener, control, tls_metrics, serving, drained))
                     }
                 })
             }
         };
-        let router = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(age) = self.tls.as_ref().and_then(ServerTls::connection_age) {
+            // A GOAWAY at the age; the TLS stream closes at age + grace.
+            builder = builder.max_connection_age(age.max);
+        }
+        let router = builder
             .layer(message_limit::layer(Arc::clone(&models)))
             .layer(MemoryLayer::new(self.memory.clone(), Arc::clone(&models), &protocols::PROTOCOLS))
             .add_routes(routes)

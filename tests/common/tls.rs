@@ -164,10 +164,13 @@ pub struct MockTlsServer {
 impl MockTlsServer {
     /// Starts it, with the admin address too if `admin`.
     pub async fn start(tls: ServerTls, admin: bool) -> Self {
-        let factory = Arc::new(MockFactory::new(
-            super::schema(),
-            MockConfig { latency: Duration::ZERO, per_row: Duration::ZERO },
-        ));
+        Self::start_slow(tls, admin, Duration::ZERO).await
+    }
+
+    /// [`Self::start`] with `latency` per forward.
+    pub async fn start_slow(tls: ServerTls, admin: bool, latency: Duration) -> Self {
+        let factory =
+            Arc::new(MockFactory::new(super::schema(), MockConfig { latency, per_row: Duration::ZERO }));
         let server = Server::start(super::listen(admin), factory, super::batch_mode(1, 8)).await.unwrap();
         let server = server.with_tls(tls);
         let (grpc, metrics) = (server.local_addr(), server.metrics_addr());

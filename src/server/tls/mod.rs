@@ -8,21 +8,34 @@
 //!
 //! The handshakes are narsil's own ([`accept`]), not tonic's, so that the
 //! configuration can change under a running server: certificates read from
-//! files are reloaded when the files change ([`reload`]), and each new
-//! connection gets the configuration in service when it arrives. The key
-//! is never printed (this type's `Debug` names only how TLS is set up).
+//! files are reloaded when the files change ([`reload`], on a thread of its
+//! own), and each new connection gets the configuration in service when it
+//! arrives; so that a flood of connections that never finish theirs cannot
+//! keep other clients out ([`in_flight`]); and so that every connection
+//! ends with its age ([`aged`]: `--tls-max-connection-age-secs`), after
+//! which it is checked again against the files in service. What happens at
+//! the door is counted ([`metrics`]). The key is never printed (this type's
+//! `Debug` names only how TLS is set up).
 
 pub mod accept;
+pub mod aged;
+pub mod in_flight;
 mod material;
+pub mod metrics;
 mod reload;
 
 use std::path::Path;
 use std::sync::Arc;
 
-pub use self::accept::{TlsIncoming, HANDSHAKE_TIMEOUT};
+pub use self::accept::{TlsConnection, TlsIncoming, CLIENT_HELLO_TIMEOUT, HANDSHAKE_TIMEOUT};
+pub use self::aged::ConnectionAge;
+pub use self::in_flight::{MAX_HANDSHAKES, MAX_HANDSHAKES_PER_PEER};
+pub use self::metrics::TlsMetrics;
 pub use self::reload::CHECK_EVERY;
 use tokio::net::TcpListener;
+use tokio_rustls::rustls::ServerConfig;
 
+use self::accept::Door;
 use self::material::{Configs, Material, Names};
 use self::reload::{Files, Reloading};
 
@@ -47,6 +60,8 @@ pub struct ServerTls {
     /// Whether gRPC clients must present a certificate (`--tls-client-ca`).
     pub mutual: bool,
     admin: AdminTls,
+    age: Option<ConnectionAge>,
+    metrics: Arc<TlsMetrics>,
 }
 
 impl std::fmt::Debug for ServerTls {
@@ -55,6 +70,7 @@ impl std::fmt::Debug for ServerTls {
             .field("mutual", &self.mutual)
             .field("admin", &self.admin)
             .field("reloads", &self.reloading.follows_files())
+            .field("age", &self.age)
             .finish_non_exhaustive()
     }
 }
@@ -69,11 +85,8 @@ impl ServerTls {
         let material =
             Material::parse(cert, key, client_ca, &Names::flags()).map_err(refused(client_ca.is_some()))?;
         let configs = material.configs().map_err(refused(client_ca.is_some()))?;
-        Ok(Self {
-            reloading: Arc::new(Reloading::fixed(configs)),
-            mutual: material.mutual(),
-            admin: AdminTls::Same,
-        })
+        let metrics = Arc::new(TlsMetrics::new());
+        Ok(Self::new(Reloading::fixed(configs, Arc::clone(&metrics)), material.mutual(), metrics))
     }
 
     /// Reads the PEM files and checks them ([`Self::from_pem`]); errors
@@ -82,8 +95,33 @@ impl ServerTls {
     /// second of a change ([`reload`]).
     pub fn read(cert: &Path, key: &Path, client_ca: Option<&Path>) -> anyhow::Result<Self> {
         let files = Files { cert: cert.into(), key: key.into(), client_ca: client_ca.map(Into::into) };
-        let reloading = Reloading::follow(files).map_err(refused(client_ca.is_some()))?;
-        Ok(Self { reloading: Arc::new(reloading), mutual: client_ca.is_some(), admin: AdminTls::Same })
+        let metrics = Arc::new(TlsMetrics::new());
+        let reloading =
+            Reloading::follow(files, Arc::clone(&metrics)).map_err(refused(client_ca.is_some()))?;
+        Ok(Self::new(reloading, client_ca.is_some(), metrics))
+    }
+
+    /// Both listeners as [`AdminTls::Same`], connections aged as
+    /// [`ConnectionAge::default`] says.
+    fn new(reloading: Arc<Reloading>, mutual: bool, metrics: Arc<TlsMetrics>) -> Self {
+        Self { reloading, mutual, admin: AdminTls::Same, age: Some(ConnectionAge::default()), metrics }
+    }
+
+    /// How long connections live (`--tls-max-connection-age-secs`, with
+    /// its grace); none: as long as their clients keep them.
+    pub fn with_connection_age(mut self, age: Option<ConnectionAge>) -> Self {
+        self.age = age;
+        self
+    }
+
+    /// How long connections live.
+    pub fn connection_age(&self) -> Option<ConnectionAge> {
+        self.age
+    }
+
+    /// What the door counted: handshakes by outcome, reloads.
+    pub fn metrics(&self) -> Arc<TlsMetrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// How the admin address serves (default: [`AdminTls::Same`]).
@@ -109,7 +147,13 @@ impl ServerTls {
 
     /// Serves gRPC's TLS on `listener`.
     pub fn grpc_incoming(&self, listener: TcpListener) -> std::io::Result<TlsIncoming> {
-        TlsIncoming::spawn(listener, Arc::clone(&self.reloading), |configs| Arc::clone(&configs.grpc))
+        // HTTP/2: tonic's `max_connection_age` sends the GOAWAY at the age.
+        TlsIncoming::spawn(listener, self.door("grpc", |configs| Arc::clone(&configs.grpc), false))
+    }
+
+    fn door(&self, name: &'static str, pick: fn(&Configs) -> Arc<ServerConfig>, soft_close: bool) -> Door {
+        let (reloading, metrics) = (Arc::clone(&self.reloading), Arc::clone(&self.metrics));
+        Door { name, reloading, pick, metrics, age: self.age, soft_close }
     }
 
     /// The admin address's listener under [`Self::admin`]: TLS, or plain
@@ -120,7 +164,7 @@ impl ServerTls {
             AdminTls::Same => |configs: &Configs| Arc::clone(&configs.admin_same),
             AdminTls::NoClientCert => |configs: &Configs| Arc::clone(&configs.admin_no_client_cert),
         };
-        TlsIncoming::spawn(listener, Arc::clone(&self.reloading), pick).map(AdminListener::Tls)
+        TlsIncoming::spawn(listener, self.door("admin", pick, true)).map(AdminListener::Tls)
     }
 }
 

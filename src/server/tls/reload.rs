@@ -1,24 +1,27 @@
-//! Certificates that follow their files: at most once a second, when a
-//! connection arrives, the files of `--tls-cert`, `--tls-key` and
-//! `--tls-client-ca` are looked at (device, inode, length, modification
-//! time, through symlinks: a Kubernetes Secret's swap of `..data` counts);
-//! when any changed, they are read and checked again and new connections
-//! get the new configurations. Connections already made keep theirs. A new
-//! version that cannot be read or used (a half-written file, a key that is
-//! not the new certificate's) is refused with one warning naming the file
-//! and why, and the previous certificate stays in service until the files
-//! change again.
+//! Certificates that follow their files: every second a thread of their
+//! own looks at the files of `--tls-cert`, `--tls-key` and
+//! `--tls-client-ca` (device, inode, length, modification time, through
+//! symlinks: a Kubernetes Secret's swap of `..data` counts); when any
+//! changed, it reads and checks them again and puts the new configurations
+//! in service. The accept path never touches a file: a new connection only
+//! takes the configurations in service. Connections already made keep
+//! theirs (until their maximum age, [`super::aged`]). A new version that
+//! cannot be read or used (a half-written file, a key that is not the new
+//! certificate's) is refused with one warning naming the file and why, and
+//! counted (`narsil_tls_reloads_total{outcome="failed"}`); the previous
+//! certificate stays in service until the files change again.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::time::{Duration, SystemTime};
 
 use anyhow::Context;
 
 use super::material::{Configs, Material, Names};
+use super::metrics::TlsMetrics;
 
-/// How often, at most, the files are looked at.
+/// How often the files are looked at.
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 
 /// The files a configuration was read from.
@@ -85,34 +88,37 @@ impl Files {
 /// in memory, never reloaded).
 pub(crate) struct Reloading {
     files: Option<Files>,
-    state: Mutex<State>,
+    configs: RwLock<Configs>,
+    metrics: Arc<TlsMetrics>,
 }
 
-struct State {
-    configs: Configs,
-    /// The files as they were when `configs` was read.
+/// What the checking thread remembers between two looks at the files.
+struct Seen {
+    /// The files as they were when the configurations in service were read.
     served: Vec<Option<Stamp>>,
     /// The files as they were when a version was refused (warned once).
     refused: Option<Vec<Option<Stamp>>>,
-    checked: Instant,
 }
 
 impl Reloading {
     /// Configurations that never change.
-    pub fn fixed(configs: Configs) -> Self {
-        Self::new(None, configs, Vec::new())
+    pub fn fixed(configs: Configs, metrics: Arc<TlsMetrics>) -> Arc<Self> {
+        Arc::new(Self { files: None, configs: RwLock::new(configs), metrics })
     }
 
-    /// Reads `files` now, and again whenever they change.
-    pub fn follow(files: Files) -> anyhow::Result<Self> {
+    /// Reads `files` now, and starts the thread that reads them again
+    /// whenever they change (it ends once the configurations are dropped).
+    pub fn follow(files: Files, metrics: Arc<TlsMetrics>) -> anyhow::Result<Arc<Self>> {
         let served = files.stamps();
         let configs = files.read()?.configs()?;
-        Ok(Self::new(Some(files), configs, served))
-    }
-
-    fn new(files: Option<Files>, configs: Configs, served: Vec<Option<Stamp>>) -> Self {
-        let state = State { configs, served, refused: None, checked: Instant::now() };
-        Self { files, state: Mutex::new(state) }
+        let reloading = Arc::new(Self { files: Some(files), configs: RwLock::new(configs), metrics });
+        let following = Arc::downgrade(&reloading);
+        let seen = Seen { served, refused: None };
+        std::thread::Builder::new()
+            .name("narsil-tls-reload".into())
+            .spawn(move || follow(&following, seen))
+            .context("cannot start the thread that follows the TLS files")?;
+        Ok(reloading)
     }
 
     /// Whether the files are followed.
@@ -120,34 +126,40 @@ impl Reloading {
         self.files.is_some()
     }
 
-    /// The configurations for a new connection: the files' current ones
-    /// if they changed (looked at no more than every [`CHECK_EVERY`]).
+    /// The configurations in service, for a new connection: no file is
+    /// looked at here.
     pub fn current(&self) -> Configs {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(files) = &self.files {
-            if state.checked.elapsed() >= CHECK_EVERY {
-                state.checked = Instant::now();
-                reload_if_changed(files, &mut state);
-            }
-        }
-        state.configs.clone()
+        self.configs.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 }
 
-fn reload_if_changed(files: &Files, state: &mut State) {
+/// Looks at the files every [`CHECK_EVERY`] while `reloading` is in use.
+fn follow(reloading: &Weak<Reloading>, mut seen: Seen) {
+    loop {
+        std::thread::sleep(CHECK_EVERY);
+        let Some(reloading) = reloading.upgrade() else { return };
+        if let Some(files) = &reloading.files {
+            reload_if_changed(files, &reloading, &mut seen);
+        }
+    }
+}
+
+fn reload_if_changed(files: &Files, reloading: &Reloading, seen: &mut Seen) {
     let stamps = files.stamps();
-    if stamps == state.served || state.refused.as_ref() == Some(&stamps) {
+    if stamps == seen.served || seen.refused.as_ref() == Some(&stamps) {
         return;
     }
     match files.read().and_then(|material| material.configs()) {
         Ok(configs) => {
-            state.configs = configs;
-            state.served = stamps;
-            state.refused = None;
+            *reloading.configs.write().unwrap_or_else(PoisonError::into_inner) = configs;
+            seen.served = stamps;
+            seen.refused = None;
+            reloading.metrics.reload(true);
             tracing::info!(cert = %files.cert.display(), "TLS certificate reloaded: new connections get it");
         }
         Err(e) => {
-            state.refused = Some(stamps);
+            seen.refused = Some(stamps);
+            reloading.metrics.reload(false);
             tracing::warn!(
                 error = format!("{e:#}"),
                 "cannot reload TLS from the changed files; new connections still get the certificate read before"
