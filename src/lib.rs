@@ -7,7 +7,7 @@
 //! | module | job | uses |
 //! |---|---|---|
 //! | [`wire`] | generated protocol code, little-endian values, client-side encoders | — |
-//! | [`lifecycle`] | loading backends, the model repository and its sources, versions, live reload, reaping retired versions | — |
+//! | [`lifecycle`] | loading backends, the model repository and its sources, versions, live reload, reaping retired versions, ids pushed to a model (checked, logged beside the model, replayed into each version that loads) | — |
 //! | [`flags`] | flag names and the backend flags, shared by commands and error messages | `lifecycle` |
 //! | [`protocols`] | the served protocols (`narsil.v1`, TorchRec's, KServe v2) behind one entry (`protocols::infer`), the memory bound on messages | `wire`, `lifecycle`, `flags` |
 //! | [`server`] | binds, serves the protocols, health, the admin endpoint, drain | `protocols`, `lifecycle`, `wire` |

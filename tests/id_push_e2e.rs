@@ -27,22 +27,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::id_maps::{mapped_copy, raw_ranking, raw_request, FEATURES, NEVER_SEEN, RANKING_CANDIDATES};
+use common::id_maps::{mapped_copy, raw_ranking, NEVER_SEEN, RANKING_CANDIDATES};
+use common::pushes::{self, close, entries, rows_of, with_new_ids, NEW_IDS, TABLE, TOKEN};
 use narsil::proto::predictor_client::PredictorClient;
-use narsil_core::golden::{max_abs_diff, test_model_dir, Golden, GoldenRequest};
+use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
 use narsil_embedding::SplitSchema;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-const TOKEN: &str = "push-1ds_T0ken/for.tests";
-/// The table whose ids are pushed.
-const TABLE: usize = 3;
-/// New raw ids of the request: `NEW_IDS + row` gets row `row`'s row.
-const NEW_IDS: i64 = 0x4e45_5700_0000_0000;
 /// Other pushed ids (the load's bulk): `FILLER + n`.
 const FILLER: i64 = 0x4649_4c00_0000_0000;
-/// How close a response must be to the score it should equal (fused
-/// batches of other sizes round differently).
-const TOLERANCE: f32 = 1e-5;
 
 fn env_or(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -100,56 +93,12 @@ async fn post(addr: SocketAddr, path: &str, token: Option<&str>, body: &[u8]) ->
 /// The mapped test model published as version 1 of `dlrm` in `repo`; its
 /// default rows.
 fn publish(repo: &Path, golden: &Golden) -> Vec<i64> {
-    let staging = repo.join("dlrm/.incoming-1");
-    let defaults = mapped_copy(&staging, golden);
-    std::fs::rename(&staging, repo.join("dlrm/1")).unwrap();
-    defaults
+    pushes::publish(repo, golden, 1)
 }
 
 /// Table `TABLE`'s rows, in id order, and its row bytes.
 fn table_rows(dir: &Path) -> (Vec<u8>, usize) {
     rows_of(dir, TABLE)
-}
-
-/// Table `t`'s rows, in id order, and its row bytes.
-fn rows_of(dir: &Path, t: usize) -> (Vec<u8>, usize) {
-    let schema = SplitSchema::read(dir).unwrap();
-    let spec = &schema.tables[t];
-    (std::fs::read(dir.join(&spec.file)).unwrap(), spec.row_bytes)
-}
-
-/// Push entries: each raw id with row `row`'s bytes.
-fn entries(rows: &[u8], row_bytes: usize, pairs: impl IntoIterator<Item = (i64, usize)>) -> Vec<u8> {
-    let mut body = Vec::new();
-    for (raw, row) in pairs {
-        body.extend_from_slice(&raw.to_le_bytes());
-        body.extend_from_slice(&rows[row * row_bytes..(row + 1) * row_bytes]);
-    }
-    body
-}
-
-/// Golden request `g` with raw ids, its ids of table `TABLE` (but the
-/// default row's) sent as new raw ids (`NEW_IDS + row`); and those rows.
-fn with_new_ids(g: &GoldenRequest, defaults: &[i64]) -> (GoldenRequest, Vec<usize>) {
-    let (mut sent, _) = raw_request(g, defaults);
-    let mut rows = Vec::new();
-    let mut at = 0;
-    for (bag, &len) in g.lengths.iter().enumerate() {
-        for k in at..at + len as usize {
-            if bag % FEATURES == TABLE && g.ids[k] != defaults[TABLE] {
-                sent.ids[k] = NEW_IDS + g.ids[k];
-                rows.push(g.ids[k] as usize);
-            }
-        }
-        at += len as usize;
-    }
-    rows.sort_unstable();
-    rows.dedup();
-    (sent, rows)
-}
-
-fn close(got: &[f32], want: &[f32]) -> bool {
-    max_abs_diff(got, want).is_some_and(|d| d <= TOLERANCE)
 }
 
 /// One answered request of the load.
@@ -380,7 +329,7 @@ async fn tables_push_ids_sends_a_new_vocabulary_s_ids_from_the_command_line_and_
 
 #[test]
 fn pushes_to_tables_whose_rows_are_not_in_this_process_are_refused_naming_why() {
-    use narsil_core::BackendFactory;
+    use narsil_core::{BackendFactory, IdPush};
     use narsil_torch::{SplitFactory, TableStore, TorchConfig};
     let golden = Golden::read(&test_model_dir()).unwrap();
     // On the target's file system: the disk store's direct reads.
@@ -389,8 +338,8 @@ fn pushes_to_tables_whose_rows_are_not_in_this_process_are_refused_naming_why() 
     let (rows, row_bytes) = table_rows(dir.path());
     let one = entries(&rows, row_bytes, [(NEW_IDS, 1)]);
     let table = format!("cat_{TABLE}");
-    let refused =
-        |config: TorchConfig| SplitFactory::load(config).unwrap().push_ids(&table, &one).unwrap_err();
+    let push = IdPush::apply(&table, &one, u64::MAX, "no bound");
+    let refused = |config: TorchConfig| SplitFactory::load(config).unwrap().push_ids(&push).unwrap_err();
     // Tables copied to the device at load (the tensor stage, on the CPU
     // device here).
     let on_device = TorchConfig {
@@ -408,7 +357,7 @@ fn pushes_to_tables_whose_rows_are_not_in_this_process_are_refused_naming_why() 
         dense_form: narsil_torch::DenseForm::TorchScript,
         ..TorchConfig::new(dir.path())
     };
-    let pushed = SplitFactory::load(on_host).unwrap().push_ids(&table, &one).unwrap();
+    let pushed = SplitFactory::load(on_host).unwrap().push_ids(&push).unwrap();
     assert_eq!((pushed.added, pushed.pushed), (1, 1));
     use std::os::unix::fs::OpenOptionsExt;
     match std::fs::OpenOptions::new()

@@ -88,6 +88,13 @@ pub struct ServeArgs {
     /// token 403. Listing, /metrics and /healthz stay open.
     #[arg(long, env = "NARSIL_CONTROL_TOKEN_FILE", value_name = "PATH", requires = "model_control")]
     pub control_token_file: Option<PathBuf>,
+    /// Most bytes the raw ids pushed to one table (`narsil tables
+    /// push-ids`) may hold in each version: their rows and 32 bytes of
+    /// index each (`narsil_table_pushed_bytes`). A push past it is refused
+    /// (422) naming this flag; a version whose push log holds more fails to
+    /// load, naming it. 1 GiB: about 9.5M ids of 80-byte rows.
+    #[arg(long, env = "NARSIL_MAX_PUSHED_BYTES", default_value_t = 1 << 30)]
+    pub max_pushed_bytes: u64,
     /// Execution mode.
     #[arg(long, env = "NARSIL_EXECUTION_MODE", default_value = "batch", value_parser = execution_mode())]
     pub execution_mode: ExecutionMode,
@@ -321,6 +328,7 @@ impl ServeArgs {
                 load: self.backend.load_options(),
                 engine,
                 request_level: request_level::per_model(&self.request_level).map_err(anyhow::Error::msg)?,
+                max_pushed_bytes: self.max_pushed_bytes,
             },
             default_model: self.default_model.clone(),
             poll,

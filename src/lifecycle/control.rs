@@ -15,11 +15,14 @@
 //!   (a split model's mapped table in the `memory` or `mmap` store; `narsil
 //!   tables push-ids` sends them). The body is entries back to back: the
 //!   raw id (8 bytes, little-endian two's complement), then the table's
-//!   `row_bytes` of its row in the table's storage format. Each version
-//!   takes the whole body at once or none of it; the answer lists, per
-//!   version, the ids added, those it already held with the same row, and
-//!   its pushed ids in all (200), or why it refused (422, the others'
-//!   outcomes beside it). Its body may hold [`MAX_PUSH_BODY_BYTES`].
+//!   `row_bytes` of its row in the table's storage format. Every ready
+//!   version takes the whole body or none does ([`super::pushes`]: checked
+//!   by each, written to the model's push log and fsynced, then applied);
+//!   the answer lists, per version, the ids added, those it already held
+//!   with the same row, its pushed ids and their bytes in all (200), or the
+//!   versions that refused it and why (422, nothing pushed; past the bound
+//!   on a table's pushed bytes too, naming it). Its body may hold
+//!   [`MAX_PUSH_BODY_BYTES`].
 //!
 //! The POST calls change what is served, so they answer 403 unless the
 //! server runs with `--model-control` (which needs `--model-repository`: a
@@ -50,6 +53,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use super::control_token::ControlToken;
+use super::pushes::{PushAnswer, PushBook};
 use super::registry::{ModelRegistry, ModelStatus, OperatorMarks, VersionState};
 use super::watcher::RescanHandle;
 
@@ -65,18 +69,20 @@ pub struct ModelControl {
     /// `--control-token-file`: the token every POST must present; none:
     /// open (allowed on a loopback admin address only).
     pub token: Option<Arc<ControlToken>>,
+    /// The models' pushes: their locks and logs.
+    pub pushes: Arc<PushBook>,
 }
 
 /// Largest body a control call may carry (they need none), bytes.
 pub const MAX_CONTROL_BODY_BYTES: usize = 64 << 10;
 
 /// Largest body an id push may carry, bytes: 16 MiB, about 190,000 ids
-/// of the default DLRM's 80-byte rows. Large, because each push copies the
-/// table's index of pushed ids (copy-on-write: what keeps every batch's
-/// view whole), so pushing a million ids in 64 KiB bodies would copy it
-/// 1,350 times; bounded, because the door reads a body whole before its
-/// handler. The token is checked before any of the body is read, so only
-/// a caller that holds it can send this much.
+/// of the default DLRM's 80-byte rows. Large, because each push is a
+/// record of the push log fsynced and a segment of the table's index of
+/// pushed ids (merged with the newest as they grow); bounded, because the
+/// door reads a body whole before its handler. The token is checked before
+/// any of the body is read, so only a caller that holds it can send this
+/// much.
 pub const MAX_PUSH_BODY_BYTES: usize = 16 << 20;
 
 /// The control routes.
@@ -297,16 +303,6 @@ async fn unload_version(
     answer(result, |_| true)
 }
 
-/// One version's outcome of an id push.
-#[derive(serde::Serialize)]
-struct VersionPush {
-    version: String,
-    #[serde(flatten)]
-    pushed: Option<narsil_core::IdsPushed>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
-}
-
 async fn push_ids(
     State(control): State<ModelControl>,
     Path((model, table)): Path<(String, String)>,
@@ -315,34 +311,38 @@ async fn push_ids(
     if !control.enabled {
         return control_off();
     }
+    let not_serving = || error(StatusCode::NOT_FOUND, format!("no version of model {model:?} is serving"));
+    if control.registry.live_versions(&model).is_empty() {
+        return not_serving();
+    }
+    let pushes = control.pushes.model(&model, None);
+    // One push of a model at a time, and none while a version turns ready.
+    let _one_at_a_time = pushes.lock().await;
     let versions = control.registry.live_versions(&model);
     if versions.is_empty() {
-        return error(StatusCode::NOT_FOUND, format!("no version of model {model:?} is serving"));
+        return not_serving();
     }
     let pushing = table.clone();
-    // Off the async threads: a push copies the table's index of pushed ids.
-    let outcomes = tokio::task::spawn_blocking(move || {
-        versions
-            .iter()
-            .map(|live| {
-                let version = live.number.to_string();
-                match live.engine.push_ids(&pushing, &body) {
-                    Ok(pushed) => VersionPush { version, pushed: Some(pushed), error: None },
-                    Err(why) => VersionPush { version, pushed: None, error: Some(why) },
-                }
-            })
-            .collect::<Vec<_>>()
-    })
-    .await;
-    let Ok(outcomes) = outcomes else {
+    // Off the async threads: a push checks every entry on every version,
+    // fsyncs the log and may merge the table's index.
+    let model_pushes = Arc::clone(&pushes);
+    let answer = tokio::task::spawn_blocking(move || model_pushes.push_to(&versions, &pushing, &body)).await;
+    let Ok(answer) = answer else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "the push panicked; see the server's log".into());
     };
-    let refused = outcomes.iter().filter(|o| o.error.is_some()).count();
+    let (status, outcomes, why) = match answer {
+        PushAnswer::Pushed(outcomes) => (StatusCode::OK, outcomes, None),
+        PushAnswer::Refused(refusals) => {
+            let why = refusals.iter().find_map(|o| o.error.clone());
+            (StatusCode::UNPROCESSABLE_ENTITY, refusals, why)
+        }
+        PushAnswer::Failed(outcomes, why) => (StatusCode::INTERNAL_SERVER_ERROR, outcomes, Some(why)),
+    };
     for outcome in &outcomes {
         match (&outcome.pushed, &outcome.error) {
             (Some(pushed), _) => tracing::info!(
                 model, version = %outcome.version, table, added = pushed.added,
-                already_held = pushed.already_held, pushed = pushed.pushed, "ids pushed"
+                already_held = pushed.already_held, pushed = pushed.pushed, bytes = pushed.bytes, "ids pushed"
             ),
             (None, Some(why)) => {
                 tracing::warn!(model, version = %outcome.version, table, reason = %why, "id push refused")
@@ -350,10 +350,12 @@ async fn push_ids(
             (None, None) => {}
         }
     }
-    let status = if refused == 0 { StatusCode::OK } else { StatusCode::UNPROCESSABLE_ENTITY };
+    if let (Some(why), true) = (&why, status == StatusCode::INTERNAL_SERVER_ERROR) {
+        tracing::error!(model, table, reason = %why, "id push failed");
+    }
     let mut answer = serde_json::json!({ "model": model, "table": table, "versions": outcomes });
-    if let Some(why) = outcomes.iter().find_map(|o| o.error.as_ref()) {
-        answer["error"] = why.clone().into();
+    if let Some(why) = why {
+        answer["error"] = why.into();
     }
     json(status, &answer)
 }

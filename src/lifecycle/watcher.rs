@@ -19,6 +19,7 @@ use narsil_engine::{Engine, EngineConfig};
 use tokio::sync::{mpsc, oneshot};
 
 use super::loader::LoadOptions;
+use super::pushes::{ModelPushes, PushBook, Replayed};
 use super::registry::{ModelRegistry, OperatorMarks, VersionState};
 use super::repository::{Localized, RepositorySource, VersionDir, VersionPolicy, MODEL_FILES};
 
@@ -38,6 +39,9 @@ pub struct Repository {
     /// (`--request-level MODEL:NAMES`), each replacing what that model
     /// declares; a model not here keeps its own declaration.
     pub request_level: BTreeMap<String, Vec<String>>,
+    /// Most bytes the ids pushed to one table of a version may hold
+    /// (`--max-pushed-bytes`).
+    pub max_pushed_bytes: u64,
 }
 
 /// Asks the watcher to look at the repository now; resolves once it has.
@@ -64,12 +68,19 @@ struct Plan {
 pub struct Watcher {
     source: Repository,
     registry: Arc<ModelRegistry>,
+    pushes: Arc<PushBook>,
 }
 
 impl Watcher {
     /// A watcher feeding `registry` from `source`.
     pub fn new(source: Repository, registry: Arc<ModelRegistry>) -> Self {
-        Self { source, registry }
+        let pushes = Arc::new(PushBook::new(source.max_pushed_bytes));
+        Self { source, registry, pushes }
+    }
+
+    /// The models' pushes, whose logs every version loaded replays.
+    pub fn pushes(&self) -> Arc<PushBook> {
+        Arc::clone(&self.pushes)
     }
 
     /// Reconciles at once, then again every `poll` (if any), on SIGHUP and
@@ -202,26 +213,52 @@ impl Watcher {
         self.registry.set_should_serve(model, !desired.is_empty());
     }
 
-    /// Loads, checks and warms up one version; installs it if all went well.
+    /// Loads, checks and warms up one version, gives it the model's logged
+    /// pushes ([`super::pushes`]); installs it if all went well.
     async fn load(&self, model: &str, number: u64, dir: &VersionDir) {
         let started = Instant::now();
         tracing::info!(model, version = number, dir = %dir.path.display(), "loading version");
         self.registry.set_loading(model, number);
-        match self.start_engine(model, number, dir).await {
-            Ok(engine) => {
-                self.registry.install(model, number, engine);
-                tracing::info!(
-                    model,
-                    version = number,
-                    elapsed_ms = started.elapsed().as_millis() as u64,
-                    "version loaded and warm; serving"
-                );
-            }
-            Err(error) => self.registry.set_failed(model, number, error, dir.fingerprint),
+        let pushes = self.pushes.model(model, dir.path.parent());
+        let engine = match self.start_engine(model, number, dir, &pushes).await {
+            Ok(started) => started,
+            Err(error) => return self.registry.set_failed(model, number, error, dir.fingerprint),
+        };
+        let (engine, mut replayed) = engine;
+        // No push lands between the last replay and the version's turning
+        // ready: each is answered before it (and replayed) or after (and
+        // pushed to it).
+        let _no_push_meanwhile = pushes.lock().await;
+        let handle = engine.handle();
+        let caught = {
+            let pushes = Arc::clone(&pushes);
+            tokio::task::spawn_blocking(move || {
+                let push = move |push: &narsil_core::IdPush<'_>| handle.push_ids(push);
+                pushes.catch_up(number, &mut replayed, &push)
+            })
+            .await
+            .unwrap_or_else(|_| Err("replaying the push log panicked".into()))
+        };
+        if let Err(error) = caught {
+            engine.shutdown().await;
+            return self.registry.set_failed(model, number, error, dir.fingerprint);
         }
+        self.registry.install(model, number, engine);
+        tracing::info!(
+            model,
+            version = number,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "version loaded and warm; serving"
+        );
     }
 
-    async fn start_engine(&self, model: &str, number: u64, dir: &VersionDir) -> Result<Engine, String> {
+    async fn start_engine(
+        &self,
+        model: &str,
+        number: u64,
+        dir: &VersionDir,
+        pushes: &Arc<ModelPushes>,
+    ) -> Result<(Engine, Replayed), String> {
         let no_model_file =
             format!("{} holds no model file ({})", dir.path.display(), MODEL_FILES.join(" or "));
         if dir.model_file.is_none() {
@@ -253,12 +290,22 @@ impl Watcher {
             config.request_level = Some(names.clone());
         }
         let factory = Arc::new(VersionedFactory { inner, schema, _files: files });
+        // The logged pushes, before the lanes start: most of them now, the
+        // rest (logged meanwhile) once warm, under the push lock.
+        let replayed = {
+            let (factory, pushes) = (Arc::clone(&factory), Arc::clone(pushes));
+            on_loader_thread(move || {
+                let push = |push: &narsil_core::IdPush<'_>| factory.push_ids(push);
+                pushes.replay(number, &factory.id_map_tables(), &push)
+            })
+            .await??
+        };
         let engine = Engine::start(factory, config).map_err(|e| format!("{e:#}"))?;
         if let Err(failure) = engine.handle().wait_ready().await {
             engine.shutdown().await;
             return Err(narsil_core::error_chain(&failure));
         }
-        Ok(engine)
+        Ok((engine, replayed))
     }
 }
 
@@ -349,8 +396,12 @@ impl BackendFactory for VersionedFactory {
         self.inner.watch_dependencies(watcher);
     }
 
-    fn push_ids(&self, table: &str, entries: &[u8]) -> Result<narsil_core::IdsPushed, String> {
-        self.inner.push_ids(table, entries)
+    fn push_ids(&self, push: &narsil_core::IdPush<'_>) -> Result<narsil_core::IdsPushed, String> {
+        self.inner.push_ids(push)
+    }
+
+    fn id_map_tables(&self) -> Vec<narsil_core::IdMapTable> {
+        self.inner.id_map_tables()
     }
 }
 

@@ -1,13 +1,22 @@
-//! TLS for the clients `narsil load` and `narsil verify`: `--tls-ca` (the
-//! CA that signed the server's certificate), `--tls-cert`/`--tls-key` (a
-//! client certificate, for servers with mutual TLS) and `--tls-domain`
-//! (the name to check the server's certificate against, instead of
-//! `--addr`'s host). An `https://` address or any of these flags turns TLS
-//! on; narsil carries no list of public CAs, so TLS needs `--tls-ca`.
+//! TLS for the clients `narsil load`, `narsil verify` and `narsil tables
+//! push-ids`: `--tls-ca` (the CA that signed the server's certificate),
+//! `--tls-cert`/`--tls-key` (a client certificate, for servers with mutual
+//! TLS) and `--tls-domain` (the name to check the server's certificate
+//! against, instead of the address's host). An `https://` address or any
+//! of these flags turns TLS on; narsil carries no list of public CAs, so
+//! TLS needs `--tls-ca`. gRPC clients get a tonic endpoint
+//! ([`ClientTlsArgs::endpoint`]), HTTP/1.1 clients a rustls configuration
+//! ([`ClientTlsArgs::https`]).
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use anyhow::Context;
+use tokio_rustls::rustls::crypto::ring;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio_rustls::rustls::{ClientConfig, RootCertStore};
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 /// The TLS flags of a client.
@@ -64,6 +73,78 @@ impl ClientTlsArgs {
             config = config.domain_name(domain.clone());
         }
         endpoint.tls_config(config).with_context(|| format!("cannot speak TLS to {addr}"))
+    }
+}
+
+/// What an HTTP/1.1 client speaks TLS to a server with: its rustls
+/// configuration and the name the server's certificate must carry.
+#[derive(Clone)]
+pub struct HttpsClient {
+    /// The configuration (the CA, the client certificate, ALPN `http/1.1`).
+    pub config: Arc<ClientConfig>,
+    /// `--tls-domain`, or the address's host.
+    pub name: ServerName<'static>,
+}
+
+impl ClientTlsArgs {
+    /// How to speak TLS to `host` (of an address given as `flag`), if the
+    /// address is `https://` (`https`) or a TLS flag is given; none for
+    /// plain HTTP. Files are read now; errors name the flag and the file.
+    pub fn https(
+        &self,
+        flag: &str,
+        address: &str,
+        host: &str,
+        https: bool,
+    ) -> anyhow::Result<Option<HttpsClient>> {
+        if !https && !self.any() {
+            return Ok(None);
+        }
+        let Some(ca) = &self.tls_ca else {
+            anyhow::bail!(
+                "{flag} {address} speaks TLS, which needs --tls-ca: the PEM certificate of the CA that signed \
+                 the server's certificate (narsil has no built-in list of public CAs)"
+            );
+        };
+        let mut roots = RootCertStore::empty();
+        let pem = read(ca, "--tls-ca")?;
+        for cert in CertificateDer::pem_slice_iter(&pem) {
+            let cert =
+                cert.map_err(|e| anyhow::anyhow!("--tls-ca {}: not PEM certificates: {e}", ca.display()))?;
+            roots
+                .add(cert)
+                .with_context(|| format!("--tls-ca {}: a certificate rustls refuses", ca.display()))?;
+        }
+        if roots.is_empty() {
+            anyhow::bail!("--tls-ca {} holds no certificate", ca.display());
+        }
+        let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .context("TLS client configuration")?
+            .with_root_certificates(roots);
+        let mut config = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let chain: Vec<CertificateDer<'static>> =
+                    CertificateDer::pem_slice_iter(&read(cert, "--tls-cert")?)
+                        .collect::<Result<_, _>>()
+                        .map_err(|e| {
+                            anyhow::anyhow!("--tls-cert {}: not PEM certificates: {e}", cert.display())
+                        })?;
+                let key_der = PrivateKeyDer::from_pem_slice(&read(key, "--tls-key")?).map_err(|e| {
+                    anyhow::anyhow!("--tls-key {}: not a PEM private key: {e}", key.display())
+                })?;
+                builder
+                    .with_client_auth_cert(chain, key_der)
+                    .context("--tls-cert and --tls-key do not go together")?
+            }
+            _ => builder.with_no_client_auth(),
+        };
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let name = self.tls_domain.as_deref().unwrap_or(host).trim_start_matches('[').trim_end_matches(']');
+        let name = ServerName::try_from(name.to_owned()).map_err(|e| {
+            anyhow::anyhow!("{name:?} is not a name a certificate can carry (--tls-domain): {e}")
+        })?;
+        Ok(Some(HttpsClient { config: Arc::new(config), name }))
     }
 }
 

@@ -46,6 +46,7 @@ use self::health::Health;
 use self::tls::{AdminListener, ServerTls};
 use crate::lifecycle::control::ModelControl;
 use crate::lifecycle::control_token::ControlToken;
+use crate::lifecycle::pushes::PushBook;
 use crate::lifecycle::watcher::{Repository, Watcher};
 use crate::lifecycle::ModelRegistry;
 use crate::protocols::infer::Infer;
@@ -111,6 +112,20 @@ pub struct Server {
 /// Whether `addr` is a loopback address (IPv4-mapped IPv6 ones included).
 pub fn is_loopback(addr: SocketAddr) -> bool {
     addr.ip().to_canonical().is_loopback()
+}
+
+/// The risk of model control's token on the admin address `admin`, if it
+/// crosses the network in clear: a token, plain HTTP, and an address
+/// other hosts reach.
+fn token_in_clear(control: &ModelControl, admin: SocketAddr, plain: bool) -> Option<String> {
+    (control.enabled && control.token.is_some() && plain && !is_loopback(admin)).then(|| {
+        format!(
+            "model control's token crosses the network in clear: --metrics-addr {admin} is not a loopback \
+             address and speaks plain HTTP, so anyone who can watch its traffic can read the token and \
+             load, unload and push ids; serve it over TLS (--tls-cert and --tls-key, without \
+             --metrics-tls off) or keep it on a loopback address"
+        )
+    })
 }
 
 /// Why model control without a token may not listen on `admin`.
@@ -296,8 +311,14 @@ impl Server {
                 }
             }
         });
-        let mut control =
-            ModelControl { registry: Arc::clone(&models), rescan: None, enabled: false, token: None };
+        let mut control = ModelControl {
+            registry: Arc::clone(&models),
+            rescan: None,
+            enabled: false,
+            token: None,
+            // A fixed --model takes no pushes (no --model-control).
+            pushes: Arc::new(PushBook::new(u64::MAX)),
+        };
         let watcher_task = match self.served {
             Served::Fixed(handle) => {
                 let drain = drain.clone();
@@ -309,6 +330,7 @@ impl Server {
                 None
             }
             Served::Repository { watcher, poll, control: enabled, control_token } => {
+                control.pushes = watcher.pushes();
                 let (rescan, task) = watcher.spawn(poll, drain.draining());
                 control.rescan = Some(rescan);
                 control.enabled = enabled;
@@ -338,6 +360,9 @@ impl Server {
             None => None,
             Some(listener) => {
                 let admin = listener.local_addr().context("the admin listener has no address")?;
+                if let Some(risk) = token_in_clear(&control, admin, describe(true) == "off") {
+                    tracing::warn!(addr = %admin, "{risk}");
+                }
                 tracing::info!(addr = %admin, tls = describe(true), "serving /metrics, /healthz and /v1/models");
                 let (serving, drained) = (health.serving(), drain.drained());
                 let listener = match &self.tls {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod id_maps;
+pub mod pushes;
 pub mod ranking;
 pub mod tls;
 

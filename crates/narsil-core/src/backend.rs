@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::batch::{assemble, KeyedBatch};
+use crate::id_push::{IdMapTable, IdPush, IdsPushed};
 use crate::request::RequestSamples;
 use crate::schema::ModelSchema;
 use crate::staged::StagedBatch;
@@ -230,26 +231,19 @@ pub trait BackendFactory: Send + Sync {
     /// outside the process never call it.
     fn watch_dependencies(&self, _watcher: DependencyWatcher) {}
 
-    /// Adds raw ids to table `table`'s id map while the model serves, each
-    /// with its row: `entries` back to back, each an 8-byte little-endian
-    /// raw id then the table's `row_bytes` of its row, in the table's
-    /// storage format. All of them become servable at once, or none (a
-    /// refusal says why). Backends without id maps refuse.
-    fn push_ids(&self, _table: &str, _entries: &[u8]) -> Result<IdsPushed, String> {
+    /// Adds raw ids to a table's id map while the model serves, each with
+    /// its row ([`IdPush`]): checked only, applied (all of them servable at
+    /// once, or none: a refusal says why), or replayed from the model's
+    /// push log before the version serves. Backends without id maps refuse.
+    fn push_ids(&self, _push: &IdPush<'_>) -> Result<IdsPushed, String> {
         Err("this backend holds no id maps (only split models' tables declare them)".into())
     }
-}
 
-/// What [`BackendFactory::push_ids`] did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
-pub struct IdsPushed {
-    /// Raw ids added by this push.
-    pub added: u64,
-    /// Raw ids of the push the table already held with the same row (a push
-    /// sent again): left as they were.
-    pub already_held: u64,
-    /// Raw ids pushed to the table so far, this push's included.
-    pub pushed: u64,
+    /// The tables that declare an id map, each with its rows' format and
+    /// whether it takes pushes; none for a backend without id maps.
+    fn id_map_tables(&self) -> Vec<IdMapTable> {
+        Vec::new()
+    }
 }
 
 /// Told whether a backend's outside dependencies answer (true) or not;

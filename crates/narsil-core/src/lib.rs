@@ -12,7 +12,8 @@
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own;
-//!   [`staged`]: the part of a forward a backend can run one batch ahead.
+//!   [`staged`]: the part of a forward a backend can run one batch ahead;
+//!   [`id_push`]: raw ids pushed to a served model's id maps.
 //! * [`golden`]: reference requests and scores written by the model export,
 //!   for backends' parity tests.
 //! * [`conformance`]: the checks every backend's tests run (golden parity,
@@ -33,6 +34,7 @@ pub mod broadcast;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod golden;
+pub mod id_push;
 pub mod invalid;
 pub mod mock;
 pub mod model_config;
@@ -43,10 +45,9 @@ pub mod schema;
 pub mod skip;
 pub mod staged;
 
-pub use backend::{
-    error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, IdsPushed, ModelBackend,
-};
+pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};
 pub use batch::{assemble, fuse, KeyedBatch};
+pub use id_push::{IdMapTable, IdPush, IdsPushed, PushMode, INDEX_BYTES_PER_ID};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use request_blocks::RequestBlocks;
 pub use request_level::RequestBlock;

@@ -21,6 +21,10 @@
 //!   `narsil_table_ids_total`, the share the model has never seen);
 //! * `narsil_table_pushed_ids`: raw ids pushed to a table's id map while
 //!   it serves (`narsil tables push-ids`), held with their rows;
+//! * `narsil_table_pushed_bytes`: the bytes those ids are charged (their
+//!   rows and 32 bytes of index each), which `--max-pushed-bytes` bounds;
+//!   `narsil_table_pushes_over_bound_total`: pushes refused past that
+//!   bound;
 //! * `narsil_table_fetch_seconds`: time to look up and pool one fused
 //!   batch's rows of the table (for a remote store, once they arrived);
 //! * `narsil_table_remote_fetch_seconds` (no `table` label): reading one
@@ -72,6 +76,8 @@ pub struct TableCounters {
     pub missing_rows: Counter,
     pub unmapped_ids: Counter,
     pub pushed_ids: Gauge,
+    pub pushed_bytes: Gauge,
+    pub pushes_over_bound: Counter,
     pub fetch_seconds: Histogram,
     pub major_faults: Counter,
     pub disk: DiskCounters,
@@ -112,6 +118,8 @@ pub struct StageMetrics {
     missing_rows: Family<TableLabel, Counter>,
     unmapped_ids: Family<TableLabel, Counter>,
     pushed_ids: Family<TableLabel, Gauge>,
+    pushed_bytes: Family<TableLabel, Gauge>,
+    pushes_over_bound: Family<TableLabel, Counter>,
     fetch_seconds: Family<TableLabel, Histogram, fn() -> Histogram>,
     major_faults: Family<TableLabel, Counter>,
     disk_bytes_read: Family<TableLabel, Counter>,
@@ -134,6 +142,8 @@ impl Default for StageMetrics {
             missing_rows: Family::default(),
             unmapped_ids: Family::default(),
             pushed_ids: Family::default(),
+            pushed_bytes: Family::default(),
+            pushes_over_bound: Family::default(),
             fetch_seconds: Family::new_with_constructor(fetch_buckets),
             major_faults: Family::default(),
             disk_bytes_read: Family::default(),
@@ -160,6 +170,8 @@ impl StageMetrics {
             missing_rows: self.missing_rows.get_or_create(&label).clone(),
             unmapped_ids: self.unmapped_ids.get_or_create(&label).clone(),
             pushed_ids: self.pushed_ids.get_or_create(&label).clone(),
+            pushed_bytes: self.pushed_bytes.get_or_create(&label).clone(),
+            pushes_over_bound: self.pushes_over_bound.get_or_create(&label).clone(),
             fetch_seconds: self.fetch_seconds.get_or_create(&label).clone(),
             major_faults: self.major_faults.get_or_create(&label).clone(),
             disk: DiskCounters {
@@ -240,6 +252,17 @@ impl StageMetrics {
             "table_pushed_ids",
             "Raw ids pushed to a table's id map while it serves, held with their rows",
             self.pushed_ids.clone(),
+        );
+        registry.register_with_unit(
+            "table_pushed",
+            "Bytes a table's pushed ids are charged: their rows and 32 bytes of index each (bounded by --max-pushed-bytes)",
+            Unit::Bytes,
+            self.pushed_bytes.clone(),
+        );
+        registry.register(
+            "table_pushes_over_bound",
+            "Pushes of ids to a table refused because its pushed ids would pass --max-pushed-bytes",
+            self.pushes_over_bound.clone(),
         );
         registry.register_with_unit(
             "table_fetch",

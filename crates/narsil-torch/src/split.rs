@@ -256,8 +256,12 @@ impl BackendFactory for SplitFactory {
         self.model.stage.watch_store(watcher);
     }
 
-    fn push_ids(&self, table: &str, entries: &[u8]) -> Result<narsil_core::IdsPushed, String> {
-        self.model.stage.push_ids(table, entries)
+    fn push_ids(&self, push: &narsil_core::IdPush<'_>) -> Result<narsil_core::IdsPushed, String> {
+        self.model.stage.push_ids(push)
+    }
+
+    fn id_map_tables(&self) -> Vec<narsil_core::IdMapTable> {
+        self.model.stage.id_map_tables()
     }
 }
 

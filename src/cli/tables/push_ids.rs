@@ -12,11 +12,17 @@
 //! ready version of the model at once (all of its ids servable from the
 //! next batch, or none); an id a version already holds with the same row is
 //! left as it is, so running the command again after a failure finishes
-//! what it started.
+//! what it started. Each body is one push: the server writes it to the
+//! model's push log before it answers, so versions loaded later get it too.
+//!
+//! `https://` addresses (or `--tls-ca`) speak TLS, as `narsil load` does:
+//! for servers whose admin address serves TLS (`--tls-cert`, and with
+//! `--tls-client-ca` a client certificate: `--tls-cert`/`--tls-key`).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -25,6 +31,7 @@ use narsil_embedding::schema::TableIds;
 use narsil_embedding::{IdMap, SplitSchema};
 
 use super::in_id_order;
+use crate::load::tls::{ClientTlsArgs, HttpsClient};
 
 /// Largest body the server takes for an id push (its
 /// `MAX_PUSH_BODY_BYTES`).
@@ -43,7 +50,8 @@ pub struct PushIdsArgs {
     from: PathBuf,
     /// Admin addresses of the servers to push to (`--metrics-addr`):
     /// `http://HOST:PORT[,http://HOST:PORT...]`, every replica that serves
-    /// the model.
+    /// the model; `https://` for an admin address that serves TLS (needs
+    /// --tls-ca).
     #[arg(long, value_delimiter = ',', required = true)]
     server: Vec<String>,
     /// The model's name on the servers (its repository directory); default:
@@ -63,6 +71,8 @@ pub struct PushIdsArgs {
     /// body is one atomic push.
     #[arg(long, default_value_t = 4 << 20)]
     chunk_bytes: usize,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
 }
 
 /// One table's entries to push.
@@ -92,7 +102,8 @@ pub fn push_ids(args: &PushIdsArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let servers: Vec<Server> = args.server.iter().map(|s| Server::parse(s)).collect::<anyhow::Result<_>>()?;
+    let servers: Vec<Server> =
+        args.server.iter().map(|s| Server::parse(s, &args.tls)).collect::<anyhow::Result<_>>()?;
     let mut tables = Vec::new();
     for spec in &schema.tables {
         if args.table.as_ref().is_some_and(|only| *only != spec.name) {
@@ -201,10 +212,11 @@ fn summary(answer: &serde_json::Value) -> String {
         .collect()
 }
 
-/// An admin address, spoken to in plain HTTP/1.1.
+/// An admin address, spoken to in HTTP/1.1, over TLS for `https://`.
 struct Server {
     url: String,
     authority: String,
+    tls: Option<HttpsClient>,
 }
 
 impl std::fmt::Display for Server {
@@ -213,27 +225,40 @@ impl std::fmt::Display for Server {
     }
 }
 
+/// A connection to a server: plain TCP or TLS over it.
+trait Connection: Read + Write {}
+impl<T: Read + Write> Connection for T {}
+
 impl Server {
-    fn parse(url: &str) -> anyhow::Result<Self> {
+    fn parse(url: &str, tls: &ClientTlsArgs) -> anyhow::Result<Self> {
         let url = url.trim().trim_end_matches('/');
-        if url.starts_with("https://") {
-            anyhow::bail!(
-                "--server {url}: this client speaks plain HTTP to the admin address; pushing over TLS is not built"
-            );
-        }
-        let authority = url.strip_prefix("http://").unwrap_or(url);
-        if authority.is_empty() || authority.contains('/') {
-            anyhow::bail!("--server {url}: expected http://HOST:PORT (the server's --metrics-addr)");
-        }
-        Ok(Self { url: format!("http://{authority}"), authority: authority.to_owned() })
+        let (https, authority) = match (url.strip_prefix("https://"), url.strip_prefix("http://")) {
+            (Some(rest), _) => (true, rest),
+            (None, Some(rest)) => (false, rest),
+            (None, None) => (false, url),
+        };
+        let host = authority.rsplit_once(':').map(|(host, _)| host);
+        let (Some(host), false) = (host.filter(|h| !h.is_empty()), authority.contains('/')) else {
+            anyhow::bail!("--server {url}: expected http://HOST:PORT or https://HOST:PORT (the server's --metrics-addr)");
+        };
+        let tls = tls.https("--server", url, host, https)?;
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        Ok(Self { url: format!("{scheme}://{authority}"), authority: authority.to_owned(), tls })
+    }
+
+    fn connect(&self) -> anyhow::Result<Box<dyn Connection>> {
+        let stream = TcpStream::connect(&self.authority)?;
+        stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+        let Some(tls) = &self.tls else { return Ok(Box::new(stream)) };
+        let session = tokio_rustls::rustls::ClientConnection::new(Arc::clone(&tls.config), tls.name.clone())?;
+        Ok(Box::new(tokio_rustls::rustls::StreamOwned::new(session, stream)))
     }
 
     /// `POST path` with `body`: the answer's JSON, or the server's refusal
     /// as the error.
     fn post(&self, path: &str, token: Option<&str>, body: &[u8]) -> anyhow::Result<serde_json::Value> {
         let context = || format!("POST {}{path}", self.url);
-        let mut stream = TcpStream::connect(&self.authority).with_context(context)?;
-        stream.set_read_timeout(Some(Duration::from_secs(120))).with_context(context)?;
+        let mut stream = self.connect().with_context(context)?;
         let mut head = format!(
             "POST {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/octet-stream\r\nContent-Length: {}\r\nConnection: close\r\n",
             self.authority,
@@ -245,6 +270,7 @@ impl Server {
         head.push_str("\r\n");
         stream.write_all(head.as_bytes()).with_context(context)?;
         stream.write_all(body).with_context(context)?;
+        stream.flush().with_context(context)?;
         let mut reader = BufReader::new(stream);
         let mut status = String::new();
         reader.read_line(&mut status).with_context(context)?;
@@ -253,14 +279,25 @@ impl Server {
             .nth(1)
             .and_then(|c| c.parse().ok())
             .with_context(|| format!("{}: not an HTTP answer: {status:?}", context()))?;
+        let mut length = None;
         loop {
             let mut line = String::new();
             if reader.read_line(&mut line).with_context(context)? == 0 || line == "\r\n" {
                 break;
             }
+            if let Some((name, value)) = line.split_once(':') {
+                if name.eq_ignore_ascii_case("content-length") {
+                    length = value.trim().parse::<u64>().ok();
+                }
+            }
         }
         let mut text = String::new();
-        reader.read_to_string(&mut text).with_context(context)?;
+        match length {
+            // Read to the length: a TLS peer may close without a word.
+            Some(length) => reader.take(length).read_to_string(&mut text),
+            None => reader.read_to_string(&mut text),
+        }
+        .with_context(context)?;
         let answer: serde_json::Value =
             serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
         if code != 200 {

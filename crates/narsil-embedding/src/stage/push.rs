@@ -1,13 +1,16 @@
 //! Pushing raw ids with their rows to a mapped table while it serves
-//! ([`EmbeddingStage::push_ids`]): which pushes are refused and why, and
-//! how a push's entries are checked against what the table holds before
-//! its new ids are swapped in at once ([`super::pushed_ids`]).
+//! ([`EmbeddingStage::push_ids`]): which pushes are refused and why, how a
+//! push's entries are checked against what the table holds before its new
+//! ids are swapped in at once ([`super::pushed_ids`]), how a push replayed
+//! from the model's push log differs (an id the version holds keeps its
+//! row), and the bound on the bytes a table's pushed ids hold.
 
-use narsil_core::IdsPushed;
+use narsil_core::{IdMapTable, IdPush, IdsPushed, PushMode, INDEX_BYTES_PER_ID};
 
 use super::map_ids::IdMapping;
 use super::pushed_ids::{invalid_row, RawIds};
-use super::EmbeddingStage;
+use super::{EmbeddingStage, StageTable};
+use crate::schema::{Storage, TableSpec};
 
 /// The most ids one table may hold pushed (a pushed id's place is a `u32`).
 pub const MAX_PUSHED_IDS: u64 = u32::MAX as u64;
@@ -29,19 +32,51 @@ impl EmbeddingStage {
         }
     }
 
-    /// Adds raw ids to table `table`'s id map with their rows
+    /// The tables that declare an id map, each with its rows' format and
+    /// why it takes no pushes, if it takes none.
+    pub fn id_map_tables(&self) -> Vec<IdMapTable> {
+        self.tables
+            .iter()
+            .filter(|t| matches!(t.mapping, IdMapping::Map { .. }))
+            .map(|t| IdMapTable {
+                name: t.spec.name.clone(),
+                row_format: row_format(&t.spec),
+                refused: self.refusal(t),
+            })
+            .collect()
+    }
+
+    /// Why `table` (which declares a map) takes no pushes, if it takes none.
+    fn refusal(&self, table: &StageTable) -> Option<String> {
+        let name = &table.spec.name;
+        if let Some(why) = &self.push_refusal {
+            return Some(format!("table {name:?}: {why}"));
+        }
+        table
+            .store
+            .local_rows()
+            .is_none()
+            .then(|| format!("table {name:?}: {}", store_refusal(table.store.kind())))
+    }
+
+    /// Adds raw ids to table `push.table`'s id map with their rows
     /// ([`narsil_core::BackendFactory::push_ids`]: `entries` back to back,
     /// an 8-byte little-endian raw id then the table's `row_bytes` of its
-    /// row). Every new id becomes servable at once, with the next batch,
-    /// or none does.
+    /// row), as `push.mode` says: checked only, applied (every new id
+    /// servable at once, with the next batch, or none is), or replayed.
     ///
     /// Refused, naming why, for a table without an id map, a store that does
     /// not hold its rows in this process, a stage that refuses pushes, a
     /// body that is not whole entries, a row whose numbers are not finite,
-    /// and a raw id the table already holds (in its map or pushed) with
-    /// another row. An id it already holds with the same row is left as it
-    /// is and counted (`already_held`): a push sent twice changes nothing.
-    pub fn push_ids(&self, table: &str, entries: &[u8]) -> Result<IdsPushed, String> {
+    /// more ids than [`MAX_PUSHED_IDS`] or bytes than `push.max_bytes`
+    /// (counted in `narsil_table_pushes_over_bound_total`), and, unless
+    /// replayed, a raw id the table already holds (in its map or pushed)
+    /// with another row. An id it already holds with the same row is left
+    /// as it is and counted (`already_held`): a push sent twice changes
+    /// nothing. Replayed, an id it holds with another row keeps it
+    /// (`superseded`).
+    pub fn push_ids(&self, push: &IdPush<'_>) -> Result<IdsPushed, String> {
+        let table = push.table;
         let Some(t) = self.tables.iter().find(|t| t.spec.name == table) else {
             return Err(format!("the model has no table {table:?}"));
         };
@@ -54,25 +89,24 @@ impl EmbeddingStage {
                 ));
             }
         };
-        if let Some(why) = &self.push_refusal {
-            return Err(format!("table {table:?}: {why}"));
-        }
-        if t.store.local_rows().is_none() {
-            return Err(format!("table {table:?}: {}", store_refusal(t.store.kind())));
+        if let Some(why) = self.refusal(t) {
+            return Err(why);
         }
         let (row_bytes, storage) = (t.spec.row_bytes, t.spec.storage);
         let entry = 8 + row_bytes;
-        if !entries.len().is_multiple_of(entry) {
+        if !push.entries.len().is_multiple_of(entry) {
             return Err(format!(
                 "a push to table {table:?} is entries of {entry} bytes (a raw id, 8 bytes little-endian, then a row of {row_bytes} bytes): {} bytes are not whole entries (a row of the wrong size?)",
-                entries.len()
+                push.entries.len()
             ));
         }
         let held_row = |row: u64| t.store.local_row(row as i64, row_bytes).expect("checked above");
+        let charge = row_bytes as u64 + INDEX_BYTES_PER_ID;
         overlay.push(|current| {
-            let (mut raws, mut rows, mut already_held) = (Vec::new(), Vec::new(), 0u64);
+            let (mut raws, mut rows) = (Vec::new(), Vec::new());
+            let (mut already_held, mut superseded) = (0u64, 0u64);
             let mut new = RawIds::default();
-            for entry in entries.chunks_exact(entry) {
+            for entry in push.entries.chunks_exact(entry) {
                 let (raw, row) = (i64::from_le_bytes(entry[..8].try_into().expect("8 bytes")), &entry[8..]);
                 if let Some(why) = invalid_row(storage, row) {
                     return Err(format!("raw id {raw}: {why}; nothing pushed"));
@@ -88,6 +122,7 @@ impl EmbeddingStage {
                 };
                 match held {
                     Some((held, _)) if held == row => already_held += 1,
+                    Some(_) if push.mode == PushMode::Replay => superseded += 1,
                     Some((_, where_)) => {
                         return Err(format!(
                             "raw id {raw} is already held by table {table:?} ({where_}) with another row: a push adds new ids, it does not change a held id's row (publish a new model version for that); nothing pushed"
@@ -100,20 +135,42 @@ impl EmbeddingStage {
                     }
                 }
             }
-            if current.len() + raws.len() as u64 > MAX_PUSHED_IDS {
+            let (held, added) = (current.len(), raws.len() as u64);
+            if held + added > MAX_PUSHED_IDS {
                 return Err(format!(
-                    "table {table:?} holds {} pushed ids: {} more would pass the {MAX_PUSHED_IDS} a table may hold; publish a new model version with them in its map",
-                    current.len(),
-                    raws.len()
+                    "table {table:?} holds {held} pushed ids: {added} more would pass the {MAX_PUSHED_IDS} a table may hold; publish a new model version with them in its map"
                 ));
             }
-            let added = raws.len() as u64;
-            let answer = IdsPushed { added, already_held, pushed: current.len() + added };
-            // Inside the push: pushes set it in the order they land.
+            let bytes = (held + added) * charge;
+            if added > 0 && bytes > push.max_bytes {
+                t.counters.pushes_over_bound.inc();
+                return Err(format!(
+                    "table {table:?} holds {held} pushed ids ({} bytes: their rows and {INDEX_BYTES_PER_ID} bytes of index each): {added} more would hold {bytes} bytes, past {} ({} bytes a table); nothing pushed (publish a new model version with them in its map, or raise the bound)",
+                    held * charge,
+                    push.bound_name,
+                    push.max_bytes
+                ));
+            }
+            let answer = IdsPushed { added, already_held, superseded, pushed: held + added, bytes };
+            if push.mode == PushMode::Check || added == 0 {
+                return Ok((answer, None));
+            }
+            // Inside the push: pushes set them in the order they land.
             t.counters.pushed_ids.set(answer.pushed as i64);
-            Ok((answer, (added > 0).then(|| current.with(&raws, rows))))
+            t.counters.pushed_bytes.set(bytes as i64);
+            Ok((answer, Some(current.with(&raws, rows))))
         })
     }
+}
+
+/// A table's rows' format as push logs name it: `STORAGE-DIM-ROW_BYTES`
+/// (`int8_rowwise-64-80`; two dims may pad to the same row bytes).
+fn row_format(spec: &TableSpec) -> String {
+    let storage = match spec.storage {
+        Storage::Int8Rowwise => "int8_rowwise",
+        Storage::Fp32 => "fp32",
+    };
+    format!("{storage}-{}-{}", spec.dim, spec.row_bytes)
 }
 
 /// Why a table in a store of kind `kind` takes no pushed ids (its rows are
@@ -135,8 +192,9 @@ fn store_refusal(kind: &str) -> String {
 mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
-    use narsil_core::{IdsPushed, KeyedBatch};
+    use narsil_core::{IdMapTable, IdPush, IdsPushed, KeyedBatch, PushMode};
 
     use super::super::fixtures::{batch, rows, schema, LocalRows};
     use super::super::pooling::tests::Fetching;
@@ -193,6 +251,11 @@ mod tests {
         sent
     }
 
+    /// Pushes `body` to `table` of `stage`, applied, without a bound.
+    fn push(stage: &EmbeddingStage, table: &str, body: &[u8]) -> Result<IdsPushed, String> {
+        stage.push_ids(&IdPush::apply(table, body, u64::MAX, "no bound"))
+    }
+
     /// Entries of a push: each raw id with the row `row` of `table`.
     fn entries(table: &Table, row_bytes: usize, pairs: &[(i64, u64)]) -> Vec<u8> {
         let mut body = Vec::new();
@@ -236,13 +299,10 @@ mod tests {
             let before = pooled.clone();
             let unmapped = stage.metrics().table("shared").unmapped_ids.get();
             assert_eq!(
-                stage.push_ids("shared", &entries(&tables[0], 16, &[(fresh(0, 9), 9)])).unwrap().added,
+                push(&stage, "shared", &entries(&tables[0], 16, &[(fresh(0, 9), 9)])).unwrap().added,
                 1
             );
-            assert_eq!(
-                stage.push_ids("own", &entries(&tables[1], 16, &[(fresh(1, 4), 4)])).unwrap().added,
-                1
-            );
+            assert_eq!(push(&stage, "own", &entries(&tables[1], 16, &[(fresh(1, 4), 4)])).unwrap().added, 1);
             assert_eq!((stage.pushed("shared"), stage.pushed("own")), (Some(1), Some(1)));
             for _ in 0..2 {
                 stage.pool(&sent, &mut scratch, &mut pooled).unwrap();
@@ -263,58 +323,86 @@ mod tests {
         }
     }
 
+    /// The pooled input of the fixtures' batch sent as rows, its shared
+    /// table's ids `defaulted` pooled as the default row (the last).
+    fn expected_pool(plain: &SplitSchema, defaulted: &[i64]) -> Vec<f32> {
+        let mut rows_batch = batch();
+        let shared = plain.features.iter().enumerate().filter(|(_, f)| f.table == "shared");
+        for (f, _) in shared {
+            for id in &mut rows_batch.ids[rows_batch.feature_offsets[f]..rows_batch.feature_offsets[f + 1]] {
+                if defaulted.contains(id) {
+                    *id = plain.tables[0].rows as i64 - 1;
+                }
+            }
+        }
+        let stores =
+            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
+        let mut pooled = Vec::new();
+        EmbeddingStage::new(plain, stores)
+            .pool(&rows_batch, &mut StageScratch::default(), &mut pooled)
+            .unwrap();
+        pooled
+    }
+
     #[test]
-    fn a_batch_reads_the_pushed_rows_of_the_snapshot_it_mapped_with_never_a_later_one() {
+    fn a_batch_pools_the_pushed_ids_of_the_snapshot_it_mapped_with_never_those_of_a_later_push() {
         let (mapped, maps) = mapped();
         let plain = schema();
         let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
         let stores =
             plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
         let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
-        let rows_batch = batch();
-        let mut expected = Vec::new();
-        let plain_stores =
-            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
-        EmbeddingStage::new(&plain, plain_stores)
-            .pool(&rows_batch, &mut StageScratch::default(), &mut expected)
-            .unwrap();
-        // Shared ids 4 and 9 sent as new ids, pushed in one push: a batch
-        // pools both from them or neither.
-        let new = |t: usize, row: i64| (t == 0 && (row == 4 || row == 9)).then(|| fresh(t, row));
-        let sent = raw_batch(&mapped, &rows_batch, new);
-        let mut all_default = Vec::new();
-        stage.pool(&sent, &mut StageScratch::default(), &mut all_default).unwrap();
-        // Mapped with the first push; a second lands before its rows are
-        // read: they are still the first snapshot's.
-        stage.push_ids("shared", &entries(&tables[0], 16, &[(fresh(0, 4), 4), (fresh(0, 9), 9)])).unwrap();
-        let mut scratch = StageScratch::default();
-        let mut mapped_batch = KeyedBatch::default();
-        let mut pushed = Vec::new();
+        // The shared table's ids 3, 4, 9 and 40 sent as new ids: 4 and 9
+        // pushed before the batch is mapped, 3 and 40 after.
+        let new = |t: usize, row: i64| (t == 0 && [3, 4, 9, 40].contains(&row)).then(|| fresh(t, row));
+        let sent = raw_batch(&mapped, &batch(), new);
+        push(&stage, "shared", &entries(&tables[0], 16, &[(fresh(0, 4), 4), (fresh(0, 9), 9)])).unwrap();
+        let (mut scratch, mut mapped_batch, mut pushed) =
+            (StageScratch::default(), KeyedBatch::default(), Vec::new());
         let batch = stage.map_batch(&sent, &mut mapped_batch, Some(&mut pushed)).clone();
         scratch.pushed = pushed;
-        let later: Vec<(i64, u64)> = (0..40).map(|n| (fresh(0, 100 + n), n as u64)).collect();
-        stage.push_ids("shared", &entries(&tables[0], 16, &later)).unwrap();
+        // The later push holds the batch's ids 3 and 40, and is large
+        // enough to merge the segment the batch's snapshot holds.
+        let mut later: Vec<(i64, u64)> = vec![(fresh(0, 3), 3), (fresh(0, 40), 40)];
+        later.extend((0..40).map(|n| (fresh(0, 100 + n), n as u64)));
+        push(&stage, "shared", &entries(&tables[0], 16, &later)).unwrap();
         let mut pooled = Vec::new();
         stage.pool_rows(&batch, &mut scratch, &mut pooled).unwrap();
-        assert_eq!(pooled, expected);
+        let (mapped_before, every_id) = (expected_pool(&plain, &[3, 40]), expected_pool(&plain, &[]));
+        assert_ne!(mapped_before, every_id, "the later push changes the batch's pool");
+        assert_eq!(pooled, mapped_before, "pooled with ids of a push that landed after the batch was mapped");
+        // Mapped again, the batch finds every id.
+        stage.pool(&sent, &mut StageScratch::default(), &mut pooled).unwrap();
+        assert_eq!(pooled, every_id);
+    }
 
-        // Under load: pushes of five new ids at a time while lanes pool
-        // batches whose shared ids are all new ids of one push.
-        let stage = Arc::new(stage);
+    #[test]
+    fn under_pushes_a_batch_pools_all_of_a_push_or_none_and_sees_it_once_answered() {
+        let (mapped, maps) = mapped();
+        let plain = schema();
+        let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
+        let stores =
+            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
+        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        let expected = expected_pool(&plain, &[]);
+        // Pushes of 50 new ids at a time while lanes pool batches whose
+        // shared ids are all new ids of one push (the 8th).
         let chunk = 7;
         let ids_of =
             |chunk: i64| move |t: usize, row: i64| (t == 0).then(|| fresh(0, 1000 + chunk * 64 + row));
-        let sent = raw_batch(&mapped, &rows_batch, ids_of(chunk));
+        let sent = raw_batch(&mapped, &batch(), ids_of(chunk));
         let mut before = Vec::new();
         stage.pool(&sent, &mut StageScratch::default(), &mut before).unwrap();
+        assert_ne!(before, expected);
         let done = AtomicBool::new(false);
+        let deadline = Instant::now() + Duration::from_secs(60);
         std::thread::scope(|scope| {
             scope.spawn(|| {
                 for c in 0..20 {
                     let pairs: Vec<(i64, u64)> =
                         (0..50).map(|row| (ids_of(c)(0, row).unwrap(), row as u64)).collect();
-                    stage.push_ids("shared", &entries(&tables[0], 16, &pairs)).unwrap();
-                    std::thread::sleep(std::time::Duration::from_millis(1));
+                    push(&stage, "shared", &entries(&tables[0], 16, &pairs)).unwrap();
+                    std::thread::sleep(Duration::from_millis(1));
                 }
                 done.store(true, Ordering::Release);
             });
@@ -323,7 +411,15 @@ mod tests {
                     scope.spawn(|| {
                         let (mut scratch, mut pooled, mut seen) =
                             (StageScratch::default(), Vec::new(), [0; 2]);
+                        // Until the pushes are done and a batch found them,
+                        // or the deadline: a push that never becomes
+                        // visible fails here instead of hanging.
                         while !done.load(Ordering::Acquire) || seen[1] == 0 {
+                            assert!(
+                                Instant::now() < deadline,
+                                "no batch pooled the pushed ids within 60 s (pushes done: {}; batches without them, with them: {seen:?})",
+                                done.load(Ordering::Acquire)
+                            );
                             stage.pool(&sent, &mut scratch, &mut pooled).unwrap();
                             match (pooled == before, pooled == expected) {
                                 (true, _) => seen[0] += 1,
@@ -351,7 +447,7 @@ mod tests {
             plain.tables.iter().map(|t| Arc::new(rows(t, seed)) as Arc<dyn RowStore>).collect()
         };
         let refused =
-            |stage: &EmbeddingStage, table: &str, body: &[u8]| stage.push_ids(table, body).unwrap_err();
+            |stage: &EmbeddingStage, table: &str, body: &[u8]| push(stage, table, body).unwrap_err();
         let one = entries(&table, 16, &[(fresh(0, 1), 3)]);
         // No map.
         let error = refused(&EmbeddingStage::new(&plain, local(3)), "shared", &one);
@@ -381,8 +477,8 @@ mod tests {
         // refused.
         let held = entries(&table, 16, &[(raw(0, 5), 5)]);
         assert_eq!(
-            stage.push_ids("shared", &held).unwrap(),
-            IdsPushed { added: 0, already_held: 1, pushed: 0 }
+            push(&stage, "shared", &held).unwrap(),
+            IdsPushed { added: 0, already_held: 1, pushed: 0, ..Default::default() }
         );
         let mut other = entries(&table, 16, &[(fresh(0, 2), 2), (raw(0, 5), 6)]);
         let error = refused(&stage, "shared", &other);
@@ -401,15 +497,106 @@ mod tests {
         // Pushed, then sent again: the same; with another row: refused.
         let pushed = entries(&table, 16, &[(fresh(0, 2), 2), (fresh(0, 3), 3), (fresh(0, 2), 2)]);
         assert_eq!(
-            stage.push_ids("shared", &pushed).unwrap(),
-            IdsPushed { added: 2, already_held: 1, pushed: 2 }
+            push(&stage, "shared", &pushed).unwrap(),
+            IdsPushed { added: 2, already_held: 1, pushed: 2, superseded: 0, bytes: 2 * (16 + 32) }
         );
         assert_eq!(
-            stage.push_ids("shared", &pushed).unwrap(),
-            IdsPushed { added: 0, already_held: 3, pushed: 2 }
+            push(&stage, "shared", &pushed).unwrap(),
+            IdsPushed { added: 0, already_held: 3, pushed: 2, superseded: 0, bytes: 2 * (16 + 32) }
         );
         let error = refused(&stage, "shared", &entries(&table, 16, &[(fresh(0, 3), 4)]));
         assert!(error.contains("pushed before"), "{error}");
         assert_eq!(stage.metrics().table("shared").pushed_ids.get(), 2);
+    }
+
+    #[test]
+    fn a_push_past_the_byte_bound_is_refused_naming_it_counted_and_changes_nothing() {
+        let (mapped, maps) = mapped();
+        let plain = schema();
+        let table = rows(&plain.tables[0], 3);
+        let stores = plain.tables.iter().map(|t| Arc::new(rows(t, 3)) as Arc<dyn RowStore>).collect();
+        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        // 48 bytes an id (a 16-byte row, 32 of index): three fit in 150.
+        let bounded = |body: &[u8]| stage.push_ids(&IdPush::apply("shared", body, 150, "--max-pushed-bytes"));
+        let three = entries(&table, 16, &[(fresh(0, 1), 1), (fresh(0, 2), 2), (fresh(0, 3), 3)]);
+        assert_eq!(bounded(&three).unwrap().bytes, 144);
+        let error = bounded(&entries(&table, 16, &[(fresh(0, 4), 4)])).unwrap_err();
+        assert!(
+            error.contains("--max-pushed-bytes (150 bytes a table)")
+                && error.contains("holds 3 pushed ids (144 bytes")
+                && error.contains("1 more would hold 192 bytes"),
+            "{error}"
+        );
+        let counters = stage.metrics().table("shared");
+        assert_eq!((counters.pushes_over_bound.get(), counters.pushed_bytes.get()), (1, 144));
+        assert_eq!(stage.pushed("shared"), Some(3));
+        // Ids already held add nothing: sent again, taken.
+        assert_eq!(bounded(&three).unwrap().already_held, 3);
+    }
+
+    #[test]
+    fn a_checked_push_says_what_it_would_do_and_changes_nothing() {
+        let (mapped, maps) = mapped();
+        let plain = schema();
+        let table = rows(&plain.tables[0], 3);
+        let stores = plain.tables.iter().map(|t| Arc::new(rows(t, 3)) as Arc<dyn RowStore>).collect();
+        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        let body = entries(&table, 16, &[(fresh(0, 1), 1), (raw(0, 5), 5)]);
+        let check = IdPush::apply("shared", &body, u64::MAX, "no bound").in_mode(PushMode::Check);
+        let checked = stage.push_ids(&check).unwrap();
+        assert_eq!((checked.added, checked.already_held, checked.pushed), (1, 1, 1));
+        assert_eq!(stage.pushed("shared"), Some(0));
+        assert_eq!(stage.metrics().table("shared").pushed_ids.get(), 0);
+        let conflict = entries(&table, 16, &[(raw(0, 5), 6)]);
+        assert!(stage
+            .push_ids(&IdPush { entries: &conflict, ..check })
+            .unwrap_err()
+            .contains("id map (row 5)"));
+        assert_eq!(push(&stage, "shared", &body).unwrap(), checked);
+    }
+
+    #[test]
+    fn a_replayed_push_keeps_the_rows_a_version_holds_and_adds_the_rest() {
+        let (mapped, maps) = mapped();
+        let plain = schema();
+        let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
+        let stores =
+            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
+        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        push(&stage, "shared", &entries(&tables[0], 16, &[(fresh(0, 4), 4)])).unwrap();
+        // The log's rows for: an id its map holds (row 9: the log says row
+        // 2), an id pushed before (row 4: the log says row 7), a new id.
+        let log = entries(&tables[0], 16, &[(raw(0, 9), 2), (fresh(0, 4), 7), (fresh(0, 9), 9)]);
+        let replay = IdPush::apply("shared", &log, u64::MAX, "no bound").in_mode(PushMode::Replay);
+        let replayed = stage.push_ids(&replay).unwrap();
+        assert_eq!((replayed.added, replayed.superseded, replayed.pushed), (1, 2, 2));
+        // Applied, the same entries are refused: the held rows differ.
+        assert!(push(&stage, "shared", &log).unwrap_err().contains("with another row"));
+        // Every id pools its own row: the map's 9, the first pushed 4.
+        let sent = raw_batch(&mapped, &batch(), |t, row| (t == 0 && row == 4).then(|| fresh(0, 4)));
+        let mut pooled = Vec::new();
+        stage.pool(&sent, &mut StageScratch::default(), &mut pooled).unwrap();
+        assert_eq!(pooled, expected_pool(&plain, &[]));
+    }
+
+    #[test]
+    fn the_mapped_tables_are_listed_with_their_row_format_and_why_they_take_no_pushes() {
+        let (mapped, maps) = mapped();
+        let plain = schema();
+        let local: Vec<Arc<dyn RowStore>> =
+            plain.tables.iter().map(|t| Arc::new(rows(t, 3)) as Arc<dyn RowStore>).collect();
+        let listed = |stage: &EmbeddingStage| stage.id_map_tables();
+        let table = |name: &str, refused: Option<String>| IdMapTable {
+            name: name.into(),
+            row_format: "int8_rowwise-8-16".into(),
+            refused,
+        };
+        let stage = EmbeddingStage::with_id_maps(&mapped, local.clone(), maps.clone());
+        assert_eq!(listed(&stage), [table("shared", None), table("own", None)]);
+        assert!(listed(&EmbeddingStage::new(&plain, local.clone())).is_empty());
+        let mut on_device = EmbeddingStage::with_id_maps(&mapped, local, maps);
+        on_device.refuse_pushes("the tables are on the device");
+        let refused = listed(&on_device);
+        assert!(refused[1].refused.as_ref().unwrap().contains("\"own\": the tables are on the device"));
     }
 }

@@ -204,11 +204,18 @@ impl EngineHandle {
         &self.shared.schema
     }
 
-    /// Adds raw ids with their rows to table `table`'s id map of the served
-    /// model ([`BackendFactory::push_ids`]); blocking (it copies the
-    /// table's pushed ids): call it off the async threads.
-    pub fn push_ids(&self, table: &str, entries: &[u8]) -> Result<narsil_core::IdsPushed, String> {
-        self.shared.factory.push_ids(table, entries)
+    /// Adds raw ids with their rows to a table's id map of the served model
+    /// ([`BackendFactory::push_ids`]); blocking (it checks every entry and
+    /// may merge the table's index of pushed ids): call it off the async
+    /// threads.
+    pub fn push_ids(&self, push: &narsil_core::IdPush<'_>) -> Result<narsil_core::IdsPushed, String> {
+        self.shared.factory.push_ids(push)
+    }
+
+    /// The served model's tables that declare an id map
+    /// ([`BackendFactory::id_map_tables`]).
+    pub fn id_map_tables(&self) -> Vec<narsil_core::IdMapTable> {
+        self.shared.factory.id_map_tables()
     }
 
     /// Per-request limits.

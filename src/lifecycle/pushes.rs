@@ -1,0 +1,300 @@
+//! Pushed ids follow the model: every id push to a model (`POST
+//! /v1/models/{model}/tables/{table}/ids`) is checked against every ready
+//! version, logged ([`super::push_log`]) and then applied to each, one push
+//! of the model at a time; and a version that loads (a new version, a
+//! restart, a replica started later) is given the logged pushes before it
+//! turns ready.
+//!
+//! A push goes to the model's ready versions all or none: each checks it
+//! first ([`PushMode::Check`]); if one refuses, none takes it and the
+//! answer says why. Once all would take it, the body is appended to the
+//! table's log and fsynced (if it adds an id to some version), and only
+//! then applied: an answered push is on disk.
+//!
+//! A loading version replays each of its mapped tables' log (the one of
+//! its rows' format; [`PushMode::Replay`]: an id it holds already, in its
+//! own map or replayed before, keeps that row) while it loads and warms,
+//! then, under the model's push lock, replays what was logged meanwhile and
+//! turns ready before the lock is released: no push lands between the two,
+//! so a version is ready with every push answered before it. A log of
+//! another row format (a table retrained with another dim) is not
+//! replayed, and is named in a warning with the ids it holds. A version
+//! whose table takes no pushes (its rows on a device or outside the
+//! process) serves without the logged ids, and a warning says how many.
+//! Replaying past the bound on a table's pushed bytes fails the version's
+//! load, naming the bound.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use narsil_core::{IdMapTable, IdPush, IdsPushed, PushMode};
+
+use super::push_log::{self, Tail, HEADER_BYTES};
+use super::registry::LiveVersion;
+
+/// The flag that bounds a table's pushed bytes, named in refusals.
+pub const BOUND_FLAG: &str = "--max-pushed-bytes";
+
+/// Every model's pushes.
+pub struct PushBook {
+    max_bytes: u64,
+    models: Mutex<HashMap<String, Arc<ModelPushes>>>,
+}
+
+/// One model's pushes: its logs' directory (none for a model whose
+/// versions do not come from a local repository: pushes then live in
+/// memory only), and the lock one push, or one version turning ready,
+/// holds at a time.
+pub struct ModelPushes {
+    model: String,
+    dir: OnceLock<PathBuf>,
+    max_bytes: u64,
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl PushBook {
+    /// Pushes bounded at `max_bytes` a table and version.
+    pub fn new(max_bytes: u64) -> Self {
+        Self { max_bytes, models: Mutex::default() }
+    }
+
+    /// `model`'s pushes, logged in `model_dir` (its directory in the
+    /// repository), which the first call that names one sets.
+    pub fn model(&self, model: &str, model_dir: Option<&Path>) -> Arc<ModelPushes> {
+        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = models.entry(model.to_owned()).or_insert_with(|| {
+            Arc::new(ModelPushes {
+                model: model.to_owned(),
+                dir: OnceLock::new(),
+                max_bytes: self.max_bytes,
+                lock: tokio::sync::Mutex::new(()),
+            })
+        });
+        if let Some(dir) = model_dir {
+            // Set before any version of it is ready, so before any push.
+            let _ = entry.dir.set(dir.to_path_buf());
+        }
+        Arc::clone(entry)
+    }
+}
+
+/// How a push reaches one version: its engine's [`narsil_core::BackendFactory::push_ids`].
+pub type PushFn<'a> = &'a (dyn Fn(&IdPush<'_>) -> Result<IdsPushed, String> + Sync);
+
+/// One table's log as a loading version replayed it.
+#[derive(Debug, Clone)]
+struct TableReplay {
+    table: String,
+    format: String,
+    path: PathBuf,
+    /// Where the next record starts.
+    end: u64,
+    pushed: IdsPushed,
+}
+
+/// What a loading version replayed: where it goes on under the lock.
+#[derive(Debug, Default)]
+pub struct Replayed {
+    tables: Vec<TableReplay>,
+}
+
+/// One version's part in a push.
+#[derive(Debug, serde::Serialize)]
+pub struct VersionPush {
+    /// The version.
+    pub version: String,
+    /// What it took.
+    #[serde(flatten)]
+    pub pushed: Option<IdsPushed>,
+    /// Why it refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// A push's outcome.
+#[derive(Debug)]
+pub enum PushAnswer {
+    /// Every version took it (or held it already).
+    Pushed(Vec<VersionPush>),
+    /// A version refused it: nothing was pushed to any (the refusals).
+    Refused(Vec<VersionPush>),
+    /// It could not be logged, or a version failed to apply what it had
+    /// checked: the versions' outcomes, and why.
+    Failed(Vec<VersionPush>, String),
+}
+
+impl ModelPushes {
+    /// Holds off pushes to the model (and other versions turning ready).
+    pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.lock.lock().await
+    }
+
+    fn push(
+        &self,
+        table: &str,
+        entries: &[u8],
+        mode: PushMode,
+        push: PushFn<'_>,
+    ) -> Result<IdsPushed, String> {
+        push(&IdPush { table, entries, mode, max_bytes: self.max_bytes, bound_name: BOUND_FLAG })
+    }
+
+    /// Replays the logs of version `version`'s mapped tables (`tables`)
+    /// through `push`, as far as they go now; what is logged meanwhile is
+    /// [`Self::catch_up`]'s. Fails naming the log when a replayed push is
+    /// refused (past the bound, or a log that is not one).
+    pub fn replay(&self, version: u64, tables: &[IdMapTable], push: PushFn<'_>) -> Result<Replayed, String> {
+        let Some(dir) = self.dir.get() else { return Ok(Replayed::default()) };
+        let model = &self.model;
+        let mut replayed = Replayed::default();
+        for table in tables {
+            for (format, other) in push_log::logs_of(dir, &table.name) {
+                if format != table.row_format {
+                    warn_not_replayed(
+                        model,
+                        version,
+                        &table.name,
+                        &other,
+                        &format,
+                        "its rows are of another format than the version's table (".to_owned()
+                            + &table.row_format
+                            + ")",
+                    );
+                }
+            }
+            let path = push_log::path(dir, &table.name, &table.row_format);
+            if let Some(why) = &table.refused {
+                warn_not_replayed(model, version, &table.name, &path, &table.row_format, why.clone());
+                continue;
+            }
+            let mut state = TableReplay {
+                table: table.name.clone(),
+                format: table.row_format.clone(),
+                path,
+                end: HEADER_BYTES,
+                pushed: IdsPushed::default(),
+            };
+            self.replay_from(&mut state, push)?;
+            replayed.tables.push(state);
+        }
+        Ok(replayed)
+    }
+
+    /// Replays `state`'s log from where it stopped; its tail.
+    fn replay_from(&self, state: &mut TableReplay, push: PushFn<'_>) -> Result<Tail, String> {
+        let to = push_log::read(&state.path, &state.format, state.end, |entries| {
+            let pushed = self.push(&state.table, entries, PushMode::Replay, push)?;
+            state.pushed.added += pushed.added;
+            state.pushed.already_held += pushed.already_held;
+            state.pushed.superseded += pushed.superseded;
+            (state.pushed.pushed, state.pushed.bytes) = (pushed.pushed, pushed.bytes);
+            Ok(())
+        })
+        .map_err(|why| format!("replaying the push log {}: {why}", state.path.display()))?;
+        state.end = to.end;
+        Ok(to.tail)
+    }
+
+    /// Under the model's push lock ([`Self::lock`]): replays what was
+    /// logged since [`Self::replay`], cutting off a torn tail (a push never
+    /// answered), and says what the version was given.
+    pub fn catch_up(&self, version: u64, replayed: &mut Replayed, push: PushFn<'_>) -> Result<(), String> {
+        for state in &mut replayed.tables {
+            if let Tail::Torn { bytes } = self.replay_from(state, push)? {
+                tracing::warn!(
+                    model = %self.model, version, table = %state.table, log = %state.path.display(), bytes,
+                    "the push log ends in a push that was never answered (the server stopped while writing it); cut off"
+                );
+                push_log::cut(&state.path, state.end)
+                    .map_err(|e| format!("cannot cut the torn tail of {}: {e}", state.path.display()))?;
+            }
+            let p = &state.pushed;
+            if p.added + p.already_held + p.superseded > 0 {
+                tracing::info!(
+                    model = %self.model, version, table = %state.table, added = p.added,
+                    already_held = p.already_held, superseded_by_own_rows = p.superseded,
+                    pushed = p.pushed, bytes = p.bytes, "pushed ids replayed from the push log"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Under the model's push lock: pushes `entries` to table `table` of
+    /// every version of `versions` (the model's ready ones) as the module
+    /// says: checked by all, logged, applied to all.
+    pub fn push_to(&self, versions: &[Arc<LiveVersion>], table: &str, entries: &[u8]) -> PushAnswer {
+        let push_of = |live: &LiveVersion| {
+            let engine = live.engine.clone();
+            move |push: &IdPush<'_>| engine.push_ids(push)
+        };
+        let mut refusals = Vec::new();
+        let mut adds = None;
+        for live in versions {
+            match self.push(table, entries, PushMode::Check, &push_of(live)) {
+                Err(why) => refusals.push(VersionPush {
+                    version: live.number.to_string(),
+                    pushed: None,
+                    error: Some(why),
+                }),
+                Ok(checked) if checked.added > 0 && adds.is_none() => adds = Some(live),
+                Ok(_) => {}
+            }
+        }
+        if !refusals.is_empty() {
+            return PushAnswer::Refused(refusals);
+        }
+        if let (Some(dir), Some(live)) = (self.dir.get(), adds) {
+            let format =
+                live.engine.id_map_tables().into_iter().find(|t| t.name == table).map(|t| t.row_format);
+            let Some(format) = format else {
+                return PushAnswer::Failed(
+                    Vec::new(),
+                    format!("version {} lists no mapped table {table:?}", live.number),
+                );
+            };
+            let path = push_log::path(dir, table, &format);
+            if let Err(e) = push_log::append(&path, &format, entries) {
+                return PushAnswer::Failed(
+                    Vec::new(),
+                    format!("nothing pushed: cannot write the push log {}: {e}", path.display()),
+                );
+            }
+        }
+        let mut outcomes = Vec::new();
+        let mut failure = None;
+        for live in versions {
+            let version = live.number.to_string();
+            match self.push(table, entries, PushMode::Apply, &push_of(live)) {
+                Ok(pushed) => outcomes.push(VersionPush { version, pushed: Some(pushed), error: None }),
+                Err(why) => {
+                    failure.get_or_insert_with(|| {
+                        format!("version {version} refused a push it had taken when checked: {why}")
+                    });
+                    outcomes.push(VersionPush { version, pushed: None, error: Some(why) });
+                }
+            }
+        }
+        match failure {
+            None => PushAnswer::Pushed(outcomes),
+            Some(why) => PushAnswer::Failed(outcomes, why),
+        }
+    }
+}
+
+/// Warns that version `version` does not serve the ids of the log at
+/// `path` (of rows in `format`), and why.
+fn warn_not_replayed(model: &str, version: u64, table: &str, path: &Path, format: &str, why: String) {
+    let Ok(bytes) = push_log::payload_bytes(path) else { return };
+    let row_bytes: u64 = format.rsplit('-').next().and_then(|b| b.parse().ok()).unwrap_or(0);
+    let ids = bytes / (8 + row_bytes);
+    if ids == 0 {
+        return;
+    }
+    tracing::warn!(
+        model, version, table, log = %path.display(), ids,
+        reason = %why,
+        "pushed ids of the push log not replayed into this version: it serves them from its default row"
+    );
+}

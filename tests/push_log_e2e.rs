@@ -1,0 +1,163 @@
+//! Pushed ids follow the model, end to end over real HTTP and gRPC on
+//! loopback: a repository server (`--model-control`, a token) serving the
+//! test model's mapped copy from the `memory` store, and the model's push
+//! log on disk beside its versions.
+//!
+//! Ids pushed to version 1 are served by version 2 once it is published
+//! and turns ready (the log replayed into it before), and by the server
+//! restarted on the same repository: the golden request whose ids of one
+//! table are new scores as the golden one, and none of those ids is served
+//! from the default row (`narsil_table_unmapped_ids_total`). A torn tail
+//! (a push the server was writing when it stopped) is cut off at the next
+//! load, and what came before it is served. A push past
+//! `--max-pushed-bytes` is refused naming it, counted, and not logged.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::pushes::{close, default_ids, entries, publish, push, rows_of, with_new_ids, TABLE, TOKEN};
+use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
+
+/// A repository server with model control behind the token, its tables in
+/// memory, `edit` applied to its flags; waits until `versions` are served.
+async fn start(
+    repo: &Path,
+    versions: &[u64],
+    edit: impl FnOnce(&mut narsil::cli::ServeArgs),
+) -> common::RepoServer {
+    let server = common::RepoServer::start(repo, TOKEN, |args| {
+        args.backend.table_store = "memory".parse().unwrap();
+        edit(args);
+    })
+    .await;
+    wait_serving(&server, versions).await;
+    server
+}
+
+/// Waits until the ready versions of `dlrm` are `versions`.
+async fn wait_serving(server: &common::RepoServer, versions: &[u64]) {
+    let models = std::sync::Arc::clone(&server.models);
+    common::wait_until(&format!("versions {versions:?} of dlrm ready"), Duration::from_secs(180), || {
+        models.live_versions("dlrm").iter().map(|v| v.number).collect::<Vec<_>>() == versions
+    })
+    .await;
+}
+
+/// The scores of `request`, and how many of its ids of table `TABLE` the
+/// served version `version` took from the default row.
+async fn score(server: &common::RepoServer, request: &GoldenRequest, version: u64) -> (Vec<f32>, u64) {
+    let unmapped = |text: &str| {
+        let sample = format!(r#"narsil_table_unmapped_ids_total{{table="cat_{TABLE}",version="{version}"}}"#);
+        common::metric(text, &sample) as u64
+    };
+    let before = unmapped(&common::scrape(server.admin).await);
+    let scores = server.client().await.predict(common::wire(request, "")).await.unwrap().into_inner().scores;
+    (scores, unmapped(&common::scrape(server.admin).await) - before)
+}
+
+/// The push log of table `TABLE` in `repo`.
+fn log_of(repo: &Path) -> std::path::PathBuf {
+    let dir = repo.join("dlrm/.pushed-ids");
+    let logs: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).collect();
+    let prefix = format!("cat_{TABLE}.");
+    let mut ours = logs.into_iter().filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with(&prefix));
+    let log = ours.next().expect("a push log of the table");
+    assert!(ours.next().is_none());
+    log
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ids_pushed_to_version_1_are_served_by_version_2_once_published_and_after_a_restart() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    let defaults = publish(repo.path(), &golden, 1);
+    let (rows, row_bytes) = rows_of(&repo.path().join("dlrm/1"), TABLE);
+    let g = &golden.requests[1];
+    let (request, request_rows) = with_new_ids(g, &defaults);
+    let from_defaults = default_ids(g, &defaults);
+    let table = format!("cat_{TABLE}");
+    let new_ids = request_rows.len() as u64;
+    assert!(new_ids > 0);
+
+    let server = start(repo.path(), &[1], |_| {}).await;
+    let (before, unmapped) = score(&server, &request, 1).await;
+    assert!(!close(&before, &g.scores_int8), "the new ids change the score");
+    assert!(unmapped >= from_defaults + new_ids, "{unmapped}");
+    // Pushed in two bodies: two records of the log.
+    let pairs: Vec<(i64, usize)> =
+        request_rows.iter().map(|&r| (common::pushes::NEW_IDS + r as i64, r)).collect();
+    let (first, second) = pairs.split_at(pairs.len() / 2);
+    for part in [first, second] {
+        let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, part.iter().copied())).await;
+        assert_eq!(code, 200, "{body}");
+    }
+    let (scores, unmapped) = score(&server, &request, 1).await;
+    assert!(close(&scores, &g.scores_int8), "{scores:?}");
+    assert_eq!(unmapped, from_defaults);
+    let log = log_of(repo.path());
+
+    // Version 2 published and switched to: it serves every pushed id.
+    publish(repo.path(), &golden, 2);
+    let (code, body) =
+        common::post(server.admin, "/v1/repository/scan", Some(&format!("Bearer {TOKEN}")), b"").await;
+    assert_eq!(code, 200, "{body}");
+    wait_serving(&server, &[2]).await;
+    let (scores, unmapped) = score(&server, &request, 2).await;
+    assert!(close(&scores, &g.scores_int8), "version 2 without the pushed ids: {scores:?}");
+    assert_eq!(unmapped, from_defaults, "version 2 served pushed ids from the default row");
+    let metrics = common::scrape(server.admin).await;
+    let held = format!(r#"narsil_table_pushed_ids{{table="{table}",version="2"}}"#);
+    assert_eq!(common::metric(&metrics, &held) as u64, new_ids);
+    // Sent again to version 2: held, nothing logged.
+    let logged = std::fs::metadata(&log).unwrap().len();
+    let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, pairs.iter().copied())).await;
+    assert_eq!((code, &body["versions"][0]["already_held"]), (200, &serde_json::json!(new_ids)), "{body}");
+    assert_eq!(std::fs::metadata(&log).unwrap().len(), logged);
+    server.stop().await;
+
+    // A push the server was writing when it stopped: a torn tail.
+    let mut torn = std::fs::read(&log).unwrap();
+    torn.extend_from_slice(&[7; 40]);
+    std::fs::write(&log, &torn).unwrap();
+    // Restarted: the log replayed into version 2 before it serves.
+    let server = start(repo.path(), &[2], |_| {}).await;
+    let (scores, unmapped) = score(&server, &request, 2).await;
+    assert!(close(&scores, &g.scores_int8), "after a restart, without the pushed ids: {scores:?}");
+    assert_eq!(unmapped, from_defaults, "after a restart, pushed ids served from the default row");
+    assert_eq!(std::fs::metadata(&log).unwrap().len(), logged, "the torn tail is cut off");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_past_the_byte_bound_is_refused_naming_it_counted_and_not_logged() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    publish(repo.path(), &golden, 1);
+    let (rows, row_bytes) = rows_of(&repo.path().join("dlrm/1"), TABLE);
+    let table = format!("cat_{TABLE}");
+    // Room for 10 ids: their rows and 32 bytes of index each.
+    let bound = 10 * (row_bytes as u64 + 32);
+    let server = start(repo.path(), &[1], |args| args.max_pushed_bytes = bound).await;
+    let ids = |from: i64, n: usize| (0..n).map(move |k| (0x4255_0000_0000_0000 + from + k as i64, k % 7));
+    let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, ids(0, 6))).await;
+    assert_eq!(code, 200, "{body}");
+    let logged = std::fs::metadata(log_of(repo.path())).unwrap().len();
+    let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, ids(100, 5))).await;
+    assert_eq!(code, 422, "{body}");
+    let why = body["error"].as_str().unwrap();
+    assert!(why.contains(&format!("--max-pushed-bytes ({bound} bytes a table)")), "{why}");
+    assert!(why.contains("holds 6 pushed ids") && why.contains("nothing pushed"), "{why}");
+    let metrics = common::scrape(server.admin).await;
+    let sample = |name: &str| common::metric(&metrics, &format!(r#"{name}{{table="{table}"}}"#)) as u64;
+    assert_eq!(sample("narsil_table_pushes_over_bound_total"), 1);
+    assert_eq!(sample("narsil_table_pushed_bytes"), 6 * (row_bytes as u64 + 32));
+    assert_eq!(sample("narsil_table_pushed_ids"), 6);
+    assert_eq!(std::fs::metadata(log_of(repo.path())).unwrap().len(), logged, "a refused push is not logged");
+    // What fits is taken.
+    let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, ids(100, 4))).await;
+    assert_eq!((code, &body["versions"][0]["bytes"]), (200, &serde_json::json!(bound)), "{body}");
+    server.stop().await;
+}
