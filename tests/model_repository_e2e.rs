@@ -542,10 +542,10 @@ async fn split_versions_share_the_tables_they_have_in_common() {
         let table = dir.join("tables/cat_3.bin");
         let mut rows = std::fs::read(&table).unwrap();
         rows[4] ^= 1;
-        std::fs::write(&table, rows).unwrap();
+        std::fs::write(&table, &rows).unwrap();
         let schema = std::fs::read_to_string(dir.join("schema.json")).unwrap();
         let mut schema: serde_json::Value = serde_json::from_str(&schema).unwrap();
-        schema["tables"][3]["sha256"] = "a new table".into();
+        schema["tables"][3]["sha256"] = narsil_embedding::sha256::sha256_of_bytes(&rows).into();
         std::fs::write(dir.join("schema.json"), schema.to_string()).unwrap();
     });
     server.wait_until("versions 2 and 3", ready(&["2", "3"])).await;

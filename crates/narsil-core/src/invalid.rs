@@ -9,7 +9,8 @@ pub enum IdPolicy {
     /// Reject the request with INVALID_ARGUMENT (default).
     #[default]
     Reject,
-    /// Map the id into range with `id.rem_euclid(num_rows)`.
+    /// Map the id into range, [`crate::ids::Modulo::Signed`] (`id %
+    /// num_rows` as Python computes it).
     Modulo,
 }
 

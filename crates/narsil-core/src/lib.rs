@@ -8,7 +8,8 @@
 //!   [`request_level`]: a ranking request's request-level block (one user,
 //!   many candidates); [`request_blocks`]: those blocks in a fused batch;
 //!   [`broadcast`]: the rows each block goes to, and the flat batch;
-//!   [`invalid`]: why a request is refused.
+//!   [`invalid`]: why a request is refused; [`ids`]: how an id becomes a
+//!   row (the range check, the modulo conventions).
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own;
@@ -35,6 +36,7 @@ pub mod broadcast;
 pub mod conformance;
 pub mod golden;
 pub mod id_push;
+pub mod ids;
 pub mod invalid;
 pub mod mock;
 pub mod model_config;

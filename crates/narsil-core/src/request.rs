@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use crate::ids::fit_ids;
 use crate::invalid::widen_weights;
 pub use crate::invalid::{IdPolicy, InputField, InvalidInput};
 use crate::request_level::{widen_row_lengths, RequestBlock};
@@ -375,24 +376,17 @@ impl RequestSamples {
         for (bag, &len) in self.lengths.iter().enumerate() {
             let (sample, f) = self.layout.bag_position(bag, b, num_sparse);
             let feature = &schema.sparse[f];
-            let rows = feature.num_rows as i64;
             let end = cursor + len as usize;
-            for id in &mut self.ids[cursor..end] {
-                if feature.raw_ids || (0..rows).contains(id) {
-                    continue;
-                }
-                match policy {
-                    IdPolicy::Modulo => *id = id.rem_euclid(rows),
-                    IdPolicy::Reject => {
-                        return Err(InvalidInput::new(
-                            if feature.weighted { InputField::WeightedIds } else { InputField::Ids },
-                            format!(
-                                "sample {sample} feature {f} ({}) has id {} outside [0, {rows})",
-                                feature.name, *id
-                            ),
-                        ))
-                    }
-                }
+            if let Err(at) = fit_ids(&mut self.ids[cursor..end], feature, policy) {
+                return Err(InvalidInput::new(
+                    if feature.weighted { InputField::WeightedIds } else { InputField::Ids },
+                    format!(
+                        "sample {sample} feature {f} ({}) has id {} outside [0, {})",
+                        feature.name,
+                        self.ids[cursor + at],
+                        feature.num_rows
+                    ),
+                ));
             }
             cursor = end;
         }

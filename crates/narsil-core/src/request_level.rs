@@ -13,6 +13,7 @@
 //! backend that takes only flat batches gets them expanded
 //! ([`crate::KeyedBatch::into_flat`]).
 
+use crate::ids::fit_ids;
 use crate::invalid::{widen_weights, IdPolicy, InputField, InvalidInput};
 use crate::request::{ids_match_lengths, RequestLimits, RequestSamples};
 use crate::schema::ModelSchema;
@@ -110,23 +111,16 @@ impl RequestBlock {
         let mut at = 0;
         for (&f, &len) in level.features.iter().zip(&self.lengths) {
             let feature = &schema.sparse[f];
-            let rows = feature.num_rows as i64;
-            for id in &mut self.ids[at..at + len as usize] {
-                if feature.raw_ids || (0..rows).contains(id) {
-                    continue;
-                }
-                match policy {
-                    IdPolicy::Modulo => *id = id.rem_euclid(rows),
-                    IdPolicy::Reject => {
-                        return Err(InvalidInput::new(
-                            InputField::RequestIds,
-                            format!(
-                                "request feature {f} ({}) has id {} outside [0, {rows})",
-                                feature.name, *id
-                            ),
-                        ))
-                    }
-                }
+            if let Err(k) = fit_ids(&mut self.ids[at..at + len as usize], feature, policy) {
+                return Err(InvalidInput::new(
+                    InputField::RequestIds,
+                    format!(
+                        "request feature {f} ({}) has id {} outside [0, {})",
+                        feature.name,
+                        self.ids[at + k],
+                        feature.num_rows
+                    ),
+                ));
             }
             at += len as usize;
         }

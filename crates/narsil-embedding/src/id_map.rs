@@ -49,6 +49,8 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
+use crate::sha256::hex;
+
 /// The first 16 bytes of every map file.
 pub const MAGIC: &[u8; 16] = b"NARSIL-IDMAP-1\n\0";
 /// Bytes before the first slot.
@@ -431,10 +433,6 @@ pub fn build(pairs: &[(i64, u64)], rows: u64) -> Result<Vec<u8>, IdMapError> {
         writer.push(raw, row)?;
     }
     Ok(writer.finish()?.0.into_inner())
-}
-
-fn hex(digest: impl AsRef<[u8]>) -> String {
-    digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -21,6 +21,8 @@
 use sha2::{Digest, Sha256};
 use std::io::Read;
 
+use crate::sha256::hex;
+
 /// Bytes per id in a slot index.
 pub const SLOT_BYTES: u64 = 4;
 
@@ -172,7 +174,7 @@ impl SlotIndex {
                 Some(rank)
             })
             .collect();
-        Ok((Self { hot_bits, block_ranks, hot_slots, rows }, hex(sha)))
+        Ok((Self { hot_bits, block_ranks, hot_slots, rows }, hex(sha.finalize())))
     }
 
     /// An index over `slots` (slot of id `i` at `i`), which must be a
@@ -277,11 +279,6 @@ fn scan<R: Read>(
     }
 }
 
-/// A finished hash as the schema writes it: 64 lowercase hex digits.
-fn hex(sha: Sha256) -> String {
-    sha.finalize().iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -383,7 +380,7 @@ mod tests {
                     let (index, sha) = SlotIndex::read(|| Ok(Trickle(&bytes, 0)), rows as u64).unwrap();
                     let mut whole = Sha256::new();
                     whole.update(&bytes);
-                    assert_eq!(sha, hex(whole), "{rows} rows: the hash of the bytes read");
+                    assert_eq!(sha, hex(whole.finalize()), "{rows} rows: the hash of the bytes read");
                     assert_eq!(index.hot_slots.len(), reference_hot(&order), "{rows} rows, {hot} hot");
                     for (id, &slot) in slots.iter().enumerate() {
                         assert_eq!(index.slot(id as i64), i64::from(slot), "{rows} rows, {hot} hot, id {id}");

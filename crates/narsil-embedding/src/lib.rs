@@ -4,6 +4,8 @@
 //!
 //! * [`schema`]: a split model's `schema.json`: dense features, tables,
 //!   sparse features mapped to tables, outputs; checked when read.
+//! * [`sha256`]: the SHA-256s the schema names, as it names them (the one
+//!   format check), and hashing the files it names.
 //! * [`stores`]: where a table's rows live, one room: the [`RowStore`]
 //!   trait, the registry of kinds `--table-store` names, and each kind in a
 //!   module of its own (`memory` and `mmap`, `disk`, `redis`), with the row
@@ -31,6 +33,7 @@ pub mod layout;
 pub mod metrics;
 pub mod pool;
 pub mod schema;
+pub mod sha256;
 pub mod stage;
 pub mod stores;
 

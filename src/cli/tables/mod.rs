@@ -7,10 +7,12 @@
 //! out in popularity order ([`order`]). `narsil tables map`: a table's id
 //! map from a vocabulary, sorted on disk ([`map`]). `narsil tables
 //! push-ids`: new raw ids and their rows added to a served model's id maps
-//! ([`push_ids`]).
+//! ([`push_ids`]). What they write into a model is published by rename
+//! ([`publish`]).
 
 mod map;
 mod order;
+mod publish;
 mod push_ids;
 mod rows;
 
@@ -244,9 +246,5 @@ fn edit_tables(
             file.sync_all()
         })
         .with_context(|| format!("writing {}", temporary.display()))?;
-    std::fs::rename(&temporary, &out).with_context(|| format!("replacing {}", out.display()))?;
-    std::fs::File::open(to)
-        .and_then(|dir| dir.sync_all())
-        .with_context(|| format!("syncing the directory {}", to.display()))?;
-    Ok(())
+    publish::rename_into_place(&temporary, &out)
 }

@@ -22,7 +22,8 @@
 //! and `--out`'s parent directory is synced: once the command has said so,
 //! the model is on disk whole, and before, `--out` does not exist (a
 //! `.partial` directory is not a version a repository serves). A run that
-//! fails removes its own `OUT.partial`.
+//! fails removes its own `OUT.partial` (the way every `narsil tables`
+//! command publishes: [`super::publish`]).
 //!
 //! The copy carries a stamp ([`STAMP_FILE`]): each table file's SHA-256
 //! (those it wrote, as it wrote them; the others checked in the source)
@@ -54,10 +55,11 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use layout_builder::{slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder};
-use narsil_embedding::stores::table_file::{
-    checked_file, is_sha256, slot_index, Stamp, StampedFile, STAMP_FILE,
-};
+use narsil_embedding::sha256::is_sha256;
+use narsil_embedding::stores::table_file::{checked_file, slot_index, Stamp, StampedFile, STAMP_FILE};
 use narsil_embedding::{Layout, SplitSchema, TableSpec};
+
+use super::publish::{rename_into_place, Claimed};
 
 /// Rows a reordered table is written through: at most this many bytes of
 /// them are held at once.
@@ -103,7 +105,10 @@ fn order_through(args: &OrderTablesArgs, buffer_bytes: usize) -> anyhow::Result<
     }
     // The counts' memory back to the OS before the rows' buffer is taken.
     narsil_engine::release_freed_memory();
-    let partial = PartialDir::create(&args.out)?;
+    let partial = Claimed::directory(
+        &partial_path(&args.out),
+        &format!("`narsil tables order --out {}`", args.out.display()),
+    )?;
     // What this command writes, and the temporary names it writes them
     // under: never linked from the source.
     let mut written: Vec<PathBuf> = vec!["schema.json".into(), "schema.json.tmp".into()];
@@ -154,75 +159,6 @@ fn partial_path(out: &Path) -> PathBuf {
     let mut name = out.as_os_str().to_owned();
     name.push(".partial");
     name.into()
-}
-
-/// The copy being written, in a directory this run created: removed if
-/// the run stops before [`PartialDir::publish`] (an error, a panic), left
-/// behind only by a crash or power cut.
-struct PartialDir {
-    path: PathBuf,
-    published: bool,
-}
-
-impl PartialDir {
-    /// Creates `out`'s [`partial_path`], exclusively: one that exists is
-    /// another run's, or a crashed run's, and is refused, never removed.
-    fn create(out: &Path) -> anyhow::Result<Self> {
-        let path = partial_path(out);
-        match std::fs::create_dir(&path) {
-            Ok(()) => Ok(Self { path, published: false }),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => anyhow::bail!(
-                "{} exists: another `narsil tables order --out {}` is writing it, or one was stopped by a crash \
-                 or power cut and left it (it is not served, and it is left as it is). Once no run is writing \
-                 it, remove it (`rm -r {}`) and run again",
-                path.display(),
-                out.display(),
-                path.display()
-            ),
-            Err(e) => Err(e).with_context(|| format!("creating {}", path.display())),
-        }
-    }
-
-    fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Syncs every directory of the copy (its files are synced as they are
-    /// written), renames it to `out`, and syncs `out`'s parent.
-    fn publish(mut self, out: &Path) -> anyhow::Result<()> {
-        sync_directories(&self.path)?;
-        std::fs::rename(&self.path, out)
-            .with_context(|| format!("renaming {} to {}", self.path.display(), out.display()))?;
-        self.published = true;
-        let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        sync_directory(parent)
-    }
-}
-
-impl Drop for PartialDir {
-    fn drop(&mut self) {
-        if !self.published {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
-}
-
-/// `fsync`s the directory `dir` (its entries: names created, renamed).
-fn sync_directory(dir: &Path) -> anyhow::Result<()> {
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .with_context(|| format!("syncing the directory {}", dir.display()))
-}
-
-/// [`sync_directory`] on `dir` and every directory under it, deepest first.
-fn sync_directories(dir: &Path) -> anyhow::Result<()> {
-    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
-        let entry = entry?;
-        if entry.file_type()?.is_dir() {
-            sync_directories(&entry.path())?;
-        }
-    }
-    sync_directory(dir)
 }
 
 /// Writes the copy `to`'s [`STAMP_FILE`]: each table file with a SHA-256 as
@@ -308,8 +244,7 @@ fn write_new(
         .with_context(|| format!("creating {}", partial.display()))?;
     let sha = write(&mut file).with_context(|| format!("writing {}", partial.display()))?;
     file.sync_all().with_context(|| format!("writing {}", partial.display()))?;
-    std::fs::rename(&partial, path)
-        .with_context(|| format!("renaming {} to {}", partial.display(), path.display()))?;
+    rename_into_place(&partial, path)?;
     Ok(sha)
 }
 
@@ -595,14 +530,14 @@ mod tests {
         let tables = model(&a);
         // t1 is not in the log: linked, so checked in the source.
         for (t, file) in [(0, "tables/t0.bin"), (1, "tables/t1.bin")] {
-            let wrong = narsil_embedding::stores::table_file::sha256_of(&b"other rows"[..]).unwrap();
+            let wrong = narsil_embedding::sha256::sha256_of(&b"other rows"[..]).unwrap();
             name_hash(&a, t, &wrong);
             let log = dir.path().join("t0.log");
             std::fs::write(&log, "a 3\na 9\n").unwrap();
             let error = format!("{:#}", order_through(&args(&a, log, &out), 3 * 16).unwrap_err());
             assert!(error.contains(file) && error.contains(&wrong), "{error}");
             assert!(!out.exists() && !partial_path(&out).exists());
-            let right = narsil_embedding::stores::table_file::sha256_of(&tables[t][..]).unwrap();
+            let right = narsil_embedding::sha256::sha256_of(&tables[t][..]).unwrap();
             name_hash(&a, t, &right);
         }
     }
@@ -613,7 +548,7 @@ mod tests {
         let (a, b) = (dir.path().join("a"), dir.path().join("b"));
         let tables = model(&a);
         // t1's hash is named: it is linked into the copy, checked, stamped.
-        name_hash(&a, 1, &narsil_embedding::stores::table_file::sha256_of(&tables[1][..]).unwrap());
+        name_hash(&a, 1, &narsil_embedding::sha256::sha256_of(&tables[1][..]).unwrap());
         let log = dir.path().join("t0.log");
         std::fs::write(&log, "a 3\na 9\n").unwrap();
         order_through(&args(&a, log, &b), 3 * 16).unwrap();

@@ -3,9 +3,11 @@
 //! tables' features (the rows' bags and the request-level units') are
 //! rows, through the table's id map ([`crate::id_map`]: ids it does not
 //! hold get its default row, counted in `narsil_table_unmapped_ids_total`)
-//! or `id.rem_euclid(rows)`. Every later step (range checks, dedup, every
-//! store's fetch, pooling, the device path's lookups) then reads rows, as
-//! for any table; a batch of a model without such tables is not copied.
+//! or `id mod rows` in the table's convention
+//! ([`narsil_core::ids::Modulo`]: the one rule, whichever protocol sent
+//! the id). Every later step (range checks, dedup, every store's fetch,
+//! pooling, the device path's lookups) then reads rows, as for any table;
+//! a batch of a model without such tables is not copied.
 //!
 //! A mapped table that holds pushed ids ([`super::pushed_ids`]) maps the
 //! ids its map lacks through one snapshot of them per batch: a pushed id
@@ -14,6 +16,7 @@
 
 use std::sync::Arc;
 
+use narsil_core::ids::Modulo;
 use narsil_core::KeyedBatch;
 
 use super::pushed_ids::{Overlay, PushedIds};
@@ -25,8 +28,8 @@ use crate::schema::{TableIds, TableSpec};
 pub(super) enum IdMapping {
     /// Ids are rows.
     Identity,
-    /// `id.rem_euclid(rows)`.
-    Modulo,
+    /// `id mod rows`, in this convention.
+    Modulo(Modulo),
     /// Through the map, then the ids pushed since the model loaded; ids
     /// neither holds get `default_row`.
     Map { map: Arc<IdMap>, default_row: u64, overlay: Overlay },
@@ -38,7 +41,7 @@ impl IdMapping {
     pub(super) fn of(spec: &TableSpec, map: Option<Arc<IdMap>>) -> Self {
         match (&spec.ids, map) {
             (TableIds::Identity, _) => Self::Identity,
-            (TableIds::Modulo, _) => Self::Modulo,
+            (TableIds::Modulo(convention), _) => Self::Modulo(*convention),
             (TableIds::Map(declared), Some(map)) => {
                 Self::Map { map, default_row: declared.default_row, overlay: Overlay::new(spec.row_bytes) }
             }
@@ -130,11 +133,10 @@ impl EmbeddingStage {
 fn map_table_ids(table: &StageTable, pushed: Option<&PushedIds>, raws: &[i64], rows: &mut [i64]) -> bool {
     match &table.mapping {
         IdMapping::Identity => false,
-        IdMapping::Modulo => {
-            let modulus = table.spec.rows as i128;
+        IdMapping::Modulo(convention) => {
+            let modulus = table.spec.rows;
             for (row, &raw) in rows.iter_mut().zip(raws) {
-                // In i128: a table of more than i64::MAX rows takes every id.
-                *row = (raw as i128).rem_euclid(modulus) as i64;
+                *row = convention.row(raw, modulus) as i64;
             }
             false
         }
@@ -160,13 +162,14 @@ fn map_table_ids(table: &StageTable, pushed: Option<&PushedIds>, raws: &[i64], r
 mod tests {
     use std::sync::Arc;
 
-    use narsil_core::KeyedBatch;
+    use narsil_core::ids::Modulo;
+    use narsil_core::{assemble, KeyedBatch, RequestSamples};
 
     use super::super::fixtures::{batch, rows, schema};
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch};
     use crate::id_map::{build, IdMap};
-    use crate::schema::{IdMapSpec, TableIds};
+    use crate::schema::{IdMapSpec, SplitSchema, TableIds, TableSpec};
     use crate::stores::row_store::RowStore;
 
     /// Raw id of row `row` in the tests' maps: large, and negative for odd
@@ -244,12 +247,103 @@ mod tests {
         }
     }
 
+    /// Ids at the edges of both readings of 64 bits: around 0, 2^31, 2^32,
+    /// 2^63 (`i64::MIN`, which UINT64 sends as 2^63) and 2^64 - 1 (`-1`),
+    /// and large ids of either sign.
+    const EXTREME_IDS: [i64; 16] = [
+        0,
+        1,
+        -1,
+        -2,
+        9,
+        i64::MAX,
+        i64::MAX - 1,
+        i64::MIN,
+        i64::MIN + 1,
+        1 << 31,
+        -(1 << 32),
+        (1 << 32) + 3,
+        0x5851_f42d_4c95_7f2d,
+        -0x5851_f42d_4c95_7f2d,
+        -0x7fff_ffff_0000_0001,
+        1_000_000_007,
+    ];
+
+    /// Table sizes: one row, a few, primes, powers of two and their
+    /// neighbours (2^64 mod them and 2^63 mod them differ).
+    const TABLE_ROWS: [u64; 7] = [1, 2, 10, 7, 1000, 65_536, 65_537];
+
+    /// Per table of `rows`, the row of each id as Python's arithmetic gives
+    /// it: `id % rows` on the id as a signed value, and on its 64 bits as
+    /// an unsigned one (`id & (2**64 - 1)`, as KServe's UINT64 sends it).
+    fn python_rows(ids: &[i64], rows: &[u64]) -> (Vec<Vec<i64>>, Vec<Vec<i64>>) {
+        let workspace = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.venv/bin/python");
+        let python = if std::path::Path::new(workspace).exists() { workspace } else { "python3" };
+        let program = "import json, sys\n\
+            ids, rows = json.loads(sys.argv[1]), json.loads(sys.argv[2])\n\
+            print(json.dumps([[[i % n for i in ids] for n in rows], [[(i & (2**64 - 1)) % n for i in ids] for n in rows]]))";
+        let out = std::process::Command::new(python)
+            .args([
+                "-c",
+                program,
+                &serde_json::to_string(ids).unwrap(),
+                &serde_json::to_string(rows).unwrap(),
+            ])
+            .output()
+            .unwrap_or_else(|e| panic!("running {python}: {e}"));
+        assert!(out.status.success(), "{python}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    #[test]
+    fn modulo_tables_map_extreme_ids_as_pythons_signed_and_unsigned_arithmetic_does() {
+        let (signed, unsigned) = python_rows(&EXTREME_IDS, &TABLE_ROWS);
+        // The example the docs give: 2^64 - 1 in a table of 10 rows.
+        let ten = TABLE_ROWS.iter().position(|&r| r == 10).unwrap();
+        assert_eq!((signed[ten][2], unsigned[ten][2]), (9, 5));
+        let n = EXTREME_IDS.len();
+        let request = RequestSamples {
+            num_samples: 1,
+            dense: vec![0.5],
+            lengths: vec![n as u32; TABLE_ROWS.len()],
+            ids: EXTREME_IDS.repeat(TABLE_ROWS.len()),
+            ..Default::default()
+        };
+        let batch = assemble(1, TABLE_ROWS.len(), [&request]);
+        for (declared, wanted) in [
+            (r#""modulo""#, &signed),
+            (r#"{"modulo": "signed"}"#, &signed),
+            (r#"{"modulo": "unsigned"}"#, &unsigned),
+        ] {
+            let ids: TableIds = serde_json::from_str(declared).unwrap_or_else(|e| panic!("{declared}: {e}"));
+            let tables: Vec<TableSpec> = TABLE_ROWS
+                .iter()
+                .enumerate()
+                .map(|(t, &rows)| TableSpec {
+                    name: format!("t{t}"),
+                    rows,
+                    ids: ids.clone(),
+                    ..schema().tables[0].clone()
+                })
+                .collect();
+            let schema = SplitSchema::one_table_per_feature("m", "1", 1, tables, vec!["default".into()]);
+            let stores = schema.tables.iter().map(|t| Arc::new(rows(t, 1)) as Arc<dyn RowStore>).collect();
+            let stage = EmbeddingStage::new(&schema, stores);
+            let mut mapped = KeyedBatch::default();
+            let mapped = stage.map_ids(&batch, &mut mapped);
+            for (t, wanted) in wanted.iter().enumerate() {
+                let range = mapped.feature_offsets[t]..mapped.feature_offsets[t + 1];
+                assert_eq!(&mapped.ids[range], &wanted[..], "{declared}, {} rows", TABLE_ROWS[t]);
+            }
+        }
+    }
+
     #[test]
     fn a_modulo_table_takes_any_64_bit_id() {
         let mut schema = schema();
         let plain = schema.clone();
         for table in &mut schema.tables {
-            table.ids = TableIds::Modulo;
+            table.ids = TableIds::Modulo(Modulo::Signed);
         }
         let stores = |schema: &crate::schema::SplitSchema| -> Vec<Arc<dyn RowStore>> {
             schema.tables.iter().map(|t| Arc::new(rows(t, 5)) as Arc<dyn RowStore>).collect()
@@ -262,7 +356,7 @@ mod tests {
                 .iter_mut()
                 .enumerate()
             {
-                // i64::MIN and -1 wrap too (rem_euclid is never negative).
+                // i64::MIN and -1 wrap too (signed: never negative).
                 *id = match k % 3 {
                     0 => *id - n * 1_000_003,
                     1 => *id + n * ((i64::MAX - *id) / n),
@@ -272,7 +366,7 @@ mod tests {
         }
         raw_batch.ids[0] = i64::MIN;
         let mut wrapped = rows_batch.clone();
-        wrapped.ids[0] = (i64::MIN as i128).rem_euclid(schema.tables[0].rows as i128) as i64;
+        wrapped.ids[0] = Modulo::Signed.row(i64::MIN, schema.tables[0].rows) as i64;
         let (mut expected, mut pooled) = (Vec::new(), Vec::new());
         EmbeddingStage::new(&plain, stores(&plain))
             .pool(&wrapped, &mut StageScratch::default(), &mut expected)

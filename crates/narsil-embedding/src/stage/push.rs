@@ -28,7 +28,7 @@ impl EmbeddingStage {
     pub fn pushed(&self, table: &str) -> Option<u64> {
         match &self.tables.iter().find(|t| t.spec.name == table)?.mapping {
             IdMapping::Map { overlay, .. } => Some(overlay.len()),
-            IdMapping::Identity | IdMapping::Modulo => None,
+            IdMapping::Identity | IdMapping::Modulo(_) => None,
         }
     }
 
@@ -82,10 +82,10 @@ impl EmbeddingStage {
         };
         let (map, overlay) = match &t.mapping {
             IdMapping::Map { map, overlay, .. } => (map, overlay),
-            IdMapping::Identity | IdMapping::Modulo => {
+            IdMapping::Identity | IdMapping::Modulo(_) => {
                 return Err(format!(
                     "table {table:?} declares no id map (its ids are {}): raw ids are pushed only to tables whose schema.json maps them (\"ids\": {{\"map\": ...}})",
-                    if matches!(t.mapping, IdMapping::Modulo) { "hashed modulo its rows" } else { "its rows" }
+                    if matches!(t.mapping, IdMapping::Modulo(_)) { "hashed modulo its rows" } else { "its rows" }
                 ));
             }
         };

@@ -30,19 +30,17 @@
 //! there the check costs only the hashing. The stamp guards against
 //! accidents, not forgery (a file rewritten with its old mtime restored
 //! is trusted); ctime is left out because hard-linking a file into an
-//! ordered copy changes it, which would unstamp the source. A `sha256`
-//! that is not a SHA-256 (64 hex digits: empty, or a label some tests and
-//! benchmarks give their tables) names the table's identity only and is
-//! not checked.
+//! ordered copy changes it, which would unstamp the source. An empty
+//! `sha256` leaves the file unchecked (logged once per table as it is
+//! opened); any other `sha256` that is not 64 hex digits is refused when
+//! the schema is read ([`crate::schema`]).
 
-use std::io::Read;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
-
 use crate::layout::SlotIndex;
 use crate::schema::TableSpec;
+use crate::sha256::sha256_of;
 use crate::stores::table_error::TableError;
 
 /// The slot index of `spec`'s table in model directory `dir`, if it is laid
@@ -186,16 +184,20 @@ impl Stamp {
     }
 }
 
-/// Whether `spec`'s file (in `dir`, of `metadata`) needs no hashing: its
-/// `sha256` is no SHA-256, or `dir`'s stamp vouches for it as it is.
+/// Whether `spec`'s file (in `dir`, of `metadata`) needs no hashing: the
+/// schema names no `sha256` for it (logged, once per table opened), or
+/// `dir`'s stamp vouches for it as it is.
 pub(crate) fn vouched_for(dir: &Path, spec: &TableSpec, metadata: &std::fs::Metadata) -> bool {
-    !is_sha256(&spec.sha256)
-        || Stamp::read(dir).is_some_and(|stamp| stamp.tables.iter().any(|f| f.vouches(spec, metadata)))
-}
-
-/// Whether `text` is a SHA-256 in hex (64 hex digits).
-pub fn is_sha256(text: &str) -> bool {
-    text.len() == 64 && text.bytes().all(|b| b.is_ascii_hexdigit())
+    if spec.sha256.is_empty() {
+        tracing::warn!(
+            table = %spec.name,
+            file = %dir.join(&spec.file).display(),
+            "schema.json names no sha256 for the table: its file is served unchecked (a torn or swapped \
+             copy would serve without a word) and is not shared between versions; name its SHA-256 to check it"
+        );
+        return true;
+    }
+    Stamp::read(dir).is_some_and(|stamp| stamp.tables.iter().any(|f| f.vouches(spec, metadata)))
 }
 
 /// Fails unless `actual` is the hash `spec` names for its file `path`.
@@ -211,39 +213,13 @@ pub(crate) fn check_hash(spec: &TableSpec, path: &Path, actual: String) -> Resul
     })
 }
 
-/// The SHA-256 (hex, lowercase) of everything `read` yields, read through
-/// a 1 MiB buffer.
-pub fn sha256_of(mut read: impl Read) -> std::io::Result<String> {
-    let mut sha = Sha256::new();
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        match read.read(&mut buffer) {
-            Ok(0) => return Ok(hex(sha)),
-            Ok(n) => sha.update(&buffer[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-}
-
-/// The SHA-256 (hex, lowercase) of `bytes`.
-pub(crate) fn sha256_of_bytes(bytes: &[u8]) -> String {
-    let mut sha = Sha256::new();
-    sha.update(bytes);
-    hex(sha)
-}
-
-/// A finished hash as the schema writes it: 64 lowercase hex digits.
-fn hex(sha: Sha256) -> String {
-    sha.finalize().iter().map(|byte| format!("{byte:02x}")).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Instant;
 
     use super::*;
     use crate::schema::Storage;
+    use crate::sha256::sha256_of_bytes;
     use crate::stores::local::table::tests::spec;
     use crate::stores::local::table::{LocalRows, Table};
 
@@ -294,11 +270,15 @@ mod tests {
     }
 
     #[test]
-    fn a_sha256_that_is_not_a_sha256_is_an_identity_only_and_is_not_checked() {
+    fn an_empty_sha256_leaves_the_file_unchecked_and_a_label_is_no_hash_of_it() {
         let dir = tempfile::tempdir().unwrap();
-        for label in ["", "a new table", "ab12"] {
+        let spec = hashed_table(dir.path(), &[5u8; 32], "");
+        assert!(open_every_way(dir.path(), &spec).into_iter().all(|opened| opened.is_ok()));
+        // The schema refuses a label when read; a spec made in code that
+        // carries one is checked as a hash, and fails.
+        for label in ["a new table", "ab12"] {
             let spec = hashed_table(dir.path(), &[5u8; 32], label);
-            assert!(open_every_way(dir.path(), &spec).into_iter().all(|opened| opened.is_ok()), "{label:?}");
+            assert!(open_every_way(dir.path(), &spec).into_iter().all(|opened| opened.is_err()), "{label:?}");
         }
     }
 

@@ -12,6 +12,7 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use narsil_embedding::sha256::hex;
 use narsil_embedding::SlotIndex;
 use sha2::{Digest, Sha256};
 
@@ -169,7 +170,7 @@ pub fn write_rows_in_order(
         sha.update(filled);
         out.write_all(filled)?;
     }
-    Ok(hex(sha))
+    Ok(hex(sha.finalize()))
 }
 
 /// Writes `order`'s slot index (each id's slot, a little-endian u32, id by
@@ -183,11 +184,7 @@ pub fn write_slot_index(order: &SlotOrder, out: impl Write) -> std::io::Result<S
         out.write_all(&bytes)?;
     }
     out.flush()?;
-    Ok(hex(sha))
-}
-
-fn hex(sha: Sha256) -> String {
-    sha.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    Ok(hex(sha.finalize()))
 }
 
 /// The file a table's slot index is written to, beside its rows.
@@ -228,7 +225,7 @@ mod tests {
     fn sha(bytes: &[u8]) -> String {
         let mut sha = Sha256::new();
         sha.update(bytes);
-        hex(sha)
+        hex(sha.finalize())
     }
 
     #[test]

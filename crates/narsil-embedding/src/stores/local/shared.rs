@@ -102,15 +102,16 @@ pub fn open_shared(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Ope
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sha256::sha256_of_bytes;
 
-    fn spec(sha256: &str) -> TableSpec {
+    fn spec(file: &str, sha256: &str) -> TableSpec {
         TableSpec {
             name: "t".into(),
             rows: 4,
             dim: 8,
             storage: Storage::Int8Rowwise,
             row_bytes: 16,
-            file: "tables/t.bin".into(),
+            file: file.into(),
             sha256: sha256.into(),
             redis: None,
             layout: None,
@@ -122,20 +123,26 @@ mod tests {
     fn a_table_with_the_same_identity_is_shared_while_a_version_holds_it() {
         let dir = std::env::temp_dir().join(format!("narsil-shared-{}", std::process::id()));
         std::fs::create_dir_all(dir.join("tables")).unwrap();
-        std::fs::write(dir.join("tables/t.bin"), vec![3u8; 64]).unwrap();
-        let first = open_shared(&dir, &spec("ab12"), LocalRows::Memory).unwrap();
+        let (rows, other_rows) = (vec![3u8; 64], vec![4u8; 64]);
+        std::fs::write(dir.join("tables/t.bin"), &rows).unwrap();
+        std::fs::write(dir.join("tables/u.bin"), &other_rows).unwrap();
+        let (sha, other_sha) = (sha256_of_bytes(&rows), sha256_of_bytes(&other_rows));
+        let first = open_shared(&dir, &spec("tables/t.bin", &sha), LocalRows::Memory).unwrap();
         assert!(!first.shared);
-        let second = open_shared(&dir, &spec("ab12"), LocalRows::Memory).unwrap();
+        let second = open_shared(&dir, &spec("tables/t.bin", &sha), LocalRows::Memory).unwrap();
         assert!(second.shared && Arc::ptr_eq(&first.table, &second.table));
         // Another identity, another store, or no identity: a table of its own.
-        for (sha, store) in [("cd34", LocalRows::Memory), ("ab12", LocalRows::Mmap), ("", LocalRows::Memory)]
-        {
-            let other = open_shared(&dir, &spec(sha), store).unwrap();
+        for (file, sha, store) in [
+            ("tables/u.bin", other_sha.as_str(), LocalRows::Memory),
+            ("tables/t.bin", sha.as_str(), LocalRows::Mmap),
+            ("tables/t.bin", "", LocalRows::Memory),
+        ] {
+            let other = open_shared(&dir, &spec(file, sha), store).unwrap();
             assert!(!other.shared && !Arc::ptr_eq(&first.table, &other.table), "{sha} {store:?}");
         }
         // Once no version holds it, it is read again.
         drop((first, second));
-        assert!(!open_shared(&dir, &spec("ab12"), LocalRows::Memory).unwrap().shared);
+        assert!(!open_shared(&dir, &spec("tables/t.bin", &sha), LocalRows::Memory).unwrap().shared);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -39,11 +39,10 @@ use std::time::Instant;
 
 use crate::layout::SlotIndex;
 use crate::schema::{Storage, TableSpec};
+use crate::sha256::{sha256_of, sha256_of_bytes};
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
 use crate::stores::table_error::TableError;
-use crate::stores::table_file::{
-    check_hash, sha256_of, sha256_of_bytes, sized_file, slot_index, vouched_for,
-};
+use crate::stores::table_file::{check_hash, sized_file, slot_index, vouched_for};
 
 /// Where a local table's rows live (`--table-store memory` or `mmap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

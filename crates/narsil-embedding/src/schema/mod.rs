@@ -1,127 +1,24 @@
 //! A split model's `schema.json` (written by `models/export_dlrm.py
-//! --split`): what the dense network takes and where each table's rows are.
+//! --split`): what the dense network takes and where each table's rows are,
+//! checked when read. Here the schema as a whole and the rules between its
+//! parts; a table and the rules it keeps on its own in [`tables`], how its
+//! ids become rows in [`ids`], the dense forms' export timings in
+//! [`dense_timings`].
+
+mod dense_timings;
+mod ids;
+mod tables;
 
 use std::path::{Path, PathBuf};
 
+pub use dense_timings::{DenseFormTimings, FormTimes};
+pub use ids::{IdMapSpec, TableIds};
+pub use narsil_core::ids::Modulo;
 use serde::Deserialize;
+pub use tables::{Layout, RedisTableSpec, Storage, TableSpec};
 
 /// The format this reader understands.
 pub const SPLIT_FORMAT: &str = "narsil-split-1";
-
-/// How a table's rows are stored in its file.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Storage {
-    /// FBGEMM's row-wise INT8 inference layout: an fp16 scale and an fp16
-    /// bias, then `dim` uint8 values, padded to a multiple of 16 bytes.
-    Int8Rowwise,
-    /// `dim` little-endian FP32 values.
-    Fp32,
-}
-
-impl Storage {
-    /// Bytes of one row of `dim` values.
-    pub fn row_bytes(self, dim: usize) -> usize {
-        match self {
-            Self::Int8Rowwise => (4 + dim).div_ceil(16) * 16,
-            Self::Fp32 => 4 * dim,
-        }
-    }
-}
-
-/// One table.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct TableSpec {
-    /// Its name (features name it).
-    pub name: String,
-    /// Rows (valid ids are `0..rows`).
-    pub rows: u64,
-    /// Values per row.
-    pub dim: usize,
-    /// How rows are stored.
-    pub storage: Storage,
-    /// Bytes per row in the file.
-    pub row_bytes: usize,
-    /// The file, relative to the model directory.
-    pub file: PathBuf,
-    /// SHA-256 of the file's contents, hex: a table's identity, so that two
-    /// model versions with the same table share it.
-    pub sha256: String,
-    /// Where `narsil tables load` put the rows on a Redis Cluster (the
-    /// `redis` store reads them there).
-    #[serde(default)]
-    pub redis: Option<RedisTableSpec>,
-    /// Rows in popularity order, found through a slot index (`narsil
-    /// tables order`); absent: row `id` is the file's row `id`.
-    #[serde(default)]
-    pub layout: Option<Layout>,
-    /// How the ids requests send become its rows; absent: they are rows.
-    #[serde(default)]
-    pub ids: TableIds,
-}
-
-/// How a table's ids become rows (`"ids"` in a table of `schema.json`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TableIds {
-    /// `"identity"` (the default): ids are rows, `0..rows`; others are
-    /// refused (or wrapped, with `--id-policy modulo`).
-    #[default]
-    Identity,
-    /// `"modulo"`: any 64-bit id, row `id.rem_euclid(rows)` (ids hashed
-    /// into the table, collisions and all).
-    Modulo,
-    /// `{"map": {...}}`: any 64-bit id, through the table's id map; ids it
-    /// does not hold get the default row.
-    Map(IdMapSpec),
-}
-
-impl TableIds {
-    /// Whether ids are raw 64-bit values that the stage maps to rows.
-    pub fn are_raw(&self) -> bool {
-        !matches!(self, Self::Identity)
-    }
-}
-
-/// A table's id map ([`crate::id_map`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
-pub struct IdMapSpec {
-    /// The map file, relative to the model directory.
-    pub file: PathBuf,
-    /// SHA-256 of the map file, hex (checked at load).
-    pub sha256: String,
-    /// The row ids the map does not hold are served from: a trained
-    /// "unknown" row, or a row of zeros the table holds for them.
-    pub default_row: u64,
-}
-
-/// A table's rows on a Redis Cluster (see [`crate::stores::redis`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
-pub struct RedisTableSpec {
-    /// Every row key starts with it: `narsil/MODEL/VERSION/TABLE`.
-    pub prefix: String,
-    /// Hash-tag buckets the rows are spread over (`id % buckets`).
-    pub buckets: u32,
-}
-
-impl RedisTableSpec {
-    /// The bucket (the hash tag, so the hash slot) of row `id`: ids of one
-    /// bucket can share one multi-key command.
-    pub fn bucket(&self, id: u64) -> u64 {
-        id % u64::from(self.buckets)
-    }
-}
-
-/// A table's layout: its rows in popularity order, found through a slot
-/// index ([`crate::layout`]).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
-pub struct Layout {
-    /// The slot index's file, relative to the model directory.
-    pub slots: PathBuf,
-    /// SHA-256 of the index file, hex (with the table file's, the table's
-    /// identity).
-    pub sha256: String,
-}
 
 /// How a feature's bag of rows becomes one vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -217,48 +114,6 @@ pub struct SplitSchema {
     pub dense_top_package_bf16: Option<PathBuf>,
 }
 
-/// The dense network's forms (TorchScript, the `.pt2` package) timed at
-/// export, one thread, per precision (`models/split_model.py`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct DenseFormTimings {
-    /// The exporting CPU, `vendor family F model M` from /proc/cpuinfo
-    /// (the model name alone says "AMD EPYC" for Zen 3, 4 and 5 alike).
-    pub cpu: String,
-    /// The rows of each timed forward.
-    pub rows: Vec<u64>,
-    /// FP32's forms, where both were timed.
-    #[serde(default)]
-    pub fp32: Option<FormTimes>,
-    /// bf16's forms, where both were timed.
-    #[serde(default)]
-    pub bf16: Option<FormTimes>,
-}
-
-/// One precision's forward times (µs) at [`DenseFormTimings::rows`].
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct FormTimes {
-    /// The TorchScript network's.
-    pub torchscript_us: Vec<u64>,
-    /// The `.pt2` package's.
-    pub pt2_us: Vec<u64>,
-}
-
-impl FormTimes {
-    /// Whether the TorchScript network costs less per sample than the
-    /// package, summed over the timed `rows` (each size weighs the same);
-    /// false where the times do not cover every size.
-    pub fn torchscript_faster(&self, rows: &[u64]) -> bool {
-        let per_sample = |times: &[u64]| -> Option<f64> {
-            (times.len() == rows.len() && rows.iter().all(|&r| r > 0))
-                .then(|| times.iter().zip(rows).map(|(&t, &r)| t as f64 / r as f64).sum())
-        };
-        match (per_sample(&self.torchscript_us), per_sample(&self.pt2_us)) {
-            (Some(torchscript), Some(pt2)) => torchscript < pt2,
-            _ => false,
-        }
-    }
-}
-
 /// Why a schema cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum SchemaError {
@@ -349,46 +204,7 @@ impl SplitSchema {
             if self.tables[..i].iter().any(|t| t.name == table.name) {
                 return Err(format!("table {:?} is listed twice", table.name));
             }
-            if table.rows == 0 || table.dim == 0 {
-                return Err(format!(
-                    "table {:?} has {} rows of {} values",
-                    table.name, table.rows, table.dim
-                ));
-            }
-            let expected = table.storage.row_bytes(table.dim);
-            if table.row_bytes != expected {
-                return Err(format!(
-                    "table {:?}: row_bytes {} but {:?} rows of {} values take {expected}",
-                    table.name, table.row_bytes, table.storage, table.dim
-                ));
-            }
-            if let TableIds::Map(map) = &table.ids {
-                if !(map.sha256.len() == 64 && map.sha256.bytes().all(|b| b.is_ascii_hexdigit())) {
-                    return Err(format!(
-                        "table {:?}: its id map's sha256 {:?} is not a SHA-256 (64 hex digits): the map {} is checked against it at load",
-                        table.name,
-                        map.sha256,
-                        map.file.display()
-                    ));
-                }
-                if map.default_row >= table.rows {
-                    return Err(format!(
-                        "table {:?}: its id map's default_row {} is past its {} rows",
-                        table.name, map.default_row, table.rows
-                    ));
-                }
-            }
-            if let Some(layout) = &table.layout {
-                let hex = layout.sha256.len() == 64 && layout.sha256.bytes().all(|b| b.is_ascii_hexdigit());
-                if !hex {
-                    return Err(format!(
-                        "table {:?}: its layout's sha256 {:?} is not a SHA-256 (64 hex digits): the slot index {} is checked against it at load",
-                        table.name,
-                        layout.sha256,
-                        layout.slots.display()
-                    ));
-                }
-            }
+            table.check()?;
         }
         if self.features.is_empty() {
             return Err("no sparse features".into());
@@ -477,7 +293,7 @@ mod tests {
         serde_json::from_str(
             r#"{"format": "narsil-split-1", "name": "m", "version": "1", "num_dense": 2,
                 "tables": [{"name": "t", "rows": 10, "dim": 64, "storage": "int8_rowwise", "row_bytes": 80,
-                            "file": "tables/t.bin", "sha256": "00"}],
+                            "file": "tables/t.bin", "sha256": ""}],
                 "features": [{"name": "a", "table": "t", "pooling": "sum", "weighted": false},
                              {"name": "b", "table": "t", "pooling": "mean", "weighted": true}],
                 "outputs": ["default"], "dense_network": "dense.pt"}"#,
@@ -522,34 +338,5 @@ mod tests {
                 "{sha256:?}: {error}"
             );
         }
-    }
-
-    #[test]
-    fn the_form_faster_per_sample_over_the_timed_rows_is_chosen() {
-        let times = |torchscript_us: Vec<u64>, pt2_us: Vec<u64>| FormTimes { torchscript_us, pt2_us };
-        let rows = [100, 1600];
-        // TorchScript slower at 100 rows, faster at 1,600: 2.0 + 1.0 < 1.0 + 2.5 µs a sample.
-        assert!(times(vec![200, 1600], vec![100, 4000]).torchscript_faster(&rows));
-        assert!(!times(vec![200, 4000], vec![100, 1600]).torchscript_faster(&rows));
-        // Equal: the package stays (today's default).
-        assert!(!times(vec![100, 1600], vec![100, 1600]).torchscript_faster(&rows));
-        // Times that do not cover the rows say nothing.
-        assert!(!times(vec![1], vec![100, 1600]).torchscript_faster(&rows));
-        assert!(!times(vec![1, 1], vec![100, 1600]).torchscript_faster(&[0, 1600]));
-    }
-
-    #[test]
-    fn a_schema_reads_its_form_timings_and_one_without_them_has_none() {
-        let text = r#"{"format": "narsil-split-1", "name": "m", "version": "1", "num_dense": 1,
-            "tables": [], "features": [], "outputs": ["s"], "dense_network": "dense.pt",
-            "dense_form_timings": {"cpu": "AuthenticAMD family 26 model 2", "rows": [100, 1600],
-                "fp32": {"torchscript_us": [190, 2900], "pt2_us": [210, 1500]}}}"#;
-        let schema: SplitSchema = serde_json::from_str(text).unwrap();
-        let timings = schema.dense_form_timings.unwrap();
-        assert_eq!(timings.cpu, "AuthenticAMD family 26 model 2");
-        assert!(!timings.fp32.unwrap().torchscript_faster(&timings.rows));
-        assert!(timings.bf16.is_none());
-        let without = text.replace("\"dense_form_timings\"", "\"unused\"");
-        assert!(serde_json::from_str::<SplitSchema>(&without).unwrap().dense_form_timings.is_none());
     }
 }
