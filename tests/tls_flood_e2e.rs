@@ -7,6 +7,9 @@
 //! without a whole ClientHello first) and drops a silent client at its
 //! ClientHello deadline, and says so in `narsil_tls_handshakes_total`.
 //!
+//! A connection that sends no whole ClientHello is dropped at its deadline
+//! and counted, flood or not.
+//!
 //! Over loopback in one process (server and flood share the test's
 //! runtime), so each socket costs two file descriptors: the soft limit is
 //! raised to the hard one if it is too low, and the test is skipped, saying
@@ -20,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::tls::{client_config, https, Authority, MockTlsServer};
-use narsil::server::tls::ServerTls;
+use narsil::server::tls::{ServerTls, CLIENT_HELLO_TIMEOUT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpSocket;
 use tonic::transport::{Channel, ClientTlsConfig};
@@ -177,5 +180,35 @@ async fn real_tls_clients_are_answered_while_1100_idle_sockets_hold_the_port() {
     eprintln!("handshakes shed: {shed}, timed out waiting for the ClientHello: {hello_timeouts}");
     assert!(shed + hello_timeouts > 0.0, "the flood was neither shed nor timed out:\n{metrics}");
     assert!(count("ok") >= latencies.len() as f64, "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_without_a_whole_client_hello_is_dropped_at_its_deadline_and_counted() {
+    let ca = Authority::new("narsil test CA");
+    let leaf = ca.sign(&["localhost"]);
+    let tls = ServerTls::from_pem(leaf.cert.as_bytes(), leaf.key.as_bytes(), None).unwrap();
+    let server = MockTlsServer::start(tls, true).await;
+    let (grpc, started) = (server.grpc, Instant::now());
+    let held = |hello: bool| async move {
+        let mut stream = tokio::net::TcpStream::connect(grpc).await.unwrap();
+        if hello {
+            stream.write_all(&PARTIAL_HELLO).await.unwrap();
+        }
+        let mut answer = Vec::new();
+        let bound = CLIENT_HELLO_TIMEOUT + Duration::from_secs(5);
+        let ended = tokio::time::timeout(bound, stream.read_to_end(&mut answer)).await;
+        assert!(ended.is_ok(), "still open {bound:?} after the connect (hello: {hello})");
+        started.elapsed()
+    };
+    let (silent, half) = tokio::join!(held(false), held(true));
+    eprintln!("dropped after {silent:?} (silent) and {half:?} (half a ClientHello)");
+    for took in [silent, half] {
+        assert!(took >= CLIENT_HELLO_TIMEOUT - Duration::from_millis(100), "dropped after {took:?}");
+    }
+    let config = client_config(&ca, None, &[b"http/1.1"]);
+    let (_, metrics) = https(server.admin(), config, "GET", "/metrics", None).await.unwrap();
+    let timed_out = r#"narsil_tls_handshakes_total{listener="grpc",outcome="hello_timeout"}"#;
+    assert_eq!(common::metric(&metrics, timed_out), 2.0, "{metrics}");
     server.stop().await;
 }
