@@ -151,7 +151,7 @@ pub trait ModelBackend: Send {
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError>;
 
     /// Whether its forwards take batches with request-level blocks
-    /// ([`KeyedBatch::request_level`]: a grouped request's rows hold empty
+    /// ([`KeyedBatch::request_blocks`]: a grouped request's rows hold empty
     /// bags for the request-level features, pooled once from the block);
     /// the lane hands the others [`KeyedBatch::into_flat`]'s batch.
     fn takes_request_level(&self) -> bool {

@@ -52,7 +52,7 @@ pub struct KeyedBatch {
     /// one user, many candidates), each distinct one once; their rows hold
     /// empty bags for the request-level features. `None` when every request
     /// is flat. See [`crate::request_blocks`].
-    pub request_level: Option<RequestBlocks>,
+    pub request_blocks: Option<RequestBlocks>,
 }
 
 impl KeyedBatch {
@@ -76,7 +76,7 @@ impl KeyedBatch {
             feature_offsets,
             request_rows,
             deadline,
-            request_level,
+            request_blocks,
         } = self;
         (into.rows, into.num_dense, into.num_sparse, into.deadline) =
             (*rows, *num_dense, *num_sparse, *deadline);
@@ -86,7 +86,7 @@ impl KeyedBatch {
         into.weights.clone_from(weights);
         into.feature_offsets.clone_from(feature_offsets);
         into.request_rows.clone_from(request_rows);
-        into.request_level.clone_from(request_level);
+        into.request_blocks.clone_from(request_blocks);
     }
 
     /// Feature `f`'s ids for every row, bags end to end.
@@ -121,7 +121,7 @@ impl KeyedBatch {
                 .map(|(_, &n)| n)
                 .collect(),
             deadline: self.deadline,
-            request_level: self.request_level.as_ref().map(|blocks| RequestBlocks {
+            request_blocks: self.request_blocks.as_ref().map(|blocks| RequestBlocks {
                 request_unit: blocks
                     .request_unit
                     .iter()
@@ -133,8 +133,8 @@ impl KeyedBatch {
             }),
             ..Default::default()
         };
-        if kept.request_level.as_ref().is_some_and(|b| b.request_unit.iter().all(Option::is_none)) {
-            kept.request_level = None;
+        if kept.request_blocks.as_ref().is_some_and(|b| b.request_unit.iter().all(Option::is_none)) {
+            kept.request_blocks = None;
         }
         for (row, dense) in self.dense.chunks_exact(self.num_dense.max(1)).enumerate() {
             if self.num_dense > 0 && kept_rows[row] {
@@ -216,7 +216,7 @@ pub fn fuse(num_dense: usize, num_sparse: usize, mut requests: Vec<RequestSample
     }
     let request_rows: Vec<usize> = requests.iter().map(|r| r.num_samples).collect();
     let blocks: Vec<_> = requests.iter().map(|r| r.request.clone()).collect();
-    let request_level = RequestBlocks::gather(&blocks);
+    let request_blocks = RequestBlocks::gather(&blocks);
     // Request-level dense features are broadcast to their rows here (a
     // few values a row; the sparse ones never are).
     let broadcast_dense = |r: &RequestSamples| r.request.as_ref().filter(|b| !b.dense.is_empty()).cloned();
@@ -264,7 +264,7 @@ pub fn fuse(num_dense: usize, num_sparse: usize, mut requests: Vec<RequestSample
         feature_offsets,
         request_rows,
         deadline: None,
-        request_level,
+        request_blocks,
     }
 }
 

@@ -7,7 +7,7 @@
 //! * [`request`]: one client request, sample-major, and its validation;
 //!   [`request_level`]: a ranking request's request-level block (one user,
 //!   many candidates); [`request_blocks`]: those blocks in a fused batch;
-//!   [`broadcast`]: the rows each block goes to, and the flat batch;
+//!   [`flat_batch`]: the rows each block goes to, and the flat batch;
 //!   [`invalid`]: why a request is refused; [`ids`]: how an id becomes a
 //!   row (the range check, the modulo conventions).
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
@@ -31,9 +31,9 @@
 
 pub mod backend;
 pub mod batch;
-pub mod broadcast;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+pub mod flat_batch;
 pub mod golden;
 pub mod id_push;
 pub mod ids;

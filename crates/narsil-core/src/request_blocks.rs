@@ -16,7 +16,7 @@ pub struct RequestBlocks {
     /// Schema indices of the request-level sparse features, ascending.
     pub features: Vec<usize>,
     /// Distinct blocks (units).
-    pub units: usize,
+    pub unit_count: usize,
     /// Key-major bag lengths: `lengths[k * units + u]` for feature `k` (of
     /// `features`) of unit `u`.
     pub lengths: Vec<i32>,
@@ -56,7 +56,7 @@ impl RequestBlocks {
         let features = first.features.clone();
         let weighted = units.iter().any(|u| !u.weights.is_empty());
         let mut gathered = Self {
-            units: units.len(),
+            unit_count: units.len(),
             lengths: Vec::with_capacity(units.len() * features.len()),
             feature_offsets: vec![0],
             request_unit,
@@ -86,7 +86,7 @@ impl RequestBlocks {
     /// Feature `k`'s (of [`RequestBlocks::features`]) bag lengths, one per
     /// unit.
     pub fn feature_lengths(&self, k: usize) -> &[i32] {
-        &self.lengths[k * self.units..(k + 1) * self.units]
+        &self.lengths[k * self.unit_count..(k + 1) * self.unit_count]
     }
 
     /// Feature `k`'s ids for every unit, bags end to end.

@@ -14,7 +14,7 @@
 //! ([`crate::KeyedBatch::into_flat`]).
 
 use crate::ids::fit_ids;
-use crate::invalid::{widen_weights, IdPolicy, InputField, InvalidInput};
+use crate::invalid::{widen_weights, InputField, InvalidInput};
 use crate::request::{ids_match_lengths, RequestLimits, RequestSamples};
 use crate::schema::ModelSchema;
 
@@ -235,6 +235,7 @@ mod tests {
 
     use super::*;
     use crate::request::{RequestLimits, RequestSamples};
+    use crate::invalid::IdPolicy;
     use crate::schema::RequestLevel;
 
     /// 2 dense, 4 sparse features of 10 rows: `cat_0` and `cat_2` and the

@@ -79,7 +79,7 @@ impl DenseCut {
     /// Whether `batch` gains from the cut: some grouped request sent its
     /// dense features once.
     pub(crate) fn applies(batch: &KeyedBatch) -> bool {
-        batch.request_level.as_ref().is_some_and(|blocks| !blocks.dense.is_empty())
+        batch.request_blocks.as_ref().is_some_and(|blocks| !blocks.dense.is_empty())
     }
 
     /// `batch`'s scores over its `pooled` block (`[rows, width]`, in the
@@ -91,7 +91,7 @@ impl DenseCut {
         pooled: &Tensor,
         in_precision: impl Fn(Tensor) -> Result<Tensor, BackendError>,
     ) -> Result<Tensor, BackendError> {
-        let blocks = batch.request_level.as_ref().expect("applies() holds");
+        let blocks = batch.request_blocks.as_ref().expect("applies() holds");
         let num_dense = batch.num_dense;
         let mut inputs = blocks.dense.clone();
         let mut row_input = Vec::with_capacity(batch.rows);

@@ -371,8 +371,8 @@ impl Lookup {
         }
         self.units = 0;
         self.gather.clear();
-        let Some(blocks) = &batch.request_level else { return Ok(()) };
-        self.units = blocks.units;
+        let Some(blocks) = &batch.request_blocks else { return Ok(()) };
+        self.units = blocks.unit_count;
         for (k, &f) in blocks.features.iter().enumerate() {
             let feature = &features[f];
             let weights = blocks.feature_weights(k).filter(|_| feature.weighted);

@@ -140,7 +140,7 @@ fn ranking_batch(schema: &SplitSchema) -> KeyedBatch {
         })
         .collect();
     let batch = assemble(schema.num_dense, schema.features.len(), &requests);
-    assert_eq!(batch.request_level.as_ref().map(|b| b.units), Some(2));
+    assert_eq!(batch.request_blocks.as_ref().map(|b| b.unit_count), Some(2));
     batch
 }
 

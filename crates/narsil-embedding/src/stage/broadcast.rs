@@ -18,7 +18,7 @@ impl EmbeddingStage {
         pooled: &mut [f32],
         width: usize,
     ) {
-        let Some(blocks) = &batch.request_level else { return };
+        let Some(blocks) = &batch.request_blocks else { return };
         let (dim, stride) = (self.dim, blocks.features.len() * self.dim);
         let mut rows = 0;
         for run in batch.broadcasts() {
@@ -30,7 +30,7 @@ impl EmbeddingStage {
             }
             rows += run.rows;
         }
-        self.metrics.count_request_level(blocks.units * blocks.features.len(), rows);
+        self.metrics.count_request_level(blocks.unit_count * blocks.features.len(), rows);
     }
 }
 
@@ -88,7 +88,7 @@ mod tests {
             r.validate(&model, LIMITS).unwrap();
         }
         let grouped = assemble(1, 3, [&requests[0], &flat_one, &requests[1], &requests[2]]);
-        assert_eq!(grouped.request_level.as_ref().unwrap().units, 2, "user 1 twice: one unit");
+        assert_eq!(grouped.request_blocks.as_ref().unwrap().unit_count, 2, "user 1 twice: one unit");
         let flat = grouped.clone().into_flat();
         for fetches in [false, true] {
             let store = |t| match fetches {

@@ -29,7 +29,7 @@ impl EmbeddingStage {
         let rows = table.spec.rows + pushed.map_or(0, PushedIds::len);
         let deduplicates = table.deduplicates || pushed.is_some();
         let mut looked_up = 0;
-        let blocks = batch.request_level.as_ref();
+        let blocks = batch.request_blocks.as_ref();
         for &f in &table.features {
             // The feature's own bags, then its request-level units' (the
             // order `pool_table` reads their slots in).

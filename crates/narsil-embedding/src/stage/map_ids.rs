@@ -70,11 +70,15 @@ impl EmbeddingStage {
     /// CPU stage's ([`Self::pool`]); a stage whose tables are looked up
     /// elsewhere (the device's tensor stage, which calls this) refuses
     /// pushes ([`Self::refuse_pushes`]).
-    pub fn map_ids<'a>(&self, batch: &'a KeyedBatch, into: &'a mut KeyedBatch) -> &'a KeyedBatch {
+    pub fn map_ids_skipping_pushes<'a>(
+        &self,
+        batch: &'a KeyedBatch,
+        into: &'a mut KeyedBatch,
+    ) -> &'a KeyedBatch {
         self.map_batch(batch, into, None)
     }
 
-    /// [`Self::map_ids`], through the pushed ids too where `pushed` is
+    /// [`Self::map_ids_skipping_pushes`], through the pushed ids too where `pushed` is
     /// given: per table, the snapshot of them the batch used (none where
     /// it found no id in them).
     pub(super) fn map_batch<'a>(
@@ -107,7 +111,7 @@ impl EmbeddingStage {
                     &batch.ids[range.clone()],
                     &mut into.ids[range],
                 );
-                let (Some(from), Some(to)) = (&batch.request_level, &mut into.request_level) else {
+                let (Some(from), Some(to)) = (&batch.request_blocks, &mut into.request_blocks) else {
                     continue;
                 };
                 if let Some(k) = from.position(f) {
@@ -242,7 +246,7 @@ mod tests {
             assert_eq!(counted, 2 * unseen);
             // The mapped copy leaves the batch as sent.
             let mut copy = KeyedBatch::default();
-            assert_eq!(stage.map_ids(&raw_batch, &mut copy).ids.len(), raw_batch.ids.len());
+            assert_eq!(stage.map_ids_skipping_pushes(&raw_batch, &mut copy).ids.len(), raw_batch.ids.len());
             assert_ne!(copy.ids, raw_batch.ids);
         }
     }
@@ -330,7 +334,7 @@ mod tests {
             let stores = schema.tables.iter().map(|t| Arc::new(rows(t, 1)) as Arc<dyn RowStore>).collect();
             let stage = EmbeddingStage::new(&schema, stores);
             let mut mapped = KeyedBatch::default();
-            let mapped = stage.map_ids(&batch, &mut mapped);
+            let mapped = stage.map_ids_skipping_pushes(&batch, &mut mapped);
             for (t, wanted) in wanted.iter().enumerate() {
                 let range = mapped.feature_offsets[t]..mapped.feature_offsets[t + 1];
                 assert_eq!(&mapped.ids[range], &wanted[..], "{declared}, {} rows", TABLE_ROWS[t]);

@@ -272,7 +272,7 @@ impl EmbeddingStage {
             faults += self.read_ahead(&scratch.distinct);
         }
         self.fetch(batch, scratch)?;
-        let units = batch.request_level.as_ref().map_or(0, |b| b.units * b.features.len() * self.dim);
+        let units = batch.request_blocks.as_ref().map_or(0, |b| b.unit_count * b.features.len() * self.dim);
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
         for (t, table) in self.tables.iter().enumerate() {

@@ -35,7 +35,7 @@ impl EmbeddingStage {
     ) -> Result<u64, StageError> {
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
-        let blocks = batch.request_level.as_ref();
+        let blocks = batch.request_blocks.as_ref();
         let mut slot_start = 0;
         for &f in &table.features {
             let feature = &self.features[f];

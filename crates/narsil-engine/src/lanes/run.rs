@@ -46,7 +46,7 @@ impl LaneContext {
     ) {
         backend.set_threads(job.threads);
         let start = Instant::now();
-        if job.batch.request_level.is_some() && !backend.takes_request_level() {
+        if job.batch.request_blocks.is_some() && !backend.takes_request_level() {
             // A backend that takes only flat batches gets the request-level
             // bags copied into every row they belong to.
             job.batch = std::mem::take(&mut job.batch).into_flat();

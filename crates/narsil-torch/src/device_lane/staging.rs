@@ -276,7 +276,7 @@ unsafe fn stage_into(
         }
         Some(tables) => {
             // Raw ids become rows first, as the CPU stage maps them.
-            let batch = model.stage.map_ids(batch, &mut scratch.mapped);
+            let batch = model.stage.map_ids_skipping_pushes(batch, &mut scratch.mapped);
             scratch.lookup.fill(batch, tables.features(), tables.groups()).map_err(BackendError::from)?;
             let mut lookups = Vec::with_capacity(tables.groups());
             for (g, group) in scratch.lookup.groups.iter().enumerate() {

@@ -22,7 +22,7 @@ impl KeyedBatch {
     /// The runs of rows that take a unit's request-level bags, in row
     /// order (none for a batch of flat requests).
     pub fn broadcasts(&self) -> Vec<Broadcast> {
-        let Some(blocks) = &self.request_level else { return Vec::new() };
+        let Some(blocks) = &self.request_blocks else { return Vec::new() };
         let mut start = 0;
         let mut runs = Vec::new();
         for (&rows, unit) in self.request_rows.iter().zip(&blocks.request_unit) {
@@ -38,7 +38,7 @@ impl KeyedBatch {
     /// grouped row's request-level bags filled from its unit (a copy per
     /// row: for backends that take only flat batches, and for tests).
     pub fn into_flat(self) -> KeyedBatch {
-        let Some(blocks) = self.request_level.as_ref() else { return self };
+        let Some(blocks) = self.request_blocks.as_ref() else { return self };
         let mut unit_of_row = Vec::with_capacity(self.rows);
         for (&rows, &unit) in self.request_rows.iter().zip(&blocks.request_unit) {
             unit_of_row.extend(std::iter::repeat_n(unit, rows));
@@ -75,7 +75,7 @@ impl KeyedBatch {
             feature_offsets.push(flat.ids.len());
         }
         let Bags { lengths, ids, weights, .. } = flat;
-        KeyedBatch { lengths, ids, weights, feature_offsets, request_level: None, ..self }
+        KeyedBatch { lengths, ids, weights, feature_offsets, request_blocks: None, ..self }
     }
 }
 
@@ -173,8 +173,8 @@ mod tests {
         let mut plain = plain;
         plain.validate(&schema(), LIMITS).unwrap();
         let fused = assemble(2, 4, [&a, &plain, &b]);
-        let blocks = fused.request_level.as_ref().unwrap();
-        assert_eq!((blocks.units, blocks.request_unit.clone()), (2, vec![Some(0), None, Some(1)]));
+        let blocks = fused.request_blocks.as_ref().unwrap();
+        assert_eq!((blocks.unit_count, blocks.request_unit.clone()), (2, vec![Some(0), None, Some(1)]));
         assert_eq!(blocks.dense, [1.0, 0.5, 50.0, 0.5]);
         assert_eq!(
             fused.dense,
@@ -203,8 +203,8 @@ mod tests {
         let mut requests: Vec<&RequestSamples> = parts.iter().collect();
         requests.push(&again);
         let fused = assemble(2, 4, requests);
-        let blocks = fused.request_level.as_ref().unwrap();
-        assert_eq!((blocks.units, blocks.request_unit.clone()), (1, vec![Some(0); 4]));
+        let blocks = fused.request_blocks.as_ref().unwrap();
+        assert_eq!((blocks.unit_count, blocks.request_unit.clone()), (1, vec![Some(0); 4]));
         let (_, again_flat) = user_request(1, 2);
         let mut flat = a_flat.split_rows(2, 4);
         flat.push(again_flat);
