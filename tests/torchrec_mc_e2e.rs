@@ -348,8 +348,7 @@ fn a_changed_id_map_fails_the_load_naming_the_file() {
         bytes[first + 8..first + 16].copy_from_slice(&(table.rows + 5).to_le_bytes());
         std::fs::write(&path, &bytes).unwrap();
         if rehash {
-            use sha2::Digest;
-            let sha: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+            let sha = narsil_embedding::sha256::sha256_of_bytes(&bytes);
             let text = std::fs::read_to_string(copy.path().join("schema.json")).unwrap();
             std::fs::write(copy.path().join("schema.json"), text.replace(&spec.sha256, &sha)).unwrap();
         }

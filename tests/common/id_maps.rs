@@ -43,8 +43,7 @@ pub fn mapped_copy(dir: &Path, golden: &Golden) -> Vec<i64> {
         let bytes = build(&pairs, rows).unwrap();
         let file = format!("tables/cat_{t}.idmap");
         std::fs::write(dir.join(&file), &bytes).unwrap();
-        let sha256: String =
-            <sha2::Sha256 as sha2::Digest>::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+        let sha256 = narsil_embedding::sha256::sha256_of_bytes(&bytes);
         table["ids"] =
             serde_json::json!({"map": {"file": file, "sha256": sha256, "default_row": defaults[t]}});
     }

@@ -25,15 +25,15 @@ impl Claimed {
     /// command that writes it, in the error that refuses one that exists.
     pub fn file(path: &Path, writer: &str) -> anyhow::Result<Self> {
         let created = std::fs::OpenOptions::new().write(true).create_new(true).open(path).map(drop);
-        Self::from_creation(path, false, writer, created)
+        Self::claim(path, false, writer, created)
     }
 
     /// Creates the directory `path`, exclusively (see [`Claimed::file`]).
     pub fn directory(path: &Path, writer: &str) -> anyhow::Result<Self> {
-        Self::from_creation(path, true, writer, std::fs::create_dir(path))
+        Self::claim(path, true, writer, std::fs::create_dir(path))
     }
 
-    fn from_creation(
+    fn claim(
         path: &Path,
         directory: bool,
         writer: &str,
