@@ -129,3 +129,37 @@ pub(crate) fn widen_weights(
     *weights = widened;
     Ok(())
 }
+
+/// Limits applied to every request, from the server's configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    /// Most samples one request may carry.
+    pub max_samples: usize,
+    /// Most ids a ranking request's request-level block may carry, all its
+    /// features together (`--max-request-level-ids`).
+    pub max_request_level_ids: usize,
+    /// Out-of-range id handling.
+    pub id_policy: IdPolicy,
+}
+
+impl RequestLimits {
+    /// `--max-request-level-ids`' default: 65,536 ids (512 KiB decoded), far
+    /// more than a user's bags hold, far less than what a flat-only
+    /// backend's copy per candidate could bear unbounded.
+    pub const DEFAULT_MAX_REQUEST_LEVEL_IDS: usize = 65_536;
+
+    /// At most `max_samples` samples, the default bound on request-level
+    /// ids, and `id_policy`.
+    pub const fn new(max_samples: usize, id_policy: IdPolicy) -> Self {
+        Self { max_samples, max_request_level_ids: Self::DEFAULT_MAX_REQUEST_LEVEL_IDS, id_policy }
+    }
+}
+
+/// Refuses `ids` ids where the lengths (as sent, or one per bag when none
+/// were) sum to `total`.
+pub(crate) fn ids_match_lengths(ids: usize, total: usize, field: InputField) -> Result<(), InvalidInput> {
+    if ids == total {
+        return Ok(());
+    }
+    Err(InvalidInput::new(field, format!("has {ids} ids but the lengths sum to {total}")))
+}

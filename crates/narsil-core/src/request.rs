@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use crate::ids::fit_ids;
-use crate::invalid::widen_weights;
-pub use crate::invalid::{IdPolicy, InputField, InvalidInput};
+use crate::invalid::{ids_match_lengths, widen_weights};
+pub use crate::invalid::{IdPolicy, InputField, InvalidInput, RequestLimits};
 use crate::request_level::{widen_row_lengths, RequestBlock};
 use crate::schema::ModelSchema;
 
@@ -70,6 +70,23 @@ impl RequestSamples {
     }
 }
 
+impl RequestSamples {
+    /// Bytes its rows grow by once fused, beyond [`Self::decoded_bytes`]:
+    /// a grouped request's request-level dense values are broadcast to each
+    /// of its rows, and for a backend that takes only flat batches
+    /// (`flat_only`) its block's ids, with a weight each, are copied into
+    /// every row ([`crate::KeyedBatch::into_flat`]). 0 for a flat request.
+    /// Saturates rather than overflows: the engine refuses what does not
+    /// fit its memory bound.
+    pub fn fused_growth_bytes(&self, flat_only: bool) -> usize {
+        use std::mem::size_of;
+        let Some(block) = &self.request else { return 0 };
+        let per_row = block.dense.len() * size_of::<f32>()
+            + if flat_only { block.ids.len() * (size_of::<i64>() + size_of::<f32>()) } else { 0 };
+        self.num_samples.saturating_mul(per_row)
+    }
+}
+
 /// `values`, a `[rows x cols]` matrix (row-major), as `[cols x rows]`.
 fn transpose<T: Copy>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
     debug_assert_eq!(values.len(), rows * cols);
@@ -88,40 +105,6 @@ impl SparseLayout {
             Self::KeyMajor => (bag % batch_size, bag / batch_size),
         }
     }
-}
-
-/// Limits applied to every request, from the server's configuration.
-#[derive(Debug, Clone, Copy)]
-pub struct RequestLimits {
-    /// Most samples one request may carry.
-    pub max_samples: usize,
-    /// Most ids a ranking request's request-level block may carry, all its
-    /// features together (`--max-request-level-ids`).
-    pub max_request_level_ids: usize,
-    /// Out-of-range id handling.
-    pub id_policy: IdPolicy,
-}
-
-impl RequestLimits {
-    /// `--max-request-level-ids`' default: 65,536 ids (512 KiB decoded), far
-    /// more than a user's bags hold, far less than what a flat-only
-    /// backend's copy per candidate could bear unbounded.
-    pub const DEFAULT_MAX_REQUEST_LEVEL_IDS: usize = 65_536;
-
-    /// At most `max_samples` samples, the default bound on request-level
-    /// ids, and `id_policy`.
-    pub const fn new(max_samples: usize, id_policy: IdPolicy) -> Self {
-        Self { max_samples, max_request_level_ids: Self::DEFAULT_MAX_REQUEST_LEVEL_IDS, id_policy }
-    }
-}
-
-/// Refuses `ids` ids where the lengths (as sent, or one per bag when none
-/// were) sum to `total`.
-pub(crate) fn ids_match_lengths(ids: usize, total: usize, field: InputField) -> Result<(), InvalidInput> {
-    if ids == total {
-        return Ok(());
-    }
-    Err(InvalidInput::new(field, format!("has {ids} ids but the lengths sum to {total}")))
 }
 
 impl RequestSamples {

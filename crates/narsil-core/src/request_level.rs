@@ -14,8 +14,7 @@
 //! ([`crate::KeyedBatch::into_flat`]).
 
 use crate::ids::fit_ids;
-use crate::invalid::{widen_weights, InputField, InvalidInput};
-use crate::request::{ids_match_lengths, RequestLimits, RequestSamples};
+use crate::invalid::{ids_match_lengths, widen_weights, InputField, InvalidInput, RequestLimits};
 use crate::schema::ModelSchema;
 
 /// A ranking request's request-level features, sent once for all its
@@ -154,23 +153,6 @@ impl RequestBlock {
     }
 }
 
-impl RequestSamples {
-    /// Bytes its rows grow by once fused, beyond [`Self::decoded_bytes`]:
-    /// a grouped request's request-level dense values are broadcast to each
-    /// of its rows, and for a backend that takes only flat batches
-    /// (`flat_only`) its block's ids, with a weight each, are copied into
-    /// every row ([`crate::KeyedBatch::into_flat`]). 0 for a flat request.
-    /// Saturates rather than overflows: the engine refuses what does not
-    /// fit its memory bound.
-    pub fn fused_growth_bytes(&self, flat_only: bool) -> usize {
-        use std::mem::size_of;
-        let Some(block) = &self.request else { return 0 };
-        let per_row = block.dense.len() * size_of::<f32>()
-            + if flat_only { block.ids.len() * (size_of::<i64>() + size_of::<f32>()) } else { 0 };
-        self.num_samples.saturating_mul(per_row)
-    }
-}
-
 /// For a grouped request (one with `block`): checks the block and the
 /// candidate rows' lengths (`[samples x candidate features]` as sent), then
 /// widens the rows' lengths to every feature (an empty bag for each
@@ -234,8 +216,8 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
-    use crate::request::{RequestLimits, RequestSamples};
     use crate::invalid::IdPolicy;
+    use crate::request::{RequestLimits, RequestSamples};
     use crate::schema::RequestLevel;
 
     /// 2 dense, 4 sparse features of 10 rows: `cat_0` and `cat_2` and the

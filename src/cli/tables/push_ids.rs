@@ -31,11 +31,8 @@ use narsil_embedding::schema::TableIds;
 use narsil_embedding::{IdMap, SplitSchema};
 
 use super::in_id_order;
+use crate::lifecycle::control::MAX_PUSH_BODY_BYTES;
 use crate::load::tls::{ClientTlsArgs, HttpsClient};
-
-/// Largest body the server takes for an id push (its
-/// `MAX_PUSH_BODY_BYTES`).
-const MAX_BODY_BYTES: usize = 16 << 20;
 
 /// `narsil tables push-ids`.
 #[derive(Debug, Args)]
@@ -86,8 +83,8 @@ struct TableEntries {
 
 /// Runs `narsil tables push-ids`.
 pub fn push_ids(args: &PushIdsArgs) -> anyhow::Result<()> {
-    if args.chunk_bytes == 0 || args.chunk_bytes > MAX_BODY_BYTES {
-        anyhow::bail!("--chunk-bytes must be 1 to {MAX_BODY_BYTES} (the server's limit)");
+    if args.chunk_bytes == 0 || args.chunk_bytes > MAX_PUSH_BODY_BYTES {
+        anyhow::bail!("--chunk-bytes must be 1 to {MAX_PUSH_BODY_BYTES} (the server's limit)");
     }
     let schema = SplitSchema::read(&args.model).with_context(|| format!("{}", args.model.display()))?;
     let new_schema =
