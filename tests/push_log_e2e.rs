@@ -10,7 +10,8 @@
 //! from the default row (`narsil_table_unmapped_ids_total`). A torn tail
 //! (a push the server was writing when it stopped) is cut off at the next
 //! load, and what came before it is served. A push past
-//! `--max-pushed-bytes` is refused naming it, counted, and not logged.
+//! `--max-pushed-bytes` is refused naming it, counted, and not logged. With
+//! two versions ready, a push one of them refuses is pushed to neither.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -18,7 +19,9 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::pushes::{close, default_ids, entries, publish, push, rows_of, with_new_ids, TABLE, TOKEN};
+use common::pushes::{
+    add_to_map, close, default_ids, entries, publish, push, rows_of, with_new_ids, NEW_IDS, TABLE, TOKEN,
+};
 use narsil_core::golden::{test_model_dir, Golden, GoldenRequest};
 
 /// A repository server with model control behind the token, its tables in
@@ -159,5 +162,37 @@ async fn a_push_past_the_byte_bound_is_refused_naming_it_counted_and_not_logged(
     // What fits is taken.
     let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, ids(100, 4))).await;
     assert_eq!((code, &body["versions"][0]["bytes"]), (200, &serde_json::json!(bound)), "{body}");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_push_one_ready_version_refuses_is_pushed_to_none_and_not_logged() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    publish(repo.path(), &golden, 1);
+    // Version 2's map holds NEW_IDS + 1, at row 2.
+    let staging = repo.path().join("dlrm/.incoming-2");
+    common::id_maps::mapped_copy(&staging, &golden);
+    add_to_map(&staging, TABLE, &[(NEW_IDS + 1, 2)]);
+    std::fs::rename(&staging, repo.path().join("dlrm/2")).unwrap();
+    let (rows, row_bytes) = rows_of(&repo.path().join("dlrm/1"), TABLE);
+    let table = format!("cat_{TABLE}");
+    let server = start(repo.path(), &[1, 2], |args| args.version_policy = "latest:2".parse().unwrap()).await;
+    // NEW_IDS + 1 with row 1: new to version 1, held by version 2 with row 2.
+    let (code, body) =
+        push(server.admin, &table, &entries(&rows, row_bytes, [(NEW_IDS, 0), (NEW_IDS + 1, 1)])).await;
+    assert_eq!(code, 422, "{body}");
+    assert_eq!(body["versions"].as_array().unwrap().len(), 1, "{body}");
+    assert_eq!(body["versions"][0]["version"], "2", "{body}");
+    assert!(body["error"].as_str().unwrap().contains("id map (row 2)"), "{body}");
+    let metrics = common::scrape(server.admin).await;
+    let held = |version: u64| format!(r#"narsil_table_pushed_ids{{table="{table}",version="{version}"}}"#);
+    assert_eq!((common::metric(&metrics, &held(1)), common::metric(&metrics, &held(2))), (0.0, 0.0));
+    assert!(!repo.path().join("dlrm/.pushed-ids").exists(), "a refused push was logged");
+    // Without it: both take it.
+    let (code, body) = push(server.admin, &table, &entries(&rows, row_bytes, [(NEW_IDS, 0)])).await;
+    assert_eq!(code, 200, "{body}");
+    let versions: Vec<_> = body["versions"].as_array().unwrap().iter().map(|v| v["added"].clone()).collect();
+    assert_eq!(versions, [serde_json::json!(1), serde_json::json!(1)], "{body}");
     server.stop().await;
 }

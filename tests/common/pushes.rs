@@ -95,3 +95,23 @@ pub async fn push(admin: SocketAddr, table: &str, body: &[u8]) -> (u16, serde_js
     let (code, text) = super::post(admin, &path, Some(&format!("Bearer {TOKEN}")), body).await;
     (code, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
 }
+
+/// Adds `pairs` (raw id, row) to table `table`'s id map of the split model
+/// in `dir`, its SHA-256 in schema.json updated: a version whose map holds
+/// ids the served one lacks.
+pub fn add_to_map(dir: &Path, table: usize, pairs: &[(i64, u64)]) {
+    let schema = SplitSchema::read(dir).unwrap();
+    let spec = &schema.tables[table];
+    let narsil_embedding::schema::TableIds::Map(map_spec) = &spec.ids else { panic!("mapped") };
+    let (map, _) = narsil_embedding::IdMap::open(&dir.join(&map_spec.file), spec.rows).unwrap();
+    let mut all: Vec<(i64, u64)> = map.iter().collect();
+    all.extend_from_slice(pairs);
+    let bytes = narsil_embedding::id_map::build(&all, spec.rows).unwrap();
+    std::fs::write(dir.join(&map_spec.file), &bytes).unwrap();
+    let sha256: String =
+        <sha2::Sha256 as sha2::Digest>::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    let path = dir.join("schema.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    json["tables"][table]["ids"]["map"]["sha256"] = sha256.into();
+    std::fs::write(&path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
+}
