@@ -323,6 +323,18 @@ mod tests {
         }
     }
 
+    /// The mapped schema, the plain one, its tables (rows seeded 3, 4, ...
+    /// per table) and a stage over them with the mapped schema's id maps.
+    fn pushable_stage() -> (SplitSchema, SplitSchema, Vec<Table>, EmbeddingStage) {
+        let (mapped, maps) = mapped();
+        let plain = schema();
+        let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
+        let stores =
+            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
+        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        (mapped, plain, tables, stage)
+    }
+
     /// The pooled input of the fixtures' batch sent as rows, its shared
     /// table's ids `defaulted` pooled as the default row (the last).
     fn expected_pool(plain: &SplitSchema, defaulted: &[i64]) -> Vec<f32> {
@@ -346,12 +358,7 @@ mod tests {
 
     #[test]
     fn a_batch_pools_the_pushed_ids_of_the_snapshot_it_mapped_with_never_those_of_a_later_push() {
-        let (mapped, maps) = mapped();
-        let plain = schema();
-        let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
-        let stores =
-            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
-        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        let (mapped, plain, tables, stage) = pushable_stage();
         // The shared table's ids 3, 4, 9 and 40 sent as new ids: 4 and 9
         // pushed before the batch is mapped, 3 and 40 after.
         let new = |t: usize, row: i64| (t == 0 && [3, 4, 9, 40].contains(&row)).then(|| fresh(t, row));
@@ -378,12 +385,7 @@ mod tests {
 
     #[test]
     fn under_pushes_a_batch_pools_all_of_a_push_or_none_and_sees_it_once_answered() {
-        let (mapped, maps) = mapped();
-        let plain = schema();
-        let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
-        let stores =
-            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
-        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        let (mapped, plain, tables, stage) = pushable_stage();
         let expected = expected_pool(&plain, &[]);
         // Pushes of 50 new ids at a time while lanes pool batches whose
         // shared ids are all new ids of one push (the 8th).
@@ -557,12 +559,7 @@ mod tests {
 
     #[test]
     fn a_replayed_push_keeps_the_rows_a_version_holds_and_adds_the_rest() {
-        let (mapped, maps) = mapped();
-        let plain = schema();
-        let tables: Vec<Table> = plain.tables.iter().enumerate().map(|(i, t)| rows(t, 3 + i as u8)).collect();
-        let stores =
-            plain.tables.iter().enumerate().map(|(i, t)| Arc::new(rows(t, 3 + i as u8)) as _).collect();
-        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        let (mapped, plain, tables, stage) = pushable_stage();
         push(&stage, "shared", &entries(&tables[0], 16, &[(fresh(0, 4), 4)])).unwrap();
         // The log's rows for: an id its map holds (row 9: the log says row
         // 2), an id pushed before (row 4: the log says row 7), a new id.
