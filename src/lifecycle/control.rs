@@ -316,8 +316,9 @@ async fn push_ids(
         return not_serving();
     }
     let pushes = control.pushes.model(&model, None);
-    // One push of a model at a time, and none while a version turns ready.
-    let _one_at_a_time = pushes.lock().await;
+    // One push of a model at a time, and none while a version turns ready;
+    // held by the push itself, which finishes even if its caller goes away.
+    let one_at_a_time = pushes.lock().await;
     let versions = control.registry.live_versions(&model);
     if versions.is_empty() {
         return not_serving();
@@ -325,8 +326,11 @@ async fn push_ids(
     let pushing = table.clone();
     // Off the async threads: a push checks every entry on every version,
     // fsyncs the log and may merge the table's index.
-    let model_pushes = Arc::clone(&pushes);
-    let answer = tokio::task::spawn_blocking(move || model_pushes.push_to(&versions, &pushing, &body)).await;
+    let answer = tokio::task::spawn_blocking(move || {
+        let _one_at_a_time = one_at_a_time;
+        pushes.push_to(&versions, &pushing, &body)
+    })
+    .await;
     let Ok(answer) = answer else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "the push panicked; see the server's log".into());
     };

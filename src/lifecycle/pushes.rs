@@ -50,7 +50,7 @@ pub struct ModelPushes {
     model: String,
     dir: OnceLock<PathBuf>,
     max_bytes: u64,
-    lock: tokio::sync::Mutex<()>,
+    lock: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl PushBook {
@@ -68,7 +68,7 @@ impl PushBook {
                 model: model.to_owned(),
                 dir: OnceLock::new(),
                 max_bytes: self.max_bytes,
-                lock: tokio::sync::Mutex::new(()),
+                lock: Arc::new(tokio::sync::Mutex::new(())),
             })
         });
         if let Some(dir) = model_dir {
@@ -125,9 +125,11 @@ pub enum PushAnswer {
 }
 
 impl ModelPushes {
-    /// Holds off pushes to the model (and other versions turning ready).
-    pub async fn lock(&self) -> tokio::sync::MutexGuard<'_, ()> {
-        self.lock.lock().await
+    /// Holds off pushes to the model (and other versions turning ready)
+    /// until the guard is dropped: a guard a blocking task can own, so that
+    /// a push whose caller went away still finishes under it.
+    pub async fn lock(&self) -> tokio::sync::OwnedMutexGuard<()> {
+        Arc::clone(&self.lock).lock_owned().await
     }
 
     fn push(
@@ -157,9 +159,10 @@ impl ModelPushes {
                         &table.name,
                         &other,
                         &format,
-                        "its rows are of another format than the version's table (".to_owned()
-                            + &table.row_format
-                            + ")",
+                        format!(
+                            "its rows are of another format than the version's table ({})",
+                            table.row_format
+                        ),
                     );
                 }
             }
