@@ -12,8 +12,8 @@ use crate::wire::le;
 /// One input tensor and its raw bytes, if the request sent them raw.
 pub(super) struct Input<'a> {
     pub(super) tensor: &'a InferInputTensor,
-    pub(super) raw: Option<&'a [u8]>,
-    pub(super) field: InputField,
+    raw: Option<&'a [u8]>,
+    field: InputField,
 }
 
 impl Input<'_> {
@@ -22,7 +22,7 @@ impl Input<'_> {
     }
 
     /// The element count its shape declares.
-    pub(super) fn count(&self) -> Result<usize, InvalidInput> {
+    fn count(&self) -> Result<usize, InvalidInput> {
         self.tensor.shape.iter().try_fold(1usize, |n, &d| {
             usize::try_from(d).ok().and_then(|d| n.checked_mul(d)).ok_or_else(|| {
                 self.error(format!("has shape {:?}; dimensions must be non-negative", self.tensor.shape))
@@ -108,7 +108,7 @@ impl Input<'_> {
         self.counted(values)
     }
 
-    pub(super) fn counted<T>(&self, values: Vec<T>) -> Result<Vec<T>, InvalidInput> {
+    fn counted<T>(&self, values: Vec<T>) -> Result<Vec<T>, InvalidInput> {
         let count = self.count()?;
         if values.len() != count {
             return Err(self.error(format!(

@@ -513,16 +513,13 @@ mod tests {
 
     #[test]
     fn a_push_past_the_byte_bound_is_refused_naming_it_counted_and_changes_nothing() {
-        let (mapped, maps) = mapped();
-        let plain = schema();
-        let table = rows(&plain.tables[0], 3);
-        let stores = plain.tables.iter().map(|t| Arc::new(rows(t, 3)) as Arc<dyn RowStore>).collect();
-        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
+        let (_, _, tables, stage) = pushable_stage();
+        let table = &tables[0];
         // 48 bytes an id (a 16-byte row, 32 of index): three fit in 150.
         let bounded = |body: &[u8]| stage.push_ids(&IdPush::apply("shared", body, 150, "--max-pushed-bytes"));
-        let three = entries(&table, 16, &[(fresh(0, 1), 1), (fresh(0, 2), 2), (fresh(0, 3), 3)]);
+        let three = entries(table, 16, &[(fresh(0, 1), 1), (fresh(0, 2), 2), (fresh(0, 3), 3)]);
         assert_eq!(bounded(&three).unwrap().bytes, 144);
-        let error = bounded(&entries(&table, 16, &[(fresh(0, 4), 4)])).unwrap_err();
+        let error = bounded(&entries(table, 16, &[(fresh(0, 4), 4)])).unwrap_err();
         assert!(
             error.contains("--max-pushed-bytes (150 bytes a table)")
                 && error.contains("holds 3 pushed ids (144 bytes")
@@ -538,18 +535,15 @@ mod tests {
 
     #[test]
     fn a_checked_push_says_what_it_would_do_and_changes_nothing() {
-        let (mapped, maps) = mapped();
-        let plain = schema();
-        let table = rows(&plain.tables[0], 3);
-        let stores = plain.tables.iter().map(|t| Arc::new(rows(t, 3)) as Arc<dyn RowStore>).collect();
-        let stage = EmbeddingStage::with_id_maps(&mapped, stores, maps);
-        let body = entries(&table, 16, &[(fresh(0, 1), 1), (raw(0, 5), 5)]);
+        let (_, _, tables, stage) = pushable_stage();
+        let table = &tables[0];
+        let body = entries(table, 16, &[(fresh(0, 1), 1), (raw(0, 5), 5)]);
         let check = IdPush::apply("shared", &body, u64::MAX, "no bound").in_mode(PushMode::Check);
         let checked = stage.push_ids(&check).unwrap();
         assert_eq!((checked.added, checked.already_held, checked.pushed), (1, 1, 1));
         assert_eq!(stage.pushed("shared"), Some(0));
         assert_eq!(stage.metrics().table("shared").pushed_ids.get(), 0);
-        let conflict = entries(&table, 16, &[(raw(0, 5), 6)]);
+        let conflict = entries(table, 16, &[(raw(0, 5), 6)]);
         assert!(stage
             .push_ids(&IdPush { entries: &conflict, ..check })
             .unwrap_err()

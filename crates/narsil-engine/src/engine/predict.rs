@@ -80,9 +80,10 @@ impl EngineHandle {
         }
         request.validate(&shared.schema, shared.limits)?;
         let growth = |part: &RequestSamples| part.fused_growth_bytes(shared.flat_only);
-        let bytes = request.decoded_bytes().saturating_add(growth(&request));
+        let grown = growth(&request);
+        let bytes = request.decoded_bytes().saturating_add(grown);
         let memory = &shared.memory;
-        if bytes > memory.max() && shared.flat_only && growth(&request) > 0 {
+        if bytes > memory.max() && shared.flat_only && grown > 0 {
             return Err(EngineError::Invalid(never_fits_flat(&request, bytes, memory.max())));
         }
         if bytes > memory.max() {
