@@ -105,6 +105,7 @@ impl DlrmWeights {
         let over = layers(DlrmShape::interaction_width(shape.num_sparse, shape.dim), &shape.over_arch);
         let schema = ModelSchema {
             request_level: Default::default(),
+            sequences: Vec::new(),
             name: "dlrm-random".into(),
             version: format!("seed-{seed}"),
             backend: "burn".into(),
@@ -172,6 +173,7 @@ impl DlrmWeights {
         };
         let schema = ModelSchema {
             request_level: Default::default(),
+            sequences: Vec::new(),
             name: text("name", "dlrm"),
             version: text("version", "1"),
             backend: "burn".into(),

@@ -9,7 +9,9 @@
 //!   many candidates); [`request_blocks`]: those blocks in a fused batch;
 //!   [`flat_batch`]: the rows each block goes to, and the flat batch;
 //!   [`invalid`]: why a request is refused; [`ids`]: how an id becomes a
-//!   row (the range check, the modulo conventions).
+//!   row (the range check, the modulo conventions); [`sequence`]: sequence
+//!   features (a user's history, one embedding per position), their
+//!   alignment and truncation.
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own;
@@ -44,6 +46,7 @@ pub mod request;
 pub mod request_blocks;
 pub mod request_level;
 pub mod schema;
+pub mod sequence;
 pub mod skip;
 pub mod staged;
 
@@ -54,4 +57,5 @@ pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use request_blocks::RequestBlocks;
 pub use request_level::RequestBlock;
 pub use schema::{ModelSchema, RequestLevel, SparseFeature};
+pub use sequence::{KeepEnd, SequenceFeature};
 pub use staged::StagedBatch;

@@ -21,6 +21,8 @@
 //! 64-bit id is taken, passed to the model as `int64`. `request_level` (optional) names the
 //! features that are the same for every candidate of a ranking request
 //! (`dense` for the dense features): see [`crate::request_level`].
+//! `sequences` (optional) declares sequence features
+//! (`[{"name", "features", "max_len", "keep"}]`): see [`crate::sequence`].
 
 use std::collections::HashSet;
 use std::path::Path;
@@ -28,6 +30,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::schema::{ModelSchema, RequestLevel, SparseFeature, DEFAULT_OUTPUT};
+use crate::sequence::{declare, SequenceJson};
 
 /// The file name looked for beside a model.
 pub const FILE_NAME: &str = "model.json";
@@ -45,6 +48,8 @@ struct ConfigJson {
     version: Option<String>,
     #[serde(default)]
     request_level: Vec<String>,
+    #[serde(default)]
+    sequences: Vec<SequenceJson>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -102,9 +107,11 @@ pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Res
             .collect(),
         outputs,
         request_level: RequestLevel::default(),
+        sequences: Vec::new(),
     };
     schema.request_level = RequestLevel::parse(config.request_level.iter().map(String::as_str), &schema)
         .map_err(|e| format!("request_level: {e}"))?;
+    schema.sequences = declare(&config.sequences, &schema).map_err(|e| format!("sequences: {e}"))?;
     Ok(schema)
 }
 

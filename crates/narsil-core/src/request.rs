@@ -12,6 +12,15 @@ use crate::invalid::{ids_match_lengths, widen_weights};
 pub use crate::invalid::{IdPolicy, InputField, InvalidInput, RequestLimits};
 use crate::request_level::{widen_row_lengths, RequestBlock};
 use crate::schema::ModelSchema;
+use crate::sequence::{fit_sequences, BagLayout, SequenceFeature};
+
+/// What validation changed in a request that it still serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Validated {
+    /// Sequence positions dropped: sequences longer than their maximum are
+    /// cut at the model's end ([`crate::sequence`]), never refused.
+    pub positions_truncated: usize,
+}
 
 /// How a request lays out its sparse lengths and ids.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -116,8 +125,10 @@ impl RequestSamples {
     }
 
     /// Checks the request against the model's schema and fills in implicit
-    /// lengths. On success the batch is safe to reorder and run.
-    pub fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<(), InvalidInput> {
+    /// lengths; cuts sequences longer than their maximum
+    /// ([`crate::sequence`]). On success the batch is safe to reorder and
+    /// run.
+    pub fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<Validated, InvalidInput> {
         let b = self.num_samples;
         let num_sparse = schema.num_sparse();
         if b == 0 {
@@ -129,9 +140,19 @@ impl RequestSamples {
                 format!("{b} exceeds the server's limit of {}", limits.max_samples),
             ));
         }
+        let mut validated = Validated::default();
         let row_dense = match self.request.as_mut() {
             Some(block) => {
-                widen_row_lengths(Arc::make_mut(block), &mut self.lengths, self.ids.len(), b, schema, limits)?
+                let (row_dense, truncated) = widen_row_lengths(
+                    Arc::make_mut(block),
+                    &mut self.lengths,
+                    self.ids.len(),
+                    b,
+                    schema,
+                    limits,
+                )?;
+                validated.positions_truncated += truncated;
+                row_dense
             }
             None => schema.num_dense,
         };
@@ -154,8 +175,28 @@ impl RequestSamples {
         }
         let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
         ids_match_lengths(self.ids.len(), total as usize, InputField::Ids)?;
+        validated.positions_truncated += self.fit_sequences(schema)?;
         self.check_ids(schema, limits.id_policy)?;
-        self.widen_weights(schema)
+        self.widen_weights(schema)?;
+        Ok(validated)
+    }
+
+    /// Checks the rows' sequences' alignment and cuts those longer than
+    /// their maximum; returns the positions dropped.
+    fn fit_sequences(&mut self, schema: &ModelSchema) -> Result<usize, InvalidInput> {
+        if schema.sequences.is_empty() {
+            return Ok(0);
+        }
+        let (b, num_sparse, layout) = (self.num_samples, schema.num_sparse(), self.layout);
+        let sequences: Vec<&SequenceFeature> = schema.sequences.iter().collect();
+        let bag = move |sample: usize, f: usize| match layout {
+            SparseLayout::SampleMajor => sample * num_sparse + f,
+            SparseLayout::KeyMajor => f * b + sample,
+        };
+        let feature = move |bag: usize| layout.bag_position(bag, b, num_sparse).1;
+        let place = |sample: usize| format!("sample {sample}");
+        let bags = BagLayout { samples: b, bag: &bag, feature: &feature, field: InputField::Lengths, place: &place };
+        fit_sequences(&sequences, schema, &mut self.lengths, &mut self.ids, &bags)
     }
 
     /// Checks the weights sent (count, finite) and widens them to one per

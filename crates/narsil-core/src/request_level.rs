@@ -16,6 +16,7 @@
 use crate::ids::fit_ids;
 use crate::invalid::{ids_match_lengths, widen_weights, InputField, InvalidInput, RequestLimits};
 use crate::schema::ModelSchema;
+use crate::sequence::{fit_sequences, BagLayout, SequenceFeature};
 
 /// A ranking request's request-level features, sent once for all its
 /// candidates.
@@ -52,7 +53,8 @@ impl RequestBlock {
     /// Checks the block against the model's declaration and the server's
     /// bound on its ids, and fills in implicit lengths, widens weights and
     /// maps ids (`limits.id_policy`).
-    fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<(), InvalidInput> {
+    /// Returns the sequence positions it cut ([`crate::sequence`]).
+    fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<usize, InvalidInput> {
         if self.ids.len() > limits.max_request_level_ids {
             return Err(InvalidInput::new(
                 InputField::RequestIds,
@@ -107,6 +109,7 @@ impl RequestBlock {
                 format!("has {} ids but the request-level lengths sum to {total}", self.ids.len()),
             ));
         }
+        let truncated = self.fit_sequences(schema)?;
         let mut at = 0;
         for (&f, &len) in level.features.iter().zip(&self.lengths) {
             let feature = &schema.sparse[f];
@@ -137,7 +140,29 @@ impl RequestBlock {
             ));
         }
         self.features.clone_from(&level.features);
-        Ok(())
+        Ok(truncated)
+    }
+
+    /// Checks its sequences' alignment and cuts those longer than their
+    /// maximum; returns the positions dropped.
+    fn fit_sequences(&mut self, schema: &ModelSchema) -> Result<usize, InvalidInput> {
+        let sequences: Vec<&SequenceFeature> =
+            schema.sequences.iter().filter(|s| s.is_request_level(schema)).collect();
+        if sequences.is_empty() {
+            return Ok(0);
+        }
+        let level = &schema.request_level.features;
+        let bag = |_: usize, f: usize| level.binary_search(&f).expect("a request-level sequence's feature");
+        let feature = |k: usize| level[k];
+        let place = |_: usize| "the request block".to_string();
+        let bags = BagLayout {
+            samples: 1,
+            bag: &bag,
+            feature: &feature,
+            field: InputField::RequestLengths,
+            place: &place,
+        };
+        fit_sequences(&sequences, schema, &mut self.lengths, &mut self.ids, &bags)
     }
 
     /// Feature number `k`'s (of [`RequestBlock::features`]) ids, once
@@ -166,7 +191,7 @@ pub(crate) fn widen_row_lengths(
     samples: usize,
     schema: &ModelSchema,
     limits: RequestLimits,
-) -> Result<usize, InvalidInput> {
+) -> Result<(usize, usize), InvalidInput> {
     let level = &schema.request_level;
     if !level.is_declared() {
         return Err(InvalidInput::new(
@@ -177,7 +202,7 @@ pub(crate) fn widen_row_lengths(
             ),
         ));
     }
-    block.validate(schema, limits)?;
+    let truncated = block.validate(schema, limits)?;
     let num_sparse = schema.num_sparse();
     let candidate = level.candidate_features(schema);
     if lengths.is_empty() {
@@ -198,7 +223,7 @@ pub(crate) fn widen_row_lengths(
     }
     let row_dense = if level.dense { 0 } else { schema.num_dense };
     if level.features.is_empty() {
-        return Ok(row_dense);
+        return Ok((row_dense, truncated));
     }
     let mut widened = vec![0u32; samples * num_sparse];
     for (row, sent) in widened.chunks_exact_mut(num_sparse).zip(lengths.chunks_exact(candidate.len().max(1)))
@@ -208,7 +233,7 @@ pub(crate) fn widen_row_lengths(
         }
     }
     *lengths = widened;
-    Ok(row_dense)
+    Ok((row_dense, truncated))
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
 //! The served model's input schema: what a valid request looks like.
 
+use crate::sequence::SequenceFeature;
+
 /// One sparse (categorical) feature and its embedding table size.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SparseFeature {
@@ -51,6 +53,9 @@ pub struct ModelSchema {
     pub outputs: Vec<String>,
     /// Its request-level inputs (none: flat requests only).
     pub request_level: RequestLevel,
+    /// Its sequence features (sparse features whose bags are sequences of
+    /// positions, looked up unpooled), in the order the model takes them.
+    pub sequences: Vec<SequenceFeature>,
 }
 
 impl ModelSchema {
@@ -86,7 +91,13 @@ impl ModelSchema {
             sparse: (0..26).map(|i| SparseFeature::new(format!("cat_{i}"), rows)).collect(),
             outputs: vec![DEFAULT_OUTPUT.into()],
             request_level: RequestLevel::default(),
+            sequences: Vec::new(),
         }
+    }
+
+    /// The sequence sparse feature `f` is a channel of, if any.
+    pub fn sequence_of(&self, f: usize) -> Option<&SequenceFeature> {
+        self.sequences.iter().find(|s| s.features.contains(&f))
     }
 }
 

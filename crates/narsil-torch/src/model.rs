@@ -45,6 +45,9 @@ struct SchemaJson {
     /// request (`dense` for the dense features); older exports lack it.
     #[serde(default)]
     request_level: Vec<String>,
+    /// Its sequence features; older exports lack it.
+    #[serde(default)]
+    sequences: Vec<narsil_core::sequence::SequenceJson>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -176,10 +179,13 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         num_dense: parsed.num_dense,
         sparse: parsed.sparse.into_iter().map(|f| SparseFeature::new(f.name, f.num_rows)).collect(),
         outputs: vec![DEFAULT_OUTPUT.into()],
+        sequences: Vec::new(),
     };
     schema.request_level =
         narsil_core::RequestLevel::parse(parsed.request_level.iter().map(String::as_str), &schema)
             .map_err(|e| BackendError::load(path, format!("narsil_schema()'s request_level: {e}")))?;
+    schema.sequences = narsil_core::sequence::declare(&parsed.sequences, &schema)
+        .map_err(|e| BackendError::load(path, format!("narsil_schema()'s sequences: {e}")))?;
     Ok((schema, parsed.dense_flops_per_sample))
 }
 

@@ -28,6 +28,10 @@ pub enum PoolingMode {
     Sum,
     /// The sum divided by the bag's length (an empty bag pools to zeros).
     Mean,
+    /// Not pooled: a sequence feature's channel, one vector per position
+    /// (TorchRec's `EmbeddingCollection`), handed to the dense network as
+    /// jagged values ([`SplitSchema::sequences`]).
+    None,
 }
 
 /// One sparse feature.
@@ -112,6 +116,13 @@ pub struct SplitSchema {
     /// `dense_top` as an AOTInductor package, bf16; optional.
     #[serde(default)]
     pub dense_top_package_bf16: Option<PathBuf>,
+    /// The sequence features (`[{"name", "features", "max_len", "keep"}]`):
+    /// every feature pooled `none` is a channel of exactly one; the dense
+    /// network takes each sequence's values, offsets and rows' units after
+    /// the pooled block, in this order (`docs/guide/sequences.md`);
+    /// optional.
+    #[serde(default)]
+    pub sequences: Vec<narsil_core::sequence::SequenceJson>,
 }
 
 /// Why a schema cannot be used.
@@ -181,6 +192,7 @@ impl SplitSchema {
             dense_top: None,
             dense_top_package: None,
             dense_top_package_bf16: None,
+            sequences: Vec::new(),
         }
     }
 
@@ -209,7 +221,7 @@ impl SplitSchema {
         if self.features.is_empty() {
             return Err("no sparse features".into());
         }
-        let dim = self.table(&self.features[0].table).map(|t| t.dim);
+        let dim = self.pooled_features().next().and_then(|f| self.table(&f.table)).map(|t| t.dim);
         for feature in &self.features {
             let Some(table) = self.table(&feature.table) else {
                 return Err(format!(
@@ -217,12 +229,27 @@ impl SplitSchema {
                     feature.name, feature.table
                 ));
             };
-            if Some(table.dim) != dim {
+            if feature.pooling != PoolingMode::None && Some(table.dim) != dim {
                 return Err(format!(
-                    "feature {:?} pools {} values, the first feature {:?}: every pooled vector must be as wide",
+                    "feature {:?} pools {} values, the first pooled feature {:?}: every pooled vector must be as wide",
                     feature.name, table.dim, dim
                 ));
             }
+            let in_sequence = self.sequences.iter().any(|s| s.features.contains(&feature.name));
+            if (feature.pooling == PoolingMode::None) != in_sequence {
+                return Err(format!(
+                    "feature {:?} is pooled {:?} but {}: a feature is unpooled (`none`) exactly when it is a \
+                     sequence's channel",
+                    feature.name,
+                    feature.pooling,
+                    if in_sequence { "is a sequence's channel" } else { "in no sequence" }
+                ));
+            }
+        }
+        if !self.sequences.is_empty() && (self.dense_bottom.is_some() || self.dense_top.is_some()) {
+            return Err("a model with sequences has no dense_bottom/dense_top cut (its dense network takes the \
+                        sequences whole)"
+                .into());
         }
         if let Some(i) = self.features.iter().position(|f| f.weighted) {
             if let Some(unweighted) = self.features[i..].iter().find(|f| !f.weighted) {
@@ -235,9 +262,11 @@ impl SplitSchema {
         if self.outputs.is_empty() {
             return Err("no outputs".into());
         }
-        let schema = self.model_schema("", "");
-        narsil_core::RequestLevel::parse(self.request_level.iter().map(String::as_str), &schema)
-            .map_err(|e| format!("request_level: {e}"))?;
+        let mut schema = self.model_schema("", "");
+        schema.request_level =
+            narsil_core::RequestLevel::parse(self.request_level.iter().map(String::as_str), &schema)
+                .map_err(|e| format!("request_level: {e}"))?;
+        narsil_core::sequence::declare(&self.sequences, &schema).map_err(|e| format!("sequences: {e}"))?;
         Ok(())
     }
 
@@ -270,18 +299,36 @@ impl SplitSchema {
                 .collect(),
             outputs: self.outputs.clone(),
             request_level: narsil_core::RequestLevel::default(),
+            sequences: Vec::new(),
         };
         // Checked at load ([`Self::check`]); a name it does not know
         // declares nothing.
         schema.request_level =
             narsil_core::RequestLevel::parse(self.request_level.iter().map(String::as_str), &schema)
                 .unwrap_or_default();
+        schema.sequences = narsil_core::sequence::declare(&self.sequences, &schema).unwrap_or_default();
         schema
     }
 
-    /// Values in each pooled vector.
+    /// The pooled features (every one but the sequences' channels), in
+    /// schema order: the pooled block's columns.
+    pub fn pooled_features(&self) -> impl Iterator<Item = &FeatureSpec> {
+        self.features.iter().filter(|f| f.pooling != PoolingMode::None)
+    }
+
+    /// Values in each pooled vector (0 for a model whose every feature is
+    /// a sequence's).
     pub fn pooled_dim(&self) -> usize {
-        self.table(&self.features[0].table).map_or(0, |t| t.dim)
+        self.pooled_features().next().and_then(|f| self.table(&f.table)).map_or(0, |t| t.dim)
+    }
+
+    /// Values per position of sequence `s` (its channels' dims, summed).
+    pub fn sequence_width(&self, s: usize) -> usize {
+        let dim = |name: &String| {
+            let feature = self.features.iter().find(|f| &f.name == name);
+            feature.and_then(|f| self.table(&f.table)).map_or(0, |t| t.dim)
+        };
+        self.sequences[s].features.iter().map(dim).sum()
     }
 }
 

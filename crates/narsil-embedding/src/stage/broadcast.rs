@@ -25,7 +25,11 @@ impl EmbeddingStage {
             let unit = &unit_pooled[run.unit * stride..(run.unit + 1) * stride];
             for row in pooled[run.start * width..(run.start + run.rows) * width].chunks_exact_mut(width) {
                 for (&f, vector) in blocks.features.iter().zip(unit.chunks_exact(dim)) {
-                    row[f * dim..(f + 1) * dim].copy_from_slice(vector);
+                    // A sequence's channels have no column: their units
+                    // are the sequences' own.
+                    if let Some(c) = self.features[f].column {
+                        row[c * dim..(c + 1) * dim].copy_from_slice(vector);
+                    }
                 }
             }
             rows += run.rows;

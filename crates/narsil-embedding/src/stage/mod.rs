@@ -44,7 +44,9 @@
 //! * `pooling.rs`: pooling each feature's bags of one table into the pooled
 //!   input, and the request-level units' bags of ranking requests once each;
 //! * `broadcast.rs`: copying each unit's pooled bags into its requests'
-//!   candidate rows.
+//!   candidate rows;
+//! * `sequences.rs`: sequence features looked up unpooled, once per unit,
+//!   as jagged values with per-unit offsets and each row's unit.
 
 mod broadcast;
 mod collect;
@@ -55,6 +57,7 @@ mod pooling;
 mod push;
 mod pushed_ids;
 mod read_ahead;
+mod sequences;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -75,6 +78,8 @@ use map_ids::{BatchPushed, IdMapping};
 pub use error::StageError;
 pub use push::MAX_PUSHED_IDS;
 use pushed_ids::PushedIds;
+use sequences::{Channel, StageSequence};
+pub use sequences::SequenceValues;
 
 struct StageTable {
     spec: TableSpec,
@@ -97,6 +102,10 @@ struct FeatureLookup {
     name: String,
     pooling: PoolingMode,
     weighted: bool,
+    /// Its column in the pooled block, for a pooled feature.
+    column: Option<usize>,
+    /// Where its positions go, for a sequence's channel.
+    channel: Option<Channel>,
 }
 
 /// A lane's buffers, reused from batch to batch.
@@ -119,12 +128,27 @@ pub struct StageScratch {
     /// (none where it found none): the table is pooled through copies of
     /// its distinct rows, those read from the snapshot.
     pushed: BatchPushed,
+    /// The last batch's sequences, in the schema's order.
+    sequences: Vec<SequenceValues>,
+    /// Bag lengths of 1, for looking positions up one id each.
+    ones: Vec<i32>,
+}
+
+impl StageScratch {
+    /// The last batch's sequence values (one per declared sequence, in the
+    /// schema's order; none for a model without sequences).
+    pub fn sequences(&self) -> &[SequenceValues] {
+        &self.sequences
+    }
 }
 
 /// A split model's embedding stage.
 pub struct EmbeddingStage {
     tables: Vec<StageTable>,
     features: Vec<FeatureLookup>,
+    sequences: Vec<StageSequence>,
+    /// Pooled features (the pooled block's columns).
+    pooled: usize,
     dim: usize,
     metrics: StageMetrics,
     /// Whether the last batch's lookups waited on the disk: the next one
@@ -170,14 +194,43 @@ impl EmbeddingStage {
                 counters: metrics.table(&spec.name),
             })
             .collect();
+        let model = schema.model_schema("", "");
+        let mut pooled = 0;
         let features = schema
             .features
             .iter()
-            .map(|f| FeatureLookup { name: f.name.clone(), pooling: f.pooling, weighted: f.weighted })
+            .enumerate()
+            .map(|(f, spec)| {
+                let channel = model.sequences.iter().enumerate().find_map(|(s, sequence)| {
+                    let c = sequence.features.iter().position(|&g| g == f)?;
+                    let column = sequence.features[..c]
+                        .iter()
+                        .map(|&g| schema.table(&schema.features[g].table).map_or(0, |t| t.dim))
+                        .sum();
+                    Some(Channel { sequence: s, column })
+                });
+                let column = channel.is_none().then(|| {
+                    pooled += 1;
+                    pooled - 1
+                });
+                FeatureLookup { name: spec.name.clone(), pooling: spec.pooling, weighted: spec.weighted, column, channel }
+            })
+            .collect();
+        let sequences = model
+            .sequences
+            .iter()
+            .enumerate()
+            .map(|(s, sequence)| StageSequence {
+                first: sequence.features[0],
+                width: schema.sequence_width(s),
+                request_level: sequence.is_request_level(&model),
+            })
             .collect();
         Self {
             tables,
             features,
+            sequences,
+            pooled,
             dim: schema.pooled_dim(),
             metrics,
             faulting: AtomicBool::new(false),
@@ -210,7 +263,13 @@ impl EmbeddingStage {
 
     /// Values in the pooled input per row: features times the pooled width.
     pub fn pooled_width(&self) -> usize {
-        self.features.len() * self.dim
+        self.pooled * self.dim
+    }
+
+    /// Whether the model has sequence features (its dense network takes
+    /// their values after the pooled block: [`StageScratch::sequences`]).
+    pub fn has_sequences(&self) -> bool {
+        !self.sequences.is_empty()
     }
 
     /// Tells `watcher` whether the store its tables are on answers (see
@@ -275,20 +334,36 @@ impl EmbeddingStage {
         let units = batch.request_blocks.as_ref().map_or(0, |b| b.unit_count * b.features.len() * self.dim);
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
+        self.lay_out_sequences(batch, &mut scratch.sequences);
         for (t, table) in self.tables.iter().enumerate() {
             let distinct = &scratch.distinct[t];
             // Pooled from copies of its distinct rows: a store that
             // fetches, or a table whose batch found pushed ids.
             let copies = scratch.pushed[t].is_some() || table.store.local_rows().is_none();
             let fetched = copies.then_some(&scratch.fetched[t][..]);
-            let (file_rows, unit_pooled) = (&mut scratch.file_rows, &mut scratch.unit_pooled[..]);
-            faults +=
-                self.pool_table(table, batch, distinct, fetched, file_rows, pooled, width, unit_pooled)?;
+            let out = Outputs {
+                pooled,
+                width,
+                unit_pooled: &mut scratch.unit_pooled[..],
+                sequences: &mut scratch.sequences[..],
+                ones: &mut scratch.ones,
+            };
+            faults += self.pool_table(table, batch, distinct, fetched, &mut scratch.file_rows, out)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         self.broadcast(batch, &scratch.unit_pooled, pooled, width);
         Ok(())
     }
+}
+
+/// Where a table's lookups go: the pooled block (`[rows, width]`), the
+/// request-level units' pooled bags, the sequences' values.
+pub(super) struct Outputs<'a> {
+    pooled: &'a mut [f32],
+    width: usize,
+    unit_pooled: &'a mut [f32],
+    sequences: &'a mut [SequenceValues],
+    ones: &'a mut Vec<i32>,
 }
 
 /// The id maps of `schema`'s tables that declare one, opened from `dir`

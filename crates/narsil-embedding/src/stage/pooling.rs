@@ -11,7 +11,7 @@ use std::time::Instant;
 use narsil_core::KeyedBatch;
 
 use super::read_ahead::thread_major_faults;
-use super::{EmbeddingStage, FeatureLookup, StageError, StageTable};
+use super::{EmbeddingStage, FeatureLookup, Outputs, StageError, StageTable};
 use crate::dedup::DistinctIds;
 use crate::pool::{pool_rows, Pooling};
 
@@ -21,7 +21,6 @@ impl EmbeddingStage {
     /// feature's ids as rows of a local file in popularity order), the
     /// request-level units' bags into `unit_pooled` (`[units, request-level
     /// features * dim]`); returns the major faults the lookups took.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn pool_table(
         &self,
         table: &StageTable,
@@ -29,10 +28,9 @@ impl EmbeddingStage {
         distinct: &DistinctIds,
         fetched: Option<&[u8]>,
         file_rows: &mut Vec<i64>,
-        pooled: &mut [f32],
-        width: usize,
-        unit_pooled: &mut [f32],
+        out: Outputs<'_>,
     ) -> Result<u64, StageError> {
+        let Outputs { pooled, width, unit_pooled, sequences, ones } = out;
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let blocks = batch.request_blocks.as_ref();
@@ -42,18 +40,38 @@ impl EmbeddingStage {
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
             let mut bags = Bags { table, distinct, fetched, file_rows: &mut *file_rows, slot_start };
+            let units = blocks.and_then(|b| Some((b, b.position(f)?)));
+            if let Some(channel) = feature.channel {
+                // A sequence's channel: each id's row once, its rows' own
+                // positions then its units'.
+                let sequence = &mut sequences[channel.sequence];
+                let (w, own) = (sequence.width, batch.feature_ids(f));
+                let unit_ids = units.map_or(&[][..], |(b, k)| b.feature_ids(k));
+                if ones.len() < own.len().max(unit_ids.len()) {
+                    ones.resize(own.len().max(unit_ids.len()), 1);
+                }
+                let values = &mut sequence.values[channel.column..];
+                bags.pool(feature, &ones[..own.len()], own, None, values, w)?;
+                if !unit_ids.is_empty() {
+                    let units = &mut values[own.len() * w..];
+                    bags.pool(feature, &ones[..unit_ids.len()], unit_ids, None, units, w)?;
+                }
+                slot_start = bags.slot_start;
+                continue;
+            }
+            let column = feature.column.expect("a feature is pooled or a sequence's channel");
             bags.pool(
                 feature,
                 batch.feature_lengths(f),
                 batch.feature_ids(f),
                 weights,
-                &mut pooled[f * self.dim..],
+                &mut pooled[column * self.dim..],
                 width,
             )?;
             // A request-level feature's units: each pooled once, into the
             // units' block (broadcast to their rows once every table is
             // pooled).
-            if let Some((blocks, k)) = blocks.and_then(|b| Some((b, b.position(f)?))) {
+            if let Some((blocks, k)) = units {
                 let stride = blocks.features.len() * self.dim;
                 let weights = blocks.feature_weights(k).filter(|_| feature.weighted);
                 let out = &mut unit_pooled[k * self.dim..];

@@ -1,0 +1,324 @@
+//! Sequence features: a user's behaviour history, one embedding per
+//! position (unpooled; TorchRec's `EmbeddingCollection`), attended by each
+//! candidate. On the wire a sequence is a sparse feature's bag, ids oldest
+//! first: on every row (the flat form, TorchRec's) or once in a ranking
+//! request's block when its features are request-level. A sequence's
+//! features are its aligned channels (an item history and its category
+//! history): their bags are the same length in every sample.
+//!
+//! Validation checks that alignment and cuts a sequence longer than its
+//! maximum at the model's end (the most recent positions by default),
+//! counting the positions dropped: never refused for its length.
+
+use serde::Deserialize;
+
+use crate::invalid::{InputField, InvalidInput};
+use crate::schema::ModelSchema;
+
+/// A sequence as `schema.json`, `model.json` and `narsil_schema()` declare
+/// it: `{"name": "history", "features": ["hist_item", "hist_cat"],
+/// "max_len": 256, "keep": "last"}` (`keep` optional, `last` by default).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceJson {
+    /// Its name.
+    pub name: String,
+    /// Its channels' feature names.
+    pub features: Vec<String>,
+    /// Positions kept at most.
+    pub max_len: usize,
+    /// `last` or `first`.
+    #[serde(default)]
+    pub keep: Option<String>,
+}
+
+/// The sequences `declared`, checked against `schema` (whose
+/// `request_level` is already set).
+pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<SequenceFeature>, String> {
+    let mut sequences: Vec<SequenceFeature> = Vec::with_capacity(declared.len());
+    for (i, json) in declared.iter().enumerate() {
+        if declared[..i].iter().any(|s| s.name == json.name) {
+            return Err(format!("sequence {:?} is declared twice", json.name));
+        }
+        let keep = json.keep.as_deref().map_or(Ok(KeepEnd::Last), KeepEnd::parse)?;
+        sequences.push(SequenceFeature::new(&json.name, &json.features, json.max_len, keep, schema, &sequences)?);
+    }
+    Ok(sequences)
+}
+
+/// Which end of a longer sequence is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeepEnd {
+    /// The last `max_len` positions (the most recent: ids are sent oldest
+    /// first).
+    #[default]
+    Last,
+    /// The first `max_len` positions.
+    First,
+}
+
+impl KeepEnd {
+    /// The name schemas use (`last`, `first`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Last => "last",
+            Self::First => "first",
+        }
+    }
+
+    /// The end named `name`.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        match name {
+            "last" => Ok(Self::Last),
+            "first" => Ok(Self::First),
+            other => Err(format!("keep {other:?}: expected \"last\" or \"first\"")),
+        }
+    }
+}
+
+/// One declared sequence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceFeature {
+    /// Its name (the dense network's inputs follow the declaration order).
+    pub name: String,
+    /// Schema indices of its channels (sparse features), in the order
+    /// their embeddings are concatenated per position.
+    pub features: Vec<usize>,
+    /// Positions kept at most.
+    pub max_len: usize,
+    /// Which end of a longer sequence is kept.
+    pub keep: KeepEnd,
+}
+
+impl SequenceFeature {
+    /// A declaration by feature names (checked against `schema`'s sparse
+    /// features: each exists, is unweighted and in no other sequence of
+    /// `declared`).
+    pub fn new(
+        name: &str,
+        features: &[String],
+        max_len: usize,
+        keep: KeepEnd,
+        schema: &ModelSchema,
+        declared: &[SequenceFeature],
+    ) -> Result<Self, String> {
+        if features.is_empty() {
+            return Err(format!("sequence {name:?} names no feature"));
+        }
+        if max_len == 0 {
+            return Err(format!("sequence {name:?}: max_len must be at least 1"));
+        }
+        let mut indices = Vec::with_capacity(features.len());
+        for feature in features {
+            let Some(f) = schema.sparse.iter().position(|s| &s.name == feature) else {
+                return Err(format!("sequence {name:?} names {feature:?}, which is not a sparse feature"));
+            };
+            if schema.sparse[f].weighted {
+                return Err(format!("sequence {name:?}: feature {feature:?} is weighted; a position has no weight"));
+            }
+            if indices.contains(&f) || declared.iter().any(|s| s.features.contains(&f)) {
+                return Err(format!("feature {feature:?} is in two sequences"));
+            }
+            indices.push(f);
+        }
+        let request_level = indices.iter().filter(|&&f| schema.request_level.contains(f)).count();
+        if request_level != 0 && request_level != indices.len() {
+            return Err(format!(
+                "sequence {name:?}: some of its features are request-level and some are not; a sequence is \
+                 sent once per request or on every row"
+            ));
+        }
+        Ok(Self { name: name.into(), features: indices, max_len, keep })
+    }
+
+    /// Whether its channels are request-level (sent once in a ranking
+    /// request's block).
+    pub fn is_request_level(&self, schema: &ModelSchema) -> bool {
+        schema.request_level.contains(self.features[0])
+    }
+}
+
+/// Where a request's bags lie, for [`fit_sequences`].
+pub(crate) struct BagLayout<'a> {
+    /// Samples (1 for a request block).
+    pub samples: usize,
+    /// The index in `lengths` of (sample, feature)'s bag.
+    pub bag: &'a dyn Fn(usize, usize) -> usize,
+    /// The feature of bag `b`.
+    pub feature: &'a dyn Fn(usize) -> usize,
+    /// The field a misaligned sequence is reported under.
+    pub field: InputField,
+    /// Where a sample is, for a message (`sample 3`, `the request block`).
+    pub place: &'a dyn Fn(usize) -> String,
+}
+
+/// Checks that each of `sequences`' channels has as many positions as its
+/// first channel in every sample, then cuts every bag of a sequence longer
+/// than its maximum at its kept end, removing the dropped ids from `ids`
+/// (bags end to end in `lengths` order). Returns the positions dropped.
+pub(crate) fn fit_sequences(
+    sequences: &[&SequenceFeature],
+    schema: &ModelSchema,
+    lengths: &mut [u32],
+    ids: &mut Vec<i64>,
+    layout: &BagLayout<'_>,
+) -> Result<usize, InvalidInput> {
+    let mut sequence_of = vec![None; schema.num_sparse()];
+    for (s, sequence) in sequences.iter().enumerate() {
+        for &f in &sequence.features {
+            sequence_of[f] = Some(s);
+        }
+    }
+    let mut too_long = false;
+    for sequence in sequences {
+        let first = sequence.features[0];
+        for sample in 0..layout.samples {
+            let len = lengths[(layout.bag)(sample, first)];
+            too_long |= len as usize > sequence.max_len;
+            for &f in &sequence.features[1..] {
+                let other = lengths[(layout.bag)(sample, f)];
+                if other != len {
+                    return Err(InvalidInput::new(
+                        layout.field,
+                        format!(
+                            "{}: sequence {:?} has {len} positions in {} but {other} in {}: a sequence's \
+                             channels are aligned (as long as each other)",
+                            (layout.place)(sample),
+                            sequence.name,
+                            schema.sparse[first].name,
+                            schema.sparse[f].name
+                        ),
+                    ));
+                }
+            }
+        }
+    }
+    if !too_long {
+        return Ok(0);
+    }
+    let (mut read, mut write, mut dropped) = (0usize, 0usize, 0usize);
+    for (bag, len) in lengths.iter_mut().enumerate() {
+        let n = *len as usize;
+        let kept = match sequence_of[(layout.feature)(bag)].map(|s| sequences[s]) {
+            Some(sequence) if n > sequence.max_len => {
+                let max = sequence.max_len;
+                dropped += n - max;
+                *len = max as u32;
+                match sequence.keep {
+                    KeepEnd::Last => read + n - max..read + n,
+                    KeepEnd::First => read..read + max,
+                }
+            }
+            _ => read..read + n,
+        };
+        let kept_len = kept.len();
+        ids.copy_within(kept, write);
+        write += kept_len;
+        read += n;
+    }
+    ids.truncate(write);
+    Ok(dropped)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::request::{IdPolicy, RequestLimits, RequestSamples};
+    use crate::request_level::RequestBlock;
+    use crate::schema::RequestLevel;
+
+    fn schema() -> ModelSchema {
+        let mut s = ModelSchema::dlrm("mock", "cpu", 100);
+        s.num_dense = 1;
+        s.sparse.truncate(4);
+        s.request_level = RequestLevel::parse(["cat_2", "cat_3"], &s).unwrap();
+        s
+    }
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    const LIMITS: RequestLimits = RequestLimits::new(8, IdPolicy::Reject);
+
+    /// `schema()` with sequence `h` (cat_2, cat_3: request-level) of at
+    /// most 3 positions and sequence `r` (cat_1: per row) of at most 2.
+    fn with_sequences(keep: KeepEnd) -> ModelSchema {
+        let mut s = schema();
+        let h = SequenceFeature::new("h", &names(&["cat_2", "cat_3"]), 3, keep, &s, &[]).unwrap();
+        let r = SequenceFeature::new("r", &names(&["cat_1"]), 2, keep, &s, &[h.clone()]).unwrap();
+        s.sequences = vec![h, r];
+        s
+    }
+
+    /// A flat request: one sample, every feature on the row.
+    fn flat(lengths: Vec<u32>, ids: Vec<i64>) -> RequestSamples {
+        RequestSamples { num_samples: 1, dense: vec![0.5], lengths, ids, ..Default::default() }
+    }
+
+    #[test]
+    fn a_longer_sequence_keeps_its_most_recent_positions_and_is_counted() {
+        let s = with_sequences(KeepEnd::Last);
+        // cat_0: [1]; cat_1 (r, max 2): [10, 11, 12]; cat_2/cat_3 (h, max 3): 5 positions each.
+        let mut r = flat(vec![1, 3, 5, 5], vec![1, 10, 11, 12, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34]);
+        let validated = r.validate(&s, LIMITS).unwrap();
+        assert_eq!(validated.positions_truncated, 1 + 2 + 2);
+        assert_eq!(r.lengths, [1, 2, 3, 3]);
+        assert_eq!(r.ids, [1, 11, 12, 22, 23, 24, 32, 33, 34]);
+        let s = with_sequences(KeepEnd::First);
+        let mut r = flat(vec![1, 3, 5, 5], vec![1, 10, 11, 12, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34]);
+        r.validate(&s, LIMITS).unwrap();
+        assert_eq!(r.ids, [1, 10, 11, 20, 21, 22, 30, 31, 32]);
+        // Within the maximum (empty included): untouched, nothing counted.
+        let mut r = flat(vec![1, 0, 3, 3], vec![1, 20, 21, 22, 30, 31, 32]);
+        assert_eq!(r.validate(&s, LIMITS).unwrap().positions_truncated, 0);
+        assert_eq!(r.ids, [1, 20, 21, 22, 30, 31, 32]);
+    }
+
+    #[test]
+    fn misaligned_channels_are_refused_naming_the_sequence_and_its_features() {
+        let s = with_sequences(KeepEnd::Last);
+        let e = flat(vec![1, 0, 2, 1], vec![1, 20, 21, 30]).validate(&s, LIMITS).unwrap_err();
+        assert_eq!(e.field, InputField::Lengths);
+        assert!(e.message.contains("sample 0: sequence \"h\" has 2 positions in cat_2 but 1 in cat_3"), "{e}");
+    }
+
+    #[test]
+    fn a_request_blocks_sequence_is_cut_and_checked_once_for_all_candidates() {
+        let s = with_sequences(KeepEnd::Last);
+        let ranking = |lengths: Vec<u32>, ids: Vec<i64>| RequestSamples {
+            num_samples: 2,
+            dense: vec![0.5, 0.5],
+            lengths: vec![1, 1, 1, 1],
+            ids: vec![1, 10, 2, 11],
+            request: Some(Arc::new(RequestBlock { lengths, ids, ..Default::default() })),
+            ..Default::default()
+        };
+        let mut r = ranking(vec![4, 4], vec![20, 21, 22, 23, 30, 31, 32, 33]);
+        assert_eq!(r.validate(&s, LIMITS).unwrap().positions_truncated, 2);
+        let block = r.request.as_ref().unwrap();
+        assert_eq!((block.lengths.as_slice(), block.ids.as_slice()), (&[3, 3][..], &[21, 22, 23, 31, 32, 33][..]));
+        let e = ranking(vec![4, 3], vec![20, 21, 22, 23, 30, 31, 32]).validate(&s, LIMITS).unwrap_err();
+        assert_eq!(e.field, InputField::RequestLengths);
+        assert!(e.message.contains("the request block: sequence \"h\" has 4 positions"), "{e}");
+    }
+
+    #[test]
+    fn a_declaration_names_its_faults() {
+        let s = schema();
+        let ok = SequenceFeature::new("h", &names(&["cat_2", "cat_3"]), 4, KeepEnd::Last, &s, &[]).unwrap();
+        assert_eq!((ok.features.clone(), ok.is_request_level(&s)), (vec![2, 3], true));
+        let e = SequenceFeature::new("h", &names(&["nope"]), 4, KeepEnd::Last, &s, &[]).unwrap_err();
+        assert!(e.contains("\"nope\""), "{e}");
+        let e = SequenceFeature::new("h", &names(&["cat_1", "cat_2"]), 4, KeepEnd::Last, &s, &[]).unwrap_err();
+        assert!(e.contains("some of its features are request-level"), "{e}");
+        let e = SequenceFeature::new("g", &names(&["cat_3"]), 4, KeepEnd::Last, &s, &[ok]).unwrap_err();
+        assert!(e.contains("two sequences"), "{e}");
+        let e = SequenceFeature::new("h", &names(&["cat_0"]), 0, KeepEnd::Last, &s, &[]).unwrap_err();
+        assert!(e.contains("max_len"), "{e}");
+        assert_eq!(KeepEnd::parse("first"), Ok(KeepEnd::First));
+        assert!(KeepEnd::parse("newest").is_err());
+    }
+}

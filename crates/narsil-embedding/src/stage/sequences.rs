@@ -1,0 +1,217 @@
+//! Sequence features looked up unpooled: for each declared sequence, one
+//! vector per position (its channels' rows side by side), laid out unit
+//! after unit as jagged values with per-unit offsets, and for each row the
+//! unit it attends to. A grouped request's rows share one unit per
+//! distinct request block (the user's history looked up once, never tiled
+//! per candidate); a flat row is a unit of its own.
+//!
+//! Units are the batch's rows first (row `r` is unit `r`; a grouped row's
+//! own bag of a request-level sequence is empty), then the request blocks'
+//! units (`rows + u`), the order in which the table's ids were collected:
+//! the lookups read each id's row in place or from its fetched copy like
+//! any pooled bag of one id (`pooling.rs`), so an INT8 position is
+//! dequantized with FBGEMM's arithmetic (`fma(scale, q, bias)` in FP32).
+
+use narsil_core::KeyedBatch;
+
+use super::EmbeddingStage;
+
+/// One sequence's values for a batch.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SequenceValues {
+    /// `[positions, width]` row-major: unit after unit, oldest position
+    /// first, each position its channels' vectors side by side.
+    pub values: Vec<f32>,
+    /// Values per position.
+    pub width: usize,
+    /// `units + 1` offsets: unit `u`'s positions are `offsets[u]..offsets[u
+    /// + 1]`.
+    pub offsets: Vec<i64>,
+    /// Per row of the batch, the unit it attends to.
+    pub row_unit: Vec<i64>,
+}
+
+impl SequenceValues {
+    /// Positions looked up.
+    pub fn positions(&self) -> usize {
+        self.offsets.last().map_or(0, |&p| p as usize)
+    }
+}
+
+/// Where a sequence channel's lookups go.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Channel {
+    /// The sequence (index into the stage's sequences).
+    pub sequence: usize,
+    /// Its first column within a position's vector.
+    pub column: usize,
+}
+
+/// A declared sequence, as the stage lays it out.
+pub(super) struct StageSequence {
+    /// Its first channel's feature (whose bag lengths are the sequence's).
+    pub first: usize,
+    /// Values per position.
+    pub width: usize,
+    /// Whether it may arrive in a request block.
+    pub request_level: bool,
+}
+
+impl EmbeddingStage {
+    /// Lays out each sequence's units for `batch` (offsets, rows' units)
+    /// and sizes its values (zeroed); the lookups fill them per table.
+    pub(super) fn lay_out_sequences(&self, batch: &KeyedBatch, out: &mut Vec<SequenceValues>) {
+        out.resize_with(self.sequences.len(), SequenceValues::default);
+        let blocks = batch.request_blocks.as_ref();
+        for (sequence, values) in self.sequences.iter().zip(out.iter_mut()) {
+            let units = blocks.filter(|_| sequence.request_level).and_then(|b| Some((b, b.position(sequence.first)?)));
+            values.width = sequence.width;
+            values.offsets.clear();
+            values.offsets.push(0);
+            let mut at = 0i64;
+            let unit_lengths = units.map_or(&[][..], |(b, k)| b.feature_lengths(k));
+            for &len in batch.feature_lengths(sequence.first).iter().chain(unit_lengths) {
+                at += i64::from(len.max(0));
+                values.offsets.push(at);
+            }
+            values.row_unit.clear();
+            values.row_unit.extend(0..batch.rows as i64);
+            if units.is_some() {
+                for run in batch.broadcasts() {
+                    let unit = (batch.rows + run.unit) as i64;
+                    values.row_unit[run.start..run.start + run.rows].fill(unit);
+                }
+            }
+            values.values.clear();
+            values.values.resize(at as usize * sequence.width, 0.0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use narsil_core::request::{IdPolicy, RequestLimits};
+    use narsil_core::sequence::SequenceJson;
+    use narsil_core::{assemble, RequestBlock, RequestSamples};
+
+    use super::super::fixtures::{rows, schema};
+    use super::super::pooling::tests::Fetching;
+    use super::super::{EmbeddingStage, StageScratch};
+    use crate::pool::{pool_rows, Pooling};
+    use crate::schema::{FeatureSpec, PoolingMode, SplitSchema, Storage};
+    use crate::stores::row_store::RowStore;
+
+    const LIMITS: RequestLimits = RequestLimits::new(64, IdPolicy::Reject);
+
+    /// The fixture's tables with pooled features a (shared) and b (own),
+    /// and a request-level sequence `h` of at most 4 positions whose
+    /// channels are h_shared and h_own.
+    fn sequence_schema() -> SplitSchema {
+        let mut split = schema();
+        let none = |name: &str, table: &str| FeatureSpec {
+            name: name.into(),
+            table: table.into(),
+            pooling: PoolingMode::None,
+            weighted: false,
+        };
+        split.features.truncate(2);
+        split.features.extend([none("h_shared", "shared"), none("h_own", "own")]);
+        split.sequences = vec![SequenceJson {
+            name: "h".into(),
+            features: vec!["h_shared".into(), "h_own".into()],
+            max_len: 4,
+            keep: None,
+        }];
+        split.request_level = vec!["h_shared".into(), "h_own".into()];
+        split.check().unwrap();
+        split
+    }
+
+    /// A grouped request of `b` candidates whose user's history is `items`
+    /// (shared table) and `items % 10` (own table).
+    fn grouped(items: &[i64], b: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: b,
+            dense: vec![0.5; b],
+            lengths: vec![1; 2 * b],
+            ids: (0..b as i64).flat_map(|c| [c, c % 10]).collect(),
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![items.len() as u32; 2],
+                ids: items.iter().copied().chain(items.iter().map(|i| i % 10)).collect(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    /// One position's expected vector: each channel's row, dequantized as
+    /// a bag of one id.
+    fn position(tables: &[crate::stores::local::table::Table], item: i64) -> Vec<f32> {
+        let mut out = vec![0.0; 16];
+        for (t, id) in [(0, item), (1, item % 10)] {
+            let one = Pooling { mode: PoolingMode::Sum, weights: None };
+            let (rows, out) = (tables[t].bytes(), &mut out[t * 8..t * 8 + 8]);
+            pool_rows(Storage::Int8Rowwise, rows, 16, 8, &[1], &[id], one, out, 8).unwrap();
+        }
+        out
+    }
+
+    #[test]
+    fn a_users_history_is_looked_up_once_and_every_candidate_sees_what_it_would_flat() {
+        let split = sequence_schema();
+        let model = split.model_schema("torch", "cpu");
+        let mut requests = vec![
+            grouped(&[4, 9, 9, 33, 7, 1], 3), // cut to its last 4 positions
+            grouped(&[], 1),                  // no history
+            grouped(&[4, 9, 9, 33, 7, 1], 2), // the same user: one unit
+        ];
+        let mut flat_one = RequestSamples {
+            num_samples: 1,
+            dense: vec![0.5],
+            lengths: vec![1, 1, 2, 2],
+            ids: vec![3, 3, 5, 40, 5, 0],
+            ..Default::default()
+        };
+        flat_one.validate(&model, LIMITS).unwrap();
+        for r in &mut requests {
+            r.validate(&model, LIMITS).unwrap();
+        }
+        let batch = assemble(1, 4, [&requests[0], &flat_one, &requests[1], &requests[2]]);
+        assert_eq!(batch.request_blocks.as_ref().unwrap().unit_count, 2);
+        let flat = batch.clone().into_flat();
+        let tables: Vec<_> = split.tables.iter().map(|t| rows(t, 7)).collect();
+        for fetches in [false, true] {
+            let store = |t| match fetches {
+                false => Arc::new(rows(t, 7)) as Arc<dyn RowStore>,
+                true => Arc::new(Fetching(rows(t, 7))),
+            };
+            let stage = EmbeddingStage::new(&split, split.tables.iter().map(store).collect());
+            assert_eq!(stage.pooled_width(), 16, "a and b only");
+            let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+            stage.pool(&flat, &mut scratch, &mut pooled).unwrap();
+            let (flat_pooled, flat_sequence) = (pooled.clone(), scratch.sequences()[0].clone());
+            // Flat: every row its own unit, each holding its history.
+            assert_eq!(flat_sequence.row_unit, (0..7).collect::<Vec<i64>>());
+            assert_eq!(flat_sequence.positions(), 4 * 5 + 2);
+            stage.pool(&batch, &mut scratch, &mut pooled).unwrap();
+            assert_eq!(pooled, flat_pooled, "the pooled features as if sent flat");
+            let grouped = &scratch.sequences()[0];
+            // 7 rows' own (empty but the flat row's) units, then the 2 users.
+            assert_eq!(grouped.row_unit, [7, 7, 7, 3, 8, 7, 7]);
+            assert_eq!(grouped.offsets, [0, 0, 0, 0, 2, 2, 2, 2, 6, 6]);
+            assert_eq!(grouped.positions(), 4 + 2, "the user's history once, not per candidate");
+            let unit = |s: &super::SequenceValues, r: usize| {
+                let u = s.row_unit[r] as usize;
+                s.values[s.offsets[u] as usize * 16..s.offsets[u + 1] as usize * 16].to_vec()
+            };
+            for r in 0..7 {
+                assert_eq!(unit(grouped, r), unit(&flat_sequence, r), "row {r}");
+            }
+            let expected: Vec<f32> = [9, 33, 7, 1].iter().flat_map(|&i| position(&tables, i)).collect();
+            assert_eq!(unit(grouped, 0), expected, "the most recent 4 positions, oldest first");
+            assert_eq!(unit(grouped, 3), [position(&tables, 5), position(&tables, 40)].concat());
+        }
+    }
+}
