@@ -200,6 +200,7 @@ fn shaped_info(
                 weighted: false,
                 request_level: false,
                 raw_ids: false,
+                sequence: String::new(),
             })
             .collect(),
         ..Default::default()

@@ -417,6 +417,7 @@ mod tests {
                     weighted: weighted && i == 3,
                     request_level: false,
                     raw_ids: false,
+                    sequence: String::new(),
                 })
                 .collect(),
             ..Default::default()

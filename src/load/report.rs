@@ -454,6 +454,7 @@ mod tests {
                     weighted: false,
                     request_level: false,
                     raw_ids: false,
+                    sequence: String::new(),
                 })
                 .collect(),
             ..Default::default()

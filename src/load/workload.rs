@@ -235,6 +235,7 @@ mod tests {
                     weighted: i == 5,
                     request_level: false,
                     raw_ids: false,
+                    sequence: String::new(),
                 })
                 .collect(),
             ..Default::default()
@@ -275,6 +276,7 @@ mod tests {
                     weighted: false,
                     request_level: false,
                     raw_ids: false,
+                    sequence: String::new(),
                 })
                 .collect(),
             ..Default::default()
@@ -328,6 +330,7 @@ mod tests {
                 weighted: false,
                 request_level: false,
                 raw_ids: false,
+                sequence: String::new(),
             }],
             ..Default::default()
         };

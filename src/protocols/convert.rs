@@ -78,13 +78,29 @@ pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::Mo
                 weighted: f.weighted,
                 request_level: false,
                 raw_ids: f.raw_ids,
+                sequence: String::new(),
             })
             .collect(),
         max_batch_size: max_request_samples as u32,
         outputs: schema.outputs.clone(),
         versions: Vec::new(),
         dense_request_level: schema.request_level.dense,
+        sequences: schema
+            .sequences
+            .iter()
+            .map(|s| proto::SequenceFeature {
+                name: s.name.clone(),
+                features: s.features.iter().map(|&f| schema.sparse[f].name.clone()).collect(),
+                max_len: s.max_len as u32,
+                keep: s.keep.name().into(),
+            })
+            .collect(),
     };
+    for sequence in &schema.sequences {
+        for &f in &sequence.features {
+            info.sparse_features[f].sequence.clone_from(&sequence.name);
+        }
+    }
     for &f in &schema.request_level.features {
         info.sparse_features[f].request_level = true;
     }

@@ -88,6 +88,7 @@ pub struct Stats {
     pub(crate) batches_stalled: Counter,
     pub(crate) batches_staged: Counter,
     pub(crate) probe_forwards: Counter,
+    pub(crate) positions_truncated: Counter,
     pub(crate) busy_lanes: Gauge,
     pub(crate) backend_healthy: Gauge,
     pub(crate) queue_seconds: Histogram,
@@ -167,6 +168,7 @@ impl Stats {
             batches_stalled: Counter::default(),
             batches_staged: Counter::default(),
             probe_forwards: Counter::default(),
+            positions_truncated: Counter::default(),
             busy_lanes: Gauge::default(),
             backend_healthy: {
                 let healthy = Gauge::default();
@@ -260,6 +262,11 @@ impl Stats {
             "backend_healthy",
             "1 while the backend serves, 0 after too many failed or stalled forwards in a row",
             self.backend_healthy.clone(),
+        );
+        r.register(
+            "sequence_positions_truncated",
+            "Sequence positions dropped from requests whose sequences were longer than the model's maximum",
+            self.positions_truncated.clone(),
         );
         r.register(
             "probe_forwards",

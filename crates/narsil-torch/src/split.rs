@@ -30,7 +30,7 @@ use std::time::Instant;
 use narsil_core::{
     BackendError, BackendFactory, BatchStage, KeyedBatch, ModelBackend, ModelSchema, StagedBatch,
 };
-use narsil_embedding::{EmbeddingStage, SplitSchema, StageScratch};
+use narsil_embedding::{EmbeddingStage, SequenceValues, SplitSchema, StageScratch};
 use tch::{Device, Tensor};
 
 use crate::buckets::Buckets;
@@ -74,6 +74,17 @@ impl SplitFactory {
             require_cpu_bf16(&config)?;
         }
         let device_path = device != Device::Cpu || config.device_path_on_cpu;
+        let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
+        if device_path && !split.sequences.is_empty() {
+            return Err(load_error(
+                &dir,
+                format!(
+                    "the model declares sequence features ({}), which the device lanes do not serve yet: serve it \
+                     with --device cpu",
+                    split.sequences.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
         let buckets = match (&config.graph_buckets, device) {
             (Some(buckets), _) => buckets.clone(),
             // The device path on the CPU pads to the buckets the environment
@@ -86,7 +97,6 @@ impl SplitFactory {
             (None, Device::Cpu) => Buckets::new(Vec::new()),
             (None, _) => Buckets::from_env().map_err(BackendError::setup)?,
         };
-        let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
         let (stores, opened) = config.table_store.open(&dir, &split).map_err(|e| load_error(&dir, e))?;
         let device_tables = if device_path {
             device_tables(&dir, &split, &stores, device, config.device_table_budget()?)?
@@ -308,6 +318,7 @@ impl SplitLane {
         batch: &KeyedBatch,
         dense: &mut Vec<f32>,
         pooled: &mut [f32],
+        sequences: &[SequenceValues],
     ) -> Result<Vec<f32>, BackendError> {
         let (rows, width) = (batch.rows, model.stage.pooled_width());
         // SAFETY: `dense` and `pooled` are exclusive borrows for the whole
@@ -330,9 +341,12 @@ impl SplitLane {
                 dense.extend_from_slice(&batch.dense);
                 // SAFETY: as above.
                 let dense = in_precision(unsafe { lent(dense, rows, batch.num_dense) }?, model.precision)?;
+                let sequences = sequence_inputs(sequences, model.precision)?;
+                let mut inputs = vec![&dense, &pooled];
+                inputs.extend(sequences.iter());
                 model
                     .dense_network
-                    .forward_tensors(&[&dense, &pooled])
+                    .forward_tensors(&inputs)
                     .map_err(|e| BackendError::forward("the dense network").caused_by(e))?
             }
         };
@@ -368,6 +382,21 @@ impl BatchStage for SplitStage {
             ticket: None,
         })
     }
+}
+
+/// Each sequence's inputs to the dense network, in order: its values
+/// `[positions, width]` (copied; in the network's precision), its units'
+/// offsets and its rows' units (int64).
+fn sequence_inputs(sequences: &[SequenceValues], precision: DensePrecision) -> Result<Vec<Tensor>, BackendError> {
+    let mut inputs = Vec::with_capacity(3 * sequences.len());
+    for sequence in sequences {
+        let shape = [sequence.positions() as i64, sequence.width as i64];
+        let values = Tensor::f_from_slice(&sequence.values).and_then(|t| t.f_view(shape)).map_err(torch_error)?;
+        inputs.push(in_precision(values, precision)?);
+        inputs.push(Tensor::f_from_slice(&sequence.offsets).map_err(torch_error)?);
+        inputs.push(Tensor::f_from_slice(&sequence.row_unit).map_err(torch_error)?);
+    }
+    Ok(inputs)
 }
 
 /// `values` as a `[rows, cols]` FP32 CPU tensor over the same memory, lent
@@ -429,14 +458,17 @@ impl ModelBackend for SplitLane {
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         let model = &*self.model;
-        model
-            .stage
-            .pool(batch, &mut self.scratch, &mut self.pooled)
-            .map_err(BackendError::from)
-            .and_then(|()| Self::dense_forward(model, batch, &mut self.dense, &mut self.pooled))
+        model.stage.pool(batch, &mut self.scratch, &mut self.pooled).map_err(BackendError::from)?;
+        let sequences = self.scratch.sequences();
+        Self::dense_forward(model, batch, &mut self.dense, &mut self.pooled, sequences)
     }
 
+    /// None for a model with sequences: their values are not part of the
+    /// staged block, so its stage runs on the lane.
     fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
+        if self.model.stage.has_sequences() {
+            return None;
+        }
         let (spent, to_stage) = channel();
         self.spent = Some(spent);
         Some(Box::new(SplitStage {
@@ -450,7 +482,7 @@ impl ModelBackend for SplitLane {
         // The staged block is the lane's now (owned): the dense network may
         // write into it, and the stage pools over it whole when it is reused.
         let mut pooled = staged.values;
-        let scores = Self::dense_forward(&self.model, batch, &mut self.dense, &mut pooled);
+        let scores = Self::dense_forward(&self.model, batch, &mut self.dense, &mut pooled, &[]);
         if let Some(spent) = &self.spent {
             // The stage may be gone (shutting down): the block is freed.
             let _ = spent.send(pooled);

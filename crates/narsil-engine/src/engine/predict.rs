@@ -78,7 +78,8 @@ impl EngineHandle {
         if !self.is_ready() {
             return Err(EngineError::NotReady);
         }
-        request.validate(&shared.schema, shared.limits)?;
+        let validated = request.validate(&shared.schema, shared.limits)?;
+        shared.stats.positions_truncated.inc_by(validated.positions_truncated as u64);
         let growth = |part: &RequestSamples| part.fused_growth_bytes(shared.flat_only);
         let grown = growth(&request);
         let bytes = request.decoded_bytes().saturating_add(grown);
