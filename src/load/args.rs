@@ -93,6 +93,13 @@ pub struct LoadArgs {
     /// (uniform, drawn per user and feature).
     #[arg(long, env = "NARSIL_LOAD_USER_BAG_IDS", default_value = "20")]
     pub user_bag_ids: ranking::BagLength,
+    /// --candidates, models with sequence features: positions in a user's
+    /// history (each sequence, its channels aligned): `N`, or `MIN-MAX`
+    /// (uniform, drawn per user and sequence); by default uniform from
+    /// half the sequence's max_len to its max_len. Its ids are drawn per
+    /// --id-distribution from each channel's table.
+    #[arg(long, env = "NARSIL_LOAD_HISTORY_LEN")]
+    pub history_len: Option<ranking::BagLength>,
     /// Distinct prebuilt requests cycled through.
     #[arg(long, env = "NARSIL_LOAD_DISTINCT_REQUESTS", default_value_t = 64)]
     pub distinct_requests: usize,

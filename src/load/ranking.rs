@@ -12,6 +12,11 @@
 //!   declares any request-level feature, else the first `--request-features`
 //!   of the schema. The same user carries the same features in every
 //!   request, and in every run.
+//! * A model's request-level **sequences** (the user's history: one id per
+//!   position, channels aligned) are `--history-len` ids each (by default
+//!   uniform from half the sequence's `max_len` to its `max_len`), drawn
+//!   per `--id-distribution` from each channel's table, one length per
+//!   sequence for all its channels.
 //! * The other sparse features are the **candidates'** own: per row, bags of
 //!   `--ids-per-feature` ids (1 by default: one-hot), drawn per
 //!   `--id-distribution` from the request's generator (`--seed`).
@@ -211,6 +216,8 @@ pub struct Ranking {
     /// Per sparse feature of the schema: whether it is request-level.
     request_level: Vec<bool>,
     bag_length: BagLength,
+    /// Per declared sequence (ModelInfo's order), its histories' lengths.
+    history: Vec<BagLength>,
     candidate_ids_per_feature: u32,
     ids: Vec<IdSampler>,
     users: u64,
@@ -234,11 +241,20 @@ impl Ranking {
         anyhow::ensure!(ids.len() == num_sparse, "one id sampler per sparse feature");
         let user_zipf = rand_distr::Zipf::new(args.users as f64, args.user_zipf)
             .map_err(|e| anyhow::anyhow!("--user-zipf {} over {} users: {e}", args.user_zipf, args.users))?;
+        let history = info
+            .sequences
+            .iter()
+            .map(|s| {
+                let max = s.max_len.max(1);
+                args.history_len.unwrap_or(BagLength { min: max.div_ceil(2), max })
+            })
+            .collect();
         Ok(Self {
             info: info.clone(),
             candidates: args.candidates,
             request_level,
             bag_length: args.user_bag_ids,
+            history,
             candidate_ids_per_feature: args.ids_per_feature,
             ids,
             users: args.users,
@@ -268,9 +284,15 @@ impl Ranking {
         let mut rng = rand::rngs::StdRng::seed_from_u64(user ^ USER_SALT);
         let dense = (0..self.info.num_dense).map(|_| rng.random::<f32>()).collect();
         let (mut bags, mut weights) = (Vec::new(), Vec::new());
+        // Each sequence's length, drawn once for all its (aligned) channels.
+        let lengths: Vec<u32> = self.history.iter().map(|h| rng.random_range(h.min..=h.max)).collect();
         let features = self.info.sparse_features.iter().zip(&self.ids).zip(&self.request_level);
         for ((feature, sampler), _) in features.filter(|(_, request_level)| **request_level) {
-            let len = rng.random_range(self.bag_length.min..=self.bag_length.max);
+            let sequence = self.info.sequences.iter().position(|s| s.name == feature.sequence);
+            let len = match sequence {
+                Some(s) if !feature.sequence.is_empty() => lengths[s],
+                _ => rng.random_range(self.bag_length.min..=self.bag_length.max),
+            };
             let bag: Vec<i64> = (0..len).map(|_| sampler.sample(&mut rng)).collect();
             let bag_weights =
                 if feature.weighted { bag.iter().map(|_| rng.random::<f32>()).collect() } else { Vec::new() };
@@ -571,6 +593,31 @@ mod tests {
         let blocks: BTreeSet<Vec<Vec<i64>>> =
             pool.iter().map(|(_, r)| row_bags(r, 26)[0][..13].to_vec()).collect();
         assert_eq!(blocks.len(), users.len(), "one request-level block per distinct user");
+    }
+
+    #[test]
+    fn a_users_history_has_one_length_for_all_its_channels_within_the_sequences_maximum() {
+        // cat_0 and cat_1 the channels of a request-level history of at most 10.
+        let mut info = declared(dlrm(1_000, false), &[0, 1, 2], false);
+        info.sequences = vec![crate::proto::SequenceFeature {
+            name: "history".into(),
+            features: vec!["cat_0".into(), "cat_1".into()],
+            max_len: 10,
+            keep: "last".into(),
+        }];
+        info.sparse_features[0].sequence = "history".into();
+        info.sparse_features[1].sequence = "history".into();
+        let mut lengths = BTreeSet::new();
+        let workload = ranking(&info, &["--candidates", "2", "--user-bag-ids", "3"]);
+        for user in 0..200 {
+            let features = workload.user(user);
+            assert_eq!(features.bags[0].len(), features.bags[1].len(), "user {user}: channels aligned");
+            assert_eq!(features.bags[2].len(), 3, "a pooled bag keeps --user-bag-ids");
+            lengths.insert(features.bags[0].len());
+        }
+        assert_eq!(lengths, (5..=10).collect(), "half the maximum to the maximum by default");
+        let fixed = ranking(&info, &["--candidates", "2", "--history-len", "7"]);
+        assert!((0..20).all(|user| fixed.user(user).bags[1].len() == 7));
     }
 
     #[test]
