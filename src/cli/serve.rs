@@ -109,6 +109,13 @@ pub struct ServeArgs {
     /// Most rows (samples) fused into one forward.
     #[arg(long, env = "NARSIL_MAX_BATCH_ROWS", default_value_t = 4096)]
     pub max_batch_rows: usize,
+    /// Most tokens fused into one forward: rows plus the sequence positions
+    /// they look up (a ranking request's history counted once), for models
+    /// with sequence features (for others tokens are rows). Longer
+    /// histories seal batches sooner, keeping a forward's work bounded; a
+    /// request over it alone runs alone.
+    #[arg(long, env = "NARSIL_MAX_BATCH_TOKENS", default_value_t = 16_384)]
+    pub max_batch_tokens: usize,
     /// Most samples one request may carry. Requests with more samples than
     /// --max-batch-rows are split across forwards and reassembled in order.
     #[arg(long, env = "NARSIL_MAX_REQUEST_SAMPLES", default_value_t = 65_536)]
@@ -269,6 +276,7 @@ impl ServeArgs {
             mode: self.execution_mode,
             max_batch_requests: self.max_batch_requests,
             max_batch_rows: self.max_batch_rows,
+            max_batch_tokens: self.max_batch_tokens,
             unhealthy_after_failures: self.unhealthy_after_failures,
             health_probe_interval: Duration::from_secs(1),
             stage_ahead: match self.stage_ahead {

@@ -16,6 +16,7 @@ pub fn serve_flag(setting: Setting) -> &'static str {
         Setting::MaxForwardThreads => "--max-forward-threads",
         Setting::MaxBatchRequests => "--max-batch-requests",
         Setting::MaxBatchRows => "--max-batch-rows",
+        Setting::MaxBatchTokens => "--max-batch-tokens",
         Setting::MaxQueueRequests => "--max-queue-requests",
         Setting::MaxQueueRows => "--max-queue-rows",
         Setting::MaxQueueBytes => "--max-queue-bytes",

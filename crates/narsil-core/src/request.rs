@@ -96,6 +96,34 @@ impl RequestSamples {
     }
 }
 
+impl RequestSamples {
+    /// Its rows plus the sequence positions it looks up: those on its rows
+    /// and those in its request block (once, whatever its rows). Equal to
+    /// its rows for a model without sequence features; what a batch's
+    /// token budget counts. Lengths as validated (explicit).
+    pub fn tokens(&self, schema: &ModelSchema) -> usize {
+        let mut tokens = self.num_samples;
+        if schema.sequences.is_empty() {
+            return tokens;
+        }
+        let (b, num_sparse) = (self.num_samples, schema.num_sparse());
+        for bag in 0..self.lengths.len() {
+            let f = self.layout.bag_position(bag, b, num_sparse).1;
+            if schema.sequence_of(f).is_some() {
+                tokens += self.lengths[bag] as usize;
+            }
+        }
+        if let Some(block) = &self.request {
+            for (k, &f) in block.features.iter().enumerate() {
+                if schema.sequence_of(f).is_some() {
+                    tokens += block.lengths.get(k).copied().unwrap_or(0) as usize;
+                }
+            }
+        }
+        tokens
+    }
+}
+
 /// `values`, a `[rows x cols]` matrix (row-major), as `[cols x rows]`.
 fn transpose<T: Copy>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
     debug_assert_eq!(values.len(), rows * cols);

@@ -45,6 +45,7 @@ impl ExecutionMode {
             Self::Batch => Arc::new(ContinuousBatching {
                 max_requests: config.max_batch_requests,
                 max_rows: config.max_batch_rows,
+                max_tokens: config.max_batch_tokens,
                 timeout: config.batch_timeout,
             }),
             Self::Worker => Arc::new(PerRequest),
@@ -72,6 +73,11 @@ pub struct EngineConfig {
     pub max_batch_requests: usize,
     /// Most rows fused into one forward.
     pub max_batch_rows: usize,
+    /// Most tokens fused into one forward: rows plus the sequence positions
+    /// they look up (a ranking request's history once). Binds only for
+    /// models with sequence features (else tokens are rows); a request over
+    /// it alone still runs, alone.
+    pub max_batch_tokens: usize,
     /// How long the oldest queued request may wait for company once a lane
     /// is free; zero sends at once.
     pub batch_timeout: Duration,
@@ -118,6 +124,7 @@ impl EngineConfig {
             (Setting::MaxForwardThreads, self.max_forward_threads),
             (Setting::MaxBatchRequests, self.max_batch_requests),
             (Setting::MaxBatchRows, self.max_batch_rows),
+            (Setting::MaxBatchTokens, self.max_batch_tokens),
             (Setting::MaxQueueRequests, self.max_queue_requests),
             (Setting::MaxQueueRows, self.max_queue_rows),
             (Setting::MaxQueueBytes, self.memory.max()),

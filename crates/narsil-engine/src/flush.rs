@@ -18,13 +18,18 @@ pub struct Fill {
     pub requests: usize,
     /// Rows (samples).
     pub rows: usize,
+    /// Tokens: rows plus the sequence positions they look up (a ranking
+    /// request's history counted once); equal to rows for models without
+    /// sequence features.
+    pub tokens: usize,
 }
 
 /// When queued requests are fused and sent.
 pub trait FlushPolicy: Send + Sync + std::fmt::Debug {
-    /// Whether a request of `rows` rows may join a batch holding `fill`
-    /// (asked for non-empty batches only: an empty one takes any request).
-    fn fits(&self, fill: Fill, rows: usize) -> bool;
+    /// Whether a request holding `adding` (one request: its rows and
+    /// tokens) may join a batch holding `fill` (asked for non-empty batches
+    /// only: an empty one takes any request).
+    fn fits(&self, fill: Fill, adding: Fill) -> bool;
 
     /// Whether a batch holding `fill` takes no more requests: it is sealed,
     /// and goes to the next free lane.
@@ -36,7 +41,8 @@ pub trait FlushPolicy: Send + Sync + std::fmt::Debug {
 }
 
 /// Continuous batching: requests that arrive while the lanes are busy are
-/// fused, up to `max_requests` and `max_rows`; a free lane takes the open
+/// fused, up to `max_requests`, `max_rows` and `max_tokens` (rows plus the
+/// sequence positions they look up); a free lane takes the open
 /// batch once its oldest request has waited `timeout` (zero: at once, so a
 /// lone request on an idle server never waits).
 #[derive(Debug, Clone, Copy)]
@@ -45,17 +51,22 @@ pub struct ContinuousBatching {
     pub max_requests: usize,
     /// Most rows per batch.
     pub max_rows: usize,
+    /// Most tokens per batch (rows plus sequence positions): a batch of
+    /// long histories is sealed sooner.
+    pub max_tokens: usize,
     /// Longest the oldest request waits for company once a lane is free.
     pub timeout: Duration,
 }
 
 impl FlushPolicy for ContinuousBatching {
-    fn fits(&self, fill: Fill, rows: usize) -> bool {
-        fill.requests < self.max_requests && fill.rows + rows <= self.max_rows
+    fn fits(&self, fill: Fill, adding: Fill) -> bool {
+        fill.requests < self.max_requests
+            && fill.rows + adding.rows <= self.max_rows
+            && fill.tokens + adding.tokens <= self.max_tokens
     }
 
     fn is_full(&self, fill: Fill) -> bool {
-        fill.requests >= self.max_requests || fill.rows >= self.max_rows
+        fill.requests >= self.max_requests || fill.rows >= self.max_rows || fill.tokens >= self.max_tokens
     }
 
     fn due_at(&self, oldest: Instant) -> Instant {
@@ -69,7 +80,7 @@ impl FlushPolicy for ContinuousBatching {
 pub struct PerRequest;
 
 impl FlushPolicy for PerRequest {
-    fn fits(&self, _fill: Fill, _rows: usize) -> bool {
+    fn fits(&self, _fill: Fill, _adding: Fill) -> bool {
         false
     }
 
@@ -87,15 +98,25 @@ mod tests {
     use super::*;
 
     fn fill(requests: usize, rows: usize) -> Fill {
-        Fill { requests, rows }
+        Fill { requests, rows, tokens: rows }
+    }
+
+    /// One request of `rows` rows and as many tokens.
+    fn request(rows: usize) -> Fill {
+        fill(1, rows)
     }
 
     #[test]
     fn continuous_batching_fuses_up_to_its_limits_and_waits_its_timeout() {
-        let policy = ContinuousBatching { max_requests: 4, max_rows: 100, timeout: Duration::from_millis(2) };
-        assert!(policy.fits(fill(1, 60), 40), "exactly max_rows fits");
-        assert!(!policy.fits(fill(1, 60), 41), "one row more does not");
-        assert!(!policy.fits(fill(4, 4), 1), "max_requests reached");
+        let policy = ContinuousBatching {
+            max_requests: 4,
+            max_rows: 100,
+            max_tokens: 1000,
+            timeout: Duration::from_millis(2),
+        };
+        assert!(policy.fits(fill(1, 60), request(40)), "exactly max_rows fits");
+        assert!(!policy.fits(fill(1, 60), request(41)), "one row more does not");
+        assert!(!policy.fits(fill(4, 4), request(1)), "max_requests reached");
         assert!(!policy.is_full(fill(3, 99)));
         assert!(policy.is_full(fill(4, 4)) && policy.is_full(fill(1, 100)));
         let now = Instant::now();
@@ -105,9 +126,25 @@ mod tests {
     }
 
     #[test]
+    fn long_histories_seal_a_batch_at_its_tokens_before_its_rows() {
+        let policy = ContinuousBatching {
+            max_requests: 16,
+            max_rows: 4096,
+            max_tokens: 1000,
+            timeout: Duration::ZERO,
+        };
+        // 10 candidates and a history of 500 positions: 510 tokens.
+        let ranking = Fill { requests: 1, rows: 10, tokens: 510 };
+        assert!(!policy.fits(ranking, ranking), "1,020 tokens do not fit 1,000");
+        assert!(policy.fits(ranking, Fill { requests: 1, rows: 10, tokens: 490 }));
+        assert!(policy.is_full(Fill { requests: 2, rows: 20, tokens: 1000 }));
+        assert!(!policy.is_full(ranking));
+    }
+
+    #[test]
     fn per_request_sends_every_request_alone_and_at_once() {
         let now = Instant::now();
-        assert!(!PerRequest.fits(fill(1, 1), 1));
+        assert!(!PerRequest.fits(fill(1, 1), request(1)));
         assert!(PerRequest.is_full(fill(1, 5000)));
         assert!(!PerRequest.is_full(fill(0, 0)));
         assert_eq!(PerRequest.due_at(now), now);

@@ -103,6 +103,10 @@ pub struct Entry {
     pub id: u64,
     /// Its samples (rows).
     pub rows: usize,
+    /// Its rows plus the sequence positions they look up
+    /// ([`narsil_core::RequestSamples::tokens`]): what a batch's
+    /// `max_tokens` counts.
+    pub tokens: usize,
     /// Its decoded bytes on the process's memory budget, held until its
     /// forward ends.
     pub lease: Lease,
@@ -135,6 +139,11 @@ pub enum Fate {
 }
 
 impl Entry {
+    /// What it adds to a batch.
+    pub fn fill(&self) -> crate::flush::Fill {
+        crate::flush::Fill { requests: 1, rows: self.rows, tokens: self.tokens }
+    }
+
     /// Decides the entry's fate at `now`. With `start`, a kept entry's
     /// request is marked started (it is about to be computed).
     pub fn fate(&self, now: Instant, start: bool) -> Fate {

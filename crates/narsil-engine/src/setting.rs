@@ -14,6 +14,8 @@ pub enum Setting {
     MaxBatchRequests,
     /// `max_batch_rows`.
     MaxBatchRows,
+    /// `max_batch_tokens`.
+    MaxBatchTokens,
     /// `max_queue_requests`.
     MaxQueueRequests,
     /// `max_queue_rows`.
@@ -34,6 +36,7 @@ impl Setting {
             Self::MaxForwardThreads => "max_forward_threads",
             Self::MaxBatchRequests => "max_batch_requests",
             Self::MaxBatchRows => "max_batch_rows",
+            Self::MaxBatchTokens => "max_batch_tokens",
             Self::MaxQueueRequests => "max_queue_requests",
             Self::MaxQueueRows => "max_queue_rows",
             Self::MaxQueueBytes => "max_queue_bytes",

@@ -36,6 +36,7 @@ pub(super) fn entry(
     let entry = Entry {
         id: 0,
         rows: b,
+        tokens: b,
         lease,
         reply,
         admitted: at,
@@ -54,6 +55,11 @@ pub(super) fn due(q: &mut BatchQueue, now: Instant) -> (Option<Job>, usize) {
 }
 
 pub(super) fn queue(max_requests: usize, max_rows: usize, timeout_ms: u64) -> BatchQueue {
-    let policy = ContinuousBatching { max_requests, max_rows, timeout: Duration::from_millis(timeout_ms) };
+    let policy = ContinuousBatching {
+        max_requests,
+        max_rows,
+        max_tokens: usize::MAX,
+        timeout: Duration::from_millis(timeout_ms),
+    };
     BatchQueue::new(Arc::new(policy), 1, 2)
 }

@@ -38,18 +38,20 @@ pub struct QueuedBatch {
     num_dense: usize,
     num_sparse: usize,
     rows: usize,
+    tokens: usize,
     /// Entries and their key-major samples, in arrival order.
     queued: Vec<(Entry, RequestSamples)>,
 }
 
 impl QueuedBatch {
     fn new(num_dense: usize, num_sparse: usize) -> Self {
-        Self { num_dense, num_sparse, rows: 0, queued: Vec::new() }
+        Self { num_dense, num_sparse, rows: 0, tokens: 0, queued: Vec::new() }
     }
 
     fn push(&mut self, entry: Entry, samples: RequestSamples) {
         debug_assert_eq!(samples.layout, SparseLayout::KeyMajor);
         self.rows += samples.num_samples;
+        self.tokens += entry.tokens;
         self.queued.push((entry, samples));
     }
 
@@ -59,7 +61,7 @@ impl QueuedBatch {
     }
 
     fn fill(&self) -> Fill {
-        Fill { requests: self.len(), rows: self.rows() }
+        Fill { requests: self.len(), rows: self.rows(), tokens: self.tokens }
     }
 
     /// Requests so far.
@@ -90,6 +92,7 @@ impl QueuedBatch {
             .filter_map(|((entry, samples), fate)| Some((settle(entry, fate)?, samples)))
             .collect();
         self.rows = self.queued.iter().map(|(_, s)| s.num_samples).sum();
+        self.tokens = self.queued.iter().map(|(e, _)| e.tokens).sum();
         before - self.queued.len()
     }
 
@@ -148,7 +151,7 @@ impl BatchQueue {
     /// `samples` are reordered key-major first, unless they already are (as
     /// [`Collector::submit`] makes them, before it takes the lock).
     pub fn add(&mut self, entry: Entry, samples: RequestSamples) {
-        if !self.open.is_empty() && !self.policy.fits(self.open.fill(), entry.rows) {
+        if !self.open.is_empty() && !self.policy.fits(self.open.fill(), entry.fill()) {
             self.seal();
         }
         self.open.push(entry, samples.into_key_major(self.num_sparse));
@@ -217,7 +220,7 @@ impl BatchQueue {
     /// removed) on the way.
     fn top_up(&mut self, batch: &mut QueuedBatch, now: Instant) -> usize {
         let policy = Arc::clone(&self.policy);
-        let fits = |batch: &QueuedBatch, entry: &Entry| policy.fits(batch.fill(), entry.rows);
+        let fits = |batch: &QueuedBatch, entry: &Entry| policy.fits(batch.fill(), entry.fill());
         let mut removed = 0;
         loop {
             let from_open = self.sealed.is_empty();
@@ -233,6 +236,7 @@ impl BatchQueue {
                     continue;
                 }
                 source.rows -= samples.num_samples;
+                source.tokens -= entry.tokens;
                 let fate = entry.fate(now, true);
                 match settle(entry, fate) {
                     Some(entry) => batch.push(entry, samples),

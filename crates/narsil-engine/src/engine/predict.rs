@@ -138,6 +138,7 @@ impl EngineHandle {
                 let entry = Entry {
                     id,
                     rows: part.num_samples,
+                    tokens: part.tokens(&shared.schema),
                     lease,
                     reply,
                     admitted,

@@ -93,6 +93,7 @@ pub(crate) fn config(stage_ahead: bool) -> EngineConfig {
         mode: ExecutionMode::Batch,
         max_batch_requests: 16,
         max_batch_rows: 1024,
+        max_batch_tokens: 1 << 20,
         batch_timeout: Duration::ZERO,
         lanes: 1,
         max_forward_threads: 2,
