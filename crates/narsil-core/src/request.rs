@@ -97,7 +97,8 @@ impl RequestSamples {
 }
 
 impl RequestSamples {
-    /// Its rows plus the sequence positions it looks up: those on its rows
+    /// Its rows plus the sequence positions it looks up (once per position,
+    /// whatever its channels): those on its rows
     /// and those in its request block (once, whatever its rows). Equal to
     /// its rows for a model without sequence features; what a batch's
     /// token budget counts. Lengths as validated (explicit).
@@ -109,18 +110,38 @@ impl RequestSamples {
         let (b, num_sparse) = (self.num_samples, schema.num_sparse());
         for bag in 0..self.lengths.len() {
             let f = self.layout.bag_position(bag, b, num_sparse).1;
-            if schema.sequence_of(f).is_some() {
+            if schema.first_channel_of(f).is_some() {
                 tokens += self.lengths[bag] as usize;
             }
         }
         if let Some(block) = &self.request {
             for (k, &f) in block.features.iter().enumerate() {
-                if schema.sequence_of(f).is_some() {
+                if schema.first_channel_of(f).is_some() {
                     tokens += block.lengths.get(k).copied().unwrap_or(0) as usize;
                 }
             }
         }
         tokens
+    }
+
+    /// Memory the sequence values of its rows take once looked up (each
+    /// position's FP32 values, [`crate::SequenceFeature::width`]), and
+    /// those of its request block (looked up once per request).
+    pub fn sequence_value_bytes(&self, schema: &ModelSchema) -> (usize, usize) {
+        if schema.sequences.iter().all(|s| s.width == 0) {
+            return (0, 0);
+        }
+        // A position's values (every channel's), counted on its first channel.
+        let width = |f: usize| schema.first_channel_of(f).map_or(0, |s| s.width * std::mem::size_of::<f32>());
+        let (b, num_sparse) = (self.num_samples, schema.num_sparse());
+        let rows = (0..self.lengths.len())
+            .map(|bag| self.lengths[bag] as usize * width(self.layout.bag_position(bag, b, num_sparse).1))
+            .fold(0usize, usize::saturating_add);
+        let block = self.request.as_ref().map_or(0, |block| {
+            let lengths = block.features.iter().zip(&block.lengths);
+            lengths.map(|(&f, &len)| len as usize * width(f)).fold(0usize, usize::saturating_add)
+        });
+        (rows, block)
     }
 }
 
@@ -156,7 +177,11 @@ impl RequestSamples {
     /// lengths; cuts sequences longer than their maximum
     /// ([`crate::sequence`]). On success the batch is safe to reorder and
     /// run.
-    pub fn validate(&mut self, schema: &ModelSchema, limits: RequestLimits) -> Result<Validated, InvalidInput> {
+    pub fn validate(
+        &mut self,
+        schema: &ModelSchema,
+        limits: RequestLimits,
+    ) -> Result<Validated, InvalidInput> {
         let b = self.num_samples;
         let num_sparse = schema.num_sparse();
         if b == 0 {
@@ -223,7 +248,8 @@ impl RequestSamples {
         };
         let feature = move |bag: usize| layout.bag_position(bag, b, num_sparse).1;
         let place = |sample: usize| format!("sample {sample}");
-        let bags = BagLayout { samples: b, bag: &bag, feature: &feature, field: InputField::Lengths, place: &place };
+        let bags =
+            BagLayout { samples: b, bag: &bag, feature: &feature, field: InputField::Lengths, place: &place };
         fit_sequences(&sequences, schema, &mut self.lengths, &mut self.ids, &bags)
     }
 

@@ -95,6 +95,11 @@ impl ModelSchema {
         }
     }
 
+    /// The sequence whose first channel is sparse feature `f`, if any.
+    pub fn first_channel_of(&self, f: usize) -> Option<&SequenceFeature> {
+        self.sequences.iter().find(|s| s.features[0] == f)
+    }
+
     /// The sequence sparse feature `f` is a channel of, if any.
     pub fn sequence_of(&self, f: usize) -> Option<&SequenceFeature> {
         self.sequences.iter().find(|s| s.features.contains(&f))

@@ -41,7 +41,14 @@ pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<Se
             return Err(format!("sequence {:?} is declared twice", json.name));
         }
         let keep = json.keep.as_deref().map_or(Ok(KeepEnd::Last), KeepEnd::parse)?;
-        sequences.push(SequenceFeature::new(&json.name, &json.features, json.max_len, keep, schema, &sequences)?);
+        sequences.push(SequenceFeature::new(
+            &json.name,
+            &json.features,
+            json.max_len,
+            keep,
+            schema,
+            &sequences,
+        )?);
     }
     Ok(sequences)
 }
@@ -88,6 +95,10 @@ pub struct SequenceFeature {
     pub max_len: usize,
     /// Which end of a longer sequence is kept.
     pub keep: KeepEnd,
+    /// FP32 values per position the serving stage writes for the dense
+    /// network (its channels' dims), what a position costs in memory; 0
+    /// where the model looks its sequences up itself (a single-file model).
+    pub width: usize,
 }
 
 impl SequenceFeature {
@@ -114,7 +125,9 @@ impl SequenceFeature {
                 return Err(format!("sequence {name:?} names {feature:?}, which is not a sparse feature"));
             };
             if schema.sparse[f].weighted {
-                return Err(format!("sequence {name:?}: feature {feature:?} is weighted; a position has no weight"));
+                return Err(format!(
+                    "sequence {name:?}: feature {feature:?} is weighted; a position has no weight"
+                ));
             }
             if indices.contains(&f) || declared.iter().any(|s| s.features.contains(&f)) {
                 return Err(format!("feature {feature:?} is in two sequences"));
@@ -128,7 +141,7 @@ impl SequenceFeature {
                  sent once per request or on every row"
             ));
         }
-        Ok(Self { name: name.into(), features: indices, max_len, keep })
+        Ok(Self { name: name.into(), features: indices, max_len, keep, width: 0 })
     }
 
     /// Whether its channels are request-level (sent once in a ranking
@@ -282,7 +295,10 @@ mod tests {
         let s = with_sequences(KeepEnd::Last);
         let e = flat(vec![1, 0, 2, 1], vec![1, 20, 21, 30]).validate(&s, LIMITS).unwrap_err();
         assert_eq!(e.field, InputField::Lengths);
-        assert!(e.message.contains("sample 0: sequence \"h\" has 2 positions in cat_2 but 1 in cat_3"), "{e}");
+        assert!(
+            e.message.contains("sample 0: sequence \"h\" has 2 positions in cat_2 but 1 in cat_3"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -299,10 +315,39 @@ mod tests {
         let mut r = ranking(vec![4, 4], vec![20, 21, 22, 23, 30, 31, 32, 33]);
         assert_eq!(r.validate(&s, LIMITS).unwrap().positions_truncated, 2);
         let block = r.request.as_ref().unwrap();
-        assert_eq!((block.lengths.as_slice(), block.ids.as_slice()), (&[3, 3][..], &[21, 22, 23, 31, 32, 33][..]));
+        assert_eq!(
+            (block.lengths.as_slice(), block.ids.as_slice()),
+            (&[3, 3][..], &[21, 22, 23, 31, 32, 33][..])
+        );
         let e = ranking(vec![4, 3], vec![20, 21, 22, 23, 30, 31, 32]).validate(&s, LIMITS).unwrap_err();
         assert_eq!(e.field, InputField::RequestLengths);
         assert!(e.message.contains("the request block: sequence \"h\" has 4 positions"), "{e}");
+    }
+
+    #[test]
+    fn a_requests_tokens_and_sequence_bytes_count_its_users_history_once() {
+        let mut s = with_sequences(KeepEnd::Last);
+        s.sequences[0].width = 24; // h: 16 + 8 values per position
+        s.sequences[1].width = 8; // r
+        let mut r = RequestSamples {
+            num_samples: 3,
+            dense: vec![0.5; 3],
+            // Rows: cat_0 one id, cat_1 (r) 2, 0 and 1 positions.
+            lengths: vec![1, 2, 1, 0, 1, 1],
+            ids: vec![1, 10, 11, 2, 3, 12],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![3, 3],
+                ids: vec![20, 21, 22, 30, 31, 32],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        r.validate(&s, LIMITS).unwrap();
+        // 3 rows, 3 row positions, 3 history positions (once).
+        assert_eq!(r.tokens(&s), 3 + 3 + 3);
+        assert_eq!(r.sequence_value_bytes(&s), (3 * 8 * 4, 3 * 24 * 4));
+        // Without sequences: tokens are rows.
+        assert_eq!(r.tokens(&schema()), 3);
     }
 
     #[test]
@@ -312,7 +357,8 @@ mod tests {
         assert_eq!((ok.features.clone(), ok.is_request_level(&s)), (vec![2, 3], true));
         let e = SequenceFeature::new("h", &names(&["nope"]), 4, KeepEnd::Last, &s, &[]).unwrap_err();
         assert!(e.contains("\"nope\""), "{e}");
-        let e = SequenceFeature::new("h", &names(&["cat_1", "cat_2"]), 4, KeepEnd::Last, &s, &[]).unwrap_err();
+        let e =
+            SequenceFeature::new("h", &names(&["cat_1", "cat_2"]), 4, KeepEnd::Last, &s, &[]).unwrap_err();
         assert!(e.contains("some of its features are request-level"), "{e}");
         let e = SequenceFeature::new("g", &names(&["cat_3"]), 4, KeepEnd::Last, &s, &[ok]).unwrap_err();
         assert!(e.contains("two sequences"), "{e}");

@@ -46,7 +46,7 @@ pub use schema::{
     DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
     Storage, TableIds, TableSpec,
 };
-pub use stage::{EmbeddingStage, StageError, StageScratch, SequenceValues};
+pub use stage::{EmbeddingStage, SequenceValues, StageError, StageScratch};
 pub use stores::local::table::{LocalRows, Table};
 pub use stores::redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
 pub use stores::registry::STORE_KINDS;

@@ -387,11 +387,15 @@ impl BatchStage for SplitStage {
 /// Each sequence's inputs to the dense network, in order: its values
 /// `[positions, width]` (copied; in the network's precision), its units'
 /// offsets and its rows' units (int64).
-fn sequence_inputs(sequences: &[SequenceValues], precision: DensePrecision) -> Result<Vec<Tensor>, BackendError> {
+fn sequence_inputs(
+    sequences: &[SequenceValues],
+    precision: DensePrecision,
+) -> Result<Vec<Tensor>, BackendError> {
     let mut inputs = Vec::with_capacity(3 * sequences.len());
     for sequence in sequences {
         let shape = [sequence.positions() as i64, sequence.width as i64];
-        let values = Tensor::f_from_slice(&sequence.values).and_then(|t| t.f_view(shape)).map_err(torch_error)?;
+        let values =
+            Tensor::f_from_slice(&sequence.values).and_then(|t| t.f_view(shape)).map_err(torch_error)?;
         inputs.push(in_precision(values, precision)?);
         inputs.push(Tensor::f_from_slice(&sequence.offsets).map_err(torch_error)?);
         inputs.push(Tensor::f_from_slice(&sequence.row_unit).map_err(torch_error)?);

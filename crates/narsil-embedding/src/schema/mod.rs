@@ -247,9 +247,11 @@ impl SplitSchema {
             }
         }
         if !self.sequences.is_empty() && (self.dense_bottom.is_some() || self.dense_top.is_some()) {
-            return Err("a model with sequences has no dense_bottom/dense_top cut (its dense network takes the \
+            return Err(
+                "a model with sequences has no dense_bottom/dense_top cut (its dense network takes the \
                         sequences whole)"
-                .into());
+                    .into(),
+            );
         }
         if let Some(i) = self.features.iter().position(|f| f.weighted) {
             if let Some(unweighted) = self.features[i..].iter().find(|f| !f.weighted) {
@@ -307,6 +309,9 @@ impl SplitSchema {
             narsil_core::RequestLevel::parse(self.request_level.iter().map(String::as_str), &schema)
                 .unwrap_or_default();
         schema.sequences = narsil_core::sequence::declare(&self.sequences, &schema).unwrap_or_default();
+        for (s, sequence) in schema.sequences.iter_mut().enumerate() {
+            sequence.width = self.sequence_width(s);
+        }
         schema
     }
 

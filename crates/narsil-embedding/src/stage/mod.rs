@@ -78,8 +78,8 @@ use map_ids::{BatchPushed, IdMapping};
 pub use error::StageError;
 pub use push::MAX_PUSHED_IDS;
 use pushed_ids::PushedIds;
-use sequences::{Channel, StageSequence};
 pub use sequences::SequenceValues;
+use sequences::{Channel, StageSequence};
 
 struct StageTable {
     spec: TableSpec,
@@ -213,7 +213,13 @@ impl EmbeddingStage {
                     pooled += 1;
                     pooled - 1
                 });
-                FeatureLookup { name: spec.name.clone(), pooling: spec.pooling, weighted: spec.weighted, column, channel }
+                FeatureLookup {
+                    name: spec.name.clone(),
+                    pooling: spec.pooling,
+                    weighted: spec.weighted,
+                    column,
+                    channel,
+                }
             })
             .collect();
         let sequences = model

@@ -64,7 +64,9 @@ impl EmbeddingStage {
         out.resize_with(self.sequences.len(), SequenceValues::default);
         let blocks = batch.request_blocks.as_ref();
         for (sequence, values) in self.sequences.iter().zip(out.iter_mut()) {
-            let units = blocks.filter(|_| sequence.request_level).and_then(|b| Some((b, b.position(sequence.first)?)));
+            let units = blocks
+                .filter(|_| sequence.request_level)
+                .and_then(|b| Some((b, b.position(sequence.first)?)));
             values.width = sequence.width;
             values.offsets.clear();
             values.offsets.push(0);

@@ -80,8 +80,14 @@ impl EngineHandle {
         }
         let validated = request.validate(&shared.schema, shared.limits)?;
         shared.stats.positions_truncated.inc_by(validated.positions_truncated as u64);
-        let growth = |part: &RequestSamples| part.fused_growth_bytes(shared.flat_only);
-        let grown = growth(&request);
+        // What its rows grow by once fused, and the sequence values its
+        // rows look up (those of its request block, once, stay with the
+        // last part, as the block does).
+        let schema = &shared.schema;
+        let growth = |part: &RequestSamples| {
+            part.fused_growth_bytes(shared.flat_only).saturating_add(part.sequence_value_bytes(schema).0)
+        };
+        let grown = growth(&request).saturating_add(request.sequence_value_bytes(schema).1);
         let bytes = request.decoded_bytes().saturating_add(grown);
         let memory = &shared.memory;
         if bytes > memory.max() && shared.flat_only && grown > 0 {
