@@ -261,7 +261,7 @@ mod tests {
     fn with_sequences(keep: KeepEnd) -> ModelSchema {
         let mut s = schema();
         let h = SequenceFeature::new("h", &names(&["cat_2", "cat_3"]), 3, keep, &s, &[]).unwrap();
-        let r = SequenceFeature::new("r", &names(&["cat_1"]), 2, keep, &s, &[h.clone()]).unwrap();
+        let r = SequenceFeature::new("r", &names(&["cat_1"]), 2, keep, &s, std::slice::from_ref(&h)).unwrap();
         s.sequences = vec![h, r];
         s
     }
