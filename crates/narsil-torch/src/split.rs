@@ -75,16 +75,7 @@ impl SplitFactory {
         }
         let device_path = device != Device::Cpu || config.device_path_on_cpu;
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
-        if device_path && !split.sequences.is_empty() {
-            return Err(load_error(
-                &dir,
-                format!(
-                    "the model declares sequence features ({}), which the device lanes do not serve yet: serve it \
-                     with --device cpu",
-                    split.sequences.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ")
-                ),
-            ));
-        }
+        
         let buckets = match (&config.graph_buckets, device) {
             (Some(buckets), _) => buckets.clone(),
             // The device path on the CPU pads to the buckets the environment
@@ -98,7 +89,14 @@ impl SplitFactory {
             (None, _) => Buckets::from_env().map_err(BackendError::setup)?,
         };
         let (stores, opened) = config.table_store.open(&dir, &split).map_err(|e| load_error(&dir, e))?;
-        let device_tables = if device_path {
+        let device_tables = if device_path && !split.sequences.is_empty() {
+            tracing::info!(
+                ?device,
+                "the model has sequence features: its tables stay on the host (the CPU stage looks sequences up \
+                 and pools; its values are copied to the device) and its dense network runs eagerly"
+            );
+            None
+        } else if device_path {
             device_tables(&dir, &split, &stores, device, config.device_table_budget()?)?
         } else {
             None
@@ -387,7 +385,7 @@ impl BatchStage for SplitStage {
 /// Each sequence's inputs to the dense network, in order: its values
 /// `[positions, width]` (copied; in the network's precision), its units'
 /// offsets and its rows' units (int64).
-fn sequence_inputs(
+pub(crate) fn sequence_inputs(
     sequences: &[SequenceValues],
     precision: DensePrecision,
 ) -> Result<Vec<Tensor>, BackendError> {

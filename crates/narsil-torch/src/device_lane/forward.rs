@@ -29,6 +29,7 @@ impl DeviceLane {
         };
         let outputs = model.schema.outputs.len();
         let kind = self.network_kind();
+        // A sequence model has no graphs (its inputs' shapes vary).
         let scores = match self.graphs.iter_mut().find(|g| g.bucket >= rows) {
             Some(graph) => {
                 let padded = Padded { rows, bucket: graph.bucket };
@@ -62,9 +63,11 @@ impl DeviceLane {
             None => {
                 let dense = held.dense.f_to_kind(kind).map_err(torch_error)?;
                 let pooled = pooled.f_to_kind(kind).map_err(torch_error)?;
+                let mut inputs = vec![&dense, &pooled];
+                inputs.extend(held.sequences.iter());
                 model
                     .dense_network
-                    .forward_tensors(&[&dense, &pooled])
+                    .forward_tensors(&inputs)
                     .map_err(|e| BackendError::forward("the dense network").caused_by(e))?
                     .f_to_kind(Kind::Float)
                     .and_then(|t| t.f_reshape([-1]))

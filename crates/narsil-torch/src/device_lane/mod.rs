@@ -143,7 +143,9 @@ impl DeviceLane {
             handoff: None,
             model,
         };
-        if capture {
+        if capture && lane.model.stage.has_sequences() {
+            tracing::info!("CUDA graphs: not used: the model has sequence features (their shapes vary per batch)");
+        } else if capture {
             let eager = lane.capture_graphs();
             tracing::info!("{}", lane.graphs_line(no_shim.as_deref(), &eager));
         }
@@ -185,7 +187,11 @@ impl ModelBackend for DeviceLane {
         self.run(held)
     }
 
+    /// None for a model with sequences: its lane stages its own batches.
     fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
+        if self.model.stage.has_sequences() {
+            return None;
+        }
         match self.stage_thread() {
             Ok(stage) => Some(stage),
             Err(error) => {

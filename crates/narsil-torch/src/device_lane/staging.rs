@@ -140,6 +140,9 @@ pub struct Held {
     /// The pooled block (tables on the host), or the lookups to pool it on
     /// the device (tables there).
     pub(super) pooled: Pooled,
+    /// Per sequence of the model: its values, units' offsets and rows'
+    /// units on the device (the host stage's, copied).
+    pub(super) sequences: Vec<Tensor>,
 }
 
 pub(super) enum Pooled {
@@ -263,9 +266,16 @@ unsafe fn stage_into(
     let dense = unsafe { set.dense.upload(&batch.dense) }?
         .f_reshape([rows, batch.num_dense as i64])
         .map_err(torch_error)?;
+    let mut sequences = Vec::new();
     let pooled = match &model.device_tables {
         None => {
             model.stage.pool(batch, &mut scratch.stage, &mut scratch.pooled).map_err(BackendError::from)?;
+            // A sequence model's sequences: copied as they are (their
+            // shapes vary per batch; a sequence model runs eagerly, staged
+            // on the lane).
+            for input in crate::split::sequence_inputs(scratch.stage.sequences(), model.precision)? {
+                sequences.push(input.f_to(model.device).map_err(torch_error)?);
+            }
             let width = model.stage.pooled_width() as i64;
             Pooled::Block(
                 // SAFETY: as above.
@@ -301,7 +311,7 @@ unsafe fn stage_into(
             Pooled::Lookups(lookups, broadcast)
         }
     };
-    Ok(Held { rows: batch.rows, dense, pooled })
+    Ok(Held { rows: batch.rows, dense, pooled, sequences })
 }
 
 #[cfg(test)]
