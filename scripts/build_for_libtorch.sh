@@ -144,6 +144,15 @@ mkdir -p "$OUT/split"
 # golden file holds the scores the split form serves.
 (cd "$MODEL" && tar --exclude='*.pt2' --exclude=golden.json --exclude=dense.safetensors -cf - .) | (cd "$OUT/split" && tar -xf -)
 cp "$MODEL/../golden.json" "$OUT/golden.json"
+# The sequence model (gpu_check.sh's phase S), its split form with its golden
+# file, where the tests exported it.
+SEQUENCE_MODEL="$ROOT/models/generated/test-din/split"
+if [ -f "$SEQUENCE_MODEL/schema.json" ]; then
+  mkdir -p "$OUT/split-din"
+  (cd "$SEQUENCE_MODEL" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-din" && tar -xf -)
+else
+  echo "build_for_libtorch: no sequence model at $SEQUENCE_MODEL (scripts/test.sh exports it): gpu_check.sh's phase S will say skipped" >&2
+fi
 cp "$ROOT/scripts/gpu_check.sh" "$OUT/gpu_check.sh"
 echo "torch $TORCH_VERSION, tch $TCH, built $(date -u +%FT%TZ) from $(cd "$ROOT" && git rev-parse --short HEAD)" > "$OUT/BUILD"
 BYTES=$(du -sb "$OUT" | cut -f1)

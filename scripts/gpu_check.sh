@@ -26,6 +26,11 @@
 # events and double buffer); in each, ranking requests (the user's features
 # once: the tensor stage's gather, or the host stage's broadcast) against
 # their flat twins, within the same tolerance.
+# Phase S (<= NARSIL_GPU_PHASE_S_SECS, 120): the sequence model (a DIN
+# ranker, `split-din/` beside this script: models/export_din.py's split
+# form) on the device, tables on the host, eager: its golden scores (FP32
+# within 1e-5, TorchRec's eager forward), grouped vs flat ranking requests
+# (200 candidates), and c16 with 500 candidates, grouped and flat.
 # Phase B (<= NARSIL_GPU_PHASE_B_SECS, 180): `narsil load`, 100 samples a
 # request, c1/c16/c64/c256, batch mode (2 lanes, stage ahead) and worker
 # mode (16 lanes), on 26 x NARSIL_GPU_CHECK_ROWS (100,000) x 64 INT8 tables
@@ -54,8 +59,11 @@ export SECS="${NARSIL_GPU_LOAD_SECS:-5}"
 export ROWS="${NARSIL_GPU_CHECK_ROWS:-100000}"
 LIMIT_A="${NARSIL_GPU_PHASE_A_SECS:-150}"
 LIMIT_B="${NARSIL_GPU_PHASE_B_SECS:-180}"
-# NARSIL_GPU_CHECK_PHASES=A (or B): one phase only, for a rerun.
-PHASES="${NARSIL_GPU_CHECK_PHASES:-A B}"
+LIMIT_S="${NARSIL_GPU_PHASE_S_SECS:-120}"
+# The sequence model (phase S) and its golden file.
+export SEQUENCE_MODEL="${NARSIL_GPU_CHECK_SEQUENCE_MODEL:-$HERE/split-din}"
+# NARSIL_GPU_CHECK_PHASES=A (or B, S): one phase only, for a rerun.
+PHASES="${NARSIL_GPU_CHECK_PHASES:-A S B}"
 export ADDR="127.0.0.1:${NARSIL_GPU_CHECK_PORT:-50151}"
 if [ -n "$DRY" ]; then
   DEVICE=cpu
@@ -214,6 +222,43 @@ phase_a() {
   parity fp32-device-stage-ahead-2-lanes fp32 device "${graphs[@]}" -- --lanes 2 --stage-ahead on
 }
 
+# ---- phase S: a sequence model ---------------------------------------------
+
+phase_s() {
+  local key diff name=sequences-fp32 c16 form
+  row ""
+  row "## S. a sequence model (DIN: a user history of two aligned channels) on $DEVICE: tables on the host, eager"
+  if [ ! -f "$SEQUENCE_MODEL/schema.json" ]; then
+    row "skipped: no sequence model at $SEQUENCE_MODEL (scripts/build_for_libtorch.sh carries models/generated/test-din/split)"
+    return 0
+  fi
+  start_server "$name" -- --backend torch --model "$SEQUENCE_MODEL" --device "$DEVICE" --execution-mode batch \
+    --max-batch-requests 16 --batch-timeout-ms 2 || return 0
+  row "$GRAPHS"
+  key="$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["requests"][0]; print("int8" if r.get("scores_int8") else next(iter(r["outputs"])))' "$SEQUENCE_MODEL/golden.json" 2>/dev/null || echo default)"
+  if narsil_run 60 verify --addr "http://$ADDR" --golden "$SEQUENCE_MODEL/golden.json" --scores "$key" \
+      --tolerance 1e-5 --wait-secs 10 > "$WORK/verify-$name.log" 2>&1; then
+    row "golden (TorchRec's eager forward), flat requests: ok ($(grep -o 'max |diff| [^)]*' "$WORK/verify-$name.log"))"
+  else
+    failed "[$name] golden: $(tail -2 "$WORK/verify-$name.log" | tr '\n' ' ')"
+  fi
+  TOLERANCE=1e-5
+  row "ranking requests, grouped vs flat (48 x 200 candidates, 4 at once): $(ranking "$name")"
+  row "| form | clients | candidates | req/s | candidates/s | p50 ms | p99 ms | errors |"
+  row "|---|---|---|---|---|---|---|---|"
+  for form in grouped flat; do
+    c16="$WORK/load-seq-$form.json"
+    if narsil_run "$((SECS + 60))" load --addr "http://$ADDR" --candidates 500 --ranking-form "$form" \
+        --concurrency 16 --connections 16 --duration "$SECS" --warmup 16 --timeout-ms 10000 --allow-failures --json \
+        > "$c16" 2> "$WORK/load-seq-$form.log"; then
+      row "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"| {sys.argv[2]} | c16 | 500 | {r[\"req_per_s\"]:.0f} | {r.get(\"candidates_per_s\", 0):.0f} | {r[\"p50_ms\"]:.3f} | {r[\"p99_ms\"]:.3f} | {r[\"requests\"] - r[\"ok\"]} |")' "$c16" "$form")"
+    else
+      failed "[$name] narsil load $form: $(tail -2 "$WORK/load-seq-$form.log" | tr '\n' ' ')"
+    fi
+  done
+  stop_server
+}
+
 # ---- phase B: load ---------------------------------------------------------
 
 # The server's CPU seconds so far (user + system, all threads).
@@ -340,7 +385,7 @@ case "${1:-}" in
     exec env LD_LIBRARY_PATH="$TL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$TL/libtorch_cuda.so" "$BIN" "$@" ;;
   --phase) # internal: one phase, under the caller's time limit
     trap stop_server EXIT
-    case "$2" in A) phase_a ;; B) phase_b ;; esac
+    case "$2" in A) phase_a ;; B) phase_b ;; S) phase_s ;; esac
     exit 0 ;;
 esac
 
@@ -406,7 +451,7 @@ if preflight; then
   row "# Narsil GPU check: $(date -u +%FT%TZ), $GPU, $(nproc) host cores, torch $(timeout 60 python3 -c 'import torch;print(torch.__version__)'), $(cat "$HERE/BUILD" 2>/dev/null || echo 'build unknown'), carried $([ -n "$DRY" ] && echo n/a || echo "$(( ($(du -sb "$HERE" | cut -f1) + 1048575) / 1048576 )) MiB")"
   row "CUDA shim: ${NARSIL_CUDA_SHIM:-none}"
   for phase in $PHASES; do
-    limit=$([ "$phase" = A ] && echo "$LIMIT_A" || echo "$LIMIT_B")
+    case "$phase" in A) limit=$LIMIT_A ;; S) limit=$LIMIT_S ;; *) limit=$LIMIT_B ;; esac
     phase_started=$SECONDS
     timeout -k 10 "$limit" bash "$SELF" --phase "$phase"
     rc=$?

@@ -19,5 +19,6 @@ step "gpu_check.sh dry run (on the CPU, $NARSIL_BIN)"
 NARSIL_GPU_CHECK_DRY_RUN=1 \
   NARSIL_GPU_CHECK_MODEL="$PWD/$MODEL/split" \
   NARSIL_GPU_CHECK_GOLDEN="$PWD/$MODEL/golden.json" \
+  NARSIL_GPU_CHECK_SEQUENCE_MODEL="$PWD/models/generated/test-din/split" \
   OUT="$PWD/target/gpu_check_dry" \
   bash scripts/gpu_check.sh
