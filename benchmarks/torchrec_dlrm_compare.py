@@ -62,6 +62,11 @@ requests (the same draws) go, per precision:
     same requests flat over TorchRec's protocol (`--protocol torchrec
     --ranking-form flat`); int8 rows are held against its bf16
 
+  * with --ranking-single-file FILE: Narsil single-file flat {prec} - a
+    single-file model of the same weights (a sequence model as its team
+    hands it over: TorchRec's own modules, scripted) with the same requests
+    flat; `--history-len` sets a sequence model's history lengths
+
 Their table gives candidates/s, req/s, the whole request's p50/p99, request
 bytes on the wire, ratios to Narsil flat and TorchRec C++ flat of the same
 precision, and max_abs_diff_vs_flat; the JSON keeps them under
@@ -268,6 +273,14 @@ def ranking_servers(args, cores, torchrec_bin):
         command = split + ["--dense-precision", precision]
         out.append((f"Narsil grouped {precision}", lambda addr, c=command: c + ["--addr", addr], grouped))
         out.append((f"Narsil flat {precision}", lambda addr, c=command: c + ["--addr", addr], flat))
+    if args.ranking_single_file:
+        # The model as its team hands it over (TorchRec's own modules,
+        # scripted): its lanes take every request flat.
+        single = narsil_serve(args, cores) + ["--backend", "torch", "--model", args.ranking_single_file,
+                                              "--execution-mode", "batch"]
+        for precision in [p for p in args.precisions if p != "int8"]:
+            command = single + ["--dense-precision", precision]
+            out.append((f"Narsil single-file flat {precision}", lambda addr, c=command: c + ["--addr", addr], flat))
     if torchrec_bin:
         torchrec_flat = ["--protocol", "torchrec", "--ranking-form", "flat", "--table-rows", str(args.table_rows)]
         for precision in [p for p in args.precisions if p != "int8"]:
@@ -287,6 +300,8 @@ def measure_ranking(args, name, command, load_flags, cores):
             load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
                     "--requests", str(args.ranking_requests), "--warmup", str(args.ranking_warmup),
                     "--candidates", str(args.candidates), "--json", "--allow-failures"] + load_flags
+            if args.history_len:
+                load += ["--history-len", args.history_len]
             report = load_report(load, load_core, f"ranking load against {name}")
             rows.append({"server": name, "workload": "ranking", "cores": cores, "concurrency": concurrency,
                          "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
@@ -427,6 +442,11 @@ def main():
                    help="`narsil serve --request-level` for the ranking rows' Narsil (e.g. "
                    "cat_0,...,cat_12,dense for an export made before the default DLRM declared them); "
                    "default: what the model declares")
+    p.add_argument("--ranking-single-file",
+                   help="also a row for this single-file model served flat (a sequence model as its team hands "
+                   "it over: models/generated/test-din/model.pt), e.g. with --ranking-model its split form")
+    p.add_argument("--history-len",
+                   help="narsil load --history-len for the ranking rows (a sequence model's history: N or MIN-MAX)")
     p.add_argument("--ranking-requests", type=int, default=500, help="measured ranking requests per row")
     p.add_argument("--ranking-warmup", type=int, default=50, help="ranking warm-up requests per row")
     p.add_argument("--compare-flat-requests", type=int, default=200,
@@ -441,7 +461,7 @@ def main():
     if args.candidates > 0:
         args.ranking_model = args.ranking_model or args.split_model or os.path.join(MODELS, "split")
     require_binary(args.binary, "--features torch")
-    for needed in [args.model] + ([args.burn_model] if args.baselines else []):
+    for needed in ([] if args.ranking_only else [args.model]) + ([args.burn_model] if args.baselines else []):
         if not os.path.exists(needed):
             raise SystemExit(f"{needed} not found: run scripts/serve.sh once (it exports the default model)")
     torchrec_bin = None if args.skip_torchrec else torchrec_server(args)
