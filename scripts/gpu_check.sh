@@ -29,8 +29,9 @@
 # Phase S (<= NARSIL_GPU_PHASE_S_SECS, 120): the sequence model (a DIN
 # ranker, `split-din/` beside this script: models/export_din.py's split
 # form) on the device, tables on the host, eager: its golden scores (FP32
-# within 1e-5, TorchRec's eager forward), grouped vs flat ranking requests
-# (200 candidates), and c16 with 500 candidates, grouped and flat.
+# within 1e-5, bf16 within 2e-2 of TorchRec's eager forward), grouped vs
+# flat ranking requests (200 candidates), and (FP32) c16 with 500
+# candidates, grouped and flat.
 # Phase B (<= NARSIL_GPU_PHASE_B_SECS, 180): `narsil load`, 100 samples a
 # request, c1/c16/c64/c256, batch mode (2 lanes, stage ahead) and worker
 # mode (16 lanes), on 26 x NARSIL_GPU_CHECK_ROWS (100,000) x 64 INT8 tables
@@ -225,38 +226,51 @@ phase_a() {
 # ---- phase S: a sequence model ---------------------------------------------
 
 phase_s() {
-  local key diff name=sequences-fp32 c16 form
+  local key name precision tolerance c16 form
   row ""
   row "## S. a sequence model (DIN: a user history of two aligned channels) on $DEVICE: tables on the host, eager"
   if [ ! -f "$SEQUENCE_MODEL/schema.json" ]; then
     row "skipped: no sequence model at $SEQUENCE_MODEL (scripts/build_for_libtorch.sh carries models/generated/test-din/split)"
     return 0
   fi
-  start_server "$name" -- --backend torch --model "$SEQUENCE_MODEL" --device "$DEVICE" --execution-mode batch \
-    --max-batch-requests 16 --batch-timeout-ms 2 || return 0
-  row "$GRAPHS"
   key="$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["requests"][0]; print("int8" if r.get("scores_int8") else next(iter(r["outputs"])))' "$SEQUENCE_MODEL/golden.json" 2>/dev/null || echo default)"
-  if narsil_run 60 verify --addr "http://$ADDR" --golden "$SEQUENCE_MODEL/golden.json" --scores "$key" \
-      --tolerance 1e-5 --wait-secs 10 > "$WORK/verify-$name.log" 2>&1; then
-    row "golden (TorchRec's eager forward), flat requests: ok ($(grep -o 'max |diff| [^)]*' "$WORK/verify-$name.log"))"
-  else
-    failed "[$name] golden: $(tail -2 "$WORK/verify-$name.log" | tr '\n' ' ')"
-  fi
-  TOLERANCE=1e-5
-  row "ranking requests, grouped vs flat (48 x 200 candidates, 4 at once): $(ranking "$name")"
-  row "| form | clients | candidates | req/s | candidates/s | p50 ms | p99 ms | errors |"
-  row "|---|---|---|---|---|---|---|---|"
-  for form in grouped flat; do
-    c16="$WORK/load-seq-$form.json"
-    if narsil_run "$((SECS + 60))" load --addr "http://$ADDR" --candidates 500 --ranking-form "$form" \
-        --concurrency 16 --connections 16 --duration "$SECS" --warmup 16 --timeout-ms 10000 --allow-failures --json \
-        > "$c16" 2> "$WORK/load-seq-$form.log"; then
-      row "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"| {sys.argv[2]} | c16 | 500 | {r[\"req_per_s\"]:.0f} | {r.get(\"candidates_per_s\", 0):.0f} | {r[\"p50_ms\"]:.3f} | {r[\"p99_ms\"]:.3f} | {r[\"requests\"] - r[\"ok\"]} |")' "$c16" "$form")"
-    else
-      failed "[$name] narsil load $form: $(tail -2 "$WORK/load-seq-$form.log" | tr '\n' ' ')"
+  row "| precision | golden (TorchRec's eager forward), flat | ranking: grouped vs flat | tolerance | CUDA graphs |"
+  row "|---|---|---|---|---|"
+  for precision in fp32 bf16; do
+    name="sequences-$precision"
+    tolerance=$([ "$precision" = bf16 ] && echo 2e-2 || echo 1e-5)
+    if [ "$precision" = bf16 ] && [ -n "$DRY" ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
+      row "| bf16 | skipped: this CPU has no bf16 instructions (dry run) | | | |"
+      continue
     fi
+    start_server "$name" -- --backend torch --model "$SEQUENCE_MODEL" --device "$DEVICE" --execution-mode batch \
+      --dense-precision "$precision" --max-batch-requests 16 --batch-timeout-ms 2 || continue
+    local golden=FAILED
+    if narsil_run 60 verify --addr "http://$ADDR" --golden "$SEQUENCE_MODEL/golden.json" --scores "$key" \
+        --tolerance "$tolerance" --wait-secs 10 > "$WORK/verify-$name.log" 2>&1; then
+      golden="ok ($(grep -o 'max |diff| [^)]*' "$WORK/verify-$name.log"))"
+    else
+      failed "[$name] golden: $(tail -2 "$WORK/verify-$name.log" | tr '\n' ' ')"
+    fi
+    TOLERANCE=$tolerance
+    row "| $precision | ${golden//|/} | $(ranking "$name") | $tolerance | $GRAPHS |"
+    [ "$precision" = fp32 ] || { stop_server; continue; }
+    row ""
+    row "| form | clients | candidates | req/s | candidates/s | p50 ms | p99 ms | errors |"
+    row "|---|---|---|---|---|---|---|---|"
+    for form in grouped flat; do
+      c16="$WORK/load-seq-$form.json"
+      if narsil_run "$((SECS + 60))" load --addr "http://$ADDR" --candidates 500 --ranking-form "$form" \
+          --concurrency 16 --connections 16 --duration "$SECS" --warmup 16 --timeout-ms 10000 --allow-failures \
+          --json > "$c16" 2> "$WORK/load-seq-$form.log"; then
+        row "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"| {sys.argv[2]} | c16 | 500 | {r[\"req_per_s\"]:.0f} | {r.get(\"candidates_per_s\", 0):.0f} | {r[\"p50_ms\"]:.3f} | {r[\"p99_ms\"]:.3f} | {r[\"requests\"] - r[\"ok\"]} |")' "$c16" "$form")"
+      else
+        failed "[$name] narsil load $form: $(tail -2 "$WORK/load-seq-$form.log" | tr '\n' ' ')"
+      fi
+    done
+    row ""
+    stop_server
   done
-  stop_server
 }
 
 # ---- phase B: load ---------------------------------------------------------

@@ -212,10 +212,14 @@ pub(crate) fn fit_sequences(
     let (mut read, mut write, mut dropped) = (0usize, 0usize, 0usize);
     for (bag, len) in lengths.iter_mut().enumerate() {
         let n = *len as usize;
-        let kept = match sequence_of[(layout.feature)(bag)].map(|s| sequences[s]) {
+        let feature = (layout.feature)(bag);
+        let kept = match sequence_of[feature].map(|s| sequences[s]) {
             Some(sequence) if n > sequence.max_len => {
                 let max = sequence.max_len;
-                dropped += n - max;
+                // A position counts once, whatever its channels.
+                if sequence.features[0] == feature {
+                    dropped += n - max;
+                }
                 *len = max as u32;
                 match sequence.keep {
                     KeepEnd::Last => read + n - max..read + n,
@@ -277,7 +281,7 @@ mod tests {
         // cat_0: [1]; cat_1 (r, max 2): [10, 11, 12]; cat_2/cat_3 (h, max 3): 5 positions each.
         let mut r = flat(vec![1, 3, 5, 5], vec![1, 10, 11, 12, 20, 21, 22, 23, 24, 30, 31, 32, 33, 34]);
         let validated = r.validate(&s, LIMITS).unwrap();
-        assert_eq!(validated.positions_truncated, 1 + 2 + 2);
+        assert_eq!(validated.positions_truncated, 1 + 2, "r: 1, h: 2 (positions, not channels' ids)");
         assert_eq!(r.lengths, [1, 2, 3, 3]);
         assert_eq!(r.ids, [1, 11, 12, 22, 23, 24, 32, 33, 34]);
         let s = with_sequences(KeepEnd::First);
@@ -313,7 +317,7 @@ mod tests {
             ..Default::default()
         };
         let mut r = ranking(vec![4, 4], vec![20, 21, 22, 23, 30, 31, 32, 33]);
-        assert_eq!(r.validate(&s, LIMITS).unwrap().positions_truncated, 2);
+        assert_eq!(r.validate(&s, LIMITS).unwrap().positions_truncated, 1);
         let block = r.request.as_ref().unwrap();
         assert_eq!(
             (block.lengths.as_slice(), block.ids.as_slice()),
