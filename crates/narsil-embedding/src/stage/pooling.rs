@@ -50,10 +50,13 @@ impl EmbeddingStage {
                 if ones.len() < own.len().max(unit_ids.len()) {
                     ones.resize(own.len().max(unit_ids.len()), 1);
                 }
-                let values = &mut sequence.values[channel.column..];
-                bags.pool(feature, &ones[..own.len()], own, None, values, w)?;
+                // Each position's vector starts `column` values into its row.
+                let at = |position: usize| position * w + channel.column;
+                if !own.is_empty() {
+                    bags.pool(feature, &ones[..own.len()], own, None, &mut sequence.values[at(0)..], w)?;
+                }
                 if !unit_ids.is_empty() {
-                    let units = &mut values[own.len() * w..];
+                    let units = &mut sequence.values[at(own.len())..];
                     bags.pool(feature, &ones[..unit_ids.len()], unit_ids, None, units, w)?;
                 }
                 slot_start = bags.slot_start;

@@ -214,6 +214,13 @@ mod tests {
             let expected: Vec<f32> = [9, 33, 7, 1].iter().flat_map(|&i| position(&tables, i)).collect();
             assert_eq!(unit(grouped, 0), expected, "the most recent 4 positions, oldest first");
             assert_eq!(unit(grouped, 3), [position(&tables, 5), position(&tables, 40)].concat());
+            // A batch without a single position.
+            let empty = assemble(1, 4, [&requests[1]]);
+            stage.pool(&empty, &mut scratch, &mut pooled).unwrap();
+            assert_eq!(
+                (scratch.sequences()[0].positions(), scratch.sequences()[0].row_unit.as_slice()),
+                (0, &[1][..])
+            );
         }
     }
 }

@@ -144,7 +144,9 @@ impl DeviceLane {
             model,
         };
         if capture && lane.model.stage.has_sequences() {
-            tracing::info!("CUDA graphs: not used: the model has sequence features (their shapes vary per batch)");
+            tracing::info!(
+                "CUDA graphs: not used: the model has sequence features (their shapes vary per batch)"
+            );
         } else if capture {
             let eager = lane.capture_graphs();
             tracing::info!("{}", lane.graphs_line(no_shim.as_deref(), &eager));

@@ -1,0 +1,421 @@
+//! Sequence features end to end over real gRPC on loopback, on the DIN
+//! ranker `models/export_din.py` exports (TorchRec: an `EmbeddingCollection`
+//! for the user's item and category histories sharing their tables with the
+//! candidate's, an `EmbeddingBagCollection` for pooled user features, DIN's
+//! target attention, INT8 tables quantized TorchRec's way).
+//!
+//! Every candidate must score as TorchRec's eager quantized forward scores
+//! it (the exporter's golden requests, flat and grouped: an oracle outside
+//! the server) within `SCORE_TOLERANCE` (1e-6), and as the same request
+//! sent flat scores, alone and fused with other users': the split form on
+//! every local store and through the device lane on the CPU device, and the
+//! single-file form (TorchRec's own lookups; its lanes take the batch made
+//! flat). Edge cases: histories of 0, 1, the maximum and past it (cut at
+//! the model's end and counted), 1 and 2,048 candidates, repeated ids, and
+//! misaligned channels refused while the server keeps serving.
+#![cfg(feature = "torch")]
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::ranking::golden_ranking_declaring;
+use common::{assert_close, batch_mode, start_with, TestServer};
+use narsil::proto::{self, PredictRequest, RequestFeatures};
+use narsil_core::golden::Golden;
+use narsil_core::BackendFactory;
+use narsil_torch::{SplitFactory, TorchConfig, TorchFactory};
+
+/// The exported DIN model (`scripts/test.sh` exports it).
+fn din_dir() -> PathBuf {
+    let dir = std::env::var_os("NARSIL_TEST_DIN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-din"));
+    assert!(
+        dir.join("split/schema.json").is_file(),
+        "no exported DIN model in {0}: run scripts/test.sh, or .venv/bin/python models/export_din.py --out {0}",
+        dir.display()
+    );
+    dir
+}
+
+fn split_config() -> TorchConfig {
+    TorchConfig::new(din_dir().join("split"))
+}
+
+/// One user's ranking request to the served model: `history` positions in
+/// its (request-level) sequence, `candidates` rows, grouped and flat.
+/// Every id is a function of the user, the position or the candidate, so
+/// a request is the same however often it is built.
+struct Ranking<'a> {
+    info: &'a proto::ModelInfoResponse,
+}
+
+impl Ranking<'_> {
+    fn rows(&self, f: usize) -> i64 {
+        self.info.sparse_features[f].num_rows as i64
+    }
+
+    /// The user's bag of feature `f`: a history of `history` positions
+    /// (`item(p)` for each), else 1 to 3 ids.
+    fn user_bag(&self, user: u64, f: usize, history: &[i64]) -> Vec<i64> {
+        match self.info.sparse_features[f].sequence.is_empty() {
+            false => history.iter().map(|&item| item % self.rows(f)).collect(),
+            true => {
+                let len = 1 + (user as usize + f) % 3;
+                (0..len)
+                    .map(|k| ((user as i64) * 7919 + f as i64 * 31 + k as i64 * 17) % self.rows(f))
+                    .collect()
+            }
+        }
+    }
+
+    /// Grouped and flat twins of user `user`'s request whose history is
+    /// `history` (raw item numbers, taken modulo each channel's rows).
+    fn request(&self, user: u64, history: &[i64], candidates: usize) -> (PredictRequest, PredictRequest) {
+        let info = self.info;
+        let num_dense = info.num_dense as usize;
+        let dense: Vec<f32> =
+            (0..num_dense as u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
+        let features = &info.sparse_features;
+        let user_bags: Vec<Option<Vec<i64>>> = (0..features.len())
+            .map(|f| features[f].request_level.then(|| self.user_bag(user, f, history)))
+            .collect();
+        let candidate = |c: u64, f: usize| ((c * 104_729 + f as u64 * 13 + user) as i64) % self.rows(f);
+        let mut block = RequestFeatures::default();
+        if info.dense_request_level {
+            block.dense = dense.clone();
+        }
+        for bag in user_bags.iter().flatten() {
+            block.sparse_lengths.push(bag.len() as u32);
+            block.sparse_ids.extend(bag);
+        }
+        let mut grouped = PredictRequest {
+            batch_size: candidates as u32,
+            request: Some(block),
+            request_id: format!("user-{user}"),
+            ..Default::default()
+        };
+        let mut flat = PredictRequest { batch_size: candidates as u32, ..Default::default() };
+        for c in 0..candidates as u64 {
+            flat.dense.extend(&dense);
+            if !info.dense_request_level {
+                grouped.dense.extend(&dense);
+            }
+            for (f, bag) in user_bags.iter().enumerate() {
+                match bag {
+                    Some(bag) => {
+                        flat.sparse_lengths.push(bag.len() as u32);
+                        flat.sparse_ids.extend(bag);
+                    }
+                    None => {
+                        for request in [&mut flat, &mut grouped] {
+                            request.sparse_lengths.push(1);
+                            request.sparse_ids.push(candidate(c, f));
+                        }
+                    }
+                }
+            }
+        }
+        (grouped, flat)
+    }
+
+    /// The history's maximum length (the model's one sequence).
+    fn max_len(&self) -> usize {
+        self.info.sequences[0].max_len as usize
+    }
+}
+
+/// A history of `len` positions for `user`, ids spread over the items.
+fn history(user: u64, len: usize) -> Vec<i64> {
+    (0..len as i64).map(|p| (user as i64 * 131 + p * 977) % 100_003).collect()
+}
+
+/// The golden requests' scores (TorchRec's eager forward).
+fn golden_scores(request: &narsil_core::golden::GoldenRequest) -> &[f32] {
+    match request.outputs.get("default") {
+        Some(scores) => scores,
+        None => &request.scores_int8,
+    }
+}
+
+/// Serves `factory` and checks the golden requests (flat and grouped)
+/// against TorchRec's eager forward, and grouped == flat alone and fused.
+async fn scores_as_torchrec_and_grouped_as_flat(factory: Arc<dyn BackendFactory>, what: &str) -> TestServer {
+    let server = start_with(factory, batch_mode(1, 16)).await.ready().await;
+    let mut client = server.client().await;
+    let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    assert_eq!(info.sequences.len(), 1, "{what}: ModelInfo lists the history");
+    let channels = &info.sequences[0].features;
+    for channel in channels {
+        let feature = info.sparse_features.iter().find(|f| &f.name == channel).unwrap();
+        assert_eq!(
+            (feature.sequence.as_str(), feature.request_level),
+            (info.sequences[0].name.as_str(), true),
+            "{what}: {channel} is a request-level channel of the history"
+        );
+    }
+    // The exporter's requests, scored by TorchRec's eager forward.
+    let dir = din_dir();
+    let golden = Golden::read(&dir).unwrap();
+    for (i, request) in golden.requests.iter().enumerate() {
+        let got = client.predict(common::wire(request, &format!("golden-{i}"))).await.unwrap().into_inner();
+        assert_close(&got.scores, golden_scores(request), &format!("{what}: golden flat request {i}"));
+    }
+    let declared: Vec<String> = info
+        .sparse_features
+        .iter()
+        .filter(|f| f.request_level)
+        .map(|f| f.name.clone())
+        .chain(info.dense_request_level.then(|| "dense".to_string()))
+        .collect();
+    for golden in golden_ranking_declaring(&dir, &declared) {
+        let what = format!("{what}: {} against TorchRec's eager forward", golden.grouped.request_id);
+        let got = client.predict(golden.grouped).await.unwrap().into_inner().scores;
+        assert_close(&got, &golden.scores_int8, &what);
+    }
+    // Grouped == flat, alone: users with histories of 0, 1, some and the
+    // maximum positions, 1 to 300 candidates.
+    let ranking = Ranking { info: &info };
+    let max = ranking.max_len();
+    let requests: Vec<_> = [(1, 0, 3), (2, 1, 1), (3, max / 2, 300), (4, max, 40), (1, 0, 7)]
+        .iter()
+        .map(|&(user, len, candidates)| ranking.request(user, &history(user, len), candidates))
+        .collect();
+    let mut flat_scores = Vec::new();
+    for (i, (grouped, flat)) in requests.iter().enumerate() {
+        let want = client.predict(flat.clone()).await.unwrap().into_inner().scores;
+        let got = client.predict(grouped.clone()).await.unwrap().into_inner().scores;
+        assert_close(&got, &want, &format!("{what}: ranking request {i} alone"));
+        flat_scores.push(want);
+    }
+    // Fused: grouped and flat at once, with other users'.
+    let channel = server.channel().await;
+    let mut fused = false;
+    for round in 0..3 {
+        let calls = requests.iter().flat_map(|(g, f)| [g.clone(), f.clone(), g.clone()]).map(|request| {
+            let mut client = proto::predictor_client::PredictorClient::new(channel.clone());
+            tokio::spawn(async move { client.predict(request).await.unwrap().into_inner() })
+        });
+        let responses: Vec<_> =
+            futures_util::future::join_all(calls).await.into_iter().map(Result::unwrap).collect();
+        for (i, response) in responses.iter().enumerate() {
+            assert_close(&response.scores, &flat_scores[i / 3], &format!("{what}: round {round} call {i}"));
+        }
+        fused |= responses.iter().any(|r| r.fused_requests > 1);
+    }
+    assert!(fused, "{what}: some requests shared a forward");
+    server
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_model_split_scores_as_torchrec_on_tables_in_memory_and_mapped() {
+    let factory = Arc::new(SplitFactory::load(split_config()).unwrap());
+    scores_as_torchrec_and_grouped_as_flat(factory, "memory tables").await.stop().await.unwrap();
+    let mut mapped = split_config();
+    mapped.table_store = narsil_torch::TableStore::Mmap;
+    let factory = Arc::new(SplitFactory::load(mapped).unwrap());
+    scores_as_torchrec_and_grouped_as_flat(factory, "mapped tables").await.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_model_split_scores_as_torchrec_on_disk_tables() {
+    let split = din_dir().join("split");
+    let table = std::fs::read_dir(split.join("tables")).unwrap().next().unwrap().unwrap().path();
+    use std::os::unix::fs::OpenOptionsExt;
+    if let Err(e) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(&table) {
+        let why = format!("{} refuses direct reads ({e})", table.display());
+        return common::skip_direct_io("a_sequence_model_split_scores_as_torchrec_on_disk_tables", &why);
+    }
+    let mut disk = split_config();
+    let flags = narsil_embedding::StoreFlags {
+        // A small cache: most positions read from the disk.
+        cache_bytes: 64 * 1024,
+        fetch_timeout: Duration::from_secs(2),
+        missing_rows: narsil_embedding::MissingRows::Error,
+    };
+    disk.table_store = "disk".parse::<narsil_torch::TableStore>().unwrap().with_flags(&flags);
+    let factory = Arc::new(SplitFactory::load(disk).unwrap());
+    scores_as_torchrec_and_grouped_as_flat(factory, "disk tables").await.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_model_scores_as_torchrec_through_the_device_lane_on_the_cpu_device() {
+    let mut config = split_config();
+    config.device_path_on_cpu = true;
+    config.dense_form = narsil_torch::DenseForm::TorchScript;
+    let factory = Arc::new(SplitFactory::load(config).unwrap());
+    scores_as_torchrec_and_grouped_as_flat(factory, "device lane").await.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_model_single_file_scores_as_torchrec_with_grouped_requests_made_flat() {
+    let factory = TorchFactory::load(TorchConfig::new(din_dir().join("model.pt"))).unwrap();
+    scores_as_torchrec_and_grouped_as_flat(Arc::new(factory), "single-file").await.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn histories_past_their_maximum_are_cut_and_counted_and_bad_ones_refused_while_serving() {
+    let factory = Arc::new(SplitFactory::load(split_config()).unwrap());
+    let server = start_with(factory, batch_mode(1, 16)).await.ready().await;
+    let mut client = server.client().await;
+    let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    let ranking = Ranking { info: &info };
+    let max = ranking.max_len();
+    assert_eq!(info.sequences[0].keep, "last");
+    // Past the maximum: scores as its most recent `max` positions.
+    let long = history(9, max + 7);
+    let (cut, _) = ranking.request(9, &long[7..], 5);
+    let (grouped, flat) = ranking.request(9, &long, 5);
+    let want = client.predict(cut).await.unwrap().into_inner().scores;
+    for request in [grouped, flat] {
+        let got = client.predict(request).await.unwrap().into_inner().scores;
+        assert_close(&got, &want, "a history of max + 7 positions, cut to its last max");
+    }
+    let text = server.scrape().await;
+    // 7 positions from the grouped request, 7 from each of the flat one's 5 rows.
+    assert_eq!(common::metric(&text, "narsil_sequence_positions_truncated_total"), 7.0 * 6.0);
+    // Repeated ids, and one candidate against 2,048.
+    let repeated = vec![42; max];
+    let (grouped, flat) = ranking.request(10, &repeated, 2048);
+    let want = client.predict(flat).await.unwrap().into_inner().scores;
+    let got = client.predict(grouped).await.unwrap().into_inner().scores;
+    assert_close(&got, &want, "2,048 candidates, a history of one id repeated");
+    let (one, _) = ranking.request(10, &repeated, 1);
+    let alone = client.predict(one).await.unwrap().into_inner().scores;
+    assert_close(&alone, &want[..1], "one candidate scores as the first of 2,048");
+    // Misaligned channels: refused naming the field, in the block and on a row.
+    let (mut grouped, mut flat) = ranking.request(11, &history(11, 4), 3);
+    let channels: Vec<usize> = info.sequences[0]
+        .features
+        .iter()
+        .map(|name| info.sparse_features.iter().position(|f| &f.name == name).unwrap())
+        .collect();
+    let block = grouped.request.as_mut().unwrap();
+    let k = info.sparse_features[..channels[1]].iter().filter(|f| f.request_level).count();
+    block.sparse_lengths[k] -= 1;
+    block.sparse_ids.remove(block.sparse_lengths[..k].iter().sum::<u32>() as usize);
+    flat.sparse_lengths[channels[1]] -= 1;
+    flat.sparse_ids.remove(flat.sparse_lengths[..channels[1]].iter().sum::<u32>() as usize);
+    for (request, field) in [(grouped, "request.sparse_lengths"), (flat, "sparse_lengths")] {
+        let status = client.predict(request).await.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{field}: {status:?}");
+        assert!(
+            status.message().starts_with(&format!("invalid {field}:"))
+                && status.message().contains("aligned"),
+            "{field}: {}",
+            status.message()
+        );
+    }
+    // Still serving.
+    let (grouped, _) = ranking.request(12, &history(12, 3), 2);
+    client.predict(grouped).await.unwrap();
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_seen_history_ids_take_the_tables_default_row_and_are_counted() {
+    // The split form copied with an id map on every table a history
+    // channel indexes: row r is raw id `raw(r)`, but for a default row.
+    let dir = tempfile::tempdir().unwrap();
+    narsil_core::golden::copy_split_model(&din_dir().join("split"), dir.path()).unwrap();
+    let path = dir.path().join("schema.json");
+    let mut schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let raw = |r: i64| (r + 1_000_003).wrapping_mul(0x9e37_79b9_7f4a_7c15u64 as i64);
+    const DEFAULT_ROW: i64 = 3;
+    let channels: Vec<String> = schema["sequences"][0]["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f.as_str().unwrap().into())
+        .collect();
+    let mapped: Vec<String> = schema["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| channels.iter().any(|c| c == f["name"].as_str().unwrap()))
+        .map(|f| f["table"].as_str().unwrap().to_string())
+        .collect();
+    for table in schema["tables"].as_array_mut().unwrap() {
+        let name = table["name"].as_str().unwrap().to_string();
+        if !mapped.contains(&name) {
+            continue;
+        }
+        let rows = table["rows"].as_u64().unwrap();
+        let pairs: Vec<(i64, u64)> =
+            (0..rows as i64).filter(|&r| r != DEFAULT_ROW).map(|r| (raw(r), r as u64)).collect();
+        let bytes = narsil_embedding::id_map::build(&pairs, rows).unwrap();
+        let file = format!("tables/{name}.idmap");
+        std::fs::write(dir.path().join(&file), &bytes).unwrap();
+        let sha256 = narsil_embedding::sha256::sha256_of_bytes(&bytes);
+        table["ids"] =
+            serde_json::json!({"map": {"file": file, "sha256": sha256, "default_row": DEFAULT_ROW}});
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&schema).unwrap()).unwrap();
+    let plain = start_with(Arc::new(SplitFactory::load(split_config()).unwrap()), batch_mode(1, 16))
+        .await
+        .ready()
+        .await;
+    let with_maps =
+        start_with(Arc::new(SplitFactory::load(TorchConfig::new(dir.path())).unwrap()), batch_mode(1, 16))
+            .await
+            .ready()
+            .await;
+    let (mut plain_client, mut mapped_client) = (plain.client().await, with_maps.client().await);
+    let info = plain_client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    let mapped_info =
+        mapped_client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
+    let ranking = Ranking { info: &info };
+    // A history whose third and fifth positions were never seen: they score
+    // as the default row does. Rows' (candidates') ids of mapped tables go raw too.
+    let rows_of = |f: usize| info.sparse_features[f].num_rows as i64;
+    let history: Vec<i64> = vec![5, 9, DEFAULT_ROW, 9, DEFAULT_ROW, 1];
+    let (grouped, _) = ranking.request(21, &history, 4);
+    let mut sent = grouped.clone();
+    let is_mapped = |f: usize| mapped_info.sparse_features[f].raw_ids;
+    assert!(info.sequences[0].features.iter().all(|c| {
+        let f = info.sparse_features.iter().position(|s| &s.name == c).unwrap();
+        is_mapped(f)
+    }));
+    // Rewrite every id of a mapped feature as its raw id, the default row's as a never-seen one.
+    let block = sent.request.as_mut().unwrap();
+    let mut at = 0;
+    let mut never_seen = 0;
+    let request_level: Vec<usize> =
+        (0..info.sparse_features.len()).filter(|&f| info.sparse_features[f].request_level).collect();
+    for (k, &f) in request_level.iter().enumerate() {
+        for id in &mut block.sparse_ids[at..at + block.sparse_lengths[k] as usize] {
+            if is_mapped(f) {
+                assert!(*id < rows_of(f));
+                if *id == DEFAULT_ROW {
+                    *id = 7_777_777 + never_seen;
+                    never_seen += 1;
+                } else {
+                    *id = raw(*id);
+                }
+            }
+        }
+        at += block.sparse_lengths[k] as usize;
+    }
+    let candidates: Vec<usize> =
+        (0..info.sparse_features.len()).filter(|&f| !info.sparse_features[f].request_level).collect();
+    for (i, id) in sent.sparse_ids.iter_mut().enumerate() {
+        if is_mapped(candidates[i % candidates.len()]) {
+            *id = raw(*id);
+        }
+    }
+    let want = plain_client.predict(grouped).await.unwrap().into_inner().scores;
+    let got = mapped_client.predict(sent).await.unwrap().into_inner().scores;
+    assert_close(&got, &want, "never-seen history ids score as the default row");
+    let text = with_maps.scrape().await;
+    let unmapped: f64 = mapped
+        .iter()
+        .map(|t| common::metric(&text, &format!("narsil_table_unmapped_ids_total{{table=\"{t}\"}}")))
+        .sum();
+    assert!(unmapped >= never_seen as f64, "{unmapped} unmapped ids counted, {never_seen} sent");
+    plain.stop().await.unwrap();
+    with_maps.stop().await.unwrap();
+}
