@@ -188,6 +188,38 @@ async fn served_from_redis_fused_requests_get_their_golden_scores() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
+/// A sequence model (the DIN ranker `models/export_din.py` exports): its
+/// users' histories looked up unpooled from the cluster, once per request,
+/// score as TorchRec's eager forward does, flat and grouped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_models_histories_fetched_from_redis_score_as_torchrec() {
+    let cluster = Cluster::start("sequences");
+    let din = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-din");
+    let dir = std::env::temp_dir().join(format!("narsil-redis-model-din-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    copy_split_model(&din.join("split"), &dir).unwrap();
+    tables_load(&dir, &cluster.seeds);
+    let store = store_with(&cluster, MissingRows::Error, Duration::from_secs(5));
+    let server = start_with(Arc::new(factory(&dir, store)), batch_mode(1, 16)).await.ready().await;
+    let golden = Golden::read(&din).unwrap();
+    let requests: Vec<&GoldenRequest> = golden.requests.iter().collect();
+    let responses = common::predict_all(&server.channel().await, &requests).await;
+    for (i, (response, g)) in responses.iter().zip(&requests).enumerate() {
+        assert_close(&response.scores, &g.outputs["default"], &format!("DIN golden request {i} (flat)"));
+    }
+    let declared: Vec<String> =
+        ["user_0", "user_1", "user_2", "hist_item", "hist_cat", "dense"].map(String::from).into();
+    let mut client = server.client().await;
+    for ranking in common::ranking::golden_ranking_declaring(&din, &declared) {
+        let got = client.predict(ranking.grouped).await.unwrap().into_inner().scores;
+        assert_close(&got, &ranking.scores_int8, "DIN golden ranking request (grouped)");
+    }
+    let text = server.scrape().await;
+    assert!(common::metric(&text, r#"narsil_table_rows_fetched_total{table="item"}"#) > 0.0, "{text}");
+    server.stop().await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// A model whose tables map raw ids (an id map beside each table in the
 /// model directory, its rows on the cluster): the golden requests sent
 /// with raw ids, some never seen, get their golden scores, the ids mapped
