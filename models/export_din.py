@@ -65,7 +65,7 @@ from din_split import write_split
 from export_dlrm import WithSchema, int_list
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 # model.pt's scores against the reference.
 BOUND = 1e-6
 
@@ -168,6 +168,13 @@ def main() -> int:
             scores = quantized(dense, kjt)
             single_worst = max(single_worst, (loaded(dense, lengths, ids) - scores).abs().max().item())
             golden.append(request_json(sample_major(sent), scores, dropped))
+            if len(served) <= 16:
+                # QuantEmbeddingCollection's rows of the history as served
+                # (sample after sample, oldest first): what Narsil's stage
+                # must reproduce bit for bit (crates/narsil-embedding/tests/
+                # fbgemm_parity.rs).
+                nobag = quantized.sequence_collection(kjt)
+                golden[-1]["sequence_values"] = {f: nobag[f].values().reshape(-1).tolist() for f in HISTORY}
             flat_scored.append((served, scores))
             spread.append(scores)
         ranking_golden, ranking_scored = [], []
