@@ -244,7 +244,7 @@ phase_s() {
       continue
     fi
     start_server "$name" -- --backend torch --model "$SEQUENCE_MODEL" --device "$DEVICE" --execution-mode batch \
-      --dense-precision "$precision" --max-batch-requests 16 --batch-timeout-ms 2 || continue
+      --dense-precision "$precision" --max-batch-requests 16 --batch-timeout-ms 2 --max-batch-tokens 65536 || continue
     local golden=FAILED
     if narsil_run 60 verify --addr "http://$ADDR" --golden "$SEQUENCE_MODEL/golden.json" --scores "$key" \
         --tolerance "$tolerance" --wait-secs 10 > "$WORK/verify-$name.log" 2>&1; then

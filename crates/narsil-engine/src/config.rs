@@ -39,13 +39,15 @@ impl ExecutionMode {
         }
     }
 
-    /// The flush policy it stands for, with `config`'s limits.
-    pub fn flush_policy(self, config: &EngineConfig) -> Arc<dyn FlushPolicy> {
+    /// The flush policy it stands for, with `config`'s limits (the token
+    /// budget for a model `with_sequences` only: elsewhere tokens are rows,
+    /// which `max_batch_rows` bounds).
+    pub fn flush_policy(self, config: &EngineConfig, with_sequences: bool) -> Arc<dyn FlushPolicy> {
         match self {
             Self::Batch => Arc::new(ContinuousBatching {
                 max_requests: config.max_batch_requests,
                 max_rows: config.max_batch_rows,
-                max_tokens: config.max_batch_tokens,
+                max_tokens: if with_sequences { config.max_batch_tokens } else { usize::MAX },
                 timeout: config.batch_timeout,
             }),
             Self::Worker => Arc::new(PerRequest),
@@ -74,9 +76,8 @@ pub struct EngineConfig {
     /// Most rows fused into one forward.
     pub max_batch_rows: usize,
     /// Most tokens fused into one forward: rows plus the sequence positions
-    /// they look up (a ranking request's history once). Binds only for
-    /// models with sequence features (else tokens are rows); a request over
-    /// it alone still runs, alone.
+    /// they look up (a ranking request's history once). Applies to models
+    /// with sequence features only; a request over it still runs, alone.
     pub max_batch_tokens: usize,
     /// How long the oldest queued request may wait for company once a lane
     /// is free; zero sends at once.

@@ -78,7 +78,11 @@ impl Engine {
         let stats = Arc::new(stats);
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
         let collector = Arc::new(Collector::new(
-            BatchQueue::new(config.mode.flush_policy(&config), schema.num_dense, schema.num_sparse()),
+            BatchQueue::new(
+                config.mode.flush_policy(&config, !schema.sequences.is_empty()),
+                schema.num_dense,
+                schema.num_sparse(),
+            ),
             config.max_forward_threads,
             Arc::clone(&stats),
         ));
