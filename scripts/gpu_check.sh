@@ -263,7 +263,13 @@ phase_s() {
       if narsil_run "$((SECS + 60))" load --addr "http://$ADDR" --candidates 500 --ranking-form "$form" \
           --concurrency 16 --connections 16 --duration "$SECS" --warmup 16 --timeout-ms 10000 --allow-failures \
           --json > "$c16" 2> "$WORK/load-seq-$form.log"; then
-        row "$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"| {sys.argv[2]} | c16 | 500 | {r[\"req_per_s\"]:.0f} | {r.get(\"candidates_per_s\", 0):.0f} | {r[\"p50_ms\"]:.3f} | {r[\"p99_ms\"]:.3f} | {r[\"requests\"] - r[\"ok\"]} |")' "$c16" "$form")"
+        row "$(timeout 30 python3 - "$c16" "$form" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"| {sys.argv[2]} | c16 | 500 | {r['req_per_s']:.0f} | {r.get('candidates_per_s', 0):.0f} | "
+      f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['requests'] - r['ok']} |")
+EOF
+)"
       else
         failed "[$name] narsil load $form: $(tail -2 "$WORK/load-seq-$form.log" | tr '\n' ' ')"
       fi
