@@ -11,7 +11,8 @@
 //! every local store and through the device lane on the CPU device, and the
 //! single-file form (TorchRec's own lookups; its lanes take the batch made
 //! flat). Edge cases: histories of 0, 1, the maximum and past it (cut at
-//! the model's end and counted), 1 and 2,048 candidates, repeated ids, and
+//! the model's end and counted), 1 and 2,048 candidates, a request of
+//! 2,048 positions x 1,000 candidates, repeated ids, never-seen ids, and
 //! misaligned channels refused while the server keeps serving.
 #![cfg(feature = "torch")]
 
@@ -286,6 +287,17 @@ async fn histories_past_their_maximum_are_cut_and_counted_and_bad_ones_refused_w
     let (one, _) = ranking.request(10, &repeated, 1);
     let alone = client.predict(one).await.unwrap().into_inner().scores;
     assert_close(&alone, &want[..1], "one candidate scores as the first of 2,048");
+    // 2,048 positions x 1,000 candidates, grouped and flat (4M ids on the
+    // wire): bounded (cut to the maximum at validation, the request's
+    // memory charged) and served, as the cut request scores.
+    let huge = history(13, 2048);
+    let (cut, _) = ranking.request(13, &huge[2048 - max..], 1000);
+    let want = client.predict(cut).await.unwrap().into_inner().scores;
+    let (grouped, flat) = ranking.request(13, &huge, 1000);
+    for (request, what) in [(grouped, "grouped"), (flat, "flat")] {
+        let got = client.predict(request).await.unwrap().into_inner().scores;
+        assert_close(&got, &want, &format!("2,048 positions x 1,000 candidates, {what}"));
+    }
     // Misaligned channels: refused naming the field, in the block and on a row.
     let (mut grouped, mut flat) = ranking.request(11, &history(11, 4), 3);
     let channels: Vec<usize> = info.sequences[0]
