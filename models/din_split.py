@@ -7,7 +7,6 @@ FBGEMM does, bags pooled, each unit's positions laid out once, units as
 Narsil numbers them (a batch's rows first, then its request blocks)."""
 
 import argparse
-import hashlib
 import json
 import shutil
 import time
@@ -21,7 +20,7 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddi
 
 from din_model import CANDIDATE, HISTORY, Din, DinDenseNetwork, sequence_json
 from din_requests import cut_history, features, sample_major
-from split_model import SPLIT_FORMAT, isa_cpu_flags, load_unlinked_package, named_int8_tables
+from split_model import SPLIT_FORMAT, isa_cpu_flags, load_unlinked_package, named_int8_tables, write_int8_table
 
 # Scores of the split form against the reference (FP32).
 BOUND = 1e-6
@@ -124,13 +123,7 @@ def write_split(out: Path, quantized: Din, args: argparse.Namespace, keys: List[
     for collection in (ec, ebc):
         configs = collection.embedding_configs() if collection is ec else collection.embedding_bag_configs()
         for config in configs:
-            fused = tables[config.name]
-            data = fused.numpy().tobytes()
-            file = f"tables/{config.name}.bin"
-            (out / file).write_bytes(data)
-            described.append({"name": config.name, "rows": fused.shape[0], "dim": config.embedding_dim,
-                              "storage": "int8_rowwise", "row_bytes": fused.shape[1], "file": file,
-                              "sha256": hashlib.sha256(data).hexdigest()})
+            described.append(write_int8_table(out, config.name, tables[config.name], config.embedding_dim))
             feature_table.update({f: config.name for f in config.feature_names})
     features_json = [{"name": f, "table": feature_table[f], "pooling": "none" if f in HISTORY else "sum",
                       "weighted": False} for f in keys]

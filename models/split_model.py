@@ -533,6 +533,16 @@ class WireOrderPooled(nn.Module):
         return self.inner(dense, pooled)
 
 
+
+def write_int8_table(out: Path, name: str, fused: torch.Tensor, dim: int) -> dict:
+    """Writes a table's FBGEMM INT8 row-wise rows (`fused`, `[rows,
+    row_bytes]` uint8) to `out/tables/NAME.bin`; its schema.json entry."""
+    data = fused.numpy().tobytes()
+    file = f"tables/{name}.bin"
+    (out / file).write_bytes(data)
+    return {"name": name, "rows": fused.shape[0], "dim": dim, "storage": "int8_rowwise",
+            "row_bytes": fused.shape[1], "file": file, "sha256": hashlib.sha256(data).hexdigest()}
+
 def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Module, wire_features: List[str],
                          name: str, version: str, num_dense: int, outputs: List[str], golden: list,
                          pooled_of, log, pt2: bool = False) -> None:
@@ -552,13 +562,7 @@ def write_torchrec_split(out: Path, ebcs: List[nn.Module], dense_network: nn.Mod
         if ebc.is_weighted():
             weighted.update(f for c in ebc.embedding_bag_configs() for f in c.feature_names)
         for config in ebc.embedding_bag_configs():
-            fused = rows[config.name]
-            data = fused.numpy().tobytes()
-            file = f"tables/{config.name}.bin"
-            (out / file).write_bytes(data)
-            described.append({"name": config.name, "rows": fused.shape[0], "dim": config.embedding_dim,
-                              "storage": "int8_rowwise", "row_bytes": fused.shape[1], "file": file,
-                              "sha256": hashlib.sha256(data).hexdigest()})
+            described.append(write_int8_table(out, config.name, rows[config.name], config.embedding_dim))
             for feature in config.feature_names:
                 features[feature] = {"name": feature, "table": config.name,
                                      "pooling": config.pooling.value.lower(), "weighted": ebc.is_weighted()}
