@@ -3,7 +3,8 @@
 //! forward and score alike, ranking requests in KServe's grouped form
 //! (`request_*` inputs) score as the same requests sent flat, and a stock
 //! `tritonclient` (Python, project venv) works against the real binary
-//! unchanged, flat and grouped.
+//! unchanged, flat and grouped; a sequence model's history travels once in
+//! the request-level inputs.
 #![cfg(feature = "torch")]
 
 mod common;
@@ -328,5 +329,26 @@ async fn bad_request_level_inputs_get_invalid_argument_naming_them() {
         "{}",
         status.message()
     );
+    server.stop().await.unwrap();
+}
+
+/// A sequence model (the DIN ranker `models/export_din.py` exports): the
+/// user's history sent once in KServe's request-level inputs (its two
+/// channels' lengths in `request_lengths`, their ids in `request_ids`),
+/// the candidates' own bags per row, scores as TorchRec's eager forward.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_models_history_sent_once_as_request_inputs_scores_as_torchrec() {
+    let din = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-din");
+    let factory = Arc::new(SplitFactory::load(TorchConfig::new(din.join("split"))).unwrap());
+    let server = start_with(factory, batch_mode(1, 16)).await.ready().await;
+    let mut kserve = GrpcInferenceServiceClient::new(server.channel().await);
+    let declared = ["user_0", "user_1", "user_2", "hist_item", "hist_cat", "dense"].map(String::from);
+    let goldens = common::ranking::golden_ranking_declaring(&din, &declared);
+    assert!(goldens.len() >= 4);
+    for (i, golden) in goldens.into_iter().enumerate() {
+        // 8 dense features (request-level), 7 sparse (2 per candidate row).
+        let response = kserve.model_infer(encode(&golden.grouped, 8, 7)).await.unwrap().into_inner();
+        assert_close(&first_scores(&response).unwrap(), &golden.scores_int8, &format!("ranking request {i}"));
+    }
     server.stop().await.unwrap();
 }

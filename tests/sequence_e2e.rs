@@ -193,21 +193,7 @@ async fn scores_as_torchrec_and_grouped_as_flat(factory: Arc<dyn BackendFactory>
         flat_scores.push(want);
     }
     // Fused: grouped and flat at once, with other users'.
-    let channel = server.channel().await;
-    let mut fused = false;
-    for round in 0..3 {
-        let calls = requests.iter().flat_map(|(g, f)| [g.clone(), f.clone(), g.clone()]).map(|request| {
-            let mut client = proto::predictor_client::PredictorClient::new(channel.clone());
-            tokio::spawn(async move { client.predict(request).await.unwrap().into_inner() })
-        });
-        let responses: Vec<_> =
-            futures_util::future::join_all(calls).await.into_iter().map(Result::unwrap).collect();
-        for (i, response) in responses.iter().enumerate() {
-            assert_close(&response.scores, &flat_scores[i / 3], &format!("{what}: round {round} call {i}"));
-        }
-        fused |= responses.iter().any(|r| r.fused_requests > 1);
-    }
-    assert!(fused, "{what}: some requests shared a forward");
+    common::ranking::fused_as_flat(&server, &requests, &flat_scores, what).await;
     server
 }
 

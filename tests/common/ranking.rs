@@ -2,7 +2,36 @@
 //! candidates to the test model (13 dense features, 26 sparse features),
 //! the user's features request-level (cat_0..cat_12 and the dense ones).
 
-use narsil::proto::{PredictRequest, RequestFeatures};
+use narsil::proto::{self, PredictRequest, RequestFeatures};
+
+use super::{assert_close, TestServer};
+
+/// Three rounds of every (grouped, flat) pair of `requests` sent at once
+/// (grouped, flat, grouped again), each answer within the tolerance of its
+/// flat twin's `flat_scores`; asserts that some requests shared a forward.
+#[allow(dead_code)]
+pub async fn fused_as_flat(
+    server: &TestServer,
+    requests: &[(PredictRequest, PredictRequest)],
+    flat_scores: &[Vec<f32>],
+    what: &str,
+) {
+    let channel = server.channel().await;
+    let mut fused = false;
+    for round in 0..3 {
+        let calls = requests.iter().flat_map(|(g, f)| [g.clone(), f.clone(), g.clone()]).map(|request| {
+            let mut client = proto::predictor_client::PredictorClient::new(channel.clone());
+            tokio::spawn(async move { client.predict(request).await.unwrap().into_inner() })
+        });
+        let responses: Vec<_> =
+            futures_util::future::join_all(calls).await.into_iter().map(Result::unwrap).collect();
+        for (i, response) in responses.iter().enumerate() {
+            assert_close(&response.scores, &flat_scores[i / 3], &format!("{what}: round {round} call {i}"));
+        }
+        fused |= responses.iter().any(|r| r.fused_requests > 1);
+    }
+    assert!(fused, "{what}: some requests shared a forward");
+}
 
 /// The request-level features of the goals' workload, as `--request-level`
 /// names them.

@@ -56,6 +56,5 @@ pub use id_push::{IdMapTable, IdPush, IdsPushed, PushMode, INDEX_BYTES_PER_ID};
 pub use request::{InputField, InvalidInput, RequestSamples, SparseLayout};
 pub use request_blocks::RequestBlocks;
 pub use request_level::RequestBlock;
-pub use schema::{ModelSchema, RequestLevel, SparseFeature};
-pub use sequence::{KeepEnd, SequenceFeature};
+pub use schema::{KeepEnd, ModelSchema, RequestLevel, SequenceFeature, SparseFeature};
 pub use staged::StagedBatch;

@@ -14,6 +14,7 @@ use serde::Deserialize;
 
 use crate::invalid::{InputField, InvalidInput};
 use crate::schema::ModelSchema;
+pub use crate::schema::{KeepEnd, SequenceFeature};
 
 /// A sequence as `schema.json`, `model.json` and `narsil_schema()` declare
 /// it: `{"name": "history", "features": ["hist_item", "hist_cat"],
@@ -51,54 +52,6 @@ pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<Se
         )?);
     }
     Ok(sequences)
-}
-
-/// Which end of a longer sequence is kept.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KeepEnd {
-    /// The last `max_len` positions (the most recent: ids are sent oldest
-    /// first).
-    #[default]
-    Last,
-    /// The first `max_len` positions.
-    First,
-}
-
-impl KeepEnd {
-    /// The name schemas use (`last`, `first`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Last => "last",
-            Self::First => "first",
-        }
-    }
-
-    /// The end named `name`.
-    pub fn parse(name: &str) -> Result<Self, String> {
-        match name {
-            "last" => Ok(Self::Last),
-            "first" => Ok(Self::First),
-            other => Err(format!("keep {other:?}: expected \"last\" or \"first\"")),
-        }
-    }
-}
-
-/// One declared sequence.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SequenceFeature {
-    /// Its name (the dense network's inputs follow the declaration order).
-    pub name: String,
-    /// Schema indices of its channels (sparse features), in the order
-    /// their embeddings are concatenated per position.
-    pub features: Vec<usize>,
-    /// Positions kept at most.
-    pub max_len: usize,
-    /// Which end of a longer sequence is kept.
-    pub keep: KeepEnd,
-    /// FP32 values per position the serving stage writes for the dense
-    /// network (its channels' dims), what a position costs in memory; 0
-    /// where the model looks its sequences up itself (a single-file model).
-    pub width: usize,
 }
 
 impl SequenceFeature {

@@ -44,7 +44,11 @@
 //!   `narsil_request_level_rows_broadcast_total` (no `table` label): the
 //!   request-level bags of ranking requests pooled (once per distinct
 //!   block of a fused batch and feature), and the candidate rows they were
-//!   broadcast to: rows over bags is what sending them once saved.
+//!   broadcast to: rows over bags is what sending them once saved;
+//! * `narsil_sequence_positions_total`, `narsil_sequence_rows_total` (no
+//!   `table` label): sequence positions looked up (each unit's once) and the
+//!   rows that attended to them: rows times a unit's positions over the
+//!   positions is what looking a history up once per request saved.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -129,6 +133,8 @@ pub struct StageMetrics {
     remote_fetch_seconds: Histogram,
     request_level_bags: Counter,
     request_level_rows: Counter,
+    sequence_positions: Counter,
+    sequence_rows: Counter,
 }
 
 impl Default for StageMetrics {
@@ -153,6 +159,8 @@ impl Default for StageMetrics {
             remote_fetch_seconds: fetch_buckets(),
             request_level_bags: Counter::default(),
             request_level_rows: Counter::default(),
+            sequence_positions: Counter::default(),
+            sequence_rows: Counter::default(),
         }
     }
 }
@@ -200,6 +208,18 @@ impl StageMetrics {
         self.request_level_rows.inc_by(rows as u64);
     }
 
+    /// Counts a batch's sequence positions looked up and the rows that
+    /// attend to them.
+    pub fn count_sequences(&self, positions: usize, rows: usize) {
+        self.sequence_positions.inc_by(positions as u64);
+        self.sequence_rows.inc_by(rows as u64);
+    }
+
+    /// Sequence positions looked up and rows that attended to them, so far.
+    pub fn sequence_counts(&self) -> (u64, u64) {
+        (self.sequence_positions.get(), self.sequence_rows.get())
+    }
+
     /// Request-level bags pooled and rows broadcast, so far.
     pub fn request_level_counts(&self) -> (u64, u64) {
         (self.request_level_bags.get(), self.request_level_rows.get())
@@ -216,6 +236,16 @@ impl StageMetrics {
             "request_level_rows_broadcast",
             "Candidate rows that took request-level bags pooled once (rows / bags pooled x features = the saving)",
             self.request_level_rows.clone(),
+        );
+        registry.register(
+            "sequence_positions",
+            "Sequence positions looked up unpooled (each distinct history of a fused batch once)",
+            self.sequence_positions.clone(),
+        );
+        registry.register(
+            "sequence_rows",
+            "Rows (candidates) that attended to a looked-up sequence, one per row and sequence",
+            self.sequence_rows.clone(),
         );
         registry.register("table_ids", "Ids looked up in a table", self.ids.clone());
         registry.register(

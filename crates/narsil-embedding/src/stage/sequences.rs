@@ -86,6 +86,7 @@ impl EmbeddingStage {
             }
             values.values.clear();
             values.values.resize(at as usize * sequence.width, 0.0);
+            self.metrics.count_sequences(at as usize, batch.rows);
         }
     }
 }
@@ -204,6 +205,8 @@ mod tests {
             assert_eq!(grouped.row_unit, [7, 7, 7, 3, 8, 7, 7]);
             assert_eq!(grouped.offsets, [0, 0, 0, 0, 2, 2, 2, 2, 6, 6]);
             assert_eq!(grouped.positions(), 4 + 2, "the user's history once, not per candidate");
+            // Flat: 22 positions for 7 rows; grouped: 6 for 7 rows.
+            assert_eq!(stage.metrics().sequence_counts(), (22 + 6, 14));
             let unit = |s: &super::SequenceValues, r: usize| {
                 let u = s.row_unit[r] as usize;
                 s.values[s.offsets[u] as usize * 16..s.offsets[u + 1] as usize * 16].to_vec()
