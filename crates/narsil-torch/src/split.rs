@@ -75,7 +75,6 @@ impl SplitFactory {
         }
         let device_path = device != Device::Cpu || config.device_path_on_cpu;
         let split = SplitSchema::read(&dir).map_err(|e| load_error(&dir, e))?;
-
         let buckets = match (&config.graph_buckets, device) {
             (Some(buckets), _) => buckets.clone(),
             // The device path on the CPU pads to the buckets the environment
