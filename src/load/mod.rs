@@ -32,6 +32,7 @@
 //! `ids`), the accounting and the report (`report`), and TLS (`tls`).
 
 mod args;
+mod bag_length;
 mod client;
 pub mod ids;
 mod phase;

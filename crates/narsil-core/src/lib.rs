@@ -8,6 +8,8 @@
 //!   [`request_level`]: a ranking request's request-level block (one user,
 //!   many candidates); [`request_blocks`]: those blocks in a fused batch;
 //!   [`flat_batch`]: the rows each block goes to, and the flat batch;
+//!   `request_sequences`: a request's sequences checked, cut and weighed;
+//!   `request_reorder`: a request's bags made key-major;
 //!   [`invalid`]: why a request is refused; [`ids`]: how an id becomes a
 //!   row (the range check, the modulo conventions); [`sequence`]: sequence
 //!   features (a user's history, one embedding per position), their
@@ -45,6 +47,8 @@ pub mod model_config;
 pub mod request;
 pub mod request_blocks;
 pub mod request_level;
+mod request_reorder;
+mod request_sequences;
 pub mod schema;
 pub mod sequence;
 pub mod skip;

@@ -12,7 +12,6 @@ use crate::invalid::{ids_match_lengths, widen_weights};
 pub use crate::invalid::{IdPolicy, InputField, InvalidInput, RequestLimits};
 use crate::request_level::{widen_row_lengths, RequestBlock};
 use crate::schema::ModelSchema;
-use crate::sequence::{fit_sequences, BagLayout, SequenceFeature};
 
 /// What validation changed in a request that it still serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -96,71 +95,27 @@ impl RequestSamples {
     }
 }
 
-impl RequestSamples {
-    /// Its rows plus the sequence positions it looks up (once per position,
-    /// whatever its channels): those on its rows
-    /// and those in its request block (once, whatever its rows). Equal to
-    /// its rows for a model without sequence features; what a batch's
-    /// token budget counts. Lengths as validated (explicit).
-    pub fn tokens(&self, schema: &ModelSchema) -> usize {
-        let mut tokens = self.num_samples;
-        if schema.sequences.is_empty() {
-            return tokens;
-        }
-        let (b, num_sparse) = (self.num_samples, schema.num_sparse());
-        for bag in 0..self.lengths.len() {
-            let f = self.layout.bag_position(bag, b, num_sparse).1;
-            if schema.first_channel_of(f).is_some() {
-                tokens += self.lengths[bag] as usize;
-            }
-        }
-        if let Some(block) = &self.request {
-            for (k, &f) in block.features.iter().enumerate() {
-                if schema.first_channel_of(f).is_some() {
-                    tokens += block.lengths.get(k).copied().unwrap_or(0) as usize;
-                }
-            }
-        }
-        tokens
-    }
-
-    /// Memory the sequence values of its rows take once looked up (each
-    /// position's FP32 values, [`crate::SequenceFeature::width`]), and
-    /// those of its request block (looked up once per request).
-    pub fn sequence_value_bytes(&self, schema: &ModelSchema) -> (usize, usize) {
-        if schema.sequences.iter().all(|s| s.width == 0) {
-            return (0, 0);
-        }
-        // A position's values (every channel's), counted on its first channel.
-        let width = |f: usize| schema.first_channel_of(f).map_or(0, |s| s.width * std::mem::size_of::<f32>());
-        let (b, num_sparse) = (self.num_samples, schema.num_sparse());
-        let rows = (0..self.lengths.len())
-            .map(|bag| self.lengths[bag] as usize * width(self.layout.bag_position(bag, b, num_sparse).1))
-            .fold(0usize, usize::saturating_add);
-        let block = self.request.as_ref().map_or(0, |block| {
-            let lengths = block.features.iter().zip(&block.lengths);
-            lengths.map(|(&f, &len)| len as usize * width(f)).fold(0usize, usize::saturating_add)
-        });
-        (rows, block)
-    }
-}
-
-/// `values`, a `[rows x cols]` matrix (row-major), as `[cols x rows]`.
-fn transpose<T: Copy>(values: &[T], rows: usize, cols: usize) -> Vec<T> {
-    debug_assert_eq!(values.len(), rows * cols);
-    let mut out = Vec::with_capacity(values.len());
-    for c in 0..cols {
-        out.extend((0..rows).map(|r| values[r * cols + c]));
-    }
-    out
-}
-
 impl SparseLayout {
     /// (sample, feature) of bag number `bag` in this layout.
-    fn bag_position(self, bag: usize, batch_size: usize, num_sparse: usize) -> (usize, usize) {
+    pub(crate) fn bag_position(self, bag: usize, batch_size: usize, num_sparse: usize) -> (usize, usize) {
         match self {
             Self::SampleMajor => (bag / num_sparse, bag % num_sparse),
             Self::KeyMajor => (bag % batch_size, bag / batch_size),
+        }
+    }
+
+    /// The number of (sample, feature)'s bag in this layout: the inverse of
+    /// [`Self::bag_position`].
+    pub(crate) fn bag_index(
+        self,
+        sample: usize,
+        feature: usize,
+        batch_size: usize,
+        num_sparse: usize,
+    ) -> usize {
+        match self {
+            Self::SampleMajor => sample * num_sparse + feature,
+            Self::KeyMajor => feature * batch_size + sample,
         }
     }
 }
@@ -234,25 +189,6 @@ impl RequestSamples {
         Ok(validated)
     }
 
-    /// Checks the rows' sequences' alignment and cuts those longer than
-    /// their maximum; returns the positions dropped.
-    fn fit_sequences(&mut self, schema: &ModelSchema) -> Result<usize, InvalidInput> {
-        if schema.sequences.is_empty() {
-            return Ok(0);
-        }
-        let (b, num_sparse, layout) = (self.num_samples, schema.num_sparse(), self.layout);
-        let sequences: Vec<&SequenceFeature> = schema.sequences.iter().collect();
-        let bag = move |sample: usize, f: usize| match layout {
-            SparseLayout::SampleMajor => sample * num_sparse + f,
-            SparseLayout::KeyMajor => f * b + sample,
-        };
-        let feature = move |bag: usize| layout.bag_position(bag, b, num_sparse).1;
-        let place = |sample: usize| format!("sample {sample}");
-        let bags =
-            BagLayout { samples: b, bag: &bag, feature: &feature, field: InputField::Lengths, place: &place };
-        fit_sequences(&sequences, schema, &mut self.lengths, &mut self.ids, &bags)
-    }
-
     /// Checks the weights sent (count, finite) and widens them to one per
     /// id, in `ids` order.
     fn widen_weights(&mut self, schema: &ModelSchema) -> Result<(), InvalidInput> {
@@ -276,77 +212,6 @@ impl RequestSamples {
             InputField::Weights,
             "the weighted features'",
         )
-    }
-
-    /// The request in key-major layout (every bag of feature 0 for all
-    /// samples, then feature 1, as a fused batch lays them out), for a
-    /// request whose lengths are explicit (validated). A key-major request
-    /// is returned as it is, without a copy; a sample-major one is
-    /// reordered into new buffers and freed.
-    ///
-    /// The engine calls this on the caller's thread before a request is
-    /// queued, so the per-sample reorder runs on every core at once and
-    /// never under the queue's lock; fusing key-major requests
-    /// ([`crate::batch::fuse`]) then only copies runs.
-    pub fn into_key_major(self, num_sparse: usize) -> RequestSamples {
-        if self.layout == SparseLayout::KeyMajor {
-            return self;
-        }
-        self.to_key_major(num_sparse)
-    }
-
-    /// [`RequestSamples::into_key_major`] of a copy, leaving `self` as it is.
-    pub fn to_key_major(&self, num_sparse: usize) -> RequestSamples {
-        let b = self.num_samples;
-        let mut reordered = RequestSamples {
-            num_samples: b,
-            dense: self.dense.clone(),
-            layout: SparseLayout::KeyMajor,
-            request: self.request.clone(),
-            ..Default::default()
-        };
-        if self.layout == SparseLayout::KeyMajor || num_sparse == 0 || b == 0 {
-            reordered.lengths.clone_from(&self.lengths);
-            reordered.ids.clone_from(&self.ids);
-            reordered.weights.clone_from(&self.weights);
-            return reordered;
-        }
-        debug_assert_eq!(self.lengths.len(), b * num_sparse, "lengths are explicit once validated");
-        reordered.lengths = transpose(&self.lengths, b, num_sparse);
-        if self.is_one_id_per_bag() {
-            // `ids` (and one weight per id) is a [B x num_sparse] matrix.
-            reordered.ids = transpose(&self.ids, b, num_sparse);
-            if !self.weights.is_empty() {
-                reordered.weights = transpose(&self.weights, b, num_sparse);
-            }
-            return reordered;
-        }
-        // Where each feature's run starts, then every bag copied to the
-        // end of its feature's run, sample by sample.
-        let mut at = Vec::with_capacity(num_sparse);
-        let mut total = 0usize;
-        for feature_lengths in reordered.lengths.chunks_exact(b) {
-            at.push(total);
-            total += feature_lengths.iter().map(|&l| l as usize).sum::<usize>();
-        }
-        let weighted = !self.weights.is_empty();
-        reordered.ids = vec![0; total];
-        if weighted {
-            reordered.weights = vec![0.0; total];
-        }
-        let mut read = 0usize;
-        for sample_lengths in self.lengths.chunks_exact(num_sparse) {
-            for (at, &len) in at.iter_mut().zip(sample_lengths) {
-                let (from, to) = (read..read + len as usize, *at..*at + len as usize);
-                reordered.ids[to.clone()].copy_from_slice(&self.ids[from.clone()]);
-                if weighted {
-                    reordered.weights[to].copy_from_slice(&self.weights[from]);
-                }
-                read += len as usize;
-                *at += len as usize;
-            }
-        }
-        reordered
     }
 
     /// Cuts a validated batch into consecutive parts of at most `max_rows`

@@ -44,6 +44,7 @@ pub mod model;
 pub mod precision;
 pub mod script_module;
 pub mod split;
+mod split_inputs;
 pub mod split_model;
 pub mod tensor_stage;
 

@@ -329,11 +329,13 @@ impl SplitSchema {
 
     /// Values per position of sequence `s` (its channels' dims, summed).
     pub fn sequence_width(&self, s: usize) -> usize {
-        let dim = |name: &String| {
-            let feature = self.features.iter().find(|f| &f.name == name);
-            feature.and_then(|f| self.table(&f.table)).map_or(0, |t| t.dim)
-        };
-        self.sequences[s].features.iter().map(dim).sum()
+        let index = |name: &String| self.features.iter().position(|f| &f.name == name);
+        self.sequences[s].features.iter().filter_map(index).map(|f| self.feature_dim(f)).sum()
+    }
+
+    /// Values in a row of feature `f`'s table (0 for a table not listed).
+    pub fn feature_dim(&self, f: usize) -> usize {
+        self.table(&self.features[f].table).map_or(0, |t| t.dim)
     }
 }
 

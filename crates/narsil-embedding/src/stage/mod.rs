@@ -203,10 +203,7 @@ impl EmbeddingStage {
             .map(|(f, spec)| {
                 let channel = model.sequences.iter().enumerate().find_map(|(s, sequence)| {
                     let c = sequence.features.iter().position(|&g| g == f)?;
-                    let column = sequence.features[..c]
-                        .iter()
-                        .map(|&g| schema.table(&schema.features[g].table).map_or(0, |t| t.dim))
-                        .sum();
+                    let column = sequence.features[..c].iter().map(|&g| schema.feature_dim(g)).sum();
                     Some(Channel { sequence: s, column })
                 });
                 let column = channel.is_none().then(|| {
@@ -225,10 +222,9 @@ impl EmbeddingStage {
         let sequences = model
             .sequences
             .iter()
-            .enumerate()
-            .map(|(s, sequence)| StageSequence {
+            .map(|sequence| StageSequence {
                 first: sequence.features[0],
-                width: schema.sequence_width(s),
+                width: sequence.width,
                 request_level: sequence.is_request_level(&model),
             })
             .collect();
