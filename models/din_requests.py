@@ -76,11 +76,11 @@ def cut_history(channels: List[torch.Tensor], max_len: int) -> Tuple[List[torch.
     return [channel[dropped:] for channel in channels], dropped
 
 
-def cut(bags: List[torch.Tensor], max_len: int) -> Tuple[List[torch.Tensor], int]:
-    """A sample's bags (wire order: the history last) as Narsil serves
-    them; and how many positions were cut."""
-    history, dropped = cut_history(bags[len(bags) - len(HISTORY):], max_len)
-    return bags[:len(bags) - len(HISTORY)] + history, dropped
+def cut(bags: List[torch.Tensor], max_len: int, channels: int = len(HISTORY)) -> Tuple[List[torch.Tensor], int]:
+    """A sample's bags (wire order: the history's `channels` last) as
+    Narsil serves them; and how many positions were cut."""
+    history, dropped = cut_history(bags[len(bags) - channels:], max_len)
+    return bags[:len(bags) - channels] + history, dropped
 
 
 GOLDEN_KINDS = [

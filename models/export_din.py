@@ -58,10 +58,10 @@ from torchrec.inference.modules import quantize_inference_model
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
-from din_model import CANDIDATE, HISTORY, Din, DinPredictor, build, sequence_json
+from din_model import CANDIDATE, HISTORY, Din, DinDenseNetwork, DinPredictor, build, sequence_json
 from din_requests import (Draw, cut, features, golden_requests, ranking_json, ranking_requests, request_json,
                           sample_major, tiled)
-from din_split import write_split
+from sequence_split import din_layout, write_split
 from export_dlrm import WithSchema, int_list
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
@@ -199,8 +199,10 @@ def main() -> int:
     summary = {"model_pt_max_diff": single_worst}
     if args.split:
         log("writing the split form and checking it through an emulation of Narsil's stage")
-        worst = write_split(out / "split", quantized, args, keys, user, request_level, flat_scored, ranking_scored,
-                            log)
+        network = DinDenseNetwork(quantized, len(user), args.embedding_dim,
+                                  factored=args.dense_attention == "factored").eval()
+        worst = write_split(out / "split", quantized, network, din_layout(args.max_len), args, keys, user,
+                            request_level, flat_scored, ranking_scored, log)
         (out / "split" / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
         (out / "split" / "golden_ranking.json").write_text(json.dumps(ranking_file))
         log("split dense.pt's scores against the eager quantized forward's: "

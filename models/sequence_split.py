@@ -1,31 +1,44 @@
-"""The DIN export's split form (models/export_din.py --split): its INT8
-tables, `schema.json` with the history as a sequence, `dense.pt`
-(din_model.DinDenseNetwork) and, with --pt2, `dense.pt2`, checked against
-TorchRec's eager quantized forward through an emulation of Narsil's
-embedding stage (`Stage`): rows dequantized from the table files' bytes as
-FBGEMM does, bags pooled, each unit's positions laid out once, units as
-Narsil numbers them (a batch's rows first, then its request blocks)."""
+"""The split form of a ranker with one behaviour sequence (models/export_din.py
+and models/export_hstu.py --split): its INT8 tables, `schema.json` with the
+history as a sequence, `dense.pt` (the model's dense network, scripted) and,
+with --pt2, `dense.pt2`, checked against TorchRec's eager quantized forward
+through an emulation of Narsil's embedding stage (`Stage`): rows
+dequantized from the table files' bytes as FBGEMM does, bags pooled, each
+unit's positions laid out once, units as Narsil numbers them (a batch's rows
+first, then its request blocks). A model's `Layout` names its history's
+channels and its candidate's features."""
 
 import argparse
 import json
 import shutil
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import numpy as np
 import torch
 from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
-from din_model import CANDIDATE, HISTORY, Din, DinDenseNetwork, sequence_json
+import din_model
 from din_requests import cut_history, features, sample_major
 from split_model import SPLIT_FORMAT, isa_cpu_flags, load_unlinked_package, named_int8_tables, write_int8_table
 
-# Scores of the split form against the reference (FP32).
-BOUND = 1e-6
-# dense.pt with bf16 weights and inputs against the reference (FP32).
-BF16_BOUND = 1e-2
+class Layout(NamedTuple):
+    """A sequence model's features: the history's channels (aligned, in
+    the order a position's rows are concatenated, the last features in
+    wire order), the candidate's pooled features, the schema's
+    `sequences` entry, and the split form's bounds against the reference
+    (FP32): the dense network in FP32 and in bf16."""
+    history: List[str]
+    candidate: List[str]
+    sequence: dict
+    bound: float = 1e-6
+    bf16_bound: float = 1e-2
+
+
+def din_layout(max_len: int) -> Layout:
+    return Layout(din_model.HISTORY, din_model.CANDIDATE, din_model.sequence_json(max_len))
 
 
 class Stage:
@@ -36,11 +49,12 @@ class Stage:
     history's positions laid out unit after unit."""
 
     def __init__(self, tables: Dict[str, torch.Tensor], feature_table: Dict[str, str], dim: int,
-                 user: List[str]) -> None:
+                 user: List[str], layout: Layout) -> None:
         self.rows = {name: fused.numpy() for name, fused in tables.items()}
         self.feature_table = feature_table
         self.dim = dim
-        self.pooled = user + CANDIDATE
+        self.layout = layout
+        self.pooled = user + layout.candidate
 
     def parts(self, table: str, ids: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
         raw = self.rows[table][ids]
@@ -75,45 +89,49 @@ class Stage:
         for row in rows:
             pooled.append(np.concatenate([self.pool(self.feature_table[f], row["bags"][f].numpy())
                                           for f in self.pooled]))
-            units.append(row.get("history", [torch.zeros(0, dtype=torch.int64)] * 2))
+            units.append(row.get("history", [torch.zeros(0, dtype=torch.int64)] * len(self.layout.history)))
         units += [block["history"] for block in blocks]
         values = [np.concatenate([self.rows_of(self.feature_table[f], channel.numpy())
-                                  for f, channel in zip(HISTORY, unit)], axis=1) for unit in units]
+                                  for f, channel in zip(self.layout.history, unit)], axis=1) for unit in units]
         lengths = [len(unit[0]) for unit in units]
-        values = np.concatenate(values) if values else np.zeros((0, 2 * self.dim), dtype=np.float32)
+        width = len(self.layout.history) * self.dim
+        values = np.concatenate(values) if values else np.zeros((0, width), dtype=np.float32)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         row_unit = np.array([r if row.get("block") is None else len(rows) + row["block"]
                              for r, row in enumerate(rows)], dtype=np.int64)
         dense = torch.stack([row["dense"] for row in rows])
-        return (dense, torch.from_numpy(np.stack(pooled)), torch.from_numpy(values.reshape(-1, 2 * self.dim)),
+        return (dense, torch.from_numpy(np.stack(pooled)), torch.from_numpy(values.reshape(-1, width)),
                 torch.from_numpy(offsets), torch.from_numpy(row_unit))
 
 
-def flat_rows(samples: List[dict], keys: List[str]) -> List[dict]:
+def flat_rows(samples: List[dict], keys: List[str], layout: Layout) -> List[dict]:
     """Flat samples as stage rows: each row its own unit."""
     return [{"dense": s["dense"], "bags": dict(zip(keys, s["bags"])),
-             "history": s["bags"][len(keys) - len(HISTORY):]} for s in samples]
+             "history": s["bags"][len(keys) - len(layout.history):]} for s in samples]
 
 
-def grouped_rows(request: dict, block: int, keys: List[str], max_len: int) -> Tuple[List[dict], dict]:
+def grouped_rows(request: dict, block: int, keys: List[str], max_len: int,
+                 layout: Layout) -> Tuple[List[dict], dict]:
     """A ranking request as stage rows of one block: the user's pooled bags
     pooled once (here: per row, the same bytes), the history cut as served."""
     history, _ = cut_history(request["history"], max_len)
     user = dict(zip(keys, request["user"]))
-    rows = [{"dense": request["dense"], "bags": {**user, **dict(zip(CANDIDATE, c))}, "block": block}
+    rows = [{"dense": request["dense"], "bags": {**user, **dict(zip(layout.candidate, c))}, "block": block}
             for c in request["candidates"]]
     return rows, {"history": history}
 
 
-def write_split(out: Path, quantized: Din, args: argparse.Namespace, keys: List[str], user: List[str],
-                request_level: List[str], flat: List[Tuple[List[dict], torch.Tensor]],
-                ranking: List[Tuple[dict, torch.Tensor]], log) -> Dict[str, float]:
+def write_split(out: Path, quantized: torch.nn.Module, network: torch.nn.Module, layout: Layout,
+                args: argparse.Namespace, keys: List[str], user: List[str], request_level: List[str],
+                flat: List[Tuple[List[dict], torch.Tensor]], ranking: List[Tuple[dict, torch.Tensor]],
+                log) -> Dict[str, float]:
     """Writes the split form into `out` and checks it, through the
     emulated stage, against the reference's scores of `flat` (served
     samples and scores) and `ranking` (requests and scores): each flat
     request alone (every row its own unit), each ranking request alone (one
-    unit for its rows), and all of them fused into one batch. Returns the
-    largest differences."""
+    unit for its rows), and all of them fused into one batch, through
+    `network` (the dense network, in eval mode). Returns the largest
+    differences."""
     shutil.rmtree(out, ignore_errors=True)
     (out / "tables").mkdir(parents=True)
     ec, ebc = quantized.sequence_collection, quantized.pooled_collection
@@ -125,23 +143,21 @@ def write_split(out: Path, quantized: Din, args: argparse.Namespace, keys: List[
         for config in configs:
             described.append(write_int8_table(out, config.name, tables[config.name], config.embedding_dim))
             feature_table.update({f: config.name for f in config.feature_names})
-    features_json = [{"name": f, "table": feature_table[f], "pooling": "none" if f in HISTORY else "sum",
+    features_json = [{"name": f, "table": feature_table[f], "pooling": "none" if f in layout.history else "sum",
                       "weighted": False} for f in keys]
-    network = DinDenseNetwork(quantized, len(user), args.embedding_dim,
-                              factored=args.dense_attention == "factored").eval()
     scripted = torch.jit.script(network)
     scripted.save(str(out / "dense.pt"))
     schema = {
         "format": SPLIT_FORMAT, "name": args.name, "version": args.version, "num_dense": args.num_dense,
         "tables": described, "features": features_json, "outputs": ["default"], "dense_network": "dense.pt",
         "request_level": request_level,
-        "sequences": [sequence_json(args.max_len)],
+        "sequences": [layout.sequence],
     }
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     log(f"wrote {len(described)} INT8 tables ({sum(t['rows'] * t['row_bytes'] for t in described) / 2**20:.2f} "
         f"MiB), dense.pt and schema.json into {out}")
 
-    stage = Stage(tables, feature_table, args.embedding_dim, user)
+    stage = Stage(tables, feature_table, args.embedding_dim, user, layout)
     loaded = torch.jit.load(str(out / "dense.pt"))
     # As Narsil serves it with --dense-precision bf16: weights cast, float inputs bf16.
     bf16 = torch.jit.load(str(out / "dense.pt")).to(torch.bfloat16)
@@ -154,33 +170,33 @@ def write_split(out: Path, quantized: Din, args: argparse.Namespace, keys: List[
             scores = loaded(*inputs)
             bf16_scores = bf16(*(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs))
         diff = (scores - expected).abs().max().item()
-        if not diff <= BOUND:
+        if not diff <= layout.bound:
             raise SystemExit(f"split export check failed ({kind} batch of {len(rows)} rows, {len(blocks)} blocks): "
                              f"dense.pt's scores differ from TorchRec's eager quantized forward's by {diff}")
         bf16_diff = (bf16_scores.float() - expected).abs().max().item()
-        if not bf16_diff <= BF16_BOUND:
+        if not bf16_diff <= layout.bf16_bound:
             raise SystemExit(f"split export check failed ({kind} batch): dense.pt in bf16 differs from TorchRec's "
-                             f"eager quantized forward (FP32) by {bf16_diff}, over {BF16_BOUND}")
+                             f"eager quantized forward (FP32) by {bf16_diff}, over {layout.bf16_bound}")
         worst[kind] = max(worst[kind], diff)
         worst["bf16"] = max(worst["bf16"], bf16_diff)
         checked.append(inputs)
 
     for samples, expected in flat:
-        check("flat", flat_rows(samples, keys), [], expected)
+        check("flat", flat_rows(samples, keys, layout), [], expected)
     fused_rows, fused_blocks, fused_expected = [], [], []
     for request, expected in ranking:
-        rows, block = grouped_rows(request, 0, keys, args.max_len)
+        rows, block = grouped_rows(request, 0, keys, args.max_len, layout)
         check("grouped", rows, [block], expected)
-        rows, block = grouped_rows(request, len(fused_blocks), keys, args.max_len)
+        rows, block = grouped_rows(request, len(fused_blocks), keys, args.max_len, layout)
         fused_rows += rows
         fused_blocks.append(block)
         fused_expected.append(expected)
         # A flat request between the ranking requests.
         samples, expected = flat[len(fused_blocks) % len(flat)]
-        fused_rows += flat_rows(samples, keys)
+        fused_rows += flat_rows(samples, keys, layout)
         fused_expected.append(expected)
     check("fused", fused_rows, fused_blocks, torch.cat(fused_expected))
-    check_stage_rows(stage, ec, ebc, flat, keys, user, log)
+    check_stage_rows(stage, ec, ebc, flat, keys, user, layout, log)
     if args.pt2:
         package_file, worst["pt2 from dense.pt"] = write_dense_package(out, network, checked, args, log)
         schema["dense_package"] = package_file
@@ -188,7 +204,7 @@ def write_split(out: Path, quantized: Din, args: argparse.Namespace, keys: List[
     return worst
 
 
-def write_dense_package(out: Path, network: DinDenseNetwork, batches: List[tuple],
+def write_dense_package(out: Path, network: torch.nn.Module, batches: List[tuple],
                         args: argparse.Namespace, log) -> Tuple[str, float]:
     """`network` compiled ahead of time into `out/dense.pt2`: torch.export
     with dynamic rows R, positions P (0 included), units U (1 included) and
@@ -238,7 +254,7 @@ def write_dense_package(out: Path, network: DinDenseNetwork, batches: List[tuple
 
 def check_stage_rows(stage: Stage, ec: QuantEmbeddingCollection, ebc: QuantEmbeddingBagCollection,
                      flat: List[Tuple[List[dict], torch.Tensor]], keys: List[str], user: List[str],
-                     log) -> None:
+                     layout: Layout, log) -> None:
     """The emulated stage's rows and bags against TorchRec's quantized
     collections on every golden sample, bit for bit: the history's and the
     candidate's positions against `QuantEmbeddingCollection` (nobag), the
@@ -250,7 +266,7 @@ def check_stage_rows(stage: Stage, ec: QuantEmbeddingCollection, ebc: QuantEmbed
             *_, kjt = features(request, keys)
             nobag = ec(kjt)
             pooled = ebc(kjt).to_dict()
-            for f in HISTORY + CANDIDATE:
+            for f in layout.history + layout.candidate:
                 ids = torch.cat([s["bags"][keys.index(f)] for s in samples]).numpy()
                 mine = stage.rows_of(stage.feature_table[f], ids)
                 if not np.array_equal(mine.view(np.uint32), nobag[f].values().numpy().view(np.uint32)):
@@ -262,7 +278,7 @@ def check_stage_rows(stage: Stage, ec: QuantEmbeddingCollection, ebc: QuantEmbed
                     if not np.array_equal(mine.view(np.uint32), pooled[f][s].numpy().view(np.uint32)):
                         raise SystemExit(f"stage check failed: {f}'s bag pooled as fma(scale, q, acc + bias) "
                                          "differs from QuantEmbeddingBagCollection's")
-                for f in CANDIDATE:
+                for f in layout.candidate:
                     ids = sample["bags"][keys.index(f)].numpy()
                     if not np.array_equal(stage.pool(stage.feature_table[f], ids).view(np.uint32),
                                           stage.rows_of(stage.feature_table[f], ids)[0].view(np.uint32)):

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Exports an HSTU generative ranker (models/hstu_model.py), built from
+TorchRec modules with seeded random weights and quantized TorchRec's way
+(`quantize_inference_model`: INT8 row-wise `QuantEmbeddingCollection` for the
+item, action and age tables, `QuantEmbeddingBagCollection` for the user's
+contextual features). The model's eager forward over the quantized
+collections is the reference for every score written: flat samples each as
+its own sequence, ranking requests as one sequence with their candidates
+appended (as the model serves itself).
+
+Sparse features, in wire order: user_0..user_{U-1} (pooled contextual
+features), cand_item (the candidate: one id), hist_item, hist_action,
+hist_age (the sequence `history`, aligned channels, oldest first, at most
+--max-len positions, the last kept; hist_age is the action's age bucket,
+`floor(ln(max(seconds, 1)) / 0.301)`). Request-level: the user features and
+the history. No dense features.
+
+Writes into --out:
+
+  golden.json          flat requests (histories of 0, 1, random, max_len and
+                       more positions, repeated ids) with the reference's
+                       scores; a history longer than max_len is scored cut
+                       to its last max_len positions, as Narsil serves it
+  golden_ranking.json  ranking requests (the user's block: user features and
+                       history; rows: the candidates), scored by the
+                       reference in one forward per request
+  split/               Narsil's split form (models/sequence_split.py):
+                       schema.json, tables/*.bin, dense.pt (scripted
+                       hstu_model.HstuDenseNetwork), with --pt2 dense.pt2,
+                       golden files; checked through an emulation of
+                       Narsil's stage on flat, grouped and fused batches
+  manifest.json        export format, shape, seed, checks, files
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import torch
+
+import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
+from torchrec.inference.modules import quantize_inference_model
+
+from din_requests import (Draw, cut, cut_history, features, golden_requests, ranking_json, ranking_requests,
+                          request_json, sample_major, tiled)
+from export_dlrm import int_list
+from hstu_model import CANDIDATE, HISTORY, HstuDenseNetwork, age_bucket, build, sequence_json
+from sequence_split import Layout, write_split
+
+# Raised when what is written changes: scripts/lib.sh re-exports older ones.
+EXPORT_FORMAT = 1
+# The split form's scores against the reference (FP32): the reference runs
+# the whole padded sequence's attention, the split form each history once
+# and each candidate alone (sums in another order).
+BOUND = 1e-5
+# dense.pt with bf16 weights and inputs against the reference (FP32): two
+# STU layers' LayerNorms and pointwise attention in bf16 (measured: see the
+# manifest's checks).
+BF16_BOUND = 1e-1
+# A candidate scored with others of its request against alone (the
+# reference, FP32).
+INVARIANCE_BOUND = 1e-6
+
+
+def log(msg: str) -> None:
+    print(f"[export_hstu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class HstuDraw(Draw):
+    """Seeded draws: user bags (0 to 4 ids), a candidate (one item), a
+    history of a given kind (items, actions, and age buckets of actions
+    spread over the last 30 days, oldest first)."""
+
+    def __init__(self, args: argparse.Namespace, seed: int) -> None:
+        self.args = args
+        self.g = torch.Generator().manual_seed(seed)
+
+    def candidate(self) -> List[torch.Tensor]:
+        return [torch.randint(0, self.args.item_rows, (1,), generator=self.g)]
+
+    def history(self, kind: str) -> List[torch.Tensor]:
+        max_len = self.args.max_len
+        length = {"zero": 0, "one": 1, "max": max_len, "repeated": max(2, max_len // 2)}.get(kind)
+        if kind == "random":
+            length = self.int(2, max(3, max_len))
+        elif kind == "long":
+            length = self.int(max_len + 1, 2 * max_len + 1)
+        if kind == "repeated":
+            pool = torch.randint(0, self.args.item_rows, (3,), generator=self.g)
+            items = pool[torch.randint(0, 3, (length,), generator=self.g)]
+        else:
+            items = torch.randint(0, self.args.item_rows, (length,), generator=self.g)
+        actions = torch.randint(0, self.args.action_rows, (length,), generator=self.g)
+        seconds = torch.sort(torch.rand(length, generator=self.g) * 30 * 86400, descending=True).values
+        ages = age_bucket(seconds).clamp(max=self.args.age_rows - 1)
+        return [items, actions, ages]
+
+
+def one_forward(quantized, request: dict, keys: List[str], max_len: int) -> torch.Tensor:
+    """The reference's scores of a ranking request: its candidates appended
+    to its (cut) history in one forward."""
+    history, _ = cut_history(request["history"], max_len)
+    empty = [torch.zeros(0, dtype=torch.int64)]
+    samples = [{"dense": request["dense"],
+                "bags": (request["user"] if i == 0 else empty * len(request["user"])) + c
+                + (history if i == 0 else empty * len(HISTORY))}
+               for i, c in enumerate(request["candidates"])]
+    *_, kjt = features(sample_major(samples), keys)
+    return quantized.rank(kjt, len(samples))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "generated" / "test-hstu")
+    p.add_argument("--name", default="hstu", help="model name reported by ModelInfo")
+    p.add_argument("--version", default="1")
+    p.add_argument("--num-user", type=int, default=2, help="contextual user features (user_0, ...), one table each")
+    p.add_argument("--item-rows", type=int, default=2000)
+    p.add_argument("--action-rows", type=int, default=8)
+    p.add_argument("--age-rows", type=int, default=64, help="age buckets (ln(30 days) / 0.301 is about 49)")
+    p.add_argument("--user-rows", type=int, default=500, help="rows of each user feature's table")
+    p.add_argument("--embedding-dim", type=int, default=16, help="every table's dimension D")
+    p.add_argument("--embedding-init", type=float, default=0.5, help="embedding weights uniform in [-x, x]")
+    p.add_argument("--model-dim", type=int, default=32, help="the STU layers' token width")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=16, help="width of each head's u, v, q and k")
+    p.add_argument("--max-len", type=int, default=64, help="the history's positions kept at most (the last)")
+    p.add_argument("--head-arch", type=int_list, default=[32], help="the head's MLP layers, before the logit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    p.add_argument("--pt2", action="store_true",
+                   help="also compile the dense network with AOTInductor into OUT/split/dense.pt2 (FP32)")
+    args = p.parse_args()
+    args.num_dense = 0
+    if args.num_user < 1 or args.max_len < 1:
+        p.error("--num-user and --max-len must be at least 1")
+    out: Path = args.out
+    missing = not (out / "split" / "schema.json").exists() or (args.pt2 and not (out / "split" / "dense.pt2").exists())
+    if (out / "manifest.json").exists() and not args.force and not missing:
+        log(f"{out} already holds an export; pass --force to overwrite")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    started = time.time()
+
+    user = [f"user_{i}" for i in range(args.num_user)]
+    keys = user + CANDIDATE + HISTORY
+    request_level = user + HISTORY
+    rows = {**{f: args.user_rows for f in user}, "cand_item": args.item_rows, "hist_item": args.item_rows,
+            "hist_action": args.action_rows, "hist_age": args.age_rows}
+    log(f"building HSTU: item {args.item_rows:,} x {args.embedding_dim}, {args.num_user} contextual features; "
+        f"{args.layers} STU layers of width {args.model_dim}, {args.heads} heads of {args.head_dim}; history of "
+        f"at most {args.max_len}")
+    quantized = quantize_inference_model(build(args, user))
+
+    draw = HstuDraw(args, args.seed + 1)
+    flat = []
+    for samples in golden_requests(draw):
+        served = [cut(s["bags"], args.max_len, len(HISTORY)) for s in samples]
+        flat.append(([dict(s, bags=bags) for s, (bags, _) in zip(samples, served)],
+                     sum(dropped for _, dropped in served), samples))
+    ranking = ranking_requests(draw)
+
+    log("scoring the golden requests with the eager quantized forward (flat: a sequence per sample; ranking: "
+        "one sequence per request, its candidates appended)")
+    golden, flat_scored, ranking_golden, ranking_scored, spread = [], [], [], [], []
+    invariance = 0.0
+    with torch.inference_mode():
+        for served, dropped, sent in flat:
+            _, _, _, kjt = features(sample_major(served), keys)
+            scores = quantized(torch.zeros(len(served), 0), kjt)
+            golden.append(request_json(sample_major(sent), scores, dropped))
+            flat_scored.append((served, scores))
+            spread.append(scores)
+        for request in ranking:
+            scores = one_forward(quantized, request, keys, args.max_len)
+            samples, dropped = tiled(request, args.max_len)
+            _, _, _, kjt = features(sample_major(samples), keys)
+            invariance = max(invariance, (quantized(torch.zeros(len(samples), 0), kjt) - scores).abs().max().item())
+            ranking_golden.append(ranking_json(request, scores, dropped))
+            ranking_scored.append((request, scores))
+            spread.append(scores)
+    if not invariance <= INVARIANCE_BOUND:
+        raise SystemExit(f"a candidate scored with its request's others differs from alone by {invariance}")
+    spread = torch.cat(spread)
+    log(f"{spread.numel()} reference scores, {float(spread.min()):.3f} to {float(spread.max()):.3f} (std "
+        f"{float(spread.std()):.3f}); a candidate with its request's others within {invariance:.1e} of alone")
+    schema = {"name": args.name, "version": args.version, "num_dense": 0,
+              "sparse": [{"name": k, "num_rows": rows[k]} for k in keys],
+              "request_level": request_level, "sequences": [sequence_json(args.max_len)]}
+    ranking_file = {"request_level": request_level, "requests": ranking_golden}
+    (out / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
+    (out / "golden_ranking.json").write_text(json.dumps(ranking_file))
+
+    log("writing the split form and checking it through an emulation of Narsil's stage")
+    network = HstuDenseNetwork(quantized.network).eval()
+    layout = Layout(HISTORY, CANDIDATE, sequence_json(args.max_len), BOUND, BF16_BOUND)
+    worst = write_split(out / "split", quantized, network, layout, args, keys, user, request_level, flat_scored,
+                        ranking_scored, log)
+    (out / "split" / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
+    (out / "split" / "golden_ranking.json").write_text(json.dumps(ranking_file))
+    log("split dense.pt's scores against the eager quantized forward's: "
+        + ", ".join(f"{kind} within {diff:.1e}" for kind, diff in worst.items()))
+    manifest = {
+        "export_format": EXPORT_FORMAT, "kind": "hstu", "name": args.name, "version": args.version,
+        "seed": args.seed, "num_user": args.num_user, "item_rows": args.item_rows, "action_rows": args.action_rows,
+        "age_rows": args.age_rows, "user_rows": args.user_rows, "embedding_dim": args.embedding_dim,
+        "model_dim": args.model_dim, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
+        "max_len": args.max_len, "head_arch": args.head_arch, "torch": torch.__version__,
+        "checks": {"invariance": invariance, "split_max_diff": worst},
+        "files": ["golden.json", "golden_ranking.json", "split/"],
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    log(f"wrote {out} in {time.time() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
