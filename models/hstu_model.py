@@ -98,9 +98,9 @@ class StuLayer(nn.Module):
         return self.position_bias[:, clamped]
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The layer's output from the attention `attended` `[..., heads,
+        """The layer's output from the attention `attended` `[..., heads *
         head_dim]` and the gate `u`."""
-        return x + self.output(self.output_norm(attended.flatten(-2)) * u)
+        return x + self.output(self.output_norm(attended) * u)
 
 
 class HstuNetwork(nn.Module):
@@ -166,7 +166,7 @@ class HstuNetwork(nn.Module):
             scores = torch.einsum("bihd,bjhd->bhij", q, key) + layer.relative(distance).transpose(0, 1) \
                 + layer.age_bias(age_rows).transpose(1, 2).unsqueeze(2)
             weights = F.silu(scores) * mask.unsqueeze(1).to(x.dtype) / self.scale
-            x = layer.finish(x, torch.einsum("bhij,bjhd->bihd", weights, v), u)
+            x = layer.finish(x, torch.einsum("bhij,bjhd->bihd", weights, v).flatten(-2), u)
         return x[:, c + longest:]
 
     def score(self, states: torch.Tensor) -> torch.Tensor:
@@ -235,12 +235,15 @@ class HstuDenseNetwork(nn.Module):
     Per unit, once: its context tokens (from any of its rows' pooled user
     features: a unit's rows carry the same ones) and history tokens go
     through every layer, projections on the jagged tokens (no padding),
-    attention on the units padded to the batch's longest (its padding
-    stated by the caller's measurement); each layer's keys and values are
-    kept, padded. Per candidate: its token goes through every layer
-    against its unit's keys and values (gathered by `row_unit`) and its
-    own: the history's work is never repeated per candidate. Arithmetic in
-    the weights' dtype; scores FP32."""
+    attention on the units padded to the batch's longest
+    (`narsil_sequence_padding_positions_total` counts that padding); each
+    layer's keys and values are kept, padded. Per candidate: its token goes
+    through every layer against its unit's keys and values and its own (per
+    head, one GEMM of the candidates against every unit's keys, each row
+    then taking its unit's block: no per-row copy of a history, and
+    `rows x units` is small where it matters, a grouped request's
+    candidates sharing one unit): the history's work is never repeated per
+    candidate. Arithmetic in the weights' dtype; scores FP32."""
 
     def __init__(self, network: HstuNetwork) -> None:
         super().__init__()
@@ -289,6 +292,7 @@ class HstuDenseNetwork(nn.Module):
         # Candidates: tokens, positions right after their unit's history.
         candidates = hstu.candidate_tokens(pooled[:, c * d:(c + 1) * d])
         key_valid = valid.index_select(0, seq0_row_unit)  # [R, T]
+        own_unit = seq0_row_unit.view(1, rows, 1, 1).expand(self.heads, rows, 1, longest)
         candidate_distance = (c + lengths.index_select(0, seq0_row_unit)).unsqueeze(1) - steps  # [R, T]
         x = tokens
         zero_row = torch.zeros(1, self.heads, self.head_dim, dtype=dtype, device=device)
@@ -305,18 +309,28 @@ class HstuDenseNetwork(nn.Module):
             weights = F.silu(scores) * mask.unsqueeze(1).to(dtype) / self.scale
             attended = torch.bmm(weights.view(units * self.heads, longest, longest), by_head(vp))
             attended = attended.view(units, self.heads, longest, self.head_dim).transpose(1, 2)
-            attended = attended.reshape(units * longest, self.heads, self.head_dim).index_select(0, slots)
+            attended = attended.reshape(units * longest, self.heads * self.head_dim).index_select(0, slots)
             x = layer.finish(x, attended, u)
-            # The candidates, against their unit's keys and values.
+            # The candidates, against their unit's keys and values: per head,
+            # one GEMM against every unit's (a batch holds few units per
+            # row: a grouped request's candidates share one), then each
+            # row's own unit's block.
             cu, cv, cq, ck = layer.project(candidates)
-            keys, vals = kp.index_select(0, seq0_row_unit), vp.index_select(0, seq0_row_unit)  # [R, T, H, hd]
-            history_scores = (keys * cq.unsqueeze(1)).sum(-1).transpose(1, 2) \
+            every_key = by_head(kp).view(units, self.heads, longest, self.head_dim).transpose(0, 1)
+            every_value = by_head(vp).view(units, self.heads, longest, self.head_dim).transpose(0, 1)
+            every_key = every_key.reshape(self.heads, units * longest, self.head_dim)
+            every_value = every_value.reshape(self.heads, units * longest, self.head_dim)
+            scores = torch.bmm(cq.transpose(0, 1), every_key.transpose(1, 2)).view(self.heads, rows, units, longest)
+            history_scores = scores.gather(2, own_unit).squeeze(2).transpose(0, 1) \
                 + layer.relative(candidate_distance).permute(1, 0, 2) + age_bias.index_select(0, seq0_row_unit)
             own_scores = (cq * ck).sum(-1) + layer.position_bias[:, 0]
             history_weights = F.silu(history_scores) * key_valid.unsqueeze(1).to(dtype) / self.scale
             own_weights = F.silu(own_scores) / self.scale
-            attended = (history_weights.transpose(1, 2).unsqueeze(3) * vals).sum(1) + own_weights.unsqueeze(2) * cv
-            candidates = layer.finish(candidates, attended, cu)
+            spread = torch.zeros(self.heads, rows, units, longest, dtype=dtype, device=device).scatter(
+                2, own_unit, history_weights.transpose(0, 1).unsqueeze(2))
+            attended = torch.bmm(spread.view(self.heads, rows, units * longest), every_value) \
+                + (own_weights.unsqueeze(2) * cv).transpose(0, 1)
+            candidates = layer.finish(candidates, torch.cat(attended.unbind(0), dim=1), cu)  # [R, H * hd]
         return hstu.score(candidates).reshape(-1)
 
 

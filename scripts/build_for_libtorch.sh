@@ -153,6 +153,19 @@ if [ -f "$SEQUENCE_MODEL/schema.json" ]; then
 else
   echo "build_for_libtorch: no sequence model at $SEQUENCE_MODEL (scripts/test.sh exports it): gpu_check.sh's phase S will say skipped" >&2
 fi
+# The generative ranker (phase G) in its GPU shape (a DLRMv3-like ranker
+# scaled to the carry limit: 5 STU layers of width 256, 4 heads of 64,
+# histories of up to 1,024 positions, 50k items x 128), exported here once
+# (about 2 minutes), its split form carried without the CPU package.
+HSTU_GPU="$ROOT/models/generated/gpu-hstu"
+if [ ! -f "$HSTU_GPU/split/schema.json" ]; then
+  echo "build_for_libtorch: exporting $HSTU_GPU (the GPU check's generative ranker)" >&2
+  "$ROOT/.venv/bin/python" "$ROOT/models/export_hstu.py" --out "$HSTU_GPU" --force --item-rows 50000 \
+    --user-rows 10000 --embedding-dim 128 --model-dim 256 --layers 5 --heads 4 --head-dim 64 --max-len 1024 \
+    --head-arch 256,64 || die "exporting $HSTU_GPU failed"
+fi
+mkdir -p "$OUT/split-hstu"
+(cd "$HSTU_GPU/split" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-hstu" && tar -xf -)
 cp "$ROOT/scripts/gpu_check.sh" "$OUT/gpu_check.sh"
 echo "torch $TORCH_VERSION, tch $TCH, built $(date -u +%FT%TZ) from $(cd "$ROOT" && git rev-parse --short HEAD)" > "$OUT/BUILD"
 BYTES=$(du -sb "$OUT" | cut -f1)

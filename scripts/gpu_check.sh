@@ -32,6 +32,11 @@
 # within 1e-5, bf16 within 2e-2 of TorchRec's eager forward), grouped vs
 # flat ranking requests (200 candidates), and (FP32) c16 with 500
 # candidates, grouped and flat.
+# Phase G (<= NARSIL_GPU_PHASE_G_SECS, 120): the HSTU generative ranker
+# (`split-hstu/`: models/export_hstu.py's split form in the GPU shape
+# scripts/build_for_libtorch.sh exports) the same way: golden parity (FP32
+# within 1e-5, bf16 within 1e-1 of its eager forward), grouped vs flat, and
+# c16 with 100 candidates, grouped and flat.
 # Phase B (<= NARSIL_GPU_PHASE_B_SECS, 180): `narsil load`, 100 samples a
 # request, c1/c16/c64/c256, batch mode (2 lanes, stage ahead) and worker
 # mode (16 lanes), on 26 x NARSIL_GPU_CHECK_ROWS (100,000) x 64 INT8 tables
@@ -39,7 +44,7 @@
 # mock at c256.
 #
 # The exact device call is in docs/guide/gpu.md. Environment: NARSIL_BIN,
-# NARSIL_GPU_CHECK_PHASES ("A B"; one of them for a rerun),
+# NARSIL_GPU_CHECK_PHASES ("A S G B"; some of them for a rerun),
 # NARSIL_GPU_DEVICE (cuda:0), NARSIL_GPU_LOAD_SECS (5 per load point),
 # NARSIL_GPU_CHECK_DIR (work files; default a new /tmp folder),
 # NARSIL_GPU_CHECK_DRY_RUN=1 (the same steps on the CPU, through the device
@@ -61,10 +66,13 @@ export ROWS="${NARSIL_GPU_CHECK_ROWS:-100000}"
 LIMIT_A="${NARSIL_GPU_PHASE_A_SECS:-150}"
 LIMIT_B="${NARSIL_GPU_PHASE_B_SECS:-180}"
 LIMIT_S="${NARSIL_GPU_PHASE_S_SECS:-120}"
+LIMIT_G="${NARSIL_GPU_PHASE_G_SECS:-120}"
 # The sequence model (phase S) and its golden file.
 export SEQUENCE_MODEL="${NARSIL_GPU_CHECK_SEQUENCE_MODEL:-$HERE/split-din}"
-# NARSIL_GPU_CHECK_PHASES=A (or B, S): one phase only, for a rerun.
-PHASES="${NARSIL_GPU_CHECK_PHASES:-A S B}"
+# The generative ranker (phase G) and its golden file.
+export HSTU_MODEL="${NARSIL_GPU_CHECK_HSTU_MODEL:-$HERE/split-hstu}"
+# NARSIL_GPU_CHECK_PHASES=A (or B, S, G): some phases only, for a rerun.
+PHASES="${NARSIL_GPU_CHECK_PHASES:-A S G B}"
 export ADDR="127.0.0.1:${NARSIL_GPU_CHECK_PORT:-50151}"
 if [ -n "$DRY" ]; then
   DEVICE=cpu
@@ -225,28 +233,32 @@ phase_a() {
 
 # ---- phase S: a sequence model ---------------------------------------------
 
-phase_s() {
-  local key name precision tolerance c16 form
+# sequence_section TITLE DIR BF16_TOLERANCE CANDIDATES: a sequence model's
+# golden parity (FP32 within 1e-5, bf16 within BF16_TOLERANCE of its eager
+# reference), grouped vs flat ranking requests, and (FP32) c16 with
+# CANDIDATES candidates a request, grouped and flat.
+sequence_section() {
+  local title=$1 dir=$2 bf16_tolerance=$3 candidates=$4 key name precision tolerance c16 form
   row ""
-  row "## S. a sequence model (DIN: a user history of two aligned channels) on $DEVICE: tables on the host, eager"
-  if [ ! -f "$SEQUENCE_MODEL/schema.json" ]; then
-    row "skipped: no sequence model at $SEQUENCE_MODEL (scripts/build_for_libtorch.sh carries models/generated/test-din/split)"
+  row "## $title on $DEVICE: tables on the host, eager"
+  if [ ! -f "$dir/schema.json" ]; then
+    row "skipped: no model at $dir (scripts/build_for_libtorch.sh carries it)"
     return 0
   fi
-  key="$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["requests"][0]; print("int8" if r.get("scores_int8") else next(iter(r["outputs"])))' "$SEQUENCE_MODEL/golden.json" 2>/dev/null || echo default)"
-  row "| precision | golden (TorchRec's eager forward), flat | ranking: grouped vs flat | tolerance | CUDA graphs |"
+  key="$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["requests"][0]; print("int8" if r.get("scores_int8") else next(iter(r["outputs"])))' "$dir/golden.json" 2>/dev/null || echo default)"
+  row "| precision | golden (the model's eager forward), flat | ranking: grouped vs flat | tolerance | CUDA graphs |"
   row "|---|---|---|---|---|"
   for precision in fp32 bf16; do
-    name="sequences-$precision"
-    tolerance=$([ "$precision" = bf16 ] && echo 2e-2 || echo 1e-5)
+    name="$(basename "$(dirname "$dir")")-$(basename "$dir")-$precision"
+    tolerance=$([ "$precision" = bf16 ] && echo "$bf16_tolerance" || echo 1e-5)
     if [ "$precision" = bf16 ] && [ -n "$DRY" ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
       row "| bf16 | skipped: this CPU has no bf16 instructions (dry run) | | | |"
       continue
     fi
-    start_server "$name" -- --backend torch --model "$SEQUENCE_MODEL" --device "$DEVICE" --execution-mode batch \
+    start_server "$name" -- --backend torch --model "$dir" --device "$DEVICE" --execution-mode batch \
       --dense-precision "$precision" --max-batch-requests 16 --batch-timeout-ms 2 --max-batch-tokens 65536 || continue
     local golden=FAILED
-    if narsil_run 60 verify --addr "http://$ADDR" --golden "$SEQUENCE_MODEL/golden.json" --scores "$key" \
+    if narsil_run 60 verify --addr "http://$ADDR" --golden "$dir/golden.json" --scores "$key" \
         --tolerance "$tolerance" --wait-secs 10 > "$WORK/verify-$name.log" 2>&1; then
       golden="ok ($(grep -o 'max |diff| [^)]*' "$WORK/verify-$name.log"))"
     else
@@ -259,24 +271,33 @@ phase_s() {
     row "| form | clients | candidates | req/s | candidates/s | p50 ms | p99 ms | errors |"
     row "|---|---|---|---|---|---|---|---|"
     for form in grouped flat; do
-      c16="$WORK/load-seq-$form.json"
-      if narsil_run "$((SECS + 60))" load --addr "http://$ADDR" --candidates 500 --ranking-form "$form" \
+      c16="$WORK/load-$name-$form.json"
+      if narsil_run "$((SECS + 60))" load --addr "http://$ADDR" --candidates "$candidates" --ranking-form "$form" \
           --concurrency 16 --connections 16 --duration "$SECS" --warmup 16 --timeout-ms 10000 --allow-failures \
-          --json > "$c16" 2> "$WORK/load-seq-$form.log"; then
-        row "$(timeout 30 python3 - "$c16" "$form" <<'EOF'
+          --json > "$c16" 2> "$WORK/load-$name-$form.log"; then
+        row "$(timeout 30 python3 - "$c16" "$form" "$candidates" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"| {sys.argv[2]} | c16 | 500 | {r['req_per_s']:.0f} | {r.get('candidates_per_s', 0):.0f} | "
+print(f"| {sys.argv[2]} | c16 | {sys.argv[3]} | {r['req_per_s']:.0f} | {r.get('candidates_per_s', 0):.0f} | "
       f"{r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['requests'] - r['ok']} |")
 EOF
 )"
       else
-        failed "[$name] narsil load $form: $(tail -2 "$WORK/load-seq-$form.log" | tr '\n' ' ')"
+        failed "[$name] narsil load $form: $(tail -2 "$WORK/load-$name-$form.log" | tr '\n' ' ')"
       fi
     done
     row ""
     stop_server
   done
+}
+
+phase_s() {
+  sequence_section "S. a sequence model (DIN: a user history of two aligned channels)" "$SEQUENCE_MODEL" 2e-2 500
+}
+
+phase_g() {
+  sequence_section "G. a generative ranker (HSTU: contexts, history and candidates through STU layers)" \
+    "$HSTU_MODEL" 1e-1 100
 }
 
 # ---- phase B: load ---------------------------------------------------------
@@ -405,7 +426,7 @@ case "${1:-}" in
     exec env LD_LIBRARY_PATH="$TL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$TL/libtorch_cuda.so" "$BIN" "$@" ;;
   --phase) # internal: one phase, under the caller's time limit
     trap stop_server EXIT
-    case "$2" in A) phase_a ;; B) phase_b ;; S) phase_s ;; esac
+    case "$2" in A) phase_a ;; B) phase_b ;; S) phase_s ;; G) phase_g ;; esac
     exit 0 ;;
 esac
 
@@ -471,7 +492,7 @@ if preflight; then
   row "# Narsil GPU check: $(date -u +%FT%TZ), $GPU, $(nproc) host cores, torch $(timeout 60 python3 -c 'import torch;print(torch.__version__)'), $(cat "$HERE/BUILD" 2>/dev/null || echo 'build unknown'), carried $([ -n "$DRY" ] && echo n/a || echo "$(( ($(du -sb "$HERE" | cut -f1) + 1048575) / 1048576 )) MiB")"
   row "CUDA shim: ${NARSIL_CUDA_SHIM:-none}"
   for phase in $PHASES; do
-    case "$phase" in A) limit=$LIMIT_A ;; S) limit=$LIMIT_S ;; *) limit=$LIMIT_B ;; esac
+    case "$phase" in A) limit=$LIMIT_A ;; S) limit=$LIMIT_S ;; G) limit=$LIMIT_G ;; *) limit=$LIMIT_B ;; esac
     phase_started=$SECONDS
     timeout -k 10 "$limit" bash "$SELF" --phase "$phase"
     rc=$?

@@ -20,5 +20,6 @@ NARSIL_GPU_CHECK_DRY_RUN=1 \
   NARSIL_GPU_CHECK_MODEL="$PWD/$MODEL/split" \
   NARSIL_GPU_CHECK_GOLDEN="$PWD/$MODEL/golden.json" \
   NARSIL_GPU_CHECK_SEQUENCE_MODEL="$PWD/models/generated/test-din/split" \
+  NARSIL_GPU_CHECK_HSTU_MODEL="$PWD/models/generated/test-hstu/split" \
   OUT="$PWD/target/gpu_check_dry" \
   bash scripts/gpu_check.sh

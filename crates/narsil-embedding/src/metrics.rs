@@ -48,7 +48,10 @@
 //! * `narsil_sequence_positions_total`, `narsil_sequence_rows_total` (no
 //!   `table` label): sequence positions looked up (each unit's once) and the
 //!   rows that attended to them: rows times a unit's positions over the
-//!   positions is what looking a history up once per request saved.
+//!   positions is what looking a history up once per request saved;
+//!   `narsil_sequence_padding_positions_total`: the positions a dense
+//!   network that pads every attended unit of a batch to the batch's
+//!   longest would add (over positions plus padding: its padding waste).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -135,6 +138,7 @@ pub struct StageMetrics {
     request_level_rows: Counter,
     sequence_positions: Counter,
     sequence_rows: Counter,
+    sequence_padding: Counter,
 }
 
 impl Default for StageMetrics {
@@ -161,6 +165,7 @@ impl Default for StageMetrics {
             request_level_rows: Counter::default(),
             sequence_positions: Counter::default(),
             sequence_rows: Counter::default(),
+            sequence_padding: Counter::default(),
         }
     }
 }
@@ -208,16 +213,19 @@ impl StageMetrics {
         self.request_level_rows.inc_by(rows as u64);
     }
 
-    /// Counts a batch's sequence positions looked up and the rows that
-    /// attend to them.
-    pub fn count_sequences(&self, positions: usize, rows: usize) {
+    /// Counts a batch's sequence positions looked up, the rows that
+    /// attend to them, and the padding of its attended units to their
+    /// longest.
+    pub fn count_sequences(&self, positions: usize, rows: usize, padding: usize) {
         self.sequence_positions.inc_by(positions as u64);
         self.sequence_rows.inc_by(rows as u64);
+        self.sequence_padding.inc_by(padding as u64);
     }
 
-    /// Sequence positions looked up and rows that attended to them, so far.
-    pub fn sequence_counts(&self) -> (u64, u64) {
-        (self.sequence_positions.get(), self.sequence_rows.get())
+    /// Sequence positions looked up, rows that attended to them, and
+    /// padding to each batch's longest attended unit, so far.
+    pub fn sequence_counts(&self) -> (u64, u64, u64) {
+        (self.sequence_positions.get(), self.sequence_rows.get(), self.sequence_padding.get())
     }
 
     /// Request-level bags pooled and rows broadcast, so far.
@@ -246,6 +254,11 @@ impl StageMetrics {
             "sequence_rows",
             "Rows (candidates) that attended to a looked-up sequence, one per row and sequence",
             self.sequence_rows.clone(),
+        );
+        registry.register(
+            "sequence_padding_positions",
+            "Positions a dense network padding each attended unit of a batch to the batch's longest would add",
+            self.sequence_padding.clone(),
         );
         registry.register("table_ids", "Ids looked up in a table", self.ids.clone());
         registry.register(

@@ -354,6 +354,7 @@ impl EmbeddingStage {
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         self.broadcast(batch, &scratch.unit_pooled, pooled, width);
+        scratch.sequences.iter_mut().for_each(SequenceValues::drop_unattended_empty_units);
         Ok(())
     }
 }

@@ -5,12 +5,17 @@
 //! distinct request block (the user's history looked up once, never tiled
 //! per candidate); a flat row is a unit of its own.
 //!
-//! Units are the batch's rows first (row `r` is unit `r`; a grouped row's
-//! own bag of a request-level sequence is empty), then the request blocks'
-//! units (`rows + u`), the order in which the table's ids were collected:
-//! the lookups read each id's row in place or from its fetched copy like
-//! any pooled bag of one id (`pooling.rs`), so an INT8 position is
-//! dequantized with FBGEMM's arithmetic (`fma(scale, q, bias)` in FP32).
+//! Units are laid out as the batch's rows first (row `r` is unit `r`; a
+//! grouped row's own bag of a request-level sequence is empty), then the
+//! request blocks' units (`rows + u`), the order in which the table's ids
+//! were collected: the lookups read each id's row in place or from its
+//! fetched copy like any pooled bag of one id (`pooling.rs`), so an INT8
+//! position is dequantized with FBGEMM's arithmetic (`fma(scale, q, bias)`
+//! in FP32). Once looked up, the units no row attends to that hold no
+//! position (grouped rows' own) are dropped and the rest renumbered in
+//! order: the dense network sees only the histories its rows use, and a
+//! network whose per-unit work does not depend on a unit's length (padded
+//! attention, a unit's context tokens) pays for no empty one.
 
 use narsil_core::KeyedBatch;
 
@@ -35,6 +40,42 @@ impl SequenceValues {
     /// Positions looked up.
     pub fn positions(&self) -> usize {
         self.offsets.last().map_or(0, |&p| p as usize)
+    }
+
+    /// Drops the units no row attends to that hold no position, and
+    /// renumbers the others in order (rows' units follow).
+    pub(super) fn drop_unattended_empty_units(&mut self) {
+        let units = self.offsets.len().saturating_sub(1);
+        let mut attended = vec![false; units];
+        for &u in &self.row_unit {
+            attended[u as usize] = true;
+        }
+        let mut renumbered = vec![0i64; units];
+        let mut kept = 0;
+        for u in 0..units {
+            if attended[u] || self.offsets[u + 1] > self.offsets[u] {
+                renumbered[u] = kept as i64;
+                kept += 1;
+                // In place: `kept <= u + 1`, so nothing unread is overwritten.
+                self.offsets[kept] = self.offsets[u + 1];
+            }
+        }
+        self.offsets.truncate(kept + 1);
+        for u in &mut self.row_unit {
+            *u = renumbered[*u as usize];
+        }
+    }
+
+    /// The positions padding every unit some row attends to up to the
+    /// longest of them would add (a dense network's padding waste when it
+    /// pads units to the batch's longest; jagged work pays none).
+    pub fn padding_to_longest(&self) -> usize {
+        let length = |u: i64| (self.offsets[u as usize + 1] - self.offsets[u as usize]) as usize;
+        let mut attended: Vec<i64> = self.row_unit.clone();
+        attended.sort_unstable();
+        attended.dedup();
+        let longest = attended.iter().map(|&u| length(u)).max().unwrap_or(0);
+        attended.iter().map(|&u| longest - length(u)).sum()
     }
 }
 
@@ -86,7 +127,7 @@ impl EmbeddingStage {
             }
             values.values.clear();
             values.values.resize(at as usize * sequence.width, 0.0);
-            self.metrics.count_sequences(at as usize, batch.rows);
+            self.metrics.count_sequences(at as usize, batch.rows, values.padding_to_longest());
         }
     }
 }
@@ -201,12 +242,15 @@ mod tests {
             stage.pool(&batch, &mut scratch, &mut pooled).unwrap();
             assert_eq!(pooled, flat_pooled, "the pooled features as if sent flat");
             let grouped = &scratch.sequences()[0];
-            // 7 rows' own (empty but the flat row's) units, then the 2 users.
-            assert_eq!(grouped.row_unit, [7, 7, 7, 3, 8, 7, 7]);
-            assert_eq!(grouped.offsets, [0, 0, 0, 0, 2, 2, 2, 2, 6, 6]);
+            // The flat row's unit, then the 2 users' (the grouped rows' own,
+            // empty, units dropped).
+            assert_eq!(grouped.row_unit, [1, 1, 1, 0, 2, 1, 1]);
+            assert_eq!(grouped.offsets, [0, 2, 6, 6]);
             assert_eq!(grouped.positions(), 4 + 2, "the user's history once, not per candidate");
-            // Flat: 22 positions for 7 rows; grouped: 6 for 7 rows.
-            assert_eq!(stage.metrics().sequence_counts(), (22 + 6, 14));
+            // Flat: 22 positions for 7 rows; grouped: 6 for 7 rows. Padding
+            // to the longest attended unit (4): flat, units of 4, 4, 4, 2, 0,
+            // 4 and 4; grouped, units of 4, 2 and 0.
+            assert_eq!(stage.metrics().sequence_counts(), (22 + 6, 14, 6 + 6));
             let unit = |s: &super::SequenceValues, r: usize| {
                 let u = s.row_unit[r] as usize;
                 s.values[s.offsets[u] as usize * 16..s.offsets[u + 1] as usize * 16].to_vec()
@@ -222,7 +266,7 @@ mod tests {
             stage.pool(&empty, &mut scratch, &mut pooled).unwrap();
             assert_eq!(
                 (scratch.sequences()[0].positions(), scratch.sequences()[0].row_unit.as_slice()),
-                (0, &[1][..])
+                (0, &[0][..])
             );
         }
     }
