@@ -297,8 +297,11 @@ def measure_ranking(args, name, command, load_flags, cores):
     with served(args, name, command, cores, f"ranking: 1 user x {args.candidates} candidates", protocol) as (
             addr, process, ready_s, load_core):
         for concurrency in args.concurrency:
+            flat = "--ranking-form" in load_flags and load_flags[load_flags.index("--ranking-form") + 1] == "flat"
+            requests = args.ranking_flat_requests if flat and args.ranking_flat_requests else args.ranking_requests
+            warmup = min(args.ranking_warmup, requests)
             load = [args.binary, "load", "--addr", f"http://{addr}", "--concurrency", str(concurrency),
-                    "--requests", str(args.ranking_requests), "--warmup", str(args.ranking_warmup),
+                    "--requests", str(requests), "--warmup", str(warmup),
                     "--candidates", str(args.candidates), "--json", "--allow-failures"] + load_flags
             if args.history_len:
                 load += ["--history-len", args.history_len]
@@ -449,6 +452,9 @@ def main():
                    help="narsil load --history-len for the ranking rows (a sequence model's history: N or MIN-MAX)")
     p.add_argument("--ranking-requests", type=int, default=500, help="measured ranking requests per row")
     p.add_argument("--ranking-warmup", type=int, default=50, help="ranking warm-up requests per row")
+    p.add_argument("--ranking-flat-requests", type=int,
+                   help="measured requests of the flat ranking rows (default --ranking-requests): a generative "
+                        "ranker's flat request encodes its history once per candidate")
     p.add_argument("--compare-flat-requests", type=int, default=200,
                    help="Narsil grouped rows: how many of the prebuilt requests' flat twins are sent first and "
                    "compared with every grouped answer (narsil load --compare-flat)")

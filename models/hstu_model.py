@@ -216,10 +216,23 @@ class Hstu(nn.Module):
         return net.score(states).reshape(-1)
 
 
+def most_rows(per_unit: torch.Tensor) -> int:
+    """The most rows a unit has, at least 2 (a Python int in TorchScript;
+    under torch.export a size known at run time only, known to be at
+    least 2: AOTInductor's `bmm` asks whether such a size is 1, and a
+    padded slot costs less than a second graph)."""
+    most = per_unit.max().clamp(min=2)
+    if torch.jit.is_scripting():
+        return int(most)
+    most = most.item()
+    torch._check(most >= 2)
+    return most
+
+
 def by_head(padded: torch.Tensor) -> torch.Tensor:
     """`[B, T, H, hd]` as `[B * H, T, hd]` (for `torch.bmm`, whose batch
     sizes never broadcast: no size is assumed to be or not to be 1)."""
-    return padded.transpose(1, 2).reshape(-1, padded.size(1), padded.size(3))
+    return padded.transpose(1, 2).reshape(padded.size(0) * padded.size(2), padded.size(1), padded.size(3))
 
 
 class HstuDenseNetwork(nn.Module):
@@ -238,11 +251,10 @@ class HstuDenseNetwork(nn.Module):
     attention on the units padded to the batch's longest
     (`narsil_sequence_padding_positions_total` counts that padding); each
     layer's keys and values are kept, padded. Per candidate: its token goes
-    through every layer against its unit's keys and values and its own (per
-    head, one GEMM of the candidates against every unit's keys, each row
-    then taking its unit's block: no per-row copy of a history, and
-    `rows x units` is small where it matters, a grouped request's
-    candidates sharing one unit): the history's work is never repeated per
+    through every layer against its unit's keys and values and its own
+    (the candidates laid out per unit, padded to the most rows a unit has,
+    one GEMM per unit and head: no per-row copy of a history; users fused
+    cost what they cost alone): the history's work is never repeated per
     candidate. Arithmetic in the weights' dtype; scores FP32."""
 
     def __init__(self, network: HstuNetwork) -> None:
@@ -292,7 +304,16 @@ class HstuDenseNetwork(nn.Module):
         # Candidates: tokens, positions right after their unit's history.
         candidates = hstu.candidate_tokens(pooled[:, c * d:(c + 1) * d])
         key_valid = valid.index_select(0, seq0_row_unit)  # [R, T]
-        own_unit = seq0_row_unit.view(1, rows, 1, 1).expand(self.heads, rows, 1, longest)
+        # Each row's slot among its unit's rows (`[U, C]`, C the most rows
+        # of a unit): rows sorted by unit, stably, ranked within it.
+        per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
+            0, seq0_row_unit, torch.ones_like(seq0_row_unit))
+        most = most_rows(per_unit)
+        order = torch.sort(seq0_row_unit, stable=True).indices
+        first = torch.cumsum(per_unit, 0) - per_unit
+        rank = torch.zeros_like(seq0_row_unit).index_copy(
+            0, order, torch.arange(rows, device=device) - first.index_select(0, seq0_row_unit.index_select(0, order)))
+        candidate_slot = seq0_row_unit * most + rank
         candidate_distance = (c + lengths.index_select(0, seq0_row_unit)).unsqueeze(1) - steps  # [R, T]
         x = tokens
         zero_row = torch.zeros(1, self.heads, self.head_dim, dtype=dtype, device=device)
@@ -311,26 +332,27 @@ class HstuDenseNetwork(nn.Module):
             attended = attended.view(units, self.heads, longest, self.head_dim).transpose(1, 2)
             attended = attended.reshape(units * longest, self.heads * self.head_dim).index_select(0, slots)
             x = layer.finish(x, attended, u)
-            # The candidates, against their unit's keys and values: per head,
-            # one GEMM against every unit's (a batch holds few units per
-            # row: a grouped request's candidates share one), then each
-            # row's own unit's block.
+            # The candidates, against their unit's keys and values: laid out
+            # per unit (`[U, C, ...]`, C the most rows of a unit), one GEMM
+            # per unit and head, then back to rows.
             cu, cv, cq, ck = layer.project(candidates)
-            every_key = by_head(kp).view(units, self.heads, longest, self.head_dim).transpose(0, 1)
-            every_value = by_head(vp).view(units, self.heads, longest, self.head_dim).transpose(0, 1)
-            every_key = every_key.reshape(self.heads, units * longest, self.head_dim)
-            every_value = every_value.reshape(self.heads, units * longest, self.head_dim)
-            scores = torch.bmm(cq.transpose(0, 1), every_key.transpose(1, 2)).view(self.heads, rows, units, longest)
-            history_scores = scores.gather(2, own_unit).squeeze(2).transpose(0, 1) \
+            padded_q = torch.zeros(units * most, self.heads, self.head_dim, dtype=dtype, device=device)
+            padded_q = padded_q.index_copy(0, candidate_slot, cq).view(units, most, self.heads, self.head_dim)
+            scores = torch.bmm(by_head(padded_q), by_head(kp).transpose(1, 2))  # [U * H, C, T]
+            scores = scores.view(units, self.heads, most, longest).transpose(1, 2).reshape(units * most, self.heads,
+                                                                                           longest)
+            history_scores = scores.index_select(0, candidate_slot) \
                 + layer.relative(candidate_distance).permute(1, 0, 2) + age_bias.index_select(0, seq0_row_unit)
             own_scores = (cq * ck).sum(-1) + layer.position_bias[:, 0]
             history_weights = F.silu(history_scores) * key_valid.unsqueeze(1).to(dtype) / self.scale
             own_weights = F.silu(own_scores) / self.scale
-            spread = torch.zeros(self.heads, rows, units, longest, dtype=dtype, device=device).scatter(
-                2, own_unit, history_weights.transpose(0, 1).unsqueeze(2))
-            attended = torch.bmm(spread.view(self.heads, rows, units * longest), every_value) \
-                + (own_weights.unsqueeze(2) * cv).transpose(0, 1)
-            candidates = layer.finish(candidates, torch.cat(attended.unbind(0), dim=1), cu)  # [R, H * hd]
+            padded_w = torch.zeros(units * most, self.heads, longest, dtype=dtype, device=device)
+            padded_w = padded_w.index_copy(0, candidate_slot, history_weights).view(units, most, self.heads, longest)
+            attended = torch.bmm(padded_w.transpose(1, 2).reshape(units * self.heads, most, longest), by_head(vp))
+            attended = attended.view(units, self.heads, most, self.head_dim).transpose(1, 2) \
+                .reshape(units * most, self.heads * self.head_dim).index_select(0, candidate_slot)
+            attended = attended + (own_weights.unsqueeze(2) * cv).flatten(1)
+            candidates = layer.finish(candidates, attended, cu)
         return hstu.score(candidates).reshape(-1)
 
 

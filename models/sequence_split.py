@@ -5,7 +5,8 @@ with --pt2, `dense.pt2`, checked against TorchRec's eager quantized forward
 through an emulation of Narsil's embedding stage (`Stage`): rows
 dequantized from the table files' bytes as FBGEMM does, bags pooled, each
 unit's positions laid out once, units as Narsil numbers them (a batch's rows
-first, then its request blocks). A model's `Layout` names its history's
+first, then its request blocks; those no row attends to dropped when empty).
+A model's `Layout` names its history's
 channels and its candidate's features."""
 
 import argparse
@@ -96,9 +97,14 @@ class Stage:
         lengths = [len(unit[0]) for unit in units]
         width = len(self.layout.history) * self.dim
         values = np.concatenate(values) if values else np.zeros((0, width), dtype=np.float32)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        row_unit = np.array([r if row.get("block") is None else len(rows) + row["block"]
-                             for r, row in enumerate(rows)], dtype=np.int64)
+        row_unit = [r if row.get("block") is None else len(rows) + row["block"] for r, row in enumerate(rows)]
+        # Units no row attends to that hold no position (a grouped row's
+        # own) dropped, the others renumbered in order, as Narsil does.
+        attended = set(row_unit)
+        kept = [u for u in range(len(units)) if u in attended or lengths[u] > 0]
+        renumbered = {u: k for k, u in enumerate(kept)}
+        offsets = np.concatenate([[0], np.cumsum([lengths[u] for u in kept])]).astype(np.int64)
+        row_unit = np.array([renumbered[u] for u in row_unit], dtype=np.int64)
         dense = torch.stack([row["dense"] for row in rows])
         return (dense, torch.from_numpy(np.stack(pooled)), torch.from_numpy(values.reshape(-1, width)),
                 torch.from_numpy(offsets), torch.from_numpy(row_unit))
