@@ -130,14 +130,17 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=16, help="width of each head's u, v, q and k")
     p.add_argument("--max-len", type=int, default=64, help="the history's positions kept at most (the last)")
     p.add_argument("--head-arch", type=int_list, default=[32], help="the head's MLP layers, before the logit")
+    p.add_argument("--attention-block", type=int, default=32,
+                   help="the split dense network's attention block: a unit's tokens are cut into blocks of this many "
+                        "(only its last block padded)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--pt2", action="store_true",
                    help="also compile the dense network with AOTInductor into OUT/split/dense.pt2 (FP32)")
     args = p.parse_args()
     args.num_dense = 0
-    if args.num_user < 1 or args.max_len < 1:
-        p.error("--num-user and --max-len must be at least 1")
+    if args.num_user < 1 or args.max_len < 1 or args.attention_block < 1:
+        p.error("--num-user, --max-len and --attention-block must be at least 1")
     out: Path = args.out
     missing = not (out / "split" / "schema.json").exists() or (args.pt2 and not (out / "split" / "dense.pt2").exists())
     if (out / "manifest.json").exists() and not args.force and not missing:
@@ -197,7 +200,7 @@ def main() -> int:
     (out / "golden_ranking.json").write_text(json.dumps(ranking_file))
 
     log("writing the split form and checking it through an emulation of Narsil's stage")
-    network = HstuDenseNetwork(quantized.network).eval()
+    network = HstuDenseNetwork(quantized.network, args.attention_block).eval()
     layout = Layout(HISTORY, CANDIDATE, sequence_json(args.max_len), BOUND, BF16_BOUND)
     worst = write_split(out / "split", quantized, network, layout, args, keys, user, request_level, flat_scored,
                         ranking_scored, log)
@@ -210,7 +213,8 @@ def main() -> int:
         "seed": args.seed, "num_user": args.num_user, "item_rows": args.item_rows, "action_rows": args.action_rows,
         "age_rows": args.age_rows, "user_rows": args.user_rows, "embedding_dim": args.embedding_dim,
         "model_dim": args.model_dim, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
-        "max_len": args.max_len, "head_arch": args.head_arch, "torch": torch.__version__,
+        "max_len": args.max_len, "head_arch": args.head_arch, "attention_block": args.attention_block,
+        "torch": torch.__version__,
         "checks": {"invariance": invariance, "split_max_diff": worst},
         "files": ["golden.json", "golden_ranking.json", "split/"],
     }

@@ -37,9 +37,9 @@ attention under the mask: the eager reference.
 
 `HstuDenseNetwork` is Narsil's split form (`forward(dense, pooled,
 seq0_values, seq0_offsets, seq0_row_unit)`): each unit's contexts and
-history go through the layers once (projections jagged, attention padded to
-the batch's longest unit), keeping every layer's keys and values; each
-candidate then runs the layers alone against its unit's keys and values.
+history go through the layers once (jagged: projections per token,
+attention in blocks of each unit's own tokens); each candidate then runs the
+layers alone against its unit's keys and values.
 """
 
 import math
@@ -245,19 +245,23 @@ class HstuDenseNetwork(nn.Module):
     `seq0_values` each position's item, action and age rows side by side,
     unit after unit; row `r`'s history is unit `row_unit[r]`'s.
 
-    Per unit, once: its context tokens (from any of its rows' pooled user
-    features: a unit's rows carry the same ones) and history tokens go
-    through every layer, projections on the jagged tokens (no padding),
-    attention on the units padded to the batch's longest
-    (`narsil_sequence_padding_positions_total` counts that padding); each
-    layer's keys and values are kept, padded. Per candidate: its token goes
-    through every layer against its unit's keys and values and its own
-    (the candidates laid out per unit, padded to the most rows a unit has,
-    one GEMM per unit and head: no per-row copy of a history; users fused
-    cost what they cost alone): the history's work is never repeated per
-    candidate. Arithmetic in the weights' dtype; scores FP32."""
+    Jagged throughout, never padded to the batch's longest unit. A unit's
+    tokens (its contexts, from any of its rows' pooled user features, then
+    its history) go through every layer once: projections on the jagged
+    tokens; attention in blocks of `block` tokens, each unit cut into its
+    own blocks (only a unit's last block is padded) and each query block
+    attending to its unit's key blocks at or before it (the blocks above
+    the diagonal, all masked, are never computed). HSTU's attention is
+    pointwise (no softmax), so each key block's share is summed on its own.
+    Each candidate then goes through every layer against its unit's key
+    blocks and itself: the candidates laid out per unit (padded to the most
+    rows a unit has), one GEMM per key block and head. The history's work
+    is never repeated per candidate, and fused users cost what they cost
+    alone. Arithmetic in the weights' dtype; scores FP32."""
 
-    def __init__(self, network: HstuNetwork) -> None:
+    block: int
+
+    def __init__(self, network: HstuNetwork, block: int = 32) -> None:
         super().__init__()
         self.hstu = network
         self.contexts = network.contexts
@@ -265,94 +269,108 @@ class HstuDenseNetwork(nn.Module):
         self.scale = network.scale
         self.heads, self.head_dim = network.heads, network.head_dim
         self.layers = network.layers
+        self.block = block
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
                 seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor) -> torch.Tensor:
         hstu = self.hstu
         dtype = hstu.final_norm.weight.dtype
         pooled, values = pooled.to(dtype), seq0_values.to(dtype)
-        d, c = self.embedding_dim, self.contexts
+        d, c, b = self.embedding_dim, self.contexts, self.block
         rows, units, positions = pooled.size(0), seq0_offsets.numel() - 1, values.size(0)
         device = values.device
         starts = seq0_offsets[:-1]
-        lengths = seq0_offsets[1:] - starts
+        sizes = c + seq0_offsets[1:] - starts  # tokens per unit
         # A row of each unit (its pooled user features are the unit's).
         unit_row = torch.zeros(units, dtype=torch.int64, device=device).scatter_reduce(
             0, seq0_row_unit, torch.arange(rows, device=device), "amax", include_self=False)
         contexts = hstu.context_tokens(pooled.index_select(0, unit_row)[:, :c * d])  # [U, C, dim]
-        width = contexts.size(2)
-        tokens = torch.cat([contexts.reshape(units * c, width),
+        tokens = torch.cat([contexts.reshape(units * c, contexts.size(2)),
                             hstu.token_projection(values[:, :2 * d])])  # [U*C + P, dim]: contexts, then positions
         ages = torch.cat([torch.zeros(units * c, d, dtype=dtype, device=device), values[:, 2 * d:3 * d]])
-        # Padded layout [U, T]: slot t of unit u holds a token index (or the appended zero row).
-        longest = c + longest_unit(lengths)
-        steps = torch.arange(longest, device=device).unsqueeze(0)  # [1, T]
-        real = units * c + positions
-        unit_ids = torch.arange(units, device=device).unsqueeze(1)
-        index = torch.where(steps < c, unit_ids * c + steps,
-                            torch.where(steps - c < lengths.unsqueeze(1),
-                                        units * c + starts.unsqueeze(1) + steps - c,
-                                        torch.full_like(steps, real)))  # [U, T]
-        valid = steps < c + lengths.unsqueeze(1)  # [U, T]
-        mask = (steps.unsqueeze(2) >= steps.unsqueeze(1)) & valid.unsqueeze(2) & valid.unsqueeze(1)
-        distance = steps.reshape(-1).unsqueeze(1) - steps.reshape(-1).unsqueeze(0)  # [T, T]
-        # Each real token's slot in the padded layout.
-        context_slots = (unit_ids * longest + torch.arange(c, device=device).unsqueeze(0)).reshape(-1)
-        position = torch.arange(positions, device=device)
-        unit_of = torch.searchsorted(seq0_offsets, position, right=True) - 1
-        slots = torch.cat([context_slots, unit_of * longest + c + position - starts.index_select(0, unit_of)])
-        # Candidates: tokens, positions right after their unit's history.
+        real = units * c + positions  # the appended zero row's index
+        # Blocks: unit after unit, `blocks_of[u]` each (at least one: a
+        # unit has its contexts); slot `s` of block `k` is its unit's token
+        # `index[k] * b + s`.
+        blocks_of = (sizes + b - 1) // b
+        grid = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0) < blocks_of.unsqueeze(1)
+        found = grid.nonzero()
+        block_unit, block_index = found[:, 0], found[:, 1]
+        blocks = block_unit.size(0)
+        step = torch.arange(b, device=device)
+        slot = block_index.unsqueeze(1) * b + step.unsqueeze(0)  # [K, b]: the token's place in its unit
+        owner = block_unit.unsqueeze(1)
+        valid = slot < sizes.index_select(0, block_unit).unsqueeze(1)
+        token = torch.where(slot < c, owner * c + slot, units * c + starts.index_select(0, block_unit).unsqueeze(1)
+                            + slot - c)
+        token = torch.where(valid, token, torch.full_like(token, real))  # [K, b]
+        # Pairs: query block `pair_query`, key block `pair_key` of its unit, at or before it.
+        before = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0) <= block_index.unsqueeze(1)
+        pairs = before.nonzero()
+        pair_query = pairs[:, 0]
+        pair_key = pair_query - block_index.index_select(0, pair_query) + pairs[:, 1]
+        distance = ((block_index.index_select(0, pair_query) - pairs[:, 1]) * b).view(-1, 1, 1) \
+            + (step.view(1, b, 1) - step.view(1, 1, b))  # [pairs, b, b]: query's place minus key's
+        pair_mask = (valid.index_select(0, pair_query).unsqueeze(2) & valid.index_select(0, pair_key).unsqueeze(1)
+                     & (distance >= 0)).unsqueeze(1).to(dtype)
+        # Each real token's place among the blocks.
+        first_block = torch.cumsum(blocks_of, 0) - blocks_of
+        place = torch.cat([torch.arange(c, device=device).repeat(units),
+                           c + torch.arange(positions, device=device)
+                           - starts.index_select(0, torch.searchsorted(seq0_offsets, torch.arange(
+                               positions, device=device), right=True) - 1)])
+        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c),
+                                torch.searchsorted(seq0_offsets, torch.arange(positions, device=device),
+                                                   right=True) - 1])
+        token_place = (first_block.index_select(0, token_unit) + place // b) * b + place % b
+        # Candidates: laid out per unit (`[U, most]`: rows sorted by unit,
+        # stably, ranked within it), positions right after their history.
         candidates = hstu.candidate_tokens(pooled[:, c * d:(c + 1) * d])
-        key_valid = valid.index_select(0, seq0_row_unit)  # [R, T]
-        # Each row's slot among its unit's rows (`[U, C]`, C the most rows
-        # of a unit): rows sorted by unit, stably, ranked within it.
         per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
             0, seq0_row_unit, torch.ones_like(seq0_row_unit))
         most = most_rows(per_unit)
         order = torch.sort(seq0_row_unit, stable=True).indices
-        first = torch.cumsum(per_unit, 0) - per_unit
-        rank = torch.zeros_like(seq0_row_unit).index_copy(
-            0, order, torch.arange(rows, device=device) - first.index_select(0, seq0_row_unit.index_select(0, order)))
+        first_row = torch.cumsum(per_unit, 0) - per_unit
+        rank = torch.zeros_like(seq0_row_unit).index_copy(0, order, torch.arange(rows, device=device)
+                                                          - first_row.index_select(0, seq0_row_unit.index_select(0, order)))
         candidate_slot = seq0_row_unit * most + rank
-        candidate_distance = (c + lengths.index_select(0, seq0_row_unit)).unsqueeze(1) - steps  # [R, T]
+        candidate_distance = sizes.index_select(0, block_unit).unsqueeze(1) - slot  # [K, b]
+        key_valid = valid.view(blocks, 1, 1, b).to(dtype)
         x = tokens
         zero_row = torch.zeros(1, self.heads, self.head_dim, dtype=dtype, device=device)
+        width = self.heads * self.head_dim
         for layer in self.layers:
-            # The units' contexts and histories.
+            # The units' contexts and histories, block pair by block pair.
             u, v, q, k = layer.project(x)
             age_bias = torch.cat([layer.age_bias(ages), torch.zeros(1, layer.heads, dtype=dtype, device=device)])
-            age_bias = age_bias[index].permute(0, 2, 1)  # [U, H, T]
-            qp = torch.cat([q, zero_row])[index]  # [U, T, H, hd]
-            kp = torch.cat([k, zero_row])[index]
-            vp = torch.cat([v, zero_row])[index]
-            scores = torch.bmm(by_head(qp), by_head(kp).transpose(1, 2)).view(units, self.heads, longest, longest)
-            scores = scores + layer.relative(distance).unsqueeze(0) + age_bias.unsqueeze(2)
-            weights = F.silu(scores) * mask.unsqueeze(1).to(dtype) / self.scale
-            attended = torch.bmm(weights.view(units * self.heads, longest, longest), by_head(vp))
-            attended = attended.view(units, self.heads, longest, self.head_dim).transpose(1, 2)
-            attended = attended.reshape(units * longest, self.heads * self.head_dim).index_select(0, slots)
+            age_bias = age_bias[token].transpose(1, 2).unsqueeze(2)  # [K, H, 1, b]
+            qb = torch.cat([q, zero_row])[token]  # [K, b, H, hd]
+            kb = torch.cat([k, zero_row])[token]
+            vb = torch.cat([v, zero_row])[token]
+            scores = torch.bmm(by_head(qb.index_select(0, pair_query)),
+                               by_head(kb.index_select(0, pair_key)).transpose(1, 2))
+            scores = scores.view(pairs.size(0), self.heads, b, b) + layer.relative(distance).transpose(0, 1) \
+                + age_bias.index_select(0, pair_key)
+            weights = F.silu(scores) * pair_mask / self.scale
+            shares = torch.bmm(weights.view(pairs.size(0) * self.heads, b, b), by_head(vb.index_select(0, pair_key)))
+            attended = torch.zeros(blocks, self.heads, b, self.head_dim, dtype=dtype, device=device).index_add(
+                0, pair_query, shares.view(pairs.size(0), self.heads, b, self.head_dim))
+            attended = attended.transpose(1, 2).reshape(blocks * b, width).index_select(0, token_place)
             x = layer.finish(x, attended, u)
-            # The candidates, against their unit's keys and values: laid out
-            # per unit (`[U, C, ...]`, C the most rows of a unit), one GEMM
-            # per unit and head, then back to rows.
+            # The candidates, against their unit's key blocks and themselves.
             cu, cv, cq, ck = layer.project(candidates)
-            padded_q = torch.zeros(units * most, self.heads, self.head_dim, dtype=dtype, device=device)
-            padded_q = padded_q.index_copy(0, candidate_slot, cq).view(units, most, self.heads, self.head_dim)
-            scores = torch.bmm(by_head(padded_q), by_head(kp).transpose(1, 2))  # [U * H, C, T]
-            scores = scores.view(units, self.heads, most, longest).transpose(1, 2).reshape(units * most, self.heads,
-                                                                                           longest)
-            history_scores = scores.index_select(0, candidate_slot) \
-                + layer.relative(candidate_distance).permute(1, 0, 2) + age_bias.index_select(0, seq0_row_unit)
-            own_scores = (cq * ck).sum(-1) + layer.position_bias[:, 0]
-            history_weights = F.silu(history_scores) * key_valid.unsqueeze(1).to(dtype) / self.scale
-            own_weights = F.silu(own_scores) / self.scale
-            padded_w = torch.zeros(units * most, self.heads, longest, dtype=dtype, device=device)
-            padded_w = padded_w.index_copy(0, candidate_slot, history_weights).view(units, most, self.heads, longest)
-            attended = torch.bmm(padded_w.transpose(1, 2).reshape(units * self.heads, most, longest), by_head(vp))
-            attended = attended.view(units, self.heads, most, self.head_dim).transpose(1, 2) \
-                .reshape(units * most, self.heads * self.head_dim).index_select(0, candidate_slot)
-            attended = attended + (own_weights.unsqueeze(2) * cv).flatten(1)
-            candidates = layer.finish(candidates, attended, cu)
+            padded = torch.zeros(units * most, self.heads, self.head_dim, dtype=dtype, device=device)
+            padded = padded.index_copy(0, candidate_slot, cq).view(units, most, self.heads, self.head_dim)
+            scores = torch.bmm(by_head(padded.index_select(0, block_unit)), by_head(kb).transpose(1, 2))
+            scores = scores.view(blocks, self.heads, most, b) \
+                + layer.relative(candidate_distance).transpose(0, 1).unsqueeze(2) + age_bias
+            weights = F.silu(scores) * key_valid / self.scale
+            shares = torch.bmm(weights.view(blocks * self.heads, most, b), by_head(vb))
+            attended = torch.zeros(units, self.heads, most, self.head_dim, dtype=dtype, device=device).index_add(
+                0, block_unit, shares.view(blocks, self.heads, most, self.head_dim))
+            attended = attended.transpose(1, 2).reshape(units * most, width).index_select(0, candidate_slot)
+            own = F.silu((cq * ck).sum(-1) + layer.position_bias[:, 0]) / self.scale
+            candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
         return hstu.score(candidates).reshape(-1)
 
 
