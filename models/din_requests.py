@@ -37,9 +37,14 @@ class Draw:
         return [item, self.category[item]]
 
     def history(self, kind: str) -> List[torch.Tensor]:
-        """`kind`: zero, one, random (2 to max_len - 1), max (max_len),
-        repeated (max_len // 2 positions over 3 distinct items), long
-        (max_len + 1 to 2 max_len: cut when served)."""
+        """A history's items and their categories (`items`' kinds)."""
+        items = self.items(kind)
+        return [items, self.category[items]]
+
+    def items(self, kind: str) -> torch.Tensor:
+        """A history's items. `kind`: zero, one, random (2 to max_len - 1),
+        max (max_len), repeated (max_len // 2 positions over 3 distinct
+        items), long (max_len + 1 to 2 max_len: cut when served)."""
         max_len = self.args.max_len
         length = {"zero": 0, "one": 1, "max": max_len, "repeated": max(2, max_len // 2)}.get(kind)
         if kind == "random":
@@ -51,7 +56,7 @@ class Draw:
             items = pool[torch.randint(0, 3, (length,), generator=self.g)]
         else:
             items = torch.randint(0, self.args.item_rows, (length,), generator=self.g)
-        return [items, self.category[items]]
+        return items
 
     def dense(self) -> torch.Tensor:
         return torch.randn(self.args.num_dense, generator=self.g)

@@ -82,17 +82,8 @@ class HstuDraw(Draw):
         return [torch.randint(0, self.args.item_rows, (1,), generator=self.g)]
 
     def history(self, kind: str) -> List[torch.Tensor]:
-        max_len = self.args.max_len
-        length = {"zero": 0, "one": 1, "max": max_len, "repeated": max(2, max_len // 2)}.get(kind)
-        if kind == "random":
-            length = self.int(2, max(3, max_len))
-        elif kind == "long":
-            length = self.int(max_len + 1, 2 * max_len + 1)
-        if kind == "repeated":
-            pool = torch.randint(0, self.args.item_rows, (3,), generator=self.g)
-            items = pool[torch.randint(0, 3, (length,), generator=self.g)]
-        else:
-            items = torch.randint(0, self.args.item_rows, (length,), generator=self.g)
+        items = self.items(kind)
+        length = len(items)
         actions = torch.randint(0, self.args.action_rows, (length,), generator=self.g)
         seconds = torch.sort(torch.rand(length, generator=self.g) * 30 * 86400, descending=True).values
         ages = age_bucket(seconds).clamp(max=self.args.age_rows - 1)
