@@ -156,7 +156,8 @@ fi
 # The generative ranker (phase G) in its GPU shape (a DLRMv3-like ranker
 # scaled to the carry limit: 5 STU layers of width 256, 4 heads of 64,
 # histories of up to 1,024 positions, 50k items x 128), exported here once
-# (about 2 minutes), its split form carried without the CPU package.
+# (about 10 minutes on 2 vCPUs: its reference scores every golden request
+# in Python; 18 MiB), its split form carried without the CPU package.
 HSTU_GPU="$ROOT/models/generated/gpu-hstu"
 if [ ! -f "$HSTU_GPU/split/schema.json" ]; then
   echo "build_for_libtorch: exporting $HSTU_GPU (the GPU check's generative ranker)" >&2
