@@ -334,7 +334,11 @@ async fn a_sequence_model_scores_as_torchrec_through_the_device_lane_on_the_cpu_
 async fn a_sequence_model_single_file_scores_as_torchrec_with_grouped_requests_made_flat() {
     let dir = din_dir();
     let factory = TorchFactory::load(TorchConfig::new(dir.join("model.pt"))).unwrap();
-    scores_as_torchrec_and_grouped_as_flat(Arc::new(factory), "single-file", &dir).await.stop().await.unwrap();
+    scores_as_torchrec_and_grouped_as_flat(Arc::new(factory), "single-file", &dir)
+        .await
+        .stop()
+        .await
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
