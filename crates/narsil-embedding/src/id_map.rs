@@ -50,6 +50,7 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use crate::sha256::hex;
+use crate::stores::local::huge_pages::{huge_pages_wanted, HugePageRows, HUGE_PAGE};
 
 /// The first 16 bytes of every map file.
 pub const MAGIC: &[u8; 16] = b"NARSIL-IDMAP-1\n\0";
@@ -96,9 +97,12 @@ fn invalid(message: impl Into<String>) -> IdMapError {
     IdMapError::Invalid(message.into())
 }
 
-/// The bytes of a map: read into memory (built, or small) or mapped.
+/// The bytes of a map: in memory (on huge pages when at least one, as
+/// memory-store tables are: [`crate::stores::local::huge_pages`]) or
+/// mapped.
 enum Bytes {
     Owned(Vec<u8>),
+    Huge(HugePageRows),
     Mapped(memmap2::Mmap),
 }
 
@@ -107,8 +111,20 @@ impl std::ops::Deref for Bytes {
     fn deref(&self) -> &[u8] {
         match self {
             Self::Owned(bytes) => bytes,
+            Self::Huge(bytes) => bytes,
             Self::Mapped(map) => map,
         }
+    }
+}
+
+impl Bytes {
+    /// A copy on huge pages when they are wanted and it is at least one,
+    /// else itself.
+    fn onto_huge_pages(self) -> Self {
+        if !huge_pages_wanted() || self.len() < HUGE_PAGE || matches!(self, Self::Huge(_)) {
+            return self;
+        }
+        HugePageRows::copy_of(&self).map_or(self, Self::Huge)
     }
 }
 
@@ -157,9 +173,18 @@ impl IdMap {
         Ok((map, sha))
     }
 
-    /// A map from its bytes (as [`build`] writes them), checked.
+    /// A map from its bytes (as [`build`] writes them), checked, held as
+    /// a map of a memory-store table is ([`Self::onto_huge_pages`]).
     pub fn from_bytes(bytes: Vec<u8>, rows: u64) -> Result<Self, IdMapError> {
-        Self::checked(Bytes::Owned(bytes), rows)
+        Self::checked(Bytes::Owned(bytes).onto_huge_pages(), rows)
+    }
+
+    /// This map copied onto huge pages (at least 2 MiB of it; else, or
+    /// when they cannot be had, as it is): the map of a table the `memory`
+    /// store holds, whose lookups then pay no more page walks than its
+    /// rows'. A mapped map's page-cache copy is left to the kernel.
+    pub fn onto_huge_pages(self) -> Self {
+        Self { bytes: self.bytes.onto_huge_pages(), ..self }
     }
 
     fn checked(bytes: Bytes, rows: u64) -> Result<Self, IdMapError> {

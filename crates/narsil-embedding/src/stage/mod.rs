@@ -260,7 +260,8 @@ impl EmbeddingStage {
         schema: &SplitSchema,
         stores: Vec<Arc<dyn RowStore>>,
     ) -> Result<Self, TableError> {
-        Ok(Self::with_id_maps(schema, stores, open_id_maps(dir, schema)?))
+        let maps = open_id_maps(dir, schema, &stores)?;
+        Ok(Self::with_id_maps(schema, stores, maps))
     }
 
     /// Values in the pooled input per row: features times the pooled width.
@@ -370,10 +371,16 @@ pub(super) struct Outputs<'a> {
 }
 
 /// The id maps of `schema`'s tables that declare one, opened from `dir`
-/// and checked (every byte, and its SHA-256 against the schema's).
-fn open_id_maps(dir: &Path, schema: &SplitSchema) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
+/// and checked (every byte, and its SHA-256 against the schema's); the
+/// map of a table in process memory (`stores`, the `memory` store) is
+/// copied onto huge pages as the table is.
+fn open_id_maps(
+    dir: &Path,
+    schema: &SplitSchema,
+    stores: &[Arc<dyn RowStore>],
+) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
     let mut maps = Vec::with_capacity(schema.tables.len());
-    for table in &schema.tables {
+    for (t, table) in schema.tables.iter().enumerate() {
         let TableIds::Map(spec) = &table.ids else {
             maps.push(None);
             continue;
@@ -387,7 +394,8 @@ fn open_id_maps(dir: &Path, schema: &SplitSchema) -> Result<Vec<Option<Arc<IdMap
                 spec.sha256
             )));
         }
-        maps.push(Some(Arc::new(map)));
+        let in_memory = stores.get(t).is_some_and(|store| store.kind() == "memory");
+        maps.push(Some(Arc::new(if in_memory { map.onto_huge_pages() } else { map })));
     }
     Ok(maps)
 }

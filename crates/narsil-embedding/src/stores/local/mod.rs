@@ -1,8 +1,9 @@
 //! The `memory` and `mmap` table stores: a model's tables read into this
-//! process or mapped from their files ([`table`]), shared by content with
-//! the model versions that already hold them ([`shared`]). No store flag
-//! concerns them.
+//! process (on huge pages: [`huge_pages`]) or mapped from their files
+//! ([`table`]), shared by content with the model versions that already
+//! hold them ([`shared`]). No store flag concerns them.
 
+pub mod huge_pages;
 pub mod shared;
 pub mod table;
 
@@ -11,8 +12,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::schema::SplitSchema;
+use crate::stores::local::huge_pages::HUGE_PAGE;
 use crate::stores::local::shared::open_shared;
-use crate::stores::local::table::LocalRows;
+use crate::stores::local::table::{LocalRows, Table};
 use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
 use crate::stores::table_store::{OpenedTables, StoreConfig, StoreKind, TableStore};
@@ -75,7 +77,46 @@ impl StoreConfig for LocalStore {
             opened.bytes += table.table.bytes().len() as u64;
             stores.push(table.table);
         }
+        if self.0 == LocalRows::Memory {
+            report_huge_pages(&stores);
+        }
         Ok((stores, opened))
+    }
+}
+
+/// Logs the share of a model's memory tables of at least one huge page
+/// that the kernel put on huge pages, and, once per process, why when it
+/// is under 95%.
+fn report_huge_pages(stores: &[Arc<dyn RowStore>]) {
+    let tables: Vec<&Table> = stores.iter().filter_map(|s| s.as_any().downcast_ref::<Table>()).collect();
+    let large: Vec<&&Table> = tables.iter().filter(|t| t.bytes().len() >= HUGE_PAGE).collect();
+    let bytes: u64 = large.iter().map(|t| t.bytes().len() as u64).sum();
+    if bytes == 0 {
+        return;
+    }
+    let (huge, advised) = large
+        .iter()
+        .map(|t| t.huge_page_bytes())
+        .fold((0, 0), |(huge, advised), (h, a)| (huge + h, advised + usize::from(a)));
+    let share = huge as f64 / bytes as f64 * 100.0;
+    tracing::info!(
+        tables = large.len(),
+        table_mib = bytes >> 20,
+        huge_page_mib = huge >> 20,
+        "memory tables of at least 2 MiB: {share:.1}% of their bytes on 2 MiB pages"
+    );
+    static SAID: std::sync::Once = std::sync::Once::new();
+    if share < 95.0 {
+        let why = match advised {
+            0 if !huge_pages::huge_pages_wanted() => "NARSIL_TABLE_HUGE_PAGES=off".to_string(),
+            0 => "no memory could be mapped for them (the tables are on the heap)".to_string(),
+            _ => huge_pages::why_not_huge(),
+        };
+        SAID.call_once(|| {
+            tracing::warn!(
+                "memory tables: only {share:.1}% on 2 MiB pages ({why}); lookups pay more page walks"
+            )
+        });
     }
 }
 

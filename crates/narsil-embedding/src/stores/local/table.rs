@@ -8,7 +8,9 @@
 //! the third, `redis`, is [`crate::stores::redis`]):
 //!
 //! * `memory` (default): the file is read into the process once; every
-//!   lookup is a memory read. Needs the tables' size in RAM.
+//!   lookup is a memory read. Needs the tables' size in RAM. A table of at
+//!   least 2 MiB is read into memory of its own on 2 MiB pages
+//!   ([`crate::stores::local::huge_pages`]).
 //! * `mmap`: the file is mapped read-only and the kernel's page cache holds
 //!   the rows that are read, so tables larger than RAM are served, at the
 //!   cost of a page fault (a disk read) when a row is not cached. The map is
@@ -40,6 +42,7 @@ use std::time::Instant;
 use crate::layout::SlotIndex;
 use crate::schema::{Storage, TableSpec};
 use crate::sha256::{sha256_of, sha256_of_bytes};
+use crate::stores::local::huge_pages::{huge_pages_wanted, HugePageRows, HUGE_PAGE};
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
 use crate::stores::table_error::TableError;
 use crate::stores::table_file::{check_hash, sized_file, slot_index, vouched_for};
@@ -54,10 +57,26 @@ pub enum LocalRows {
     Mmap,
 }
 
-/// A table's rows, in memory or mapped.
+/// A table's rows, in memory (on huge pages, or the heap) or mapped.
 enum Rows {
+    Huge(HugePageRows),
     Memory(Vec<u8>),
     Mapped(memmap2::Mmap),
+}
+
+/// `len` bytes from `fill` on huge pages when the table is large enough
+/// and huge pages are wanted ([`huge_pages`](crate::stores::local::huge_pages)),
+/// else on the heap; `fill` writes every byte.
+fn in_memory(len: usize, fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>) -> std::io::Result<Rows> {
+    if huge_pages_wanted() && len >= HUGE_PAGE {
+        if let Ok(mut rows) = HugePageRows::zeroed(len) {
+            fill(&mut rows)?;
+            return Ok(Rows::Huge(rows));
+        }
+    }
+    let mut rows = vec![0; len];
+    fill(&mut rows)?;
+    Ok(Rows::Memory(rows))
 }
 
 /// Maps the whole of `file` read-only and private (`PROT_READ`,
@@ -122,18 +141,27 @@ impl Table {
         let mut slots = slot_index(dir, spec)?;
         let rows_data = match store {
             LocalRows::Memory => {
-                let mut rows = std::fs::read(&path).map_err(read_error)?;
-                if rows.len() as u64 != expected {
-                    return Err(size_error(rows.len() as u64));
-                }
+                // `sized_file` checked the length; a file that changes
+                // length meanwhile fails the read, naming the table.
+                let mut file = std::fs::File::open(&path).map_err(read_error)?;
+                let mut rows = in_memory(expected as usize, |rows| {
+                    use std::io::Read;
+                    file.read_exact(rows)?;
+                    match file.read(&mut [0u8; 1])? {
+                        0 => Ok(()),
+                        _ => Err(std::io::Error::other("the file grew while it was read")),
+                    }
+                })
+                .map_err(read_error)?;
+                let bytes = rows.bytes_mut();
                 if !vouched {
-                    check_hash(spec, &path, sha256_of_bytes(&rows))?;
+                    check_hash(spec, &path, sha256_of_bytes(bytes))?;
                 }
                 // In place: the table once, and a bit per row.
                 if let Some(index) = slots.take() {
-                    index.to_id_order(&mut rows, spec.row_bytes);
+                    index.to_id_order(bytes, spec.row_bytes);
                 }
-                Rows::Memory(rows)
+                rows
             }
             LocalRows::Mmap => {
                 if expected == 0 {
@@ -158,9 +186,26 @@ impl Table {
 
     /// A table over rows already in memory (`data.len()` must be
     /// `rows * row_bytes`).
+    /// Held as the `memory` store holds a table read from its file (on
+    /// huge pages when large enough), so that benches measure what the
+    /// server serves.
     pub fn from_rows(spec: &TableSpec, data: Vec<u8>) -> Self {
         assert_eq!(data.len() as u64, spec.rows * spec.row_bytes as u64, "table {:?} rows", spec.name);
-        Self::with_rows(spec, Rows::Memory(data))
+        let rows = match huge_pages_wanted() && data.len() >= HUGE_PAGE {
+            true => HugePageRows::copy_of(&data).map_or(Rows::Memory(data), Rows::Huge),
+            false => Rows::Memory(data),
+        };
+        Self::with_rows(spec, rows)
+    }
+
+    /// Its bytes the kernel backs with huge pages now (0 for a table on
+    /// the heap or mapped: see [`crate::stores::local::huge_pages`]), and
+    /// whether it was put on memory advised for them.
+    pub fn huge_page_bytes(&self) -> (u64, bool) {
+        match &self.rows_data {
+            Rows::Huge(rows) => (rows.huge_bytes().unwrap_or(0), true),
+            _ => (0, false),
+        }
     }
 
     fn with_rows(spec: &TableSpec, rows_data: Rows) -> Self {
@@ -178,7 +223,7 @@ impl Table {
     /// Where its rows live.
     pub fn store(&self) -> LocalRows {
         match self.rows_data {
-            Rows::Memory(_) => LocalRows::Memory,
+            Rows::Huge(_) | Rows::Memory(_) => LocalRows::Memory,
             Rows::Mapped(_) => LocalRows::Mmap,
         }
     }
@@ -192,8 +237,20 @@ impl Table {
     /// Every row, end to end, in the file's layout (see [`RowStore::slots`]).
     pub fn bytes(&self) -> &[u8] {
         match &self.rows_data {
+            Rows::Huge(rows) => rows,
             Rows::Memory(data) => data,
             Rows::Mapped(map) => map,
+        }
+    }
+}
+
+impl Rows {
+    /// The bytes of rows held in memory (never called on a map).
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Rows::Huge(rows) => rows,
+            Rows::Memory(data) => data,
+            Rows::Mapped(_) => unreachable!("a mapped table is read-only"),
         }
     }
 }
@@ -254,6 +311,36 @@ pub(crate) mod tests {
             layout: None,
             ids: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_memory_table_of_at_least_a_huge_page_is_read_onto_memory_advised_for_huge_pages() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("tables")).unwrap();
+        let rows = 3 * HUGE_PAGE as u64 / 16 + 5;
+        let bytes: Vec<u8> = (0..rows * 16).map(|i| (i * 31 % 251) as u8).collect();
+        std::fs::write(dir.path().join("tables/cat_3.bin"), &bytes).unwrap();
+        let table = Table::load(dir.path(), &spec(rows), LocalRows::Memory).unwrap();
+        assert_eq!(table.bytes(), &bytes[..], "the file's rows");
+        assert_eq!(table.row(rows - 1), &bytes[bytes.len() - 16..]);
+        let (huge, advised) = table.huge_page_bytes();
+        let wanted = huge_pages_wanted();
+        if !wanted {
+            eprintln!("huge pages not checked: NARSIL_TABLE_HUGE_PAGES=off");
+        }
+        assert!(
+            advised == wanted && huge <= bytes.len() as u64,
+            "{huge} bytes on huge pages, advised {advised}"
+        );
+        let from_rows = Table::from_rows(&spec(rows), bytes.clone());
+        assert_eq!(from_rows.huge_page_bytes().1, wanted, "benches hold tables as the server does");
+        // A small table stays on the heap.
+        let small = Table::from_rows(&spec(9), vec![1; 9 * 16]);
+        assert_eq!(small.huge_page_bytes(), (0, false));
+        // A file one byte short of its schema is refused, naming it.
+        std::fs::write(dir.path().join("tables/cat_3.bin"), &bytes[1..]).unwrap();
+        let error = Table::load(dir.path(), &spec(rows), LocalRows::Memory).unwrap_err().to_string();
+        assert!(error.contains("cat_3") && error.contains("cat_3.bin"), "{error}");
     }
 
     #[test]
