@@ -264,11 +264,6 @@ class HstuDenseNetwork(nn.Module):
     def __init__(self, network: HstuNetwork, block: int = 32) -> None:
         super().__init__()
         self.hstu = network
-        self.contexts = network.contexts
-        self.embedding_dim = network.embedding_dim
-        self.scale = network.scale
-        self.heads, self.head_dim = network.heads, network.head_dim
-        self.layers = network.layers
         self.block = block
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
@@ -276,7 +271,8 @@ class HstuDenseNetwork(nn.Module):
         hstu = self.hstu
         dtype = hstu.final_norm.weight.dtype
         pooled, values = pooled.to(dtype), seq0_values.to(dtype)
-        d, c, b = self.embedding_dim, self.contexts, self.block
+        d, c, b = hstu.embedding_dim, hstu.contexts, self.block
+        heads, head_dim, scale = hstu.heads, hstu.head_dim, hstu.scale
         rows, units, positions = pooled.size(0), seq0_offsets.numel() - 1, values.size(0)
         device = values.device
         starts = seq0_offsets[:-1]
@@ -293,7 +289,8 @@ class HstuDenseNetwork(nn.Module):
         # unit has its contexts); slot `s` of block `k` is its unit's token
         # `index[k] * b + s`.
         blocks_of = (sizes + b - 1) // b
-        grid = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0) < blocks_of.unsqueeze(1)
+        block_steps = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0)  # [1, most blocks]
+        grid = block_steps < blocks_of.unsqueeze(1)
         found = grid.nonzero()
         block_unit, block_index = found[:, 0], found[:, 1]
         blocks = block_unit.size(0)
@@ -305,7 +302,7 @@ class HstuDenseNetwork(nn.Module):
                             + slot - c)
         token = torch.where(valid, token, torch.full_like(token, real))  # [K, b]
         # Pairs: query block `pair_query`, key block `pair_key` of its unit, at or before it.
-        before = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0) <= block_index.unsqueeze(1)
+        before = block_steps <= block_index.unsqueeze(1)
         pairs = before.nonzero()
         pair_query = pairs[:, 0]
         pair_key = pair_query - block_index.index_select(0, pair_query) + pairs[:, 1]
@@ -315,13 +312,11 @@ class HstuDenseNetwork(nn.Module):
                      & (distance >= 0)).unsqueeze(1).to(dtype)
         # Each real token's place among the blocks.
         first_block = torch.cumsum(blocks_of, 0) - blocks_of
+        position = torch.arange(positions, device=device)
+        position_unit = torch.searchsorted(seq0_offsets, position, right=True) - 1
         place = torch.cat([torch.arange(c, device=device).repeat(units),
-                           c + torch.arange(positions, device=device)
-                           - starts.index_select(0, torch.searchsorted(seq0_offsets, torch.arange(
-                               positions, device=device), right=True) - 1)])
-        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c),
-                                torch.searchsorted(seq0_offsets, torch.arange(positions, device=device),
-                                                   right=True) - 1])
+                           c + position - starts.index_select(0, position_unit)])
+        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
         token_place = (first_block.index_select(0, token_unit) + place // b) * b + place % b
         # Candidates: laid out per unit (`[U, most]`: rows sorted by unit,
         # stably, ranked within it), positions right after their history.
@@ -329,17 +324,17 @@ class HstuDenseNetwork(nn.Module):
         per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
             0, seq0_row_unit, torch.ones_like(seq0_row_unit))
         most = most_rows(per_unit)
-        order = torch.sort(seq0_row_unit, stable=True).indices
+        by_unit = torch.sort(seq0_row_unit, stable=True)
         first_row = torch.cumsum(per_unit, 0) - per_unit
-        rank = torch.zeros_like(seq0_row_unit).index_copy(0, order, torch.arange(rows, device=device)
-                                                          - first_row.index_select(0, seq0_row_unit.index_select(0, order)))
+        rank = torch.zeros_like(seq0_row_unit).index_copy(
+            0, by_unit.indices, torch.arange(rows, device=device) - first_row.index_select(0, by_unit.values))
         candidate_slot = seq0_row_unit * most + rank
         candidate_distance = sizes.index_select(0, block_unit).unsqueeze(1) - slot  # [K, b]
         key_valid = valid.view(blocks, 1, 1, b).to(dtype)
         x = tokens
-        zero_row = torch.zeros(1, self.heads, self.head_dim, dtype=dtype, device=device)
-        width = self.heads * self.head_dim
-        for layer in self.layers:
+        zero_row = torch.zeros(1, heads, head_dim, dtype=dtype, device=device)
+        width = heads * head_dim
+        for layer in hstu.layers:
             # The units' contexts and histories, block pair by block pair.
             u, v, q, k = layer.project(x)
             age_bias = torch.cat([layer.age_bias(ages), torch.zeros(1, layer.heads, dtype=dtype, device=device)])
@@ -349,27 +344,27 @@ class HstuDenseNetwork(nn.Module):
             vb = torch.cat([v, zero_row])[token]
             scores = torch.bmm(by_head(qb.index_select(0, pair_query)),
                                by_head(kb.index_select(0, pair_key)).transpose(1, 2))
-            scores = scores.view(pairs.size(0), self.heads, b, b) + layer.relative(distance).transpose(0, 1) \
+            scores = scores.view(pairs.size(0), heads, b, b) + layer.relative(distance).transpose(0, 1) \
                 + age_bias.index_select(0, pair_key)
-            weights = F.silu(scores) * pair_mask / self.scale
-            shares = torch.bmm(weights.view(pairs.size(0) * self.heads, b, b), by_head(vb.index_select(0, pair_key)))
-            attended = torch.zeros(blocks, self.heads, b, self.head_dim, dtype=dtype, device=device).index_add(
-                0, pair_query, shares.view(pairs.size(0), self.heads, b, self.head_dim))
+            weights = F.silu(scores) * pair_mask / scale
+            shares = torch.bmm(weights.view(pairs.size(0) * heads, b, b), by_head(vb.index_select(0, pair_key)))
+            attended = torch.zeros(blocks, heads, b, head_dim, dtype=dtype, device=device).index_add(
+                0, pair_query, shares.view(pairs.size(0), heads, b, head_dim))
             attended = attended.transpose(1, 2).reshape(blocks * b, width).index_select(0, token_place)
             x = layer.finish(x, attended, u)
             # The candidates, against their unit's key blocks and themselves.
             cu, cv, cq, ck = layer.project(candidates)
-            padded = torch.zeros(units * most, self.heads, self.head_dim, dtype=dtype, device=device)
-            padded = padded.index_copy(0, candidate_slot, cq).view(units, most, self.heads, self.head_dim)
+            padded = torch.zeros(units * most, heads, head_dim, dtype=dtype, device=device)
+            padded = padded.index_copy(0, candidate_slot, cq).view(units, most, heads, head_dim)
             scores = torch.bmm(by_head(padded.index_select(0, block_unit)), by_head(kb).transpose(1, 2))
-            scores = scores.view(blocks, self.heads, most, b) \
+            scores = scores.view(blocks, heads, most, b) \
                 + layer.relative(candidate_distance).transpose(0, 1).unsqueeze(2) + age_bias
-            weights = F.silu(scores) * key_valid / self.scale
-            shares = torch.bmm(weights.view(blocks * self.heads, most, b), by_head(vb))
-            attended = torch.zeros(units, self.heads, most, self.head_dim, dtype=dtype, device=device).index_add(
-                0, block_unit, shares.view(blocks, self.heads, most, self.head_dim))
+            weights = F.silu(scores) * key_valid / scale
+            shares = torch.bmm(weights.view(blocks * heads, most, b), by_head(vb))
+            attended = torch.zeros(units, heads, most, head_dim, dtype=dtype, device=device).index_add(
+                0, block_unit, shares.view(blocks, heads, most, head_dim))
             attended = attended.transpose(1, 2).reshape(units * most, width).index_select(0, candidate_slot)
-            own = F.silu((cq * ck).sum(-1) + layer.position_bias[:, 0]) / self.scale
+            own = F.silu((cq * ck).sum(-1) + layer.position_bias[:, 0]) / scale
             candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
         return hstu.score(candidates).reshape(-1)
 
