@@ -50,7 +50,7 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 use crate::sha256::hex;
-use crate::stores::local::huge_pages::{huge_pages_wanted, HugePageRows, HUGE_PAGE};
+use crate::stores::local::huge_pages::{worth_huge_pages, HugePageRows};
 
 /// The first 16 bytes of every map file.
 pub const MAGIC: &[u8; 16] = b"NARSIL-IDMAP-1\n\0";
@@ -121,7 +121,7 @@ impl Bytes {
     /// A copy on huge pages when they are wanted and it is at least one,
     /// else itself.
     fn onto_huge_pages(self) -> Self {
-        if !huge_pages_wanted() || self.len() < HUGE_PAGE || matches!(self, Self::Huge(_)) {
+        if !worth_huge_pages(self.len()) || matches!(self, Self::Huge(_)) {
             return self;
         }
         HugePageRows::copy_of(&self).map_or(self, Self::Huge)

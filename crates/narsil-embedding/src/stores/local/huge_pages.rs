@@ -32,6 +32,18 @@ pub fn huge_pages_wanted() -> bool {
     *WANTED.get_or_init(|| std::env::var("NARSIL_TABLE_HUGE_PAGES").map_or(true, |v| v != "off"))
 }
 
+/// Whether `len` bytes held in memory go on huge pages: they are wanted
+/// and `len` is at least one.
+pub fn worth_huge_pages(len: usize) -> bool {
+    huge_pages_wanted() && len >= HUGE_PAGE
+}
+
+/// `/proc/self/smaps`, for [`HugePageRows::huge_bytes`] (read once for
+/// many tables: the kernel walks every mapping to write it).
+pub fn smaps() -> io::Result<String> {
+    std::fs::read_to_string("/proc/self/smaps")
+}
+
 /// `len` bytes of anonymous memory, aligned to [`HUGE_PAGE`], advised
 /// `MADV_HUGEPAGE`, zeroed, owned like a `Vec<u8>`.
 pub struct HugePageRows {
@@ -100,12 +112,11 @@ impl HugePageRows {
         Ok(rows)
     }
 
-    /// How many of its bytes the kernel backs with huge pages now: from
-    /// `/proc/self/smaps`, its mapping's `AnonHugePages` over its `Size`
+    /// How many of its bytes the kernel backs with huge pages: from
+    /// `smaps` ([`smaps`]), its mapping's `AnonHugePages` over its `Size`
     /// (the kernel may have merged the mapping with an adjacent one advised
     /// alike, another table's: then that merged mapping's share).
-    pub fn huge_bytes(&self) -> io::Result<u64> {
-        let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+    pub fn huge_bytes(&self, smaps: &str) -> io::Result<u64> {
         let at = self.ptr.as_ptr() as u64;
         let mut lines = smaps.lines();
         lines
@@ -203,7 +214,7 @@ mod tests {
     #[test]
     fn the_bytes_on_huge_pages_are_read_back_from_smaps() {
         let rows = HugePageRows::copy_of(&vec![1u8; 4 * HUGE_PAGE]).unwrap();
-        let huge = rows.huge_bytes().unwrap();
+        let huge = rows.huge_bytes(&smaps().unwrap()).unwrap();
         assert!(huge <= rows.len() as u64);
         eprintln!("{huge} of {} bytes on huge pages", rows.len());
         assert_eq!(

@@ -88,15 +88,19 @@ impl StoreConfig for LocalStore {
 /// that the kernel put on huge pages, and, once per process, why when it
 /// is under 95%.
 fn report_huge_pages(stores: &[Arc<dyn RowStore>]) {
-    let tables: Vec<&Table> = stores.iter().filter_map(|s| s.as_any().downcast_ref::<Table>()).collect();
-    let large: Vec<&&Table> = tables.iter().filter(|t| t.bytes().len() >= HUGE_PAGE).collect();
+    let large: Vec<&Table> = stores
+        .iter()
+        .filter_map(|s| s.as_any().downcast_ref::<Table>())
+        .filter(|t| t.bytes().len() >= HUGE_PAGE)
+        .collect();
     let bytes: u64 = large.iter().map(|t| t.bytes().len() as u64).sum();
     if bytes == 0 {
         return;
     }
+    let smaps = huge_pages::smaps().unwrap_or_default();
     let (huge, advised) = large
         .iter()
-        .map(|t| t.huge_page_bytes())
+        .map(|t| t.huge_page_bytes(&smaps))
         .fold((0, 0), |(huge, advised), (h, a)| (huge + h, advised + usize::from(a)));
     let share = huge as f64 / bytes as f64 * 100.0;
     tracing::info!(

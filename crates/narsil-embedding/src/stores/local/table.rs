@@ -42,7 +42,7 @@ use std::time::Instant;
 use crate::layout::SlotIndex;
 use crate::schema::{Storage, TableSpec};
 use crate::sha256::{sha256_of, sha256_of_bytes};
-use crate::stores::local::huge_pages::{huge_pages_wanted, HugePageRows, HUGE_PAGE};
+use crate::stores::local::huge_pages::{worth_huge_pages, HugePageRows};
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
 use crate::stores::table_error::TableError;
 use crate::stores::table_file::{check_hash, sized_file, slot_index, vouched_for};
@@ -64,11 +64,11 @@ enum Rows {
     Mapped(memmap2::Mmap),
 }
 
-/// `len` bytes from `fill` on huge pages when the table is large enough
-/// and huge pages are wanted ([`huge_pages`](crate::stores::local::huge_pages)),
-/// else on the heap; `fill` writes every byte.
-fn in_memory(len: usize, fill: impl FnOnce(&mut [u8]) -> std::io::Result<()>) -> std::io::Result<Rows> {
-    if huge_pages_wanted() && len >= HUGE_PAGE {
+/// `len` bytes from `fill` on huge pages when worth it
+/// ([`huge_pages`](crate::stores::local::huge_pages)), else on the heap;
+/// `fill` writes every byte.
+fn in_memory(len: usize, fill: impl FnOnce(&mut [u8]) -> Result<(), TableError>) -> Result<Rows, TableError> {
+    if worth_huge_pages(len) {
         if let Ok(mut rows) = HugePageRows::zeroed(len) {
             fill(&mut rows)?;
             return Ok(Rows::Huge(rows));
@@ -144,24 +144,21 @@ impl Table {
                 // `sized_file` checked the length; a file that changes
                 // length meanwhile fails the read, naming the table.
                 let mut file = std::fs::File::open(&path).map_err(read_error)?;
-                let mut rows = in_memory(expected as usize, |rows| {
+                in_memory(expected as usize, |bytes| {
                     use std::io::Read;
-                    file.read_exact(rows)?;
-                    match file.read(&mut [0u8; 1])? {
-                        0 => Ok(()),
-                        _ => Err(std::io::Error::other("the file grew while it was read")),
+                    file.read_exact(bytes).map_err(read_error)?;
+                    if file.read(&mut [0u8; 1]).map_err(read_error)? > 0 {
+                        return Err(read_error(std::io::Error::other("the file grew while it was read")));
                     }
-                })
-                .map_err(read_error)?;
-                let bytes = rows.bytes_mut();
-                if !vouched {
-                    check_hash(spec, &path, sha256_of_bytes(bytes))?;
-                }
-                // In place: the table once, and a bit per row.
-                if let Some(index) = slots.take() {
-                    index.to_id_order(bytes, spec.row_bytes);
-                }
-                rows
+                    if !vouched {
+                        check_hash(spec, &path, sha256_of_bytes(bytes))?;
+                    }
+                    // In place: the table once, and a bit per row.
+                    if let Some(index) = slots.take() {
+                        index.to_id_order(bytes, spec.row_bytes);
+                    }
+                    Ok(())
+                })?
             }
             LocalRows::Mmap => {
                 if expected == 0 {
@@ -185,25 +182,24 @@ impl Table {
     }
 
     /// A table over rows already in memory (`data.len()` must be
-    /// `rows * row_bytes`).
-    /// Held as the `memory` store holds a table read from its file (on
-    /// huge pages when large enough), so that benches measure what the
-    /// server serves.
+    /// `rows * row_bytes`), held as the `memory` store holds a table read
+    /// from its file (on huge pages when worth it), so that benches
+    /// measure what the server serves.
     pub fn from_rows(spec: &TableSpec, data: Vec<u8>) -> Self {
         assert_eq!(data.len() as u64, spec.rows * spec.row_bytes as u64, "table {:?} rows", spec.name);
-        let rows = match huge_pages_wanted() && data.len() >= HUGE_PAGE {
+        let rows = match worth_huge_pages(data.len()) {
             true => HugePageRows::copy_of(&data).map_or(Rows::Memory(data), Rows::Huge),
             false => Rows::Memory(data),
         };
         Self::with_rows(spec, rows)
     }
 
-    /// Its bytes the kernel backs with huge pages now (0 for a table on
-    /// the heap or mapped: see [`crate::stores::local::huge_pages`]), and
-    /// whether it was put on memory advised for them.
-    pub fn huge_page_bytes(&self) -> (u64, bool) {
+    /// Its bytes the kernel backs with huge pages, by `smaps`
+    /// ([`crate::stores::local::huge_pages::smaps`]; 0 for a table on the
+    /// heap or mapped), and whether it was put on memory advised for them.
+    pub fn huge_page_bytes(&self, smaps: &str) -> (u64, bool) {
         match &self.rows_data {
-            Rows::Huge(rows) => (rows.huge_bytes().unwrap_or(0), true),
+            Rows::Huge(rows) => (rows.huge_bytes(smaps).unwrap_or(0), true),
             _ => (0, false),
         }
     }
@@ -240,17 +236,6 @@ impl Table {
             Rows::Huge(rows) => rows,
             Rows::Memory(data) => data,
             Rows::Mapped(map) => map,
-        }
-    }
-}
-
-impl Rows {
-    /// The bytes of rows held in memory (never called on a map).
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Rows::Huge(rows) => rows,
-            Rows::Memory(data) => data,
-            Rows::Mapped(_) => unreachable!("a mapped table is read-only"),
         }
     }
 }
@@ -317,14 +302,15 @@ pub(crate) mod tests {
     fn a_memory_table_of_at_least_a_huge_page_is_read_onto_memory_advised_for_huge_pages() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("tables")).unwrap();
-        let rows = 3 * HUGE_PAGE as u64 / 16 + 5;
+        let rows = 3 * crate::stores::local::huge_pages::HUGE_PAGE as u64 / 16 + 5;
         let bytes: Vec<u8> = (0..rows * 16).map(|i| (i * 31 % 251) as u8).collect();
         std::fs::write(dir.path().join("tables/cat_3.bin"), &bytes).unwrap();
         let table = Table::load(dir.path(), &spec(rows), LocalRows::Memory).unwrap();
         assert_eq!(table.bytes(), &bytes[..], "the file's rows");
         assert_eq!(table.row(rows - 1), &bytes[bytes.len() - 16..]);
-        let (huge, advised) = table.huge_page_bytes();
-        let wanted = huge_pages_wanted();
+        let smaps = crate::stores::local::huge_pages::smaps().unwrap();
+        let (huge, advised) = table.huge_page_bytes(&smaps);
+        let wanted = crate::stores::local::huge_pages::huge_pages_wanted();
         if !wanted {
             eprintln!("huge pages not checked: NARSIL_TABLE_HUGE_PAGES=off");
         }
@@ -333,10 +319,10 @@ pub(crate) mod tests {
             "{huge} bytes on huge pages, advised {advised}"
         );
         let from_rows = Table::from_rows(&spec(rows), bytes.clone());
-        assert_eq!(from_rows.huge_page_bytes().1, wanted, "benches hold tables as the server does");
+        assert_eq!(from_rows.huge_page_bytes(&smaps).1, wanted, "benches hold tables as the server does");
         // A small table stays on the heap.
         let small = Table::from_rows(&spec(9), vec![1; 9 * 16]);
-        assert_eq!(small.huge_page_bytes(), (0, false));
+        assert_eq!(small.huge_page_bytes(&smaps), (0, false));
         // A file one byte short of its schema is refused, naming it.
         std::fs::write(dir.path().join("tables/cat_3.bin"), &bytes[1..]).unwrap();
         let error = Table::load(dir.path(), &spec(rows), LocalRows::Memory).unwrap_err().to_string();
