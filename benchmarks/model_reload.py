@@ -40,9 +40,14 @@ from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_b
 
 
 def publish(repo, model, version, model_file):
+    """Publishes `model_file` (a TorchScript file, linked as model.pt, or a
+    split model's directory, its files hard-linked) as `version`."""
     staging = os.path.join(repo, model, f".incoming-{version}")
-    os.makedirs(staging)
-    os.symlink(os.path.abspath(model_file), os.path.join(staging, "model.pt"))
+    if os.path.isdir(model_file):
+        shutil.copytree(model_file, staging, copy_function=os.link)
+    else:
+        os.makedirs(staging)
+        os.symlink(os.path.abspath(model_file), os.path.join(staging, "model.pt"))
     os.rename(staging, os.path.join(repo, model, str(version)))
 
 

@@ -2,12 +2,15 @@
 //! per row, 80-byte rows), bags of 1 and of ~4 ids, 100k-row tables; and
 //! the whole embedding stage (26 such tables, a fused batch of 1,600 rows,
 //! one id per bag) against pooling the same bags without deduplication,
-//! which is what the stage's dedup and metrics cost a local store.
+//! which is what the stage's dedup and metrics cost a local store; and the
+//! stage on ranking requests (3 users x 500 candidates, 13 of the 26
+//! features the user's, sent once per request).
 
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use narsil_core::{assemble, RequestSamples};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{assemble, RequestBlock, RequestLevel, RequestSamples};
 use narsil_embedding::{
     pool_rows, EmbeddingStage, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table,
     TableSpec,
@@ -126,6 +129,36 @@ fn stage(c: &mut Criterion) {
                 .unwrap();
             }
         })
+    });
+    // Ranking requests: features 0..13 the user's (one id each, sent once
+    // per request), 13..26 each candidate's.
+    const CANDIDATES: usize = 500;
+    let mut model = schema.model_schema("torch", "cpu");
+    let user: Vec<String> = (0..FEATURES / 2).map(|f| format!("cat_{f}")).collect();
+    model.request_level = RequestLevel::parse(user.iter().map(String::as_str), &model).unwrap();
+    let requests: Vec<RequestSamples> = (0..3)
+        .map(|_| {
+            let mut request = RequestSamples {
+                num_samples: CANDIDATES,
+                dense: vec![0.0; CANDIDATES],
+                lengths: vec![1; CANDIDATES * (FEATURES - FEATURES / 2)],
+                ids: (0..CANDIDATES * (FEATURES - FEATURES / 2)).map(|_| (next() % ROWS) as i64).collect(),
+                request: Some(Arc::new(RequestBlock {
+                    lengths: vec![1; FEATURES / 2],
+                    ids: (0..FEATURES / 2).map(|_| (next() % ROWS) as i64).collect(),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            request.validate(&model, RequestLimits::new(4096, IdPolicy::Reject)).unwrap();
+            request
+        })
+        .collect();
+    let ranking = assemble(1, FEATURES, requests.iter());
+    assert_eq!(ranking.request_blocks.as_ref().map(|b| b.unit_count), Some(3));
+    group.throughput(Throughput::Elements((3 * CANDIDATES * FEATURES) as u64));
+    group.bench_function("26_tables_ranking_3_users_x_500_candidates", |b| {
+        b.iter(|| stage.pool(&ranking, &mut scratch, &mut pooled).unwrap())
     });
     group.finish();
 }

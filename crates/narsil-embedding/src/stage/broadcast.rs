@@ -91,7 +91,10 @@ mod tests {
         for r in &mut requests {
             r.validate(&model, LIMITS).unwrap();
         }
-        let grouped = assemble(1, 3, [&requests[0], &flat_one, &requests[1], &requests[2]]);
+        // Flat rows first, between grouped ones and last: the rows that pool
+        // their own request-level bags are three runs.
+        let grouped =
+            assemble(1, 3, [&flat_one, &requests[0], &flat_one, &requests[1], &requests[2], &flat_one]);
         assert_eq!(grouped.request_blocks.as_ref().unwrap().unit_count, 2, "user 1 twice: one unit");
         let flat = grouped.clone().into_flat();
         for fetches in [false, true] {

@@ -132,6 +132,9 @@ pub struct StageScratch {
     sequences: Vec<SequenceValues>,
     /// Bag lengths of 1, for looking positions up one id each.
     ones: Vec<i32>,
+    /// The rows of a batch with ranking requests that pool their own bags
+    /// of request-level features (the flat requests' rows), as ranges.
+    own_rows: Vec<std::ops::Range<usize>>,
 }
 
 impl StageScratch {
@@ -338,6 +341,7 @@ impl EmbeddingStage {
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
         self.lay_out_sequences(batch, &mut scratch.sequences);
+        own_rows(batch, &mut scratch.own_rows);
         for (t, table) in self.tables.iter().enumerate() {
             let distinct = &scratch.distinct[t];
             // Pooled from copies of its distinct rows: a store that
@@ -350,6 +354,7 @@ impl EmbeddingStage {
                 unit_pooled: &mut scratch.unit_pooled[..],
                 sequences: &mut scratch.sequences[..],
                 ones: &mut scratch.ones,
+                own_rows: &scratch.own_rows,
             };
             faults += self.pool_table(table, batch, distinct, fetched, &mut scratch.file_rows, out)?;
         }
@@ -368,6 +373,26 @@ pub(super) struct Outputs<'a> {
     unit_pooled: &'a mut [f32],
     sequences: &'a mut [SequenceValues],
     ones: &'a mut Vec<i32>,
+    /// The rows that pool their own request-level bags ([`own_rows`]).
+    own_rows: &'a [std::ops::Range<usize>],
+}
+
+/// Into `ranges`, the rows of `batch` that take no request-level unit's
+/// bags (its flat requests' rows), where it has ranking requests: the only
+/// rows whose request-level features' own bags pooling reads (a grouped
+/// row's are empty, and `broadcast` writes its columns).
+fn own_rows(batch: &KeyedBatch, ranges: &mut Vec<std::ops::Range<usize>>) {
+    ranges.clear();
+    let mut row = 0;
+    for run in batch.broadcasts() {
+        if run.start > row {
+            ranges.push(row..run.start);
+        }
+        row = run.start + run.rows;
+    }
+    if row < batch.rows {
+        ranges.push(row..batch.rows);
+    }
 }
 
 /// The id maps of `schema`'s tables that declare one, opened from `dir`

@@ -30,7 +30,7 @@ impl EmbeddingStage {
         file_rows: &mut Vec<i64>,
         out: Outputs<'_>,
     ) -> Result<u64, StageError> {
-        let Outputs { pooled, width, unit_pooled, sequences, ones } = out;
+        let Outputs { pooled, width, unit_pooled, sequences, ones, own_rows } = out;
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let blocks = batch.request_blocks.as_ref();
@@ -63,23 +63,35 @@ impl EmbeddingStage {
                 continue;
             }
             let column = feature.column.expect("a feature is pooled or a sequence's channel");
-            bags.pool(
-                feature,
-                batch.feature_lengths(f),
-                batch.feature_ids(f),
-                weights,
-                &mut pooled[column * self.dim..],
-                width,
-            )?;
-            // A request-level feature's units: each pooled once, into the
-            // units' block (broadcast to their rows once every table is
-            // pooled).
-            if let Some((blocks, k)) = units {
-                let stride = blocks.features.len() * self.dim;
-                let weights = blocks.feature_weights(k).filter(|_| feature.weighted);
-                let out = &mut unit_pooled[k * self.dim..];
-                bags.pool(feature, blocks.feature_lengths(k), blocks.feature_ids(k), weights, out, stride)?;
+            let (lengths, ids) = (batch.feature_lengths(f), batch.feature_ids(f));
+            let Some((blocks, k)) = units else {
+                bags.pool(feature, lengths, ids, weights, &mut pooled[column * self.dim..], width)?;
+                slot_start = bags.slot_start;
+                continue;
+            };
+            // A request-level feature: only the rows that take no unit's
+            // bags pool their own (a grouped row's are empty, and the
+            // broadcast writes its columns).
+            let ids_of = |rows: std::ops::Range<usize>| -> usize {
+                lengths[rows].iter().map(|&len| len.max(0) as usize).sum()
+            };
+            let (mut row, mut first) = (0, 0);
+            for rows in own_rows {
+                let skipped = ids_of(row..rows.start);
+                let (start, end) = (first + skipped, first + skipped + ids_of(rows.clone()));
+                bags.slot_start += skipped;
+                let out = &mut pooled[column * self.dim + rows.start * width..];
+                let weights = weights.map(|w| &w[start..end]);
+                bags.pool(feature, &lengths[rows.clone()], &ids[start..end], weights, out, width)?;
+                (row, first) = (rows.end, end);
             }
+            bags.slot_start += ids.len() - first;
+            // Its units: each pooled once, into the units' block (broadcast
+            // to their rows once every table is pooled).
+            let stride = blocks.features.len() * self.dim;
+            let weights = blocks.feature_weights(k).filter(|_| feature.weighted);
+            let out = &mut unit_pooled[k * self.dim..];
+            bags.pool(feature, blocks.feature_lengths(k), blocks.feature_ids(k), weights, out, stride)?;
             slot_start = bags.slot_start;
         }
         let faults = faults_before.map_or(0, |before| thread_major_faults().saturating_sub(before));
