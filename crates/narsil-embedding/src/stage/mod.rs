@@ -419,7 +419,9 @@ fn open_id_maps(
                 spec.sha256
             )));
         }
-        let in_memory = stores.get(t).is_some_and(|store| store.kind() == "memory");
+        // A table whose rows sit in this process's memory (read in place,
+        // never from the disk) gets its map there too, on huge pages.
+        let in_memory = stores.get(t).is_some_and(|store| store.local_rows().is_some() && !store.may_fault());
         maps.push(Some(Arc::new(if in_memory { map.onto_huge_pages() } else { map })));
     }
     Ok(maps)
