@@ -1,7 +1,8 @@
 //! The last step of a batch with ranking requests: each request-level
 //! unit's pooled bags (pooled once, `pooling.rs`) copied into the columns
 //! of its features in every candidate row of its requests, whose own bags
-//! there were empty; counts the bags and rows.
+//! there were empty; counts the bags and rows. Also which rows pool their
+//! own request-level bags before it ([`own_rows`]: the flat requests').
 
 use narsil_core::KeyedBatch;
 
@@ -35,6 +36,24 @@ impl EmbeddingStage {
             rows += run.rows;
         }
         self.metrics.count_request_level(blocks.unit_count * blocks.features.len(), rows);
+    }
+}
+
+/// Into `ranges`, the rows of `batch` that take no request-level unit's
+/// bags (its flat requests' rows), where it has ranking requests: the only
+/// rows whose request-level features' own bags pooling reads (a grouped
+/// row's are empty, and `broadcast` writes its columns).
+pub(super) fn own_rows(batch: &KeyedBatch, ranges: &mut Vec<std::ops::Range<usize>>) {
+    ranges.clear();
+    let mut row = 0;
+    for run in batch.broadcasts() {
+        if run.start > row {
+            ranges.push(row..run.start);
+        }
+        row = run.start + run.rows;
+    }
+    if row < batch.rows {
+        ranges.push(row..batch.rows);
     }
 }
 

@@ -13,7 +13,11 @@
 //! ids its map lacks through one snapshot of them per batch: a pushed id
 //! becomes the virtual row `rows + k`, and the snapshot is kept for the
 //! batch's later steps (which read that row from it).
+//!
+//! The maps themselves are opened and checked with the stage
+//! ([`open_id_maps`]).
 
+use std::path::Path;
 use std::sync::Arc;
 
 use narsil_core::ids::Modulo;
@@ -22,7 +26,9 @@ use narsil_core::KeyedBatch;
 use super::pushed_ids::{Overlay, PushedIds};
 use super::{EmbeddingStage, StageTable};
 use crate::id_map::IdMap;
-use crate::schema::{TableIds, TableSpec};
+use crate::schema::{SplitSchema, TableIds, TableSpec};
+use crate::stores::row_store::RowStore;
+use crate::stores::table_error::TableError;
 
 /// How a table's ids become rows, ready for lookups.
 pub(super) enum IdMapping {
@@ -160,6 +166,38 @@ fn map_table_ids(table: &StageTable, pushed: Option<&PushedIds>, raws: &[i64], r
             hit
         }
     }
+}
+
+/// The id maps of `schema`'s tables that declare one, opened from `dir`
+/// and checked (every byte, and its SHA-256 against the schema's); the
+/// map of a table in process memory (`stores`, the `memory` store) is
+/// copied onto huge pages as the table is.
+pub(super) fn open_id_maps(
+    dir: &Path,
+    schema: &SplitSchema,
+    stores: &[Arc<dyn RowStore>],
+) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
+    let mut maps = Vec::with_capacity(schema.tables.len());
+    for (t, table) in schema.tables.iter().enumerate() {
+        let TableIds::Map(spec) = &table.ids else {
+            maps.push(None);
+            continue;
+        };
+        let path = dir.join(&spec.file);
+        let error = |why: String| TableError::IdMap { table: table.name.clone(), path: path.clone(), why };
+        let (map, sha256) = IdMap::open(&path, table.rows).map_err(|e| error(e.to_string()))?;
+        if !sha256.eq_ignore_ascii_case(&spec.sha256) {
+            return Err(error(format!(
+                "its SHA-256 is {sha256}, but schema.json names {} (changed since it was published, or not this table's map): not served",
+                spec.sha256
+            )));
+        }
+        // A table whose rows sit in this process's memory (read in place,
+        // never from the disk) gets its map there too, on huge pages.
+        let in_memory = stores.get(t).is_some_and(|store| store.local_rows().is_some() && !store.may_fault());
+        maps.push(Some(Arc::new(if in_memory { map.onto_huge_pages() } else { map })));
+    }
+    Ok(maps)
 }
 
 #[cfg(test)]

@@ -68,12 +68,12 @@ use narsil_core::KeyedBatch;
 use crate::dedup::DistinctIds;
 use crate::id_map::IdMap;
 use crate::metrics::{StageMetrics, TableCounters};
-use crate::schema::TableIds;
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
 use crate::stores::table_store::{OpenedTables, TableStore};
-use map_ids::{BatchPushed, IdMapping};
+use broadcast::own_rows;
+use map_ids::{open_id_maps, BatchPushed, IdMapping};
 
 pub use error::StageError;
 pub use push::MAX_PUSHED_IDS;
@@ -375,56 +375,6 @@ pub(super) struct Outputs<'a> {
     ones: &'a mut Vec<i32>,
     /// The rows that pool their own request-level bags ([`own_rows`]).
     own_rows: &'a [std::ops::Range<usize>],
-}
-
-/// Into `ranges`, the rows of `batch` that take no request-level unit's
-/// bags (its flat requests' rows), where it has ranking requests: the only
-/// rows whose request-level features' own bags pooling reads (a grouped
-/// row's are empty, and `broadcast` writes its columns).
-fn own_rows(batch: &KeyedBatch, ranges: &mut Vec<std::ops::Range<usize>>) {
-    ranges.clear();
-    let mut row = 0;
-    for run in batch.broadcasts() {
-        if run.start > row {
-            ranges.push(row..run.start);
-        }
-        row = run.start + run.rows;
-    }
-    if row < batch.rows {
-        ranges.push(row..batch.rows);
-    }
-}
-
-/// The id maps of `schema`'s tables that declare one, opened from `dir`
-/// and checked (every byte, and its SHA-256 against the schema's); the
-/// map of a table in process memory (`stores`, the `memory` store) is
-/// copied onto huge pages as the table is.
-fn open_id_maps(
-    dir: &Path,
-    schema: &SplitSchema,
-    stores: &[Arc<dyn RowStore>],
-) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
-    let mut maps = Vec::with_capacity(schema.tables.len());
-    for (t, table) in schema.tables.iter().enumerate() {
-        let TableIds::Map(spec) = &table.ids else {
-            maps.push(None);
-            continue;
-        };
-        let path = dir.join(&spec.file);
-        let error = |why: String| TableError::IdMap { table: table.name.clone(), path: path.clone(), why };
-        let (map, sha256) = IdMap::open(&path, table.rows).map_err(|e| error(e.to_string()))?;
-        if !sha256.eq_ignore_ascii_case(&spec.sha256) {
-            return Err(error(format!(
-                "its SHA-256 is {sha256}, but schema.json names {} (changed since it was published, or not this table's map): not served",
-                spec.sha256
-            )));
-        }
-        // A table whose rows sit in this process's memory (read in place,
-        // never from the disk) gets its map there too, on huge pages.
-        let in_memory = stores.get(t).is_some_and(|store| store.local_rows().is_some() && !store.may_fault());
-        maps.push(Some(Arc::new(if in_memory { map.onto_huge_pages() } else { map })));
-    }
-    Ok(maps)
 }
 
 #[cfg(test)]

@@ -112,6 +112,13 @@ impl HugePageRows {
         Ok(rows)
     }
 
+    /// A copy of `bytes` on huge pages where they are worth it
+    /// ([`worth_huge_pages`]) and can be had; `None` where the bytes stay
+    /// where they are.
+    pub fn copy_if_worth(bytes: &[u8]) -> Option<Self> {
+        worth_huge_pages(bytes.len()).then(|| Self::copy_of(bytes).ok()).flatten()
+    }
+
     /// How many of its bytes the kernel backs with huge pages: from
     /// `smaps` ([`smaps`]), its mapping's `AnonHugePages` over its `Size`
     /// (the kernel may have merged the mapping with an adjacent one advised

@@ -187,10 +187,7 @@ impl Table {
     /// measure what the server serves.
     pub fn from_rows(spec: &TableSpec, data: Vec<u8>) -> Self {
         assert_eq!(data.len() as u64, spec.rows * spec.row_bytes as u64, "table {:?} rows", spec.name);
-        let rows = match worth_huge_pages(data.len()) {
-            true => HugePageRows::copy_of(&data).map_or(Rows::Memory(data), Rows::Huge),
-            false => Rows::Memory(data),
-        };
+        let rows = HugePageRows::copy_if_worth(&data).map_or(Rows::Memory(data), Rows::Huge);
         Self::with_rows(spec, rows)
     }
 
