@@ -53,7 +53,7 @@ from split_model import (DenseNetwork, DlrmPredictor, cpu_has_bf16, dense_flops_
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 11
+EXPORT_FORMAT = 12
 
 
 def log(msg: str) -> None:
@@ -604,7 +604,7 @@ def main() -> int:
     if args.split:
         log("writing the split model (tables apart from the dense network)")
         write_split(out / "split", dlrm, quantized, keys, args.name, args.version, args.num_dense,
-                    golden_requests(args), key_major, log, dense_weights, pt2=args.pt2)
+                    golden_requests(args), key_major, log, dense_weights, pt2=args.pt2, request_level=request_level)
         add_to_schema(out / "split", {"request_level": request_level})
         if args.int8:
             log("quantizing the dense network to INT8 (PT2E, calibrated on sampled traffic) and compiling it")
@@ -612,7 +612,8 @@ def main() -> int:
     if args.split_fp32:
         log("writing the split model with FP32 tables")
         write_split(out / "split_fp32", dlrm, quantized, keys, args.name, args.version, args.num_dense,
-                    golden_requests(args), key_major, log, dense_weights, storage="fp32", pt2=False)
+                    golden_requests(args), key_major, log, dense_weights, storage="fp32", pt2=False,
+                    request_level=request_level)
         add_to_schema(out / "split_fp32", {"request_level": request_level})
 
     manifest = {

@@ -35,12 +35,14 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
 from torchrec.models.dlrm import DLRM
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from user_once import write_user_once_cut
 
 SPLIT_FORMAT = "narsil-split-1"
 # Golden requests up to this many samples also carry their pooled embeddings.
@@ -110,10 +112,13 @@ def top_of(network: nn.Module) -> nn.Module:
     return with_child(network, "dense_arch", nn.Identity())
 
 
-def write_dense_cut(out: Path, network: nn.Module, num_dense: int, pooled_width: int, pt2: bool, log) -> dict:
+def write_dense_cut(out: Path, network: nn.Module, num_dense: int, pooled_width: int, pt2: bool, log,
+                    keys: Optional[List[str]] = None, request_level: Optional[List[str]] = None) -> dict:
     """`network` cut in two for ranking requests: `dense_bottom.pt` (its
     dense arch, TorchScript) and `dense_top.pt` (the rest; with `pt2` its
-    packages too), checked to score as the whole network; the schema's
+    packages too), checked to score as the whole network; with `keys` (the
+    features in pooled order) and `request_level`, also the top with the
+    user's arithmetic once (`models/user_once.py`). Returns the schema's
     fields naming them (none for a network without a dense arch)."""
     inner = network.inner if isinstance(network, WireOrderPooled) else network
     if not hasattr(inner, "dense_arch"):
@@ -130,11 +135,13 @@ def write_dense_cut(out: Path, network: nn.Module, num_dense: int, pooled_width:
     torch.jit.script(bottom).save(str(out / "dense_bottom.pt"))
     torch.jit.script(top).save(str(out / "dense_top.pt"))
     fields = {"dense_bottom": "dense_bottom.pt", "dense_top": "dense_top.pt"}
-    if pt2:
-        for precision in ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]:
-            name, _ = write_dense_package(out, top, dim, pooled_width, log, precision=precision, stem="dense_top")
-            fields["dense_top_package" if precision == "fp32" else f"dense_top_package_{precision}"] = name
+    precisions = (["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]) if pt2 else []
+    for precision in precisions:
+        name, _ = write_dense_package(out, top, dim, pooled_width, log, precision=precision, stem="dense_top")
+        fields["dense_top_package" if precision == "fp32" else f"dense_top_package_{precision}"] = name
     log(f"wrote the dense network cut for ranking requests ({', '.join(fields.values())})")
+    if keys is not None and request_level is not None:
+        fields.update(write_user_once_cut(out, network, bottom, top, keys, request_level, num_dense, precisions, log))
     return fields
 
 
@@ -210,7 +217,7 @@ def fp32_tables(dlrm: nn.Module) -> List[torch.Tensor]:
 
 def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str], name: str, version: str,
                 num_dense: int, requests: List[dict], key_major, log, dense_weights: dict,
-                storage: str = "int8_rowwise", pt2: bool = True) -> None:
+                storage: str = "int8_rowwise", pt2: bool = True, request_level: Optional[List[str]] = None) -> None:
     """Writes `out` (a split model) from `quantized`'s INT8 tables (or, for
     `storage` "fp32", `dlrm`'s FP32 tables) and `dlrm`'s dense network (as
     TorchScript, with `pt2` as an AOTInductor package too, and as
@@ -239,7 +246,7 @@ def write_split(out: Path, dlrm: nn.Module, quantized: nn.Module, keys: List[str
     dense_network = torch.jit.script(dense_module)
     dense_network.save(str(out / "dense.pt"))
     packages = write_dense_packages(out, dense_module, num_dense, len(keys) * dim, log) if pt2 else {}
-    packages.update(write_dense_cut(out, dense_module, num_dense, len(keys) * dim, pt2, log))
+    packages.update(write_dense_cut(out, dense_module, num_dense, len(keys) * dim, pt2, log, keys, request_level))
     from safetensors.torch import save_file
     save_file(dense_weights, str(out / "dense.safetensors"))
     schema = {
@@ -421,14 +428,31 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     """Compiles `dense_network` (forward(dense, pooled) -> scores, FP32) with
     torch.export (a dynamic row dimension) and AOTInductor into
     `out/dense.pt2` (FP32) or, for `precision` "bf16", `out/dense_bf16.pt2`
-    (weights and inputs bf16, scores FP32). Each of PACKAGE_SETTINGS is
-    compiled, checked against the module at 1, 7 and 100 rows (FP32: within
-    1e-5; bf16: within BF16_PACKAGE_BOUND of the FP32 network) and timed at
-    100 and 1,600 rows on one thread; the fastest is kept. The package is
-    compiled for this CPU's vector ISA without -march=native (so it runs on
-    any CPU with that ISA) and records the CPU flags it needs; compiling
-    needs a C++ compiler (here, at export time only). Returns the file's
-    name and the kept package's times at TIMED_ROWS (ms)."""
+    (weights and inputs bf16, scores FP32), checked at 1, 7 and 100 rows and
+    timed at TIMED_ROWS (compile_package). Returns the file's name and the
+    kept package's times at TIMED_ROWS (ms)."""
+    rows = torch.export.Dim("rows", min=1, max=1 << 20)
+    return compile_package(
+        out, stem, dense_network, precision, log,
+        example=(torch.randn(8, num_dense), torch.randn(8, pooled_width)),
+        dynamic_shapes=({0: rows}, {0: rows}),
+        checked=[(torch.randn(batch, num_dense), torch.rand(batch, pooled_width)) for batch in (1, 7, 100)],
+        timed=[(torch.randn(batch, num_dense), torch.rand(batch, pooled_width)) for batch in TIMED_ROWS])
+
+
+def compile_package(out: Path, stem: str, network: nn.Module, precision: str, log, example: tuple,
+                    dynamic_shapes: tuple, checked: List[tuple], timed: List[tuple]) -> Tuple[str, List[float]]:
+    """Compiles `network` (FP32 weights; its floating-point inputs cast to
+    its dtype, scores FP32) with torch.export (`dynamic_shapes` over
+    `example`) and AOTInductor into `out/{stem}.pt2` (FP32) or, for
+    `precision` "bf16", `out/{stem}_bf16.pt2` (weights and inputs bf16).
+    Each of PACKAGE_SETTINGS is compiled, checked against `network` in FP32
+    on `checked` (FP32: within 1e-5; bf16: within BF16_PACKAGE_BOUND) and
+    timed on `timed` (one input tuple per TIMED_ROWS) on one thread; the
+    fastest is kept. The package is compiled for this CPU's vector ISA
+    without -march=native (so it runs on any CPU with that ISA) and records
+    the CPU flags it needs; compiling needs a C++ compiler (here, at export
+    time only). Returns the file's name and the kept package's times (ms)."""
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -437,14 +461,16 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
     flags = isa_cpu_flags(vec_isa.build_arch_flags())
     name = f"{stem}.pt2" if precision == "fp32" else f"{stem}_{precision}.pt2"
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
-    module = dense_network if dtype == torch.float32 else copy.deepcopy(dense_network).to(dtype)
+    module = network if dtype == torch.float32 else copy.deepcopy(network).to(dtype)
     bound = 1e-5 if dtype == torch.float32 else BF16_PACKAGE_BOUND
+
+    def cast(inputs: tuple) -> tuple:
+        return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+
     started = time.time()
-    rows = torch.export.Dim("rows", min=1, max=1 << 20)
-    example = (torch.randn(8, num_dense, dtype=dtype), torch.randn(8, pooled_width, dtype=dtype))
     with torch.no_grad():
-        program = torch.export.export(module, example, dynamic_shapes=({0: rows}, {0: rows}))
-    timed = {}
+        program = torch.export.export(module, cast(example), dynamic_shapes=dynamic_shapes)
+    times = {}
     for label, settings in PACKAGE_SETTINGS.items():
         candidate = out / f".{label.replace(' ', '_')}-{name}"
         with torch.no_grad():
@@ -461,26 +487,24 @@ def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, poo
             })
         package = load_unlinked_package(path)
         with torch.inference_mode():
-            for batch in (1, 7, 100):
-                inputs = (torch.randn(batch, num_dense), torch.rand(batch, pooled_width))
-                got = package(*(x.to(dtype) for x in inputs)).float()
-                diff = (got - dense_network(*inputs)).abs().max().item()
+            for inputs in checked:
+                diff = (package(*cast(inputs)).float() - network(*inputs)).abs().max().item()
                 if diff > bound:
-                    raise SystemExit(f"{name} ({label}) check failed: {diff} from the dense network at {batch} rows")
-        timed[label] = (candidate, [forward_ms(package, (torch.randn(batch, num_dense, dtype=dtype),
-                                                        torch.rand(batch, pooled_width, dtype=dtype)))
-                                    for batch in TIMED_ROWS])
+                    raise SystemExit(f"{name} ({label}) check failed: {diff} from the network at "
+                                     f"{inputs[1].shape[0]} rows")
+        times[label] = (candidate, [forward_ms(package, cast(inputs)) for inputs in timed])
         del package
-    best = min(timed, key=lambda label: timed[label][1][0] / 100 + timed[label][1][1] / 1600)
-    for label, (candidate, _) in timed.items():
+    best = min(times, key=lambda label: sum(ms / rows for ms, rows in zip(times[label][1], TIMED_ROWS)))
+    for label, (candidate, _) in times.items():
         if label == best:
             candidate.replace(out / name)
         else:
             candidate.unlink()
-    measured = "; ".join(f"{label} {ms[0]:.2f} / {ms[1]:.1f} ms" for label, (_, ms) in timed.items())
+    measured = "; ".join(f"{label} {ms[0]:.2f} / {ms[1]:.1f} ms" for label, (_, ms) in times.items())
     log(f"compiled {name} with AOTInductor for {isa} in {time.time() - started:.0f} s, kept {best} "
-        f"(one thread, 100 / 1,600 rows: {measured}; scores within {bound:g} of the FP32 network)")
-    return name, timed[best][1]
+        f"(one thread, {' / '.join(f'{rows:,}' for rows in TIMED_ROWS)} rows: {measured}; "
+        f"scores within {bound:g} of the FP32 network)")
+    return name, times[best][1]
 
 
 def write_dense_packages(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log) -> dict:

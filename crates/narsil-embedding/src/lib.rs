@@ -44,7 +44,7 @@ pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use schema::{
     DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
-    Storage, TableIds, TableSpec,
+    Storage, TableIds, TableSpec, UserOnceSpec,
 };
 pub use stage::{EmbeddingStage, SequenceValues, StageError, StageScratch};
 pub use stores::local::table::{LocalRows, Table};

@@ -10,6 +10,15 @@
 //! the whole network; models without it (TorchRec exports, extracted
 //! models, INT8, device lanes) serve ranking requests through the whole
 //! network on the broadcast dense rows.
+//!
+//! A DLRM export also writes the top with the rest of the user's arithmetic
+//! once (`dense_user_once.pt`, `models/user_once.py`): the products among
+//! the request-level vectors and their share of the over arch's first
+//! layer per unit, only the products with a candidate vector per row. It
+//! serves a batch whose request-level features are the ones it was cut for
+//! (a server started with another `--request-level` keeps `dense_top`), in
+//! the top's form (`dense_user_once.pt2`, `_bf16.pt2` where the top runs as
+//! a package; none for the precision: the top's package).
 
 use std::path::{Path, PathBuf};
 
@@ -21,10 +30,18 @@ use crate::dense_network::{DenseForm, DenseNetwork};
 use crate::lane::torch_error;
 use crate::precision::DensePrecision;
 
-/// The two parts, loaded.
+/// The two parts, loaded, and the top with the user's arithmetic once.
 pub struct DenseCut {
     bottom: DenseNetwork,
     top: DenseNetwork,
+    user_once: Option<UserOnce>,
+}
+
+/// `dense_user_once.pt` and the request-level features it was cut for.
+struct UserOnce {
+    network: DenseNetwork,
+    /// Schema indices, ascending (as [`narsil_core::RequestBlocks::features`]).
+    features: Vec<usize>,
 }
 
 impl DenseCut {
@@ -73,7 +90,39 @@ impl DenseCut {
         let bottom = part(bottom, None, DenseForm::TorchScript)?;
         let top = part(top, top_package, top_form)?;
         tracing::info!(bottom = %bottom.form(), top = %top.form(), "dense network cut: ranking requests run the dense arch once per request");
-        Ok(Some(Self { bottom, top }))
+        let user_once = match &split.dense_user_once {
+            Some(spec) => {
+                // In the top's form: its package for the precision where
+                // the top runs as one.
+                let package = match precision {
+                    DensePrecision::Bf16 => spec.package_bf16.clone(),
+                    _ => spec.package.clone(),
+                };
+                match (top.form(), package) {
+                    (DenseForm::Pt2, None) => {
+                        tracing::info!(%precision, "the top runs as a package and the user-once cut has none for this precision: ranking requests run the top's package");
+                        None
+                    }
+                    (form, package) => {
+                        let network = part(&spec.network, package, form)?;
+                        let mut features: Vec<usize> = (split.features.iter().enumerate())
+                            .filter(|(_, f)| spec.request_level.contains(&f.name))
+                            .map(|(i, _)| i)
+                            .collect();
+                        features.sort_unstable();
+                        tracing::info!(
+                            form = %network.form(),
+                            request_level = ?spec.request_level,
+                            "dense network cut: ranking requests with these request-level features compute the \
+                             user's products and their share of the first layer once per request"
+                        );
+                        Some(UserOnce { network, features })
+                    }
+                }
+            }
+            None => None,
+        };
+        Ok(Some(Self { bottom, top, user_once }))
     }
 
     /// Whether `batch` gains from the cut: some grouped request sent its
@@ -82,9 +131,23 @@ impl DenseCut {
         batch.request_blocks.as_ref().is_some_and(|blocks| !blocks.dense.is_empty())
     }
 
+    /// The user-once top where it was cut for `batch`'s request-level
+    /// features (and the batch gains from the cut at all).
+    fn user_once_for(&self, batch: &KeyedBatch) -> Option<&UserOnce> {
+        let blocks = batch.request_blocks.as_ref()?;
+        self.user_once.as_ref().filter(|cut| Self::applies(batch) && cut.features == blocks.features)
+    }
+
+    /// Whether `batch` runs through the user-once top.
+    pub(crate) fn runs_user_once(&self, batch: &KeyedBatch) -> bool {
+        self.user_once_for(batch).is_some()
+    }
+
     /// `batch`'s scores over its `pooled` block (`[rows, width]`, in the
     /// network's precision): the bottom once per unit and once per flat
-    /// row, its output gathered into the rows, then the top.
+    /// row (a unit of its own), then the user-once top where it was cut for
+    /// the batch's request-level features, else the bottom's output
+    /// gathered into the rows and the top.
     pub(crate) fn forward(
         &self,
         batch: &KeyedBatch,
@@ -94,14 +157,22 @@ impl DenseCut {
         let blocks = batch.request_blocks.as_ref().expect("applies() holds");
         let num_dense = batch.num_dense;
         let mut inputs = blocks.dense.clone();
+        // Each row's bottom row (its unit), and a row of each unit.
         let mut row_input = Vec::with_capacity(batch.rows);
+        let mut unit_row = vec![-1i64; blocks.unit_count];
         let mut start = 0;
         for (&rows, unit) in batch.request_rows.iter().zip(&blocks.request_unit) {
             match unit {
-                Some(unit) => row_input.extend(std::iter::repeat_n(*unit as i64, rows)),
+                Some(unit) => {
+                    row_input.extend(std::iter::repeat_n(*unit as i64, rows));
+                    if unit_row[*unit] < 0 {
+                        unit_row[*unit] = start as i64;
+                    }
+                }
                 None => {
                     for row in start..start + rows {
                         row_input.push((inputs.len() / num_dense) as i64);
+                        unit_row.push(row as i64);
                         inputs.extend_from_slice(&batch.dense[row * num_dense..(row + 1) * num_dense]);
                     }
                 }
@@ -116,10 +187,20 @@ impl DenseCut {
             .bottom
             .forward_tensors(&[&in_precision(dense)?])
             .map_err(|e| BackendError::forward("the dense network's bottom").caused_by(e))?;
-        let gathered = embedding
-            .f_index_select(0, &Tensor::from_slice(&row_input))
-            .and_then(|t| t.f_contiguous())
-            .map_err(torch_error)?;
+        let row_input = Tensor::from_slice(&row_input);
+        if let Some(user_once) = self.user_once_for(batch) {
+            return user_once
+                .network
+                .forward_tensors(&[
+                    &in_precision(embedding)?,
+                    pooled,
+                    &row_input,
+                    &Tensor::from_slice(&unit_row),
+                ])
+                .map_err(|e| BackendError::forward("the dense network's user-once top").caused_by(e));
+        }
+        let gathered =
+            embedding.f_index_select(0, &row_input).and_then(|t| t.f_contiguous()).map_err(torch_error)?;
         self.top
             .forward_tensors(&[&in_precision(gathered)?, pooled])
             .map_err(|e| BackendError::forward("the dense network's top").caused_by(e))

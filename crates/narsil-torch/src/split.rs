@@ -174,6 +174,12 @@ impl SplitFactory {
         self.model.dense_cut.is_some()
     }
 
+    /// Whether its CPU lanes run `batch`'s user arithmetic once per request
+    /// (the user-once top, [`crate::dense_cut`]).
+    pub fn runs_user_once(&self, batch: &KeyedBatch) -> bool {
+        self.model.dense_cut.as_ref().is_some_and(|cut| cut.runs_user_once(batch))
+    }
+
     /// The lane the engine would create, on the calling thread (tests).
     pub fn lane(&self) -> Result<Box<dyn ModelBackend>, BackendError> {
         self.create_lane(0)

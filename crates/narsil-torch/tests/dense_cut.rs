@@ -4,7 +4,9 @@
 //! batch of ranking requests (whose dense arch then runs once per user) as
 //! it scores the same requests sent flat, within 1e-6 in FP32 (TorchScript
 //! and `.pt2`) and the bf16 bound in bf16, with flat requests fused in; for
-//! the DLRM and TorchRec's DLRM, DLRM_DCN and two-task models.
+//! the DLRM and TorchRec's DLRM, DLRM_DCN and two-task models. The DLRM's
+//! user-once top (`dense_user_once.pt` and `.pt2`) serves the batches
+//! whose request-level features it was cut for, and only those.
 //!
 //! Needs the exported test model (`scripts/test.sh`).
 
@@ -16,10 +18,10 @@ use narsil_core::{assemble, BackendFactory, KeyedBatch, RequestBlock, RequestLev
 use narsil_torch::{cpu_bf16_instructions, DenseForm, DensePrecision, SplitFactory, TorchConfig};
 
 /// Users 1, 2 and 1 again (4, 3 and 5 candidates) and one flat request:
-/// cat_0..cat_12 and the dense features request-level.
-fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
+/// cat_0..cat_{user_features - 1} and the dense features request-level.
+fn ranking_batch(factory: &SplitFactory, user_features: usize) -> KeyedBatch {
     let mut schema = factory.schema().clone();
-    let names: Vec<String> = (0..13).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect();
+    let names: Vec<String> = (0..user_features).map(|f| format!("cat_{f}")).chain(["dense".into()]).collect();
     schema.request_level = RequestLevel::parse(names.iter().map(String::as_str), &schema).unwrap();
     let rows = |f: usize| schema.sparse[f].num_rows as i64;
     let limits = RequestLimits::new(64, IdPolicy::Reject);
@@ -30,7 +32,7 @@ fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
                 dense: (0..schema.num_dense).map(|d| ((user as usize * 7 + d) % 10) as f32 / 10.0).collect(),
                 ..Default::default()
             };
-            for f in 0..13 {
+            for f in 0..user_features {
                 block.lengths.push(2);
                 block.ids.extend([(user * 31 + f as i64) % rows(f), (user * 17 + 3) % rows(f)]);
             }
@@ -40,7 +42,7 @@ fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
                 ..Default::default()
             };
             for c in 0..candidates {
-                for f in 13..schema.num_sparse() {
+                for f in user_features..schema.num_sparse() {
                     request.ids.push((c as i64 * 7919 + f as i64) % rows(f));
                     if schema.sparse[f].weighted {
                         request.weights.push(0.5 + c as f32);
@@ -71,7 +73,8 @@ fn ranking_batch(factory: &SplitFactory) -> KeyedBatch {
 }
 
 fn grouped_scores_equal_flat(precision: DensePrecision, form: DenseForm, bound: f32) {
-    grouped_scores_equal_flat_for(test_model_dir().join("split"), precision, form, bound);
+    let factory = load(test_model_dir().join("split"), precision, form);
+    grouped_scores_equal_flat_in(&factory, &ranking_batch(&factory, 13), bound, (precision, form));
 }
 
 fn grouped_scores_equal_flat_for(
@@ -80,12 +83,25 @@ fn grouped_scores_equal_flat_for(
     form: DenseForm,
     bound: f32,
 ) {
+    let factory = load(dir, precision, form);
+    grouped_scores_equal_flat_in(&factory, &ranking_batch(&factory, 13), bound, (precision, form));
+}
+
+fn load(dir: std::path::PathBuf, precision: DensePrecision, form: DenseForm) -> SplitFactory {
     let mut config = TorchConfig::new(dir);
     (config.dense_precision, config.dense_form) = (precision, form);
     config.bf16_emulated = cpu_bf16_instructions().is_empty();
     let factory = SplitFactory::load(config).unwrap();
     assert!(factory.runs_dense_cut(), "the export wrote the cut ({precision}, {form})");
-    let batch = ranking_batch(&factory);
+    factory
+}
+
+fn grouped_scores_equal_flat_in(
+    factory: &SplitFactory,
+    batch: &KeyedBatch,
+    bound: f32,
+    (precision, form): (DensePrecision, DenseForm),
+) {
     let mut lane = factory.lane().unwrap();
     let grouped = lane.forward(&batch).unwrap();
     let flat = lane.forward(&batch.clone().into_flat()).unwrap();
@@ -98,6 +114,30 @@ fn grouped_scores_equal_flat_for(
 fn the_cut_scores_ranking_requests_as_the_whole_network_in_fp32() {
     grouped_scores_equal_flat(DensePrecision::Fp32, DenseForm::TorchScript, 1e-6);
     grouped_scores_equal_flat(DensePrecision::Fp32, DenseForm::Pt2, 1e-6);
+}
+
+#[test]
+fn the_user_once_top_serves_only_the_request_level_features_it_was_cut_for() {
+    // The export cut it for cat_0..cat_12 and the dense features.
+    let factory = load(test_model_dir().join("split"), DensePrecision::Fp32, DenseForm::TorchScript);
+    let cut_for = ranking_batch(&factory, 13);
+    assert!(factory.runs_user_once(&cut_for), "the user-once top serves the features it was cut for");
+    grouped_scores_equal_flat_in(&factory, &cut_for, 1e-6, (DensePrecision::Fp32, DenseForm::TorchScript));
+    // Fewer request-level features (a server started with another
+    // --request-level): cat_6..cat_12 are the candidates' there, and the
+    // user-once top would take them for the user's.
+    // Its package, where the top runs as one.
+    let package = load(test_model_dir().join("split"), DensePrecision::Fp32, DenseForm::Pt2);
+    assert!(package.runs_user_once(&cut_for), "the export compiled dense_user_once.pt2");
+    grouped_scores_equal_flat_in(&package, &cut_for, 1e-6, (DensePrecision::Fp32, DenseForm::Pt2));
+    let other = ranking_batch(&factory, 6);
+    assert!(!factory.runs_user_once(&other), "another request-level set runs the top");
+    grouped_scores_equal_flat_in(&factory, &other, 1e-6, (DensePrecision::Fp32, DenseForm::TorchScript));
+    // FP32 tables, bf16 network.
+    let fp32_tables = load(test_model_dir().join("split_fp32"), DensePrecision::Bf16, DenseForm::TorchScript);
+    let batch = ranking_batch(&fp32_tables, 13);
+    assert!(fp32_tables.runs_user_once(&batch));
+    grouped_scores_equal_flat_in(&fp32_tables, &batch, 2e-2, (DensePrecision::Bf16, DenseForm::TorchScript));
 }
 
 #[test]

@@ -47,6 +47,25 @@ pub struct FeatureSpec {
     pub weighted: bool,
 }
 
+/// A DLRM top cut for one set of request-level features
+/// (`models/user_once.py`): the products among the user's vectors and their
+/// share of the over arch's first layer once per unit, the rest per row.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+pub struct UserOnceSpec {
+    /// TorchScript: `forward(dense embedding [U, D], pooled [R, F * D],
+    /// row_unit i64[R], unit_row i64[U]) -> scores [R]`.
+    pub network: PathBuf,
+    /// The request-level features it was cut for, by name (`dense`
+    /// among them).
+    pub request_level: Vec<String>,
+    /// `network` as an AOTInductor package, FP32; optional.
+    #[serde(default)]
+    pub package: Option<PathBuf>,
+    /// `network` as an AOTInductor package, bf16; optional.
+    #[serde(default)]
+    pub package_bf16: Option<PathBuf>,
+}
+
 /// A split model's schema.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct SplitSchema {
@@ -116,6 +135,11 @@ pub struct SplitSchema {
     /// `dense_top` as an AOTInductor package, bf16; optional.
     #[serde(default)]
     pub dense_top_package_bf16: Option<PathBuf>,
+    /// `dense_top` with the user's arithmetic done once per ranking request
+    /// (`models/user_once.py`), for batches whose request-level features are
+    /// those it was cut for; optional, with `dense_bottom`.
+    #[serde(default)]
+    pub dense_user_once: Option<UserOnceSpec>,
     /// The sequence features (`[{"name", "features", "max_len", "keep"}]`):
     /// every feature pooled `none` is a channel of exactly one; the dense
     /// network takes each sequence's values, offsets and rows' units after
@@ -192,6 +216,7 @@ impl SplitSchema {
             dense_top: None,
             dense_top_package: None,
             dense_top_package_bf16: None,
+            dense_user_once: None,
             sequences: Vec::new(),
         }
     }
@@ -252,6 +277,23 @@ impl SplitSchema {
                         sequences whole)"
                     .into(),
             );
+        }
+        if let Some(cut) = &self.dense_user_once {
+            if self.dense_bottom.is_none() || !cut.request_level.iter().any(|name| name == "dense") {
+                return Err(
+                    "dense_user_once needs dense_bottom and the dense features among its request_level"
+                        .into(),
+                );
+            }
+            if let Some(name) = cut
+                .request_level
+                .iter()
+                .find(|&n| n != "dense" && !self.features.iter().any(|f| &f.name == n))
+            {
+                return Err(format!(
+                    "dense_user_once's request_level names {name:?}, not a feature of the model"
+                ));
+            }
         }
         if let Some(i) = self.features.iter().position(|f| f.weighted) {
             if let Some(unweighted) = self.features[i..].iter().find(|f| !f.weighted) {
@@ -377,6 +419,25 @@ mod tests {
         bad.features[0].weighted = true;
         bad.features[1].weighted = false;
         assert!(bad.check().unwrap_err().contains("weighted features last"));
+        let mut bad = schema();
+        let cut = |names: &[&str]| {
+            Some(UserOnceSpec {
+                network: "dense_user_once.pt".into(),
+                request_level: names.iter().map(|n| n.to_string()).collect(),
+                package: None,
+                package_bf16: None,
+            })
+        };
+        bad.dense_bottom = Some("dense_bottom.pt".into());
+        bad.dense_user_once = cut(&["a", "dense"]);
+        assert_eq!(bad.check(), Ok(()));
+        bad.dense_user_once = cut(&["a"]);
+        assert!(bad.check().unwrap_err().contains("dense features among its request_level"));
+        bad.dense_user_once = cut(&["c", "dense"]);
+        assert!(bad.check().unwrap_err().contains("names \"c\", not a feature"));
+        bad.dense_bottom = None;
+        bad.dense_user_once = cut(&["a", "dense"]);
+        assert!(bad.check().unwrap_err().contains("needs dense_bottom"));
         let mut bad = schema();
         bad.format = "other".into();
         assert!(bad.check().unwrap_err().contains("narsil-split-1"));
