@@ -103,7 +103,7 @@ fn grouped_scores_equal_flat_in(
     (precision, form): (DensePrecision, DenseForm),
 ) {
     let mut lane = factory.lane().unwrap();
-    let grouped = lane.forward(&batch).unwrap();
+    let grouped = lane.forward(batch).unwrap();
     let flat = lane.forward(&batch.clone().into_flat()).unwrap();
     assert_eq!(grouped.len(), batch.rows * factory.schema().outputs.len());
     let diff = max_abs_diff(&grouped, &flat).unwrap();
