@@ -47,8 +47,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from split_model import (DenseNetwork, DlrmPredictor, cpu_has_bf16, dense_flops_per_sample, isa_cpu_flags,
-                         load_unlinked_package, write_split)
+from dense_packages import cpu_has_bf16, isa_cpu_flags, load_unlinked_package
+from split_model import DenseNetwork, DlrmPredictor, dense_flops_per_sample, write_split
 
 
 # Raised when the exported interface or forward changes: scripts/lib.sh

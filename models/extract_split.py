@@ -67,7 +67,8 @@ from torch import nn
 import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 
 from id_map import I64_MAX, lookup, mch_remapping, write_map
-from split_model import SPLIT_FORMAT, dense_flops_per_sample, write_dense_packages
+from dense_packages import write_dense_packages
+from split_model import SPLIT_FORMAT, dense_flops_per_sample
 from ts_retrace import RetracedScript
 
 LOOKUP = "fbgemm::int_nbit_split_embedding_codegen_lookup_function"

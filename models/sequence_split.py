@@ -23,7 +23,8 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddi
 
 import din_model
 from din_requests import cut_history, features, sample_major
-from split_model import SPLIT_FORMAT, isa_cpu_flags, load_unlinked_package, named_int8_tables, write_int8_table
+from dense_packages import isa_cpu_flags, load_unlinked_package
+from split_model import SPLIT_FORMAT, named_int8_tables, write_int8_table
 
 class Layout(NamedTuple):
     """A sequence model's features: the history's channels (aligned, in

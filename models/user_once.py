@@ -164,7 +164,7 @@ def write_user_once_cut(out: Path, network: nn.Module, bottom: nn.Module, top: n
         f"sparse features; within {worst:.1e} of the whole network)")
     spec = {"network": "dense_user_once.pt", "request_level": list(request_level)}
     if precisions:
-        from split_model import TIMED_ROWS, compile_package
+        from dense_packages import TIMED_ROWS, compile_package
 
         def batch(units: List[int], flat: int) -> tuple:
             dense, pooled, row_unit, unit_row = ranking_batch(units, flat, num_dense, len(keys), network.dim,

@@ -1,6 +1,6 @@
 //! A dense network compiled ahead of time by AOTInductor: a `.pt2` package
 //! (`torch.export` with a dynamic row dimension, compiled by AOTInductor;
-//! `models/split_model.py`'s `write_dense_package`), loaded with
+//! `models/dense_packages.py`'s `compile_package`), loaded with
 //! libtorch's `AOTIModelPackageLoader` through the C++ shim in
 //! `csrc/aoti_package.cpp` and run on the lane's tensors at any row count.
 //!
@@ -86,8 +86,8 @@ impl AotiPackage {
     pub fn load(path: &Path, runners: usize, cpu_flags: &[&str]) -> Result<Self, LibtorchError> {
         let needed = Self::metadata(path, CPU_FLAGS_KEY)?.ok_or_else(|| {
             LibtorchError(format!(
-                "the package has no {CPU_FLAGS_KEY} entry: compile it with models/split_model.py's \
-                 write_dense_package, which records the CPU flags its kernels need"
+                "the package has no {CPU_FLAGS_KEY} entry: compile it with models/dense_packages.py's \
+                 compile_package, which records the CPU flags its kernels need"
             ))
         })?;
         let missing: Vec<&str> = needed.split_whitespace().filter(|flag| !cpu_flags.contains(flag)).collect();
