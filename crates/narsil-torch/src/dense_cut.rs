@@ -156,22 +156,27 @@ impl DenseCut {
     ) -> Result<Tensor, BackendError> {
         let blocks = batch.request_blocks.as_ref().expect("applies() holds");
         let num_dense = batch.num_dense;
-        let mut inputs = blocks.dense.clone();
-        // Each row's bottom row (its unit), and a row of each unit.
+        // The bottom's inputs: each unit some kept request uses (a batch
+        // whose callers left keeps their units: they run nothing), then
+        // each flat row; each row's bottom row, and a row of each.
+        let mut inputs = Vec::with_capacity((blocks.unit_count + batch.rows) * num_dense);
         let mut row_input = Vec::with_capacity(batch.rows);
-        let mut unit_row = vec![-1i64; blocks.unit_count];
+        let mut unit_row = Vec::new();
+        let mut bottom_row = vec![None; blocks.unit_count];
         let mut start = 0;
         for (&rows, unit) in batch.request_rows.iter().zip(&blocks.request_unit) {
             match unit {
                 Some(unit) => {
-                    row_input.extend(std::iter::repeat_n(*unit as i64, rows));
-                    if unit_row[*unit] < 0 {
-                        unit_row[*unit] = start as i64;
-                    }
+                    let row = *bottom_row[*unit].get_or_insert_with(|| {
+                        unit_row.push(start as i64);
+                        inputs.extend_from_slice(&blocks.dense[unit * num_dense..(unit + 1) * num_dense]);
+                        unit_row.len() as i64 - 1
+                    });
+                    row_input.extend(std::iter::repeat_n(row, rows));
                 }
                 None => {
                     for row in start..start + rows {
-                        row_input.push((inputs.len() / num_dense) as i64);
+                        row_input.push(unit_row.len() as i64);
                         unit_row.push(row as i64);
                         inputs.extend_from_slice(&batch.dense[row * num_dense..(row + 1) * num_dense]);
                     }

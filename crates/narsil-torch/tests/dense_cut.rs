@@ -126,6 +126,12 @@ fn the_user_once_top_serves_only_the_request_level_features_it_was_cut_for() {
     // Fewer request-level features (a server started with another
     // --request-level): cat_6..cat_12 are the candidates' there, and the
     // user-once top would take them for the user's.
+    // A batch whose second caller left before its forward keeps that
+    // user's unit, used by no row: it runs nothing.
+    let left = cut_for.retain_requests(|r| r != 1);
+    assert_eq!(left.request_blocks.as_ref().unwrap().unit_count, 2, "the unit stays in the blocks");
+    assert!(factory.runs_user_once(&left));
+    grouped_scores_equal_flat_in(&factory, &left, 1e-6, (DensePrecision::Fp32, DenseForm::TorchScript));
     // Its package, where the top runs as one.
     let package = load(test_model_dir().join("split"), DensePrecision::Fp32, DenseForm::Pt2);
     assert!(package.runs_user_once(&cut_for), "the export compiled dense_user_once.pt2");
