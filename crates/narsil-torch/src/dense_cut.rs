@@ -105,11 +105,10 @@ impl DenseCut {
                     }
                     (form, package) => {
                         let network = part(&spec.network, package, form)?;
-                        let mut features: Vec<usize> = (split.features.iter().enumerate())
+                        let features: Vec<usize> = (split.features.iter().enumerate())
                             .filter(|(_, f)| spec.request_level.contains(&f.name))
                             .map(|(i, _)| i)
                             .collect();
-                        features.sort_unstable();
                         tracing::info!(
                             form = %network.form(),
                             request_level = ?spec.request_level,

@@ -73,8 +73,7 @@ fn ranking_batch(factory: &SplitFactory, user_features: usize) -> KeyedBatch {
 }
 
 fn grouped_scores_equal_flat(precision: DensePrecision, form: DenseForm, bound: f32) {
-    let factory = load(test_model_dir().join("split"), precision, form);
-    grouped_scores_equal_flat_in(&factory, &ranking_batch(&factory, 13), bound, (precision, form));
+    grouped_scores_equal_flat_for(test_model_dir().join("split"), precision, form, bound);
 }
 
 fn grouped_scores_equal_flat_for(
