@@ -62,6 +62,12 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def package_precisions() -> List[str]:
+    """The precisions packages are compiled in here: FP32, and bf16 where
+    this CPU has bf16 instructions."""
+    return ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]
+
+
 def cpu_identity() -> str:
     """This CPU as `vendor family F model M` (from /proc/cpuinfo): what a
     form's timings at export hold for (Narsil reads the same fields: the
@@ -235,8 +241,7 @@ def write_dense_packages(out: Path, dense_network: nn.Module, num_dense: int, po
     (form_timings)."""
     timings = {"cpu": cpu_identity(), "rows": list(TIMED_ROWS)}
     packages = {}
-    precisions = ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]
-    for precision in precisions:
+    for precision in package_precisions():
         name, pt2_ms = write_dense_package(out, dense_network, num_dense, pooled_width, log, precision=precision)
         packages["dense_package" if precision == "fp32" else f"dense_package_{precision}"] = name
         timings[precision] = form_timings(out, num_dense, pooled_width, precision, pt2_ms, log)

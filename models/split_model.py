@@ -40,7 +40,7 @@ from torch import nn
 from torchrec.models.dlrm import DLRM
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dense_packages import cpu_has_bf16, write_dense_package, write_dense_packages
+from dense_packages import package_precisions, write_dense_package, write_dense_packages
 from user_once import write_user_once_cut
 
 SPLIT_FORMAT = "narsil-split-1"
@@ -134,7 +134,7 @@ def write_dense_cut(out: Path, network: nn.Module, num_dense: int, pooled_width:
     torch.jit.script(bottom).save(str(out / "dense_bottom.pt"))
     torch.jit.script(top).save(str(out / "dense_top.pt"))
     fields = {"dense_bottom": "dense_bottom.pt", "dense_top": "dense_top.pt"}
-    precisions = (["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]) if pt2 else []
+    precisions = package_precisions() if pt2 else []
     for precision in precisions:
         name, _ = write_dense_package(out, top, dim, pooled_width, log, precision=precision, stem="dense_top")
         fields["dense_top_package" if precision == "fp32" else f"dense_top_package_{precision}"] = name

@@ -28,6 +28,8 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from dense_packages import TIMED_ROWS, compile_package
+
 # Largest difference allowed from the whole network's scores (FP32): the
 # first layer's sum is split in two, so rounding differs.
 USER_ONCE_BOUND = 1e-6
@@ -149,12 +151,18 @@ def write_user_once_cut(out: Path, network: nn.Module, bottom: nn.Module, top: n
     user_features = [f for f, key in enumerate(keys) if key in request_level]
     cut = UserOnceNetwork(network, user_features).eval()
     generator = torch.Generator().manual_seed(0)
+
+    def inputs(units: List[int], flat: int) -> tuple:
+        """The cut's inputs for a ranking_batch: the bottom's output per unit."""
+        dense, pooled, row_unit, unit_row = ranking_batch(units, flat, num_dense, len(keys), network.dim,
+                                                          user_features, generator)
+        with torch.inference_mode():
+            return bottom(dense), pooled, row_unit, unit_row
+
     worst = 0.0
     with torch.inference_mode():
         for units, flat in (([1], 0), ([500], 0), ([3, 40, 1, 17], 5), ([], 4)):
-            dense, pooled, row_unit, unit_row = ranking_batch(units, flat, num_dense, len(keys), network.dim,
-                                                              user_features, generator)
-            embedding = bottom(dense)
+            embedding, pooled, row_unit, unit_row = inputs(units, flat)
             whole = top(torch.index_select(embedding, 0, row_unit), pooled)
             worst = max(worst, (cut(embedding, pooled, row_unit, unit_row) - whole).abs().max().item())
     if not worst <= USER_ONCE_BOUND:
@@ -163,30 +171,21 @@ def write_user_once_cut(out: Path, network: nn.Module, bottom: nn.Module, top: n
     log(f"wrote the user-once cut for ranking requests (dense_user_once.pt, {len(user_features)} request-level "
         f"sparse features; within {worst:.1e} of the whole network)")
     spec = {"network": "dense_user_once.pt", "request_level": list(request_level)}
-    if precisions:
-        from dense_packages import TIMED_ROWS, compile_package
-
-        def batch(units: List[int], flat: int) -> tuple:
-            dense, pooled, row_unit, unit_row = ranking_batch(units, flat, num_dense, len(keys), network.dim,
-                                                              user_features, generator)
-            with torch.inference_mode():
-                return bottom(dense), pooled, row_unit, unit_row
-
-        units = torch.export.Dim("units", min=1, max=1 << 20)
-        rows = torch.export.Dim("rows", min=1, max=1 << 20)
-        for precision in precisions:
-            try:
-                name, _ = compile_package(
-                    out, "dense_user_once", cut, precision, log, example=batch([5, 9], 3),
-                    dynamic_shapes=({0: units}, {0: rows}, {0: rows}, {0: units}),
-                    checked=[batch([1], 0), batch([100], 0), batch([3, 40, 1], 4), batch([], 1)],
-                    # One user per 100 candidates.
-                    timed=[batch([100] * (r // 100), 0) for r in TIMED_ROWS])
-            except SystemExit as error:
-                if precision == "fp32":
-                    raise
-                # Served without it: ranking requests run the top's package.
-                log(f"dense_user_once_{precision}.pt2 not kept: {error}")
-                continue
-            spec["package" if precision == "fp32" else f"package_{precision}"] = name
+    units = torch.export.Dim("units", min=1, max=1 << 20)
+    rows = torch.export.Dim("rows", min=1, max=1 << 20)
+    for precision in precisions:
+        try:
+            name, _ = compile_package(
+                out, "dense_user_once", cut, precision, log, example=inputs([5, 9], 3),
+                dynamic_shapes=({0: units}, {0: rows}, {0: rows}, {0: units}),
+                checked=[inputs([1], 0), inputs([100], 0), inputs([3, 40, 1], 4), inputs([], 1)],
+                # One user per 100 candidates.
+                timed=[inputs([100] * (r // 100), 0) for r in TIMED_ROWS])
+        except SystemExit as error:
+            if precision == "fp32":
+                raise
+            # Served without it: ranking requests run the top's package.
+            log(f"dense_user_once_{precision}.pt2 not kept: {error}")
+            continue
+        spec["package" if precision == "fp32" else f"package_{precision}"] = name
     return {"dense_user_once": spec}
