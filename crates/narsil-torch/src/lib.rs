@@ -14,11 +14,12 @@
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
 //! * [`split`]: split models (a directory: INT8 tables pooled by
 //!   `narsil-embedding`, then the dense network), loaded once as a
-//!   [`split_model`] their lanes share.
+//!   [`split_model`] their lanes share (`split_lane.rs`: the CPU lane,
+//!   its stage one batch ahead).
 //! * [`dense_network`]: a split model's dense network, TorchScript or
 //!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`;
 //!   [`dense_cut`]: the same network cut in two, for ranking requests
-//!   (the dense arch once per request).
+//!   (the dense arch once per request, DLRM's user products once).
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
 //! * [`device_lane`]: a split model's lane on a device (CUDA): staging
 //!   buffers, [`tensor_stage`] (tables in device memory), CUDA graphs per
@@ -45,6 +46,7 @@ pub mod precision;
 pub mod script_module;
 pub mod split;
 mod split_inputs;
+mod split_lane;
 pub mod split_model;
 pub mod tensor_stage;
 

@@ -14,7 +14,7 @@
 //! every model version that has the same ones). It runs on the lane, right
 //! before the dense forward, on the intra-op threads' calling thread; with
 //! `--stage-ahead`, on the lane's stage thread one batch ahead
-//! ([`SplitStage`]), handing the lane the pooled block.
+//! (`split_lane.rs`), handing the lane the pooled block.
 //!
 //! On CUDA (`--device cuda[:N]`) lanes are [`crate::device_lane`]'s: the
 //! dense network on the device (CUDA graphs per batch-size bucket), the
@@ -23,14 +23,11 @@
 //! buffers).
 
 use std::path::Path;
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use narsil_core::{
-    BackendError, BackendFactory, BatchStage, KeyedBatch, ModelBackend, ModelSchema, StagedBatch,
-};
-use narsil_embedding::{EmbeddingStage, SequenceValues, SplitSchema, StageScratch};
+use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
+use narsil_embedding::{EmbeddingStage, SplitSchema};
 use tch::Device;
 
 use crate::buckets::Buckets;
@@ -39,9 +36,9 @@ use crate::dense_network::DenseNetwork;
 use crate::device::split_model_device;
 use crate::device_lane::DeviceLane;
 use crate::factory::{require_cpu_bf16, TorchConfig, DEVICE_TABLE_BYTES_ENV};
-use crate::lane::{append_scores, enter_inference_mode, IntraOpThreads};
+use crate::lane::enter_inference_mode;
 use crate::precision::DensePrecision;
-use crate::split_inputs::{in_precision, lent, sequence_inputs};
+use crate::split_lane::SplitLane;
 use crate::split_model::SplitModel;
 use crate::tensor_stage::{device_bytes, TablesNotOnDevice, TensorTables};
 
@@ -276,160 +273,5 @@ impl BackendFactory for SplitFactory {
 
     fn id_map_tables(&self) -> Vec<narsil_core::IdMapTable> {
         self.model.stage.id_map_tables()
-    }
-}
-
-/// A lane of a split model: its stage buffers, pooled embeddings and
-/// dense features, reused.
-struct SplitLane {
-    model: Arc<SplitModel>,
-    scratch: StageScratch,
-    pooled: Vec<f32>,
-    /// The batch's dense features copied, so that the dense network gets
-    /// memory the lane owns (see [`SplitLane::dense_forward`]).
-    dense: Vec<f32>,
-    threads: IntraOpThreads,
-    /// Pooled blocks handed back to the lane's [`SplitStage`] for reuse,
-    /// once it has one.
-    spent: Option<Sender<Vec<f32>>>,
-}
-
-impl SplitLane {
-    fn new(model: Arc<SplitModel>, min_threads: usize) -> Self {
-        Self {
-            model,
-            scratch: StageScratch::default(),
-            pooled: Vec::new(),
-            dense: Vec::new(),
-            threads: IntraOpThreads::new(min_threads),
-            spent: None,
-        }
-    }
-
-    /// The dense network's forward over `batch`'s dense features and its
-    /// `pooled` block.
-    ///
-    /// The network may write into its inputs: a TorchScript graph or an
-    /// AOTInductor package with an in-place op on an input (`relu_`,
-    /// `clamp_`) writes into the tensor's memory. So it is lent only memory
-    /// the lane holds exclusively and never reads again: `pooled` (the
-    /// lane's block or the staged one, each fully rewritten by the next
-    /// pool) and a copy of the dense features in `dense` (DLRM's 13 floats
-    /// a row, against 6.5 KiB of pooled values), never `batch.dense`, which
-    /// the engine's batch holds immutably and reads afterwards.
-    fn dense_forward(
-        model: &SplitModel,
-        batch: &KeyedBatch,
-        dense: &mut Vec<f32>,
-        pooled: &mut [f32],
-        sequences: &[SequenceValues],
-    ) -> Result<Vec<f32>, BackendError> {
-        let (rows, width) = (batch.rows, model.stage.pooled_width());
-        // SAFETY: `dense` and `pooled` are exclusive borrows for the whole
-        // of this function, so nothing else reads or writes them while the
-        // tensors exist; the tensors and the network's output (which may
-        // alias them) are dropped below, before this returns; the dense
-        // network (a TorchScript module or an AOTInductor package) keeps no
-        // reference to its inputs. What it may write into them is never
-        // read: `dense` is refilled before each forward and `pooled` is
-        // overwritten whole by the next pool.
-        let pooled = in_precision(unsafe { lent(pooled, rows, width) }?, model.precision)?;
-        let output = match &model.dense_cut {
-            // The dense arch once per request: the batch's dense rows are
-            // the cut's to read, never copied here.
-            Some(cut) if DenseCut::applies(batch) => {
-                cut.forward(batch, &pooled, |input| in_precision(input, model.precision))?
-            }
-            _ => {
-                dense.clear();
-                dense.extend_from_slice(&batch.dense);
-                // SAFETY: as above.
-                let dense = in_precision(unsafe { lent(dense, rows, batch.num_dense) }?, model.precision)?;
-                let sequences = sequence_inputs(sequences, model.precision)?;
-                let mut inputs = vec![&dense, &pooled];
-                inputs.extend(sequences.iter());
-                model
-                    .dense_network
-                    .forward_tensors(&inputs)
-                    .map_err(|e| BackendError::forward("the dense network").caused_by(e))?
-            }
-        };
-        // One output: [B]; several: [outputs, B], output after output as
-        // the engine splits them.
-        let values = rows * model.schema.outputs.len();
-        let mut scores = Vec::with_capacity(values);
-        append_scores(&output, values, &mut scores)?;
-        drop((pooled, output));
-        Ok(scores)
-    }
-}
-
-/// A split lane's embedding stage on a thread of its own: pools each batch
-/// into a block the lane hands back once its dense forward is done.
-struct SplitStage {
-    model: Arc<SplitModel>,
-    scratch: StageScratch,
-    spent: Receiver<Vec<f32>>,
-}
-
-impl BatchStage for SplitStage {
-    fn stage(&mut self, batch: &KeyedBatch) -> Result<StagedBatch, BackendError> {
-        let started = Instant::now();
-        // A spent block (at most two are in use: one staged, one in the
-        // dense forward) keeps its pages.
-        let mut pooled = self.spent.try_recv().unwrap_or_default();
-        self.model.stage.pool(batch, &mut self.scratch, &mut pooled).map_err(BackendError::from)?;
-        Ok(StagedBatch {
-            values: pooled,
-            width: self.model.stage.pooled_width(),
-            took: started.elapsed(),
-            ticket: None,
-        })
-    }
-}
-
-impl ModelBackend for SplitLane {
-    /// The stage pools request-level bags once per unit and broadcasts them
-    /// (on the host, or by a gather on the device).
-    fn takes_request_level(&self) -> bool {
-        true
-    }
-
-    fn set_threads(&mut self, threads: usize) {
-        self.threads.set(threads);
-    }
-
-    fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
-        let model = &*self.model;
-        model.stage.pool(batch, &mut self.scratch, &mut self.pooled).map_err(BackendError::from)?;
-        let sequences = self.scratch.sequences();
-        Self::dense_forward(model, batch, &mut self.dense, &mut self.pooled, sequences)
-    }
-
-    /// None for a model with sequences: their values are not part of the
-    /// staged block, so its stage runs on the lane.
-    fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
-        if self.model.stage.has_sequences() {
-            return None;
-        }
-        let (spent, to_stage) = channel();
-        self.spent = Some(spent);
-        Some(Box::new(SplitStage {
-            model: Arc::clone(&self.model),
-            scratch: StageScratch::default(),
-            spent: to_stage,
-        }))
-    }
-
-    fn forward_staged(&mut self, batch: &KeyedBatch, staged: StagedBatch) -> Result<Vec<f32>, BackendError> {
-        // The staged block is the lane's now (owned): the dense network may
-        // write into it, and the stage pools over it whole when it is reused.
-        let mut pooled = staged.values;
-        let scores = Self::dense_forward(&self.model, batch, &mut self.dense, &mut pooled, &[]);
-        if let Some(spent) = &self.spent {
-            // The stage may be gone (shutting down): the block is freed.
-            let _ = spent.send(pooled);
-        }
-        scores
     }
 }
