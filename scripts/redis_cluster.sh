@@ -11,9 +11,9 @@
 # loopback ports from P (default: the first free run of ports from 7100),
 # each in DIR/PORT (its config, log, pid and cluster state; no persistence:
 # tables are reloaded with `narsil tables load`), joins them into a cluster,
-# waits until every slot is served and every replica has synced, and prints the seed list for
-# `--table-store` (also in DIR/seeds). `stop` shuts every node of DIR down
-# and removes DIR.
+# waits until every node sees every slot served and every replica has
+# synced, and prints the seed list for `--table-store` (also in
+# DIR/seeds). `stop` shuts every node of DIR down and removes DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -93,14 +93,19 @@ EOF
   flock -u 9
   redis-cli --cluster create "${addrs[@]}" --cluster-replicas "$replicas" --cluster-yes >"$dir/create.log" 2>&1 \
     || { cat "$dir/create.log" >&2; die "redis-cli --cluster create failed"; }
-  for _ in $(seq 200); do
-    if redis-cli -p "$port" cluster info 2>/dev/null | grep -q "cluster_state:ok" &&
+  # Every node, not only the first: a client checks `cluster_state` on
+  # each node it connects to, and nodes learn the slots' owners one by one.
+  for _ in $(seq 400); do
+    local ready=1 addr replica
+    for addr in "${addrs[@]}"; do
+      redis-cli -p "${addr#*:}" cluster info 2>/dev/null | grep -q "cluster_state:ok" || { ready=0; break; }
+    done
+    if [ "$ready" -eq 1 ] &&
       [ "$(redis-cli -p "$port" cluster nodes 2>/dev/null | grep -c slave)" -eq $((masters * replicas)) ]; then
-      local synced=1 replica
       for replica in "${addrs[@]:$masters}"; do
-        redis-cli -p "${replica#*:}" info replication 2>/dev/null | grep -q "master_link_status:up" || synced=0
+        redis-cli -p "${replica#*:}" info replication 2>/dev/null | grep -q "master_link_status:up" || ready=0
       done
-      if [ "$synced" -eq 0 ]; then sleep 0.05; continue; fi
+      if [ "$ready" -eq 0 ]; then sleep 0.05; continue; fi
       local seeds
       seeds=$(printf 'redis://%s,' "${addrs[@]:0:$masters}")
       echo "${seeds%,}" >"$dir/seeds"
