@@ -3,14 +3,18 @@
 //! fused batch of 1,600 rows, one id per bag), each table of 1M rows with
 //! an id map of all its rows. `identity`: the stage without maps, sent
 //! rows; `mapped`: the same tables and their maps, sent the same rows as
-//! raw ids (the same pooled output, checked once); `map_ids_copy_and_map`: the mapped
-//! stage's copy of the batch and its mapping alone; `batch_copy_into`: the
+//! raw ids (the same pooled output, checked once), each map looked up as a
+//! hash table (`NARSIL_ID_MAP_LAYOUT=off`); `laid_out`: the same, the tables
+//! laid out by their maps as the server holds them
+//! (`EmbeddingStage::lay_out_mapped_tables`); `map_ids_copy_and_map`: the
+//! hash-table stage's copy of the batch and its mapping alone; `batch_copy_into`: the
 //! copy alone; `map_into`: the 26 tables' `IdMap::map_into` alone (41,600
 //! ids). Zipf 1.05 and uniform ids; each iteration takes the next of 32
 //! batches, so that their rows and slots do not all stay in the caches (2
 //! GB of rows, 26 maps of 33.6 MB).
-//! Before criterion's numbers, each distribution prints identity and mapped
-//! timed in alternation, and the median of their ratios: on a shared
+//! Before criterion's numbers, each distribution prints identity, mapped
+//! and laid out timed in alternation, and the medians of their ratios to
+//! identity: on a shared
 //! machine the drift between criterion's runs of the two is larger than
 //! the difference measured.
 //!
@@ -23,7 +27,7 @@ use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use narsil_core::{assemble, KeyedBatch, RequestSamples};
-use narsil_embedding::id_map::build;
+use narsil_embedding::id_map::{build, SlottedMap};
 use narsil_embedding::{
     EmbeddingStage, IdMap, IdMapSpec, RowStore, SplitSchema, StageScratch, Storage, Table, TableIds,
     TableSpec,
@@ -146,9 +150,25 @@ fn id_maps(c: &mut Criterion) {
             Arc::new(IdMap::from_bytes(build(&pairs, rows as u64).unwrap(), rows as u64).unwrap())
         })
         .collect();
+    // The layouts alone, for their pieces' timings (ID_MAP_BENCH_PIECES=1:
+    // another copy of the tables).
+    let slotted: Option<Vec<SlottedMap>> = std::env::var("ID_MAP_BENCH_PIECES").is_ok().then(|| {
+        (0..FEATURES).map(|f| SlottedMap::lay_out(&mapped[f], &*tables[f], &maps[f], 0).unwrap()).collect()
+    });
     let identity = EmbeddingStage::new(&schema(&plain), tables.clone());
-    let with_maps =
+    let with_maps = EmbeddingStage::with_id_maps(
+        &schema(&mapped),
+        tables.clone(),
+        maps.iter().cloned().map(Some).collect(),
+    );
+    let mut laid_out =
         EmbeddingStage::with_id_maps(&schema(&mapped), tables, maps.iter().cloned().map(Some).collect());
+    let started = std::time::Instant::now();
+    assert_eq!(laid_out.lay_out_mapped_tables(), FEATURES, "every table laid out by its map");
+    println!(
+        "{FEATURES} tables of {rows} rows laid out by their maps in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
     assert!(with_maps.maps_ids() && !identity.maps_ids());
 
     let weights: Vec<f64> = (1..=rows).map(|rank| (rank as f64).powf(-1.05)).collect();
@@ -180,14 +200,25 @@ fn id_maps(c: &mut Criterion) {
             identity.pool(rows_batch, &mut scratch, &mut expected).unwrap();
             with_maps.pool(raw_batch, &mut scratch, &mut pooled).unwrap();
             assert_eq!(pooled, expected, "{name}: mapped and identity pool the same rows alike");
+            laid_out.pool(raw_batch, &mut scratch, &mut pooled).unwrap();
+            assert_eq!(pooled, expected, "{name}: laid out and identity pool the same rows alike");
         }
 
         if bench_mode() {
             interleaved(
                 name,
                 batches,
-                |at, scratch, pooled| identity.pool(&row_batches[at], scratch, pooled).unwrap(),
-                |at, scratch, pooled| with_maps.pool(&raw_batches[at], scratch, pooled).unwrap(),
+                &mut [
+                    ("identity", &mut |at, scratch, pooled| {
+                        identity.pool(&row_batches[at], scratch, pooled).unwrap()
+                    }),
+                    ("mapped", &mut |at, scratch, pooled| {
+                        with_maps.pool(&raw_batches[at], scratch, pooled).unwrap()
+                    }),
+                    ("laid_out", &mut |at, scratch, pooled| {
+                        laid_out.pool(&raw_batches[at], scratch, pooled).unwrap()
+                    }),
+                ],
             );
         }
 
@@ -204,6 +235,12 @@ fn id_maps(c: &mut Criterion) {
             b.iter(|| {
                 at = (at + 1) % batches;
                 with_maps.pool(&raw_batches[at], &mut scratch, &mut pooled).unwrap()
+            })
+        });
+        group.bench_function("laid_out_stage", |b| {
+            b.iter(|| {
+                at = (at + 1) % batches;
+                laid_out.pool(&raw_batches[at], &mut scratch, &mut pooled).unwrap()
             })
         });
         let mut copy = KeyedBatch::default();
@@ -231,45 +268,72 @@ fn id_maps(c: &mut Criterion) {
                     .sum::<u64>()
             })
         });
+        if let Some(slotted) = &slotted {
+            let mut rows = Vec::new();
+            group.bench_function("candidate_rows_26x1600", |b| {
+                b.iter(|| {
+                    at = (at + 1) % batches;
+                    let batch = &raw_batches[at];
+                    for (f, map) in slotted.iter().enumerate() {
+                        map.candidate_rows_into(batch.feature_ids(f), &mut rows);
+                    }
+                    rows.len()
+                })
+            });
+            group.bench_function("candidate_rows_and_check_26x1600", |b| {
+                b.iter(|| {
+                    at = (at + 1) % batches;
+                    let batch = &raw_batches[at];
+                    let mut held = 0;
+                    for (f, map) in slotted.iter().enumerate() {
+                        let raws = batch.feature_ids(f);
+                        map.candidate_rows_into(raws, &mut rows);
+                        held +=
+                            raws.iter().zip(&rows).filter(|&(&raw, &row)| map.holds(raw, row as u64)).count();
+                    }
+                    held
+                })
+            });
+        }
         group.finish();
     }
 }
 
-/// Identity and mapped stages timed in alternation (rounds of one pass
-/// over the batches each, so that the machine's drift hits both alike), printed
-/// before criterion's numbers: the median per-batch time of each and the
-/// median of the rounds' ratios.
-fn interleaved(
-    name: &str,
-    batches: usize,
-    mut identity: impl FnMut(usize, &mut StageScratch, &mut Vec<f32>),
-    mut mapped: impl FnMut(usize, &mut StageScratch, &mut Vec<f32>),
-) {
+/// A stage's run over batch `at`.
+type Run<'a> = &'a mut dyn FnMut(usize, &mut StageScratch, &mut Vec<f32>);
+
+/// The stages timed in alternation (rounds of one pass over the batches
+/// each, so that the machine's drift hits all alike), printed before
+/// criterion's numbers: the median per-batch time of each and the median
+/// of the rounds' ratios to the first.
+fn interleaved(name: &str, batches: usize, runs: &mut [(&str, Run<'_>)]) {
     const ROUNDS: usize = 41;
     let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
-    let mut time = |run: &mut dyn FnMut(usize, &mut StageScratch, &mut Vec<f32>)| {
-        let start = std::time::Instant::now();
-        for at in 0..batches {
-            run(at, &mut scratch, &mut pooled);
-        }
-        start.elapsed().as_secs_f64() * 1e3 / batches as f64
-    };
-    let (mut ids, mut maps, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let mut times = vec![Vec::new(); runs.len()];
+    let mut ratios = vec![Vec::new(); runs.len()];
     for _ in 0..ROUNDS {
-        let (i, m) = (time(&mut identity), time(&mut mapped));
-        ids.push(i);
-        maps.push(m);
-        ratios.push(m / i);
+        for (k, (_, run)) in runs.iter_mut().enumerate() {
+            let start = std::time::Instant::now();
+            for at in 0..batches {
+                run(at, &mut scratch, &mut pooled);
+            }
+            times[k].push(start.elapsed().as_secs_f64() * 1e3 / batches as f64);
+        }
+        for k in 0..runs.len() {
+            let ratio = times[k][times[k].len() - 1] / times[0][times[0].len() - 1];
+            ratios[k].push(ratio);
+        }
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let (i, m, r) = (median(&mut ids), median(&mut maps), median(&mut ratios));
-    println!(
-        "{name}: interleaved, {ROUNDS} rounds: identity {i:.3} ms, mapped {m:.3} ms per batch (medians); mapped / identity {r:.3} (median of rounds, +{:.1}%)",
-        (r - 1.0) * 100.0
-    );
+    let mut line = format!("{name}: interleaved, {ROUNDS} rounds, per batch (medians):");
+    for (k, (stage, _)) in runs.iter().enumerate() {
+        let (t, r) = (median(&mut times[k]), median(&mut ratios[k]));
+        line += &format!(" {stage} {t:.3} ms ({r:.3}x);");
+    }
+    println!("{line} ratios: median of rounds, to {}", runs[0].0);
 }
 
 criterion_group!(benches, id_maps);

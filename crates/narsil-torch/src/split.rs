@@ -99,7 +99,9 @@ impl SplitFactory {
             None
         };
         let mut stage = EmbeddingStage::over_stores(&dir, &split, stores).map_err(|e| load_error(&dir, e))?;
-        if device_tables.is_some() {
+        if device_tables.is_none() {
+            stage.lay_out_mapped_tables();
+        } else {
             stage.refuse_pushes(format!(
                 "the model's tables are on the device ({device:?}): they were copied there when it loaded, and rows pushed since would not reach them; to serve new ids, publish a new model version whose tables and id maps hold them (or serve this one with its tables on the host)"
             ));

@@ -51,7 +51,11 @@ use sha2::{Digest, Sha256};
 use crate::sha256::hex;
 use crate::stores::local::huge_pages::HugePageRows;
 
+mod perfect_hash;
+mod slotted;
 mod writer;
+pub use perfect_hash::PerfectHash;
+pub use slotted::SlottedMap;
 pub use writer::{build, SortedWriter};
 
 /// The first 16 bytes of every map file.

@@ -23,6 +23,15 @@ pub enum Storage {
 }
 
 impl Storage {
+    /// Bytes of a row's values (and an INT8 row's scale and bias): the
+    /// rest of [`Self::row_bytes`] is padding.
+    pub fn value_bytes(self, dim: usize) -> usize {
+        match self {
+            Self::Int8Rowwise => 4 + dim,
+            Self::Fp32 => 4 * dim,
+        }
+    }
+
     /// Bytes of one row of `dim` values.
     pub fn row_bytes(self, dim: usize) -> usize {
         match self {

@@ -30,12 +30,15 @@ impl EmbeddingStage {
         let deduplicates = table.deduplicates || pushed.is_some();
         let mut looked_up = 0;
         let blocks = batch.request_blocks.as_ref();
+        // A table laid out by its id map is pooled from raw ids (any
+        // 64-bit value), each mapped to a row as it is read.
+        let raw = pushed.is_none() && table.pools_raw_ids();
         for &f in &table.features {
             // The feature's own bags, then its request-level units' (the
             // order `pool_table` reads their slots in).
             let units = blocks.and_then(|b| b.unit_ids(f));
             for ids in std::iter::once(batch.feature_ids(f)).chain(units) {
-                if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as u64 >= rows) {
+                if let Some(&id) = ids.iter().find(|&&id| !raw && (id < 0 || id as u64 >= rows)) {
                     let source = OutOfRange { id, rows };
                     return Err(StageError::OutOfRange { feature: self.features[f].name.clone(), source });
                 }

@@ -25,7 +25,7 @@ use narsil_core::KeyedBatch;
 
 use super::pushed_ids::{Overlay, PushedIds};
 use super::{EmbeddingStage, StageTable};
-use crate::id_map::IdMap;
+use crate::id_map::{IdMap, SlottedMap};
 use crate::schema::{SplitSchema, TableIds, TableSpec};
 use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
@@ -38,7 +38,45 @@ pub(super) enum IdMapping {
     Modulo(Modulo),
     /// Through the map, then the ids pushed since the model loaded; ids
     /// neither holds get `default_row`.
-    Map { map: Arc<IdMap>, default_row: u64, overlay: Overlay },
+    Map { map: MapLookup, default_row: u64, overlay: Overlay },
+}
+
+/// Where a mapped table looks its raw ids up.
+pub(super) enum MapLookup {
+    /// Its map's hash table ([`IdMap`]): rows in the table's order.
+    Hashed(Arc<IdMap>),
+    /// The table laid out by its map ([`SlottedMap`]): rows of the laid-out
+    /// table, which is the table's store.
+    Slotted(Arc<SlottedMap>),
+}
+
+impl MapLookup {
+    /// The row of `raw`, if the map holds it.
+    pub(super) fn row(&self, raw: i64) -> Option<u64> {
+        match self {
+            Self::Hashed(map) => map.row(raw),
+            Self::Slotted(map) => map.row(raw),
+        }
+    }
+
+    /// Each of `raws`' rows into `rows`, each id the map lacks asked of
+    /// `elsewhere` then given `default_row`; how many neither held.
+    #[inline]
+    fn map_into_or(
+        &self,
+        raws: &[i64],
+        rows: &mut [i64],
+        default_row: u64,
+        elsewhere: impl FnMut(i64) -> Option<i64>,
+    ) -> u64 {
+        match self {
+            Self::Hashed(map) => map.map_into_or(raws, rows, default_row, elsewhere),
+            Self::Slotted(map) => {
+                debug_assert_eq!(map.default_row(), default_row);
+                map.map_into_or(raws, rows, elsewhere)
+            }
+        }
+    }
 }
 
 impl IdMapping {
@@ -49,6 +87,7 @@ impl IdMapping {
             (TableIds::Identity, _) => Self::Identity,
             (TableIds::Modulo(convention), _) => Self::Modulo(*convention),
             (TableIds::Map(declared), Some(map)) => {
+                let map = MapLookup::Hashed(map);
                 Self::Map { map, default_row: declared.default_row, overlay: Overlay::new(spec.row_bytes) }
             }
             (TableIds::Map(_), None) => {
@@ -84,24 +123,42 @@ impl EmbeddingStage {
         self.map_batch(batch, into, None)
     }
 
-    /// [`Self::map_ids_skipping_pushes`], through the pushed ids too where `pushed` is
-    /// given: per table, the snapshot of them the batch used (none where
-    /// it found no id in them).
+    /// [`Self::map_ids_skipping_pushes`] for the stage's own pooling,
+    /// through the pushed ids too: into `pushes.0`, per table, the snapshot
+    /// of them the batch used (none where it found no id in them). A table
+    /// laid out by its id map keeps its raw ids (its pooling maps them:
+    /// [`super::pool_laid_out`]) and gets its snapshot in `pushes.1`; the
+    /// batch is copied only where some other table's ids are raw.
     pub(super) fn map_batch<'a>(
         &self,
         batch: &'a KeyedBatch,
         into: &'a mut KeyedBatch,
-        mut pushed: Option<&mut BatchPushed>,
+        pushes: Option<(&mut BatchPushed, &mut BatchPushed)>,
     ) -> &'a KeyedBatch {
+        let (mut pushed, laid_out) = pushes.unzip();
         if let Some(pushed) = pushed.as_deref_mut() {
             pushed.clear();
             pushed.resize(self.tables.len(), None);
         }
-        if !self.maps_ids() {
+        // Tables whose ids this pass leaves raw: laid out by their maps,
+        // when the stage pools them itself.
+        let pooling = laid_out.is_some();
+        let keeps_raw = |table: &StageTable| pooling && table.pools_raw_ids();
+        if let Some(laid_out) = laid_out {
+            laid_out.clear();
+            laid_out.resize(self.tables.len(), None);
+            for (t, table) in self.tables.iter().enumerate() {
+                if let (true, IdMapping::Map { overlay, .. }) = (keeps_raw(table), &table.mapping) {
+                    laid_out[t] = overlay.snapshot();
+                }
+            }
+        }
+        let maps = |table: &StageTable| !matches!(table.mapping, IdMapping::Identity) && !keeps_raw(table);
+        if !self.tables.iter().any(maps) {
             return batch;
         }
         batch.copy_into(into);
-        for (t, table) in self.tables.iter().enumerate() {
+        for (t, table) in self.tables.iter().enumerate().filter(|(_, table)| maps(table)) {
             // One snapshot per table and batch: every id of it sees the
             // same pushes.
             let snapshot = match (&table.mapping, &pushed) {
@@ -152,7 +209,7 @@ fn map_table_ids(table: &StageTable, pushed: Option<&PushedIds>, raws: &[i64], r
         }
         IdMapping::Map { map, default_row, .. } => {
             let Some(pushed) = pushed else {
-                let unmapped = map.map_into(raws, rows, *default_row);
+                let unmapped = map.map_into_or(raws, rows, *default_row, |_| None);
                 table.counters.unmapped_ids.inc_by(unmapped);
                 return false;
             };

@@ -27,6 +27,8 @@
 //!
 //! * `map_ids.rs`: for tables whose ids are raw 64-bit values, a copy of
 //!   the batch whose ids are rows (through the table's id map, or modulo);
+//! * `lay_out.rs`: mapped tables in memory laid out by their maps at load,
+//!   so that a raw id's lookup reads its row and no map slot;
 //! * `pushed_ids.rs`: raw ids pushed to a mapped table while it serves,
 //!   with their rows (a copy-on-write overlay on its map; a batch reads one
 //!   snapshot of it);
@@ -43,6 +45,8 @@
 //!   found pushed ids (its rows and the pushed ones);
 //! * `pooling.rs`: pooling each feature's bags of one table into the pooled
 //!   input, and the request-level units' bags of ranking requests once each;
+//! * `pool_laid_out.rs`: pooling a table laid out by its id map straight
+//!   from raw ids, each id checked against the row it read;
 //! * `broadcast.rs`: copying each unit's pooled bags into its requests'
 //!   candidate rows;
 //! * `sequences.rs`: sequence features looked up unpooled, once per unit,
@@ -52,7 +56,9 @@ mod broadcast;
 mod collect;
 mod error;
 mod fetch;
+mod lay_out;
 mod map_ids;
+mod pool_laid_out;
 mod pooling;
 mod push;
 mod pushed_ids;
@@ -74,6 +80,7 @@ use crate::stores::table_error::TableError;
 use crate::stores::table_store::{OpenedTables, TableStore};
 use broadcast::own_rows;
 use map_ids::{open_id_maps, BatchPushed, IdMapping};
+use pooling::Lookups;
 
 pub use error::StageError;
 pub use push::MAX_PUSHED_IDS;
@@ -98,6 +105,14 @@ struct StageTable {
     deduplicates: bool,
 }
 
+impl StageTable {
+    /// Whether the stage pools its batches' raw ids as they are: a table
+    /// laid out by its id map ([`pool_laid_out`]).
+    fn pools_raw_ids(&self) -> bool {
+        matches!(self.mapping, IdMapping::Map { map: map_ids::MapLookup::Slotted(_), .. })
+    }
+}
+
 struct FeatureLookup {
     name: String,
     pooling: PoolingMode,
@@ -116,8 +131,14 @@ pub struct StageScratch {
     /// Per table whose store fetches: the rows of its distinct ids.
     fetched: Vec<Vec<u8>>,
     /// A feature's ids as their rows in the file, for local rows laid out
-    /// in popularity order.
+    /// in popularity order or by an id map.
     file_rows: Vec<i64>,
+    /// Copies of a bag's rows, for a bag of a table laid out by its id map
+    /// that holds ids the map lacks.
+    bag_rows: Vec<u8>,
+    /// Per table laid out by its id map, the batch's snapshot of its pushed
+    /// ids (what its pooling looks ids the layout lacks up in).
+    laid_out_pushed: BatchPushed,
     /// The request-level units' pooled bags, `[units, request-level
     /// features * dim]`.
     unit_pooled: Vec<f32>,
@@ -253,7 +274,9 @@ impl EmbeddingStage {
         store: &TableStore,
     ) -> Result<(Self, OpenedTables), TableError> {
         let (stores, opened) = store.open(dir, schema)?;
-        Ok((Self::over_stores(dir, schema, stores)?, opened))
+        let mut stage = Self::over_stores(dir, schema, stores)?;
+        stage.lay_out_mapped_tables();
+        Ok((stage, opened))
     }
 
     /// A stage over the split model in `dir` whose table `i` is
@@ -308,11 +331,12 @@ impl EmbeddingStage {
     ) -> Result<(), StageError> {
         if !self.maps_ids() {
             scratch.pushed.clear();
+            scratch.laid_out_pushed.clear();
             return self.pool_rows(batch, scratch, pooled);
         }
         let mut mapped = std::mem::take(&mut scratch.mapped);
-        let result =
-            self.pool_rows(self.map_batch(batch, &mut mapped, Some(&mut scratch.pushed)), scratch, pooled);
+        let pushes = Some((&mut scratch.pushed, &mut scratch.laid_out_pushed));
+        let result = self.pool_rows(self.map_batch(batch, &mut mapped, pushes), scratch, pooled);
         scratch.mapped = mapped;
         result
     }
@@ -356,7 +380,12 @@ impl EmbeddingStage {
                 ones: &mut scratch.ones,
                 own_rows: &scratch.own_rows,
             };
-            faults += self.pool_table(table, batch, distinct, fetched, &mut scratch.file_rows, out)?;
+            let lookups = Lookups {
+                file_rows: &mut scratch.file_rows,
+                bag_rows: &mut scratch.bag_rows,
+                pushed: scratch.laid_out_pushed.get(t).and_then(Option::as_deref),
+            };
+            faults += self.pool_table(table, batch, distinct, fetched, lookups, out)?;
         }
         self.faulting.store(faults > 0, Ordering::Relaxed);
         self.broadcast(batch, &scratch.unit_pooled, pooled, width);

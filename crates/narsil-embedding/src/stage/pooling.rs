@@ -10,6 +10,9 @@ use std::time::Instant;
 
 use narsil_core::KeyedBatch;
 
+use super::map_ids::{IdMapping, MapLookup};
+use super::pool_laid_out::LaidOut;
+use super::pushed_ids::PushedIds;
 use super::read_ahead::thread_major_faults;
 use super::{EmbeddingStage, FeatureLookup, Outputs, StageError, StageTable};
 use crate::dedup::DistinctIds;
@@ -17,8 +20,8 @@ use crate::pool::{pool_rows, Pooling};
 
 impl EmbeddingStage {
     /// Pools `table`'s bags (its ids deduplicated in `distinct`; `fetched`:
-    /// the copies of their rows, where it is pooled from copies; `file_rows` holds a
-    /// feature's ids as rows of a local file in popularity order), the
+    /// the copies of their rows, where it is pooled from copies; `lookups`:
+    /// buffers, and a laid-out table's pushed ids), the
     /// request-level units' bags into `unit_pooled` (`[units, request-level
     /// features * dim]`); returns the major faults the lookups took.
     pub(super) fn pool_table(
@@ -27,19 +30,34 @@ impl EmbeddingStage {
         batch: &KeyedBatch,
         distinct: &DistinctIds,
         fetched: Option<&[u8]>,
-        file_rows: &mut Vec<i64>,
+        lookups: Lookups<'_>,
         out: Outputs<'_>,
     ) -> Result<u64, StageError> {
         let Outputs { pooled, width, unit_pooled, sequences, ones, own_rows } = out;
         let started = Instant::now();
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let blocks = batch.request_blocks.as_ref();
+        let Lookups { file_rows, bag_rows, pushed } = lookups;
+        let laid_out = match &table.mapping {
+            IdMapping::Map { map: MapLookup::Slotted(map), .. } if fetched.is_none() => {
+                Some(LaidOut { map, spec: &table.spec, counters: &table.counters, pushed })
+            }
+            _ => None,
+        };
         let mut slot_start = 0;
         for &f in &table.features {
             let feature = &self.features[f];
             let weights = (feature.weighted && !batch.weights.is_empty())
                 .then(|| &batch.weights[batch.feature_offsets[f]..batch.feature_offsets[f + 1]]);
-            let mut bags = Bags { table, distinct, fetched, file_rows: &mut *file_rows, slot_start };
+            let mut bags = Bags {
+                table,
+                distinct,
+                fetched,
+                file_rows: &mut *file_rows,
+                bag_rows: &mut *bag_rows,
+                laid_out: laid_out.as_ref(),
+                slot_start,
+            };
             let units = blocks.and_then(|b| Some((b, b.position(f)?)));
             if let Some(channel) = feature.channel {
                 // A sequence's channel: each id's row once, its rows' own
@@ -101,16 +119,29 @@ impl EmbeddingStage {
     }
 }
 
+/// A table's lookups' buffers, and the batch's snapshot of its pushed ids
+/// where it is laid out by its id map.
+pub(super) struct Lookups<'a> {
+    pub(super) file_rows: &'a mut Vec<i64>,
+    pub(super) bag_rows: &'a mut Vec<u8>,
+    pub(super) pushed: Option<&'a PushedIds>,
+}
+
 /// Where one table's bags read their rows, feature after feature: in
-/// place, through the popularity-order slot index, or from a fetching
-/// store's copies through each id's slot among the distinct ids (taken in
-/// the order [`EmbeddingStage::collect`] added them).
+/// place, through the popularity-order slot index, through its id map's
+/// layout from raw ids, or from a fetching store's copies through each
+/// id's slot among the distinct ids (taken in the order
+/// [`EmbeddingStage::collect`] added them).
 struct Bags<'a> {
     table: &'a StageTable,
     distinct: &'a DistinctIds,
     /// The copies of the distinct ids' rows, where the bags read those.
     fetched: Option<&'a [u8]>,
     file_rows: &'a mut Vec<i64>,
+    bag_rows: &'a mut Vec<u8>,
+    /// Where the table is laid out by its id map (and not pooled from
+    /// copies): its ids are raw.
+    laid_out: Option<&'a LaidOut<'a>>,
     /// The next bag's first id among the distinct ids' slots.
     slot_start: usize,
 }
@@ -128,6 +159,14 @@ impl Bags<'_> {
         stride: usize,
     ) -> Result<(), StageError> {
         let spec = &self.table.spec;
+        let out_of_range = |source| StageError::OutOfRange { feature: feature.name.clone(), source };
+        if let Some(laid_out) = self.laid_out {
+            self.slot_start += ids.len();
+            let pooling = Pooling { mode: feature.pooling, weights };
+            return laid_out
+                .pool(lengths, ids, pooling, out, stride, self.file_rows, self.bag_rows)
+                .map_err(out_of_range);
+        }
         let (rows, ids) = match (self.fetched, self.table.store.local_rows(), self.table.store.slots()) {
             (Some(fetched), _, _) => {
                 (fetched, &self.distinct.slots()[self.slot_start..self.slot_start + ids.len()])
@@ -143,7 +182,7 @@ impl Bags<'_> {
         self.slot_start += ids.len();
         let pooling = Pooling { mode: feature.pooling, weights };
         pool_rows(spec.storage, rows, spec.row_bytes, spec.dim, lengths, ids, pooling, out, stride)
-            .map_err(|source| StageError::OutOfRange { feature: feature.name.clone(), source })
+            .map_err(out_of_range)
     }
 }
 

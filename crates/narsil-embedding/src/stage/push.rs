@@ -120,8 +120,11 @@ impl EmbeddingStage {
                     }
                     (None, None, None) => None,
                 };
+                // Values only: padding is not a row's (a table laid out by
+                // its map keeps raw ids there).
+                let values = storage.value_bytes(t.spec.dim);
                 match held {
-                    Some((held, _)) if held == row => already_held += 1,
+                    Some((held, _)) if held[..values] == row[..values] => already_held += 1,
                     Some(_) if push.mode == PushMode::Replay => superseded += 1,
                     Some((_, where_)) => {
                         return Err(format!(
@@ -201,7 +204,7 @@ mod tests {
     use super::super::{EmbeddingStage, StageScratch};
     use super::store_refusal;
     use crate::id_map::{build, IdMap};
-    use crate::schema::{IdMapSpec, SplitSchema, TableIds};
+    use crate::schema::{IdMapSpec, SplitSchema, TableIds, TableSpec};
     use crate::stores::local::table::Table;
     use crate::stores::row_store::RowStore;
 
@@ -323,6 +326,58 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_table_laid_out_by_its_id_map_pools_held_new_and_pushed_ids_as_its_hash_table_does() {
+        // Rows of 32 bytes: 12 of values, 20 of padding (a raw id's room).
+        let (mut mapped, maps) = mapped();
+        let mut plain = schema();
+        for spec in mapped.tables.iter_mut().chain(plain.tables.iter_mut()) {
+            spec.row_bytes = 32;
+        }
+        let wide = |t: usize| {
+            let spec = &plain.tables[t];
+            let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, 3 + t as u8);
+            let bytes = narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain([0u8; 16]));
+            Table::from_rows(spec, bytes.collect())
+        };
+        let stores = || (0..2).map(|t| Arc::new(wide(t)) as Arc<dyn RowStore>).collect::<Vec<_>>();
+        let hashed = EmbeddingStage::with_id_maps(&mapped, stores(), maps.clone());
+        let mut laid_out = EmbeddingStage::with_id_maps(&mapped, stores(), maps);
+        assert_eq!(laid_out.lay_out_mapped_tables(), 2);
+        // Row 9 of "shared" and row 4 of "own" sent as ids never seen, row
+        // 40 of "shared" as an id pushed with its row.
+        let new = |t: usize, row: i64| [(0, 9), (1, 4), (0, 40)].contains(&(t, row)).then(|| fresh(t, row));
+        let sent = raw_batch(&mapped, &batch(), new);
+        let tables = [wide(0), wide(1)];
+        let pushed = [(fresh(0, 40), 40)];
+        let pool = |stage: &EmbeddingStage| {
+            let mut pooled = Vec::new();
+            stage.pool(&sent, &mut StageScratch::default(), &mut pooled).unwrap();
+            pooled.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let before = pool(&laid_out);
+        for stage in [&hashed, &laid_out] {
+            assert_eq!(push(stage, "shared", &entries(&tables[0], 32, &pushed)).unwrap().added, 1);
+        }
+        let unmapped = |stage: &EmbeddingStage| {
+            ["shared", "own"].map(|table| stage.metrics().table(table).unmapped_ids.get())
+        };
+        let counted_before = unmapped(&laid_out);
+        let after = pool(&laid_out);
+        assert_ne!(before, after, "the pushed id's row replaces the default row");
+        assert_eq!(after, pool(&hashed));
+        let counted = unmapped(&laid_out).map(|n| n as i64);
+        let counted = [counted[0] - counted_before[0] as i64, counted[1] - counted_before[1] as i64];
+        assert_eq!(counted, unmapped(&hashed).map(|n| n as i64));
+        assert!(counted.iter().all(|&n| n > 0), "{counted:?}");
+        // A held id pushed with its own row is held already (its raw id in
+        // the laid-out row's padding is not the row's); with another, refused.
+        let held = push(&laid_out, "shared", &entries(&tables[0], 32, &[(raw(0, 5), 5)])).unwrap();
+        assert_eq!((held.added, held.already_held), (0, 1));
+        let error = push(&laid_out, "shared", &entries(&tables[0], 32, &[(raw(0, 5), 6)])).unwrap_err();
+        assert!(error.contains("already held") && error.contains("another row"), "{error}");
+    }
+
     /// The mapped schema, the plain one, its tables (rows seeded 3, 4, ...
     /// per table) and a stage over them with the mapped schema's id maps.
     fn pushable_stage() -> (SplitSchema, SplitSchema, Vec<Table>, EmbeddingStage) {
@@ -364,10 +419,10 @@ mod tests {
         let new = |t: usize, row: i64| (t == 0 && [3, 4, 9, 40].contains(&row)).then(|| fresh(t, row));
         let sent = raw_batch(&mapped, &batch(), new);
         push(&stage, "shared", &entries(&tables[0], 16, &[(fresh(0, 4), 4), (fresh(0, 9), 9)])).unwrap();
-        let (mut scratch, mut mapped_batch, mut pushed) =
-            (StageScratch::default(), KeyedBatch::default(), Vec::new());
-        let batch = stage.map_batch(&sent, &mut mapped_batch, Some(&mut pushed)).clone();
-        scratch.pushed = pushed;
+        let (mut scratch, mut mapped_batch, mut pushed, mut laid_out) =
+            (StageScratch::default(), KeyedBatch::default(), Vec::new(), Vec::new());
+        let batch = stage.map_batch(&sent, &mut mapped_batch, Some((&mut pushed, &mut laid_out))).clone();
+        (scratch.pushed, scratch.laid_out_pushed) = (pushed, laid_out);
         // The later push holds the batch's ids 3 and 40, and is large
         // enough to merge the segment the batch's snapshot holds.
         let mut later: Vec<(i64, u64)> = vec![(fresh(0, 3), 3), (fresh(0, 40), 40)];

@@ -10,12 +10,15 @@
 //! held in. A table is checked against its `sha256` when it is read
 //! ([`crate::stores::local::table`]), so the one a later version shares
 //! holds the rows that hash names; a table without a `sha256` is never
-//! shared.
+//! shared. A table laid out by its id map ([`SlottedMap`], a copy the stage
+//! makes) is shared the same way, by its table's, map's and default row's
+//! identity.
 
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::id_map::SlottedMap;
 use crate::schema::{Storage, TableSpec};
 use crate::stores::local::table::{LocalRows, Table};
 use crate::stores::table_error::TableError;
@@ -59,15 +62,69 @@ pub struct Held {
     pub bytes: u64,
 }
 
+/// Tables laid out by their id maps ([`SlottedMap`]) that some live
+/// version holds, by what they were laid out from (the table's identity,
+/// its map's and its default row).
+static LAID_OUT: Mutex<Option<HashMap<String, Weak<SlottedMap>>>> = Mutex::new(None);
+
 /// What the live model versions hold now (tables without an identity are
 /// not counted: they are never shared).
 pub fn held() -> Held {
-    let guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-    let live = guard.iter().flat_map(|map| map.values()).filter_map(Weak::upgrade);
-    live.fold(Held::default(), |held, table| Held {
+    let tables = {
+        let guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+        guard.iter().flat_map(|map| map.values()).filter_map(Weak::upgrade).collect::<Vec<_>>()
+    };
+    let laid_out = {
+        let guard = LAID_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        guard
+            .iter()
+            .flat_map(|map| map.values())
+            .filter_map(Weak::upgrade)
+            .map(|m| m.table())
+            .collect::<Vec<_>>()
+    };
+    tables.iter().chain(&laid_out).fold(Held::default(), |held, table| Held {
         tables: held.tables + 1,
         bytes: held.bytes + table.bytes().len() as u64,
     })
+}
+
+/// The table `spec` describes laid out by its id map: the one a live
+/// version holds where the table, its map and its default row are the
+/// same (by their SHA-256s), else `lay_out`'s, then shared (a table or map
+/// without a SHA-256 is never shared); and whether it was shared.
+pub fn laid_out_shared(
+    spec: &TableSpec,
+    map_sha256: &str,
+    default_row: u64,
+    lay_out: impl FnOnce() -> Result<SlottedMap, String>,
+) -> Result<(Arc<SlottedMap>, bool), String> {
+    if spec.sha256.is_empty() || map_sha256.is_empty() {
+        return Ok((Arc::new(lay_out()?), false));
+    }
+    let key = format!(
+        "{}/{}/{}/{}/{:?}/{map_sha256}/{default_row}",
+        spec.sha256, spec.rows, spec.row_bytes, spec.dim, spec.storage
+    );
+    let live = |key: &str| {
+        let mut guard = LAID_OUT.lock().unwrap_or_else(|e| e.into_inner());
+        let map = guard.get_or_insert_with(HashMap::new);
+        map.retain(|_, laid_out| laid_out.strong_count() > 0);
+        map.get(key).and_then(Weak::upgrade)
+    };
+    if let Some(shared) = live(&key) {
+        return Ok((shared, true));
+    }
+    // Laid out without the lock; a version that laid out the same table
+    // meanwhile wins, and this copy is dropped.
+    let laid_out = Arc::new(lay_out()?);
+    let mut guard = LAID_OUT.lock().unwrap_or_else(|e| e.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(existing) = map.get(&key).and_then(Weak::upgrade) {
+        return Ok((existing, true));
+    }
+    map.insert(key, Arc::downgrade(&laid_out));
+    Ok((laid_out, false))
 }
 
 /// Opens the table `spec` describes in model directory `dir`, in `store`,

@@ -191,6 +191,18 @@ impl Table {
         Self::with_rows(spec, rows)
     }
 
+    /// A table of `spec`'s shape whose rows `fill` writes (every byte,
+    /// from zeros), held as [`Self::from_rows`] holds them.
+    pub fn filled(spec: &TableSpec, fill: impl FnOnce(&mut [u8])) -> Self {
+        let len = spec.rows as usize * spec.row_bytes;
+        let rows = in_memory(len, |bytes| {
+            fill(bytes);
+            Ok(())
+        })
+        .expect("a fill that cannot fail");
+        Self::with_rows(spec, rows)
+    }
+
     /// Its bytes the kernel backs with huge pages, by `smaps`
     /// ([`crate::stores::local::huge_pages::smaps`]; 0 for a table on the
     /// heap or mapped), and whether it was put on memory advised for them.

@@ -1,0 +1,80 @@
+//! Mapped tables in this process's memory laid out by their id maps at
+//! load ([`crate::id_map::SlottedMap`]): each raw id's row where a perfect
+//! hash of the map's ids puts it, so that mapping a batch reads the rows
+//! pooling reads next instead of a hash table as large again. The
+//! laid-out copy replaces the table's store and its map in the stage, and
+//! is shared with any live version whose table, map and default row are
+//! the same (a reload that keeps them holds them once).
+//!
+//! `NARSIL_ID_MAP_LAYOUT=off` keeps every map a hash table (to measure what
+//! the layout brings, or to hold a version's tables shared with another).
+
+use std::time::Instant;
+
+use super::map_ids::{IdMapping, MapLookup};
+use super::EmbeddingStage;
+use crate::id_map::SlottedMap;
+use crate::schema::TableIds;
+use crate::stores::local::shared::laid_out_shared;
+
+/// Whether mapped tables are laid out by their maps (the default), or
+/// keep their maps as hash tables (`NARSIL_ID_MAP_LAYOUT=off`).
+fn layout_wanted() -> bool {
+    std::env::var("NARSIL_ID_MAP_LAYOUT").map_or(true, |v| v != "off")
+}
+
+impl EmbeddingStage {
+    /// Lays out every mapped table in this process's memory (the `memory`
+    /// store, INT8 rows with 8 spare bytes, a map giving each row at most
+    /// one raw id) by its map; logs the others' reasons once each. Only
+    /// for a stage that looks its rows up itself: a table already copied
+    /// elsewhere (a device) is looked up in the map's row order. Returns
+    /// how many tables it laid out.
+    pub fn lay_out_mapped_tables(&mut self) -> usize {
+        if !layout_wanted() {
+            return 0;
+        }
+        let (started, mut laid_out, mut shared, mut hash_bytes) = (Instant::now(), 0, 0, 0);
+        for table in &mut self.tables {
+            let IdMapping::Map { map: MapLookup::Hashed(map), default_row, .. } = &mut table.mapping else {
+                continue;
+            };
+            let TableIds::Map(declared) = &table.spec.ids else { continue };
+            let (spec, store) = (&table.spec, &*table.store);
+            // Checked before a live version's copy is shared: a table on
+            // another store stays there.
+            let lay_out = || SlottedMap::lay_out(spec, store, map, *default_row);
+            let shared_or_laid_out = match SlottedMap::unsuited(spec, store) {
+                Some(why) => Err(why),
+                None => laid_out_shared(spec, &declared.sha256, *default_row, lay_out),
+            };
+            match shared_or_laid_out {
+                Ok((slotted, was_shared)) => {
+                    table.store = slotted.table();
+                    *default_row = slotted.default_row();
+                    hash_bytes += slotted.hash_bytes();
+                    shared += usize::from(was_shared);
+                    if let IdMapping::Map { map, .. } = &mut table.mapping {
+                        *map = MapLookup::Slotted(slotted);
+                    }
+                    laid_out += 1;
+                }
+                Err(why) => tracing::info!(
+                    table = %table.spec.name,
+                    %why,
+                    "id map kept as a hash table: each raw id reads one of its slots before its row"
+                ),
+            }
+        }
+        if laid_out > 0 {
+            tracing::info!(
+                tables = laid_out,
+                shared_with_a_live_version = shared,
+                hash_kib = hash_bytes >> 10,
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "mapped tables laid out by their id maps: a raw id's lookup reads its row and no map slot"
+            );
+        }
+        laid_out
+    }
+}
