@@ -12,8 +12,8 @@
 //! first, each with the first pilot that sends all its ids to free slots.
 //! The 2% of slots past `n` that ids landed in are remapped to the free
 //! slots below `n` through a small table. 4 bits per id (0.5 MB for 1M
-//! ids) plus 4 bytes per remapped slot; a lookup is two multiply-xor mixes,
-//! one pilot read and rarely one remap read.
+//! ids) plus 4 bytes per remapped slot; a lookup is three multiplies, one
+//! pilot read and rarely one remap read.
 //!
 //! One set of ids given in one order always gives the same hash (the seeds
 //! are fixed): two model versions with the same map lay their tables out

@@ -151,9 +151,10 @@ impl SlottedMap {
     }
 
     /// Each of `raws`' rows if it is held (what [`Self::holds`] checks),
-    /// into `out`, its pilot asked for [`PREFETCH_IDS`] ids ahead; no row
-    /// is read. For pooling straight from raw ids, which then checks each
-    /// id against the row it read.
+    /// into `out`, its pilot asked for [`PREFETCH_IDS`] ids ahead and the
+    /// row itself asked for (not read: nothing waits on it, so the rows'
+    /// reads overlap the hashing). For pooling straight from raw ids, which
+    /// then reads the rows and checks each id against the row it read.
     pub fn candidate_rows_into(&self, raws: &[i64], out: &mut Vec<i64>) {
         out.clear();
         let Some(lookup) = self.hash.lookup() else {
@@ -167,6 +168,7 @@ impl SlottedMap {
             lookup.prefetch(*h);
         }
         out.resize(raws.len(), 0);
+        let rows = self.table.bytes();
         for (i, out) in out.iter_mut().enumerate() {
             let h = hashes[i % PREFETCH_IDS];
             if let Some(&ahead) = raws.get(i + PREFETCH_IDS) {
@@ -174,7 +176,7 @@ impl SlottedMap {
                 lookup.prefetch(next);
                 hashes[i % PREFETCH_IDS] = next;
             }
-            *out = lookup.index_of(h) as i64;
+            *out = self.locate(&lookup, rows, h) as i64;
         }
     }
 
@@ -190,7 +192,8 @@ impl SlottedMap {
     pub fn holds_in(&self, rows: &[u8], raw: i64, row: u64) -> bool {
         // Rows past the held ids' keep no raw id.
         let at = row as usize * self.row_bytes + self.raw_at;
-        row < self.hash.ids() && rows[at..at + RAW_BYTES] == raw.to_le_bytes()
+        row < self.hash.ids()
+            && u64::from_le_bytes(rows[at..at + RAW_BYTES].try_into().expect("8 bytes")) == raw as u64
     }
 
     /// The row the id of hash `h` would be in, asked for (both of its cache
