@@ -24,8 +24,8 @@ use crate::schema::{Storage, TableSpec};
 use crate::stores::local::table::Table;
 use crate::stores::row_store::RowStore;
 
-/// How far ahead a row is asked for, in ids (its hash's pilot twice as
-/// far).
+/// How far ahead an id's pilot is asked for, in ids (its row is asked for
+/// as soon as the pilot gives it).
 const PREFETCH_IDS: usize = 64;
 
 /// Bytes of a raw id in a row.
@@ -129,11 +129,6 @@ impl SlottedMap {
         self.default_row
     }
 
-    /// Raw ids it holds.
-    pub fn entries(&self) -> u64 {
-        self.hash.ids()
-    }
-
     /// Bytes its hash takes (the rows are the table's).
     pub fn hash_bytes(&self) -> u64 {
         self.hash.bytes()
@@ -217,53 +212,27 @@ impl SlottedMap {
 
     /// Writes each of `raws`' rows in the laid-out table into `out`, asking
     /// `elsewhere` for each id it does not hold before giving it the
-    /// default row; returns how many neither held. Pilots are asked for
-    /// `2 x` [`PREFETCH_IDS`] ids ahead and rows `PREFETCH_IDS` ahead. (The
-    /// stage's own pooling reads rows once instead: [`Self::candidate_rows_into`].)
-    #[inline]
+    /// default row; returns how many neither held. For callers that look
+    /// rows up elsewhere; the stage's own pooling reads each row once
+    /// instead ([`Self::candidate_rows_into`], then [`Self::holds_in`]).
     pub fn map_into_or(
         &self,
         raws: &[i64],
         out: &mut [i64],
         mut elsewhere: impl FnMut(i64) -> Option<i64>,
     ) -> u64 {
-        const D: usize = PREFETCH_IDS;
-        let mut unmapped = 0;
-        let mut miss = |raw: i64| {
-            elsewhere(raw).unwrap_or_else(|| {
-                unmapped += 1;
-                self.default_row as i64
-            })
-        };
-        let Some(lookup) = self.hash.lookup() else {
-            for (out, &raw) in out.iter_mut().zip(raws) {
-                *out = miss(raw);
-            }
-            return unmapped;
-        };
-        let (n, rows) = (raws.len(), self.table.bytes());
-        let hash_ahead = |raw: i64| {
-            let h = lookup.hash(raw);
-            lookup.prefetch(h);
-            h
-        };
-        let (mut hashes, mut located) = ([0u64; 2 * D], [0u64; D]);
-        for (h, &raw) in hashes.iter_mut().zip(raws) {
-            *h = hash_ahead(raw);
-        }
-        for (row, &h) in located.iter_mut().zip(&hashes).take(n) {
-            *row = self.locate(&lookup, rows, h);
-        }
-        for i in 0..n {
-            let row = located[i % D];
-            if i + D < n {
-                located[i % D] = self.locate(&lookup, rows, hashes[(i + D) % (2 * D)]);
-            }
-            if i + 2 * D < n {
-                hashes[i % (2 * D)] = hash_ahead(raws[i + 2 * D]);
-            }
-            let raw = raws[i];
-            out[i] = if self.holds_in(rows, raw, row) { row as i64 } else { miss(raw) };
+        let mut candidates = Vec::new();
+        self.candidate_rows_into(raws, &mut candidates);
+        let (rows, mut unmapped) = (self.table.bytes(), 0);
+        for ((out, &raw), &row) in out.iter_mut().zip(raws).zip(&candidates) {
+            *out = if self.holds_in(rows, raw, row as u64) {
+                row
+            } else {
+                elsewhere(raw).unwrap_or_else(|| {
+                    unmapped += 1;
+                    self.default_row as i64
+                })
+            };
         }
         unmapped
     }

@@ -32,7 +32,7 @@ impl EmbeddingStage {
         let blocks = batch.request_blocks.as_ref();
         // A table laid out by its id map is pooled from raw ids (any
         // 64-bit value), each mapped to a row as it is read.
-        let raw = pushed.is_none() && table.pools_raw_ids();
+        let raw = pushed.is_none() && table.laid_out().is_some();
         for &f in &table.features {
             // The feature's own bags, then its request-level units' (the
             // order `pool_table` reads their slots in).

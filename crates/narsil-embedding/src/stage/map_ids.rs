@@ -143,7 +143,7 @@ impl EmbeddingStage {
         // Tables whose ids this pass leaves raw: laid out by their maps,
         // when the stage pools them itself.
         let pooling = laid_out.is_some();
-        let keeps_raw = |table: &StageTable| pooling && table.pools_raw_ids();
+        let keeps_raw = |table: &StageTable| pooling && table.laid_out().is_some();
         if let Some(laid_out) = laid_out {
             laid_out.clear();
             laid_out.resize(self.tables.len(), None);

@@ -106,10 +106,13 @@ struct StageTable {
 }
 
 impl StageTable {
-    /// Whether the stage pools its batches' raw ids as they are: a table
-    /// laid out by its id map ([`pool_laid_out`]).
-    fn pools_raw_ids(&self) -> bool {
-        matches!(self.mapping, IdMapping::Map { map: map_ids::MapLookup::Slotted(_), .. })
+    /// Its layout by its id map, where it has one: the stage then pools its
+    /// batches' raw ids as they are ([`pool_laid_out`]).
+    fn laid_out(&self) -> Option<&crate::id_map::SlottedMap> {
+        match &self.mapping {
+            IdMapping::Map { map: map_ids::MapLookup::Slotted(map), .. } => Some(map),
+            _ => None,
+        }
     }
 }
 

@@ -10,7 +10,6 @@ use std::time::Instant;
 
 use narsil_core::KeyedBatch;
 
-use super::map_ids::{IdMapping, MapLookup};
 use super::pool_laid_out::LaidOut;
 use super::pushed_ids::PushedIds;
 use super::read_ahead::thread_major_faults;
@@ -38,12 +37,13 @@ impl EmbeddingStage {
         let faults_before = table.store.may_fault().then(thread_major_faults);
         let blocks = batch.request_blocks.as_ref();
         let Lookups { file_rows, bag_rows, pushed } = lookups;
-        let laid_out = match &table.mapping {
-            IdMapping::Map { map: MapLookup::Slotted(map), .. } if fetched.is_none() => {
-                Some(LaidOut { map, spec: &table.spec, counters: &table.counters, pushed })
-            }
-            _ => None,
-        };
+        // Pooled from raw ids, unless the batch's rows are copies.
+        let laid_out = table.laid_out().filter(|_| fetched.is_none()).map(|map| LaidOut {
+            map,
+            spec: &table.spec,
+            counters: &table.counters,
+            pushed,
+        });
         let mut slot_start = 0;
         for &f in &table.features {
             let feature = &self.features[f];

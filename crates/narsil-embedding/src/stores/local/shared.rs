@@ -15,6 +15,7 @@
 //! identity.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
@@ -34,8 +35,11 @@ struct Identity {
     layout: Option<String>,
 }
 
+/// What some live model version holds, by key, each once.
+type Registry<K, T> = Mutex<Option<HashMap<K, Weak<T>>>>;
+
 /// Tables some live model version holds, by identity.
-static LIVE: Mutex<Option<HashMap<Identity, Weak<Table>>>> = Mutex::new(None);
+static LIVE: Registry<Identity, Table> = Mutex::new(None);
 
 /// A table and whether it was already held (shared) or read now.
 pub struct Opened {
@@ -45,11 +49,37 @@ pub struct Opened {
     pub shared: bool,
 }
 
-fn live(identity: &Identity) -> Option<Arc<Table>> {
-    let mut guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+/// What a live version holds under `key` in `registry`, else `make`'s,
+/// registered; and whether it was shared. Made without the lock (a table
+/// can take seconds): a version that made the same meanwhile wins, and
+/// this copy is dropped.
+fn share<K: Eq + Hash, T, E>(
+    registry: &Registry<K, T>,
+    key: K,
+    make: impl FnOnce() -> Result<T, E>,
+) -> Result<(Arc<T>, bool), E> {
+    {
+        let mut guard = registry.lock().unwrap_or_else(|e| e.into_inner());
+        let map = guard.get_or_insert_with(HashMap::new);
+        map.retain(|_, held| held.strong_count() > 0);
+        if let Some(held) = map.get(&key).and_then(Weak::upgrade) {
+            return Ok((held, true));
+        }
+    }
+    let made = Arc::new(make()?);
+    let mut guard = registry.lock().unwrap_or_else(|e| e.into_inner());
     let map = guard.get_or_insert_with(HashMap::new);
-    map.retain(|_, table| table.strong_count() > 0);
-    map.get(identity).and_then(Weak::upgrade)
+    if let Some(existing) = map.get(&key).and_then(Weak::upgrade) {
+        return Ok((existing, true));
+    }
+    map.insert(key, Arc::downgrade(&made));
+    Ok((made, false))
+}
+
+/// Everything `registry` holds that a live version still holds.
+fn live<K, T>(registry: &Registry<K, T>) -> Vec<Arc<T>> {
+    let guard = registry.lock().unwrap_or_else(|e| e.into_inner());
+    guard.iter().flat_map(|map| map.values()).filter_map(Weak::upgrade).collect()
 }
 
 /// Tables the process holds for its live model versions, each shared
@@ -65,25 +95,13 @@ pub struct Held {
 /// Tables laid out by their id maps ([`SlottedMap`]) that some live
 /// version holds, by what they were laid out from (the table's identity,
 /// its map's and its default row).
-static LAID_OUT: Mutex<Option<HashMap<String, Weak<SlottedMap>>>> = Mutex::new(None);
+static LAID_OUT: Registry<String, SlottedMap> = Mutex::new(None);
 
 /// What the live model versions hold now (tables without an identity are
 /// not counted: they are never shared).
 pub fn held() -> Held {
-    let tables = {
-        let guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-        guard.iter().flat_map(|map| map.values()).filter_map(Weak::upgrade).collect::<Vec<_>>()
-    };
-    let laid_out = {
-        let guard = LAID_OUT.lock().unwrap_or_else(|e| e.into_inner());
-        guard
-            .iter()
-            .flat_map(|map| map.values())
-            .filter_map(Weak::upgrade)
-            .map(|m| m.table())
-            .collect::<Vec<_>>()
-    };
-    tables.iter().chain(&laid_out).fold(Held::default(), |held, table| Held {
+    let laid_out: Vec<Arc<Table>> = live(&LAID_OUT).iter().map(|laid_out| laid_out.table()).collect();
+    live(&LIVE).iter().chain(&laid_out).fold(Held::default(), |held, table| Held {
         tables: held.tables + 1,
         bytes: held.bytes + table.bytes().len() as u64,
     })
@@ -106,25 +124,7 @@ pub fn laid_out_shared(
         "{}/{}/{}/{}/{:?}/{map_sha256}/{default_row}",
         spec.sha256, spec.rows, spec.row_bytes, spec.dim, spec.storage
     );
-    let live = |key: &str| {
-        let mut guard = LAID_OUT.lock().unwrap_or_else(|e| e.into_inner());
-        let map = guard.get_or_insert_with(HashMap::new);
-        map.retain(|_, laid_out| laid_out.strong_count() > 0);
-        map.get(key).and_then(Weak::upgrade)
-    };
-    if let Some(shared) = live(&key) {
-        return Ok((shared, true));
-    }
-    // Laid out without the lock; a version that laid out the same table
-    // meanwhile wins, and this copy is dropped.
-    let laid_out = Arc::new(lay_out()?);
-    let mut guard = LAID_OUT.lock().unwrap_or_else(|e| e.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    if let Some(existing) = map.get(&key).and_then(Weak::upgrade) {
-        return Ok((existing, true));
-    }
-    map.insert(key, Arc::downgrade(&laid_out));
-    Ok((laid_out, false))
+    share(&LAID_OUT, key, lay_out)
 }
 
 /// Opens the table `spec` describes in model directory `dir`, in `store`,
@@ -141,19 +141,8 @@ pub fn open_shared(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Ope
         store,
         layout: spec.layout.as_ref().map(|layout| layout.sha256.clone()),
     };
-    if let Some(table) = live(&identity) {
-        return Ok(Opened { table, shared: true });
-    }
-    // Read without the lock (a table can take seconds); a version that read
-    // the same table meanwhile wins, and this copy is dropped.
-    let table = Arc::new(Table::load(dir, spec, store)?);
-    let mut guard = LIVE.lock().unwrap_or_else(|e| e.into_inner());
-    let map = guard.get_or_insert_with(HashMap::new);
-    if let Some(existing) = map.get(&identity).and_then(Weak::upgrade) {
-        return Ok(Opened { table: existing, shared: true });
-    }
-    map.insert(identity, Arc::downgrade(&table));
-    Ok(Opened { table, shared: false })
+    let (table, shared) = share(&LIVE, identity, || Table::load(dir, spec, store))?;
+    Ok(Opened { table, shared })
 }
 
 #[cfg(test)]
