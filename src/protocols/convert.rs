@@ -23,7 +23,7 @@ pub fn request_samples(request: proto::PredictRequest) -> RequestSamples {
                 lengths: block.sparse_lengths,
                 ids: block.sparse_ids,
                 weights: block.sparse_weights,
-                features: Vec::new(),
+                ..Default::default()
             })
         }),
         ..Default::default()

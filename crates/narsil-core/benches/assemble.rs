@@ -1,10 +1,14 @@
 //! Criterion benches for the pure pieces of the data path: reorder/assemble
 //! of 16 requests x 100 samples x 26 features, its two halves (one request
 //! reordered key-major, on its caller's thread; 16 key-major requests fused,
-//! on the lane), and the split of scores.
+//! on the lane), the split of scores, and the deduplication of a fused
+//! batch's request blocks (units).
+
+use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use narsil_core::{assemble, fuse, RequestSamples};
+use narsil_core::request::{IdPolicy, RequestLimits};
+use narsil_core::{assemble, fuse, ModelSchema, RequestBlock, RequestBlocks, RequestLevel, RequestSamples};
 
 // The same allocator as the server binary.
 #[global_allocator]
@@ -64,5 +68,48 @@ fn bench_split(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench_assemble, bench_split);
+/// `users` distinct users' ranking requests (the 13 dense features and
+/// 13 request-level features of 20 ids each, one candidate row), each user
+/// sent `times` times (separate requests: equal blocks, not one `Arc`),
+/// validated as the server does.
+fn ranking_blocks(users: usize, times: usize) -> Vec<Option<Arc<RequestBlock>>> {
+    let mut schema = ModelSchema::dlrm("bench", "cpu", 100_000);
+    let user: Vec<String> = (0..SPARSE / 2).map(|f| format!("cat_{f}")).collect();
+    let declared = user.iter().map(String::as_str).chain(["dense"]);
+    schema.request_level = RequestLevel::parse(declared, &schema).unwrap();
+    let limits = RequestLimits::new(4096, IdPolicy::Reject);
+    (0..users * times)
+        .map(|r| {
+            let u = r % users;
+            let mut request = RequestSamples {
+                num_samples: 1,
+                ids: vec![1; SPARSE - SPARSE / 2],
+                request: Some(Arc::new(RequestBlock {
+                    dense: (0..DENSE).map(|d| (u * DENSE + d) as f32 * 1e-3).collect(),
+                    lengths: vec![20; SPARSE / 2],
+                    ids: (0..20 * SPARSE / 2).map(|i| ((i * 7919 + u * 31) % 100_000) as i64).collect(),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            };
+            request.validate(&schema, limits).unwrap();
+            request.request
+        })
+        .collect()
+}
+
+fn bench_units(c: &mut Criterion) {
+    let mut group = c.benchmark_group("request_blocks_gather");
+    for (users, times) in [(16, 1), (400, 1), (100, 4)] {
+        let blocks = ranking_blocks(users, times);
+        group.throughput(Throughput::Elements(blocks.len() as u64));
+        let name = format!("{users}_users_x_{times}");
+        group.bench_with_input(BenchmarkId::from_parameter(name), &blocks, |b, blocks| {
+            b.iter(|| RequestBlocks::gather(blocks).map(|units| units.unit_count))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_assemble, bench_split, bench_units);
 criterion_main!(benches);

@@ -6,6 +6,7 @@
 //! each unit's bags once and broadcasts them into those rows
 //! (`crate::broadcast`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::request_level::RequestBlock;
@@ -39,15 +40,22 @@ pub struct RequestBlocks {
 impl RequestBlocks {
     /// The blocks of the fused requests (`None` for a flat one), each
     /// distinct block once. `None` when no request has one.
+    /// Blocks are told apart by their digests ([`RequestBlock::digest`]),
+    /// and compared whole only where digests are equal.
     pub fn gather(blocks: &[Option<Arc<RequestBlock>>]) -> Option<Self> {
         let mut units: Vec<&Arc<RequestBlock>> = Vec::new();
+        // Each digest's units (more than one only where different blocks'
+        // digests collide).
+        let mut by_digest: HashMap<u64, Vec<usize>> = HashMap::new();
         let request_unit: Vec<Option<usize>> = blocks
             .iter()
             .map(|block| {
                 let block = block.as_ref()?;
-                let same = |u: &&Arc<RequestBlock>| Arc::ptr_eq(u, block) || ***u == **block;
-                Some(units.iter().position(same).unwrap_or_else(|| {
+                let same_digest = by_digest.entry(block.digest).or_default();
+                let same = |&&u: &&usize| Arc::ptr_eq(units[u], block) || *units[u] == *block;
+                Some(same_digest.iter().find(same).copied().unwrap_or_else(|| {
                     units.push(block);
+                    same_digest.push(units.len() - 1);
                     units.len() - 1
                 }))
             })
@@ -108,5 +116,71 @@ impl RequestBlocks {
     /// Sparse feature `f`'s ids for every unit, if it is request-level.
     pub fn unit_ids(&self, f: usize) -> Option<&[i64]> {
         self.position(f).map(|k| self.feature_ids(k))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::RequestBlocks;
+    use crate::request::{IdPolicy, RequestLimits};
+    use crate::{ModelSchema, RequestBlock, RequestLevel, RequestSamples};
+
+    /// A validated block of user `user` (cat_0 and cat_1 request-level).
+    fn block(user: i64) -> Arc<RequestBlock> {
+        let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
+        schema.request_level = RequestLevel::parse(["cat_0", "cat_1"], &schema).unwrap();
+        let mut request = RequestSamples {
+            num_samples: 1,
+            dense: vec![0.5; schema.num_dense],
+            ids: vec![3; schema.num_sparse() - 2],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![2, 1],
+                ids: vec![user, user + 1, 7],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        request.validate(&schema, RequestLimits::new(4096, IdPolicy::Reject)).unwrap();
+        request.request.unwrap()
+    }
+
+    #[test]
+    fn equal_blocks_of_separate_requests_share_a_unit_and_different_ones_do_not() {
+        let (a, b, a_again) = (block(1), block(2), block(1));
+        assert!(!Arc::ptr_eq(&a, &a_again));
+        assert_eq!(a.digest, a_again.digest, "equal values, equal digests");
+        assert_ne!(a.digest, b.digest);
+        let blocks = [Some(a.clone()), None, Some(b), Some(a_again), Some(a)];
+        let gathered = RequestBlocks::gather(&blocks).unwrap();
+        assert_eq!(gathered.unit_count, 2);
+        assert_eq!(gathered.request_unit, vec![Some(0), None, Some(1), Some(0), Some(0)]);
+        assert_eq!(gathered.feature_ids(0), &[1, 2, 2, 3]);
+    }
+
+    #[test]
+    fn different_blocks_whose_digests_collide_stay_apart() {
+        let a = block(1);
+        let mut b = (*block(2)).clone();
+        b.digest = a.digest;
+        let unvalidated = |ids: Vec<i64>| {
+            Arc::new(RequestBlock {
+                lengths: vec![2, 1],
+                ids,
+                features: a.features.clone(),
+                ..Default::default()
+            })
+        };
+        let blocks = [
+            Some(a.clone()),
+            Some(Arc::new(b)),
+            Some(unvalidated(vec![1, 2, 7])),
+            Some(unvalidated(vec![1, 2, 7])),
+            Some(unvalidated(vec![4, 5, 6])),
+        ];
+        let gathered = RequestBlocks::gather(&blocks).unwrap();
+        assert_eq!(gathered.request_unit, vec![Some(0), Some(1), Some(2), Some(2), Some(3)]);
+        assert_eq!(gathered.feature_ids(0), &[1, 2, 2, 3, 1, 2, 4, 5]);
     }
 }

@@ -37,6 +37,10 @@ pub struct RequestBlock {
     /// Schema indices of the features `lengths` are for (set by
     /// validation: the model's [`crate::RequestLevel::features`]).
     pub features: Vec<usize>,
+    /// A hash of its values (set by validation, on the request's own
+    /// thread): blocks whose digests differ differ, so fusing compares
+    /// only blocks with the same digest ([`crate::RequestBlocks::gather`]).
+    pub digest: u64,
 }
 
 impl RequestBlock {
@@ -140,7 +144,20 @@ impl RequestBlock {
             ));
         }
         self.features.clone_from(&level.features);
+        self.digest = self.hash_values();
         Ok(truncated)
+    }
+
+    /// A hash of its dense values, lengths, ids and weights (FxHash's
+    /// mix, a word at a time: a collision only costs fusing a comparison).
+    fn hash_values(&self) -> u64 {
+        const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+        let mix = |hash: u64, word: u64| (hash.rotate_left(5) ^ word).wrapping_mul(SEED);
+        let mut hash = mix(0, self.ids.len() as u64);
+        hash = self.dense.iter().fold(hash, |h, v| mix(h, u64::from(v.to_bits())));
+        hash = self.lengths.iter().fold(hash, |h, &l| mix(h, u64::from(l)));
+        hash = self.ids.iter().fold(hash, |h, &id| mix(h, id as u64));
+        self.weights.iter().fold(hash, |h, w| mix(h, u64::from(w.to_bits())))
     }
 
     /// Checks its sequences' alignment and cuts those longer than their
