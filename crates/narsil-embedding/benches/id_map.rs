@@ -153,7 +153,8 @@ fn id_maps(c: &mut Criterion) {
     // The layouts alone, for their pieces' timings (ID_MAP_BENCH_PIECES=1:
     // another copy of the tables).
     let slotted: Option<Vec<SlottedMap>> = std::env::var("ID_MAP_BENCH_PIECES").is_ok().then(|| {
-        (0..FEATURES).map(|f| SlottedMap::lay_out(&mapped[f], &*tables[f], &maps[f], 0).unwrap()).collect()
+        let lay_out = |f: usize| SlottedMap::lay_out(&mapped[f], tables[f].clone(), &maps[f], 0);
+        (0..FEATURES).map(|f| lay_out(f).unwrap_or_else(|(why, _)| panic!("{why}"))).collect()
     });
     let identity = EmbeddingStage::new(&schema(&plain), tables.clone());
     let with_maps = EmbeddingStage::with_id_maps(

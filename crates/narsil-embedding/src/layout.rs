@@ -212,33 +212,37 @@ impl SlotIndex {
     }
 
     /// Puts `rows` (the file's rows of `row_bytes`, in slot order) in id
-    /// order, in place: each cycle of the permutation is walked once,
-    /// moving each row to where its id wants it. Needs a bit per row
-    /// besides the rows (not a second copy of them).
+    /// order, in place ([`gather_rows_in_place`]).
     pub fn to_id_order(&self, rows: &mut [u8], row_bytes: usize) {
-        let count = rows.len() / row_bytes;
-        debug_assert_eq!(count as u64, self.rows);
-        let mut done = vec![0u64; count.div_ceil(64)];
-        let mut first = vec![0u8; row_bytes];
-        for start in 0..count {
-            if done[start / 64] >> (start % 64) & 1 == 1 {
-                continue;
+        debug_assert_eq!((rows.len() / row_bytes) as u64, self.rows);
+        gather_rows_in_place(rows, row_bytes, |id| self.slot(id as i64) as usize);
+    }
+}
+
+/// Makes row `i` of `rows` (rows of `row_bytes`) what row `from(i)` was,
+/// in place, where `from` is a permutation of the rows: each cycle of the
+/// permutation is walked once, each row replaced by the next one's until
+/// the cycle comes back, where the first row goes. Needs a bit per row
+/// and one row besides the rows (not a second copy of them).
+pub(crate) fn gather_rows_in_place(rows: &mut [u8], row_bytes: usize, from: impl Fn(usize) -> usize) {
+    let count = rows.len() / row_bytes;
+    let mut done = vec![0u64; count.div_ceil(64)];
+    let mut first = vec![0u8; row_bytes];
+    for start in 0..count {
+        if done[start / 64] >> (start % 64) & 1 == 1 {
+            continue;
+        }
+        first.copy_from_slice(&rows[start * row_bytes..(start + 1) * row_bytes]);
+        let mut id = start;
+        loop {
+            done[id / 64] |= 1 << (id % 64);
+            let next = from(id);
+            if next == start {
+                rows[id * row_bytes..(id + 1) * row_bytes].copy_from_slice(&first);
+                break;
             }
-            // Row `id` takes the row at `slot(id)`: along the cycle from
-            // `start`, each row is replaced by the next one's until the
-            // cycle comes back, where the first row goes.
-            first.copy_from_slice(&rows[start * row_bytes..(start + 1) * row_bytes]);
-            let mut id = start;
-            loop {
-                done[id / 64] |= 1 << (id % 64);
-                let from = self.slot(id as i64) as usize;
-                if from == start {
-                    rows[id * row_bytes..(id + 1) * row_bytes].copy_from_slice(&first);
-                    break;
-                }
-                rows.copy_within(from * row_bytes..(from + 1) * row_bytes, id * row_bytes);
-                id = from;
-            }
+            rows.copy_within(next * row_bytes..(next + 1) * row_bytes, id * row_bytes);
+            id = next;
         }
     }
 }

@@ -9,19 +9,22 @@
 //!
 //! For the `memory` store's INT8 tables whose map gives each row at most
 //! one raw id and whose rows keep 8 spare bytes (64 values: 80-byte rows
-//! with 12): the stage copies such a table into this layout when it loads
-//! ([`crate::EmbeddingStage::lay_out_mapped_tables`]). Rows no raw id maps
-//! to follow those that one does, in row order (the default row among
-//! them, unless an id maps to it). The laid-out copy replaces the table
-//! and its map in the stage: the same bytes for the rows, a hash of about
-//! 0.6 bytes per id instead of the map's 32 to 64.
+//! with 12): the stage lays such a table out when it loads
+//! ([`crate::EmbeddingStage::lay_out_mapped_tables`]), moving its rows in
+//! place (copying them where another stage holds the table too). Rows no
+//! raw id maps to follow those that one does, in row order (the default row
+//! among them, unless an id maps to it). The laid-out table replaces the
+//! table and its map in the stage: the same bytes for the rows, a hash of
+//! about 0.6 bytes per id instead of the map's 32 to 64.
 
+use std::any::Any;
 use std::sync::Arc;
 
 use super::perfect_hash::{Lookup, PerfectHash};
 use super::IdMap;
+use crate::layout::gather_rows_in_place;
 use crate::schema::{Storage, TableSpec};
-use crate::stores::local::table::Table;
+use crate::stores::local::table::{LocalRows, Table};
 use crate::stores::row_store::RowStore;
 
 /// How far ahead an id's pilot is asked for, in ids (its row is asked for
@@ -40,6 +43,8 @@ pub struct SlottedMap {
     raw_at: usize,
     /// The row of ids it does not hold.
     default_row: u64,
+    /// Whether its rows were moved in place (else copied).
+    moved_in_place: bool,
 }
 
 impl std::fmt::Debug for SlottedMap {
@@ -51,55 +56,48 @@ impl std::fmt::Debug for SlottedMap {
 impl SlottedMap {
     /// `spec`'s table (its rows in `store`, in id order) laid out by `map`,
     /// ids it does not hold getting what was row `default_row`; or why it
-    /// cannot be.
+    /// cannot be, with `store` given back. Where `store` is the only hold
+    /// on its table, its rows are moved in place (the table is held once
+    /// while it is laid out, not twice); else they are copied.
     pub fn lay_out(
         spec: &TableSpec,
-        store: &dyn RowStore,
+        store: Arc<dyn RowStore>,
         map: &IdMap,
         default_row: u64,
-    ) -> Result<Self, String> {
-        if let Some(why) = Self::unsuited(spec, store) {
-            return Err(why);
+    ) -> Result<Self, (String, Arc<dyn RowStore>)> {
+        if let Some(why) = Self::unsuited(spec, &*store) {
+            return Err((why, store));
         }
-        let (rows, row_bytes) = (spec.rows, spec.row_bytes);
-        let source = store.local_rows().expect("checked: in memory");
-        let pairs: Vec<(i64, u64)> = map.iter().collect();
-        let mut referenced = vec![false; rows as usize];
-        for &(raw, row) in &pairs {
-            if std::mem::replace(&mut referenced[row as usize], true) {
-                return Err(format!(
-                    "its map gives row {row} to more than one raw id (raw id {raw} among them)"
-                ));
+        let plan = match Plan::of(spec, map, default_row) {
+            Ok(plan) => plan,
+            Err(why) => return Err((why, store)),
+        };
+        let row_bytes = spec.row_bytes;
+        let any: Arc<dyn Any + Send + Sync> = store;
+        let (table, moved_in_place) = match any.downcast::<Table>().map(Arc::try_unwrap) {
+            Ok(Ok(mut table)) => {
+                let bytes = table.bytes_mut().expect("checked: in memory");
+                gather_rows_in_place(bytes, row_bytes, |row| plan.source[row] as usize);
+                plan.write_raw_ids(map, bytes, row_bytes);
+                (table, true)
             }
-        }
-        let raws: Vec<i64> = pairs.iter().map(|&(raw, _)| raw).collect();
-        let hash = PerfectHash::build(&raws)
-            .ok_or("no perfect hash of its map's raw ids was found")?
-            .onto_huge_pages();
+            // Held elsewhere too (another stage over the same table).
+            Ok(Err(held)) => {
+                let copy = Table::filled(spec, |bytes| {
+                    let rows = held.bytes();
+                    for (to, &from) in bytes.chunks_exact_mut(row_bytes).zip(&plan.source) {
+                        let from = from as usize * row_bytes;
+                        to.copy_from_slice(&rows[from..from + row_bytes]);
+                    }
+                    plan.write_raw_ids(map, bytes, row_bytes);
+                });
+                (copy, false)
+            }
+            Err(_) => unreachable!("checked: a table in memory"),
+        };
+        let Plan { hash, default_row, .. } = plan;
         let raw_at = row_bytes - RAW_BYTES;
-        let mut new_default = None;
-        let table = Table::filled(spec, |bytes| {
-            for &(raw, row) in &pairs {
-                let at = hash.index(raw).expect("a hash of at least one id") as usize * row_bytes;
-                let from = row as usize * row_bytes;
-                bytes[at..at + row_bytes].copy_from_slice(&source[from..from + row_bytes]);
-                bytes[at + raw_at..at + row_bytes].copy_from_slice(&raw.to_le_bytes());
-                if row == default_row {
-                    new_default = Some((at / row_bytes) as u64);
-                }
-            }
-            let unreferenced = (0..rows as usize).filter(|&row| !referenced[row]);
-            for (at, row) in (pairs.len()..).zip(unreferenced) {
-                bytes[at * row_bytes..(at + 1) * row_bytes]
-                    .copy_from_slice(&source[row * row_bytes..(row + 1) * row_bytes]);
-                if row as u64 == default_row {
-                    new_default = Some(at as u64);
-                }
-            }
-        });
-        let default_row =
-            new_default.ok_or_else(|| format!("its default row {default_row} is past its {rows} rows"))?;
-        Ok(Self { hash, table: Arc::new(table), row_bytes, raw_at, default_row })
+        Ok(Self { hash, table: Arc::new(table), row_bytes, raw_at, default_row, moved_in_place })
     }
 
     /// Why `spec`'s table, its rows in `store`, cannot be laid out by a
@@ -113,7 +111,9 @@ impl SlottedMap {
                 spec.storage, spec.dim
             ));
         }
-        let in_memory = store.local_rows().is_some() && store.kind() == "memory" && store.slots().is_none();
+        let in_memory =
+            store.as_any().downcast_ref::<Table>().is_some_and(|t| t.store() == LocalRows::Memory)
+                && store.slots().is_none();
         (!in_memory).then(|| {
             format!("its rows are not in this process's memory in row order (the {} store)", store.kind())
         })
@@ -122,6 +122,12 @@ impl SlottedMap {
     /// The laid-out table: the rows lookups read.
     pub fn table(&self) -> Arc<Table> {
         self.table.clone()
+    }
+
+    /// Whether its rows were moved in place when it was laid out (the
+    /// table held once meanwhile), not copied.
+    pub fn moved_in_place(&self) -> bool {
+        self.moved_in_place
     }
 
     /// The row, in the laid-out table, of ids it does not hold.
@@ -238,6 +244,64 @@ impl SlottedMap {
     }
 }
 
+/// Where a table's rows go when laid out by its map, worked out before
+/// any row moves (so that a table that cannot be laid out is untouched).
+struct Plan {
+    hash: PerfectHash,
+    /// `source[i]`: the row that goes to row `i`.
+    source: Vec<u32>,
+    /// The default row's new place.
+    default_row: u64,
+}
+
+impl Plan {
+    /// Holds at most ~13 bytes an id besides the map and the table (the
+    /// map's raw ids while their hash is built).
+    fn of(spec: &TableSpec, map: &IdMap, default_row: u64) -> Result<Self, String> {
+        let rows = spec.rows as usize;
+        if u32::try_from(rows).is_err() {
+            return Err(format!("it has {rows} rows, more than a layout numbers (2^32)"));
+        }
+        let mut referenced = vec![0u64; rows.div_ceil(64)];
+        for (raw, row) in map.iter() {
+            let (word, bit) = (&mut referenced[row as usize / 64], 1u64 << (row % 64));
+            if std::mem::replace(word, *word | bit) & bit != 0 {
+                return Err(format!(
+                    "its map gives row {row} to more than one raw id (raw id {raw} among them)"
+                ));
+            }
+        }
+        let raws: Vec<i64> = map.iter().map(|(raw, _)| raw).collect();
+        let held = raws.len();
+        let hash = PerfectHash::build(&raws).ok_or("no perfect hash of its map's raw ids was found")?;
+        drop(raws);
+        let hash = hash.onto_huge_pages();
+        let mut source = vec![0u32; rows];
+        for (raw, row) in map.iter() {
+            source[hash.index(raw).expect("a hash of at least one id") as usize] = row as u32;
+        }
+        // The rows no raw id maps to follow, in row order.
+        let unreferenced =
+            (0..rows as u32).filter(|&row| referenced[row as usize / 64] >> (row % 64) & 1 == 0);
+        for (to, row) in source[held..].iter_mut().zip(unreferenced) {
+            *to = row;
+        }
+        let moved_to = source.iter().position(|&row| u64::from(row) == default_row);
+        let default_row =
+            moved_to.ok_or_else(|| format!("its default row {default_row} is past its {rows} rows"))?;
+        Ok(Self { hash, source, default_row: default_row as u64 })
+    }
+
+    /// Writes each of `map`'s raw ids into its row's last bytes.
+    fn write_raw_ids(&self, map: &IdMap, rows: &mut [u8], row_bytes: usize) {
+        let raw_at = row_bytes - RAW_BYTES;
+        for (raw, _) in map.iter() {
+            let at = self.hash.index(raw).expect("a hash of at least one id") as usize * row_bytes + raw_at;
+            rows[at..at + RAW_BYTES].copy_from_slice(&raw.to_le_bytes());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,7 +332,18 @@ mod tests {
         let pairs: Vec<(i64, u64)> =
             (0..rows - 2).map(|r| ((r as i64 * 7919) ^ i64::MIN >> (r % 3), (r * 31) % (rows - 2))).collect();
         let map = IdMap::from_bytes(build(&pairs, rows).unwrap(), rows).unwrap();
-        let slotted = SlottedMap::lay_out(&spec, &source, &map, rows - 1).unwrap();
+        // Held by the layout only: its rows are moved in place.
+        let laid_out =
+            |store| SlottedMap::lay_out(&spec, store, &map, rows - 1).map_err(|(why, _)| why).unwrap();
+        let slotted = laid_out(Arc::new(source));
+        // Held elsewhere too: copied, the source left as it was.
+        let held: Arc<dyn RowStore> = Arc::new(table(rows).1);
+        let copied = laid_out(held.clone());
+        assert!(slotted.moved_in_place() && !copied.moved_in_place());
+        assert!(copied.table().bytes() == slotted.table().bytes(), "moved in place or copied, the same rows");
+        assert_eq!(copied.default_row(), slotted.default_row());
+        let held = held.as_any().downcast_ref::<Table>().unwrap();
+        assert!((0..rows as i64).all(|r| value(held, r) == r as u64), "a copy's source is untouched");
         let table = slotted.table();
         assert_eq!(value(&table, slotted.default_row() as i64), rows - 1);
         let mut raws: Vec<i64> = pairs.iter().map(|p| p.0).collect();
@@ -294,11 +369,15 @@ mod tests {
     #[test]
     fn a_table_it_cannot_lay_out_says_why() {
         let (spec, source) = table(10);
+        let source: Arc<dyn RowStore> = Arc::new(source);
         let twice = IdMap::from_bytes(build(&[(5, 1), (6, 1)], 10).unwrap(), 10).unwrap();
-        let error = SlottedMap::lay_out(&spec, &source, &twice, 0).unwrap_err();
+        let (error, given_back) = SlottedMap::lay_out(&spec, source, &twice, 0).unwrap_err();
         assert!(error.contains("row 1 to more than one raw id"), "{error}");
+        let given_back = given_back.as_any().downcast_ref::<Table>().unwrap();
+        assert!((0..10).all(|r| value(given_back, r) == r as u64), "a table it cannot lay out is untouched");
         let fp32 = TableSpec { storage: Storage::Fp32, row_bytes: 4 * spec.dim, ..spec.clone() };
         let one = IdMap::from_bytes(build(&[(5, 1)], 10).unwrap(), 10).unwrap();
-        assert!(SlottedMap::lay_out(&fp32, &source, &one, 0).unwrap_err().contains("spare bytes"));
+        let (error, _) = SlottedMap::lay_out(&fp32, Arc::new(table(10).1), &one, 0).unwrap_err();
+        assert!(error.contains("spare bytes"), "{error}");
     }
 }

@@ -1,8 +1,10 @@
 //! Mapped tables in this process's memory laid out by their id maps at
 //! load ([`crate::id_map::SlottedMap`]): each raw id's row where a perfect
 //! hash of the map's ids puts it, so that mapping a batch reads the rows
-//! pooling reads next instead of a hash table as large again. The
-//! laid-out copy replaces the table's store and its map in the stage, and
+//! pooling reads next instead of a hash table as large again. The table's
+//! rows are moved in place where the stage alone holds it (a table is held
+//! once while it is laid out). The laid-out table replaces the table's
+//! store and its map in the stage, and
 //! is shared with any live version whose table, map and default row are
 //! the same (a reload that keeps them holds them once).
 //!
@@ -12,7 +14,7 @@
 use std::time::Instant;
 
 use super::map_ids::{IdMapping, MapLookup};
-use super::EmbeddingStage;
+use super::{EmbeddingStage, StageTable};
 use crate::id_map::SlottedMap;
 use crate::schema::TableIds;
 use crate::stores::local::shared::laid_out_shared;
@@ -34,42 +36,58 @@ impl EmbeddingStage {
         if !layout_wanted() {
             return 0;
         }
-        let (started, mut laid_out, mut shared, mut hash_bytes) = (Instant::now(), 0, 0, 0);
-        for table in &mut self.tables {
-            let IdMapping::Map { map: MapLookup::Hashed(map), default_row, .. } = &mut table.mapping else {
+        let (started, mut laid_out, mut shared, mut in_place, mut hash_bytes) = (Instant::now(), 0, 0, 0, 0);
+        let kept = |table: &StageTable, why: &str| {
+            tracing::info!(
+                table = %table.spec.name,
+                %why,
+                "id map kept as a hash table: each raw id reads one of its slots before its row"
+            )
+        };
+        let mut tables = Vec::with_capacity(self.tables.len());
+        for mut table in std::mem::take(&mut self.tables) {
+            let (IdMapping::Map { map: MapLookup::Hashed(map), default_row, .. }, TableIds::Map(declared)) =
+                (&mut table.mapping, &table.spec.ids)
+            else {
+                tables.push(table);
                 continue;
             };
-            let TableIds::Map(declared) = &table.spec.ids else { continue };
-            let (spec, store) = (&table.spec, &*table.store);
             // Checked before a live version's copy is shared: a table on
             // another store stays there.
+            if let Some(why) = SlottedMap::unsuited(&table.spec, &*table.store) {
+                kept(&table, &why);
+                tables.push(table);
+                continue;
+            }
+            // The stage's hold on the table goes into the layout, so that
+            // where nothing else holds it its rows move in place.
+            let (spec, store) = (&table.spec, table.store);
             let lay_out = || SlottedMap::lay_out(spec, store, map, *default_row);
-            let shared_or_laid_out = match SlottedMap::unsuited(spec, store) {
-                Some(why) => Err(why),
-                None => laid_out_shared(spec, &declared.sha256, *default_row, lay_out),
-            };
-            match shared_or_laid_out {
+            match laid_out_shared(spec, &declared.sha256, *default_row, lay_out) {
                 Ok((slotted, was_shared)) => {
                     table.store = slotted.table();
                     *default_row = slotted.default_row();
                     hash_bytes += slotted.hash_bytes();
                     shared += usize::from(was_shared);
+                    in_place += usize::from(!was_shared && slotted.moved_in_place());
                     if let IdMapping::Map { map, .. } = &mut table.mapping {
                         *map = MapLookup::Slotted(slotted);
                     }
                     laid_out += 1;
                 }
-                Err(why) => tracing::info!(
-                    table = %table.spec.name,
-                    %why,
-                    "id map kept as a hash table: each raw id reads one of its slots before its row"
-                ),
+                Err((why, store)) => {
+                    table.store = store;
+                    kept(&table, &why);
+                }
             }
+            tables.push(table);
         }
+        self.tables = tables;
         if laid_out > 0 {
             tracing::info!(
                 tables = laid_out,
                 shared_with_a_live_version = shared,
+                rows_moved_in_place = in_place,
                 hash_kib = hash_bytes >> 10,
                 elapsed_ms = started.elapsed().as_millis() as u64,
                 "mapped tables laid out by their id maps: a raw id's lookup reads its row and no map slot"

@@ -201,9 +201,9 @@ mod tests {
 
     use super::super::fixtures::{batch, rows, schema, LocalRows};
     use super::super::pooling::tests::Fetching;
-    use super::super::{EmbeddingStage, StageScratch};
+    use super::super::{EmbeddingStage, StageScratch, StageTable};
     use super::store_refusal;
-    use crate::id_map::{build, IdMap};
+    use crate::id_map::{build, IdMap, SlottedMap};
     use crate::schema::{IdMapSpec, SplitSchema, TableIds, TableSpec};
     use crate::stores::local::table::Table;
     use crate::stores::row_store::RowStore;
@@ -344,6 +344,8 @@ mod tests {
         let hashed = EmbeddingStage::with_id_maps(&mapped, stores(), maps.clone());
         let mut laid_out = EmbeddingStage::with_id_maps(&mapped, stores(), maps);
         assert_eq!(laid_out.lay_out_mapped_tables(), 2);
+        let moved = |t: &StageTable| t.laid_out().is_some_and(SlottedMap::moved_in_place);
+        assert!(laid_out.tables.iter().all(moved), "held by the stage only: rows moved in place, not copied");
         // Row 9 of "shared" and row 4 of "own" sent as ids never seen, row
         // 40 of "shared" as an id pushed with its row.
         let new = |t: usize, row: i64| [(0, 9), (1, 4), (0, 40)].contains(&(t, row)).then(|| fresh(t, row));

@@ -87,7 +87,7 @@ impl std::fmt::Display for MissingRows {
 }
 
 /// A table's rows, wherever they live.
-pub trait RowStore: Send + Sync {
+pub trait RowStore: Any + Send + Sync {
     /// Which store holds them, for logs and metrics (`memory`, `mmap`).
     fn kind(&self) -> &'static str;
 

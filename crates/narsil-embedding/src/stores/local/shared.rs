@@ -111,12 +111,12 @@ pub fn held() -> Held {
 /// version holds where the table, its map and its default row are the
 /// same (by their SHA-256s), else `lay_out`'s, then shared (a table or map
 /// without a SHA-256 is never shared); and whether it was shared.
-pub fn laid_out_shared(
+pub fn laid_out_shared<E>(
     spec: &TableSpec,
     map_sha256: &str,
     default_row: u64,
-    lay_out: impl FnOnce() -> Result<SlottedMap, String>,
-) -> Result<(Arc<SlottedMap>, bool), String> {
+    lay_out: impl FnOnce() -> Result<SlottedMap, E>,
+) -> Result<(Arc<SlottedMap>, bool), E> {
     if spec.sha256.is_empty() || map_sha256.is_empty() {
         return Ok((Arc::new(lay_out()?), false));
     }

@@ -239,6 +239,16 @@ impl Table {
         &self.bytes()[at * self.row_bytes..(at + 1) * self.row_bytes]
     }
 
+    /// Its rows, to rewrite in place, where this process holds them (not
+    /// where they are mapped from the file).
+    pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match &mut self.rows_data {
+            Rows::Huge(rows) => Some(rows),
+            Rows::Memory(data) => Some(data),
+            Rows::Mapped(_) => None,
+        }
+    }
+
     /// Every row, end to end, in the file's layout (see [`RowStore::slots`]).
     pub fn bytes(&self) -> &[u8] {
         match &self.rows_data {
