@@ -50,7 +50,8 @@
 //! * `broadcast.rs`: copying each unit's pooled bags into its requests'
 //!   candidate rows;
 //! * `sequences.rs`: sequence features looked up unpooled, once per unit,
-//!   as jagged values with per-unit offsets and each row's unit.
+//!   as jagged values with per-unit offsets and each row's unit;
+//! * `scratch.rs`: a lane's buffers ([`StageScratch`]).
 
 mod broadcast;
 mod collect;
@@ -63,6 +64,7 @@ mod pooling;
 mod push;
 mod pushed_ids;
 mod read_ahead;
+mod scratch;
 mod sequences;
 
 use std::path::Path;
@@ -79,12 +81,13 @@ use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
 use crate::stores::table_store::{OpenedTables, TableStore};
 use broadcast::own_rows;
-use map_ids::{open_id_maps, BatchPushed, IdMapping};
+use map_ids::{open_id_maps, IdMapping};
 use pooling::Lookups;
 
 pub use error::StageError;
 pub use push::MAX_PUSHED_IDS;
 use pushed_ids::PushedIds;
+pub use scratch::StageScratch;
 pub use sequences::SequenceValues;
 use sequences::{Channel, StageSequence};
 
@@ -124,49 +127,6 @@ struct FeatureLookup {
     column: Option<usize>,
     /// Where its positions go, for a sequence's channel.
     channel: Option<Channel>,
-}
-
-/// A lane's buffers, reused from batch to batch.
-#[derive(Default)]
-pub struct StageScratch {
-    /// Per table: the batch's distinct ids.
-    distinct: Vec<DistinctIds>,
-    /// Per table whose store fetches: the rows of its distinct ids.
-    fetched: Vec<Vec<u8>>,
-    /// A feature's ids as their rows in the file, for local rows laid out
-    /// in popularity order or by an id map.
-    file_rows: Vec<i64>,
-    /// Copies of a bag's rows, for a bag of a table laid out by its id map
-    /// that holds ids the map lacks.
-    bag_rows: Vec<u8>,
-    /// Per table laid out by its id map, the batch's snapshot of its pushed
-    /// ids (what its pooling looks ids the layout lacks up in).
-    laid_out_pushed: BatchPushed,
-    /// The request-level units' pooled bags, `[units, request-level
-    /// features * dim]`.
-    unit_pooled: Vec<f32>,
-    /// The batch with its raw ids mapped to rows, for models with tables
-    /// whose ids are raw.
-    mapped: KeyedBatch,
-    /// Per table, the snapshot of its pushed ids the batch found ids in
-    /// (none where it found none): the table is pooled through copies of
-    /// its distinct rows, those read from the snapshot.
-    pushed: BatchPushed,
-    /// The last batch's sequences, in the schema's order.
-    sequences: Vec<SequenceValues>,
-    /// Bag lengths of 1, for looking positions up one id each.
-    ones: Vec<i32>,
-    /// The rows of a batch with ranking requests that pool their own bags
-    /// of request-level features (the flat requests' rows), as ranges.
-    own_rows: Vec<std::ops::Range<usize>>,
-}
-
-impl StageScratch {
-    /// The last batch's sequence values (one per declared sequence, in the
-    /// schema's order; none for a model without sequences).
-    pub fn sequences(&self) -> &[SequenceValues] {
-        &self.sequences
-    }
 }
 
 /// A split model's embedding stage.
