@@ -111,9 +111,8 @@ impl SlottedMap {
                 spec.storage, spec.dim
             ));
         }
-        let in_memory =
-            store.as_any().downcast_ref::<Table>().is_some_and(|t| t.store() == LocalRows::Memory)
-                && store.slots().is_none();
+        let in_memory = store.downcast_ref::<Table>().is_some_and(|t| t.store() == LocalRows::Memory)
+            && store.slots().is_none();
         (!in_memory).then(|| {
             format!("its rows are not in this process's memory in row order (the {} store)", store.kind())
         })
@@ -342,7 +341,7 @@ mod tests {
         assert!(slotted.moved_in_place() && !copied.moved_in_place());
         assert!(copied.table().bytes() == slotted.table().bytes(), "moved in place or copied, the same rows");
         assert_eq!(copied.default_row(), slotted.default_row());
-        let held = held.as_any().downcast_ref::<Table>().unwrap();
+        let held = held.downcast_ref::<Table>().unwrap();
         assert!((0..rows as i64).all(|r| value(held, r) == r as u64), "a copy's source is untouched");
         let table = slotted.table();
         assert_eq!(value(&table, slotted.default_row() as i64), rows - 1);
@@ -373,7 +372,7 @@ mod tests {
         let twice = IdMap::from_bytes(build(&[(5, 1), (6, 1)], 10).unwrap(), 10).unwrap();
         let (error, given_back) = SlottedMap::lay_out(&spec, source, &twice, 0).unwrap_err();
         assert!(error.contains("row 1 to more than one raw id"), "{error}");
-        let given_back = given_back.as_any().downcast_ref::<Table>().unwrap();
+        let given_back = given_back.downcast_ref::<Table>().unwrap();
         assert!((0..10).all(|r| value(given_back, r) == r as u64), "a table it cannot lay out is untouched");
         let fp32 = TableSpec { storage: Storage::Fp32, row_bytes: 4 * spec.dim, ..spec.clone() };
         let one = IdMap::from_bytes(build(&[(5, 1)], 10).unwrap(), 10).unwrap();

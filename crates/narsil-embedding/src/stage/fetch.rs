@@ -140,9 +140,6 @@ mod tests {
         fn kind(&self) -> &'static str {
             "batching"
         }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
         fn local_rows(&self) -> Option<&[u8]> {
             None
         }
@@ -179,7 +176,7 @@ mod tests {
             }
             let mut fetched = Vec::new();
             for part in parts.iter_mut() {
-                let rows = &part.store.as_any().downcast_ref::<Batching>().unwrap().rows;
+                let rows = &part.store.downcast_ref::<Batching>().unwrap().rows;
                 fetched.push(rows.fetch(part.ids, part.row_bytes, part.out, deadline).unwrap());
             }
             Ok(fetched)

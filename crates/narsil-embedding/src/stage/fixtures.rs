@@ -116,9 +116,6 @@ impl RowStore for LocalRows {
     fn kind(&self) -> &'static str {
         self.kind
     }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
     fn local_rows(&self) -> Option<&[u8]> {
         Some(&self.rows)
     }

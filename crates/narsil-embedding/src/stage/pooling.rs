@@ -205,9 +205,6 @@ pub(super) mod tests {
         fn kind(&self) -> &'static str {
             "fetching"
         }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
         fn local_rows(&self) -> Option<&[u8]> {
             None
         }

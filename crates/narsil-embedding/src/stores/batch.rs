@@ -27,7 +27,7 @@ pub fn parts_as<'a, T: 'static>(
         .iter()
         .enumerate()
         .map(|(p, part)| {
-            part.store.as_any().downcast_ref::<T>().ok_or_else(|| {
+            part.store.downcast_ref::<T>().ok_or_else(|| {
                 (p, FetchError::failed(format!("a {kind} fetch was handed another store's table")))
             })
         })

@@ -125,10 +125,6 @@ pub trait RowStore: Any + Send + Sync {
     /// the major page faults of its lookups).
     fn may_fault(&self) -> bool;
 
-    /// The store as itself, for its own [`BatchFetch`] to find its tables
-    /// among a batch's parts.
-    fn as_any(&self) -> &dyn Any;
-
     /// For a store that fetches the rows of many tables of a batch at once:
     /// how ([`BatchFetch`]; the stage's grouping: `stores::batch`). The stage then hands it every part
     /// of its group in one call instead of calling [`RowStore::fetch`] per
@@ -144,6 +140,15 @@ pub trait RowStore: Any + Send + Sync {
     /// answer and give `watcher` back.
     fn watch_reachability(&self, watcher: DependencyWatcher) -> Option<DependencyWatcher> {
         Some(watcher)
+    }
+}
+
+impl dyn RowStore {
+    /// The store as its own type, if it is a `T`: for a store's
+    /// [`BatchFetch`] to find its tables among a batch's parts, and the
+    /// stage to find the tables it may lay out.
+    pub fn downcast_ref<T: Any>(&self) -> Option<&T> {
+        (self as &dyn Any).downcast_ref()
     }
 }
 

@@ -1,7 +1,6 @@
 //! `--table-store disk`: its kind, its configuration (the row cache every
 //! table it opens shares) and a table's rows read by distinct id.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
 use std::fs::File;
@@ -380,10 +379,6 @@ impl RowStore for DiskRows {
         false
     }
 
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
     fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
         Some(self)
     }
@@ -600,8 +595,8 @@ mod tests {
         let (stores, _) = DiskStore::new(0, Reads::Threads).open(dir.path(), &schema).unwrap();
         // The stage gives the watcher to the first table: its probe covers
         // both files.
-        let rows = |s: &Arc<dyn RowStore>| s.as_any().downcast_ref::<DiskRows>().unwrap().file.clone();
-        let first = stores[0].as_any().downcast_ref::<DiskRows>().unwrap();
+        let rows = |s: &Arc<dyn RowStore>| s.downcast_ref::<DiskRows>().unwrap().file.clone();
+        let first = stores[0].downcast_ref::<DiskRows>().unwrap();
         let probed: Vec<Arc<File>> = first.probe.files().cloned().collect();
         assert_eq!(probed.len(), 2);
         assert!(probed.iter().zip(&stores).all(|(file, store)| Arc::ptr_eq(file, &rows(store))));

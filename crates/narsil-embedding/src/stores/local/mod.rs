@@ -90,7 +90,7 @@ impl StoreConfig for LocalStore {
 fn report_huge_pages(stores: &[Arc<dyn RowStore>]) {
     let large: Vec<&Table> = stores
         .iter()
-        .filter_map(|s| s.as_any().downcast_ref::<Table>())
+        .filter_map(|s| s.downcast_ref::<Table>())
         .filter(|t| t.bytes().len() >= HUGE_PAGE)
         .collect();
     let bytes: u64 = large.iter().map(|t| t.bytes().len() as u64).sum();

@@ -285,10 +285,6 @@ impl RowStore for Table {
         Ok(Fetched::default())
     }
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
     fn may_fault(&self) -> bool {
         self.store() == LocalRows::Mmap
     }

@@ -172,10 +172,6 @@ impl RowStore for RedisRows {
         false
     }
 
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-
     fn batch_fetch(&self) -> Option<&dyn BatchFetch> {
         Some(self)
     }
