@@ -4,7 +4,8 @@
 //! one id per bag) against pooling the same bags without deduplication,
 //! which is what the stage's dedup and metrics cost a local store; and the
 //! stage on ranking requests (3 users x 500 candidates, 13 of the 26
-//! features the user's, sent once per request).
+//! features the user's, sent once per request); both in bf16 for a dense
+//! network in bf16, rounded as pooled against a pass after the FP32 block.
 
 use std::sync::Arc;
 
@@ -12,8 +13,8 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use narsil_core::request::{IdPolicy, RequestLimits};
 use narsil_core::{assemble, RequestBlock, RequestLevel, RequestSamples};
 use narsil_embedding::{
-    pool_rows, EmbeddingStage, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch, Storage, Table,
-    TableSpec,
+    pool_rows, Bf16, EmbeddingStage, PooledValue, Pooling, PoolingMode, RowStore, SplitSchema, StageScratch,
+    Storage, Table, TableSpec,
 };
 
 const ROWS: usize = 100_000;
@@ -160,6 +161,27 @@ fn stage(c: &mut Criterion) {
     group.bench_function("26_tables_ranking_3_users_x_500_candidates", |b| {
         b.iter(|| stage.pool(&ranking, &mut scratch, &mut pooled).unwrap())
     });
+    group.finish();
+    // A dense network in bf16: the block pooled in FP32 then rounded in a
+    // pass of its own (into a block allocated once: less than a cast that
+    // allocates its result costs), against each bag rounded as it is pooled.
+    let mut group = c.benchmark_group("embedding_stage_bf16");
+    let mut rounded: Vec<Bf16> = Vec::new();
+    for (name, batch) in
+        [("26_tables_1600_rows", &batch), ("26_tables_ranking_3_users_x_500_candidates", &ranking)]
+    {
+        group.throughput(Throughput::Elements((batch.rows * FEATURES) as u64));
+        group.bench_function(format!("{name}_fp32_then_rounded"), |b| {
+            b.iter(|| {
+                stage.pool(batch, &mut scratch, &mut pooled).unwrap();
+                rounded.resize(pooled.len(), Bf16::default());
+                Bf16::convert(&pooled, &mut rounded);
+            })
+        });
+        group.bench_function(format!("{name}_bf16_as_pooled"), |b| {
+            b.iter(|| stage.pool_into(batch, &mut scratch, &mut rounded).unwrap())
+        });
+    }
     group.finish();
 }
 

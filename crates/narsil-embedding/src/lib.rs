@@ -21,6 +21,8 @@
 //! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's
 //!   input, with FBGEMM's arithmetic (AVX2 + FMA when the CPU has them,
 //!   chosen at run time; a scalar path otherwise), and of FP32 rows.
+//! * [`pooled_value`]: what the pooled block holds, FP32 or bf16 (each bag
+//!   rounded as it is pooled, for a dense network in bf16).
 //! * [`stage`]: the stage itself: per fused batch and table, dedup, fetch,
 //!   pool; with [`metrics`] per table.
 
@@ -32,6 +34,7 @@ pub mod id_map;
 pub mod layout;
 pub mod metrics;
 pub mod pool;
+pub mod pooled_value;
 pub mod schema;
 pub mod sha256;
 pub mod stage;
@@ -42,6 +45,7 @@ pub use id_map::{IdMap, IdMapError};
 pub use layout::{SlotIndex, SlotIndexError};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
+pub use pooled_value::{Bf16, PooledValue};
 pub use schema::{
     DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
     Storage, TableIds, TableSpec, UserOnceSpec,

@@ -10,6 +10,7 @@
 //! to 64 values in registers across a bag) is chosen at run time when the
 //! CPU has AVX2, FMA and F16C.
 
+use crate::pooled_value::PooledValue;
 use crate::schema::{PoolingMode, Storage};
 
 /// How a feature's bags are pooled.
@@ -33,10 +34,11 @@ pub struct OutOfRange {
 
 /// Pools one feature's bags of rows stored as `storage`: bag `b` holds
 /// the next `lengths[b]` ids of `ids` (and weights), and its vector of
-/// `dim` values is written to `out[b * stride..b * stride + dim]`. `table`
-/// is `rows` rows of `row_bytes` bytes.
+/// `dim` values is written to `out[b * stride..b * stride + dim]`, in FP32
+/// or bf16 ([`PooledValue`]: summed in FP32 either way). `table` is `rows`
+/// rows of `row_bytes` bytes.
 #[allow(clippy::too_many_arguments)]
-pub fn pool_rows(
+pub fn pool_rows<T: PooledValue>(
     storage: Storage,
     table: &[u8],
     row_bytes: usize,
@@ -44,7 +46,7 @@ pub fn pool_rows(
     lengths: &[i32],
     ids: &[i64],
     pooling: Pooling<'_>,
-    out: &mut [f32],
+    out: &mut [T],
     stride: usize,
 ) -> Result<(), OutOfRange> {
     let rows = (table.len() / row_bytes) as u64;
@@ -68,16 +70,18 @@ pub fn pool_rows(
             prefetch_row(&table[id as usize * row_bytes..(id as usize + 1) * row_bytes]);
         }
         prefetched = prefetched.max(ahead);
-        let acc = &mut out[bag * stride..bag * stride + dim];
         let bag_weights = pooling.weights.map(|w| &w[start..end]);
-        // SAFETY: every id was checked above to be a row of `table`, the
-        // assert above holds that a row has room for its values (`dim ==
-        // acc.len()`), and `kernel()` chose a kernel this CPU can run.
-        unsafe { kernel(table, row_bytes, &ids[start..end], bag_weights, acc) };
-        if pooling.mode == PoolingMode::Mean && len > 0 {
-            let scale = 1.0 / len as f32;
-            acc.iter_mut().for_each(|v| *v *= scale);
-        }
+        T::store_bag(&mut out[bag * stride..bag * stride + dim], |acc| {
+            // SAFETY: every id was checked above to be a row of `table`,
+            // the assert above holds that a row has room for its values
+            // (`dim == acc.len()`), and `kernel()` chose a kernel this CPU
+            // can run.
+            unsafe { kernel(table, row_bytes, &ids[start..end], bag_weights, acc) };
+            if pooling.mode == PoolingMode::Mean && len > 0 {
+                let scale = 1.0 / len as f32;
+                acc.iter_mut().for_each(|v| *v *= scale);
+            }
+        });
         start = end;
     }
     Ok(())

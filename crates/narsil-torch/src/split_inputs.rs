@@ -3,7 +3,7 @@
 //! precision, and each sequence's values, offsets and rows' units.
 
 use narsil_core::BackendError;
-use narsil_embedding::SequenceValues;
+use narsil_embedding::{Bf16, SequenceValues};
 use tch::{Device, Tensor};
 
 use crate::lane::torch_error;
@@ -28,8 +28,29 @@ pub(crate) fn sequence_inputs(
     Ok(inputs)
 }
 
-/// `values` as a `[rows, cols]` FP32 CPU tensor over the same memory, lent
-/// to libtorch for reading and writing.
+/// A pooled block's element type, as libtorch names it.
+///
+/// # Safety
+///
+/// `Self` is laid out as one value of `KIND` (size, alignment, bits):
+/// [`lent`] hands libtorch a slice of them as a tensor of that kind.
+pub(crate) unsafe trait Lendable {
+    const KIND: tch::Kind;
+}
+
+// SAFETY: an f32 is libtorch's Float.
+unsafe impl Lendable for f32 {
+    const KIND: tch::Kind = tch::Kind::Float;
+}
+
+// SAFETY: `Bf16` is `repr(transparent)` over the u16 of a bf16's bits,
+// libtorch's BFloat16 (2 bytes, 2-aligned).
+unsafe impl Lendable for Bf16 {
+    const KIND: tch::Kind = tch::Kind::BFloat16;
+}
+
+/// `values` as a `[rows, cols]` CPU tensor (FP32, or bf16) over the same
+/// memory, lent to libtorch for reading and writing.
 ///
 /// # Safety
 ///
@@ -38,7 +59,11 @@ pub(crate) fn sequence_inputs(
 /// network's output that returns its input), before the borrow of `values`
 /// ends, and must not rely on what `values` holds afterwards (libtorch may
 /// have written into it).
-pub(crate) unsafe fn lent(values: &mut [f32], rows: usize, cols: usize) -> Result<Tensor, BackendError> {
+pub(crate) unsafe fn lent<T: Lendable>(
+    values: &mut [T],
+    rows: usize,
+    cols: usize,
+) -> Result<Tensor, BackendError> {
     if values.len() != rows * cols {
         return Err(BackendError::forward(format!(
             "a [{rows}, {cols}] input block holds {} values, not {}",
@@ -46,8 +71,8 @@ pub(crate) unsafe fn lent(values: &mut [f32], rows: usize, cols: usize) -> Resul
             rows * cols
         )));
     }
-    // SAFETY: `values` holds rows * cols contiguous, initialized f32s
-    // (checked above), borrowed exclusively for as long as the caller keeps
+    // SAFETY: `values` holds rows * cols contiguous, initialized values of
+    // `T::KIND` (checked above; `Lendable`'s contract), borrowed exclusively for as long as the caller keeps
     // the tensor (this function's contract), so a write through the tensor
     // (an in-place op of the network) is a write through that exclusive
     // borrow that nothing else observes meanwhile; libtorch never frees
@@ -58,7 +83,7 @@ pub(crate) unsafe fn lent(values: &mut [f32], rows: usize, cols: usize) -> Resul
             values.as_mut_ptr().cast::<u8>(),
             &[rows as i64, cols as i64],
             &[cols as i64, 1],
-            tch::Kind::Float,
+            T::KIND,
             Device::Cpu,
         )
     }
@@ -71,5 +96,71 @@ pub(crate) fn in_precision(input: Tensor, precision: DensePrecision) -> Result<T
     match precision {
         DensePrecision::Fp32 | DensePrecision::Int8 => Ok(input),
         DensePrecision::Bf16 => input.f_to_kind(tch::Kind::BFloat16).map_err(torch_error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use narsil_embedding::Bf16;
+    use tch::{Kind, Tensor};
+
+    use super::lent;
+
+    /// FP32 values of every kind: normal, subnormal, ties, infinities,
+    /// NaNs with payloads, and a spread of random bit patterns.
+    fn values() -> Vec<f32> {
+        let mut bits: Vec<u32> = vec![
+            0,
+            0x8000_0000,
+            0x3F80_8000,
+            0x3F81_8000,
+            0x3F80_8001,
+            0x7F7F_FFFF,
+            0x7F80_0000,
+            0xFF80_0000,
+            0x7FC0_0000,
+            0xFFC0_1234,
+            0x7F80_0001,
+            0x0000_8000,
+            0x0001_8000,
+            0x0000_0001,
+            0x807F_FFFF,
+        ];
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        bits.extend((0..100_000).map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 32) as u32
+        }));
+        bits.into_iter().map(f32::from_bits).collect()
+    }
+
+    #[test]
+    fn a_block_written_in_bf16_holds_the_bits_of_libtorchs_cast_of_the_fp32_block() {
+        let values = values();
+        let cast = Tensor::from_slice(&values).to_kind(Kind::BFloat16).view_dtype(Kind::Int16);
+        let cast: Vec<i16> = Vec::try_from(&cast).unwrap();
+        let ours: Vec<i16> = values.iter().map(|&v| Bf16::from_f32(v).0 as i16).collect();
+        let differ = (0..values.len()).filter(|&i| cast[i] != ours[i]).count();
+        assert_eq!(
+            differ,
+            0,
+            "first: {:?}",
+            (0..values.len()).find(|&i| cast[i] != ours[i]).map(|i| values[i])
+        );
+    }
+
+    #[test]
+    fn a_lent_bf16_block_is_a_bfloat16_tensor_over_the_same_values() {
+        let mut block: Vec<Bf16> = [1.5f32, -2.0, 0.333, 7.0, 1e-3, 65280.0].map(Bf16::from_f32).to_vec();
+        let expected: Vec<f32> = block.iter().map(|b| b.to_f32()).collect();
+        // SAFETY: the tensor and its copy's source are dropped before `block`
+        // is read again.
+        let tensor = unsafe { lent(&mut block, 2, 3) }.unwrap();
+        assert_eq!((tensor.kind(), tensor.size()), (Kind::BFloat16, vec![2, 3]));
+        let read: Vec<f32> = Vec::try_from(&tensor.to_kind(Kind::Float).view([-1])).unwrap();
+        drop(tensor);
+        assert_eq!(read, expected);
     }
 }

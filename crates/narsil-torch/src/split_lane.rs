@@ -9,11 +9,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{BackendError, BatchStage, KeyedBatch, ModelBackend, StagedBatch};
-use narsil_embedding::{SequenceValues, StageScratch};
+use narsil_embedding::{Bf16, PooledValue, SequenceValues, StageScratch};
 
 use crate::dense_cut::DenseCut;
 use crate::lane::{append_scores, IntraOpThreads};
-use crate::split_inputs::{in_precision, lent, sequence_inputs};
+use crate::precision::DensePrecision;
+use crate::split_inputs::{in_precision, lent, sequence_inputs, Lendable};
 use crate::split_model::SplitModel;
 
 /// A lane of a split model: its stage buffers, pooled embeddings and
@@ -22,6 +23,9 @@ pub(crate) struct SplitLane {
     model: Arc<SplitModel>,
     scratch: StageScratch,
     pooled: Vec<f32>,
+    /// The pooled block of a dense network in bf16, which the stage writes
+    /// in bf16 as it pools (no cast of an FP32 block).
+    pooled_bf16: Vec<Bf16>,
     /// The batch's dense features copied, so that the dense network gets
     /// memory the lane owns (see [`SplitLane::dense_forward`]).
     dense: Vec<f32>,
@@ -37,10 +41,31 @@ impl SplitLane {
             model,
             scratch: StageScratch::default(),
             pooled: Vec::new(),
+            pooled_bf16: Vec::new(),
             dense: Vec::new(),
             threads: IntraOpThreads::new(min_threads),
             spent: None,
         }
+    }
+
+    /// Pools `batch` into the lane's block of its dense network's element
+    /// type (`block` picks it) and scores it.
+    fn pool_and_score<T: PooledValue + Lendable>(
+        &mut self,
+        batch: &KeyedBatch,
+        block: impl Fn(&mut Self) -> &mut Vec<T>,
+    ) -> Result<Vec<f32>, BackendError> {
+        let mut pooled = std::mem::take(block(self));
+        let model = &*self.model;
+        let scored = model
+            .stage
+            .pool_into(batch, &mut self.scratch, &mut pooled)
+            .map_err(BackendError::from)
+            .and_then(|()| {
+                Self::dense_forward(model, batch, &mut self.dense, &mut pooled, self.scratch.sequences())
+            });
+        *block(self) = pooled;
+        scored
     }
 
     /// The dense network's forward over `batch`'s dense features and its
@@ -54,11 +79,11 @@ impl SplitLane {
     /// pool) and a copy of the dense features in `dense` (DLRM's 13 floats
     /// a row, against 6.5 KiB of pooled values), never `batch.dense`, which
     /// the engine's batch holds immutably and reads afterwards.
-    fn dense_forward(
+    fn dense_forward<T: Lendable>(
         model: &SplitModel,
         batch: &KeyedBatch,
         dense: &mut Vec<f32>,
-        pooled: &mut [f32],
+        pooled: &mut [T],
         sequences: &[SequenceValues],
     ) -> Result<Vec<f32>, BackendError> {
         let (rows, width) = (batch.rows, model.stage.pooled_width());
@@ -137,10 +162,12 @@ impl ModelBackend for SplitLane {
     }
 
     fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
-        let model = &*self.model;
-        model.stage.pool(batch, &mut self.scratch, &mut self.pooled).map_err(BackendError::from)?;
-        let sequences = self.scratch.sequences();
-        Self::dense_forward(model, batch, &mut self.dense, &mut self.pooled, sequences)
+        match self.model.precision {
+            DensePrecision::Bf16 => self.pool_and_score(batch, |lane| &mut lane.pooled_bf16),
+            DensePrecision::Fp32 | DensePrecision::Int8 => {
+                self.pool_and_score(batch, |lane| &mut lane.pooled)
+            }
+        }
     }
 
     /// None for a model with sequences: their values are not part of the

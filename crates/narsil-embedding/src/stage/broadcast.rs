@@ -7,23 +7,25 @@
 use narsil_core::KeyedBatch;
 
 use super::EmbeddingStage;
+use crate::pooled_value::PooledValue;
 
 impl EmbeddingStage {
     /// Copies each request-level unit's pooled bags into the columns of
     /// its features in every row of its requests (whose own bags there
-    /// were empty).
-    pub(super) fn broadcast(
+    /// were empty), each unit's converted once to the block's type.
+    pub(super) fn broadcast<T: PooledValue>(
         &self,
         batch: &KeyedBatch,
         unit_pooled: &[f32],
-        pooled: &mut [f32],
+        pooled: &mut [T],
         width: usize,
     ) {
         let Some(blocks) = &batch.request_blocks else { return };
         let (dim, stride) = (self.dim, blocks.features.len() * self.dim);
         let mut rows = 0;
+        let mut unit = vec![T::default(); stride];
         for run in batch.broadcasts() {
-            let unit = &unit_pooled[run.unit * stride..(run.unit + 1) * stride];
+            T::convert(&unit_pooled[run.unit * stride..(run.unit + 1) * stride], &mut unit);
             for row in pooled[run.start * width..(run.start + run.rows) * width].chunks_exact_mut(width) {
                 for (&f, vector) in blocks.features.iter().zip(unit.chunks_exact(dim)) {
                     // A sequence's channels have no column: their units
@@ -64,7 +66,7 @@ mod tests {
     use narsil_core::request::{IdPolicy, RequestLimits};
     use narsil_core::{assemble, RequestBlock, RequestLevel, RequestSamples};
 
-    use super::super::fixtures::{rows, schema};
+    use super::super::fixtures::{pooled_bits_both_ways, rows, schema};
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch};
     use crate::stores::row_store::RowStore;
@@ -129,6 +131,8 @@ mod tests {
             assert_eq!(pooled, expected, "every row as if sent flat");
             // 2 units x 2 request-level features pooled; 9 of 10 rows broadcast.
             assert_eq!(stage.metrics().request_level_counts(), (4, 9));
+            let bits: Vec<u32> = expected.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(pooled_bits_both_ways(&stage, &grouped), bits, "broadcast in bf16 too");
         }
     }
 }

@@ -1,17 +1,33 @@
 //! The stage's test fixtures, shared by the tests of its files: a split
 //! schema of two tables (one indexed by two features, one weighted), rows
-//! for its tables, a fused batch of two requests, and a store of local
-//! rows laid out or watched.
+//! for its tables, a fused batch of two requests, a store of local rows
+//! laid out or watched, and the check that a bf16 block is the FP32 one
+//! rounded.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use narsil_core::{assemble, DependencyWatcher, KeyedBatch, RequestSamples};
 
+use super::{EmbeddingStage, StageScratch};
 use crate::layout::SlotIndex;
+use crate::pooled_value::Bf16;
 use crate::schema::{FeatureSpec, PoolingMode, SplitSchema, Storage, TableSpec};
 use crate::stores::local::table::Table;
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
+
+/// `stage` pools `batch` into FP32 (returned, as bits) and into bf16, and
+/// the bf16 block is the FP32 one rounded, bit for bit (what libtorch's
+/// cast of the FP32 block gives).
+pub(super) fn pooled_bits_both_ways(stage: &EmbeddingStage, batch: &KeyedBatch) -> Vec<u32> {
+    let (mut fp32, mut bf16) = (Vec::<f32>::new(), vec![Bf16(0xFFFF); 3]);
+    stage.pool(batch, &mut StageScratch::default(), &mut fp32).unwrap();
+    stage.pool_into(batch, &mut StageScratch::default(), &mut bf16).unwrap();
+    let rounded: Vec<Bf16> = fp32.iter().map(|&v| Bf16::from_f32(v)).collect();
+    assert_eq!(bf16, rounded, "the bf16 block is the FP32 one rounded");
+    assert!(fp32.iter().any(|&v| Bf16::from_f32(v).to_f32() != v), "some values round");
+    fp32.iter().map(|v| v.to_bits()).collect()
+}
 
 pub(super) fn schema() -> SplitSchema {
     let table = |name: &str, rows| TableSpec {

@@ -76,6 +76,7 @@ use narsil_core::KeyedBatch;
 use crate::dedup::DistinctIds;
 use crate::id_map::IdMap;
 use crate::metrics::{StageMetrics, TableCounters};
+use crate::pooled_value::PooledValue;
 use crate::schema::{PoolingMode, SplitSchema, TableSpec};
 use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
@@ -292,6 +293,17 @@ impl EmbeddingStage {
         scratch: &mut StageScratch,
         pooled: &mut Vec<f32>,
     ) -> Result<(), StageError> {
+        self.pool_into(batch, scratch, pooled)
+    }
+
+    /// [`Self::pool`] into a block of FP32 or bf16 values ([`PooledValue`]:
+    /// bf16 for a dense network in bf16, each bag rounded as it is pooled).
+    pub fn pool_into<T: PooledValue>(
+        &self,
+        batch: &KeyedBatch,
+        scratch: &mut StageScratch,
+        pooled: &mut Vec<T>,
+    ) -> Result<(), StageError> {
         if !self.maps_ids() {
             scratch.pushed.clear();
             scratch.laid_out_pushed.clear();
@@ -305,14 +317,14 @@ impl EmbeddingStage {
     }
 
     /// [`Self::pool`] of a batch whose ids are rows.
-    fn pool_rows(
+    fn pool_rows<T: PooledValue>(
         &self,
         batch: &KeyedBatch,
         scratch: &mut StageScratch,
-        pooled: &mut Vec<f32>,
+        pooled: &mut Vec<T>,
     ) -> Result<(), StageError> {
         let width = self.pooled_width();
-        pooled.resize(batch.rows * width, 0.0);
+        pooled.resize(batch.rows * width, T::default());
         scratch.distinct.resize_with(self.tables.len(), DistinctIds::default);
         scratch.pushed.resize(self.tables.len(), None);
         for ((table, distinct), pushed) in self.tables.iter().zip(&mut scratch.distinct).zip(&scratch.pushed)
@@ -359,8 +371,8 @@ impl EmbeddingStage {
 
 /// Where a table's lookups go: the pooled block (`[rows, width]`), the
 /// request-level units' pooled bags, the sequences' values.
-pub(super) struct Outputs<'a> {
-    pooled: &'a mut [f32],
+pub(super) struct Outputs<'a, T> {
+    pooled: &'a mut [T],
     width: usize,
     unit_pooled: &'a mut [f32],
     sequences: &'a mut [SequenceValues],

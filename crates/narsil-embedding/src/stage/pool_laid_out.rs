@@ -16,6 +16,7 @@ use super::pushed_ids::PushedIds;
 use crate::id_map::SlottedMap;
 use crate::metrics::TableCounters;
 use crate::pool::{pool_rows, OutOfRange, Pooling};
+use crate::pooled_value::PooledValue;
 use crate::schema::TableSpec;
 
 /// A laid-out table's lookups of one batch.
@@ -31,12 +32,12 @@ impl LaidOut<'_> {
     /// Pools the bags `lengths` of raw ids `raws` into `out` (one bag each
     /// `stride` values); `rows` and `copies` are buffers.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn pool(
+    pub(super) fn pool<T: PooledValue>(
         &self,
         lengths: &[i32],
         raws: &[i64],
         pooling: Pooling<'_>,
-        out: &mut [f32],
+        out: &mut [T],
         stride: usize,
         rows: &mut Vec<i64>,
         copies: &mut Vec<u8>,

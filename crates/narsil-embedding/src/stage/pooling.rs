@@ -16,6 +16,7 @@ use super::read_ahead::thread_major_faults;
 use super::{EmbeddingStage, FeatureLookup, Outputs, StageError, StageTable};
 use crate::dedup::DistinctIds;
 use crate::pool::{pool_rows, Pooling};
+use crate::pooled_value::PooledValue;
 
 impl EmbeddingStage {
     /// Pools `table`'s bags (its ids deduplicated in `distinct`; `fetched`:
@@ -23,14 +24,14 @@ impl EmbeddingStage {
     /// buffers, and a laid-out table's pushed ids), the
     /// request-level units' bags into `unit_pooled` (`[units, request-level
     /// features * dim]`); returns the major faults the lookups took.
-    pub(super) fn pool_table(
+    pub(super) fn pool_table<T: PooledValue>(
         &self,
         table: &StageTable,
         batch: &KeyedBatch,
         distinct: &DistinctIds,
         fetched: Option<&[u8]>,
         lookups: Lookups<'_>,
-        out: Outputs<'_>,
+        out: Outputs<'_, T>,
     ) -> Result<u64, StageError> {
         let Outputs { pooled, width, unit_pooled, sequences, ones, own_rows } = out;
         let started = Instant::now();
@@ -149,13 +150,13 @@ struct Bags<'a> {
 impl Bags<'_> {
     /// Pools the bags `lengths` of `ids` into `out` (one bag each `stride`
     /// values).
-    fn pool(
+    fn pool<T: PooledValue>(
         &mut self,
         feature: &FeatureLookup,
         lengths: &[i32],
         ids: &[i64],
         weights: Option<&[f32]>,
-        out: &mut [f32],
+        out: &mut [T],
         stride: usize,
     ) -> Result<(), StageError> {
         let spec = &self.table.spec;
@@ -191,7 +192,7 @@ pub(super) mod tests {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use super::super::fixtures::{batch, rows, schema};
+    use super::super::fixtures::{batch, pooled_bits_both_ways, rows, schema};
     use super::super::{EmbeddingStage, StageScratch};
     use crate::pool::{pool_rows, Pooling};
     use crate::schema::Storage;
@@ -280,6 +281,8 @@ pub(super) mod tests {
                 );
                 assert_eq!((own.ids.get(), own.distinct_ids.get(), own.rows_fetched.get()), (8, 0, 8));
             }
+            let bits: Vec<u32> = expected.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(pooled_bits_both_ways(&stage, &batch), bits);
         }
         // The weighted feature's weights matter, and mean pooling divides.
         assert_ne!(expected[16..24], expected[..8]);

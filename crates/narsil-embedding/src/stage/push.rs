@@ -199,7 +199,7 @@ mod tests {
 
     use narsil_core::{IdMapTable, IdPush, IdsPushed, KeyedBatch, PushMode};
 
-    use super::super::fixtures::{batch, rows, schema, LocalRows};
+    use super::super::fixtures::{batch, pooled_bits_both_ways, rows, schema, LocalRows};
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch, StageTable};
     use super::store_refusal;
@@ -378,6 +378,7 @@ mod tests {
         assert_eq!((held.added, held.already_held), (0, 1));
         let error = push(&laid_out, "shared", &entries(&tables[0], 32, &[(raw(0, 5), 6)])).unwrap_err();
         assert!(error.contains("already held") && error.contains("another row"), "{error}");
+        assert_eq!(pooled_bits_both_ways(&laid_out, &sent), after, "bags pooled again, in bf16 too");
     }
 
     /// The mapped schema, the plain one, its tables (rows seeded 3, 4, ...
