@@ -58,6 +58,8 @@ pub fn pool_rows<T: PooledValue>(
         Storage::Int8Rowwise => kernel(),
         Storage::Fp32 => accumulate_fp32,
     };
+    // A bag summed apart from the block (bf16) is summed here.
+    let mut acc = vec![0.0f32; if T::SUMMED_APART { dim } else { 0 }];
     let mut start = 0;
     // Rows are read at random: ask for the rows PREFETCH_IDS ids ahead
     // while this bag's are summed, as FBGEMM's lookup does.
@@ -71,7 +73,7 @@ pub fn pool_rows<T: PooledValue>(
         }
         prefetched = prefetched.max(ahead);
         let bag_weights = pooling.weights.map(|w| &w[start..end]);
-        T::store_bag(&mut out[bag * stride..bag * stride + dim], |acc| {
+        T::store_bag(&mut out[bag * stride..bag * stride + dim], &mut acc, |acc| {
             // SAFETY: every id was checked above to be a row of `table`,
             // the assert above holds that a row has room for its values
             // (`dim == acc.len()`), and `kernel()` chose a kernel this CPU

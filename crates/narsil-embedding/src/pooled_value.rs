@@ -4,8 +4,8 @@
 //!
 //! A bag is always summed in FP32 (FBGEMM's arithmetic, [`crate::pool`]);
 //! only its store differs. An FP32 block is summed in place. A bf16 one is
-//! summed into an accumulator of the bag's width on the stack (L1) and
-//! rounded to bf16 as libtorch's `to(torch.bfloat16)` rounds a tensor on a
+//! summed into an accumulator of the bag's width (one per feature's bags,
+//! in L1) and rounded to bf16 as libtorch's `to(torch.bfloat16)` rounds a tensor on a
 //! CPU (ATen's vectorised `cvtfp32_bf16`: nearest, ties to even; every NaN
 //! `0xFFFF`), so the block holds the bits a cast of the FP32 block would.
 
@@ -14,10 +14,15 @@ pub trait PooledValue: Copy + Default + Send + Sync + 'static {
     /// `value` in this type.
     fn from_f32(value: f32) -> Self;
 
+    /// Whether a bag is summed apart from the block (into the
+    /// accumulator [`Self::store_bag`] is given).
+    const SUMMED_APART: bool;
+
     /// Stores a bag's values into `out` (its `dim` values), which `sum`
     /// writes in FP32 into the slice it is given (`out.len()` values; what
-    /// the slice held before is never read).
-    fn store_bag(out: &mut [Self], sum: impl FnOnce(&mut [f32]));
+    /// the slice held before is never read); `acc` holds `out.len()` values
+    /// where [`Self::SUMMED_APART`].
+    fn store_bag(out: &mut [Self], acc: &mut [f32], sum: impl FnOnce(&mut [f32]));
 
     /// `values` in this type into `out` (as many).
     fn convert(values: &[f32], out: &mut [Self]) {
@@ -26,11 +31,13 @@ pub trait PooledValue: Copy + Default + Send + Sync + 'static {
 }
 
 impl PooledValue for f32 {
+    const SUMMED_APART: bool = false;
+
     fn from_f32(value: f32) -> Self {
         value
     }
 
-    fn store_bag(out: &mut [f32], sum: impl FnOnce(&mut [f32])) {
+    fn store_bag(out: &mut [f32], _: &mut [f32], sum: impl FnOnce(&mut [f32])) {
         sum(out)
     }
 
@@ -50,12 +57,11 @@ impl Bf16 {
     /// ties to even, every NaN `0xFFFF` (c10's scalar conversion would give
     /// `0x7FC0`; a tensor's cast never takes it).
     pub fn from_f32(value: f32) -> Self {
-        if value.is_nan() {
-            return Self(0xFFFF);
-        }
         let bits = value.to_bits();
         let rounding = ((bits >> 16) & 1) + 0x7FFF;
-        Self((bits.wrapping_add(rounding) >> 16) as u16)
+        let rounded = (bits.wrapping_add(rounding) >> 16) as u16;
+        // A select, not a branch: the loops over values vectorise.
+        Self(if value.is_nan() { 0xFFFF } else { rounded })
     }
 
     /// The FP32 value it is (exact).
@@ -64,26 +70,80 @@ impl Bf16 {
     }
 }
 
-/// The widest bag a bf16 block's accumulator holds on the stack; wider
-/// ones take one on the heap.
-const STACK_DIM: usize = 512;
-
 impl PooledValue for Bf16 {
+    const SUMMED_APART: bool = true;
+
     fn from_f32(value: f32) -> Self {
         Bf16::from_f32(value)
     }
 
-    fn store_bag(out: &mut [Bf16], sum: impl FnOnce(&mut [f32])) {
-        let dim = out.len();
-        if dim <= STACK_DIM {
-            let mut acc = [0.0f32; STACK_DIM];
-            sum(&mut acc[..dim]);
-            Self::convert(&acc[..dim], out);
+    fn store_bag(out: &mut [Bf16], acc: &mut [f32], sum: impl FnOnce(&mut [f32])) {
+        sum(acc);
+        Self::convert(acc, out);
+    }
+
+    fn convert(values: &[f32], out: &mut [Bf16]) {
+        let n = values.len().min(out.len());
+        #[cfg(target_arch = "x86_64")]
+        let n = if avx2::available() {
+            // SAFETY: the CPU has AVX2 (checked); both slices hold `n`
+            // values.
+            unsafe { avx2::round(&values[..n], &mut out[..n]) }
         } else {
-            let mut acc = vec![0.0f32; dim];
-            sum(&mut acc);
-            Self::convert(&acc, out);
+            0
+        };
+        let (values, out) = (&values[n..], &mut out[n..]);
+        out.iter_mut().zip(values).for_each(|(o, &v)| *o = Bf16::from_f32(v));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+
+    use super::Bf16;
+
+    pub(super) fn available() -> bool {
+        static AVX2: OnceLock<bool> = OnceLock::new();
+        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+    }
+
+    /// Eight values rounded as [`Bf16::from_f32`] rounds each, in the low
+    /// 16 bits of each 32-bit lane (ATen's `cvtfp32_bf16`).
+    #[target_feature(enable = "avx2")]
+    fn eight(values: __m256) -> __m256i {
+        let bits = _mm256_castps_si256(values);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let rounded =
+            _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)), bits));
+        let ordered = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_ORD_Q>(values, values));
+        _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), rounded, ordered)
+    }
+
+    /// Rounds `values` into `out` sixteen at a time; returns how many (the
+    /// rest, fewer than sixteen, are the caller's).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2; `out.len() >= values.len()`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn round(values: &[f32], out: &mut [Bf16]) -> usize {
+        let n = values.len() / 16 * 16;
+        for i in (0..n).step_by(16) {
+            // SAFETY: `i + 16 <= n <= values.len() <= out.len()`: the loads
+            // read values `i..i + 16`, the store writes `out[i..i + 16]`
+            // (Bf16 is a transparent u16: 32 bytes); none needs alignment.
+            unsafe {
+                let lo = eight(_mm256_loadu_ps(values.as_ptr().add(i)));
+                let hi = eight(_mm256_loadu_ps(values.as_ptr().add(i + 8)));
+                // Saturation never bites (each lane is at most 0xFFFF); the
+                // pack interleaves 128-bit halves, the permute orders them.
+                let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi));
+                _mm256_storeu_si256(out.as_mut_ptr().add(i).cast(), packed);
+            }
         }
+        n
     }
 }
 
@@ -115,16 +175,36 @@ mod tests {
     }
 
     #[test]
-    fn a_bf16_bag_holds_its_fp32_sum_rounded_at_any_width() {
-        for dim in [1, 64, 512, 513, 1000] {
-            let mut out = vec![Bf16(0xFFFF); dim];
+    fn a_block_rounded_at_once_holds_each_value_rounded_alone() {
+        // Random bit patterns (NaNs, infinities, subnormals among them) and
+        // a tail shorter than the vector path's sixteen.
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let values: Vec<f32> = (0..10_007)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                f32::from_bits((state >> 32) as u32)
+            })
+            .chain([f32::NAN, f32::INFINITY, -0.0, f32::from_bits(0x3F80_8000)])
+            .collect();
+        let mut out = vec![Bf16(0x1234); values.len()];
+        Bf16::convert(&values, &mut out);
+        let alone: Vec<Bf16> = values.iter().map(|&v| Bf16::from_f32(v)).collect();
+        assert_eq!(out, alone);
+    }
+
+    #[test]
+    fn a_bf16_bag_holds_its_fp32_sum_rounded() {
+        for dim in [1, 8, 16, 64, 100] {
+            let (mut out, mut acc) = (vec![Bf16(0xFFFF); dim], vec![f32::NAN; dim]);
             let values: Vec<f32> = (0..dim).map(|i| 1.0 + i as f32 / 3.0).collect();
-            Bf16::store_bag(&mut out, |acc| acc.copy_from_slice(&values));
+            Bf16::store_bag(&mut out, &mut acc, |acc| acc.copy_from_slice(&values));
             let expected: Vec<Bf16> = values.iter().map(|&v| Bf16::from_f32(v)).collect();
             assert_eq!(out, expected, "dim {dim}");
         }
         let mut out = vec![0.0f32; 3];
-        f32::store_bag(&mut out, |acc| acc.copy_from_slice(&[1.5, 2.5, 3.5]));
+        f32::store_bag(&mut out, &mut [], |acc| acc.copy_from_slice(&[1.5, 2.5, 3.5]));
         assert_eq!(out, [1.5, 2.5, 3.5]);
     }
 }
