@@ -5,9 +5,10 @@
 //! A bag is always summed in FP32 (FBGEMM's arithmetic, [`crate::pool`]);
 //! only its store differs. An FP32 block is summed in place. A bf16 one is
 //! summed into an accumulator of the bag's width (one per feature's bags,
-//! in L1) and rounded to bf16 as libtorch's `to(torch.bfloat16)` rounds a tensor on a
-//! CPU (ATen's vectorised `cvtfp32_bf16`: nearest, ties to even; every NaN
-//! `0xFFFF`), so the block holds the bits a cast of the FP32 block would.
+//! in L1) and rounded to bf16 as libtorch's `to(torch.bfloat16)` rounds a
+//! tensor on a CPU (ATen's vectorised `cvtfp32_bf16`: nearest, ties to
+//! even; every NaN `0xFFFF`), so the block holds the bits a cast of the
+//! FP32 block would.
 
 /// A value of the pooled block.
 pub trait PooledValue: Copy + Default + Send + Sync + 'static {
@@ -54,8 +55,8 @@ pub struct Bf16(pub u16);
 impl Bf16 {
     /// `value` rounded to bf16 as libtorch casts a tensor on a CPU (ATen's
     /// vectorised `cvtfp32_bf16`, for AVX2 and AVX-512 alike): nearest,
-    /// ties to even, every NaN `0xFFFF` (c10's scalar conversion would give
-    /// `0x7FC0`; a tensor's cast never takes it).
+    /// ties to even, every NaN `0xFFFF` (c10's scalar conversion gives
+    /// `0x7FC0`; a tensor's cast, tested, writes `0xFFFF`).
     pub fn from_f32(value: f32) -> Self {
         let bits = value.to_bits();
         let rounding = ((bits >> 16) & 1) + 0x7FFF;
