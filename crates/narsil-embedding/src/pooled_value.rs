@@ -12,9 +12,6 @@
 
 /// A value of the pooled block.
 pub trait PooledValue: Copy + Default + Send + Sync + 'static {
-    /// `value` in this type.
-    fn from_f32(value: f32) -> Self;
-
     /// Whether a bag is summed apart from the block (into the
     /// accumulator [`Self::store_bag`] is given).
     const SUMMED_APART: bool;
@@ -26,17 +23,11 @@ pub trait PooledValue: Copy + Default + Send + Sync + 'static {
     fn store_bag(out: &mut [Self], acc: &mut [f32], sum: impl FnOnce(&mut [f32]));
 
     /// `values` in this type into `out` (as many).
-    fn convert(values: &[f32], out: &mut [Self]) {
-        out.iter_mut().zip(values).for_each(|(o, &v)| *o = Self::from_f32(v));
-    }
+    fn convert(values: &[f32], out: &mut [Self]);
 }
 
 impl PooledValue for f32 {
     const SUMMED_APART: bool = false;
-
-    fn from_f32(value: f32) -> Self {
-        value
-    }
 
     fn store_bag(out: &mut [f32], _: &mut [f32], sum: impl FnOnce(&mut [f32])) {
         sum(out)
@@ -74,10 +65,6 @@ impl Bf16 {
 impl PooledValue for Bf16 {
     const SUMMED_APART: bool = true;
 
-    fn from_f32(value: f32) -> Self {
-        Bf16::from_f32(value)
-    }
-
     fn store_bag(out: &mut [Bf16], acc: &mut [f32], sum: impl FnOnce(&mut [f32])) {
         sum(acc);
         Self::convert(acc, out);
@@ -85,15 +72,18 @@ impl PooledValue for Bf16 {
 
     fn convert(values: &[f32], out: &mut [Bf16]) {
         let n = values.len().min(out.len());
+        // How many the vector path rounded; the rest, one at a time.
         #[cfg(target_arch = "x86_64")]
-        let n = if avx2::available() {
+        let done = if is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked); both slices hold `n`
             // values.
             unsafe { avx2::round(&values[..n], &mut out[..n]) }
         } else {
             0
         };
-        let (values, out) = (&values[n..], &mut out[n..]);
+        #[cfg(not(target_arch = "x86_64"))]
+        let done = 0;
+        let (values, out) = (&values[done..n], &mut out[done..n]);
         out.iter_mut().zip(values).for_each(|(o, &v)| *o = Bf16::from_f32(v));
     }
 }
@@ -101,14 +91,8 @@ impl PooledValue for Bf16 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
-    use std::sync::OnceLock;
 
     use super::Bf16;
-
-    pub(super) fn available() -> bool {
-        static AVX2: OnceLock<bool> = OnceLock::new();
-        *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
-    }
 
     /// Eight values rounded as [`Bf16::from_f32`] rounds each, in the low
     /// 16 bits of each 32-bit lane (ATen's `cvtfp32_bf16`).

@@ -72,8 +72,9 @@ pub(crate) unsafe fn lent<T: Lendable>(
         )));
     }
     // SAFETY: `values` holds rows * cols contiguous, initialized values of
-    // `T::KIND` (checked above; `Lendable`'s contract), borrowed exclusively for as long as the caller keeps
-    // the tensor (this function's contract), so a write through the tensor
+    // `T::KIND` (checked above; `Lendable`'s contract), borrowed
+    // exclusively for as long as the caller keeps the tensor (this
+    // function's contract), so a write through the tensor
     // (an in-place op of the network) is a write through that exclusive
     // borrow that nothing else observes meanwhile; libtorch never frees
     // memory it did not allocate, and cannot grow it (a blob's storage is
