@@ -10,12 +10,15 @@ use crate::sequence::{fit_sequences, BagLayout};
 impl RequestSamples {
     /// Its rows plus the sequence positions it looks up (once per position,
     /// whatever its channels): those on its rows and those in its request
-    /// block (once, whatever its rows). Equal to its rows for a model
+    /// block (once, whatever its rows; on every row where `flat`: lanes
+    /// that take only flat batches get the block copied into each row,
+    /// [`crate::KeyedBatch::into_flat`]). Equal to its rows for a model
     /// without sequence features; what a batch's token budget counts.
     /// Lengths as validated (explicit).
-    pub fn tokens(&self, schema: &ModelSchema) -> usize {
+    pub fn tokens(&self, schema: &ModelSchema, flat: bool) -> usize {
         let (rows, block) = self.sum_over_positions(schema, |_| 1);
-        self.num_samples + rows + block
+        let block = if flat { block.saturating_mul(self.num_samples) } else { block };
+        self.num_samples.saturating_add(rows).saturating_add(block)
     }
 
     /// Memory the sequence values of its rows take once looked up (each

@@ -93,6 +93,20 @@ impl ModelSchema {
         }
     }
 
+    /// Serves it with `level` as its request-level inputs, in place of
+    /// what the model declares (`--request-level`): the one schema the
+    /// engine validates requests against, whose request blocks tell a
+    /// backend's stage which features arrive once per request. Refused,
+    /// the schema left as it was, when `level` names some of a sequence's
+    /// channels and not the others ([`crate::sequence::sent_once`]).
+    pub fn set_request_level(&mut self, level: RequestLevel) -> Result<(), String> {
+        for sequence in &self.sequences {
+            crate::sequence::sent_once(&sequence.name, &sequence.features, &level, self)?;
+        }
+        self.request_level = level;
+        Ok(())
+    }
+
     /// The sequence whose first channel is sparse feature `f`, if any.
     pub fn first_channel_of(&self, f: usize) -> Option<&SequenceFeature> {
         self.sequences.iter().find(|s| s.features[0] == f)

@@ -87,21 +87,45 @@ impl SequenceFeature {
             }
             indices.push(f);
         }
-        let request_level = indices.iter().filter(|&&f| schema.request_level.contains(f)).count();
-        if request_level != 0 && request_level != indices.len() {
-            return Err(format!(
-                "sequence {name:?}: some of its features are request-level and some are not; a sequence is \
-                 sent once per request or on every row"
-            ));
-        }
+        sent_once(name, &indices, &schema.request_level, schema)?;
         Ok(Self { name: name.into(), features: indices, max_len, keep, width: 0 })
     }
 
     /// Whether its channels are request-level (sent once in a ranking
-    /// request's block).
+    /// request's block): all of them are, or none ([`sent_once`], checked
+    /// wherever a schema's request-level inputs are set).
     pub fn is_request_level(&self, schema: &ModelSchema) -> bool {
-        schema.request_level.contains(self.features[0])
+        self.features.iter().all(|&f| schema.request_level.contains(f))
     }
+}
+
+/// Whether `level` sends sequence `name`, whose channels are the sparse
+/// features `channels` of `schema`, once per request: true when all its
+/// channels are request-level, false when none are. A sequence's channels
+/// are aligned positions of one history, so they travel together; a level
+/// naming some of them only is refused, naming the sequence, the channels
+/// it names and those it leaves out.
+pub fn sent_once(
+    name: &str,
+    channels: &[usize],
+    level: &crate::RequestLevel,
+    schema: &ModelSchema,
+) -> Result<bool, String> {
+    let (named, left): (Vec<usize>, Vec<usize>) = channels.iter().partition(|&&f| level.contains(f));
+    if left.is_empty() || named.is_empty() {
+        return Ok(left.is_empty());
+    }
+    let names = |features: &[usize]| {
+        features.iter().map(|&f| schema.sparse[f].name.as_str()).collect::<Vec<_>>().join(", ")
+    };
+    Err(format!(
+        "sequence {name:?} (channels {}) is request-level in {} but not in {}: its channels are one \
+         history's aligned positions, sent together once per request or on every row; name all of them \
+         request-level, or none",
+        names(channels),
+        names(&named),
+        names(&left)
+    ))
 }
 
 /// Where a request's bags lie, for [`fit_sequences`].
@@ -301,10 +325,64 @@ mod tests {
         };
         r.validate(&s, LIMITS).unwrap();
         // 3 rows, 3 row positions, 3 history positions (once).
-        assert_eq!(r.tokens(&s), 3 + 3 + 3);
+        assert_eq!(r.tokens(&s, false), 3 + 3 + 3);
         assert_eq!(r.sequence_value_bytes(&s), (3 * 8 * 4, 3 * 24 * 4));
         // Without sequences: tokens are rows.
-        assert_eq!(r.tokens(&schema()), 3);
+        assert_eq!(r.tokens(&schema(), false), 3);
+    }
+
+    #[test]
+    fn a_flat_only_models_tokens_count_the_users_history_on_every_row() {
+        // Lanes that take only flat batches get the block copied into each
+        // row (KeyedBatch::into_flat): each row looks the history up.
+        let s = with_sequences(KeepEnd::Last);
+        let mut r = RequestSamples {
+            num_samples: 4,
+            dense: vec![0.5; 4],
+            lengths: vec![1, 1, 1, 0, 1, 0, 1, 2],
+            ids: vec![1, 10, 2, 3, 4, 11, 12],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![3, 3],
+                ids: vec![20, 21, 22, 30, 31, 32],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        r.validate(&s, LIMITS).unwrap();
+        // 4 rows, 3 row positions; the history's 3 positions once, or on each of the 4 rows.
+        assert_eq!(r.tokens(&s, false), 4 + 3 + 3);
+        assert_eq!(r.tokens(&s, true), 4 + 3 + 4 * 3);
+        // What the flat batch looks up: its rows, and the positions of r's
+        // first channel (cat_1) and h's (cat_2) on them.
+        let flat = crate::assemble(s.num_dense, s.num_sparse(), [&r]).into_flat();
+        let positions: i32 = [1, 2].iter().flat_map(|&f| flat.feature_lengths(f)).sum();
+        assert_eq!(flat.rows + positions as usize, r.tokens(&s, true));
+    }
+
+    #[test]
+    fn a_sequence_is_request_level_when_all_its_channels_are_not_when_none_are_and_else_refused() {
+        // h: cat_2, cat_3; r: cat_1.
+        let mut s = with_sequences(KeepEnd::Last);
+        let level = |names: &[&str], s: &ModelSchema| RequestLevel::parse(names.iter().copied(), s).unwrap();
+        let sent = |s: &ModelSchema| s.sequences.iter().map(|q| q.is_request_level(s)).collect::<Vec<_>>();
+        assert_eq!(sent(&s), [true, false], "as declared");
+        // All of r's channels and none of h's: r once per request, h per row.
+        s.set_request_level(level(&["cat_0", "cat_1", "dense"], &s)).unwrap();
+        assert_eq!(sent(&s), [false, true]);
+        assert_eq!(s.request_level.names(&s), ["cat_0", "cat_1", "dense"]);
+        s.set_request_level(level(&["none"], &s)).unwrap();
+        assert_eq!(sent(&s), [false, false]);
+        // Some of h's channels only: refused, naming the sequence and its
+        // channels, and the schema keeps what it had.
+        let before = s.clone();
+        let e = s.set_request_level(level(&["cat_2", "dense"], &s)).unwrap_err();
+        assert!(
+            e.contains("sequence \"h\" (channels cat_2, cat_3) is request-level in cat_2 but not in cat_3"),
+            "{e}"
+        );
+        assert_eq!(s, before);
+        let e = s.set_request_level(level(&["cat_3", "cat_1"], &s)).unwrap_err();
+        assert!(e.contains("request-level in cat_3 but not in cat_2"), "{e}");
     }
 
     #[test]
@@ -316,7 +394,7 @@ mod tests {
         assert!(e.contains("\"nope\""), "{e}");
         let e =
             SequenceFeature::new("h", &names(&["cat_1", "cat_2"]), 4, KeepEnd::Last, &s, &[]).unwrap_err();
-        assert!(e.contains("some of its features are request-level"), "{e}");
+        assert!(e.contains("request-level in cat_2 but not in cat_1"), "{e}");
         let e = SequenceFeature::new("g", &names(&["cat_3"]), 4, KeepEnd::Last, &s, &[ok]).unwrap_err();
         assert!(e.contains("two sequences"), "{e}");
         let e = SequenceFeature::new("h", &names(&["cat_0"]), 0, KeepEnd::Last, &s, &[]).unwrap_err();

@@ -144,7 +144,7 @@ impl EngineHandle {
                 let entry = Entry {
                     id,
                     rows: part.num_samples,
-                    tokens: part.tokens(&shared.schema),
+                    tokens: part.tokens(&shared.schema, shared.flat_only),
                     lease,
                     reply,
                     admitted,
