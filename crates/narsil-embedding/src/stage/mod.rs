@@ -210,11 +210,7 @@ impl EmbeddingStage {
         let sequences = model
             .sequences
             .iter()
-            .map(|sequence| StageSequence {
-                first: sequence.features[0],
-                width: sequence.width,
-                request_level: sequence.is_request_level(&model),
-            })
+            .map(|sequence| StageSequence { first: sequence.features[0], width: sequence.width })
             .collect();
         Self {
             tables,

@@ -94,8 +94,6 @@ pub(super) struct StageSequence {
     pub first: usize,
     /// Values per position.
     pub width: usize,
-    /// Whether it may arrive in a request block.
-    pub request_level: bool,
 }
 
 impl EmbeddingStage {
@@ -105,9 +103,11 @@ impl EmbeddingStage {
         out.resize_with(self.sequences.len(), SequenceValues::default);
         let blocks = batch.request_blocks.as_ref();
         for (sequence, values) in self.sequences.iter().zip(out.iter_mut()) {
-            let units = blocks
-                .filter(|_| sequence.request_level)
-                .and_then(|b| Some((b, b.position(sequence.first)?)));
+            // Whether it arrives once per request is the batch's blocks'
+            // to say (as for every feature the lookups pool): they hold
+            // what the engine's schema, `--request-level` applied, made
+            // request-level, all of a sequence's channels or none.
+            let units = blocks.and_then(|b| Some((b, b.position(sequence.first)?)));
             values.width = sequence.width;
             values.offsets.clear();
             values.offsets.push(0);
@@ -268,6 +268,41 @@ mod tests {
                 (scratch.sequences()[0].positions(), scratch.sequences()[0].row_unit.as_slice()),
                 (0, &[0][..])
             );
+        }
+    }
+
+    #[test]
+    fn a_history_declared_per_row_and_made_request_level_by_the_override_is_looked_up_once() {
+        // schema.json sends h on every row; `--request-level h_shared,h_own`
+        // makes the engine's schema send it once per request. The stage
+        // follows the batch's blocks, so both agree.
+        let mut split = sequence_schema();
+        split.request_level.clear();
+        split.check().unwrap();
+        let mut model = split.model_schema("torch", "cpu");
+        assert!(!model.sequences[0].is_request_level(&model), "per row as declared");
+        let level = narsil_core::RequestLevel::parse(["h_shared", "h_own"], &model).unwrap();
+        model.set_request_level(level).unwrap();
+        let mut requests = vec![grouped(&[4, 9, 9, 33, 7, 1], 3), grouped(&[12, 2], 2)];
+        for r in &mut requests {
+            r.validate(&model, LIMITS).unwrap();
+        }
+        let batch = assemble(1, 4, &requests);
+        let flat = batch.clone().into_flat();
+        let stage = EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
+        let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+        stage.pool(&flat, &mut scratch, &mut pooled).unwrap();
+        let (flat_pooled, flat_sequence) = (pooled.clone(), scratch.sequences()[0].clone());
+        stage.pool(&batch, &mut scratch, &mut pooled).unwrap();
+        assert_eq!(pooled, flat_pooled);
+        let grouped = &scratch.sequences()[0];
+        assert_eq!(grouped.positions(), 4 + 2, "each user's history once");
+        let unit = |s: &super::SequenceValues, r: usize| {
+            let u = s.row_unit[r] as usize;
+            s.values[s.offsets[u] as usize * 16..s.offsets[u + 1] as usize * 16].to_vec()
+        };
+        for r in 0..5 {
+            assert_eq!(unit(grouped, r), unit(&flat_sequence, r), "row {r}");
         }
     }
 }

@@ -67,11 +67,14 @@ impl Engine {
     /// a tokio runtime.
     pub fn start(factory: Arc<dyn BackendFactory>, config: EngineConfig) -> Result<Self, StartError> {
         config.validate()?;
+        // The override, applied here once: requests are validated against
+        // this schema, and their blocks tell the backend's stage which
+        // features (sequences whole) arrive once per request.
         let mut schema = factory.schema().clone();
         if let Some(names) = &config.request_level {
-            schema.request_level =
-                narsil_core::RequestLevel::parse(names.iter().map(String::as_str), &schema)
-                    .map_err(StartError::RequestLevel)?;
+            let level = narsil_core::RequestLevel::parse(names.iter().map(String::as_str), &schema)
+                .map_err(StartError::RequestLevel)?;
+            schema.set_request_level(level).map_err(StartError::RequestLevel)?;
         }
         let mut stats = Stats::labelled(&[("model", &schema.name), ("version", &schema.version)]);
         factory.register_metrics(stats.registry_mut());
@@ -350,6 +353,31 @@ mod tests {
         let waited = started.elapsed();
         assert!(waited < Duration::from_secs(10), "shutdown waited {waited:?} past its 200 ms limit");
         assert!(!stuck.is_finished(), "the stuck request was answered");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_override_naming_some_of_a_sequences_channels_is_refused_at_start() {
+        // History h: cat_2 and cat_3, per row as declared.
+        let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
+        let channels = ["cat_2".to_string(), "cat_3".to_string()];
+        let h = narsil_core::SequenceFeature::new("h", &channels, 8, Default::default(), &schema, &[]).unwrap();
+        schema.sequences = vec![h];
+        let start = |names: &[&str]| {
+            let config = EngineConfig {
+                request_level: Some(names.iter().map(|n| n.to_string()).collect()),
+                ..config(false)
+            };
+            Engine::start(Arc::new(Factory(schema.clone())), config)
+        };
+        let Err(StartError::RequestLevel(e)) = start(&["cat_0", "cat_2", "dense"]) else {
+            panic!("a mixed override started")
+        };
+        assert!(e.contains("sequence \"h\" (channels cat_2, cat_3) is request-level in cat_2 but not in cat_3"), "{e}");
+        // All of its channels: the history arrives once per request.
+        let engine = start(&["cat_0", "cat_2", "cat_3", "dense"]).unwrap();
+        let served = engine.handle().schema().clone();
+        assert!(served.sequences[0].is_request_level(&served));
+        assert!(engine.shutdown_within(Duration::from_secs(20)).await);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
