@@ -169,6 +169,12 @@ async fn scores_as_torchrec_and_grouped_as_flat(
     dir: &Path,
 ) -> TestServer {
     let server = start_with(factory, batch_mode(1, 16)).await.ready().await;
+    served_scores_as_torchrec_and_grouped_as_flat(server, what, dir).await
+}
+
+/// [`scores_as_torchrec_and_grouped_as_flat`] on a server already started
+/// (its history request-level).
+async fn served_scores_as_torchrec_and_grouped_as_flat(server: TestServer, what: &str, dir: &Path) -> TestServer {
     let mut client = server.client().await;
     let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!(info.sequences.len(), 1, "{what}: ModelInfo lists the history");
@@ -537,4 +543,91 @@ async fn never_seen_history_ids(model: &Path) {
     assert!(unmapped >= never_seen as f64, "{unmapped} unmapped ids counted, {never_seen} sent");
     plain.stop().await.unwrap();
     with_maps.stop().await.unwrap();
+}
+
+/// A copy of the DIN model's split form in `to` whose schema.json sends
+/// the history on every row (its user features and dense ones stay
+/// request-level).
+fn din_with_the_history_per_row(to: &Path) {
+    copy_dir(&din_dir().join("split"), to);
+    let path = to.join("schema.json");
+    let mut schema: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let level = schema["request_level"].as_array_mut().unwrap();
+    level.retain(|name| !name.as_str().unwrap().starts_with("hist_"));
+    assert_eq!(level.len(), 4, "user_0..2 and dense left: {level:?}");
+    std::fs::write(&path, schema.to_string()).unwrap();
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        match entry.file_type().unwrap().is_dir() {
+            true => copy_dir(&entry.path(), &to.join(entry.file_name())),
+            false => drop(std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap()),
+        }
+    }
+}
+
+/// DIN's request-level features, its history's channels among them.
+const DIN_REQUEST_LEVEL: [&str; 6] = ["user_0", "user_1", "user_2", "hist_item", "hist_cat", "dense"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_history_schema_json_sends_per_row_made_request_level_by_the_override_scores_grouped_as_flat() {
+    // The engine validates against the override and the stage lays out what
+    // each batch's blocks hold: the history once per request, as the
+    // network takes any unit (row_unit), never sliced past its buffer.
+    let split = tempfile::tempdir().unwrap();
+    din_with_the_history_per_row(split.path());
+    let factory = Arc::new(SplitFactory::load(TorchConfig::new(split.path())).unwrap());
+    assert!(!factory.schema().sequences[0].is_request_level(factory.schema()), "per row in schema.json");
+    let names = DIN_REQUEST_LEVEL.iter().map(|n| n.to_string()).collect();
+    let config = narsil_engine::EngineConfig { request_level: Some(names), ..batch_mode(1, 16) };
+    let server = start_with(factory, config).await.ready().await;
+    let what = "history per row in schema.json, request-level by --request-level";
+    let server = served_scores_as_torchrec_and_grouped_as_flat(server, what, &din_dir()).await;
+    assert!(server.engine.is_healthy(), "no batch failed");
+    server.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_override_naming_one_channel_of_a_history_fails_the_load_naming_the_sequence_and_its_channels() {
+    let mixed = ["user_0", "user_1", "user_2", "hist_item", "dense"];
+    let expected = "sequence \"history\" (channels hist_item, hist_cat) is request-level in hist_item but not in hist_cat";
+    // A --model server: it does not start.
+    let factory = Arc::new(SplitFactory::load(split_config(&din_dir())).unwrap());
+    let config = narsil_engine::EngineConfig {
+        request_level: Some(mixed.iter().map(|n| n.to_string()).collect()),
+        ..batch_mode(1, 16)
+    };
+    let Err(error) = narsil::server::Server::start(common::listen(true), factory, config).await else {
+        panic!("a server whose override splits the history's channels started");
+    };
+    let error = format!("{error:#}");
+    assert!(error.contains("--request-level") && error.contains(expected), "{error}");
+    // A repository: that model's load fails, saying so; the other serves.
+    let repo = tempfile::tempdir().unwrap();
+    for model in ["din", "din_as_declared"] {
+        copy_dir(&din_dir().join("split"), &repo.path().join(model).join("1"));
+    }
+    let form: narsil::flags::request_level::RequestLevelForm = format!("din:{}", mixed.join(",")).parse().unwrap();
+    let server = common::RepoServer::start(repo.path(), "secret", |args| args.request_level = vec![form]).await;
+    let settled = |list: &[narsil::lifecycle::registry::ModelStatus]| {
+        list.len() == 2 && list.iter().all(|m| !m.versions.is_empty() && m.versions.iter().all(|v| v.state != "LOADING"))
+    };
+    common::wait_until("both models loaded or failed", Duration::from_secs(120), || {
+        settled(&server.models.list())
+    })
+    .await;
+    let list = server.models.list();
+    let version = |model: &str| list.iter().find(|m| m.name == model).unwrap().versions[0].clone();
+    let din = version("din");
+    assert_eq!(din.state, "FAILED", "{list:#?}");
+    let error = din.error.unwrap_or_default();
+    assert!(
+        error.contains(&format!("--request-level din:{}: for model din", mixed.join(","))) && error.contains(expected),
+        "{error}"
+    );
+    assert_eq!(version("din_as_declared").state, "READY", "{list:#?}");
+    server.stop().await;
 }

@@ -247,7 +247,9 @@ pub struct ServeArgs {
     /// several models (the variable: forms separated by `;`); a repository
     /// takes MODEL:NAMES only. Replaces what that model declares (its
     /// `schema.json` or `model.json` `request_level`); a model no form
-    /// names keeps its own.
+    /// names keeps its own. A sequence is request-level when NAMES lists
+    /// all its channels, per row when none: listing some only fails that
+    /// model's load, naming the sequence and its channels.
     #[arg(long, env = "NARSIL_REQUEST_LEVEL", value_delimiter = ';', value_name = "[MODEL:]NAMES")]
     pub request_level: Vec<RequestLevelForm>,
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use narsil_core::{BackendError, BackendFactory, ModelBackend, ModelSchema};
-use narsil_engine::{Engine, EngineConfig};
+use narsil_engine::{Engine, EngineConfig, StartError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::loader::LoadOptions;
@@ -283,12 +283,7 @@ impl Watcher {
                 .map_err(|difference| format!("does not match the served schema: {difference}"))?;
         }
         let mut config = self.source.engine.clone();
-        if let Some(names) = self.source.request_level.get(model) {
-            narsil_core::RequestLevel::parse(names.iter().map(String::as_str), &schema).map_err(|e| {
-                format!("--request-level {model}:{}: for model {model}, {e}", names.join(","))
-            })?;
-            config.request_level = Some(names.clone());
-        }
+        config.request_level = self.source.request_level.get(model).cloned();
         let factory = Arc::new(VersionedFactory { inner, schema, _files: files });
         // The logged pushes, before the lanes start: most of them now, the
         // rest (logged meanwhile) once warm, under the push lock.
@@ -300,7 +295,15 @@ impl Watcher {
             })
             .await??
         };
-        let engine = Engine::start(factory, config).map_err(|e| format!("{e:#}"))?;
+        // The engine applies this model's --request-level form (refusing
+        // names it lacks, or a sequence's channels split): said with the form.
+        let form = config.request_level.clone();
+        let engine = Engine::start(factory, config).map_err(|e| match (e, &form) {
+            (StartError::RequestLevel(e), Some(names)) => {
+                format!("--request-level {model}:{}: for model {model}, {e}", names.join(","))
+            }
+            (e, _) => format!("{e:#}"),
+        })?;
         if let Err(failure) = engine.handle().wait_ready().await {
             engine.shutdown().await;
             return Err(narsil_core::error_chain(&failure));
