@@ -174,7 +174,11 @@ async fn scores_as_torchrec_and_grouped_as_flat(
 
 /// [`scores_as_torchrec_and_grouped_as_flat`] on a server already started
 /// (its history request-level).
-async fn served_scores_as_torchrec_and_grouped_as_flat(server: TestServer, what: &str, dir: &Path) -> TestServer {
+async fn served_scores_as_torchrec_and_grouped_as_flat(
+    server: TestServer,
+    what: &str,
+    dir: &Path,
+) -> TestServer {
     let mut client = server.client().await;
     let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
     assert_eq!(info.sequences.len(), 1, "{what}: ModelInfo lists the history");
@@ -551,7 +555,8 @@ async fn never_seen_history_ids(model: &Path) {
 fn din_with_the_history_per_row(to: &Path) {
     copy_dir(&din_dir().join("split"), to);
     let path = to.join("schema.json");
-    let mut schema: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut schema: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let level = schema["request_level"].as_array_mut().unwrap();
     level.retain(|name| !name.as_str().unwrap().starts_with("hist_"));
     assert_eq!(level.len(), 4, "user_0..2 and dense left: {level:?}");
@@ -610,10 +615,13 @@ async fn an_override_naming_one_channel_of_a_history_fails_the_load_naming_the_s
     for model in ["din", "din_as_declared"] {
         copy_dir(&din_dir().join("split"), &repo.path().join(model).join("1"));
     }
-    let form: narsil::flags::request_level::RequestLevelForm = format!("din:{}", mixed.join(",")).parse().unwrap();
-    let server = common::RepoServer::start(repo.path(), "secret", |args| args.request_level = vec![form]).await;
+    let form: narsil::flags::request_level::RequestLevelForm =
+        format!("din:{}", mixed.join(",")).parse().unwrap();
+    let server =
+        common::RepoServer::start(repo.path(), "secret", |args| args.request_level = vec![form]).await;
     let settled = |list: &[narsil::lifecycle::registry::ModelStatus]| {
-        list.len() == 2 && list.iter().all(|m| !m.versions.is_empty() && m.versions.iter().all(|v| v.state != "LOADING"))
+        list.len() == 2
+            && list.iter().all(|m| !m.versions.is_empty() && m.versions.iter().all(|v| v.state != "LOADING"))
     };
     common::wait_until("both models loaded or failed", Duration::from_secs(120), || {
         settled(&server.models.list())
@@ -625,7 +633,8 @@ async fn an_override_naming_one_channel_of_a_history_fails_the_load_naming_the_s
     assert_eq!(din.state, "FAILED", "{list:#?}");
     let error = din.error.unwrap_or_default();
     assert!(
-        error.contains(&format!("--request-level din:{}: for model din", mixed.join(","))) && error.contains(expected),
+        error.contains(&format!("--request-level din:{}: for model din", mixed.join(",")))
+            && error.contains(expected),
         "{error}"
     );
     assert_eq!(version("din_as_declared").state, "READY", "{list:#?}");

@@ -111,7 +111,8 @@ pub struct ServeArgs {
     pub max_batch_rows: usize,
     /// Models with sequence features: most tokens fused into one forward,
     /// rows plus the sequence positions they look up (a ranking request's
-    /// history counted once). Longer histories seal batches sooner, keeping
+    /// history counted once, or on every row where the model's lanes take
+    /// only flat batches, which copy it there). Longer histories seal batches sooner, keeping
     /// a forward's work bounded; a request over it runs alone. (On one Zen
     /// 4 core, a DIN ranker served 500-candidate requests fastest one per
     /// forward: fused ones cost more per candidate.)

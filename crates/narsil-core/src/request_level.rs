@@ -169,7 +169,11 @@ impl RequestBlock {
             return Ok(0);
         }
         let level = &schema.request_level.features;
-        let bag = |_: usize, f: usize| level.binary_search(&f).expect("a request-level sequence's feature");
+        let bag = |_: usize, f: usize| {
+            level
+                .binary_search(&f)
+                .expect("a request-level sequence's channels are all request-level (sequence::sent_once)")
+        };
         let feature = |k: usize| level[k];
         let place = |_: usize| "the request block".to_string();
         let bags = BagLayout {

@@ -289,7 +289,8 @@ mod tests {
         }
         let batch = assemble(1, 4, &requests);
         let flat = batch.clone().into_flat();
-        let stage = EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
+        let stage =
+            EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
         let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
         stage.pool(&flat, &mut scratch, &mut pooled).unwrap();
         let (flat_pooled, flat_sequence) = (pooled.clone(), scratch.sequences()[0].clone());

@@ -360,7 +360,8 @@ mod tests {
         // History h: cat_2 and cat_3, per row as declared.
         let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
         let channels = ["cat_2".to_string(), "cat_3".to_string()];
-        let h = narsil_core::SequenceFeature::new("h", &channels, 8, Default::default(), &schema, &[]).unwrap();
+        let h =
+            narsil_core::SequenceFeature::new("h", &channels, 8, Default::default(), &schema, &[]).unwrap();
         schema.sequences = vec![h];
         let start = |names: &[&str]| {
             let config = EngineConfig {
@@ -372,7 +373,10 @@ mod tests {
         let Err(StartError::RequestLevel(e)) = start(&["cat_0", "cat_2", "dense"]) else {
             panic!("a mixed override started")
         };
-        assert!(e.contains("sequence \"h\" (channels cat_2, cat_3) is request-level in cat_2 but not in cat_3"), "{e}");
+        assert!(
+            e.contains("sequence \"h\" (channels cat_2, cat_3) is request-level in cat_2 but not in cat_3"),
+            "{e}"
+        );
         // All of its channels: the history arrives once per request.
         let engine = start(&["cat_0", "cat_2", "cat_3", "dense"]).unwrap();
         let served = engine.handle().schema().clone();
