@@ -22,6 +22,13 @@
 //! eager forward (its candidates appended to its history in one sequence)
 //! within 1e-6 here (1e-5 is the stated bound; the export measures about
 //! 3e-7), alone, with N others and fused with other users'.
+//!
+//! `--request-level` against sequences: a history each model's schema.json
+//! sends per row, made request-level by the override, scores as above
+//! (DIN and HSTU); an override naming one of the history's channels and
+//! not the other fails the load, naming the sequence and its channels (a
+//! `--model` server does not start; in a repository that model is FAILED
+//! and the other serves).
 #![cfg(feature = "torch")]
 
 mod common;
@@ -549,18 +556,20 @@ async fn never_seen_history_ids(model: &Path) {
     with_maps.stop().await.unwrap();
 }
 
-/// A copy of the DIN model's split form in `to` whose schema.json sends
-/// the history on every row (its user features and dense ones stay
-/// request-level).
-fn din_with_the_history_per_row(to: &Path) {
-    copy_dir(&din_dir().join("split"), to);
+/// A copy of the split form of the model in `dir` in `to` whose
+/// schema.json sends the history on every row (its other request-level
+/// features stay so); returns what the export declares request-level.
+fn with_the_history_per_row(dir: &Path, to: &Path) -> Vec<String> {
+    copy_dir(&dir.join("split"), to);
     let path = to.join("schema.json");
     let mut schema: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let level = schema["request_level"].as_array_mut().unwrap();
+    let declared: Vec<String> = level.iter().map(|n| n.as_str().unwrap().to_string()).collect();
     level.retain(|name| !name.as_str().unwrap().starts_with("hist_"));
-    assert_eq!(level.len(), 4, "user_0..2 and dense left: {level:?}");
+    assert!(level.len() < declared.len(), "the export declares its history request-level: {declared:?}");
     std::fs::write(&path, schema.to_string()).unwrap();
+    declared
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -574,25 +583,24 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// DIN's request-level features, its history's channels among them.
-const DIN_REQUEST_LEVEL: [&str; 6] = ["user_0", "user_1", "user_2", "hist_item", "hist_cat", "dense"];
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_history_schema_json_sends_per_row_made_request_level_by_the_override_scores_grouped_as_flat() {
     // The engine validates against the override and the stage lays out what
-    // each batch's blocks hold: the history once per request, as the
-    // network takes any unit (row_unit), never sliced past its buffer.
-    let split = tempfile::tempdir().unwrap();
-    din_with_the_history_per_row(split.path());
-    let factory = Arc::new(SplitFactory::load(TorchConfig::new(split.path())).unwrap());
-    assert!(!factory.schema().sequences[0].is_request_level(factory.schema()), "per row in schema.json");
-    let names = DIN_REQUEST_LEVEL.iter().map(|n| n.to_string()).collect();
-    let config = narsil_engine::EngineConfig { request_level: Some(names), ..batch_mode(1, 16) };
-    let server = start_with(factory, config).await.ready().await;
-    let what = "history per row in schema.json, request-level by --request-level";
-    let server = served_scores_as_torchrec_and_grouped_as_flat(server, what, &din_dir()).await;
-    assert!(server.engine.is_healthy(), "no batch failed");
-    server.stop().await.unwrap();
+    // each batch's blocks hold: the history once per request, which DIN's
+    // and HSTU's networks take as any unit (row_unit), never sliced past
+    // its buffer.
+    for (dir, model) in [(din_dir(), "DIN"), (hstu_dir(), "HSTU")] {
+        let split = tempfile::tempdir().unwrap();
+        let declared = with_the_history_per_row(&dir, split.path());
+        let factory = Arc::new(SplitFactory::load(TorchConfig::new(split.path())).unwrap());
+        assert!(!factory.schema().sequences[0].is_request_level(factory.schema()), "{model}: per row");
+        let config = narsil_engine::EngineConfig { request_level: Some(declared), ..batch_mode(1, 16) };
+        let server = start_with(factory, config).await.ready().await;
+        let what = format!("{model}: history per row in schema.json, request-level by --request-level");
+        let server = served_scores_as_torchrec_and_grouped_as_flat(server, &what, &dir).await;
+        assert!(server.engine.is_healthy(), "{what}: no batch failed");
+        server.stop().await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
