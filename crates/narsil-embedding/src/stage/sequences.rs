@@ -3,7 +3,10 @@
 //! after unit as jagged values with per-unit offsets, and for each row the
 //! unit it attends to. A grouped request's rows share one unit per
 //! distinct request block (the user's history looked up once, never tiled
-//! per candidate); a flat row is a unit of its own.
+//! per candidate); a flat row is a unit of its own. Whether a sequence
+//! arrives in a block is the block's to say (its features, set by the
+//! engine's schema with `--request-level` applied), not `schema.json`'s:
+//! the engine and the stage follow one declaration.
 //!
 //! Units are laid out as the batch's rows first (row `r` is unit `r`; a
 //! grouped row's own bag of a request-level sequence is empty), then the
