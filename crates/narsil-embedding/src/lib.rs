@@ -57,3 +57,49 @@ pub use stores::registry::STORE_KINDS;
 pub use stores::row_store::{FetchError, Fetched, MissingRows, RowStore};
 pub use stores::table_error::TableError;
 pub use stores::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+
+/// (tests only) Counts this thread's heap allocations, for tests that a
+/// step allocates nothing per bag or id.
+#[cfg(test)]
+pub(crate) mod counted_allocations {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    struct Counting;
+
+    thread_local! {
+        static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    // SAFETY: every call is passed to the system allocator unchanged; the
+    // count is a thread-local `Cell` of constant initialisation (no
+    // allocation, no destructor), read where it can be.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// How many allocations (and reallocations) `f` made on this thread.
+    pub(crate) fn during(f: impl FnOnce()) -> u64 {
+        let before = ALLOCATIONS.with(Cell::get);
+        f();
+        ALLOCATIONS.with(Cell::get) - before
+    }
+}

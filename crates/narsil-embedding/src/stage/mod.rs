@@ -240,6 +240,7 @@ impl EmbeddingStage {
         let (stores, opened) = store.open(dir, schema)?;
         let mut stage = Self::over_stores(dir, schema, stores)?;
         stage.lay_out_mapped_tables();
+        stage.hashed_maps_onto_huge_pages();
         Ok((stage, opened))
     }
 
@@ -250,7 +251,7 @@ impl EmbeddingStage {
         schema: &SplitSchema,
         stores: Vec<Arc<dyn RowStore>>,
     ) -> Result<Self, TableError> {
-        let maps = open_id_maps(dir, schema, &stores)?;
+        let maps = open_id_maps(dir, schema)?;
         Ok(Self::with_id_maps(schema, stores, maps))
     }
 
