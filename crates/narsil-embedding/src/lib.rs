@@ -14,7 +14,7 @@
 //! * [`id_map`]: a table's map of raw 64-bit ids to rows (the file
 //!   format, its checks, lookups, and the writer the exporters and `narsil
 //!   tables map` share).
-//! * [`layout`]: the slot index that finds each id's row in a table laid out
+//! * [`popularity_order`]: the slot index that finds each id's row in a table laid out
 //!   in popularity order (the files are written by `narsil tables order`).
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
 //!   each row once saves).
@@ -31,10 +31,10 @@
 
 pub mod dedup;
 pub mod id_map;
-pub mod layout;
 pub mod metrics;
 pub mod pool;
 pub mod pooled_value;
+pub mod popularity_order;
 pub mod schema;
 pub mod sha256;
 pub mod stage;
@@ -42,15 +42,15 @@ pub mod stores;
 
 pub use dedup::{DistinctIds, IdCount};
 pub use id_map::{IdMap, IdMapError};
-pub use layout::{SlotIndex, SlotIndexError};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use pooled_value::{Bf16, PooledValue};
+pub use popularity_order::{SlotIndex, SlotIndexError};
 pub use schema::{
     DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
     Storage, TableIds, TableSpec, UserOnceSpec,
 };
-pub use stage::{EmbeddingStage, SequenceValues, StageError, StageScratch};
+pub use stage::{held, EmbeddingStage, Held, SequenceValues, StageError, StageScratch};
 pub use stores::local::table::{LocalRows, Table};
 pub use stores::redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
 pub use stores::registry::STORE_KINDS;

@@ -10,8 +10,8 @@ use std::time::Instant;
 use narsil_core::{assemble, DependencyWatcher, KeyedBatch, RequestSamples};
 
 use super::{EmbeddingStage, StageScratch};
-use crate::layout::SlotIndex;
 use crate::pooled_value::Bf16;
+use crate::popularity_order::SlotIndex;
 use crate::schema::{FeatureSpec, PoolingMode, SplitSchema, Storage, TableSpec};
 use crate::stores::local::table::Table;
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
