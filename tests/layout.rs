@@ -425,3 +425,82 @@ fn every_protocol_that_declares_itself_is_in_the_protocol_table() {
     let missing: Vec<_> = declared.iter().filter(|m| !table.contains(&format!("{m}::SERVED"))).collect();
     assert!(missing.is_empty(), "protocols declaring SERVED but not in protocols::PROTOCOLS: {missing:?}");
 }
+
+/// The paths a doc names in backticks: those under a top-level folder of
+/// the repository (`src/...`, `crates/...`; not `models/generated/...`,
+/// which exports write), with `{a,b}` expanded, and bare file names
+/// (`queue.rs`), which some file of the repository has.
+fn named_paths(text: &str) -> (Vec<String>, Vec<String>) {
+    const ROOTS: [&str; 9] =
+        ["src/", "crates/", "models/", "scripts/", "benchmarks/", "tests/", "proto/", "examples/", "docs/"];
+    let (mut paths, mut names) = (Vec::new(), Vec::new());
+    for (i, quoted) in text.split('`').enumerate() {
+        let quoted = quoted.trim_end_matches(['.', ',']);
+        // Not code, a command line, a pattern, or what an export writes.
+        if i % 2 == 0 || quoted.contains([' ', '\n', '*', '<', '$']) || quoted.starts_with("models/generated")
+        {
+            continue;
+        }
+        if ROOTS.iter().any(|root| quoted.starts_with(root)) {
+            let expanded = match (quoted.find('{'), quoted.find('}')) {
+                (Some(open), Some(close)) if open < close => quoted[open + 1..close]
+                    .split(',')
+                    .map(|part| format!("{}{}{}", &quoted[..open], part.trim(), &quoted[close + 1..]))
+                    .collect(),
+                _ => vec![quoted.to_string()],
+            };
+            paths.extend(expanded);
+        } else if !quoted.contains('/') && [".rs", ".py", ".sh"].iter().any(|ext| quoted.ends_with(ext)) {
+            names.push(quoted.to_string());
+        }
+    }
+    (paths, names)
+}
+
+fn file_names(dir: &Path, found: &mut BTreeSet<String>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        if path.is_dir() && !["target", ".git", ".venv", "generated"].contains(&name.as_str()) {
+            file_names(&path, found);
+        } else {
+            found.insert(name);
+        }
+    }
+}
+
+fn markdown_files(dir: &Path, found: &mut Vec<std::path::PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            markdown_files(&path, found);
+        } else if path.extension().is_some_and(|e| e == "md") {
+            found.push(path);
+        }
+    }
+}
+
+#[test]
+fn every_source_path_the_docs_name_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut names_here = BTreeSet::new();
+    file_names(root, &mut names_here);
+    let mut missing = Vec::new();
+    let mut docs = Vec::new();
+    markdown_files(&root.join("docs"), &mut docs);
+    for doc in docs {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        let (paths, names) = named_paths(&text);
+        let doc = doc.strip_prefix(root).unwrap().display().to_string();
+        missing.extend(paths.iter().filter(|p| !root.join(p).exists()).map(|p| format!("{doc}: {p}")));
+        missing.extend(names.iter().filter(|n| !names_here.contains(*n)).map(|n| format!("{doc}: {n}")));
+    }
+    assert!(missing.is_empty(), "named in docs/ but not in the repository:\n{}", missing.join("\n"));
+}
+
+#[test]
+fn the_docs_check_reads_paths_braces_and_bare_names() {
+    let (paths, names) = named_paths("a `src/x/{a,b}.rs` and `crates/c/` then `queue.rs`, `not code` `a/b`.");
+    assert_eq!(paths, ["src/x/a.rs", "src/x/b.rs", "crates/c/"]);
+    assert_eq!(names, ["queue.rs"]);
+}

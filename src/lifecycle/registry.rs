@@ -480,7 +480,7 @@ impl ModelRegistry {
                 self.metrics.versions.get_or_create(&labels(&[("model", name), ("state", &state)])).inc();
             }
         }
-        let held = narsil_embedding::stores::local::shared::held();
+        let held = narsil_embedding::held();
         self.metrics.tables_held.set(held.tables as i64);
         self.metrics.table_bytes_held.set(held.bytes as i64);
         let mut own = String::new();

@@ -148,16 +148,26 @@ impl RequestBlock {
         Ok(truncated)
     }
 
-    /// A hash of its dense values, lengths, ids and weights (FxHash's
-    /// mix, a word at a time: a collision only costs fusing a comparison).
+    /// A hash of its dense values, lengths, ids and weights, keyed by this
+    /// process's secret key (SipHash-1-3, std's `RandomState`): a client
+    /// cannot choose blocks whose digests collide, so fusing compares few
+    /// blocks whole (an unkeyed mix can be made to collide for any seed:
+    /// flipping an id's top bit and the next id's bit 4 cancels in
+    /// FxHash's rotate-xor-multiply). A collision still only costs a
+    /// comparison.
     fn hash_values(&self) -> u64 {
-        const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
-        let mix = |hash: u64, word: u64| (hash.rotate_left(5) ^ word).wrapping_mul(SEED);
-        let mut hash = mix(0, self.ids.len() as u64);
-        hash = self.dense.iter().fold(hash, |h, v| mix(h, u64::from(v.to_bits())));
-        hash = self.lengths.iter().fold(hash, |h, &l| mix(h, u64::from(l)));
-        hash = self.ids.iter().fold(hash, |h, &id| mix(h, id as u64));
-        self.weights.iter().fold(hash, |h, w| mix(h, u64::from(w.to_bits())))
+        use std::hash::{BuildHasher, Hash, Hasher};
+        static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
+        let mut hasher = KEY.get_or_init(Default::default).build_hasher();
+        let mut floats = |values: &[f32]| {
+            hasher.write_usize(values.len());
+            values.iter().for_each(|v| hasher.write_u32(v.to_bits()));
+        };
+        floats(&self.dense);
+        floats(&self.weights);
+        self.lengths.hash(&mut hasher);
+        self.ids.hash(&mut hasher);
+        hasher.finish()
     }
 
     /// Checks its sequences' alignment and cuts those longer than their
@@ -385,6 +395,22 @@ mod tests {
         let mut huge = grouped();
         huge.num_samples = usize::MAX;
         assert_eq!(huge.fused_growth_bytes(true), usize::MAX, "saturates");
+    }
+
+    #[test]
+    fn blocks_crafted_to_collide_under_an_unkeyed_mix_get_different_digests_on_every_thread_alike() {
+        // Raw ids (a mapped table's) differing in one id's top bit and the
+        // next id's bit 4: FxHash's rotate-xor-multiply gives both the same
+        // hash whatever its seed.
+        fn block(ids: Vec<i64>) -> RequestBlock {
+            RequestBlock { lengths: vec![ids.len() as u32], ids, ..Default::default() }
+        }
+        let (a, b) = (block(vec![5, 9, 77]), block(vec![5 ^ i64::MIN, 9 ^ 16, 77]));
+        assert_ne!(a.hash_values(), b.hash_values());
+        // One key for the process: equal blocks get equal digests on any thread.
+        let on_another_thread = std::thread::spawn(|| block(vec![5, 9, 77]).hash_values()).join().unwrap();
+        assert_eq!(a.hash_values(), on_another_thread);
+        assert_ne!(a.hash_values(), block(vec![5, 9, 78]).hash_values());
     }
 
     #[test]

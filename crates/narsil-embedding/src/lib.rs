@@ -14,7 +14,7 @@
 //! * [`id_map`]: a table's map of raw 64-bit ids to rows (the file
 //!   format, its checks, lookups, and the writer the exporters and `narsil
 //!   tables map` share).
-//! * [`layout`]: the slot index that finds each id's row in a table laid out
+//! * [`popularity_order`]: the slot index that finds each id's row in a table laid out
 //!   in popularity order (the files are written by `narsil tables order`).
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
 //!   each row once saves).
@@ -31,10 +31,10 @@
 
 pub mod dedup;
 pub mod id_map;
-pub mod layout;
 pub mod metrics;
 pub mod pool;
 pub mod pooled_value;
+pub mod popularity_order;
 pub mod schema;
 pub mod sha256;
 pub mod stage;
@@ -42,18 +42,64 @@ pub mod stores;
 
 pub use dedup::{DistinctIds, IdCount};
 pub use id_map::{IdMap, IdMapError};
-pub use layout::{SlotIndex, SlotIndexError};
 pub use metrics::StageMetrics;
 pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use pooled_value::{Bf16, PooledValue};
+pub use popularity_order::{SlotIndex, SlotIndexError};
 pub use schema::{
     DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
     Storage, TableIds, TableSpec, UserOnceSpec,
 };
-pub use stage::{EmbeddingStage, SequenceValues, StageError, StageScratch};
+pub use stage::{held, EmbeddingStage, Held, SequenceValues, StageError, StageScratch};
 pub use stores::local::table::{LocalRows, Table};
 pub use stores::redis::{RedisCluster, RedisRows, RedisSeeds, RedisStoreConfig};
 pub use stores::registry::STORE_KINDS;
 pub use stores::row_store::{FetchError, Fetched, MissingRows, RowStore};
 pub use stores::table_error::TableError;
 pub use stores::table_store::{OpenedTables, StoreConfig, StoreFlags, StoreKind, TableStore};
+
+/// (tests only) Counts this thread's heap allocations, for tests that a
+/// step allocates nothing per bag or id.
+#[cfg(test)]
+pub(crate) mod counted_allocations {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::cell::Cell;
+
+    struct Counting;
+
+    thread_local! {
+        static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+    }
+
+    // SAFETY: every call is passed to the system allocator unchanged; the
+    // count is a thread-local `Cell` of constant initialisation (no
+    // allocation, no destructor), read where it can be.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.alloc(layout) }
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.realloc(ptr, layout, new_size) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// How many allocations (and reallocations) `f` made on this thread.
+    pub(crate) fn during(f: impl FnOnce()) -> u64 {
+        let before = ALLOCATIONS.with(Cell::get);
+        f();
+        ALLOCATIONS.with(Cell::get) - before
+    }
+}

@@ -58,8 +58,18 @@ pub fn pool_rows<T: PooledValue>(
         Storage::Int8Rowwise => kernel(),
         Storage::Fp32 => accumulate_fp32,
     };
-    // A bag summed apart from the block (bf16) is summed here.
-    let mut acc = vec![0.0f32; if T::SUMMED_APART { dim } else { 0 }];
+    // A bag summed apart from the block (bf16) is summed here: on the stack
+    // for any width tables have (pool_rows runs once per re-pooled bag of
+    // a laid-out table: no allocation per call).
+    let (mut on_stack, mut on_heap) = ([0.0f32; ACC_ON_STACK], Vec::new());
+    let acc: &mut [f32] = match (T::SUMMED_APART, dim <= ACC_ON_STACK) {
+        (false, _) => &mut [],
+        (true, true) => &mut on_stack[..dim],
+        (true, false) => {
+            on_heap.resize(dim, 0.0);
+            &mut on_heap
+        }
+    };
     let mut start = 0;
     // Rows are read at random: ask for the rows PREFETCH_IDS ids ahead
     // while this bag's are summed, as FBGEMM's lookup does.
@@ -73,7 +83,7 @@ pub fn pool_rows<T: PooledValue>(
         }
         prefetched = prefetched.max(ahead);
         let bag_weights = pooling.weights.map(|w| &w[start..end]);
-        T::store_bag(&mut out[bag * stride..bag * stride + dim], &mut acc, |acc| {
+        T::store_bag(&mut out[bag * stride..bag * stride + dim], acc, |acc| {
             // SAFETY: every id was checked above to be a row of `table`,
             // the assert above holds that a row has room for its values
             // (`dim == acc.len()`), and `kernel()` chose a kernel this CPU
@@ -88,6 +98,9 @@ pub fn pool_rows<T: PooledValue>(
     }
     Ok(())
 }
+
+/// The widest bag summed apart on the stack (2 KiB); wider ones on the heap.
+const ACC_ON_STACK: usize = 512;
 
 /// How far ahead of the bag being pooled rows are prefetched, in ids.
 const PREFETCH_IDS: usize = 16;

@@ -1,5 +1,5 @@
 //! `narsil tables order`: writes a copy of a split model whose tables are
-//! laid out in popularity order ([`narsil_embedding::layout`]) from an id
+//! laid out in popularity order ([`narsil_embedding::popularity_order`]) from an id
 //! log, each with the slot index that finds an id's row. The copy serves
 //! the same scores from every store; on `mmap` and `disk` its hot rows
 //! share pages and blocks. How the order is computed and written is

@@ -193,6 +193,19 @@ impl IdMap {
         Self { bytes: self.bytes.onto_huge_pages(), ..self }
     }
 
+    /// [`Self::onto_huge_pages`] in place: whether it is on huge pages now.
+    pub fn move_onto_huge_pages(&mut self) -> bool {
+        let bytes = std::mem::replace(&mut self.bytes, Bytes::Owned(Vec::new()));
+        self.bytes = bytes.onto_huge_pages();
+        self.on_huge_pages()
+    }
+
+    /// Whether its bytes are on huge pages of their own (else on the heap
+    /// or mapped from its file).
+    pub fn on_huge_pages(&self) -> bool {
+        matches!(self.bytes, Bytes::Huge(_))
+    }
+
     fn checked(bytes: Bytes, rows: u64) -> Result<Self, IdMapError> {
         if bytes.len() < HEADER_BYTES || &bytes[..16] != MAGIC {
             return Err(invalid("not a Narsil id map (its first bytes are not NARSIL-IDMAP-1)"));

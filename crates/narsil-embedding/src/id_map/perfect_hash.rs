@@ -20,7 +20,7 @@
 //! alike.
 
 use super::fmix64;
-use crate::stores::local::huge_pages::{huge_pages_wanted, HugePageRows};
+use crate::stores::local::huge_pages::{huge_pages_wanted, HugePageRows, HUGE_PAGE};
 
 /// Ids per bucket, on average.
 const IDS_PER_BUCKET: u64 = 4;
@@ -32,6 +32,14 @@ const DENSE_IDS: u64 = (u64::MAX / 10) * 6;
 const DENSE_BUCKETS: u64 = 3;
 /// Seeds tried before giving up (each a fresh construction).
 const ATTEMPTS: u64 = 4;
+/// Pilots of at least this many bytes go on a huge page of their own: an
+/// eighth of one (maps of about 500k ids and more; 1M ids have 0.5 MB).
+/// There a lookup's pilot read would touch one of a hundred or more 4 KiB
+/// pages, and the page's rounding (at most 1.75 MiB) is small beside the
+/// table of as many rows. Smaller pilots sit in a few dozen 4 KiB pages
+/// whose TLB entries stay warm: a whole 2 MiB page for them would cost
+/// more than it brings.
+const PILOTS_WORTH_A_HUGE_PAGE: usize = HUGE_PAGE / 8;
 
 /// `x` scaled into `0..n` (Lemire's multiply-shift).
 #[inline(always)]
@@ -242,17 +250,27 @@ impl PerfectHash {
     }
 
     /// This hash with its pilots on a huge page of their own, where huge
-    /// pages are wanted and can be had ([`crate::stores::local::huge_pages`];
-    /// up to 2 MiB for a few hundred KiB of pilots: a lookup then takes no
-    /// page walk for them).
+    /// pages are wanted and can be had ([`crate::stores::local::huge_pages`])
+    /// and the pilots are worth one ([`PILOTS_WORTH_A_HUGE_PAGE`]: up to
+    /// 2 MiB for a few hundred KiB of pilots, and a lookup then takes no
+    /// page walk for them); else as it is.
     pub fn onto_huge_pages(mut self) -> Self {
-        if let (true, Pilots::Heap(pilots)) = (huge_pages_wanted(), &self.pilots) {
+        let worth = |pilots: &[u16]| huge_pages_wanted() && pilots.len() * 2 >= PILOTS_WORTH_A_HUGE_PAGE;
+        if let Pilots::Heap(pilots) = &self.pilots {
+            if !worth(pilots) {
+                return self;
+            }
             let bytes: Vec<u8> = pilots.iter().flat_map(|p| p.to_ne_bytes()).collect();
             if let Ok(huge) = HugePageRows::copy_of(&bytes) {
                 self.pilots = Pilots::Huge(huge);
             }
         }
         self
+    }
+
+    /// Whether its pilots are on a huge page of their own.
+    pub fn pilots_on_huge_pages(&self) -> bool {
+        matches!(self.pilots, Pilots::Huge(_))
     }
 
     /// Ids it was built from (its indexes are `0..ids`).
@@ -314,5 +332,22 @@ mod tests {
         let (a, b) = (PerfectHash::build(&ids).unwrap(), PerfectHash::build(&ids).unwrap());
         assert!(ids.iter().all(|&id| a.index(id) == b.index(id)));
         assert!(PerfectHash::build(&[5, 9, 5]).is_none());
+    }
+
+    #[test]
+    fn pilots_of_a_small_map_stay_on_the_heap_and_a_large_maps_go_on_a_huge_page_where_wanted() {
+        // A few hundred bytes of pilots never take a whole 2 MiB page.
+        let small = PerfectHash::build(&ids(1000)).unwrap().onto_huge_pages();
+        assert!(!small.pilots_on_huge_pages(), "{} bytes of pilots on a 2 MiB page", small.pilots.len() * 2);
+        // A million ids' pilots (~0.5 MB) are worth one, where wanted and had.
+        let large = PerfectHash::build(&ids(1 << 20)).unwrap();
+        assert!(large.pilots.len() * 2 >= PILOTS_WORTH_A_HUGE_PAGE);
+        let before: Vec<Option<u64>> = (0..64).map(|k| large.index(k * 7919)).collect();
+        let large = large.onto_huge_pages();
+        if huge_pages_wanted() {
+            assert!(large.pilots_on_huge_pages(), "anonymous 2 MiB-aligned mappings can always be had");
+        }
+        let after: Vec<Option<u64>> = (0..64).map(|k| large.index(k * 7919)).collect();
+        assert_eq!(before, after, "the same indexes wherever the pilots are");
     }
 }

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use super::perfect_hash::{Lookup, PerfectHash};
 use super::IdMap;
-use crate::layout::gather_rows_in_place;
+use crate::popularity_order::gather_rows_in_place;
 use crate::schema::{Storage, TableSpec};
 use crate::stores::local::table::{LocalRows, Table};
 use crate::stores::row_store::RowStore;

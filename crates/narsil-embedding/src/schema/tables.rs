@@ -94,7 +94,7 @@ impl RedisTableSpec {
 }
 
 /// A table's layout: its rows in popularity order, found through a slot
-/// index ([`crate::layout`]).
+/// index ([`crate::popularity_order`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize, serde::Serialize)]
 pub struct Layout {
     /// The slot index's file, relative to the model directory.

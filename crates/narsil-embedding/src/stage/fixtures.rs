@@ -10,8 +10,8 @@ use std::time::Instant;
 use narsil_core::{assemble, DependencyWatcher, KeyedBatch, RequestSamples};
 
 use super::{EmbeddingStage, StageScratch};
-use crate::layout::SlotIndex;
 use crate::pooled_value::Bf16;
+use crate::popularity_order::SlotIndex;
 use crate::schema::{FeatureSpec, PoolingMode, SplitSchema, Storage, TableSpec};
 use crate::stores::local::table::Table;
 use crate::stores::row_store::{FetchError, Fetched, RowStore};
@@ -76,6 +76,12 @@ pub(super) fn rows(spec: &TableSpec, seed: u8) -> Table {
 }
 
 pub(super) fn batch() -> KeyedBatch {
+    let [first, second] = requests();
+    assemble(1, 3, [&first, &second])
+}
+
+/// The two requests [`batch`] fuses.
+pub(super) fn requests() -> [RequestSamples; 2] {
     // Two requests of two samples, sample-major as they arrive; feature
     // c (weighted) last, as the wire orders them. Weights come one per
     // id, 1.0 for the unweighted features' ids.
@@ -90,7 +96,7 @@ pub(super) fn batch() -> KeyedBatch {
     };
     let first = request(vec![4, 4, 9, 3, 4, 9, 9, 40], [0.5, -1.25]);
     let second = request(vec![9, 4, 4, 0, 4, 4, 4, 9], [1.5, 3.0]);
-    assemble(1, 3, [&first, &second])
+    [first, second]
 }
 
 /// Local rows, read in place: laid out through a slot index, or watched.

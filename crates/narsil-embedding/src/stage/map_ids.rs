@@ -27,7 +27,6 @@ use super::pushed_ids::{Overlay, PushedIds};
 use super::{EmbeddingStage, StageTable};
 use crate::id_map::{IdMap, SlottedMap};
 use crate::schema::{SplitSchema, TableIds, TableSpec};
-use crate::stores::row_store::RowStore;
 use crate::stores::table_error::TableError;
 
 /// How a table's ids become rows, ready for lookups.
@@ -226,16 +225,13 @@ fn map_table_ids(table: &StageTable, pushed: Option<&PushedIds>, raws: &[i64], r
 }
 
 /// The id maps of `schema`'s tables that declare one, opened from `dir`
-/// and checked (every byte, and its SHA-256 against the schema's); the
-/// map of a table in process memory (`stores`, the `memory` store) is
-/// copied onto huge pages as the table is.
-pub(super) fn open_id_maps(
-    dir: &Path,
-    schema: &SplitSchema,
-    stores: &[Arc<dyn RowStore>],
-) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
+/// and checked (every byte, and its SHA-256 against the schema's), mapped:
+/// a table laid out by its map drops it at load, so only a map kept as a
+/// hash table is copied onto huge pages, after the layout
+/// ([`EmbeddingStage::hashed_maps_onto_huge_pages`]).
+pub(super) fn open_id_maps(dir: &Path, schema: &SplitSchema) -> Result<Vec<Option<Arc<IdMap>>>, TableError> {
     let mut maps = Vec::with_capacity(schema.tables.len());
-    for (t, table) in schema.tables.iter().enumerate() {
+    for table in &schema.tables {
         let TableIds::Map(spec) = &table.ids else {
             maps.push(None);
             continue;
@@ -249,12 +245,31 @@ pub(super) fn open_id_maps(
                 spec.sha256
             )));
         }
-        // A table whose rows sit in this process's memory (read in place,
-        // never from the disk) gets its map there too, on huge pages.
-        let in_memory = stores.get(t).is_some_and(|store| store.local_rows().is_some() && !store.may_fault());
-        maps.push(Some(Arc::new(if in_memory { map.onto_huge_pages() } else { map })));
+        maps.push(Some(Arc::new(map)));
     }
     Ok(maps)
+}
+
+impl EmbeddingStage {
+    /// The maps kept as hash tables of tables whose rows sit in this
+    /// process's memory (read in place, never from the disk): copied onto
+    /// huge pages as the tables are ([`IdMap::onto_huge_pages`]). Returns
+    /// how many are on huge pages now.
+    pub(super) fn hashed_maps_onto_huge_pages(&mut self) -> usize {
+        let mut copied = 0;
+        for table in &mut self.tables {
+            let in_memory = table.store.local_rows().is_some() && !table.store.may_fault();
+            if let (true, IdMapping::Map { map: MapLookup::Hashed(map), .. }) =
+                (in_memory, &mut table.mapping)
+            {
+                // Held by this stage alone (it was opened with it).
+                if let Some(map) = Arc::get_mut(map) {
+                    copied += usize::from(map.move_onto_huge_pages());
+                }
+            }
+        }
+        copied
+    }
 }
 
 #[cfg(test)]
@@ -269,6 +284,7 @@ mod tests {
     use super::super::{EmbeddingStage, StageScratch};
     use crate::id_map::{build, IdMap};
     use crate::schema::{IdMapSpec, SplitSchema, TableIds, TableSpec};
+    use crate::stores::local::table::Table;
     use crate::stores::row_store::RowStore;
 
     /// Raw id of row `row` in the tests' maps: large, and negative for odd
@@ -344,6 +360,43 @@ mod tests {
             assert_eq!(stage.map_ids_skipping_pushes(&raw_batch, &mut copy).ids.len(), raw_batch.ids.len());
             assert_ne!(copy.ids, raw_batch.ids);
         }
+    }
+
+    #[test]
+    fn maps_are_opened_mapped_and_only_those_kept_as_hash_tables_go_onto_huge_pages() {
+        // Maps of 70,000 ids (over 2 MiB each, worth huge pages). "shared"
+        // keeps 16 spare bytes a row (laid out: its map is dropped);
+        // "own" none (kept as a hash table).
+        let mut schema = schema();
+        let dir = tempfile::tempdir().unwrap();
+        for (t, table) in schema.tables.iter_mut().enumerate() {
+            table.rows = 70_000;
+            table.row_bytes = if t == 0 { 32 } else { 16 };
+            let pairs: Vec<(i64, u64)> = (0..table.rows as i64 - 1).map(|r| (raw(r), r as u64)).collect();
+            let bytes = build(&pairs, table.rows).unwrap();
+            let file = format!("{}.idmap", table.name);
+            std::fs::write(dir.path().join(&file), &bytes).unwrap();
+            let sha256 = crate::sha256::sha256_of_bytes(&bytes);
+            table.ids = TableIds::Map(IdMapSpec { file: file.into(), sha256, default_row: table.rows - 1 });
+        }
+        let maps = super::open_id_maps(dir.path(), &schema).unwrap();
+        assert!(maps.iter().flatten().all(|map| !map.on_huge_pages()), "no copy at open");
+        let stores = schema
+            .tables
+            .iter()
+            .map(|spec| {
+                let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, 3);
+                let pad = spec.row_bytes - 16;
+                let bytes =
+                    narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain(vec![0u8; pad]));
+                Arc::new(Table::from_rows(spec, bytes.collect())) as Arc<dyn RowStore>
+            })
+            .collect();
+        let mut stage = EmbeddingStage::with_id_maps(&schema, stores, maps);
+        assert_eq!(stage.lay_out_mapped_tables(), 1, "\"shared\" laid out, its map dropped uncopied");
+        let copied = stage.hashed_maps_onto_huge_pages();
+        let wanted = crate::stores::local::huge_pages::huge_pages_wanted();
+        assert_eq!(copied, usize::from(wanted), "\"own\"'s map, kept, copied where huge pages are wanted");
     }
 
     /// Ids at the edges of both readings of 64 bits: around 0, 2^31, 2^32,

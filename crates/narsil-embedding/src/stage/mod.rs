@@ -27,7 +27,7 @@
 //!
 //! * `map_ids.rs`: for tables whose ids are raw 64-bit values, a copy of
 //!   the batch whose ids are rows (through the table's id map, or modulo);
-//! * `lay_out.rs`: mapped tables in memory laid out by their maps at load,
+//! * `id_map_layout.rs`: mapped tables in memory laid out by their maps at load,
 //!   so that a raw id's lookup reads its row and no map slot;
 //! * `pushed_ids.rs`: raw ids pushed to a mapped table while it serves,
 //!   with their rows (a copy-on-write overlay on its map; a batch reads one
@@ -57,7 +57,7 @@ mod broadcast;
 mod collect;
 mod error;
 mod fetch;
-mod lay_out;
+mod id_map_layout;
 mod map_ids;
 mod pool_laid_out;
 mod pooling;
@@ -86,6 +86,7 @@ use map_ids::{open_id_maps, IdMapping};
 use pooling::Lookups;
 
 pub use error::StageError;
+pub use id_map_layout::{held, Held};
 pub use push::MAX_PUSHED_IDS;
 use pushed_ids::PushedIds;
 pub use scratch::StageScratch;
@@ -236,6 +237,7 @@ impl EmbeddingStage {
         let (stores, opened) = store.open(dir, schema)?;
         let mut stage = Self::over_stores(dir, schema, stores)?;
         stage.lay_out_mapped_tables();
+        stage.hashed_maps_onto_huge_pages();
         Ok((stage, opened))
     }
 
@@ -246,7 +248,7 @@ impl EmbeddingStage {
         schema: &SplitSchema,
         stores: Vec<Arc<dyn RowStore>>,
     ) -> Result<Self, TableError> {
-        let maps = open_id_maps(dir, schema, &stores)?;
+        let maps = open_id_maps(dir, schema)?;
         Ok(Self::with_id_maps(schema, stores, maps))
     }
 

@@ -51,6 +51,9 @@ impl LaidOut<'_> {
             return Ok(());
         }
         let row_bytes = spec.row_bytes;
+        // A bag pooled again reads its copies as rows 0, 1, ...: one list
+        // for every such bag of the batch, as long as the longest bag.
+        let mut local: Vec<i64> = Vec::new();
         let mut start = 0;
         for (bag, &len) in lengths.iter().enumerate() {
             let ids = start..start + len.max(0) as usize;
@@ -73,11 +76,23 @@ impl LaidOut<'_> {
                 };
                 copies.extend_from_slice(&table[row * row_bytes..(row + 1) * row_bytes]);
             }
-            let local: Vec<i64> = (0..ids.len() as i64).collect();
+            if local.is_empty() {
+                local.extend(0..lengths.iter().copied().max().unwrap_or(0).max(0) as i64);
+            }
             let pooling = Pooling { mode: pooling.mode, weights: pooling.weights.map(|w| &w[ids.clone()]) };
             let out = &mut out[bag * stride..];
             let length = [ids.len() as i32];
-            pool_rows(spec.storage, copies, row_bytes, spec.dim, &length, &local, pooling, out, stride)?;
+            pool_rows(
+                spec.storage,
+                copies,
+                row_bytes,
+                spec.dim,
+                &length,
+                &local[..ids.len()],
+                pooling,
+                out,
+                stride,
+            )?;
         }
         Ok(())
     }

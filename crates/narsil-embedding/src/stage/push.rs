@@ -199,7 +199,7 @@ mod tests {
 
     use narsil_core::{IdMapTable, IdPush, IdsPushed, KeyedBatch, PushMode};
 
-    use super::super::fixtures::{batch, pooled_bits_both_ways, rows, schema, LocalRows};
+    use super::super::fixtures::{batch, pooled_bits_both_ways, requests, rows, schema, LocalRows};
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch, StageTable};
     use super::store_refusal;
@@ -379,6 +379,50 @@ mod tests {
         let error = push(&laid_out, "shared", &entries(&tables[0], 32, &[(raw(0, 5), 6)])).unwrap_err();
         assert!(error.contains("already held") && error.contains("another row"), "{error}");
         assert_eq!(pooled_bits_both_ways(&laid_out, &sent), after, "bags pooled again, in bf16 too");
+    }
+
+    #[test]
+    fn bags_of_a_laid_out_table_pooled_again_allocate_nothing_per_bag() {
+        let (mut mapped, maps) = mapped();
+        let mut plain = schema();
+        for spec in mapped.tables.iter_mut().chain(plain.tables.iter_mut()) {
+            spec.row_bytes = 32;
+        }
+        let wide = |t: usize| {
+            let spec = &plain.tables[t];
+            let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, 3 + t as u8);
+            let bytes = narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain([0u8; 16]));
+            Arc::new(Table::from_rows(spec, bytes.collect())) as Arc<dyn RowStore>
+        };
+        let mut stage = EmbeddingStage::with_id_maps(&mapped, vec![wide(0), wide(1)], maps);
+        assert_eq!(stage.lay_out_mapped_tables(), 2);
+        // Every id never seen: each bag is pooled again from default rows.
+        let fused = |copies: usize| {
+            let requests = requests();
+            let sent = narsil_core::assemble(1, 3, (0..copies).flat_map(|_| &requests));
+            raw_batch(&mapped, &sent, |t, row| Some(fresh(t, row)))
+        };
+        let allocations = |sent: &KeyedBatch| {
+            let (mut scratch, mut pooled) = (StageScratch::default(), Vec::new());
+            stage.pool(sent, &mut scratch, &mut pooled).unwrap();
+            let mut bf16: Vec<crate::pooled_value::Bf16> = Vec::new();
+            stage.pool_into(sent, &mut StageScratch::default(), &mut bf16).unwrap();
+            // Buffers warmed: what a batch of this size allocates.
+            let mut bf16_scratch = StageScratch::default();
+            stage.pool_into(sent, &mut bf16_scratch, &mut bf16).unwrap();
+            crate::counted_allocations::during(|| {
+                stage.pool(sent, &mut scratch, &mut pooled).unwrap();
+                stage.pool_into(sent, &mut bf16_scratch, &mut bf16).unwrap();
+            })
+        };
+        let (few, many) = (fused(1), fused(16));
+        assert!(
+            many.lengths.len() >= 8 * few.lengths.len(),
+            "{} bags vs {}",
+            many.lengths.len(),
+            few.lengths.len()
+        );
+        assert_eq!(allocations(&many), allocations(&few), "allocations grow with the bags pooled again");
     }
 
     /// The mapped schema, the plain one, its tables (rows seeded 3, 4, ...

@@ -97,8 +97,8 @@ pub trait RowStore: Any + Send + Sync {
     fn local_rows(&self) -> Option<&[u8]>;
 
     /// For local rows laid out in popularity order: where each id's row is
-    /// in [`RowStore::local_rows`] ([`crate::layout`]).
-    fn slots(&self) -> Option<&crate::layout::SlotIndex> {
+    /// in [`RowStore::local_rows`] ([`crate::popularity_order`]).
+    fn slots(&self) -> Option<&crate::popularity_order::SlotIndex> {
         None
     }
 

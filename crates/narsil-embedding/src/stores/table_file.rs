@@ -38,13 +38,13 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use crate::layout::SlotIndex;
+use crate::popularity_order::SlotIndex;
 use crate::schema::TableSpec;
 use crate::sha256::sha256_of;
 use crate::stores::table_error::TableError;
 
 /// The slot index of `spec`'s table in model directory `dir`, if it is laid
-/// out in popularity order ([`crate::layout`]), streamed from its file into
+/// out in popularity order ([`crate::popularity_order`]), streamed from its file into
 /// the compact index ([`SlotIndex::read`]: ~0.14 bytes per row + ~4 per hot
 /// id at its peak). A file of the wrong size, one that is not a permutation
 /// of the rows, or one whose SHA-256 is not the one the schema names (a

@@ -1,5 +1,5 @@
 //! Building a table's popularity layout offline, for `narsil tables order`
-//! (serving needs only the index, [`narsil_embedding::layout`]): how often
+//! (serving needs only the index, [`narsil_embedding::popularity_order`]): how often
 //! an id log names each id ([`Popularity`]), the order of the rows that
 //! follows ([`SlotOrder`]), and writing a table's rows and its slot index
 //! in that order, streaming: the rows go through one bounded buffer, read

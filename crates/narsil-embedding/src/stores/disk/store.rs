@@ -14,7 +14,7 @@ use super::reads::{
     is_deadline_passed, plan, read_blocks, read_on_threads, AlignedBuf, BlockRead, Read, BLOCK,
 };
 use super::uring;
-use crate::layout::SlotIndex;
+use crate::popularity_order::SlotIndex;
 use crate::schema::{SplitSchema, TableSpec};
 use crate::stores::batch::{copy_cached, fetch_alone, parts_as};
 use crate::stores::row_cache::RowCache;

@@ -124,29 +124,35 @@ impl HugePageRows {
     /// (the kernel may have merged the mapping with an adjacent one advised
     /// alike, another table's: then that merged mapping's share).
     pub fn huge_bytes(&self, smaps: &str) -> io::Result<u64> {
-        let at = self.ptr.as_ptr() as u64;
-        let mut lines = smaps.lines();
-        lines
-            .by_ref()
-            .find(|line| mapping_range(line).is_some_and(|(start, end)| start <= at && at < end))
-            .ok_or_else(|| io::Error::other("the table's mapping is not in /proc/self/smaps"))?;
-        let (mut size, mut huge) = (None, None);
-        for line in lines.take_while(|line| mapping_range(line).is_none()) {
-            let kb = |field: &str| line.strip_prefix(field).and_then(|v| v.trim().strip_suffix("kB"));
-            if let Some(kb) = kb("Size:") {
-                size = kb.trim().parse::<u64>().ok();
-            } else if let Some(kb) = kb("AnonHugePages:") {
-                huge = kb.trim().parse::<u64>().ok();
-            }
+        huge_share(smaps, self.ptr.as_ptr() as u64, self.len)
+    }
+}
+
+/// Of `len` bytes mapped at `at`, how many the kernel backs with huge
+/// pages according to `smaps`: the `AnonHugePages` of the mapping holding
+/// `at` over its `Size`, times `len` (at most `len`).
+fn huge_share(smaps: &str, at: u64, len: usize) -> io::Result<u64> {
+    let mut lines = smaps.lines();
+    lines
+        .by_ref()
+        .find(|line| mapping_range(line).is_some_and(|(start, end)| start <= at && at < end))
+        .ok_or_else(|| io::Error::other("the table's mapping is not in /proc/self/smaps"))?;
+    let (mut size, mut huge) = (None, None);
+    for line in lines.take_while(|line| mapping_range(line).is_none()) {
+        let kb = |field: &str| line.strip_prefix(field).and_then(|v| v.trim().strip_suffix("kB"));
+        if let Some(kb) = kb("Size:") {
+            size = kb.trim().parse::<u64>().ok();
+        } else if let Some(kb) = kb("AnonHugePages:") {
+            huge = kb.trim().parse::<u64>().ok();
         }
-        match (size, huge) {
-            (Some(size), Some(huge)) if size > 0 => {
-                Ok(((huge as f64 / size as f64) * self.len as f64).round().min(self.len as f64) as u64)
-            }
-            _ => Err(io::Error::other(
-                "no Size and AnonHugePages lines for the table's mapping in /proc/self/smaps",
-            )),
+    }
+    match (size, huge) {
+        (Some(size), Some(huge)) if size > 0 => {
+            Ok(((huge as f64 / size as f64) * len as f64).round().min(len as f64) as u64)
         }
+        _ => Err(io::Error::other(
+            "no Size and AnonHugePages lines for the table's mapping in /proc/self/smaps",
+        )),
     }
 }
 
@@ -219,16 +225,29 @@ mod tests {
     }
 
     #[test]
-    fn the_bytes_on_huge_pages_are_read_back_from_smaps() {
+    fn the_bytes_on_huge_pages_are_the_share_smaps_gives_the_mapping_holding_them() {
+        let text = "\
+7f00a0000000-7f00a0400000 rw-p 00000000 00:00 0
+Size:               4096 kB
+AnonHugePages:      2048 kB
+VmFlags: rd wr mr mw me ac sd hg
+7f00b0000000-7f00b0200000 rw-p 00000000 00:00 0
+Size:               2048 kB
+AnonHugePages:         0 kB
+";
+        // Half of the first mapping is on huge pages: half of its bytes.
+        assert_eq!(huge_share(text, 0x7f00a0000000, 4 << 20).unwrap(), 2 << 20);
+        assert_eq!(huge_share(text, 0x7f00a0100000, 1000).unwrap(), 500);
+        // The second mapping's fields, not the first's.
+        assert_eq!(huge_share(text, 0x7f00b0000000, 2 << 20).unwrap(), 0);
+        // An address no mapping holds, and a mapping without the fields.
+        assert!(huge_share(text, 0x7f00c0000000, 10).unwrap_err().to_string().contains("not in"));
+        let bare = "7f00a0000000-7f00a0400000 rw-p 00000000 00:00 0 \nVmFlags: rd\n";
+        assert!(huge_share(bare, 0x7f00a0000000, 10).unwrap_err().to_string().contains("AnonHugePages"));
+        assert_eq!(mapping_range("AnonHugePages:      4096 kB"), None);
+        // This process's own smaps names a mapping made here.
         let rows = HugePageRows::copy_of(&vec![1u8; 4 * HUGE_PAGE]).unwrap();
         let huge = rows.huge_bytes(&smaps().unwrap()).unwrap();
-        assert!(huge <= rows.len() as u64);
         eprintln!("{huge} of {} bytes on huge pages", rows.len());
-        assert_eq!(
-            mapping_range("7f00a0000000-7f00a0400000 rw-p 00000000 00:00 0 "),
-            Some((0x7f00a0000000, 0x7f00a0400000))
-        );
-        assert_eq!(mapping_range("AnonHugePages:      4096 kB"), None);
-        assert_eq!(mapping_range("VmFlags: rd wr mr mw me ac sd hg"), None);
     }
 }

@@ -10,16 +10,14 @@
 //! held in. A table is checked against its `sha256` when it is read
 //! ([`crate::stores::local::table`]), so the one a later version shares
 //! holds the rows that hash names; a table without a `sha256` is never
-//! shared. A table laid out by its id map ([`SlottedMap`], a copy the stage
-//! makes) is shared the same way, by its table's, map's and default row's
-//! identity.
+//! shared. The registry is generic: the stage shares the tables it lays
+//! out by their id maps the same way ([`crate::stage`]'s `id_map_layout`).
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::path::Path;
 use std::sync::{Arc, Mutex, Weak};
 
-use crate::id_map::SlottedMap;
 use crate::schema::{Storage, TableSpec};
 use crate::stores::local::table::{LocalRows, Table};
 use crate::stores::table_error::TableError;
@@ -36,7 +34,7 @@ struct Identity {
 }
 
 /// What some live model version holds, by key, each once.
-type Registry<K, T> = Mutex<Option<HashMap<K, Weak<T>>>>;
+pub(crate) type Registry<K, T> = Mutex<Option<HashMap<K, Weak<T>>>>;
 
 /// Tables some live model version holds, by identity.
 static LIVE: Registry<Identity, Table> = Mutex::new(None);
@@ -53,7 +51,7 @@ pub struct Opened {
 /// registered; and whether it was shared. Made without the lock (a table
 /// can take seconds): a version that made the same meanwhile wins, and
 /// this copy is dropped.
-fn share<K: Eq + Hash, T, E>(
+pub(crate) fn share<K: Eq + Hash, T, E>(
     registry: &Registry<K, T>,
     key: K,
     make: impl FnOnce() -> Result<T, E>,
@@ -77,54 +75,15 @@ fn share<K: Eq + Hash, T, E>(
 }
 
 /// Everything `registry` holds that a live version still holds.
-fn live<K, T>(registry: &Registry<K, T>) -> Vec<Arc<T>> {
+pub(crate) fn live<K, T>(registry: &Registry<K, T>) -> Vec<Arc<T>> {
     let guard = registry.lock().unwrap_or_else(|e| e.into_inner());
     guard.iter().flat_map(|map| map.values()).filter_map(Weak::upgrade).collect()
 }
 
-/// Tables the process holds for its live model versions, each shared
-/// table once.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Held {
-    /// Tables.
-    pub tables: usize,
-    /// Their bytes (in memory, or mapped).
-    pub bytes: u64,
-}
-
-/// Tables laid out by their id maps ([`SlottedMap`]) that some live
-/// version holds, by what they were laid out from (the table's identity,
-/// its map's and its default row).
-static LAID_OUT: Registry<String, SlottedMap> = Mutex::new(None);
-
-/// What the live model versions hold now (tables without an identity are
-/// not counted: they are never shared).
-pub fn held() -> Held {
-    let laid_out: Vec<Arc<Table>> = live(&LAID_OUT).iter().map(|laid_out| laid_out.table()).collect();
-    live(&LIVE).iter().chain(&laid_out).fold(Held::default(), |held, table| Held {
-        tables: held.tables + 1,
-        bytes: held.bytes + table.bytes().len() as u64,
-    })
-}
-
-/// The table `spec` describes laid out by its id map: the one a live
-/// version holds where the table, its map and its default row are the
-/// same (by their SHA-256s), else `lay_out`'s, then shared (a table or map
-/// without a SHA-256 is never shared); and whether it was shared.
-pub fn laid_out_shared<E>(
-    spec: &TableSpec,
-    map_sha256: &str,
-    default_row: u64,
-    lay_out: impl FnOnce() -> Result<SlottedMap, E>,
-) -> Result<(Arc<SlottedMap>, bool), E> {
-    if spec.sha256.is_empty() || map_sha256.is_empty() {
-        return Ok((Arc::new(lay_out()?), false));
-    }
-    let key = format!(
-        "{}/{}/{}/{}/{:?}/{map_sha256}/{default_row}",
-        spec.sha256, spec.rows, spec.row_bytes, spec.dim, spec.storage
-    );
-    share(&LAID_OUT, key, lay_out)
+/// The tables read from files that live versions hold (each shared one
+/// once; tables without an identity are not listed: they are never shared).
+pub(crate) fn live_tables() -> Vec<Arc<Table>> {
+    live(&LIVE)
 }
 
 /// Opens the table `spec` describes in model directory `dir`, in `store`,

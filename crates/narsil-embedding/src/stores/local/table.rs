@@ -39,7 +39,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::layout::SlotIndex;
+use crate::popularity_order::SlotIndex;
 use crate::schema::{Storage, TableSpec};
 use crate::sha256::{sha256_of, sha256_of_bytes};
 use crate::stores::local::huge_pages::{worth_huge_pages, HugePageRows};
@@ -122,7 +122,7 @@ impl std::fmt::Debug for Table {
 impl Table {
     /// Opens the table `spec` describes in the model directory `dir`, its
     /// rows read into memory or mapped (`store`). A table laid out in
-    /// popularity order ([`crate::layout`]) is read back into id order, or
+    /// popularity order ([`crate::popularity_order`]) is read back into id order, or
     /// mapped as it is with its slot index.
     pub fn load(dir: &Path, spec: &TableSpec, store: LocalRows) -> Result<Self, TableError> {
         let (path, metadata) = sized_file(dir, spec)?;

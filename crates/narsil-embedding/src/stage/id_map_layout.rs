@@ -11,13 +11,61 @@
 //! `NARSIL_ID_MAP_LAYOUT=off` keeps every map a hash table (to measure what
 //! the layout brings, or to hold a version's tables shared with another).
 
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use super::map_ids::{IdMapping, MapLookup};
 use super::{EmbeddingStage, StageTable};
 use crate::id_map::SlottedMap;
-use crate::schema::TableIds;
-use crate::stores::local::shared::laid_out_shared;
+use crate::schema::{TableIds, TableSpec};
+use crate::stores::local::shared::{live, live_tables, share, Registry};
+use crate::stores::local::table::Table;
+
+/// Tables laid out by their id maps ([`SlottedMap`]) that some live
+/// version holds, by what they were laid out from (the table's identity,
+/// its map's and its default row).
+static LAID_OUT: Registry<String, SlottedMap> = Mutex::new(None);
+
+/// The table `spec` describes laid out by its id map: the one a live
+/// version holds where the table, its map and its default row are the
+/// same (by their SHA-256s), else `lay_out`'s, then shared (a table or map
+/// without a SHA-256 is never shared); and whether it was shared.
+fn laid_out_shared<E>(
+    spec: &TableSpec,
+    map_sha256: &str,
+    default_row: u64,
+    lay_out: impl FnOnce() -> Result<SlottedMap, E>,
+) -> Result<(Arc<SlottedMap>, bool), E> {
+    if spec.sha256.is_empty() || map_sha256.is_empty() {
+        return Ok((Arc::new(lay_out()?), false));
+    }
+    let key = format!(
+        "{}/{}/{}/{}/{:?}/{map_sha256}/{default_row}",
+        spec.sha256, spec.rows, spec.row_bytes, spec.dim, spec.storage
+    );
+    share(&LAID_OUT, key, lay_out)
+}
+
+/// Tables the process holds for its live model versions, each shared
+/// table once.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Tables.
+    pub tables: usize,
+    /// Their bytes (in memory, or mapped).
+    pub bytes: u64,
+}
+
+/// What the live model versions hold now: the tables read from files
+/// ([`crate::stores::local::shared`]) and those laid out by their maps
+/// (tables without an identity are not counted: they are never shared).
+pub fn held() -> Held {
+    let laid_out: Vec<Arc<Table>> = live(&LAID_OUT).iter().map(|laid_out| laid_out.table()).collect();
+    live_tables().iter().chain(&laid_out).fold(Held::default(), |held, table| Held {
+        tables: held.tables + 1,
+        bytes: held.bytes + table.bytes().len() as u64,
+    })
+}
 
 /// Whether mapped tables are laid out by their maps (the default), or
 /// keep their maps as hash tables (`NARSIL_ID_MAP_LAYOUT=off`).
