@@ -98,10 +98,10 @@ impl ModelSchema {
     /// engine validates requests against, whose request blocks tell a
     /// backend's stage which features arrive once per request. Refused,
     /// the schema left as it was, when `level` names some of a sequence's
-    /// channels and not the others ([`crate::sequence::sent_once`]).
+    /// channels and not the others ([`sent_once`]).
     pub fn set_request_level(&mut self, level: RequestLevel) -> Result<(), String> {
         for sequence in &self.sequences {
-            crate::sequence::sent_once(&sequence.name, &sequence.features, &level, self)?;
+            sent_once(&sequence.name, &sequence.features, &level, self)?;
         }
         self.request_level = level;
         Ok(())
@@ -230,4 +230,33 @@ pub struct SequenceFeature {
     /// network (its channels' dims), what a position costs in memory; 0
     /// where the model looks its sequences up itself (a single-file model).
     pub width: usize,
+}
+
+/// Whether `level` sends sequence `name`, whose channels are the sparse
+/// features `channels` of `schema`, once per request: true when all its
+/// channels are request-level, false when none are. A sequence's channels
+/// are aligned positions of one history, so they travel together; a level
+/// naming some of them only is refused, naming the sequence, the channels
+/// it names and those it leaves out.
+pub fn sent_once(
+    name: &str,
+    channels: &[usize],
+    level: &crate::RequestLevel,
+    schema: &ModelSchema,
+) -> Result<bool, String> {
+    let (named, left): (Vec<usize>, Vec<usize>) = channels.iter().partition(|&&f| level.contains(f));
+    if left.is_empty() || named.is_empty() {
+        return Ok(left.is_empty());
+    }
+    let names = |features: &[usize]| {
+        features.iter().map(|&f| schema.sparse[f].name.as_str()).collect::<Vec<_>>().join(", ")
+    };
+    Err(format!(
+        "sequence {name:?} (channels {}) is request-level in {} but not in {}: its channels are one \
+         history's aligned positions, sent together once per request or on every row; name all of them \
+         request-level, or none",
+        names(channels),
+        names(&named),
+        names(&left)
+    ))
 }

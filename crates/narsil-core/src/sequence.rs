@@ -13,7 +13,7 @@
 use serde::Deserialize;
 
 use crate::invalid::{InputField, InvalidInput};
-use crate::schema::ModelSchema;
+use crate::schema::{sent_once, ModelSchema};
 pub use crate::schema::{KeepEnd, SequenceFeature};
 
 /// A sequence as `schema.json`, `model.json` and `narsil_schema()` declare
@@ -92,40 +92,11 @@ impl SequenceFeature {
     }
 
     /// Whether its channels are request-level (sent once in a ranking
-    /// request's block): all of them are, or none ([`sent_once`], checked
+    /// request's block): all of them are, or none ([`crate::schema::sent_once`], checked
     /// wherever a schema's request-level inputs are set).
     pub fn is_request_level(&self, schema: &ModelSchema) -> bool {
         self.features.iter().all(|&f| schema.request_level.contains(f))
     }
-}
-
-/// Whether `level` sends sequence `name`, whose channels are the sparse
-/// features `channels` of `schema`, once per request: true when all its
-/// channels are request-level, false when none are. A sequence's channels
-/// are aligned positions of one history, so they travel together; a level
-/// naming some of them only is refused, naming the sequence, the channels
-/// it names and those it leaves out.
-pub fn sent_once(
-    name: &str,
-    channels: &[usize],
-    level: &crate::RequestLevel,
-    schema: &ModelSchema,
-) -> Result<bool, String> {
-    let (named, left): (Vec<usize>, Vec<usize>) = channels.iter().partition(|&&f| level.contains(f));
-    if left.is_empty() || named.is_empty() {
-        return Ok(left.is_empty());
-    }
-    let names = |features: &[usize]| {
-        features.iter().map(|&f| schema.sparse[f].name.as_str()).collect::<Vec<_>>().join(", ")
-    };
-    Err(format!(
-        "sequence {name:?} (channels {}) is request-level in {} but not in {}: its channels are one \
-         history's aligned positions, sent together once per request or on every row; name all of them \
-         request-level, or none",
-        names(channels),
-        names(&named),
-        names(&left)
-    ))
 }
 
 /// Where a request's bags lie, for [`fit_sequences`].
