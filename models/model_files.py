@@ -1,7 +1,8 @@
 """The files a split model's `schema.json` names, and a copy of them: what
 every script that writes a model from another one (the benchmarks'
 enlarged-table models, the GPU check's default-size model) copies, so that
-what it writes loads as the source does.
+what it writes loads as the source does. Also a file's hard link or copy
+(`export_dlrm.py --publish`).
 
 A split model names its files in these places (`SplitSchema` in
 crates/narsil-embedding/src/schema/mod.rs reads them):
@@ -102,23 +103,30 @@ def drop_packages(schema: dict) -> List[str]:
     return dropped
 
 
+def copy_file(source: str, destination: str) -> None:
+    """A copy of `source` at `destination`, written beside it and renamed
+    into place (never a half copy under the final name)."""
+    shutil.copy2(source, destination + ".partial")
+    os.rename(destination + ".partial", destination)
+
+
 def link_or_copy(source: str, destination: str) -> None:
     """A hard link to `source` at `destination`, or a copy where the two are
-    on different file systems (written beside it, then renamed: never a
-    half copy under the final name)."""
+    on different file systems."""
     try:
         os.link(source, destination)
     except OSError:
-        shutil.copy2(source, destination + ".partial")
-        os.rename(destination + ".partial", destination)
+        copy_file(source, destination)
 
 
 def copy_named_files(source: str, out: str, schema: dict, skip: Iterable[str] = ()) -> List[str]:
-    """Links (or copies) into `out` every file `schema` names from `source`
-    but those in `skip` (files the caller writes itself), each under the
-    same relative path, leaving one already in `out` as it is; returns the
-    files linked or copied. Refuses a schema that names a file this module
-    does not know, and a named file missing from `source`."""
+    """Copies into `out` every file `schema` names from `source` but those in
+    `skip` (files the caller writes itself), each under the same relative
+    path, leaving one already in `out` as it is; returns the files copied.
+    Copies, not links: a later export that rewrites the source's files in
+    place leaves the copy as its schema describes it. Refuses a schema that
+    names a file this module does not know, and a named file missing from
+    `source`."""
     unknown = unknown_files(schema, source)
     if unknown:
         raise SystemExit(f"{source}/schema.json names {', '.join(f'{f} ({w})' for w, f in unknown)}, which "
@@ -135,6 +143,6 @@ def copy_named_files(source: str, out: str, schema: dict, skip: Iterable[str] = 
         if not os.path.isfile(origin):
             raise SystemExit(f"{origin}, which {source}/schema.json names, does not exist")
         os.makedirs(os.path.dirname(destination), exist_ok=True)
-        link_or_copy(origin, destination)
+        copy_file(origin, destination)
         copied.append(file)
     return copied

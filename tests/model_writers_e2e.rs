@@ -58,7 +58,7 @@ fn run(mut command: Command, what: &str) {
 /// requests' scores, each request alone.
 async fn serve_and_score(dir: &Path, golden: &Golden) -> Vec<Vec<f32>> {
     let listeners = Listeners::new();
-    let mut command = listeners.serve(false, "warn");
+    let mut command = listeners.serve(false, "error");
     command.args(["--backend", "torch", "--model"]).arg(dir).stderr(Stdio::inherit());
     let mut server = KillOnDrop(command.spawn().unwrap());
     let url = listeners.wait(&mut server.0, PATIENCE).await.url();
@@ -99,8 +99,8 @@ async fn the_gpu_checks_default_size_model_from_todays_export_loads_and_scores()
     let mut command = Command::new("bash");
     // gpu_check.sh runs `python3`: the venv's, as on the GPU machine
     // PyTorch's.
-    let path = format!("{}:{}", root().join(".venv/bin").display(), std::env::var("PATH").unwrap_or_default());
-    let _ = python();
+    let venv_bin = python().parent().unwrap().to_path_buf();
+    let path = format!("{}:{}", venv_bin.display(), std::env::var("PATH").unwrap_or_default());
     command
         .env("PATH", path)
         .arg(root().join("scripts/gpu_check.sh"))
