@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tor
 from adapt_model import ROOT, prepare  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "models"))
-from export_dlrm import key_major  # noqa: E402
+from export_common import key_major  # noqa: E402
 
 
 def golden_inputs(request, num_sparse):

@@ -42,19 +42,28 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 
 from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, pinned, require_binary, status_mib, wait_serving
 
+sys.path.insert(0, os.path.join(ROOT, "models"))
+from model_files import copy_named_files, read_schema  # noqa: E402  (models/, on the path above)
+
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
 
 
 def write_model(source, out, rows):
-    """A split model in `out` with `source`'s dense network and schema, each
-    table `rows` rows long (the source table repeated)."""
-    schema = json.load(open(os.path.join(source, "schema.json")))
+    """A split model in `out` with `source`'s dense network (every file its
+    schema names: the cut, the packages, id maps) and schema, each table
+    `rows` rows long (the source table repeated)."""
+    schema = read_schema(source)
+    if any(table.get("layout") for table in schema["tables"]):
+        raise SystemExit(f"{source}: its tables are laid out (`narsil tables order`); repeating them would not "
+                         "repeat their slot indexes: write the model from one in id order")
     os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+    copy_named_files(source, out, schema, skip=[table["file"] for table in schema["tables"]])
     for table in schema["tables"]:
         path = os.path.join(out, table["file"])
         size = rows * table["row_bytes"]
@@ -72,9 +81,6 @@ def write_model(source, out, rows):
         table["sha256"] = ""
     schema["name"] = "dlrm-big"
     json.dump(schema, open(os.path.join(out, "schema.json"), "w"), indent=2)
-    dense = os.path.join(out, schema["dense_network"])
-    if not os.path.exists(dense):
-        shutil.copy(os.path.join(source, schema["dense_network"]), dense)
     return sum(rows * t["row_bytes"] for t in schema["tables"]), schema
 
 

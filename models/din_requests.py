@@ -11,7 +11,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from din_model import HISTORY
-from export_dlrm import key_major
+from export_common import embedding_flags, key_major
 
 
 class Draw:
@@ -62,6 +62,17 @@ class Draw:
         return torch.randn(self.args.num_dense, generator=self.g)
 
 
+def sequence_flags(p: argparse.ArgumentParser, num_user: int, user_help: str, dim: int) -> None:
+    """The flags a sequence model's draws read (`--num-user` user features,
+    `--item-rows`, `--user-rows`, `--max-len`) and its tables' width
+    (`--embedding-dim` `dim`, `--embedding-init`)."""
+    p.add_argument("--num-user", type=int, default=num_user, help=user_help)
+    p.add_argument("--item-rows", type=int, default=2000)
+    p.add_argument("--user-rows", type=int, default=500, help="rows of each user feature's table")
+    embedding_flags(p, dim, 0.5)
+    p.add_argument("--max-len", type=int, default=64, help="the history's positions kept at most (the last)")
+
+
 def sample_major(samples: List[dict]) -> dict:
     """Samples (each: `dense`, `bags` in wire order) as a sample-major
     request: `dense` [B, num_dense], `lengths` [B, F] int32, `ids`."""
@@ -108,6 +119,18 @@ def golden_requests(draw: Draw) -> List[dict]:
                             "bags": draw.user() + draw.candidate() + draw.history(kinds[s % len(kinds)])})
         requests.append(samples)
     return requests
+
+
+def served_golden_requests(draw: Draw, max_len: int, channels: int = len(HISTORY)) -> List[tuple]:
+    """The flat golden requests (`golden_requests`), each as (its samples as
+    served: histories of `channels` channels cut to `max_len`; the positions
+    cut; its samples as sent)."""
+    flat = []
+    for samples in golden_requests(draw):
+        served = [cut(s["bags"], max_len, channels) for s in samples]
+        flat.append(([dict(s, bags=bags) for s, (bags, _) in zip(samples, served)],
+                     sum(dropped for _, dropped in served), samples))
+    return flat
 
 
 def ranking_requests(draw: Draw) -> List[dict]:
@@ -163,3 +186,45 @@ def ranking_json(request: dict, scores: torch.Tensor, dropped: int) -> dict:
     if dropped:
         entry["truncated_positions"] = dropped
     return entry
+
+
+
+class Scored:
+    """The reference's scores of an export's golden requests, kept as the
+    golden files (`golden`, `ranking_golden`) and the split form's checks
+    (`flat`: (samples as served, scores); `ranking`: (request, scores))
+    take them."""
+
+    def __init__(self) -> None:
+        self.golden: List[dict] = []
+        self.flat: List[tuple] = []
+        self.ranking_golden: List[dict] = []
+        self.ranking: List[tuple] = []
+        self.scores: List[torch.Tensor] = []
+
+    def add_flat(self, served: List[dict], sent: List[dict], dropped: int, scores: torch.Tensor) -> dict:
+        """A flat request's scores (its samples as served and as sent,
+        `dropped` positions cut); returns its golden entry."""
+        self.golden.append(request_json(sample_major(sent), scores, dropped))
+        self.flat.append((served, scores))
+        self.scores.append(scores)
+        return self.golden[-1]
+
+    def add_ranking(self, request: dict, dropped: int, scores: torch.Tensor) -> None:
+        """A ranking request's scores (`dropped` history positions cut)."""
+        self.ranking_golden.append(ranking_json(request, scores, dropped))
+        self.ranking.append((request, scores))
+        self.scores.append(scores)
+
+    def files(self, schema: dict, request_level: List[str]) -> dict:
+        """golden.json (`schema` and the flat requests) and
+        golden_ranking.json (the ranking requests), by file name."""
+        return {"golden.json": {"schema": schema, "requests": self.golden},
+                "golden_ranking.json": {"request_level": request_level, "requests": self.ranking_golden}}
+
+    def spread(self) -> str:
+        """How many scores, their range and standard deviation, for the
+        log."""
+        spread = torch.cat(self.scores)
+        return (f"{spread.numel()} scores, {float(spread.min()):.3f} to {float(spread.max()):.3f}, "
+                f"std {float(spread.std()):.3f}")

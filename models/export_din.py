@@ -43,10 +43,8 @@ Writes into --out:
   manifest.json        export format, shape, seed, files
 """
 
-import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import List
 
@@ -59,10 +57,10 @@ from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbe
 from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
 
 from din_model import CANDIDATE, HISTORY, Din, DinDenseNetwork, DinPredictor, build, sequence_json
-from din_requests import (Draw, cut, features, golden_requests, ranking_json, ranking_requests, request_json,
-                          sample_major, tiled)
+from din_requests import (Draw, Scored, features, ranking_requests, sample_major, sequence_flags,
+                          served_golden_requests, tiled)
+from export_common import WithSchema, begin_export, int_list, logger, parser, write_json_files, write_manifest
 from sequence_split import din_layout, write_split
-from export_dlrm import WithSchema, int_list
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
 EXPORT_FORMAT = 2
@@ -70,8 +68,7 @@ EXPORT_FORMAT = 2
 BOUND = 1e-6
 
 
-def log(msg: str) -> None:
-    print(f"[export_din {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("export_din")
 
 
 def package(quantized: Din, keys: List[str], schema_json: str) -> torch.jit.ScriptModule:
@@ -83,24 +80,14 @@ def package(quantized: Din, keys: List[str], schema_json: str) -> torch.jit.Scri
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "generated" / "test-din")
-    p.add_argument("--name", default="din", help="model name reported by ModelInfo")
-    p.add_argument("--version", default="1")
+    p = parser(__doc__, "test-din", name="din")
     p.add_argument("--num-dense", type=int, default=8)
-    p.add_argument("--num-user", type=int, default=3, help="pooled user features (user_0, ...), one table each")
-    p.add_argument("--item-rows", type=int, default=2000)
+    sequence_flags(p, 3, "pooled user features (user_0, ...), one table each", dim=32)
     p.add_argument("--cat-rows", type=int, default=50)
-    p.add_argument("--user-rows", type=int, default=500, help="rows of each user feature's table")
-    p.add_argument("--embedding-dim", type=int, default=32, help="every table's dimension D")
-    p.add_argument("--embedding-init", type=float, default=0.5, help="embedding weights uniform in [-x, x]")
-    p.add_argument("--max-len", type=int, default=64, help="the history's positions kept at most (the last)")
     p.add_argument("--bottom-arch", type=int_list, default=[64, 32], help="the dense features' MLP")
     p.add_argument("--attention-arch", type=int_list, default=[64, 16],
                    help="the attention MLP's layers over [c, p, c - p, c * p] (8D wide), before its one unit")
     p.add_argument("--over-arch", type=int_list, default=[128, 64], help="the top MLP's layers, before the logit")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true", help="also write the split form into OUT/split")
     p.add_argument("--pt2", action="store_true",
                    help="with --split, also compile the dense network with AOTInductor into OUT/split/dense.pt2 "
@@ -115,14 +102,9 @@ def main() -> int:
     out: Path = args.out
     if args.pt2 and not args.split:
         p.error("--pt2 compiles the split form's dense network: it needs --split")
-    split_missing = (args.split and not (out / "split" / "schema.json").exists()) or (
-        args.pt2 and not (out / "split" / "dense.pt2").exists())
-    if (out / "manifest.json").exists() and not args.force and not split_missing:
-        log(f"{out} already holds an export; pass --force to overwrite")
+    started = begin_export(args, log, args.split and "split/schema.json", args.pt2 and "split/dense.pt2")
+    if started is None:
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    started = time.time()
 
     user = [f"user_{i}" for i in range(args.num_user)]
     keys = user + CANDIDATE + HISTORY
@@ -140,11 +122,7 @@ def main() -> int:
             raise SystemExit(f"quantize_inference_model made a {type(collection).__name__}, not a {kind.__name__}")
 
     draw = Draw(args, args.seed + 1)
-    flat = []  # (the samples as served, positions cut, the samples as sent)
-    for samples in golden_requests(draw):
-        served = [cut(s["bags"], args.max_len) for s in samples]
-        flat.append(([dict(s, bags=bags) for s, (bags, _) in zip(samples, served)],
-                     sum(dropped for _, dropped in served), samples))
+    flat = served_golden_requests(draw, args.max_len)
     ranking = ranking_requests(draw)
 
     schema_json = json.dumps({
@@ -161,40 +139,31 @@ def main() -> int:
     loaded = torch.jit.load(str(out / "model.pt"))
 
     log("scoring the golden requests with TorchRec's eager quantized forward; model.pt checked against it")
-    golden, flat_scored, single_worst, spread = [], [], 0.0, []
+    scored, single_worst = Scored(), 0.0
     with torch.inference_mode():
         for served, dropped, sent in flat:
             dense, lengths, ids, kjt = features(sample_major(served), keys)
             scores = quantized(dense, kjt)
             single_worst = max(single_worst, (loaded(dense, lengths, ids) - scores).abs().max().item())
-            golden.append(request_json(sample_major(sent), scores, dropped))
+            entry = scored.add_flat(served, sent, dropped, scores)
             if len(served) <= 16:
                 # QuantEmbeddingCollection's rows of the history as served
                 # (sample after sample, oldest first): what Narsil's stage
                 # must reproduce bit for bit (crates/narsil-embedding/tests/
                 # fbgemm_parity.rs).
                 nobag = quantized.sequence_collection(kjt)
-                golden[-1]["sequence_values"] = {f: nobag[f].values().reshape(-1).tolist() for f in HISTORY}
-            flat_scored.append((served, scores))
-            spread.append(scores)
-        ranking_golden, ranking_scored = [], []
+                entry["sequence_values"] = {f: nobag[f].values().reshape(-1).tolist() for f in HISTORY}
         for request in ranking:
             samples, dropped = tiled(request, args.max_len)
             dense, lengths, ids, kjt = features(sample_major(samples), keys)
             scores = quantized(dense, kjt)
             single_worst = max(single_worst, (loaded(dense, lengths, ids) - scores).abs().max().item())
-            ranking_golden.append(ranking_json(request, scores, dropped))
-            ranking_scored.append((request, scores))
-            spread.append(scores)
+            scored.add_ranking(request, dropped, scores)
     if not single_worst <= BOUND:
         raise SystemExit(f"model.pt differs from TorchRec's eager quantized forward by {single_worst}")
-    spread = torch.cat(spread)
-    log(f"model.pt's scores within {single_worst:.1e} of the eager quantized forward's ({spread.numel()} scores, "
-        f"{float(spread.min()):.3f} to {float(spread.max()):.3f}, std {float(spread.std()):.3f})")
-    schema = json.loads(schema_json)
-    (out / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
-    ranking_file = {"request_level": request_level, "requests": ranking_golden}
-    (out / "golden_ranking.json").write_text(json.dumps(ranking_file))
+    log(f"model.pt's scores within {single_worst:.1e} of the eager quantized forward's ({scored.spread()})")
+    goldens = scored.files(json.loads(schema_json), request_level)
+    write_json_files(out, goldens)
 
     summary = {"model_pt_max_diff": single_worst}
     if args.split:
@@ -202,23 +171,18 @@ def main() -> int:
         network = DinDenseNetwork(quantized, len(user), args.embedding_dim,
                                   factored=args.dense_attention == "factored").eval()
         worst = write_split(out / "split", quantized, network, din_layout(args.max_len), args, keys, user,
-                            request_level, flat_scored, ranking_scored, log)
-        (out / "split" / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
-        (out / "split" / "golden_ranking.json").write_text(json.dumps(ranking_file))
+                            request_level, scored.flat, scored.ranking, log)
+        write_json_files(out / "split", goldens)
         log("split dense.pt's scores against the eager quantized forward's: "
             + ", ".join(f"{kind} within {diff:.1e}" for kind, diff in worst.items()))
         summary["split_max_diff"] = worst
-    manifest = {
-        "export_format": EXPORT_FORMAT, "kind": "din", "name": args.name, "version": args.version, "seed": args.seed,
-        "num_dense": args.num_dense, "num_user": args.num_user, "item_rows": args.item_rows,
-        "cat_rows": args.cat_rows, "user_rows": args.user_rows, "embedding_dim": args.embedding_dim,
-        "max_len": args.max_len, "bottom_arch": args.bottom_arch, "attention_arch": args.attention_arch,
-        "over_arch": args.over_arch, "dense_attention": args.dense_attention, "torch": torch.__version__,
-        "checks": summary,
-        "files": ["model.pt", "golden.json", "golden_ranking.json"] + (["split/"] if args.split else []),
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"wrote {out} in {time.time() - started:.1f} s")
+    fields = {"kind": "din", "name": args.name, "version": args.version, "seed": args.seed,
+              "num_dense": args.num_dense, "num_user": args.num_user, "item_rows": args.item_rows,
+              "cat_rows": args.cat_rows, "user_rows": args.user_rows, "embedding_dim": args.embedding_dim,
+              "max_len": args.max_len, "bottom_arch": args.bottom_arch, "attention_arch": args.attention_arch,
+              "over_arch": args.over_arch, "dense_attention": args.dense_attention}
+    files = ["model.pt", "golden.json", "golden_ranking.json"] + (["split/"] if args.split else [])
+    write_manifest(out, EXPORT_FORMAT, fields, files, started, log, checks=summary)
     return 0
 
 

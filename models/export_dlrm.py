@@ -43,11 +43,13 @@ import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 from torchrec.fx import symbolic_trace as torchrec_symbolic_trace
 from torchrec.inference.modules import quantize_embeddings
 from torchrec.models.dlrm import DLRM
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dense_packages import cpu_has_bf16, isa_cpu_flags, load_unlinked_package
+from export_common import (WithSchema, begin_export, embedding_flags, int_list, key_major, logger, parser,
+                           uniform_table, write_manifest)
+from model_files import link_or_copy
 from split_model import DenseNetwork, DlrmPredictor, dense_flops_per_sample, write_split
 
 
@@ -56,49 +58,11 @@ from split_model import DenseNetwork, DlrmPredictor, dense_flops_per_sample, wri
 EXPORT_FORMAT = 12
 
 
-def log(msg: str) -> None:
-    print(f"[export_dlrm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def int_list(text: str) -> List[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text}") from e
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"need positive integers: {text}")
-    return values
-
-
-class WithSchema(nn.Module):
-    """Adds `narsil_schema()` to a scripted predictor."""
-
-    def __init__(self, predictor: torch.jit.ScriptModule, schema_json: str) -> None:
-        super().__init__()
-        self.predictor = predictor
-        self.schema_json = schema_json
-
-    def forward(self, dense: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.predictor(dense, lengths, ids)
-
-    @torch.jit.export
-    def narsil_schema(self) -> str:
-        return self.schema_json
+log = logger("export_dlrm")
 
 
 def build_dlrm(args: argparse.Namespace) -> DLRM:
-    bound = args.embedding_init
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t_cat_{i}",
-            embedding_dim=args.embedding_dim,
-            num_embeddings=args.num_rows,
-            feature_names=[f"cat_{i}"],
-            pooling=PoolingType.SUM,
-            init_fn=lambda w: nn.init.uniform_(w, -bound, bound),
-        )
-        for i in range(args.num_sparse)
-    ]
+    tables = [uniform_table(f"t_cat_{i}", [f"cat_{i}"], args.num_rows, args) for i in range(args.num_sparse)]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     return DLRM(
         embedding_bag_collection=ebc,
@@ -190,16 +154,6 @@ def golden_ranking_requests(args: argparse.Namespace, request_level: List[str]) 
                       "ids": torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64)},
         })
     return requests
-
-
-def key_major(request: dict) -> tuple:
-    """Sample-major request -> the model's (dense, lengths, ids), key-major."""
-    lengths = request["lengths"]  # [B, T]
-    batch_size, num_sparse = lengths.shape
-    bags = torch.split(request["ids"], lengths.reshape(-1).tolist())  # sample-major bags
-    ordered = [bags[b * num_sparse + f] for f in range(num_sparse) for b in range(batch_size)]
-    ids = torch.cat(ordered) if ordered else torch.empty(0, dtype=torch.int64)
-    return request["dense"], lengths.t().contiguous().reshape(-1), ids
 
 
 def check_against_torchrec(dlrm: DLRM, quantized: nn.Module, keys: List[str], args: argparse.Namespace) -> None:
@@ -466,19 +420,13 @@ def add_to_schema(split_dir: Path, fields: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "generated" / "default")
-    p.add_argument("--name", default="dlrm", help="model name reported by ModelInfo")
-    p.add_argument("--version", default="1")
+    p = parser(__doc__, "default", name="dlrm")
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--num-sparse", type=int, default=26)
     p.add_argument("--num-rows", type=int, default=100_000, help="rows per embedding table")
-    p.add_argument("--embedding-dim", type=int, default=64)
+    embedding_flags(p, 64, 0.1)
     p.add_argument("--dense-arch", type=int_list, default=[512, 256, 64])
     p.add_argument("--over-arch", type=int_list, default=[512, 512, 256, 1])
-    p.add_argument("--embedding-init", type=float, default=0.1,
-                   help="embedding weights are uniform in [-x, x]")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--golden-seed", type=int, default=None,
                    help="seed of the golden requests (default: --seed); the same one gives two models the same inputs")
     p.add_argument("--golden-batch-sizes", type=int_list, default=[1, 100, 7, 100, 16, 3, 64, 100])
@@ -487,7 +435,6 @@ def main() -> int:
                         "(`dense` for the dense features; `none` for none), declared in the schemas so requests "
                         "may send them once (default: the first half of the sparse features and the dense "
                         "features, e.g. cat_0..cat_12 and dense for the default DLRM)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split")
     p.add_argument("--no-pt2", dest="pt2", action="store_false",
@@ -519,19 +466,14 @@ def main() -> int:
                 "or amx_int8), and this one has none: INT8 GEMMs would run slower than FP32 here (measured on an "
                 "AVX2 CPU). Export on a CPU with VNNI or AMX-INT8, or serve --dense-precision fp32 or bf16")
     out: Path = args.out
-    split_missing = (args.split and not (out / "split" / "schema.json").exists()) or (
-        args.split_fp32 and not (out / "split_fp32" / "schema.json").exists()) or (
-        args.int8 and not (out / "split" / "dense_int8.pt2").exists())
-    if (out / "manifest.json").exists() and not args.force and not split_missing:
-        log(f"{out} already holds an export; pass --force to overwrite")
+    started = begin_export(args, log, args.split and "split/schema.json", args.split_fp32 and "split_fp32/schema.json",
+                           args.int8 and "split/dense_int8.pt2")
+    if started is None:
         if args.publish:
             publish(out, args.publish, args.name, args.version, args.split)
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
-    started = time.time()
     log(f"building DLRM: {args.num_sparse} tables x {args.num_rows:,} rows x {args.embedding_dim}, "
         f"dense {args.num_dense}->{args.dense_arch}, over {args.over_arch}")
     dlrm = build_dlrm(args)
@@ -616,27 +558,15 @@ def main() -> int:
                     request_level=request_level)
         add_to_schema(out / "split_fp32", {"request_level": request_level})
 
-    manifest = {
-        "export_format": EXPORT_FORMAT, "name": args.name, "version": args.version, "seed": args.seed,
-        "num_dense": args.num_dense, "num_sparse": args.num_sparse, "num_rows": args.num_rows,
-        "embedding_dim": args.embedding_dim, "dense_arch": args.dense_arch, "over_arch": args.over_arch,
-        "torch": torch.__version__,
-        "files": ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json",
-                  "golden_ranking.json"]
-        + (["split/"] if args.split else []) + (["split_fp32/"] if args.split_fp32 else []),
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"wrote {out} in {time.time() - started:.1f} s")
+    fields = {"name": args.name, "version": args.version, "seed": args.seed, "num_dense": args.num_dense,
+              "num_sparse": args.num_sparse, "num_rows": args.num_rows, "embedding_dim": args.embedding_dim,
+              "dense_arch": args.dense_arch, "over_arch": args.over_arch}
+    files = ["model_default.pt", "model_fp32.pt", "weights_fp32.safetensors", "golden.json", "golden_ranking.json"] \
+        + (["split/"] if args.split else []) + (["split_fp32/"] if args.split_fp32 else [])
+    write_manifest(out, EXPORT_FORMAT, fields, files, started, log)
     if args.publish:
         publish(out, args.publish, args.name, args.version, args.split)
     return 0
-
-
-def link_or_copy(source: str, destination: str) -> None:
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
 
 
 def publish(out: Path, repository: Path, name: str, version: str, split: bool):

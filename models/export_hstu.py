@@ -33,9 +33,7 @@ Writes into --out:
 """
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 from typing import List
 
@@ -44,9 +42,9 @@ import torch
 import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 from torchrec.inference.modules import quantize_inference_model
 
-from din_requests import (Draw, cut, cut_history, features, golden_requests, ranking_json, ranking_requests,
-                          request_json, sample_major, tiled)
-from export_dlrm import int_list
+from din_requests import (Draw, Scored, cut_history, features, ranking_requests, sample_major, sequence_flags,
+                          served_golden_requests, tiled)
+from export_common import begin_export, int_list, logger, parser, write_json_files, write_manifest
 from hstu_model import CANDIDATE, HISTORY, HstuDenseNetwork, age_bucket, build, sequence_json
 from sequence_split import Layout, write_split
 
@@ -65,8 +63,7 @@ BF16_BOUND = 1e-1
 INVARIANCE_BOUND = 1e-6
 
 
-def log(msg: str) -> None:
-    print(f"[export_hstu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = logger("export_hstu")
 
 
 class HstuDraw(Draw):
@@ -104,28 +101,18 @@ def one_forward(quantized, request: dict, keys: List[str], max_len: int) -> torc
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "generated" / "test-hstu")
-    p.add_argument("--name", default="hstu", help="model name reported by ModelInfo")
-    p.add_argument("--version", default="1")
-    p.add_argument("--num-user", type=int, default=2, help="contextual user features (user_0, ...), one table each")
-    p.add_argument("--item-rows", type=int, default=2000)
+    p = parser(__doc__, "test-hstu", name="hstu")
+    sequence_flags(p, 2, "contextual user features (user_0, ...), one table each", dim=16)
     p.add_argument("--action-rows", type=int, default=8)
     p.add_argument("--age-rows", type=int, default=64, help="age buckets (ln(30 days) / 0.301 is about 49)")
-    p.add_argument("--user-rows", type=int, default=500, help="rows of each user feature's table")
-    p.add_argument("--embedding-dim", type=int, default=16, help="every table's dimension D")
-    p.add_argument("--embedding-init", type=float, default=0.5, help="embedding weights uniform in [-x, x]")
     p.add_argument("--model-dim", type=int, default=32, help="the STU layers' token width")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=16, help="width of each head's u, v, q and k")
-    p.add_argument("--max-len", type=int, default=64, help="the history's positions kept at most (the last)")
     p.add_argument("--head-arch", type=int_list, default=[32], help="the head's MLP layers, before the logit")
     p.add_argument("--attention-block", type=int, default=32,
                    help="the split dense network's attention block: a unit's tokens are cut into blocks of this many "
                         "(only its last block padded)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--pt2", action="store_true",
                    help="also compile the dense network with AOTInductor into OUT/split/dense.pt2 (FP32)")
     args = p.parse_args()
@@ -133,13 +120,9 @@ def main() -> int:
     if args.num_user < 1 or args.max_len < 1 or args.attention_block < 1:
         p.error("--num-user, --max-len and --attention-block must be at least 1")
     out: Path = args.out
-    missing = not (out / "split" / "schema.json").exists() or (args.pt2 and not (out / "split" / "dense.pt2").exists())
-    if (out / "manifest.json").exists() and not args.force and not missing:
-        log(f"{out} already holds an export; pass --force to overwrite")
+    started = begin_export(args, log, "split/schema.json", args.pt2 and "split/dense.pt2")
+    if started is None:
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    started = time.time()
 
     user = [f"user_{i}" for i in range(args.num_user)]
     keys = user + CANDIDATE + HISTORY
@@ -152,65 +135,46 @@ def main() -> int:
     quantized = quantize_inference_model(build(args, user))
 
     draw = HstuDraw(args, args.seed + 1)
-    flat = []
-    for samples in golden_requests(draw):
-        served = [cut(s["bags"], args.max_len, len(HISTORY)) for s in samples]
-        flat.append(([dict(s, bags=bags) for s, (bags, _) in zip(samples, served)],
-                     sum(dropped for _, dropped in served), samples))
+    flat = served_golden_requests(draw, args.max_len, len(HISTORY))
     ranking = ranking_requests(draw)
 
     log("scoring the golden requests with the eager quantized forward (flat: a sequence per sample; ranking: "
         "one sequence per request, its candidates appended)")
-    golden, flat_scored, ranking_golden, ranking_scored, spread = [], [], [], [], []
-    invariance = 0.0
+    scored, invariance = Scored(), 0.0
     with torch.inference_mode():
         for served, dropped, sent in flat:
             _, _, _, kjt = features(sample_major(served), keys)
-            scores = quantized(torch.zeros(len(served), 0), kjt)
-            golden.append(request_json(sample_major(sent), scores, dropped))
-            flat_scored.append((served, scores))
-            spread.append(scores)
+            scored.add_flat(served, sent, dropped, quantized(torch.zeros(len(served), 0), kjt))
         for request in ranking:
             scores = one_forward(quantized, request, keys, args.max_len)
             samples, dropped = tiled(request, args.max_len)
             _, _, _, kjt = features(sample_major(samples), keys)
             invariance = max(invariance, (quantized(torch.zeros(len(samples), 0), kjt) - scores).abs().max().item())
-            ranking_golden.append(ranking_json(request, scores, dropped))
-            ranking_scored.append((request, scores))
-            spread.append(scores)
+            scored.add_ranking(request, dropped, scores)
     if not invariance <= INVARIANCE_BOUND:
         raise SystemExit(f"a candidate scored with its request's others differs from alone by {invariance}")
-    spread = torch.cat(spread)
-    log(f"{spread.numel()} reference scores, {float(spread.min()):.3f} to {float(spread.max()):.3f} (std "
-        f"{float(spread.std()):.3f}); a candidate with its request's others within {invariance:.1e} of alone")
+    log(f"reference: {scored.spread()}; a candidate with its request's others within {invariance:.1e} of alone")
     schema = {"name": args.name, "version": args.version, "num_dense": 0,
               "sparse": [{"name": k, "num_rows": rows[k]} for k in keys],
               "request_level": request_level, "sequences": [sequence_json(args.max_len)]}
-    ranking_file = {"request_level": request_level, "requests": ranking_golden}
-    (out / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
-    (out / "golden_ranking.json").write_text(json.dumps(ranking_file))
+    goldens = scored.files(schema, request_level)
+    write_json_files(out, goldens)
 
     log("writing the split form and checking it through an emulation of Narsil's stage")
     network = HstuDenseNetwork(quantized.network, args.attention_block).eval()
     layout = Layout(HISTORY, CANDIDATE, sequence_json(args.max_len), BOUND, BF16_BOUND)
-    worst = write_split(out / "split", quantized, network, layout, args, keys, user, request_level, flat_scored,
-                        ranking_scored, log)
-    (out / "split" / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
-    (out / "split" / "golden_ranking.json").write_text(json.dumps(ranking_file))
+    worst = write_split(out / "split", quantized, network, layout, args, keys, user, request_level, scored.flat,
+                        scored.ranking, log)
+    write_json_files(out / "split", goldens)
     log("split dense.pt's scores against the eager quantized forward's: "
         + ", ".join(f"{kind} within {diff:.1e}" for kind, diff in worst.items()))
-    manifest = {
-        "export_format": EXPORT_FORMAT, "kind": "hstu", "name": args.name, "version": args.version,
-        "seed": args.seed, "num_user": args.num_user, "item_rows": args.item_rows, "action_rows": args.action_rows,
-        "age_rows": args.age_rows, "user_rows": args.user_rows, "embedding_dim": args.embedding_dim,
-        "model_dim": args.model_dim, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
-        "max_len": args.max_len, "head_arch": args.head_arch, "attention_block": args.attention_block,
-        "torch": torch.__version__,
-        "checks": {"invariance": invariance, "split_max_diff": worst},
-        "files": ["golden.json", "golden_ranking.json", "split/"],
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"wrote {out} in {time.time() - started:.1f} s")
+    fields = {"kind": "hstu", "name": args.name, "version": args.version, "seed": args.seed,
+              "num_user": args.num_user, "item_rows": args.item_rows, "action_rows": args.action_rows,
+              "age_rows": args.age_rows, "user_rows": args.user_rows, "embedding_dim": args.embedding_dim,
+              "model_dim": args.model_dim, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
+              "max_len": args.max_len, "head_arch": args.head_arch, "attention_block": args.attention_block}
+    write_manifest(out, EXPORT_FORMAT, fields, ["golden.json", "golden_ranking.json", "split/"], started, log,
+                   checks={"invariance": invariance, "split_max_diff": worst})
     return 0
 
 

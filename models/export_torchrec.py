@@ -37,7 +37,6 @@ bf16 instructions).
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -54,6 +53,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from export_common import (begin_export, embedding_flags, int_list, logger, parser, uniform_table, write_json_files,
+                           write_manifest)
 from extract_split import extract
 from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
 
@@ -61,28 +62,18 @@ from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
 EXPORT_FORMAT = 7
 
 
-def log(msg: str) -> None:
-    print(f"[export_torchrec] {msg}", file=sys.stderr, flush=True)
+log = logger("export_torchrec")
 
 
 def tables(names: List[str], args: argparse.Namespace, varied: bool = False) -> List[EmbeddingBagConfig]:
     """One sum-pooled table per feature; `varied`: the first two features
     share one table and the last is mean-pooled."""
-    bound = args.embedding_init
     groups = [[name] for name in names]
     if varied:
         groups = [names[:2]] + groups[2:]
-    return [
-        EmbeddingBagConfig(
-            name="t_" + "_".join(group),
-            embedding_dim=args.embedding_dim,
-            num_embeddings=args.num_rows,
-            feature_names=group,
-            pooling=PoolingType.MEAN if varied and group[-1] == names[-1] else PoolingType.SUM,
-            init_fn=lambda w: nn.init.uniform_(w, -bound, bound),
-        )
-        for group in groups
-    ]
+    return [uniform_table("t_" + "_".join(group), group, args.num_rows, args,
+                          PoolingType.MEAN if varied and group[-1] == names[-1] else PoolingType.SUM)
+            for group in groups]
 
 
 class TwoTowerTasks(nn.Module):
@@ -254,17 +245,13 @@ def write_split(out: Path, quantized: nn.Module, args: argparse.Namespace, unwei
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
+    p = parser(__doc__, None)
     p.add_argument("--kind", choices=["dlrm", "dlrm_dcn", "multitask"], default="dlrm")
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--num-sparse", type=int, default=26, help="unweighted features")
     p.add_argument("--num-weighted", type=int, default=4, help="weighted features (multitask)")
     p.add_argument("--num-rows", type=int, default=1000, help="rows per embedding table")
-    p.add_argument("--embedding-dim", type=int, default=16)
-    p.add_argument("--embedding-init", type=float, default=0.5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="overwrite an existing export")
+    embedding_flags(p, 16, 0.5)
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables apart from the dense network) into OUT/split, "
                         "and the one extracted from model.pt into OUT/extracted")
@@ -272,10 +259,10 @@ def main() -> int:
                    help="with --split, also compile OUT/split's and OUT/extracted's dense networks with "
                         "AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU with bf16 instructions; needs a "
                         "C++ compiler)")
-    p.add_argument("--dense-arch", type=lambda text: [int(x) for x in text.split(",")], default=None,
+    p.add_argument("--dense-arch", type=int_list, default=None,
                    help="dlrm, dlrm_dcn: the dense arch's layer sizes, comma-separated, the last the embedding "
                         "dimension (default 64,DIM)")
-    p.add_argument("--over-arch", type=lambda text: [int(x) for x in text.split(",")], default=[64, 1],
+    p.add_argument("--over-arch", type=int_list, default=[64, 1],
                    help="dlrm, dlrm_dcn: the over arch's layer sizes, comma-separated, the last 1 (default 64,1)")
     p.add_argument("--dcn-layers", type=int, default=2, help="dlrm_dcn: DCNv2 cross layers")
     p.add_argument("--dcn-rank", type=int, default=8, help="dlrm_dcn: the cross layers' low rank")
@@ -288,13 +275,9 @@ def main() -> int:
     out: Path = args.out
     if args.kind == "multitask" and args.num_sparse < 3:
         p.error("--kind multitask needs --num-sparse of at least 3 (a shared table and a mean-pooled feature)")
-    split_missing = args.split and not all((out / d / "schema.json").exists() for d in ("split", "extracted"))
-    if (out / "manifest.json").exists() and not args.force and not split_missing:
-        log(f"{out} already holds an export; pass --force to overwrite")
+    started = begin_export(args, log, args.split and "split/schema.json", args.split and "extracted/schema.json")
+    if started is None:
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
-    started = time.time()
 
     unweighted = [f"cat_{i}" for i in range(args.num_sparse)]
     weighted = [f"wcat_{i}" for i in range(args.num_weighted)] if args.kind == "multitask" else []
@@ -350,16 +333,16 @@ def main() -> int:
                 "weights": request["weights"].tolist(),
                 "outputs": {name: predictions[name].reshape(-1).tolist() for name in outputs},
             })
-    (out / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+    goldens = {"golden.json": {"config": config, "requests": golden}}
+    write_json_files(out, goldens)
     if args.split:
         write_split(out / "split", quantized, args, unweighted, weighted, outputs, requests, golden)
-        (out / "split" / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+        write_json_files(out / "split", goldens)
         log("extracting a split model from model.pt alone (models/extract_split.py)")
         extract(out, out / "extracted", pt2=args.pt2)
-    manifest = {"export_format": EXPORT_FORMAT, "kind": args.kind, "seed": args.seed, "torch": torch.__version__,
-                "files": ["model.pt", "model.json", "golden.json"] + (["split/", "extracted/"] if args.split else [])}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"wrote {out} in {time.time() - started:.1f} s")
+    write_manifest(out, EXPORT_FORMAT, {"kind": args.kind, "seed": args.seed},
+                   ["model.pt", "model.json", "golden.json"] + (["split/", "extracted/"] if args.split else []),
+                   started, log)
     return 0
 
 

@@ -40,7 +40,6 @@ from model.pt alone by models/extract_split.py).
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -56,7 +55,7 @@ from torchrec.inference.modules import (
     quantize_inference_model,
     trim_torch_package_prefix_from_typename,
 )
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
 from torchrec.modules.mc_modules import (
@@ -68,6 +67,7 @@ from torchrec.modules.mc_modules import (
 from torchrec.quant.embedding_modules import QuantManagedCollisionEmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
+from export_common import begin_export, embedding_flags, logger, parser, uniform_table, write_json_files, write_manifest
 from extract_split import extract
 from id_map import I64_MAX, lookup, mch_remapping, write_map
 from split_model import DenseNetwork, write_torchrec_split
@@ -77,8 +77,7 @@ EXPORT_FORMAT = 1
 I64_MIN = -(1 << 63)
 
 
-def log(msg: str) -> None:
-    print(f"[export_torchrec_mc] {msg}", file=sys.stderr, flush=True)
+log = logger("export_torchrec_mc")
 
 
 class McSparseArch(nn.Module):
@@ -122,19 +121,8 @@ class PooledLookups:
 def table_configs(names: List[str], args: argparse.Namespace) -> List[EmbeddingBagConfig]:
     """One sum-pooled table of --zch-size rows per feature, the first two
     features sharing one (a shared table has one MCH module)."""
-    bound = args.embedding_init
     groups = [names[:2]] + [[name] for name in names[2:]]
-    return [
-        EmbeddingBagConfig(
-            name="t_" + "_".join(group),
-            embedding_dim=args.embedding_dim,
-            num_embeddings=args.zch_size,
-            feature_names=group,
-            pooling=PoolingType.SUM,
-            init_fn=lambda w: nn.init.uniform_(w, -bound, bound),
-        )
-        for group in groups
-    ]
+    return [uniform_table("t_" + "_".join(group), group, args.zch_size, args) for group in groups]
 
 
 def raw_id_population(g: torch.Generator, count: int) -> torch.Tensor:
@@ -297,20 +285,16 @@ def add_id_maps(out: Path, collection, tables, requests: List[dict], names: List
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True)
+    p = parser(__doc__, None)
     p.add_argument("--num-dense", type=int, default=13)
     p.add_argument("--num-sparse", type=int, default=5, help="features (the first two share a table)")
     p.add_argument("--zch-size", type=int, default=300, help="rows per table: the MCH module's zch_size")
-    p.add_argument("--embedding-dim", type=int, default=16)
-    p.add_argument("--embedding-init", type=float, default=0.5)
+    embedding_flags(p, 16, 0.5)
     p.add_argument("--eviction", choices=["lfu", "lru"], default="lfu", help="the MCH modules' eviction policy")
     p.add_argument("--population", type=int, default=1200, help="distinct raw ids fed to each table")
     p.add_argument("--fill-steps", type=int, default=40, help="training-mode forwards that fill the remapping")
     p.add_argument("--fill-batch", type=int, default=64, help="samples per filling forward")
     p.add_argument("--requests", type=int, default=200, help="golden requests")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--force", action="store_true", help="overwrite an existing export")
     p.add_argument("--split", action="store_true",
                    help="also write the split form (INT8 tables, id maps, dense network) into OUT/split, and "
                         "the one extracted from model.pt into OUT/extracted")
@@ -318,14 +302,10 @@ def main() -> int:
     if args.num_sparse < 3:
         p.error("--num-sparse must be at least 3 (two share a table)")
     out: Path = args.out
-    split_missing = args.split and not all((out / d / "schema.json").exists() for d in ("split", "extracted"))
-    if (out / "manifest.json").exists() and not args.force and not split_missing:
-        log(f"{out} already holds an export; pass --force to overwrite")
+    started = begin_export(args, log, args.split and "split/schema.json", args.split and "extracted/schema.json")
+    if started is None:
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(args.seed)
     g = torch.Generator().manual_seed(args.seed + 1)
-    started = time.time()
 
     names = [f"cat_{i}" for i in range(args.num_sparse)]
     tables = table_configs(names, args)
@@ -401,7 +381,8 @@ def main() -> int:
     if worst > 1e-6:
         raise SystemExit(f"the saved model.pt differs from TorchRec's eager quantized forward by {worst}")
     log(f"model.pt's scores within {worst:.1e} of the eager quantized forward's")
-    (out / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+    goldens = {"golden.json": {"config": config, "requests": golden}}
+    write_json_files(out, goldens)
     summary = {
         "requests": len(requests),
         "samples": sum(r["batch_size"] for r in requests),
@@ -421,16 +402,13 @@ def main() -> int:
                              "torchrec-mc", "1", args.num_dense, ["default"], list(zip(requests, golden)),
                              pooled_of, log)
         summary["unmapped"] = add_id_maps(split, collection, tables, requests, names)
-        (split / "golden.json").write_text(json.dumps({"config": config, "requests": golden}))
+        write_json_files(split, goldens)
         log("extracting a split model from model.pt alone (models/extract_split.py)")
         extract(out, out / "extracted")
     (out / "mc.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"golden ids: {counts}")
-    manifest = {"export_format": EXPORT_FORMAT, "kind": "dlrm_mch", "seed": args.seed, "torch": torch.__version__,
-                "files": ["model.pt", "model.json", "golden.json", "mc.json"]
-                + (["split/", "extracted/"] if args.split else [])}
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"wrote {out} in {time.time() - started:.1f} s")
+    files = ["model.pt", "model.json", "golden.json", "mc.json"] + (["split/", "extracted/"] if args.split else [])
+    write_manifest(out, EXPORT_FORMAT, {"kind": "dlrm_mch", "seed": args.seed}, files, started, log)
     return 0
 
 

@@ -68,6 +68,7 @@ import fbgemm_gpu  # noqa: F401  (registers FBGEMM's operators)
 
 from id_map import I64_MAX, lookup, mch_remapping, write_map
 from dense_packages import write_dense_packages
+from export_common import logger
 from split_model import SPLIT_FORMAT, dense_flops_per_sample
 from ts_retrace import RetracedScript
 
@@ -81,8 +82,7 @@ LOCATION_HOST = 3
 ROW_ALIGNMENT = 16
 
 
-def log(msg: str) -> None:
-    print(f"[extract_split] {msg}", file=sys.stderr, flush=True)
+log = logger("extract_split")
 
 
 class Lookup:

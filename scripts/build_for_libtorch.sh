@@ -4,7 +4,7 @@
 # and writes a folder to carry to a machine that has that PyTorch: the
 # binary, the CUDA shim (libnarsil_cuda_shim.so: CUDA graphs and streams;
 # the build fails without it), the small split test model with its golden
-# requests, and scripts/gpu_check.sh.
+# requests, and scripts/gpu_check.sh with models/model_files.py.
 #
 #   scripts/build_for_libtorch.sh [TORCH_VERSION] [OUT_DIR]
 #
@@ -168,6 +168,9 @@ fi
 mkdir -p "$OUT/split-hstu"
 (cd "$HSTU_GPU/split" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-hstu" && tar -xf -)
 cp "$ROOT/scripts/gpu_check.sh" "$OUT/gpu_check.sh"
+# What gpu_check.sh's default-size model copies from split/ (every file its
+# schema names).
+cp "$ROOT/models/model_files.py" "$OUT/model_files.py"
 echo "torch $TORCH_VERSION, tch $TCH, built $(date -u +%FT%TZ) from $(cd "$ROOT" && git rev-parse --short HEAD)" > "$OUT/BUILD"
 BYTES=$(du -sb "$OUT" | cut -f1)
 MIB=$(( (BYTES + 1048575) / 1048576 ))

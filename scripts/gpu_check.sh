@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: one command for a lent GPU machine (PyTorch 2.11 in its
 # python3, no Rust), run in the folder scripts/build_for_libtorch.sh writes
-# (narsil, libnarsil_cuda_shim.so, split/, golden.json, BUILD). Made for the
-# device tool as it is: 15 minutes of device time a task (starts included),
-# 10 minutes a call, at most 8 files of at most 2 folders' depth back from
-# $OUT. So:
+# (narsil, libnarsil_cuda_shim.so, model_files.py, split/, golden.json,
+# BUILD). Made for the device tool as it is: 15 minutes of device time a
+# task (starts included), 10 minutes a call, at most 8 files of at most 2
+# folders' depth back from $OUT. So:
 #
 #   * work files (server logs, the default-size tables) live in the
 #     machine's /tmp; at exit, whatever happened, at most 4 small files are
@@ -348,17 +348,28 @@ EOF
   [ "$rc" = 0 ] || failed "narsil load $mode c$c: no request succeeded"
 }
 
+# make_default_size_model SOURCE DEST ROWS: the split model SOURCE with
+# every table ROWS rows of random INT8 values (dim 64), in DEST (kept if
+# there), every other file SOURCE's schema names copied but the CPU's .pt2
+# packages and the Burn weights (models/model_files.py, which
+# build_for_libtorch.sh carries beside this script).
 make_default_size_model() {
-  local big=$1
+  local src=$1 big=$2 rows=$3
   [ -f "$big/schema.json" ] && return 0
-  timeout 120 python3 - "$MODEL" "$big" "$ROWS" <<'EOF'
-import ctypes, hashlib, json, os, shutil, sys
+  timeout 120 python3 - "$src" "$big" "$rows" "$HERE" <<'EOF'
+import ctypes, hashlib, json, os, sys
+src, dst, rows, here = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+sys.path[:0] = [here, os.path.join(here, "..", "models")]
 import torch  # not numpy: PyTorch's wheel does not bring it
-src, dst, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])
+from model_files import copy_named_files, drop_packages, read_schema
 dim = 64
 os.makedirs(os.path.join(dst, "tables"), exist_ok=True)
-schema = json.load(open(os.path.join(src, "schema.json")))
-shutil.copy(os.path.join(src, schema["dense_network"]), os.path.join(dst, schema["dense_network"]))
+schema = read_schema(src)
+drop_packages(schema)
+schema.pop("dense_weights", None)
+for table in schema["tables"]:
+    table.pop("layout", None)
+copy_named_files(src, dst, schema, skip=[table["file"] for table in schema["tables"]])
 generator = torch.Generator().manual_seed(0)
 for table in schema["tables"]:
     assert table["dim"] == dim and table["storage"] == "int8_rowwise", table
@@ -372,9 +383,6 @@ for table in schema["tables"]:
         f.write(blob)
     table["rows"] = rows
     table["sha256"] = hashlib.sha256(blob).hexdigest()
-    table.pop("layout", None)
-for key in ("dense_package", "dense_package_bf16", "dense_package_int8", "dense_weights"):
-    schema.pop(key, None)
 json.dump(schema, open(os.path.join(dst, "schema.json"), "w"), indent=1)
 print(f"default-size model: {len(schema['tables'])} x {rows} x {dim} INT8 in {dst}")
 EOF
@@ -386,7 +394,7 @@ phase_b() {
   local line="|---|---|---|---|---|---|---|---|---|---|"
   local device_lane=()
   [ -n "$DRY" ] && device_lane=(NARSIL_CUDA_GRAPH_BUCKETS=128,256,512,1024)
-  if ! make_default_size_model "$big" > "$WORK/generate.log" 2>&1; then
+  if ! make_default_size_model "$MODEL" "$big" "$ROWS" > "$WORK/generate.log" 2>&1; then
     failed "cannot generate the default-size tables: $(tail -3 "$WORK/generate.log" | tr '\n' ' ')"
     return 0
   fi
@@ -424,6 +432,10 @@ case "${1:-}" in
     shift
     [ -n "$DRY" ] && exec "$BIN" "$@"
     exec env LD_LIBRARY_PATH="$TL${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" LD_PRELOAD="$TL/libtorch_cuda.so" "$BIN" "$@" ;;
+  --default-size-model) # internal: make_default_size_model SOURCE DEST ROWS alone (tests/model_writers_e2e.rs)
+    shift
+    make_default_size_model "$@"
+    exit ;;
   --phase) # internal: one phase, under the caller's time limit
     trap stop_server EXIT
     case "$2" in A) phase_a ;; B) phase_b ;; S) phase_s ;; G) phase_g ;; esac

@@ -369,6 +369,28 @@ fn no_python_script_has_an_import_circle() {
     assert!(found.is_empty(), "import circles:\n{}", found.join("\n"));
 }
 
+/// The exporters (`models/export_*.py`) share `models/export_common.py`:
+/// no module in `models/` imports an exporter, so none runs another's
+/// imports (TorchRec's DLRM for a sequence model) or breaks with it.
+#[test]
+fn no_model_script_imports_an_exporter() {
+    let models = Path::new(env!("CARGO_MANIFEST_DIR")).join("models");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(&models).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "py") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for module in python_imports(&text) {
+            if module.starts_with("export_") && module != "export_common" {
+                found.push(format!("{} imports {module}", path.file_name().unwrap().to_string_lossy()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "move what they share into models/export_common.py:\n{}", found.join("\n"));
+}
+
 #[test]
 fn the_circle_check_reads_use_trees_and_super() {
     let here = vec!["a".to_string(), "b".to_string()];
