@@ -91,7 +91,7 @@ async fn real_tls_clients_are_answered_while_1100_idle_sockets_hold_the_port() {
     let (shed, hello_timeouts) = (count("shed_oldest") + count("shed_peer"), count("hello_timeout"));
     let progressing = common::metric(&metrics, r#"narsil_tls_shed_progressing_total{listener="grpc"}"#);
     eprintln!(
-        "handshakes shed: {shed} ({progressing} not yet stalled), timed out waiting for the ClientHello: \
+        "handshakes shed: {shed} ({progressing} by the listener's cap not yet stalled), timed out waiting for the ClientHello: \
          {hello_timeouts}"
     );
     assert!(shed + hello_timeouts > 0.0, "the flood was neither shed nor timed out:\n{metrics}");

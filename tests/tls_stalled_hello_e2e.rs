@@ -104,7 +104,7 @@ async fn real_clients_are_answered_through(
     };
     let progressing = common::metric(&metrics, r#"narsil_tls_shed_progressing_total{listener="grpc"}"#);
     eprintln!(
-        "shed by the peer's cap: {}, by the listener's: {}, of them not yet stalled: {progressing}; \
+        "shed by the peer's cap: {}, by the listener's: {} ({progressing} of them not yet stalled); \
          completed: {}",
         count("shed_peer"),
         count("shed_oldest"),

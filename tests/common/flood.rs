@@ -225,7 +225,8 @@ pub async fn health_on_a_delayed_path(
         let connector = tower::service_fn(move |_: Uri| async move {
             delayed_connection(addr, delay).await.map(TokioIo::new)
         });
-        let channel = endpoint.connect_with_connector(connector).await.map_err(|e| format!("connect: {e:?}"))?;
+        let channel =
+            endpoint.connect_with_connector(connector).await.map_err(|e| format!("connect: {e:?}"))?;
         super::health_status(channel).await.map_err(|s| format!("health: {s:?}"))
     };
     match tokio::time::timeout(deadline, call).await {
@@ -313,7 +314,9 @@ pub struct LocalPrefix {
 impl LocalPrefix {
     pub fn add(prefix: &'static str) -> Result<Self, String> {
         let route = |verb: &str| {
-            std::process::Command::new("ip").args(["-6", "route", verb, "local", prefix, "dev", "lo"]).output()
+            std::process::Command::new("ip")
+                .args(["-6", "route", verb, "local", prefix, "dev", "lo"])
+                .output()
         };
         match route("replace") {
             Ok(out) if out.status.success() => Ok(Self { prefix }),

@@ -100,7 +100,8 @@ impl TlsIncoming {
                         Cap::Peer => Outcome::ShedPeer,
                     };
                     door.metrics.handshake(door.name, outcome);
-                    if !shed.stalled {
+                    // Past the listener's cap, anyone's: past a peer's, only its own.
+                    if shed.cap == Cap::Listener && !shed.stalled {
                         door.metrics.shed_progressing(door.name);
                     }
                     tracing::debug!(

@@ -1,8 +1,8 @@
 //! What the TLS door counts, exposed with the server's metrics on the admin
 //! address: every handshake by listener and outcome (completed, failed,
 //! timed out waiting for the ClientHello or for the rest, shed to make room
-//! for newer ones), those shed before they had stalled, the handshakes in
-//! flight, and the certificate reloads by outcome. One set per [`super::ServerTls`], shared by its listeners.
+//! for newer ones), those shed at the listener's cap before they had
+//! stalled, the handshakes in flight, and the certificate reloads by outcome. One set per [`super::ServerTls`], shared by its listeners.
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -81,8 +81,8 @@ impl TlsMetrics {
         );
         registry.register(
             "tls_shed_progressing",
-            "TLS handshakes shed (either cap) though they had progressed within the last second, by \
-             listener: more connects than the caps hold for a real client's few round trips",
+            "TLS handshakes shed at the listener's cap though they had progressed within the last \
+             second, by listener: more connects than the cap holds for a real client's few round trips",
             shed_progressing.clone(),
         );
         registry.register(
@@ -114,7 +114,8 @@ impl TlsMetrics {
         vec![("listener".into(), listener.into())]
     }
 
-    /// Counts a handshake on `listener` shed though it had not stalled.
+    /// Counts a handshake on `listener` shed at the listener's cap though it
+    /// had not stalled.
     pub(crate) fn shed_progressing(&self, listener: &str) {
         self.shed_progressing.get_or_create(&Self::listener_labels(listener)).inc();
     }

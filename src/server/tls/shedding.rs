@@ -9,9 +9,9 @@
 //! longer than that connect's age, and a silent one before a client that
 //! sent its ClientHello after it was accepted. A real client's handshake
 //! takes a few round trips, so it never goes [`STALLED_AFTER`] without
-//! progress; whatever has is counted as stalled when shed, and whatever is
-//! shed before that tells that the caps were too small for the connects
-//! coming in ([`Shedding::stalled`]).
+//! progress; whatever has is counted as stalled when shed. A handshake the
+//! listener's cap sheds before that tells that more connects came in than
+//! the cap holds for a real client's round trips ([`Shedding::stalled`]).
 //!
 //! The per-peer cap counts IPv4 peers by address and IPv6 peers by their
 //! /64: one host is usually given a whole /64, so its exact address would
@@ -69,9 +69,10 @@ pub(crate) enum Cap {
 pub(crate) struct Shedding {
     pub id: u64,
     pub cap: Cap,
-    /// Whether it had gone [`STALLED_AFTER`] without progress; if not, the
-    /// caps are too small for the connects coming in, and real clients may
-    /// be shed with the rest.
+    /// Whether it had gone [`STALLED_AFTER`] without progress. If not, and
+    /// the listener's cap shed it, more connects are coming in than the
+    /// cap holds for a real client's round trips: real clients may be shed
+    /// with the rest.
     pub stalled: bool,
 }
 
@@ -99,13 +100,7 @@ impl Handshakes {
     /// None in flight; caps of 0 count as 1.
     pub fn new(caps: Caps) -> Self {
         let caps = Caps { total: caps.total.max(1), per_peer: caps.per_peer.max(1) };
-        Self {
-            caps,
-            next: 0,
-            entries: HashMap::new(),
-            by_progress: BTreeSet::new(),
-            by_peer: HashMap::new(),
-        }
+        Self { caps, next: 0, entries: HashMap::new(), by_progress: BTreeSet::new(), by_peer: HashMap::new() }
     }
 
     /// Handshakes in flight.
@@ -250,9 +245,8 @@ mod tests {
         let (real, _) = handshakes.admit(ip("10.0.0.1"), t + 3 * MS);
         let (late_silent, _) = handshakes.admit(ip("10.0.0.4"), t + 60 * MS);
         handshakes.progressed(real, t + 53 * MS);
-        let order: Vec<u64> = (0..4u32)
-            .map(|n| handshakes.admit(ip("10.0.0.9"), t + (100 + n) * MS).1[0].id)
-            .collect();
+        let order: Vec<u64> =
+            (0..4u32).map(|n| handshakes.admit(ip("10.0.0.9"), t + (100 + n) * MS).1[0].id).collect();
         // The silent one (accepted at 0), the stalled hello (2 ms), the real
         // client whose hello came at 53 ms before the silent one accepted at 60 ms.
         assert_eq!(order, vec![silent, hello, real, late_silent]);
