@@ -2,6 +2,7 @@
 //! the mock backend, gRPC clients, and request builders.
 #![allow(dead_code)]
 
+pub mod flood;
 pub mod id_maps;
 pub mod pushes;
 pub mod ranking;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::server::tls::ServerTls;
-use narsil::server::Server;
+use narsil::server::{Listen, Server};
 use narsil_core::mock::{MockConfig, MockFactory};
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -169,9 +169,20 @@ impl MockTlsServer {
 
     /// [`Self::start`] with `latency` per forward.
     pub async fn start_slow(tls: ServerTls, admin: bool, latency: Duration) -> Self {
+        Self::start_listening(tls, super::listen(admin), latency).await
+    }
+
+    /// [`Self::start`] with gRPC on `grpc` (`[::1]:0`, say) and the admin
+    /// address on 127.0.0.1.
+    pub async fn start_on(tls: ServerTls, grpc: SocketAddr) -> Self {
+        let listen = Listen { addr: grpc, ..super::listen(true) };
+        Self::start_listening(tls, listen, Duration::ZERO).await
+    }
+
+    async fn start_listening(tls: ServerTls, listen: Listen, latency: Duration) -> Self {
         let factory =
             Arc::new(MockFactory::new(super::schema(), MockConfig { latency, per_row: Duration::ZERO }));
-        let server = Server::start(super::listen(admin), factory, super::batch_mode(1, 8)).await.unwrap();
+        let server = Server::start(listen, factory, super::batch_mode(1, 8)).await.unwrap();
         let server = server.with_tls(tls);
         let (grpc, metrics) = (server.local_addr(), server.metrics_addr());
         Self { grpc, metrics, running: super::Running::spawn(server) }

@@ -2,9 +2,10 @@
 //! connection's handshake runs in a task of its own, so a slow or silent
 //! client holds no one else up. A client has [`CLIENT_HELLO_TIMEOUT`] to
 //! send its whole ClientHello and [`HANDSHAKE_TIMEOUT`] (from the accept)
-//! to finish; the handshakes in flight are bounded by shedding old ones,
-//! those without a ClientHello first ([`super::in_flight`]), never by
-//! leaving new connections in the kernel's backlog. Each handshake gets the configuration in service when
+//! to finish; the handshakes in flight are bounded by shedding those that
+//! have gone longest without progress ([`super::in_flight`]), never by
+//! leaving new connections in the kernel's backlog. Each handshake gets
+//! the configuration in service when
 //! its ClientHello arrived ([`super::reload`]: no file is read here); the
 //! connections that complete theirs are handed to the server with their
 //! maximum age ([`super::aged`]), as a stream (tonic's
@@ -27,10 +28,11 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::LazyConfigAcceptor;
 
 use super::aged::{Aged, ConnectionAge};
-use super::in_flight::{InFlight, Place, Shed, Ticket};
+use super::in_flight::{InFlight, Place, Ticket};
 use super::material::Configs;
 use super::metrics::{Outcome, TlsMetrics};
 use super::reload::Reloading;
+use super::shedding::Cap;
 
 /// How long a client has, from the accept, to send its whole ClientHello.
 pub const CLIENT_HELLO_TIMEOUT: Duration = Duration::from_secs(5);
@@ -91,14 +93,23 @@ impl TlsIncoming {
                 };
                 let accepted = Instant::now();
                 let _ = tcp.set_nodelay(true);
-                let (ticket, shed) = in_flight.admit(peer.ip());
+                let (ticket, shed) = in_flight.admit(peer.ip(), accepted.into_std());
                 for shed in shed {
-                    let outcome = match shed {
-                        Shed::Oldest => Outcome::ShedOldest,
-                        Shed::Peer => Outcome::ShedPeer,
+                    let outcome = match shed.cap {
+                        Cap::Listener => Outcome::ShedOldest,
+                        Cap::Peer => Outcome::ShedPeer,
                     };
                     door.metrics.handshake(door.name, outcome);
-                    tracing::debug!(listener = door.name, ?outcome, "TLS handshake shed for a newer one");
+                    // Past the listener's cap, anyone's: past a peer's, only its own.
+                    if shed.cap == Cap::Listener && !shed.stalled {
+                        door.metrics.shed_progressing(door.name);
+                    }
+                    tracing::debug!(
+                        listener = door.name,
+                        ?outcome,
+                        stalled = shed.stalled,
+                        "TLS handshake shed for a newer one"
+                    );
                 }
                 let (door, handshaken) = (Arc::clone(&door), handshaken.clone());
                 tokio::spawn(async move {
@@ -153,7 +164,7 @@ impl Door {
             Ok(started) => started.map_err(failed)?,
             Err(_) => return Err((Outcome::HelloTimeout, "no ClientHello in time".into())),
         };
-        place.hello_received();
+        place.hello_received(std::time::Instant::now());
         let config = (self.pick)(&self.reloading.current());
         match timeout_at(accepted + HANDSHAKE_TIMEOUT, start.into_stream(config)).await {
             Ok(stream) => stream.map_err(failed),

@@ -1,75 +1,44 @@
-//! The handshakes in flight on one listener, oldest first, and the shedding
-//! that keeps them bounded without ever refusing a new connection: a new
-//! one that finds [`MAX_HANDSHAKES_PER_PEER`] of its peer's address in
-//! flight drops one of that address's, and one that finds
-//! [`MAX_HANDSHAKES`] in flight drops one of the listener's: the oldest of
-//! those still waiting for their whole ClientHello, or the oldest of all
-//! if every one has sent its own. A client sends its ClientHello with its
-//! first packet and completes its handshake in a few round trips, so it is
-//! never the oldest for long; a flood of connections that send nothing
-//! (or too little) loses its own first. The listener keeps accepting
-//! whatever the flood.
+//! The handshakes in flight on one listener, and the shedding that keeps
+//! them bounded without ever refusing a new connection: a new one that
+//! finds [`MAX_HANDSHAKES_PER_PEER`] of its peer's in flight (its IPv4
+//! address, or its IPv6 /64) drops one of that peer's, and one that finds
+//! [`MAX_HANDSHAKES`] in flight drops one of the listener's: each time the
+//! one that has gone longest without progress ([`super::shedding`]). A
+//! client sends its ClientHello with its first packet and completes its
+//! handshake in a few round trips, so it never goes long without progress;
+//! a flood of connections that send nothing, half a ClientHello, or a
+//! whole one and then nothing, loses its own first. The listener keeps
+//! accepting whatever the flood.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
 
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::oneshot;
 
+use super::shedding::{Caps, Handshakes, Shedding};
+
 /// Handshakes in flight at once on one listener; a new connection past it
-/// sheds the oldest.
+/// sheds the one longest without progress.
 pub const MAX_HANDSHAKES: usize = 1024;
 
-/// Handshakes in flight at once from one peer address on one listener; a
-/// new connection from that address past it sheds the address's oldest.
+/// Handshakes in flight at once from one peer (an IPv4 address, an IPv6
+/// /64) on one listener; a new connection from that peer past it sheds the
+/// peer's longest without progress.
 pub const MAX_HANDSHAKES_PER_PEER: usize = 256;
-
-/// Why a handshake in flight was dropped to make room.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Shed {
-    /// The oldest of the listener ([`MAX_HANDSHAKES`]).
-    Oldest,
-    /// The oldest of its peer address ([`MAX_HANDSHAKES_PER_PEER`]).
-    Peer,
-}
 
 /// One listener's handshakes in flight.
 pub(crate) struct InFlight {
-    limits: (usize, usize),
     state: Mutex<State>,
     gauge: Gauge,
 }
 
-#[derive(Default)]
 struct State {
-    next: u64,
-    /// By admission order; dropping the sender sheds the handshake.
-    by_age: BTreeMap<u64, (IpAddr, oneshot::Sender<()>)>,
-    /// Those still waiting for their whole ClientHello.
-    waiting: BTreeSet<u64>,
-    by_peer: HashMap<IpAddr, BTreeSet<u64>>,
-}
-
-impl State {
-    /// Forgets handshake `id`: its sender is dropped (it is shed) if it
-    /// was still in flight.
-    fn remove(&mut self, id: u64) {
-        let Some((peer, _shed)) = self.by_age.remove(&id) else { return };
-        self.waiting.remove(&id);
-        if let Some(ids) = self.by_peer.get_mut(&peer) {
-            ids.remove(&id);
-            if ids.is_empty() {
-                self.by_peer.remove(&peer);
-            }
-        }
-    }
-
-    /// Which of `ids` (oldest first) to shed: the oldest still waiting for
-    /// its ClientHello, else the oldest.
-    fn victim<'a>(waiting: &BTreeSet<u64>, mut ids: impl Iterator<Item = &'a u64> + Clone) -> Option<u64> {
-        ids.clone().find(|id| waiting.contains(id)).or_else(|| ids.next()).copied()
-    }
+    handshakes: Handshakes,
+    /// Each handshake's; dropping it sheds the handshake.
+    shed: HashMap<u64, oneshot::Sender<()>>,
 }
 
 /// A handshake's place among those in flight: [`Ticket::shed`] resolves
@@ -86,63 +55,50 @@ pub(crate) struct Place {
 }
 
 impl Place {
-    /// Its whole ClientHello arrived: it is shed after every handshake still
-    /// waiting for its own.
-    pub fn hello_received(&self) {
-        self.in_flight.lock().waiting.remove(&self.id);
+    /// Its whole ClientHello arrived at `now`: it goes behind every
+    /// handshake that has not progressed since.
+    pub fn hello_received(&self, now: Instant) {
+        self.in_flight.lock().handshakes.progressed(self.id, now);
     }
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
         let mut state = self.in_flight.lock();
-        state.remove(self.id);
-        self.in_flight.gauge.set(state.by_age.len() as i64);
+        state.handshakes.remove(self.id);
+        state.shed.remove(&self.id);
+        self.in_flight.gauge.set(state.handshakes.len() as i64);
     }
 }
 
 impl InFlight {
     /// At most [`MAX_HANDSHAKES`], [`MAX_HANDSHAKES_PER_PEER`] from one
-    /// address; their count in `gauge`.
+    /// peer; their count in `gauge`.
     pub fn new(gauge: Gauge) -> Arc<Self> {
-        Self::with_limits(MAX_HANDSHAKES, MAX_HANDSHAKES_PER_PEER, gauge)
+        Self::with_caps(Caps { total: MAX_HANDSHAKES, per_peer: MAX_HANDSHAKES_PER_PEER }, gauge)
     }
 
-    fn with_limits(total: usize, per_peer: usize, gauge: Gauge) -> Arc<Self> {
-        Arc::new(Self { limits: (total.max(1), per_peer.max(1)), state: Mutex::default(), gauge })
+    fn with_caps(caps: Caps, gauge: Gauge) -> Arc<Self> {
+        let state = State { handshakes: Handshakes::new(caps), shed: HashMap::new() };
+        Arc::new(Self { state: Mutex::new(state), gauge })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Admits a handshake from `peer`, shedding what the limits say to make
-    /// room; its ticket, and what was shed.
-    pub fn admit(self: &Arc<Self>, peer: IpAddr) -> (Ticket, Vec<Shed>) {
-        let peer = peer.to_canonical();
-        let (total, per_peer) = self.limits;
-        let mut shed = Vec::new();
+    /// Admits a handshake from `peer` accepted at `now`, shedding what the
+    /// caps say to make room; its ticket, and what was shed.
+    pub fn admit(self: &Arc<Self>, peer: IpAddr, now: Instant) -> (Ticket, Vec<Shedding>) {
         let mut state = self.lock();
-        let full = |ids: &&BTreeSet<u64>| ids.len() >= per_peer;
-        let peer_victim =
-            state.by_peer.get(&peer).filter(full).and_then(|ids| State::victim(&state.waiting, ids.iter()));
-        if let Some(victim) = peer_victim {
-            state.remove(victim);
-            shed.push(Shed::Peer);
+        let (id, shed) = state.handshakes.admit(peer, now);
+        for victim in &shed {
+            // Dropping its sender resolves its ticket's receiver.
+            state.shed.remove(&victim.id);
         }
-        if state.by_age.len() >= total {
-            if let Some(victim) = State::victim(&state.waiting, state.by_age.keys()) {
-                state.remove(victim);
-                shed.push(Shed::Oldest);
-            }
-        }
-        let id = state.next;
-        state.next += 1;
         let (sender, receiver) = oneshot::channel();
-        state.by_age.insert(id, (peer, sender));
-        state.waiting.insert(id);
-        state.by_peer.entry(peer).or_default().insert(id);
-        self.gauge.set(state.by_age.len() as i64);
+        state.shed.insert(id, sender);
+        self.gauge.set(state.handshakes.len() as i64);
         drop(state);
         (Ticket { place: Place { id, in_flight: Arc::clone(self) }, shed: receiver }, shed)
     }
@@ -150,21 +106,31 @@ impl InFlight {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use tokio::sync::oneshot::error::TryRecvError;
+
     use super::*;
+    use crate::server::tls::shedding::Cap;
 
     fn ip(last: u8) -> IpAddr {
         IpAddr::from([10, 0, 0, last])
     }
 
+    fn in_flight(total: usize, per_peer: usize) -> Arc<InFlight> {
+        InFlight::with_caps(Caps { total, per_peer }, Gauge::default())
+    }
+
     #[test]
-    fn past_the_cap_the_oldest_is_shed_and_the_newest_admitted() {
-        let in_flight = InFlight::with_limits(3, 3, Gauge::default());
-        let mut tickets: Vec<Ticket> = (1..=3).map(|n| in_flight.admit(ip(n)).0).collect();
-        let (newest, shed) = in_flight.admit(ip(4));
-        assert_eq!(shed, vec![Shed::Oldest]);
-        assert_eq!(tickets[0].shed.try_recv(), Err(oneshot::error::TryRecvError::Closed));
-        for ticket in &mut tickets[1..] {
-            assert_eq!(ticket.shed.try_recv(), Err(oneshot::error::TryRecvError::Empty));
+    fn the_shed_handshake_s_ticket_resolves_and_the_others_stay_open() {
+        let (t, in_flight) = (Instant::now(), in_flight(3, 3));
+        let mut tickets: Vec<Ticket> = (1..=3).map(|n| in_flight.admit(ip(n), t).0).collect();
+        tickets[0].place.hello_received(t + Duration::from_millis(5));
+        let (newest, shed) = in_flight.admit(ip(4), t + Duration::from_millis(10));
+        assert_eq!(shed.iter().map(|s| s.cap).collect::<Vec<_>>(), vec![Cap::Listener]);
+        assert_eq!(tickets[1].shed.try_recv(), Err(TryRecvError::Closed));
+        for n in [0, 2] {
+            assert_eq!(tickets[n].shed.try_recv(), Err(TryRecvError::Empty), "ticket {n}");
         }
         assert_eq!(in_flight.gauge.get(), 3);
         drop(newest);
@@ -172,40 +138,15 @@ mod tests {
     }
 
     #[test]
-    fn a_peer_past_its_own_cap_sheds_its_own_oldest_never_another_s() {
-        let in_flight = InFlight::with_limits(10, 2, Gauge::default());
-        let mut other = in_flight.admit(ip(9)).0;
-        let mut flood: Vec<Ticket> = (0..2).map(|_| in_flight.admit(ip(1)).0).collect();
-        let (_third, shed) = in_flight.admit(ip(1));
-        assert_eq!(shed, vec![Shed::Peer]);
-        assert_eq!(flood[0].shed.try_recv(), Err(oneshot::error::TryRecvError::Closed));
-        assert_eq!(flood[1].shed.try_recv(), Err(oneshot::error::TryRecvError::Empty));
-        assert_eq!(other.shed.try_recv(), Err(oneshot::error::TryRecvError::Empty));
-        assert_eq!(in_flight.gauge.get(), 3);
-    }
-
-    #[test]
     fn a_finished_handshake_gives_its_place_up_and_is_never_shed_later() {
-        let in_flight = InFlight::with_limits(2, 2, Gauge::default());
-        let first = in_flight.admit(ip(1)).0;
-        let mut second = in_flight.admit(ip(1)).0;
+        let (t, in_flight) = (Instant::now(), in_flight(2, 2));
+        let first = in_flight.admit(ip(1), t).0;
+        let mut second = in_flight.admit(ip(1), t).0;
         drop(first);
-        let (_third, shed) = in_flight.admit(ip(2));
+        let (_third, shed) = in_flight.admit(ip(2), t);
         assert!(shed.is_empty(), "{shed:?}");
-        assert_eq!(second.shed.try_recv(), Err(oneshot::error::TryRecvError::Empty));
-        assert!(in_flight.lock().by_peer.get(&ip(1)).is_some_and(|ids| ids.len() == 1));
-    }
-
-    #[test]
-    fn those_still_waiting_for_their_client_hello_are_shed_before_older_ones_that_sent_it() {
-        let in_flight = InFlight::with_limits(3, 3, Gauge::default());
-        let mut client = in_flight.admit(ip(1)).0;
-        client.place.hello_received();
-        let mut silent: Vec<Ticket> = (0..2).map(|_| in_flight.admit(ip(2)).0).collect();
-        let (_newest, shed) = in_flight.admit(ip(3));
-        assert_eq!(shed, vec![Shed::Oldest]);
-        assert_eq!(client.shed.try_recv(), Err(oneshot::error::TryRecvError::Empty));
-        assert_eq!(silent[0].shed.try_recv(), Err(oneshot::error::TryRecvError::Closed));
-        assert_eq!(silent[1].shed.try_recv(), Err(oneshot::error::TryRecvError::Empty));
+        assert_eq!(second.shed.try_recv(), Err(TryRecvError::Empty));
+        assert_eq!(in_flight.lock().shed.len(), 2);
+        assert_eq!(in_flight.gauge.get(), 2);
     }
 }

@@ -1,8 +1,8 @@
 //! What the TLS door counts, exposed with the server's metrics on the admin
 //! address: every handshake by listener and outcome (completed, failed,
 //! timed out waiting for the ClientHello or for the rest, shed to make room
-//! for newer ones), the handshakes in flight, and the certificate reloads
-//! by outcome. One set per [`super::ServerTls`], shared by its listeners.
+//! for newer ones), those shed at the listener's cap before they had
+//! stalled, the handshakes in flight, and the certificate reloads by outcome. One set per [`super::ServerTls`], shared by its listeners.
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -23,12 +23,12 @@ pub(crate) enum Outcome {
     HelloTimeout,
     /// Not finished within [`super::HANDSHAKE_TIMEOUT`].
     Timeout,
-    /// Dropped, the oldest in flight, when a new connection found
-    /// [`super::MAX_HANDSHAKES`] in flight on its listener.
+    /// Dropped, the one longest without progress, when a new connection
+    /// found [`super::MAX_HANDSHAKES`] in flight on its listener.
     ShedOldest,
-    /// Dropped, the oldest of its peer, when a new connection from the
-    /// same address found [`super::MAX_HANDSHAKES_PER_PEER`] of its own
-    /// in flight.
+    /// Dropped, the one of its peer longest without progress, when a new
+    /// connection from the same peer (IPv4 address, IPv6 /64) found
+    /// [`super::MAX_HANDSHAKES_PER_PEER`] of the peer's in flight.
     ShedPeer,
 }
 
@@ -53,6 +53,7 @@ pub struct TlsMetrics {
     registry: Registry,
     handshakes: Family<Labels, Counter>,
     in_flight: Family<Labels, Gauge>,
+    shed_progressing: Family<Labels, Counter>,
     reloads: Family<Labels, Counter>,
 }
 
@@ -66,6 +67,7 @@ impl TlsMetrics {
     pub(crate) fn new() -> Self {
         let mut registry = Registry::with_prefix("narsil");
         let (handshakes, in_flight, reloads) = (Family::default(), Family::default(), Family::default());
+        let shed_progressing = Family::default();
         registry.register(
             "tls_handshakes",
             "TLS handshakes by listener (grpc, admin) and outcome (ok, failed, hello_timeout, timeout, \
@@ -78,6 +80,12 @@ impl TlsMetrics {
             in_flight.clone(),
         );
         registry.register(
+            "tls_shed_progressing",
+            "TLS handshakes shed at the listener's cap though they had progressed within the last \
+             second, by listener: more connects than the cap holds for a real client's few round trips",
+            shed_progressing.clone(),
+        );
+        registry.register(
             "tls_reloads",
             "Changes of the TLS files taken (ok) or refused, the previous certificate kept (failed)",
             reloads.clone(),
@@ -85,7 +93,7 @@ impl TlsMetrics {
         for outcome in ["ok", "failed"] {
             let _ = reloads.get_or_create(&vec![("outcome".into(), outcome.into())]);
         }
-        Self { registry, handshakes, in_flight, reloads }
+        Self { registry, handshakes, in_flight, shed_progressing, reloads }
     }
 
     fn handshake_labels(listener: &str, outcome: Outcome) -> Labels {
@@ -99,6 +107,17 @@ impl TlsMetrics {
             let _ = self.handshakes.get_or_create(&Self::handshake_labels(listener, outcome));
         }
         self.in_flight(listener);
+        let _ = self.shed_progressing.get_or_create(&Self::listener_labels(listener));
+    }
+
+    fn listener_labels(listener: &str) -> Labels {
+        vec![("listener".into(), listener.into())]
+    }
+
+    /// Counts a handshake on `listener` shed at the listener's cap though it
+    /// had not stalled.
+    pub(crate) fn shed_progressing(&self, listener: &str) {
+        self.shed_progressing.get_or_create(&Self::listener_labels(listener)).inc();
     }
 
     /// Counts a handshake on `listener` that ended as `outcome`.
@@ -108,7 +127,7 @@ impl TlsMetrics {
 
     /// The gauge of `listener`'s handshakes in flight.
     pub(crate) fn in_flight(&self, listener: &str) -> Gauge {
-        self.in_flight.get_or_create(&vec![("listener".into(), listener.into())]).clone()
+        self.in_flight.get_or_create(&Self::listener_labels(listener)).clone()
     }
 
     /// Counts a change of the files, taken if `ok`.

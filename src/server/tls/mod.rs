@@ -11,7 +11,7 @@
 //! files are reloaded when the files change ([`reload`], on a thread of its
 //! own), and each new connection gets the configuration in service when it
 //! arrives; so that a flood of connections that never finish theirs cannot
-//! keep other clients out ([`in_flight`]); and so that every connection
+//! keep other clients out ([`in_flight`], [`shedding`]); and so that every connection
 //! ends with its age ([`aged`]: `--tls-max-connection-age-secs`), after
 //! which it is checked again against the files in service. What happens at
 //! the door is counted ([`metrics`]). The key is never printed (this type's
@@ -23,6 +23,7 @@ pub mod in_flight;
 mod material;
 pub mod metrics;
 mod reload;
+mod shedding;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -32,6 +33,7 @@ pub use self::aged::ConnectionAge;
 pub use self::in_flight::{MAX_HANDSHAKES, MAX_HANDSHAKES_PER_PEER};
 pub use self::metrics::TlsMetrics;
 pub use self::reload::CHECK_EVERY;
+pub use self::shedding::STALLED_AFTER;
 use tokio::net::TcpListener;
 use tokio_rustls::rustls::ServerConfig;
 
