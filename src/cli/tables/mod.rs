@@ -12,7 +12,7 @@
 
 mod map;
 mod order;
-mod publish;
+pub(crate) mod publish;
 mod push_ids;
 mod rows;
 
