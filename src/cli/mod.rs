@@ -6,7 +6,7 @@
 //! rules between flags are checked right after parsing.
 
 mod serve;
-pub(crate) mod tables;
+mod tables;
 mod verify;
 
 use std::process::ExitCode;

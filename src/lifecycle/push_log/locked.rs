@@ -13,7 +13,7 @@
 //! creators never both create it, and one never renames over another's
 //! log), written whole under a unique temporary name claimed with
 //! `O_EXCL`, synced, then renamed into place and its directory synced
-//! (the shared publication rule, [`crate::cli::tables::publish`]): a log
+//! (the shared publication rule, [`narsil_embedding::publish`]): a log
 //! either has its header or does not exist.
 
 use std::fs::{File, Metadata, OpenOptions};
@@ -22,7 +22,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::cli::tables::publish::{sync_directory, Claimed};
+use narsil_embedding::publish::{sync_directory, Claimed};
 
 /// Which file an open log is: its device and inode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
