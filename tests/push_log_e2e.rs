@@ -212,7 +212,9 @@ async fn a_push_one_ready_version_refuses_is_pushed_to_none_and_not_logged() {
 /// `n` push bodies of `ids` new ids each (raw ids from `first`), rows of
 /// table `TABLE` in turn.
 fn bodies(rows: &[u8], row_bytes: usize, first: i64, n: usize, ids: usize) -> Vec<Vec<u8>> {
-    (0..n).map(|b| entries(rows, row_bytes, (0..ids).map(|k| (first + (b * ids + k) as i64, k % 7)))).collect()
+    (0..n)
+        .map(|b| entries(rows, row_bytes, (0..ids).map(|k| (first + (b * ids + k) as i64, k % 7))))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,7 +246,8 @@ async fn a_bit_flipped_mid_log_fails_the_load_naming_the_log_and_offset_and_cuts
     .await;
     let models = std::sync::Arc::clone(&server.models);
     let error = common::poll_until("version 1 of dlrm failed", Duration::from_secs(180), || {
-        let version = models.list().into_iter().find(|m| m.name == "dlrm").and_then(|m| m.versions.first().cloned());
+        let version =
+            models.list().into_iter().find(|m| m.name == "dlrm").and_then(|m| m.versions.first().cloned());
         std::future::ready(version.filter(|v| v.state == "FAILED").and_then(|v| v.error))
     })
     .await;
@@ -290,7 +293,11 @@ async fn ready_versions(admin: std::net::SocketAddr) -> Vec<String> {
     let models = listed["models"].as_array().cloned().unwrap_or_default();
     let dlrm = models.into_iter().find(|m| m["name"] == "dlrm").unwrap_or_default();
     let versions = dlrm["versions"].as_array().cloned().unwrap_or_default();
-    versions.into_iter().filter(|v| v["state"] == "READY").map(|v| v["version"].as_str().unwrap().to_owned()).collect()
+    versions
+        .into_iter()
+        .filter(|v| v["state"] == "READY")
+        .map(|v| v["version"].as_str().unwrap().to_owned())
+        .collect()
 }
 
 fn stop(mut child: common::KillOnDrop) {
@@ -301,7 +308,8 @@ fn stop(mut child: common::KillOnDrop) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_servers_on_one_repository_pushing_and_loading_at_once_serve_every_answered_push_after_a_restart() {
+async fn two_servers_on_one_repository_pushing_and_loading_at_once_serve_every_answered_push_after_a_restart()
+{
     let golden = Golden::read(&test_model_dir()).unwrap();
     let repo = tempfile::tempdir().unwrap();
     publish(repo.path(), &golden, 1);

@@ -196,7 +196,13 @@ impl ModelPushes {
     /// Replays `state`'s log from where it stopped (a torn tail cut if
     /// `cut`); its tail. A log removed or replaced since is replayed
     /// again from its start.
-    fn replay_from(&self, version: u64, state: &mut TableReplay, cut: bool, push: PushFn<'_>) -> Result<Tail, String> {
+    fn replay_from(
+        &self,
+        version: u64,
+        state: &mut TableReplay,
+        cut: bool,
+        push: PushFn<'_>,
+    ) -> Result<Tail, String> {
         loop {
             let mut each = |entries: &[u8]| {
                 let pushed = self.push(&state.table, entries, PushMode::Replay, push)?;
@@ -392,12 +398,16 @@ mod tests {
         let mut torn = 100u64.to_le_bytes().to_vec();
         torn.extend((!100u64).to_le_bytes());
         torn.extend([7; 24]);
-        std::io::Write::write_all(&mut std::fs::OpenOptions::new().append(true).open(&log).unwrap(), &torn).unwrap();
+        std::io::Write::write_all(&mut std::fs::OpenOptions::new().append(true).open(&log).unwrap(), &torn)
+            .unwrap();
         let seen = Mutex::default();
         let mut replayed = pushes.replay(1, &tables, &taking(&seen)).unwrap();
         assert_eq!(std::fs::metadata(&log).unwrap().len(), whole + 40, "a replay cuts nothing");
         pushes.catch_up(1, &mut replayed, &taking(&seen)).unwrap();
-        assert_eq!((given(&seen), std::fs::metadata(&log).unwrap().len()), (vec!["one".into(), "two".into()], whole));
+        assert_eq!(
+            (given(&seen), std::fs::metadata(&log).unwrap().len()),
+            (vec!["one".into(), "two".into()], whole)
+        );
         // A flipped bit in the first record.
         let mut bytes = std::fs::read(&log).unwrap();
         bytes[push_log::HEADER_BYTES as usize + 32] ^= 4;

@@ -199,7 +199,11 @@ pub fn scan(
             let zeros = left <= header_bytes + MAX_PAYLOAD_BYTES
                 && head.iter().all(|&b| b == 0)
                 && zeros_to_end(reader, left - header_bytes).map_err(ScanError::Io)?;
-            return Ok(if zeros { Stop::Torn { bytes: left } } else { Stop::Damaged { at: progress.end, why } });
+            return Ok(if zeros {
+                Stop::Torn { bytes: left }
+            } else {
+                Stop::Damaged { at: progress.end, why }
+            });
         }
         if len > left - header_bytes {
             return Ok(Stop::Torn { bytes: left });
@@ -208,7 +212,15 @@ pub fn scan(
         reader.read_exact(&mut payload).map_err(ScanError::Io)?;
         if checksum(&payload) != head[header_bytes as usize - 16..] {
             let after = left - header_bytes - len;
-            let why = format!("its checksum differs from its {len} bytes (a whole-length record; {after} bytes follow it)");
+            let zeros = head.iter().chain(&payload).all(|&b| b == 0)
+                && after <= MAX_PAYLOAD_BYTES
+                && zeros_to_end(reader, after).map_err(ScanError::Io)?;
+            if zeros {
+                return Ok(Stop::Torn { bytes: left });
+            }
+            let why = format!(
+                "its checksum differs from its {len} bytes (a whole-length record; {after} bytes follow it)"
+            );
             return Ok(Stop::Damaged { at: progress.end, why });
         }
         each(&payload).map_err(ScanError::Refused)?;

@@ -201,7 +201,9 @@ fn read_with(
     let locked = if cut { locked::open(path, Lock::Exclusive).map_err(io)? } else { None };
     let (file, length) = match locked {
         Some(locked) if locked.file_id == file_id => (locked.file, locked.length),
-        Some(_) | None if cut => return Ok(Read::Replaced("it was removed or replaced while it was read".into())),
+        Some(_) | None if cut => {
+            return Ok(Read::Replaced("it was removed or replaced while it was read".into()))
+        }
         _ => {
             file.lock_shared().map_err(io)?;
             let length = file.metadata().map_err(io)?.len();
@@ -278,9 +280,9 @@ fn damaged(path: &Path, at: u64, why: &str) -> String {
 /// Cuts the torn tail of the log `file` (at `path`, locked exclusively) at
 /// `end`, `bytes` long, synced, with a warning.
 fn cut_torn_tail(file: &File, path: &Path, end: u64, bytes: u64) -> Result<(), String> {
-    file.set_len(end)
-        .and_then(|()| file.sync_all())
-        .map_err(|e| format!("cannot cut the torn tail of the push log {} at byte {end}: {e}", path.display()))?;
+    file.set_len(end).and_then(|()| file.sync_all()).map_err(|e| {
+        format!("cannot cut the torn tail of the push log {} at byte {end}: {e}", path.display())
+    })?;
     tracing::warn!(
         log = %path.display(), offset = end, bytes,
         "{bytes} bytes of an unfinished append cut from the end of the push log (a push whose server stopped \

@@ -53,7 +53,8 @@ fn appended_records_read_back_in_order_from_any_record_and_a_missing_log_is_empt
     let error = read(&log, "fp32-16-64", Position::START, |_| Ok(())).unwrap_err();
     assert!(error.contains("t.fp32-4-16.log") && error.contains("header differs"), "{error}");
     assert_eq!(logs_of(dir.path(), "t"), [(FORMAT.to_owned(), log.clone())]);
-    let staging: Vec<_> = std::fs::read_dir(log.parent().unwrap()).unwrap().flatten().map(|e| e.file_name()).collect();
+    let staging: Vec<_> =
+        std::fs::read_dir(log.parent().unwrap()).unwrap().flatten().map(|e| e.file_name()).collect();
     assert_eq!(staging.len(), 1, "no staging file left: {staging:?}");
 }
 
@@ -113,7 +114,9 @@ fn a_flipped_bit_in_record_3_of_1000_refuses_reads_and_appends_naming_the_file_a
     // In its payload, in its checksum, in its length (a low bit: a record
     // that seems shorter; a high bit: one that seems to run past the end),
     // in the length's guard.
-    for (at, bit) in [(record_3 + 40, 0), (record_3 + 20, 5), (record_3, 0), (record_3 + 2, 7), (record_3 + 9, 3)] {
+    for (at, bit) in
+        [(record_3 + 40, 0), (record_3 + 20, 5), (record_3, 0), (record_3 + 2, 7), (record_3 + 9, 3)]
+    {
         flip(&log, at, bit);
         let mut read_back = 0;
         for cut in [false, true] {
@@ -142,7 +145,10 @@ fn a_whole_length_final_record_whose_checksum_differs_is_damage_not_a_torn_tail(
     let last = offsets[999];
     flip(&log, len(&log) - 1, 0);
     let error = read_and_cut(&log, FORMAT, Position::START, |_| Ok(())).unwrap_err();
-    assert!(error.contains(&format!("damaged at byte {last}:")) && error.contains("0 bytes follow"), "{error}");
+    assert!(
+        error.contains(&format!("damaged at byte {last}:")) && error.contains("0 bytes follow"),
+        "{error}"
+    );
     assert_eq!(len(&log), last + 32 + "push number 999".len() as u64, "not cut");
 }
 
@@ -181,7 +187,8 @@ fn a_log_of_the_first_layout_is_read_and_appended_to_in_its_layout() {
 }
 
 #[test]
-fn a_read_that_goes_on_from_a_log_removed_or_replaced_shorter_or_longer_says_so_and_a_writer_scans_the_new_one() {
+fn a_read_that_goes_on_from_a_log_removed_or_replaced_shorter_or_longer_says_so_and_a_writer_scans_the_new_one(
+) {
     let dir = tempfile::tempdir().unwrap();
     let log = path(dir.path(), "t", FORMAT);
     let mut writer = append_all(&log, &[b"one", b"two", b"three"]);
@@ -227,7 +234,8 @@ fn writers_that_create_and_append_to_one_log_at_once_keep_every_record() {
     assert_eq!((to.records, to.tail), (writers * each, Tail::Clean));
     let mut read_back: Vec<String> = read_back.into_iter().map(|r| String::from_utf8(r).unwrap()).collect();
     read_back.sort();
-    let mut want: Vec<String> = (0..writers).flat_map(|w| (0..each).map(move |k| format!("writer {w} push {k}"))).collect();
+    let mut want: Vec<String> =
+        (0..writers).flat_map(|w| (0..each).map(move |k| format!("writer {w} push {k}"))).collect();
     want.sort();
     assert_eq!(read_back, want);
     assert_eq!(std::fs::read_dir(log.parent().unwrap()).unwrap().count(), 1, "no staging file left");
