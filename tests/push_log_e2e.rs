@@ -9,7 +9,10 @@
 //! table are new scores as the golden one, and none of those ids is served
 //! from the default row (`narsil_table_unmapped_ids_total`). A torn tail
 //! (a push the server was writing when it stopped) is cut off at the next
-//! load, and what came before it is served. A push past
+//! load, and what came before it is served. A flipped bit in the middle of
+//! the log fails the load naming the log and the byte offset, and cuts
+//! nothing. Two `narsil serve` processes on one repository, pushing and
+//! loading at once, lose no answered push: restarted, both serve every one. A push past
 //! `--max-pushed-bytes` is refused naming it, counted, and not logged. With
 //! two versions ready, a push one of them refuses is pushed to neither.
 #![cfg(feature = "torch")]
@@ -72,6 +75,15 @@ fn log_of(repo: &Path) -> std::path::PathBuf {
     log
 }
 
+/// The first 40 bytes of an append of 100 bytes: its record's header
+/// (length, the length's complement, checksum) and 8 bytes of its body.
+fn torn_append() -> Vec<u8> {
+    let mut torn = 100u64.to_le_bytes().to_vec();
+    torn.extend((!100u64).to_le_bytes());
+    torn.extend([7; 24]);
+    torn
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ids_pushed_to_version_1_are_served_by_version_2_once_published_and_after_a_restart() {
     let golden = Golden::read(&test_model_dir()).unwrap();
@@ -123,7 +135,7 @@ async fn ids_pushed_to_version_1_are_served_by_version_2_once_published_and_afte
 
     // A push the server was writing when it stopped: a torn tail.
     let mut torn = std::fs::read(&log).unwrap();
-    torn.extend_from_slice(&[7; 40]);
+    torn.extend_from_slice(&torn_append());
     std::fs::write(&log, &torn).unwrap();
     // Restarted: the log replayed into version 2 before it serves.
     let server = start(repo.path(), &[2], |_| {}).await;
@@ -195,4 +207,172 @@ async fn a_push_one_ready_version_refuses_is_pushed_to_none_and_not_logged() {
     let versions: Vec<_> = body["versions"].as_array().unwrap().iter().map(|v| v["added"].clone()).collect();
     assert_eq!(versions, [serde_json::json!(1), serde_json::json!(1)], "{body}");
     server.stop().await;
+}
+
+/// `n` push bodies of `ids` new ids each (raw ids from `first`), rows of
+/// table `TABLE` in turn.
+fn bodies(rows: &[u8], row_bytes: usize, first: i64, n: usize, ids: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|b| entries(rows, row_bytes, (0..ids).map(|k| (first + (b * ids + k) as i64, k % 7))))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bit_flipped_mid_log_fails_the_load_naming_the_log_and_offset_and_cuts_no_answered_push() {
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    publish(repo.path(), &golden, 1);
+    let (rows, row_bytes) = rows_of(&repo.path().join("dlrm/1"), TABLE);
+    let table = format!("cat_{TABLE}");
+    let server = start(repo.path(), &[1], |_| {}).await;
+    let pushes = bodies(&rows, row_bytes, 0x4249_5400_0000_0000, 10, 3);
+    for body in &pushes {
+        let (code, answer) = push(server.admin, &table, body).await;
+        assert_eq!(code, 200, "{answer}");
+    }
+    server.stop().await;
+    let log = log_of(repo.path());
+    let answered = std::fs::read(&log).unwrap();
+    // Record 3 (a header, then records of 32 bytes and a body each): a
+    // bit of its body flipped.
+    let record_3 = 64 + 2 * (32 + pushes[0].len());
+    let mut flipped = answered.clone();
+    flipped[record_3 + 32 + 5] ^= 0x10;
+    std::fs::write(&log, &flipped).unwrap();
+
+    let server = common::RepoServer::start(repo.path(), TOKEN, |args| {
+        args.backend.table_store = "memory".parse().unwrap();
+    })
+    .await;
+    let models = std::sync::Arc::clone(&server.models);
+    let error = common::poll_until("version 1 of dlrm failed", Duration::from_secs(180), || {
+        let version =
+            models.list().into_iter().find(|m| m.name == "dlrm").and_then(|m| m.versions.first().cloned());
+        std::future::ready(version.filter(|v| v.state == "FAILED").and_then(|v| v.error))
+    })
+    .await;
+    assert!(error.contains(&log.display().to_string()), "{error}");
+    assert!(error.contains(&format!("damaged at byte {record_3}:")), "{error}");
+    assert_eq!(std::fs::read(&log).unwrap(), flipped, "the log is left as it is: nothing cut");
+    server.stop().await;
+
+    // Restored from a backup: every answered push served.
+    std::fs::write(&log, &answered).unwrap();
+    let server = start(repo.path(), &[1], |_| {}).await;
+    let metrics = common::scrape(server.admin).await;
+    let held = format!(r#"narsil_table_pushed_ids{{table="{table}",version="1"}}"#);
+    assert_eq!(common::metric(&metrics, &held) as u64, 30);
+    server.stop().await;
+}
+
+/// A `narsil serve` process of `repo` (tables in memory, model control
+/// behind `token_file`), its logs in `logs`; once it serves.
+async fn spawn_server(
+    repo: &Path,
+    token_file: &Path,
+    logs: &tempfile::NamedTempFile,
+) -> (common::KillOnDrop, common::Bound, common::Listeners) {
+    let listeners = common::Listeners::new();
+    let mut child = common::KillOnDrop(
+        listeners
+            .serve_repository("info", repo, Some(token_file))
+            .args(["--table-store", "memory"])
+            .stderr(logs.reopen().unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let bound = listeners.wait(&mut child.0, Duration::from_secs(180)).await;
+    common::wait_serving(&bound.url(), Duration::from_secs(180)).await;
+    (child, bound, listeners)
+}
+
+/// The ready versions of `dlrm` on the server whose admin address is `admin`.
+async fn ready_versions(admin: std::net::SocketAddr) -> Vec<String> {
+    let (_, body) = common::http(admin, "GET", "/v1/models").await;
+    let listed: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let models = listed["models"].as_array().cloned().unwrap_or_default();
+    let dlrm = models.into_iter().find(|m| m["name"] == "dlrm").unwrap_or_default();
+    let versions = dlrm["versions"].as_array().cloned().unwrap_or_default();
+    versions
+        .into_iter()
+        .filter(|v| v["state"] == "READY")
+        .map(|v| v["version"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn stop(mut child: common::KillOnDrop) {
+    // SAFETY: kill takes plain integers and touches no memory; the pid is
+    // our own child's, not yet waited for.
+    unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) };
+    assert!(child.0.wait().unwrap().success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_servers_on_one_repository_pushing_and_loading_at_once_serve_every_answered_push_after_a_restart()
+{
+    let golden = Golden::read(&test_model_dir()).unwrap();
+    let repo = tempfile::tempdir().unwrap();
+    publish(repo.path(), &golden, 1);
+    let (rows, row_bytes) = rows_of(&repo.path().join("dlrm/1"), TABLE);
+    let table = format!("cat_{TABLE}");
+    let token_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(token_file.path(), format!("{TOKEN}\n")).unwrap();
+    let logs = [tempfile::NamedTempFile::new().unwrap(), tempfile::NamedTempFile::new().unwrap()];
+    let (a, a_bound, _a) = spawn_server(repo.path(), token_file.path(), &logs[0]).await;
+    let (b, b_bound, _b) = spawn_server(repo.path(), token_file.path(), &logs[1]).await;
+    let admins = [a_bound.admin(), b_bound.admin()];
+
+    // Both push at once (neither log there yet: both may create it), and
+    // both load version 2 (replaying the log) while the other pushes.
+    let per_server = 16;
+    let mut pushers = Vec::new();
+    for (s, &admin) in admins.iter().enumerate() {
+        let bodies = bodies(&rows, row_bytes, 0x5245_5000_0000_0000 + (s as i64) * 1_000_000, per_server, 5);
+        let table = table.clone();
+        pushers.push(tokio::spawn(async move {
+            let mut answered = 0u64;
+            for body in bodies {
+                let (code, answer) = push(admin, &table, &body).await;
+                assert_eq!(code, 200, "{answer}");
+                answered += 5;
+            }
+            answered
+        }));
+    }
+    publish(repo.path(), &golden, 2);
+    let token = format!("Bearer {TOKEN}");
+    let scans = admins.map(|admin| {
+        let token = token.clone();
+        tokio::spawn(async move { common::post(admin, "/v1/repository/scan", Some(&token), b"").await })
+    });
+    let mut answered = 0;
+    for pusher in pushers {
+        answered += pusher.await.unwrap();
+    }
+    for scan in scans {
+        let (code, body) = scan.await.unwrap();
+        assert_eq!(code, 200, "{body}");
+    }
+    stop(a);
+    stop(b);
+
+    // Restarted, both replay the one log: every answered push, on each.
+    let (a, a_bound, _a) = spawn_server(repo.path(), token_file.path(), &logs[0]).await;
+    let (b, b_bound, _b) = spawn_server(repo.path(), token_file.path(), &logs[1]).await;
+    for (name, bound) in [("a", a_bound), ("b", b_bound)] {
+        let admin = bound.admin();
+        common::poll_until(&format!("server {name} serving version 2"), Duration::from_secs(180), || async {
+            (ready_versions(admin).await == ["2"]).then_some(())
+        })
+        .await;
+        let metrics = common::scrape(admin).await;
+        let held = format!(r#"narsil_table_pushed_ids{{table="{table}",version="2"}}"#);
+        assert_eq!(common::metric(&metrics, &held) as u64, answered, "server {name}");
+    }
+    stop(a);
+    stop(b);
+    for log in &logs {
+        let logged = std::fs::read_to_string(log.path()).unwrap();
+        assert!(!logged.contains("damaged"), "{logged}");
+    }
 }

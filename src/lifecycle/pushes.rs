@@ -16,13 +16,18 @@
 //! own map or replayed before, keeps that row) while it loads and warms,
 //! then, under the model's push lock, replays what was logged meanwhile and
 //! turns ready before the lock is released: no push lands between the two,
-//! so a version is ready with every push answered before it. A log of
+//! so a version is ready with every push answered before it. The catch-up
+//! reads on in the file the replay read (its device and inode, and no
+//! shorter than what was replayed): a log removed or replaced meanwhile is
+//! replayed again from its start, with a warning. A log of
 //! another row format (a table retrained with another dim) is not
 //! replayed, and is named in a warning with the ids it holds. A version
 //! whose table takes no pushes (its rows on a device or outside the
 //! process) serves without the logged ids, and a warning says how many.
 //! Replaying past the bound on a table's pushed bytes fails the version's
-//! load, naming the bound.
+//! load, naming the bound; so does a damaged log (naming it and the byte
+//! offset: [`super::push_log`] cuts only the torn tail of an unfinished
+//! append, and waits for an append in flight, another replica's included).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -30,7 +35,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use narsil_core::{IdMapTable, IdPush, IdsPushed, PushMode};
 
-use super::push_log::{self, Tail, HEADER_BYTES};
+use super::push_log::{self, Position, Read, Tail};
 use super::registry::LiveVersion;
 
 /// The flag that bounds a table's pushed bytes, named in refusals.
@@ -51,6 +56,9 @@ pub struct ModelPushes {
     dir: OnceLock<PathBuf>,
     max_bytes: u64,
     lock: Arc<tokio::sync::Mutex<()>>,
+    /// Where this process last left each log (a catch-up's read, or its
+    /// own append): an append scans only what others wrote after it.
+    known: Mutex<HashMap<PathBuf, Position>>,
 }
 
 impl PushBook {
@@ -69,6 +77,7 @@ impl PushBook {
                 dir: OnceLock::new(),
                 max_bytes: self.max_bytes,
                 lock: Arc::new(tokio::sync::Mutex::new(())),
+                known: Mutex::default(),
             })
         });
         if let Some(dir) = model_dir {
@@ -88,8 +97,8 @@ struct TableReplay {
     table: String,
     format: String,
     path: PathBuf,
-    /// Where the next record starts.
-    end: u64,
+    /// Where the replay got to, in which file.
+    at: Position,
     pushed: IdsPushed,
 }
 
@@ -175,42 +184,65 @@ impl ModelPushes {
                 table: table.name.clone(),
                 format: table.row_format.clone(),
                 path,
-                end: HEADER_BYTES,
+                at: Position::START,
                 pushed: IdsPushed::default(),
             };
-            self.replay_from(&mut state, push)?;
+            self.replay_from(version, &mut state, false, push)?;
             replayed.tables.push(state);
         }
         Ok(replayed)
     }
 
-    /// Replays `state`'s log from where it stopped; its tail.
-    fn replay_from(&self, state: &mut TableReplay, push: PushFn<'_>) -> Result<Tail, String> {
-        let to = push_log::read(&state.path, &state.format, state.end, |entries| {
-            let pushed = self.push(&state.table, entries, PushMode::Replay, push)?;
-            state.pushed.added += pushed.added;
-            state.pushed.already_held += pushed.already_held;
-            state.pushed.superseded += pushed.superseded;
-            (state.pushed.pushed, state.pushed.bytes) = (pushed.pushed, pushed.bytes);
-            Ok(())
-        })
-        .map_err(|why| format!("replaying the push log {}: {why}", state.path.display()))?;
-        state.end = to.end;
-        Ok(to.tail)
+    /// Replays `state`'s log from where it stopped (a torn tail cut if
+    /// `cut`); its tail. A log removed or replaced since is replayed
+    /// again from its start.
+    fn replay_from(
+        &self,
+        version: u64,
+        state: &mut TableReplay,
+        cut: bool,
+        push: PushFn<'_>,
+    ) -> Result<Tail, String> {
+        loop {
+            let mut each = |entries: &[u8]| {
+                let pushed = self.push(&state.table, entries, PushMode::Replay, push)?;
+                state.pushed.added += pushed.added;
+                state.pushed.already_held += pushed.already_held;
+                state.pushed.superseded += pushed.superseded;
+                (state.pushed.pushed, state.pushed.bytes) = (pushed.pushed, pushed.bytes);
+                Ok(())
+            };
+            let read = if cut {
+                push_log::read_and_cut(&state.path, &state.format, state.at, &mut each)
+            } else {
+                push_log::read(&state.path, &state.format, state.at, &mut each)
+            };
+            match read.map_err(|why| format!("replaying the push log {}: {why}", state.path.display()))? {
+                Read::To(to) => {
+                    state.at = to.at;
+                    return Ok(to.tail);
+                }
+                Read::Replaced(why) => {
+                    tracing::warn!(
+                        model = %self.model, version, table = %state.table, log = %state.path.display(),
+                        "the push log was removed or replaced while the version loaded ({why}): replaying \
+                         the file now at its path from its start (ids replayed from the one it replaced stay \
+                         in this version until it reloads)"
+                    );
+                    state.at = Position::START;
+                }
+            }
+        }
     }
 
     /// Under the model's push lock ([`Self::lock`]): replays what was
-    /// logged since [`Self::replay`], cutting off a torn tail (a push never
-    /// answered), and says what the version was given.
+    /// logged since [`Self::replay`] (a torn tail, an append that never
+    /// finished, cut with a warning), and says what the version was given.
     pub fn catch_up(&self, version: u64, replayed: &mut Replayed, push: PushFn<'_>) -> Result<(), String> {
         for state in &mut replayed.tables {
-            if let Tail::Torn { bytes } = self.replay_from(state, push)? {
-                tracing::warn!(
-                    model = %self.model, version, table = %state.table, log = %state.path.display(), bytes,
-                    "the push log ends in a push that was never answered (the server stopped while writing it); cut off"
-                );
-                push_log::cut(&state.path, state.end)
-                    .map_err(|e| format!("cannot cut the torn tail of {}: {e}", state.path.display()))?;
+            self.replay_from(version, state, true, push)?;
+            if state.at.identity.is_some() {
+                self.known.lock().unwrap_or_else(|e| e.into_inner()).insert(state.path.clone(), state.at);
             }
             let p = &state.pushed;
             if p.added + p.already_held + p.superseded > 0 {
@@ -258,11 +290,10 @@ impl ModelPushes {
                 );
             };
             let path = push_log::path(dir, table, &format);
-            if let Err(e) = push_log::append(&path, &format, entries) {
-                return PushAnswer::Failed(
-                    Vec::new(),
-                    format!("nothing pushed: cannot write the push log {}: {e}", path.display()),
-                );
+            let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+            let at = known.entry(path.clone()).or_insert(Position::START);
+            if let Err(e) = push_log::append(&path, &format, entries, at) {
+                return PushAnswer::Failed(Vec::new(), format!("nothing pushed: {e}"));
             }
         }
         let mut outcomes = Vec::new();
@@ -300,4 +331,90 @@ fn warn_not_replayed(model: &str, version: u64, table: &str, path: &Path, format
         reason = %why,
         "pushed ids of the push log not replayed into this version: it serves them from its default row"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FORMAT: &str = "fp32-4-16";
+
+    /// A model's pushes logged in `dir`, its one table `t`, and a version
+    /// that takes every push (what it was given, in order).
+    fn model(dir: &Path) -> (Arc<ModelPushes>, Vec<IdMapTable>) {
+        let pushes = PushBook::new(1 << 30).model("m", Some(dir));
+        let table = IdMapTable { name: "t".into(), row_format: FORMAT.into(), refused: None };
+        (pushes, vec![table])
+    }
+
+    fn taking(given: &Mutex<Vec<Vec<u8>>>) -> impl Fn(&IdPush<'_>) -> Result<IdsPushed, String> + Sync + '_ {
+        move |push: &IdPush<'_>| {
+            given.lock().unwrap().push(push.entries.to_vec());
+            Ok(IdsPushed { added: 1, ..IdsPushed::default() })
+        }
+    }
+
+    fn log_with(log: &Path, payloads: &[&str]) {
+        let _ = std::fs::remove_file(log);
+        for payload in payloads {
+            push_log::append(log, FORMAT, payload.as_bytes(), &mut { Position::START }).unwrap();
+        }
+    }
+
+    fn given(given: &Mutex<Vec<Vec<u8>>>) -> Vec<String> {
+        given.lock().unwrap().drain(..).map(|p| String::from_utf8(p).unwrap()).collect()
+    }
+
+    #[test]
+    fn a_log_replaced_shorter_or_longer_between_replay_and_catch_up_is_replayed_from_its_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let (pushes, tables) = model(dir.path());
+        let log = push_log::path(dir.path(), "t", FORMAT);
+        for new in [&["new"][..], &["new 1", "new 2", "new 3", "new 4", "new 5", "new 6"]] {
+            log_with(&log, &["old 1", "old 2", "old 3"]);
+            let seen = Mutex::default();
+            let mut replayed = pushes.replay(1, &tables, &taking(&seen)).unwrap();
+            assert_eq!(given(&seen), ["old 1", "old 2", "old 3"]);
+            // Removed and written again while the version warms.
+            log_with(&log, new);
+            pushes.catch_up(1, &mut replayed, &taking(&seen)).unwrap();
+            assert_eq!(given(&seen), *new, "the new log's pushes, whole, once");
+            // A push after it lands after the new log's records.
+            push_log::append(&log, FORMAT, b"pushed", &mut { Position::START }).unwrap();
+            let mut again = pushes.replay(2, &tables, &taking(&seen)).unwrap();
+            pushes.catch_up(2, &mut again, &taking(&seen)).unwrap();
+            assert_eq!(given(&seen).last().map(String::as_str), Some("pushed"));
+        }
+    }
+
+    #[test]
+    fn a_catch_up_cuts_a_torn_tail_and_a_damaged_log_fails_the_load_naming_it_and_the_offset() {
+        let dir = tempfile::tempdir().unwrap();
+        let (pushes, tables) = model(dir.path());
+        let log = push_log::path(dir.path(), "t", FORMAT);
+        log_with(&log, &["one", "two"]);
+        let whole = std::fs::metadata(&log).unwrap().len();
+        // An append of 100 bytes, its header and 8 bytes written.
+        let mut torn = 100u64.to_le_bytes().to_vec();
+        torn.extend((!100u64).to_le_bytes());
+        torn.extend([7; 24]);
+        std::io::Write::write_all(&mut std::fs::OpenOptions::new().append(true).open(&log).unwrap(), &torn)
+            .unwrap();
+        let seen = Mutex::default();
+        let mut replayed = pushes.replay(1, &tables, &taking(&seen)).unwrap();
+        assert_eq!(std::fs::metadata(&log).unwrap().len(), whole + 40, "a replay cuts nothing");
+        pushes.catch_up(1, &mut replayed, &taking(&seen)).unwrap();
+        assert_eq!(
+            (given(&seen), std::fs::metadata(&log).unwrap().len()),
+            (vec!["one".into(), "two".into()], whole)
+        );
+        // A flipped bit in the first record.
+        let mut bytes = std::fs::read(&log).unwrap();
+        bytes[push_log::HEADER_BYTES as usize + 32] ^= 4;
+        std::fs::write(&log, &bytes).unwrap();
+        let error = pushes.replay(2, &tables, &taking(&seen)).unwrap_err();
+        assert!(error.contains(&log.display().to_string()), "{error}");
+        assert!(error.contains(&format!("damaged at byte {}:", push_log::HEADER_BYTES)), "{error}");
+        assert_eq!(std::fs::read(&log).unwrap(), bytes, "left as it is");
+    }
 }

@@ -23,6 +23,9 @@
 //!   chosen at run time; a scalar path otherwise), and of FP32 rows.
 //! * [`pooled_value`]: what the pooled block holds, FP32 or bf16 (each bag
 //!   rounded as it is pooled, for a dense network in bf16).
+//! * [`publish`]: publishing a model's files by rename (claimed under a
+//!   temporary name with `O_EXCL`, synced, renamed, the directory synced),
+//!   as every writer of a model's files and the push log do.
 //! * [`stage`]: the stage itself: per fused batch and table, dedup, fetch,
 //!   pool; with [`metrics`] per table.
 
@@ -35,6 +38,7 @@ pub mod metrics;
 pub mod pool;
 pub mod pooled_value;
 pub mod popularity_order;
+pub mod publish;
 pub mod schema;
 pub mod sha256;
 pub mod stage;

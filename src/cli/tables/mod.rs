@@ -12,7 +12,6 @@
 
 mod map;
 mod order;
-mod publish;
 mod push_ids;
 mod rows;
 
@@ -246,5 +245,5 @@ fn edit_tables(
             file.sync_all()
         })
         .with_context(|| format!("writing {}", temporary.display()))?;
-    publish::rename_into_place(&temporary, &out)
+    narsil_embedding::publish::rename_into_place(&temporary, &out)
 }

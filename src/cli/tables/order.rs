@@ -59,7 +59,7 @@ use narsil_embedding::sha256::is_sha256;
 use narsil_embedding::stores::table_file::{checked_file, slot_index, Stamp, StampedFile, STAMP_FILE};
 use narsil_embedding::{Layout, SplitSchema, TableSpec};
 
-use super::publish::{rename_into_place, Claimed};
+use narsil_embedding::publish::{rename_into_place, Claimed};
 
 /// Rows a reordered table is written through: at most this many bytes of
 /// them are held at once.

@@ -55,7 +55,7 @@ use page_cache::{DropBehind, ReadBehind};
 use progress::Progress;
 use vocabulary::{Vocabulary, VocabularyFormat};
 
-use super::publish::Claimed;
+use narsil_embedding::publish::Claimed;
 
 /// `--memory-bytes` when not given.
 pub const DEFAULT_MEMORY_BYTES: u64 = 64 << 20;

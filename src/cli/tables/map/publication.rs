@@ -10,7 +10,7 @@
 
 use std::path::{Component, Path, PathBuf};
 
-use super::super::publish::{sync_directory, Claimed};
+use narsil_embedding::publish::{sync_directory, Claimed};
 
 /// The steps of [`publish_map`], in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,5 +1,6 @@
 //! Publishing by rename, as every `narsil tables` command that writes a
-//! model's files does: what is written goes under a temporary name it
+//! model's files does, and the server when it creates a model's push log:
+//! what is written goes under a temporary name it
 //! claimed exclusively ([`Claimed`]: one that exists is another run's, or
 //! one a crash left, and is refused, named and left as it is), is synced,
 //! then renamed into place and its directory synced ([`rename_into_place`]),
