@@ -1,11 +1,13 @@
 //! A request's sequences ([`crate::sequence`]): checked and cut at
-//! validation, and what they weigh once fused (tokens, and the memory of
-//! their values once looked up).
+//! validation, what they weigh once fused (tokens, the memory of their
+//! values once looked up, and the dense network's working set for them:
+//! [`crate::working_set`]), and a request cut into parts by tokens.
 
 use crate::invalid::{InputField, InvalidInput};
 use crate::request::RequestSamples;
 use crate::schema::{ModelSchema, SequenceFeature};
 use crate::sequence::{fit_sequences, BagLayout};
+use crate::working_set::Unit;
 
 impl RequestSamples {
     /// Its rows plus the sequence positions it looks up (once per position,
@@ -47,6 +49,71 @@ impl RequestSamples {
             block.features.iter().zip(&block.lengths).map(|(&f, &len)| len as usize * weight(f))
         });
         (rows.fold(0, usize::saturating_add), block.fold(0, usize::saturating_add))
+    }
+
+    /// The units of `sequence` (its histories) and the rows attending to
+    /// each: the request block's, once for all its rows, where the block
+    /// holds it and the lanes take grouped batches; else each row's own
+    /// (a flat row, or a block copied into every row when `flat_only`).
+    pub fn sequence_units(&self, schema: &ModelSchema, sequence: &SequenceFeature, flat_only: bool) -> Vec<Unit> {
+        let first = sequence.features[0];
+        let in_block = self.request.as_deref().and_then(|block| {
+            block.features.iter().position(|&f| f == first).map(|i| block.lengths[i] as usize)
+        });
+        match in_block {
+            Some(positions) if !flat_only => vec![Unit { positions, rows: self.num_samples }],
+            Some(positions) => vec![Unit { positions, rows: 1 }; self.num_samples],
+            None => (0..self.num_samples)
+                .map(|sample| {
+                    let bag = self.layout.bag_index(sample, first, self.num_samples, schema.num_sparse());
+                    Unit { positions: self.lengths.get(bag).map_or(0, |&l| l as usize), rows: 1 }
+                })
+                .collect(),
+        }
+    }
+
+    /// Bytes the dense network holds at once for this request's sequences
+    /// ([`SequenceFeature::working_set`]), each sequence's summed; 0 for a
+    /// model without sequences. Lengths as validated.
+    pub fn working_set_bytes(&self, schema: &ModelSchema, flat_only: bool) -> usize {
+        schema
+            .sequences
+            .iter()
+            .map(|sequence| sequence.working_set().bytes(&self.sequence_units(schema, sequence, flat_only)))
+            .fold(0, usize::saturating_add)
+    }
+
+    /// Cuts a validated request into consecutive parts of at most
+    /// `max_rows` rows and, where it can, `max_tokens` tokens each
+    /// ([`Self::tokens`]: every part counts the request block's positions,
+    /// as each part keeps the block); a part has at least one row, so a
+    /// row over `max_tokens` alone is a part of its own. Scores of the
+    /// parts, concatenated, are the scores of the whole.
+    pub fn split_tokens(self, max_rows: usize, max_tokens: usize, schema: &ModelSchema) -> Vec<RequestSamples> {
+        let num_sparse = schema.num_sparse();
+        if schema.sequences.is_empty() || self.tokens(schema) <= max_tokens {
+            return self.split_rows(max_rows, num_sparse);
+        }
+        let (b, layout) = (self.num_samples, self.layout);
+        let block = self.sum_over_positions(schema, |_| 1).1;
+        let mut row_tokens = vec![1usize; b];
+        for (bag, &len) in self.lengths.iter().enumerate() {
+            let (sample, f) = layout.bag_position(bag, b, num_sparse);
+            if schema.first_channel_of(f).is_some() {
+                row_tokens[sample] = row_tokens[sample].saturating_add(len as usize);
+            }
+        }
+        let (mut ends, mut rows, mut tokens) = (Vec::new(), 0usize, block);
+        for (sample, &own) in row_tokens.iter().enumerate() {
+            if rows > 0 && (rows == max_rows.max(1) || tokens.saturating_add(own) > max_tokens) {
+                ends.push(sample);
+                (rows, tokens) = (0, block);
+            }
+            rows += 1;
+            tokens = tokens.saturating_add(own);
+        }
+        ends.push(b);
+        self.split_at(&ends, num_sparse)
     }
 
     /// Checks the rows' sequences' alignment and cuts those longer than
