@@ -50,6 +50,10 @@ pub enum WorkingSet {
         /// Values per (row, position) alive at once: the gathered history
         /// and what the network computes from it per position.
         width: usize,
+        /// Values per position computed once per position (not per row),
+        /// alive with the gather.
+        #[serde(default)]
+        position_width: usize,
         /// Bytes per value (4: FP32).
         #[serde(default = "four")]
         bytes_per_value: usize,
@@ -106,7 +110,7 @@ impl WorkingSet {
     /// Checks a declaration's sizes (positive where they must be).
     pub fn check(&self) -> Result<(), String> {
         let zero = match *self {
-            Self::Gather { width, bytes_per_value } => {
+            Self::Gather { width, bytes_per_value, .. } => {
                 [("width", width), ("bytes_per_value", bytes_per_value)].into_iter().find(|(_, v)| *v == 0)
             }
             Self::BlockAttention { block, heads, head_dim, model_dim, bytes_per_value, .. } => [
@@ -133,11 +137,16 @@ impl WorkingSet {
         let positions = units.iter().map(|u| u.positions).fold(0, usize::saturating_add);
         let longest = units.iter().map(|u| u.positions).max().unwrap_or(0);
         match *self {
-            Self::Gather { width, bytes_per_value } => gather(rows, longest, positions, width, bytes_per_value),
+            Self::Gather { width, position_width, bytes_per_value } => {
+                gather(rows, longest, width, bytes_per_value)
+                    .saturating_add(positions.saturating_mul(position_width).saturating_mul(bytes_per_value))
+            }
             Self::Undeclared { width } => {
                 let width = (width * UNDECLARED_GATHER_FACTOR).max(16);
                 let pairs = units.iter().map(|u| u.positions.saturating_mul(u.positions)).fold(0, usize::saturating_add);
-                gather(rows, longest, positions, width, 4).saturating_add(pairs.saturating_mul(UNDECLARED_PAIR_BYTES))
+                gather(rows, longest, width, 4)
+                    .saturating_add(positions.saturating_mul(width * 4))
+                    .saturating_add(pairs.saturating_mul(UNDECLARED_PAIR_BYTES))
             }
             Self::BlockAttention { block, heads, head_dim, contexts, model_dim, bytes_per_value } => {
                 let shape = Blocks::of(units, block, contexts);
@@ -147,11 +156,10 @@ impl WorkingSet {
     }
 }
 
-/// `[rows, longest, width]` values with an index and a mask each, and the
-/// positions' own `width` values (projected once per position).
-fn gather(rows: usize, longest: usize, positions: usize, width: usize, value: usize) -> usize {
+/// `[rows, longest, width]` values with an index and a mask each.
+fn gather(rows: usize, longest: usize, width: usize, value: usize) -> usize {
     let per = width.saturating_mul(value).saturating_add(INDEX + 1);
-    rows.saturating_mul(longest).saturating_add(positions).saturating_mul(per)
+    rows.saturating_mul(longest).saturating_mul(per)
 }
 
 /// A request's units cut into blocks (module docs).
@@ -198,9 +206,10 @@ impl Blocks {
     ///   its token indices;
     /// * per token, its state, norm and output (`model_dim`) and its
     ///   `u, v, q, k` with their activation (`8 x heads x head_dim`);
-    /// * per row, the same as a token, and against each of its unit's
-    ///   blocks the padded candidates' gathers and scores, three each
-    ///   (a unit's rows padded to the most rows a unit has).
+    /// * per row, as a token and its attended and own shares, and against
+    ///   each of its unit's blocks the padded candidates' gathers and
+    ///   scores, four each (a unit's rows padded to the most rows a unit
+    ///   has).
     fn bytes(&self, b: usize, heads: usize, head_dim: usize, model_dim: usize, value: usize) -> usize {
         if self.units == 0 {
             return 0;
@@ -209,11 +218,13 @@ impl Blocks {
         let per_pair = (3 * heads * b * value + 2 * INDEX + value) * b + 3 * b * attention * value;
         let per_block = b * (4 * attention * value + 3 * INDEX);
         let per_token = (4 * model_dim + 8 * attention) * value + 2 * INDEX;
-        let candidates = self.blocks.saturating_mul(self.most).saturating_mul(3 * heads * (b + head_dim) * value);
+        let per_row = (4 * model_dim + 12 * attention) * value + 2 * INDEX;
+        let candidates = self.blocks.saturating_mul(self.most).saturating_mul(4 * heads * (b + head_dim) * value);
         [
             self.pairs.saturating_mul(per_pair),
             self.blocks.saturating_mul(per_block),
-            self.tokens.saturating_add(self.rows).saturating_mul(per_token),
+            self.tokens.saturating_mul(per_token),
+            self.rows.saturating_mul(per_row),
             candidates,
             self.units.saturating_mul(self.most).saturating_mul(3 * attention * value),
         ]
@@ -243,7 +254,7 @@ mod tests {
     #[test]
     fn a_declaration_parses_by_kind_and_refuses_unknown_fields_and_zero_sizes() {
         let gather: WorkingSet = serde_json::from_str(r#"{"kind": "gather", "width": 208}"#).unwrap();
-        assert_eq!(gather, WorkingSet::Gather { width: 208, bytes_per_value: 4 });
+        assert_eq!(gather, WorkingSet::Gather { width: 208, position_width: 0, bytes_per_value: 4 });
         let attention: WorkingSet = serde_json::from_str(
             r#"{"kind": "block_attention", "block": 32, "heads": 4, "head_dim": 32, "contexts": 2, "model_dim": 128}"#,
         )
@@ -258,12 +269,12 @@ mod tests {
 
     #[test]
     fn a_gather_is_rows_by_the_longest_unit_by_its_width() {
-        let gather = WorkingSet::Gather { width: 10, bytes_per_value: 4 };
+        let gather = WorkingSet::Gather { width: 10, position_width: 3, bytes_per_value: 4 };
         // 3 rows of 5, 2 and 0 positions: padded to 5.
         let units = [Unit { positions: 5, rows: 1 }, Unit { positions: 2, rows: 1 }, Unit { positions: 0, rows: 1 }];
-        assert_eq!(gather.bytes(&units), (3 * 5 + 7) * (10 * 4 + 9));
+        assert_eq!(gather.bytes(&units), 3 * 5 * (10 * 4 + 9) + 7 * 3 * 4);
         // A ranking request: one unit of 100 positions for 50 rows.
-        assert_eq!(gather.bytes(&[Unit { positions: 100, rows: 50 }]), (50 * 100 + 100) * 49);
+        assert_eq!(gather.bytes(&[Unit { positions: 100, rows: 50 }]), 50 * 100 * 49 + 100 * 12);
         assert_eq!(gather.bytes(&[]), 0);
     }
 
@@ -295,7 +306,7 @@ mod tests {
     fn an_undeclared_sequence_is_charged_its_gather_and_a_full_attention() {
         let undeclared = WorkingSet::undeclared(48);
         let units = flat(2, 100);
-        let gather = (2 * 100 + 200) * (48 * 16 * 4 + 9);
+        let gather = 2 * 100 * (48 * 16 * 4 + 9) + 200 * 48 * 16 * 4;
         assert_eq!(undeclared.bytes(&units), gather + 2 * 100 * 100 * UNDECLARED_PAIR_BYTES);
         // Never less than the declared HSTU's for the same shape.
         assert!(undeclared.bytes(&flat(400, 512)) > BENCH_HSTU.bytes(&flat(400, 512)));

@@ -1,7 +1,11 @@
-//! The request path: [`EngineHandle::predict`] validates a request,
-//! charges its memory, admits it, splits it into parts when it has more
-//! rows than one forward may carry, queues the parts and waits for their
-//! answers, its deadline or its queue timeout, whichever comes first.
+//! The request path: [`EngineHandle::predict`] validates a request, cuts
+//! it into parts when it has more rows or tokens than one forward may
+//! carry, charges its memory (its values, what its rows grow by once
+//! fused, and the working set its sequences make the dense network
+//! allocate: [`narsil_core::working_set`]), admits it, queues the parts
+//! and waits for their answers, its deadline or its queue timeout,
+//! whichever comes first. A request whose charge can never fit the
+//! memory bound is refused naming it.
 //!
 //! Timers live with the caller: when the queue timeout or the deadline
 //! fires, the caller abandons the request's [`Ticket`] and answers
@@ -80,20 +84,39 @@ impl EngineHandle {
         }
         let validated = request.validate(&shared.schema, shared.limits)?;
         shared.stats.positions_truncated.inc_by(validated.positions_truncated as u64);
-        // What its rows grow by once fused, and the sequence values its
-        // rows look up (those of its request block, once, stay with the
-        // last part, as the block does).
+        // Parts of at most --max-batch-rows rows and, for a model with
+        // sequences, --max-batch-tokens tokens (a row over it alone).
         let schema = &shared.schema;
+        let (flat_only, block_bytes) = (shared.flat_only, request.request.as_ref().map_or(0, |b| b.decoded_bytes()));
+        let block_values = request.sequence_value_bytes(schema).1;
+        let parts = request.split_tokens(shared.max_batch_rows, shared.max_batch_tokens, schema);
+        // What each part's rows grow by once fused, the sequence values
+        // they look up, and the working set its forward allocates for its
+        // sequences (those of the request block, once, stay with the last
+        // part, as the block does).
+        let working_set = |part: &RequestSamples| part.working_set_bytes(schema, flat_only);
         let growth = |part: &RequestSamples| {
-            part.fused_growth_bytes(shared.flat_only).saturating_add(part.sequence_value_bytes(schema).0)
+            part.fused_growth_bytes(flat_only)
+                .saturating_add(part.sequence_value_bytes(schema).0)
+                .saturating_add(working_set(part))
         };
-        let grown = growth(&request).saturating_add(request.sequence_value_bytes(schema).1);
-        let bytes = request.decoded_bytes().saturating_add(grown);
+        let charges: Vec<usize> = parts.iter().map(|p| p.row_bytes().saturating_add(growth(p))).collect();
+        let bytes = charges.iter().fold(block_bytes.saturating_add(block_values), |a, &c| a.saturating_add(c));
         let memory = &shared.memory;
-        if bytes > memory.max() && shared.flat_only && grown > 0 {
-            return Err(EngineError::Invalid(never_fits_flat(&request, bytes, memory.max())));
-        }
         if bytes > memory.max() {
+            let working: usize = parts.iter().map(working_set).fold(0, usize::saturating_add);
+            let rows = parts.iter().map(|p| p.num_samples).sum();
+            if working > 0 {
+                return Err(EngineError::Invalid(never_fits_working_set(
+                    Footprint { rows, parts: parts.len(), working, bytes },
+                    shared.max_batch_tokens,
+                    memory.max(),
+                )));
+            }
+            if flat_only && parts[0].request.is_some() {
+                let ids = parts[0].request.as_deref().map_or(0, |b| b.ids.len());
+                return Err(EngineError::Invalid(never_fits_flat(ids, rows, bytes, memory.max())));
+            }
             let full = QueueFull {
                 limit: QueueLimit::Bytes,
                 queued: memory.used(),
@@ -111,7 +134,7 @@ impl EngineHandle {
             None => memory.try_reserve(bytes),
         }
         .map_err(EngineError::Overloaded)?;
-        let rows = request.num_samples;
+        let rows = parts.iter().map(|p| p.num_samples).sum();
         let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
             // Full: free the places of requests nobody waits for (if any
@@ -124,16 +147,15 @@ impl EngineHandle {
         let queue_deadline = shared.queue_timeout.map(|t| admitted + t);
         let expires = deadline.into_iter().chain(queue_deadline).min();
         let ticket = Ticket::new();
-        let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
         // Each part frees its rows when it starts, and its bytes when its
         // forward ends; the last also frees the request's place.
         let last = parts.len() - 1;
         let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
         // A request-level block, shared by every part, stays with the last;
-        // each part holds what its own rows grow by once fused.
-        let mut leases: Vec<_> =
-            parts[..last].iter().map(|p| lease.split_off(p.row_bytes() + growth(p))).collect();
+        // each part holds its rows, what they grow by once fused and its
+        // forward's working set.
+        let mut leases: Vec<_> = charges[..last].iter().map(|&charge| lease.split_off(charge)).collect();
         leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()
@@ -173,11 +195,39 @@ impl EngineHandle {
     }
 }
 
-/// Why a grouped request can never be admitted by lanes that take only
-/// flat batches: with its block copied into every row it needs `bytes`,
-/// more than the memory bound `max`.
-fn never_fits_flat(request: &RequestSamples, bytes: usize, max: usize) -> InvalidInput {
-    let ids = request.request.as_deref().map_or(0, |b| b.ids.len());
+/// What a request would hold once admitted, for a refusal.
+struct Footprint {
+    /// Its rows.
+    rows: usize,
+    /// The parts it was cut into.
+    parts: usize,
+    /// The working set its parts' forwards allocate for its sequences.
+    working: usize,
+    /// Everything it would be charged.
+    bytes: usize,
+}
+
+/// Why a request can never be admitted: the working set its sequences
+/// make the dense network allocate, with its values, is more than the
+/// memory bound `max`, even cut into parts of at most `max_tokens` tokens.
+fn never_fits_working_set(footprint: Footprint, max_tokens: usize, max: usize) -> InvalidInput {
+    let Footprint { rows, parts, working, bytes } = footprint;
+    InvalidInput::new(
+        InputField::Message,
+        format!(
+            "needs {bytes} bytes, more than the server's memory bound of {max} bytes (--max-queue-bytes): the \
+             model's dense network allocates {working} bytes of working set for its {rows} rows' sequences, in \
+             {parts} part(s) of at most {max_tokens} tokens (--max-batch-tokens); send fewer rows or shorter \
+             histories per request"
+        ),
+    )
+}
+
+/// Why a grouped request of `rows` candidates and `ids` request-level ids
+/// can never be admitted by lanes that take only flat batches: with its
+/// block copied into every row it needs `bytes`, more than the memory
+/// bound `max`.
+fn never_fits_flat(ids: usize, rows: usize, bytes: usize, max: usize) -> InvalidInput {
     InvalidInput::new(
         InputField::Request,
         format!(
@@ -185,7 +235,7 @@ fn never_fits_flat(request: &RequestSamples, bytes: usize, max: usize) -> Invali
              the block once), so its {ids} request-level ids are copied into each of its {} candidate rows: {bytes} \
              bytes, more than the server's memory bound of {max} bytes (--max-queue-bytes); send fewer candidates \
              or request-level ids per request",
-            request.num_samples
+            rows
         ),
     )
 }
