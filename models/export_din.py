@@ -62,6 +62,7 @@ from din_model import CANDIDATE, HISTORY, Din, DinDenseNetwork, DinPredictor, bu
 from din_requests import (Draw, cut, features, golden_requests, ranking_json, ranking_requests, request_json,
                           sample_major, tiled)
 from sequence_split import din_layout, write_split
+from working_sets import din_working_set
 from export_dlrm import WithSchema, int_list
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
@@ -151,7 +152,9 @@ def main() -> int:
         "name": args.name, "version": args.version, "num_dense": args.num_dense,
         "sparse": [{"name": k, "num_rows": rows[k]} for k in keys],
         "request_level": request_level,
-        "sequences": [sequence_json(args.max_len)],
+        # model.pt runs `Din` (the exact attention).
+        "sequences": [dict(sequence_json(args.max_len),
+                           working_set=din_working_set(args.embedding_dim, args.attention_arch, False))],
     })
     log("packaging: INT8 tables (quantize_inference_model), FX-traced with TorchRec's tracer, scripted")
     with torch.inference_mode():  # one eager forward first, as TorchRec's packaging runs one before tracing
@@ -201,8 +204,9 @@ def main() -> int:
         log("writing the split form and checking it through an emulation of Narsil's stage")
         network = DinDenseNetwork(quantized, len(user), args.embedding_dim,
                                   factored=args.dense_attention == "factored").eval()
-        worst = write_split(out / "split", quantized, network, din_layout(args.max_len), args, keys, user,
-                            request_level, flat_scored, ranking_scored, log)
+        working_set = din_working_set(args.embedding_dim, args.attention_arch, args.dense_attention == "factored")
+        worst = write_split(out / "split", quantized, network, din_layout(args.max_len, working_set), args, keys,
+                            user, request_level, flat_scored, ranking_scored, log)
         (out / "split" / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))
         (out / "split" / "golden_ranking.json").write_text(json.dumps(ranking_file))
         log("split dense.pt's scores against the eager quantized forward's: "

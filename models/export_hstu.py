@@ -48,6 +48,7 @@ from din_requests import (Draw, cut, cut_history, features, golden_requests, ran
                           request_json, sample_major, tiled)
 from export_dlrm import int_list
 from hstu_model import CANDIDATE, HISTORY, HstuDenseNetwork, age_bucket, build, sequence_json
+from working_sets import hstu_working_set
 from sequence_split import Layout, write_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
@@ -192,7 +193,9 @@ def main() -> int:
 
     log("writing the split form and checking it through an emulation of Narsil's stage")
     network = HstuDenseNetwork(quantized.network, args.attention_block).eval()
-    layout = Layout(HISTORY, CANDIDATE, sequence_json(args.max_len), BOUND, BF16_BOUND)
+    working_set = hstu_working_set(args.attention_block, args.heads, args.head_dim, args.num_user, args.model_dim)
+    layout = Layout(HISTORY, CANDIDATE, dict(sequence_json(args.max_len), working_set=working_set), BOUND,
+                    BF16_BOUND)
     worst = write_split(out / "split", quantized, network, layout, args, keys, user, request_level, flat_scored,
                         ranking_scored, log)
     (out / "split" / "golden.json").write_text(json.dumps({"schema": schema, "requests": golden}))

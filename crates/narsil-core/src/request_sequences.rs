@@ -132,3 +132,114 @@ impl RequestSamples {
         fit_sequences(&sequences, schema, &mut self.lengths, &mut self.ids, &bags)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::request::{IdPolicy, RequestLimits};
+    use crate::request_level::RequestBlock;
+    use crate::schema::{KeepEnd, RequestLevel};
+    use crate::working_set::WorkingSet;
+
+    const LIMITS: RequestLimits = RequestLimits::new(64, IdPolicy::Reject);
+
+    /// cat_0 pooled; sequence `h` (cat_1), at most 8 positions, per row or
+    /// request-level; its working set a gather of 10 values.
+    fn schema(request_level: bool) -> ModelSchema {
+        let mut s = ModelSchema::dlrm("mock", "cpu", 100);
+        s.num_dense = 1;
+        s.sparse.truncate(2);
+        if request_level {
+            s.request_level = RequestLevel::parse(["cat_1"], &s).unwrap();
+        }
+        let mut h = SequenceFeature::new("h", &["cat_1".to_string()], 8, KeepEnd::Last, &s, &[]).unwrap();
+        h.working_set = Some(WorkingSet::Gather { width: 10, position_width: 0, bytes_per_value: 4 });
+        s.sequences = vec![h];
+        s
+    }
+
+    /// Flat rows whose histories have `lengths` positions.
+    fn flat(lengths: &[u32]) -> RequestSamples {
+        let b = lengths.len();
+        let mut r = RequestSamples { num_samples: b, dense: vec![0.5; b], ..Default::default() };
+        for &len in lengths {
+            r.lengths.extend([1, len]);
+            r.ids.push(1);
+            r.ids.extend((0..len).map(|p| p as i64));
+        }
+        r.validate(&schema(false), LIMITS).unwrap();
+        r
+    }
+
+    /// `rows` candidates of one user whose history has `len` positions.
+    fn ranking(rows: usize, len: u32) -> RequestSamples {
+        let mut r = RequestSamples {
+            num_samples: rows,
+            dense: vec![0.5; rows],
+            ids: vec![1; rows],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![len],
+                ids: (0..len as i64).collect(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        r.validate(&schema(true), LIMITS).unwrap();
+        r
+    }
+
+    #[test]
+    fn a_flat_requests_rows_are_units_of_their_own_and_a_ranking_requests_share_its_block() {
+        let s = schema(false);
+        let units = flat(&[3, 0, 8]).sequence_units(&s, &s.sequences[0], false);
+        let positions: Vec<_> = units.iter().map(|u| (u.positions, u.rows)).collect();
+        assert_eq!(positions, [(3, 1), (0, 1), (8, 1)]);
+        // Gathered: 3 rows x the longest (8) x 10 values.
+        assert_eq!(flat(&[3, 0, 8]).working_set_bytes(&s, false), 3 * 8 * (10 * 4 + 9));
+        let s = schema(true);
+        let grouped = ranking(5, 6);
+        assert_eq!(grouped.sequence_units(&s, &s.sequences[0], false), [Unit { positions: 6, rows: 5 }]);
+        // Lanes that take only flat batches copy the block into every row.
+        assert_eq!(grouped.sequence_units(&s, &s.sequences[0], true), [Unit { positions: 6, rows: 1 }; 5]);
+        assert_eq!(grouped.working_set_bytes(&s, false), 5 * 6 * 49);
+        // No sequences: nothing.
+        assert_eq!(grouped.working_set_bytes(&ModelSchema::dlrm("mock", "cpu", 100), false), 0);
+    }
+
+    #[test]
+    fn a_request_over_the_token_budget_is_cut_into_parts_within_it_that_score_as_the_whole() {
+        use crate::batch::assemble;
+        use crate::mock::mock_scores;
+        let s = schema(false);
+        // Tokens per row: 1 + its positions: 4, 9, 2, 9, 9, 1.
+        let whole = flat(&[3, 8, 1, 8, 8, 0]);
+        let parts = whole.clone().split_tokens(64, 12, &s);
+        let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
+        assert_eq!(rows, [1, 2, 1, 2]);
+        assert!(parts.iter().all(|p| p.tokens(&s) <= 12), "{:?}", parts.iter().map(|p| p.tokens(&s)).collect::<Vec<_>>());
+        let mut scores = Vec::new();
+        for part in &parts {
+            scores.extend(mock_scores(&assemble(1, 2, [part])));
+        }
+        assert_eq!(scores, mock_scores(&assemble(1, 2, [&whole])));
+        // A row over the budget alone is a part of its own; rows still
+        // bound a part; a request within both is whole.
+        assert_eq!(whole.clone().split_tokens(64, 5, &s).len(), 6);
+        assert_eq!(whole.clone().split_tokens(2, 1000, &s).len(), 3);
+        assert_eq!(whole.clone().split_tokens(64, 1000, &s), [whole]);
+    }
+
+    #[test]
+    fn a_ranking_requests_parts_each_count_its_block_and_keep_it() {
+        let s = schema(true);
+        // 6 positions in the block: each part holds 6 + its rows.
+        let parts = ranking(10, 6).split_tokens(64, 10, &s);
+        let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
+        assert_eq!(rows, [4, 4, 2]);
+        assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s) <= 10));
+        // A block over the budget: one row a part.
+        assert_eq!(ranking(3, 6).split_tokens(64, 4, &s).len(), 3);
+    }
+}

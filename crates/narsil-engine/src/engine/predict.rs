@@ -403,4 +403,56 @@ mod tests {
         pooled.handle().predict(grouped(64, 10_000), None, None).await.unwrap();
         assert!(memory.peak() < 200_000, "peak {}", memory.peak());
     }
+
+    /// A model whose one sequence (cat_1, per row, at most 64 positions)
+    /// makes its network gather 1,000 values per row and position.
+    async fn sequence_engine(budget: usize, max_batch_tokens: usize) -> (Engine, MemoryBudget) {
+        let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
+        schema.num_dense = 1;
+        schema.sparse.truncate(2);
+        let mut history =
+            narsil_core::SequenceFeature::new("h", &["cat_1".into()], 64, narsil_core::KeepEnd::Last, &schema, &[])
+                .unwrap();
+        history.working_set =
+            Some(narsil_core::working_set::WorkingSet::Gather { width: 1000, position_width: 0, bytes_per_value: 4 });
+        schema.sequences = vec![history];
+        let memory = MemoryBudget::new(budget);
+        let config = EngineConfig { memory: memory.clone(), max_batch_tokens, ..config(false) };
+        let engine = Engine::start(Arc::new(GroupedFactory { schema, takes_request_level: true }), config).unwrap();
+        engine.handle().wait_ready().await.unwrap();
+        (engine, memory)
+    }
+
+    /// `rows` flat rows, each with a history of 64 positions.
+    fn histories(rows: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: rows,
+            dense: vec![0.5; rows],
+            lengths: [1, 64].repeat(rows),
+            ids: (0..rows).flat_map(|_| std::iter::repeat_n(3, 65)).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sequence_requests_working_set_is_charged_and_one_that_never_fits_is_refused_naming_the_flags() {
+        // A row's working set: 64 positions x (1,000 x 4 + 9) bytes, 257 kB.
+        let per_row = 64 * (1000 * 4 + 9);
+        let (engine, memory) = sequence_engine(8 << 20, 130).await;
+        // 16 rows: 4.1 MB of working set, cut into parts of 2 rows (130
+        // tokens), every row scored.
+        let scores = engine.handle().predict(histories(16), None, None).await.unwrap();
+        assert_eq!(scores.outputs[0].len(), 16);
+        assert!(scores.forwards >= 8, "{} forwards for 8 parts", scores.forwards);
+        assert!(memory.peak() >= 2 * per_row, "peak {} of a part's {}", memory.peak(), 2 * per_row);
+        assert_eq!(memory.used(), 0, "every part's charge returned");
+        // 40 rows: 10 MB, more than the 8 MiB bound however it is cut.
+        let error = engine.handle().predict(histories(40), None, None).await.unwrap_err();
+        let EngineError::Invalid(invalid) = &error else { panic!("{error:?}") };
+        assert_eq!(invalid.field, InputField::Message);
+        for words in ["8388608 bytes (--max-queue-bytes)", "working set", "40 rows", "20 part(s)", "--max-batch-tokens"] {
+            assert!(invalid.message.contains(words), "{words:?} in {invalid}");
+        }
+        assert_eq!(memory.used(), 0, "refused before any lease");
+    }
 }
