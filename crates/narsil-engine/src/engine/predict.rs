@@ -89,42 +89,74 @@ impl EngineHandle {
         let schema = &shared.schema;
         let (flat_only, block_bytes) = (shared.flat_only, request.request.as_ref().map_or(0, |b| b.decoded_bytes()));
         let block_values = request.sequence_value_bytes(schema).1;
-        let parts = request.split_tokens(shared.max_batch_rows, shared.max_batch_tokens, schema);
         // What each part's rows grow by once fused, the sequence values
         // they look up, and the working set its forward allocates for its
         // sequences (those of the request block, once, stay with the last
         // part, as the block does).
         let working_set = |part: &RequestSamples| part.working_set_bytes(schema, flat_only);
-        let growth = |part: &RequestSamples| {
-            part.fused_growth_bytes(flat_only)
+        let charge = |part: &RequestSamples| {
+            part.row_bytes()
+                .saturating_add(part.fused_growth_bytes(flat_only))
                 .saturating_add(part.sequence_value_bytes(schema).0)
                 .saturating_add(working_set(part))
         };
-        let charges: Vec<usize> = parts.iter().map(|p| p.row_bytes().saturating_add(growth(p))).collect();
-        let bytes = charges.iter().fold(block_bytes.saturating_add(block_values), |a, &c| a.saturating_add(c));
-        let memory = &shared.memory;
-        if bytes > memory.max() {
-            let working: usize = parts.iter().map(working_set).fold(0, usize::saturating_add);
-            let rows = parts.iter().map(|p| p.num_samples).sum();
-            if working > 0 {
-                return Err(EngineError::Invalid(never_fits_working_set(
-                    Footprint { rows, parts: parts.len(), working, bytes },
-                    shared.max_batch_tokens,
-                    memory.max(),
-                )));
-            }
-            if flat_only && parts[0].request.is_some() {
-                let ids = parts[0].request.as_deref().map_or(0, |b| b.ids.len());
-                return Err(EngineError::Invalid(never_fits_flat(ids, rows, bytes, memory.max())));
-            }
-            let full = QueueFull {
-                limit: QueueLimit::Bytes,
-                queued: memory.used(),
-                max: memory.max(),
-                needed: bytes,
-            };
-            return Err(EngineError::NeverFits(full));
+        // Parts within both budgets, each cut in halves while it is
+        // charged more than half the memory bound (a row stays whole).
+        let mut parts = request.split_tokens(shared.max_batch_rows, shared.max_batch_tokens, schema);
+        if !schema.sequences.is_empty() {
+            parts = halve_while(parts, shared.memory.max() / 2, &charge, schema.num_sparse());
         }
+        let charges: Vec<usize> = parts.iter().map(charge).collect();
+        let row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
+        let shared_bytes = block_bytes.saturating_add(block_values);
+        let memory = &shared.memory;
+        // Parts are charged and queued in waves within the bound, the next
+        // once the last is answered; a part that cannot fit alone is
+        // refused, naming what it needs.
+        let ends = match waves(&charges, &row_bytes, shared_bytes, memory.max()) {
+            Ok(ends) => ends,
+            Err(Unfit { part, bytes }) => {
+                let working = working_set(&parts[part]);
+                let rows = parts[part].num_samples;
+                if working > 0 {
+                    let part = Footprint { rows, working, bytes };
+                    return Err(EngineError::Invalid(never_fits_working_set(part, shared.max_batch_tokens, memory.max())));
+                }
+                if flat_only && parts[0].request.is_some() {
+                    let ids = parts[0].request.as_deref().map_or(0, |b| b.ids.len());
+                    return Err(EngineError::Invalid(never_fits_flat(ids, rows, bytes, memory.max())));
+                }
+                let full = QueueFull { limit: QueueLimit::Bytes, queued: memory.used(), max: memory.max(), needed: bytes };
+                return Err(EngineError::NeverFits(full));
+            }
+        };
+        let mut parts = parts.into_iter();
+        let (mut lease, mut first, mut answered) = (lease, 0, Vec::with_capacity(ends.len()));
+        for end in ends {
+            let wave: Vec<_> = parts.by_ref().take(end - first).collect();
+            // The block, and the rows of the parts still to come, held
+            // meanwhile.
+            let held = row_bytes[end..].iter().fold(shared_bytes, |a, &b| a.saturating_add(b));
+            answered.push(self.queue(id, wave, &charges[first..end], held, lease.take(), deadline).await?);
+            first = end;
+        }
+        Ok(Prediction::merge(answered))
+    }
+
+    /// Charges, admits and queues `parts` (each charged its `charges`, the
+    /// last also `held`: what stays held beside them), then waits for their
+    /// answers.
+    async fn queue(
+        &self,
+        id: u64,
+        parts: Vec<RequestSamples>,
+        charges: &[usize],
+        held: usize,
+        lease: Option<Lease>,
+        deadline: Option<Instant>,
+    ) -> Result<Prediction, EngineError> {
+        let (shared, memory) = (&self.shared, &self.shared.memory);
+        let bytes = charges.iter().fold(held, |a, &c| a.saturating_add(c));
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
@@ -152,9 +184,9 @@ impl EngineHandle {
         let last = parts.len() - 1;
         let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
-        // A request-level block, shared by every part, stays with the last;
-        // each part holds its rows, what they grow by once fused and its
-        // forward's working set.
+        // What is held beside the parts (a request-level block, shared by
+        // every part) stays with the last; each part holds its rows, what
+        // they grow by once fused and its forward's working set.
         let mut leases: Vec<_> = charges[..last].iter().map(|&charge| lease.split_off(charge)).collect();
         leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
@@ -195,30 +227,84 @@ impl EngineHandle {
     }
 }
 
-/// What a request would hold once admitted, for a refusal.
-struct Footprint {
-    /// Its rows.
-    rows: usize,
-    /// The parts it was cut into.
-    parts: usize,
-    /// The working set its parts' forwards allocate for its sequences.
-    working: usize,
-    /// Everything it would be charged.
+/// `parts`, each cut into halves (by rows, in order) while it has more
+/// than one row and is charged more than `most`.
+fn halve_while(
+    parts: Vec<RequestSamples>,
+    most: usize,
+    charge: &impl Fn(&RequestSamples) -> usize,
+    num_sparse: usize,
+) -> Vec<RequestSamples> {
+    let mut fitted = Vec::with_capacity(parts.len());
+    let mut pending: Vec<RequestSamples> = parts.into_iter().rev().collect();
+    while let Some(part) = pending.pop() {
+        if part.num_samples > 1 && charge(&part) > most {
+            let half = part.num_samples.div_ceil(2);
+            let halves = part.split_rows(half, num_sparse);
+            pending.extend(halves.into_iter().rev());
+        } else {
+            fitted.push(part);
+        }
+    }
+    fitted
+}
+
+/// A part of a request that cannot fit the memory bound alone.
+#[derive(Debug, PartialEq, Eq)]
+struct Unfit {
+    /// Which.
+    part: usize,
+    /// What it needs, with what is held beside it.
     bytes: usize,
 }
 
-/// Why a request can never be admitted: the working set its sequences
-/// make the dense network allocate, with its values, is more than the
-/// memory bound `max`, even cut into parts of at most `max_tokens` tokens.
-fn never_fits_working_set(footprint: Footprint, max_tokens: usize, max: usize) -> InvalidInput {
-    let Footprint { rows, parts, working, bytes } = footprint;
+/// Where each wave of parts ends: consecutive parts whose `charges`, with
+/// `shared` (held by every wave) and the `row_bytes` of the parts after
+/// the wave (held until their turn), fit `max` together, as many as fit.
+/// One wave when the whole request fits; the first part that cannot fit
+/// alone otherwise.
+fn waves(charges: &[usize], row_bytes: &[usize], shared: usize, max: usize) -> Result<Vec<usize>, Unfit> {
+    let later = |end: usize| row_bytes[end..].iter().fold(shared, |a, &b| a.saturating_add(b));
+    let (mut ends, mut first) = (Vec::new(), 0);
+    while first < charges.len() {
+        let mut end = first;
+        let mut sum = 0usize;
+        while end < charges.len() && sum.saturating_add(charges[end]).saturating_add(later(end + 1)) <= max {
+            sum = sum.saturating_add(charges[end]);
+            end += 1;
+        }
+        if end == first {
+            return Err(Unfit { part: first, bytes: charges[first].saturating_add(later(first + 1)) });
+        }
+        ends.push(end);
+        first = end;
+    }
+    Ok(ends)
+}
+
+/// What a part of a request would hold once admitted, for a refusal.
+struct Footprint {
+    /// Its rows.
+    rows: usize,
+    /// The working set its forward allocates for its sequences.
+    working: usize,
+    /// Everything it would be charged, with what is held beside it.
+    bytes: usize,
+}
+
+/// Why a request can never be admitted: a part of it (cut to at most
+/// `max_tokens` tokens, or a row alone) needs more than the memory bound
+/// `max`, with the working set its sequences make the dense network
+/// allocate.
+fn never_fits_working_set(part: Footprint, max_tokens: usize, max: usize) -> InvalidInput {
+    let Footprint { rows, working, bytes } = part;
     InvalidInput::new(
         InputField::Message,
         format!(
-            "needs {bytes} bytes, more than the server's memory bound of {max} bytes (--max-queue-bytes): the \
-             model's dense network allocates {working} bytes of working set for its {rows} rows' sequences, in \
-             {parts} part(s) of at most {max_tokens} tokens (--max-batch-tokens); send fewer rows or shorter \
-             histories per request"
+            "a part of {rows} row(s) needs {bytes} bytes, more than the server's memory bound of {max} bytes \
+             (--max-queue-bytes): the model's dense network allocates {working} bytes of working set for its \
+             sequences; a request is cut into parts of at most {max_tokens} tokens (--max-batch-tokens) or one \
+             row, queued in turn; send shorter histories"
         ),
     )
 }
@@ -434,23 +520,48 @@ mod tests {
         }
     }
 
+    #[test]
+    fn parts_are_queued_in_waves_within_the_bound_holding_the_rows_still_to_come() {
+        // Parts charged 40 each, their rows 5 each, a block of 10.
+        let (charges, rows) = ([40; 5], [5; 5]);
+        // All of it fits 230: one wave.
+        assert_eq!(waves(&charges, &rows, 10, 230), Ok(vec![5]));
+        // 100: two parts (80) + the block + the 3 parts to come (15) = 105
+        // is over, so one part first (40 + 10 + 20 = 70), then two (80 + 10
+        // + the 2 to come, 10 = 100), then the last two (80 + 10).
+        assert_eq!(waves(&charges, &rows, 10, 100), Ok(vec![1, 3, 5]));
+        // A part that cannot fit alone is named with what it needs.
+        assert_eq!(waves(&charges, &rows, 10, 60), Err(Unfit { part: 0, bytes: 40 + 10 + 20 }));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_sequence_requests_working_set_is_charged_and_one_that_never_fits_is_refused_naming_the_flags() {
+    async fn a_sequence_requests_working_set_is_charged_in_waves_and_a_row_that_never_fits_is_refused() {
         // A row's working set: 64 positions x (1,000 x 4 + 9) bytes, 257 kB.
         let per_row = 64 * (1000 * 4 + 9);
         let (engine, memory) = sequence_engine(8 << 20, 130).await;
         // 16 rows: 4.1 MB of working set, cut into parts of 2 rows (130
         // tokens), every row scored.
-        let scores = engine.handle().predict(histories(16), None, None).await.unwrap();
-        assert_eq!(scores.outputs[0].len(), 16);
-        assert!(scores.forwards >= 8, "{} forwards for 8 parts", scores.forwards);
-        assert!(memory.peak() >= 2 * per_row, "peak {} of a part's {}", memory.peak(), 2 * per_row);
+        let prediction = engine.handle().predict(histories(16), None, None).await.unwrap();
+        assert_eq!(prediction.outputs[0].len(), 16);
+        assert!(prediction.forwards >= 8, "{} forwards for 8 parts", prediction.forwards);
+        assert!(memory.peak() >= 16 * per_row, "peak {} of {} charged", memory.peak(), 16 * per_row);
         assert_eq!(memory.used(), 0, "every part's charge returned");
-        // 40 rows: 10 MB, more than the 8 MiB bound however it is cut.
-        let error = engine.handle().predict(histories(40), None, None).await.unwrap_err();
+        // 60 rows: 15.4 MB, more than the 8 MiB bound: queued in waves,
+        // never holding more than the bound.
+        let prediction = engine.handle().predict(histories(60), None, None).await.unwrap();
+        assert_eq!(prediction.outputs[0].len(), 60);
+        assert!(memory.peak() <= 8 << 20, "peak {}", memory.peak());
+        // A bound one row cannot fit: refused, naming what it needs.
+        let (engine, memory) = sequence_engine(200_000, 130).await;
+        let error = engine.handle().predict(histories(3), None, None).await.unwrap_err();
         let EngineError::Invalid(invalid) = &error else { panic!("{error:?}") };
         assert_eq!(invalid.field, InputField::Message);
-        for words in ["8388608 bytes (--max-queue-bytes)", "working set", "40 rows", "20 part(s)", "--max-batch-tokens"] {
+        for words in [
+            "a part of 1 row(s)",
+            "200000 bytes (--max-queue-bytes)",
+            &format!("{per_row} bytes of working set"),
+            "130 tokens (--max-batch-tokens)",
+        ] {
             assert!(invalid.message.contains(words), "{words:?} in {invalid}");
         }
         assert_eq!(memory.used(), 0, "refused before any lease");
