@@ -44,7 +44,11 @@ const MARGIN_MIB: f64 = 128.0;
 /// predates the declaration (the exporter's formula, from its manifest).
 fn declared_copy(name: &str, into: &Path) -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/generated").join(name);
-    assert!(dir.join("split/schema.json").is_file(), "no exported model in {}: run scripts/test.sh", dir.display());
+    assert!(
+        dir.join("split/schema.json").is_file(),
+        "no exported model in {}: run scripts/test.sh",
+        dir.display()
+    );
     let manifest: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("manifest.json")).unwrap()).unwrap();
     let split = into.join(name);
@@ -71,7 +75,8 @@ fn working_set(manifest: &serde_json::Value) -> serde_json::Value {
             "head_dim": n("head_dim"), "contexts": n("num_user"), "model_dim": n("model_dim"),
         });
     }
-    let arch: Vec<u64> = manifest["attention_arch"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let arch: Vec<u64> =
+        manifest["attention_arch"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
     let (history, first, rest) = (2 * n("embedding_dim"), arch[0], arch[1..].iter().sum::<u64>());
     let (width, position_width) = match manifest["dense_attention"].as_str() {
         Some("exact") => (5 * history + 2 * first + 2 * rest + 1, history),

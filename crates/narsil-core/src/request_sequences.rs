@@ -55,7 +55,12 @@ impl RequestSamples {
     /// each: the request block's, once for all its rows, where the block
     /// holds it and the lanes take grouped batches; else each row's own
     /// (a flat row, or a block copied into every row when `flat_only`).
-    pub fn sequence_units(&self, schema: &ModelSchema, sequence: &SequenceFeature, flat_only: bool) -> Vec<Unit> {
+    pub fn sequence_units(
+        &self,
+        schema: &ModelSchema,
+        sequence: &SequenceFeature,
+        flat_only: bool,
+    ) -> Vec<Unit> {
         let first = sequence.features[0];
         let in_block = self.request.as_deref().and_then(|block| {
             block.features.iter().position(|&f| f == first).map(|i| block.lengths[i] as usize)
@@ -89,7 +94,12 @@ impl RequestSamples {
     /// as each part keeps the block); a part has at least one row, so a
     /// row over `max_tokens` alone is a part of its own. Scores of the
     /// parts, concatenated, are the scores of the whole.
-    pub fn split_tokens(self, max_rows: usize, max_tokens: usize, schema: &ModelSchema) -> Vec<RequestSamples> {
+    pub fn split_tokens(
+        self,
+        max_rows: usize,
+        max_tokens: usize,
+        schema: &ModelSchema,
+    ) -> Vec<RequestSamples> {
         let num_sparse = schema.num_sparse();
         if schema.sequences.is_empty() || self.tokens(schema) <= max_tokens {
             return self.split_rows(max_rows, num_sparse);
@@ -218,7 +228,11 @@ mod tests {
         let parts = whole.clone().split_tokens(64, 12, &s);
         let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
         assert_eq!(rows, [1, 2, 1, 2]);
-        assert!(parts.iter().all(|p| p.tokens(&s) <= 12), "{:?}", parts.iter().map(|p| p.tokens(&s)).collect::<Vec<_>>());
+        assert!(
+            parts.iter().all(|p| p.tokens(&s) <= 12),
+            "{:?}",
+            parts.iter().map(|p| p.tokens(&s)).collect::<Vec<_>>()
+        );
         let mut scores = Vec::new();
         for part in &parts {
             scores.extend(mock_scores(&assemble(1, 2, [part])));

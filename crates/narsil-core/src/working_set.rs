@@ -143,7 +143,10 @@ impl WorkingSet {
             }
             Self::Undeclared { width } => {
                 let width = (width * UNDECLARED_GATHER_FACTOR).max(16);
-                let pairs = units.iter().map(|u| u.positions.saturating_mul(u.positions)).fold(0, usize::saturating_add);
+                let pairs = units
+                    .iter()
+                    .map(|u| u.positions.saturating_mul(u.positions))
+                    .fold(0, usize::saturating_add);
                 gather(rows, longest, width, 4)
                     .saturating_add(positions.saturating_mul(width * 4))
                     .saturating_add(pairs.saturating_mul(UNDECLARED_PAIR_BYTES))
@@ -219,7 +222,8 @@ impl Blocks {
         let per_block = b * (4 * attention * value + 3 * INDEX);
         let per_token = (4 * model_dim + 8 * attention) * value + 2 * INDEX;
         let per_row = (4 * model_dim + 12 * attention) * value + 2 * INDEX;
-        let candidates = self.blocks.saturating_mul(self.most).saturating_mul(4 * heads * (b + head_dim) * value);
+        let candidates =
+            self.blocks.saturating_mul(self.most).saturating_mul(4 * heads * (b + head_dim) * value);
         [
             self.pairs.saturating_mul(per_pair),
             self.blocks.saturating_mul(per_block),
@@ -271,7 +275,8 @@ mod tests {
     fn a_gather_is_rows_by_the_longest_unit_by_its_width() {
         let gather = WorkingSet::Gather { width: 10, position_width: 3, bytes_per_value: 4 };
         // 3 rows of 5, 2 and 0 positions: padded to 5.
-        let units = [Unit { positions: 5, rows: 1 }, Unit { positions: 2, rows: 1 }, Unit { positions: 0, rows: 1 }];
+        let units =
+            [Unit { positions: 5, rows: 1 }, Unit { positions: 2, rows: 1 }, Unit { positions: 0, rows: 1 }];
         assert_eq!(gather.bytes(&units), 3 * 5 * (10 * 4 + 9) + 7 * 3 * 4);
         // A ranking request: one unit of 100 positions for 50 rows.
         assert_eq!(gather.bytes(&[Unit { positions: 100, rows: 50 }]), 50 * 100 * 49 + 100 * 12);

@@ -87,7 +87,8 @@ impl EngineHandle {
         // Parts of at most --max-batch-rows rows and, for a model with
         // sequences, --max-batch-tokens tokens (a row over it alone).
         let schema = &shared.schema;
-        let (flat_only, block_bytes) = (shared.flat_only, request.request.as_ref().map_or(0, |b| b.decoded_bytes()));
+        let (flat_only, block_bytes) =
+            (shared.flat_only, request.request.as_ref().map_or(0, |b| b.decoded_bytes()));
         let block_values = request.sequence_value_bytes(schema).1;
         // What each part's rows grow by once fused, the sequence values
         // they look up, and the working set its forward allocates for its
@@ -120,13 +121,22 @@ impl EngineHandle {
                 let rows = parts[part].num_samples;
                 if working > 0 {
                     let part = Footprint { rows, working, bytes };
-                    return Err(EngineError::Invalid(never_fits_working_set(part, shared.max_batch_tokens, memory.max())));
+                    return Err(EngineError::Invalid(never_fits_working_set(
+                        part,
+                        shared.max_batch_tokens,
+                        memory.max(),
+                    )));
                 }
                 if flat_only && parts[0].request.is_some() {
                     let ids = parts[0].request.as_deref().map_or(0, |b| b.ids.len());
                     return Err(EngineError::Invalid(never_fits_flat(ids, rows, bytes, memory.max())));
                 }
-                let full = QueueFull { limit: QueueLimit::Bytes, queued: memory.used(), max: memory.max(), needed: bytes };
+                let full = QueueFull {
+                    limit: QueueLimit::Bytes,
+                    queued: memory.used(),
+                    max: memory.max(),
+                    needed: bytes,
+                };
                 return Err(EngineError::NeverFits(full));
             }
         };
@@ -496,15 +506,25 @@ mod tests {
         let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
         schema.num_dense = 1;
         schema.sparse.truncate(2);
-        let mut history =
-            narsil_core::SequenceFeature::new("h", &["cat_1".into()], 64, narsil_core::KeepEnd::Last, &schema, &[])
-                .unwrap();
-        history.working_set =
-            Some(narsil_core::working_set::WorkingSet::Gather { width: 1000, position_width: 0, bytes_per_value: 4 });
+        let mut history = narsil_core::SequenceFeature::new(
+            "h",
+            &["cat_1".into()],
+            64,
+            narsil_core::KeepEnd::Last,
+            &schema,
+            &[],
+        )
+        .unwrap();
+        history.working_set = Some(narsil_core::working_set::WorkingSet::Gather {
+            width: 1000,
+            position_width: 0,
+            bytes_per_value: 4,
+        });
         schema.sequences = vec![history];
         let memory = MemoryBudget::new(budget);
         let config = EngineConfig { memory: memory.clone(), max_batch_tokens, ..config(false) };
-        let engine = Engine::start(Arc::new(GroupedFactory { schema, takes_request_level: true }), config).unwrap();
+        let engine =
+            Engine::start(Arc::new(GroupedFactory { schema, takes_request_level: true }), config).unwrap();
         engine.handle().wait_ready().await.unwrap();
         (engine, memory)
     }
