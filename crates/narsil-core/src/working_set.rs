@@ -313,7 +313,11 @@ mod tests {
         let units = flat(2, 100);
         let gather = 2 * 100 * (48 * 16 * 4 + 9) + 200 * 48 * 16 * 4;
         assert_eq!(undeclared.bytes(&units), gather + 2 * 100 * 100 * UNDECLARED_PAIR_BYTES);
-        // Never less than the declared HSTU's for the same shape.
-        assert!(undeclared.bytes(&flat(400, 512)) > BENCH_HSTU.bytes(&flat(400, 512)));
+        // Above what bench-hstu declares (its sequence: 3 channels of 64),
+        // for flat rows and for a ranking request.
+        let bench = WorkingSet::undeclared(3 * 64);
+        for units in [flat(400, 512), vec![Unit { positions: 512, rows: 4096 }]] {
+            assert!(bench.bytes(&units) > BENCH_HSTU.bytes(&units), "{units:?}");
+        }
     }
 }
