@@ -6,6 +6,7 @@
 //! intake, lets every queued request finish and joins the lanes.
 
 mod predict;
+mod waves;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
