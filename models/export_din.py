@@ -61,9 +61,10 @@ from din_requests import (Draw, Scored, features, ranking_requests, sample_major
                           served_golden_requests, tiled)
 from export_common import WithSchema, begin_export, int_list, logger, parser, write_json_files, write_manifest
 from sequence_split import din_layout, write_split
+from working_sets import din_working_set
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 # model.pt's scores against the reference.
 BOUND = 1e-6
 
@@ -129,7 +130,9 @@ def main() -> int:
         "name": args.name, "version": args.version, "num_dense": args.num_dense,
         "sparse": [{"name": k, "num_rows": rows[k]} for k in keys],
         "request_level": request_level,
-        "sequences": [sequence_json(args.max_len)],
+        # model.pt runs `Din` (the exact attention).
+        "sequences": [dict(sequence_json(args.max_len),
+                           working_set=din_working_set(args.embedding_dim, args.attention_arch, False))],
     })
     log("packaging: INT8 tables (quantize_inference_model), FX-traced with TorchRec's tracer, scripted")
     with torch.inference_mode():  # one eager forward first, as TorchRec's packaging runs one before tracing
@@ -170,8 +173,9 @@ def main() -> int:
         log("writing the split form and checking it through an emulation of Narsil's stage")
         network = DinDenseNetwork(quantized, len(user), args.embedding_dim,
                                   factored=args.dense_attention == "factored").eval()
-        worst = write_split(out / "split", quantized, network, din_layout(args.max_len), args, keys, user,
-                            request_level, scored.flat, scored.ranking, log)
+        working_set = din_working_set(args.embedding_dim, args.attention_arch, args.dense_attention == "factored")
+        worst = write_split(out / "split", quantized, network, din_layout(args.max_len, working_set), args, keys,
+                            user, request_level, scored.flat, scored.ranking, log)
         write_json_files(out / "split", goldens)
         log("split dense.pt's scores against the eager quantized forward's: "
             + ", ".join(f"{kind} within {diff:.1e}" for kind, diff in worst.items()))

@@ -46,10 +46,11 @@ from din_requests import (Draw, Scored, cut_history, features, ranking_requests,
                           served_golden_requests, tiled)
 from export_common import begin_export, int_list, logger, parser, write_json_files, write_manifest
 from hstu_model import CANDIDATE, HISTORY, HstuDenseNetwork, age_bucket, build, sequence_json
+from working_sets import hstu_working_set
 from sequence_split import Layout, write_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 # The split form's scores against the reference (FP32): the reference runs
 # the whole padded sequence's attention, the split form each history once
 # and each candidate alone (sums in another order).
@@ -162,7 +163,9 @@ def main() -> int:
 
     log("writing the split form and checking it through an emulation of Narsil's stage")
     network = HstuDenseNetwork(quantized.network, args.attention_block).eval()
-    layout = Layout(HISTORY, CANDIDATE, sequence_json(args.max_len), BOUND, BF16_BOUND)
+    working_set = hstu_working_set(args.attention_block, args.heads, args.head_dim, args.num_user, args.model_dim)
+    layout = Layout(HISTORY, CANDIDATE, dict(sequence_json(args.max_len), working_set=working_set), BOUND,
+                    BF16_BOUND)
     worst = write_split(out / "split", quantized, network, layout, args, keys, user, request_level, scored.flat,
                         scored.ranking, log)
     write_json_files(out / "split", goldens)

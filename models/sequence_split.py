@@ -39,8 +39,11 @@ class Layout(NamedTuple):
     bf16_bound: float = 1e-2
 
 
-def din_layout(max_len: int) -> Layout:
-    return Layout(din_model.HISTORY, din_model.CANDIDATE, din_model.sequence_json(max_len))
+def din_layout(max_len: int, working_set: dict) -> Layout:
+    """DIN's layout, its sequence declaring `working_set`
+    (models/working_sets.py)."""
+    return Layout(din_model.HISTORY, din_model.CANDIDATE,
+                  dict(din_model.sequence_json(max_len), working_set=working_set))
 
 
 class Stage:

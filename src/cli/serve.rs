@@ -112,9 +112,11 @@ pub struct ServeArgs {
     /// Models with sequence features: most tokens fused into one forward,
     /// rows plus the sequence positions they look up (a ranking request's
     /// history counted once, or on every row where the model's lanes take
-    /// only flat batches, which copy it there). Longer histories seal batches sooner, keeping
-    /// a forward's work bounded; a request over it runs alone. (On one Zen
-    /// 4 core, a DIN ranker served 500-candidate requests fastest one per
+    /// only flat batches, which copy it there). Longer histories seal
+    /// batches sooner, keeping a forward's work bounded; a request over it
+    /// is cut into parts within it (a row over it alone is a part of its
+    /// own; a ranking request's parts each keep its history). (On one Zen 4
+    /// core, a DIN ranker served 500-candidate requests fastest one per
     /// forward: fused ones cost more per candidate.)
     #[arg(long, env = "NARSIL_MAX_BATCH_TOKENS", default_value_t = 1024)]
     pub max_batch_tokens: usize,

@@ -13,7 +13,8 @@
 //!   [`invalid`]: why a request is refused; [`ids`]: how an id becomes a
 //!   row (the range check, the modulo conventions); [`sequence`]: sequence
 //!   features (a user's history, one embedding per position), their
-//!   alignment and truncation.
+//!   alignment and truncation; [`working_set`]: what a sequence model's
+//!   network allocates per request, which the memory bound charges.
 //! * [`batch`]: the fused, key-major batch a backend runs, and how requests
 //!   are reordered into it and scores split back out.
 //! * [`backend`]: the synchronous `ModelBackend` trait that lanes own;
@@ -53,6 +54,7 @@ pub mod schema;
 pub mod sequence;
 pub mod skip;
 pub mod staged;
+pub mod working_set;
 
 pub use backend::{error_chain, BackendError, BackendFactory, BatchStage, DependencyWatcher, ModelBackend};
 pub use batch::{assemble, fuse, KeyedBatch};

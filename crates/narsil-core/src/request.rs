@@ -223,6 +223,20 @@ impl RequestSamples {
         if b <= max_rows || max_rows == 0 {
             return vec![self];
         }
+        let ends: Vec<usize> = (max_rows..b).step_by(max_rows).chain([b]).collect();
+        self.split_at(&ends, num_sparse)
+    }
+
+    /// Cuts a validated batch into consecutive parts ending at the rows
+    /// `ends` (ascending, the last `num_samples`), in order, keeping the
+    /// layout; each part shares the request block. One end: the batch
+    /// whole.
+    pub(crate) fn split_at(self, ends: &[usize], num_sparse: usize) -> Vec<RequestSamples> {
+        let b = self.num_samples;
+        debug_assert_eq!(ends.last(), Some(&b));
+        if ends.len() <= 1 {
+            return vec![self];
+        }
         let num_dense = self.dense.len() / b;
         // Where each bag's ids start, in `layout` order.
         let mut starts = Vec::with_capacity(self.lengths.len() + 1);
@@ -232,10 +246,10 @@ impl RequestSamples {
             cursor += len as usize;
             starts.push(cursor);
         }
-        (0..b)
-            .step_by(max_rows)
-            .map(|first| {
-                let end = (first + max_rows).min(b);
+        let firsts = std::iter::once(0).chain(ends.iter().copied());
+        firsts
+            .zip(ends.iter().copied())
+            .map(|(first, end)| {
                 let mut part = RequestSamples {
                     num_samples: end - first,
                     dense: self.dense[first * num_dense..end * num_dense].to_vec(),

@@ -1,11 +1,13 @@
 //! A request's sequences ([`crate::sequence`]): checked and cut at
-//! validation, and what they weigh once fused (tokens, and the memory of
-//! their values once looked up).
+//! validation, what they weigh once fused (tokens, the memory of their
+//! values once looked up, and the dense network's working set for them:
+//! [`crate::working_set`]), and a request cut into parts by tokens.
 
 use crate::invalid::{InputField, InvalidInput};
 use crate::request::RequestSamples;
 use crate::schema::{ModelSchema, SequenceFeature};
 use crate::sequence::{fit_sequences, BagLayout};
+use crate::working_set::Unit;
 
 impl RequestSamples {
     /// Its rows plus the sequence positions it looks up (once per position,
@@ -52,6 +54,81 @@ impl RequestSamples {
         (rows.fold(0, usize::saturating_add), block.fold(0, usize::saturating_add))
     }
 
+    /// The units of `sequence` (its histories) and the rows attending to
+    /// each: the request block's, once for all its rows, where the block
+    /// holds it and the lanes take grouped batches; else each row's own
+    /// (a flat row, or a block copied into every row when `flat_only`).
+    pub fn sequence_units(
+        &self,
+        schema: &ModelSchema,
+        sequence: &SequenceFeature,
+        flat_only: bool,
+    ) -> Vec<Unit> {
+        let first = sequence.features[0];
+        let in_block = self.request.as_deref().and_then(|block| {
+            block.features.iter().position(|&f| f == first).map(|i| block.lengths[i] as usize)
+        });
+        match in_block {
+            Some(positions) if !flat_only => vec![Unit { positions, rows: self.num_samples }],
+            Some(positions) => vec![Unit { positions, rows: 1 }; self.num_samples],
+            None => (0..self.num_samples)
+                .map(|sample| {
+                    let bag = self.layout.bag_index(sample, first, self.num_samples, schema.num_sparse());
+                    Unit { positions: self.lengths.get(bag).map_or(0, |&l| l as usize), rows: 1 }
+                })
+                .collect(),
+        }
+    }
+
+    /// Bytes the dense network holds at once for this request's sequences
+    /// ([`SequenceFeature::working_set`]), each sequence's summed; 0 for a
+    /// model without sequences. Lengths as validated.
+    pub fn working_set_bytes(&self, schema: &ModelSchema, flat_only: bool) -> usize {
+        schema
+            .sequences
+            .iter()
+            .map(|sequence| sequence.working_set().bytes(&self.sequence_units(schema, sequence, flat_only)))
+            .fold(0, usize::saturating_add)
+    }
+
+    /// Cuts a validated request into consecutive parts of at most
+    /// `max_rows` rows and, where it can, `max_tokens` tokens each
+    /// ([`Self::tokens`]: every part counts the request block's positions,
+    /// as each part keeps the block); a part has at least one row, so a
+    /// row over `max_tokens` alone is a part of its own. Scores of the
+    /// parts, concatenated, are the scores of the whole.
+    pub fn split_tokens(
+        self,
+        max_rows: usize,
+        max_tokens: usize,
+        schema: &ModelSchema,
+    ) -> Vec<RequestSamples> {
+        let num_sparse = schema.num_sparse();
+        if schema.sequences.is_empty() || self.tokens(schema) <= max_tokens {
+            return self.split_rows(max_rows, num_sparse);
+        }
+        let (b, layout) = (self.num_samples, self.layout);
+        let block = self.sum_over_positions(schema, |_| 1).1;
+        let mut row_tokens = vec![1usize; b];
+        for (bag, &len) in self.lengths.iter().enumerate() {
+            let (sample, f) = layout.bag_position(bag, b, num_sparse);
+            if schema.first_channel_of(f).is_some() {
+                row_tokens[sample] = row_tokens[sample].saturating_add(len as usize);
+            }
+        }
+        let (mut ends, mut rows, mut tokens) = (Vec::new(), 0usize, block);
+        for (sample, &own) in row_tokens.iter().enumerate() {
+            if rows > 0 && (rows == max_rows.max(1) || tokens.saturating_add(own) > max_tokens) {
+                ends.push(sample);
+                (rows, tokens) = (0, block);
+            }
+            rows += 1;
+            tokens = tokens.saturating_add(own);
+        }
+        ends.push(b);
+        self.split_at(&ends, num_sparse)
+    }
+
     /// Checks the rows' sequences' alignment and cuts those longer than
     /// their maximum; returns the positions dropped.
     pub(crate) fn fit_sequences(&mut self, schema: &ModelSchema) -> Result<usize, InvalidInput> {
@@ -66,5 +143,120 @@ impl RequestSamples {
         let bags =
             BagLayout { samples: b, bag: &bag, feature: &feature, field: InputField::Lengths, place: &place };
         fit_sequences(&sequences, schema, &mut self.lengths, &mut self.ids, &bags)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::request::{IdPolicy, RequestLimits};
+    use crate::request_level::RequestBlock;
+    use crate::schema::{KeepEnd, RequestLevel};
+    use crate::working_set::WorkingSet;
+
+    const LIMITS: RequestLimits = RequestLimits::new(64, IdPolicy::Reject);
+
+    /// cat_0 pooled; sequence `h` (cat_1), at most 8 positions, per row or
+    /// request-level; its working set a gather of 10 values.
+    fn schema(request_level: bool) -> ModelSchema {
+        let mut s = ModelSchema::dlrm("mock", "cpu", 100);
+        s.num_dense = 1;
+        s.sparse.truncate(2);
+        if request_level {
+            s.request_level = RequestLevel::parse(["cat_1"], &s).unwrap();
+        }
+        let mut h = SequenceFeature::new("h", &["cat_1".to_string()], 8, KeepEnd::Last, &s, &[]).unwrap();
+        h.working_set = Some(WorkingSet::Gather { width: 10, position_width: 0, bytes_per_value: 4 });
+        s.sequences = vec![h];
+        s
+    }
+
+    /// Flat rows whose histories have `lengths` positions.
+    fn flat(lengths: &[u32]) -> RequestSamples {
+        let b = lengths.len();
+        let mut r = RequestSamples { num_samples: b, dense: vec![0.5; b], ..Default::default() };
+        for &len in lengths {
+            r.lengths.extend([1, len]);
+            r.ids.push(1);
+            r.ids.extend((0..len).map(|p| p as i64));
+        }
+        r.validate(&schema(false), LIMITS).unwrap();
+        r
+    }
+
+    /// `rows` candidates of one user whose history has `len` positions.
+    fn ranking(rows: usize, len: u32) -> RequestSamples {
+        let mut r = RequestSamples {
+            num_samples: rows,
+            dense: vec![0.5; rows],
+            ids: vec![1; rows],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![len],
+                ids: (0..len as i64).collect(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        r.validate(&schema(true), LIMITS).unwrap();
+        r
+    }
+
+    #[test]
+    fn a_flat_requests_rows_are_units_of_their_own_and_a_ranking_requests_share_its_block() {
+        let s = schema(false);
+        let units = flat(&[3, 0, 8]).sequence_units(&s, &s.sequences[0], false);
+        let positions: Vec<_> = units.iter().map(|u| (u.positions, u.rows)).collect();
+        assert_eq!(positions, [(3, 1), (0, 1), (8, 1)]);
+        // Gathered: 3 rows x the longest (8) x 10 values.
+        assert_eq!(flat(&[3, 0, 8]).working_set_bytes(&s, false), 3 * 8 * (10 * 4 + 9));
+        let s = schema(true);
+        let grouped = ranking(5, 6);
+        assert_eq!(grouped.sequence_units(&s, &s.sequences[0], false), [Unit { positions: 6, rows: 5 }]);
+        // Lanes that take only flat batches copy the block into every row.
+        assert_eq!(grouped.sequence_units(&s, &s.sequences[0], true), [Unit { positions: 6, rows: 1 }; 5]);
+        assert_eq!(grouped.working_set_bytes(&s, false), 5 * 6 * 49);
+        // No sequences: nothing.
+        assert_eq!(grouped.working_set_bytes(&ModelSchema::dlrm("mock", "cpu", 100), false), 0);
+    }
+
+    #[test]
+    fn a_request_over_the_token_budget_is_cut_into_parts_within_it_that_score_as_the_whole() {
+        use crate::batch::assemble;
+        use crate::mock::mock_scores;
+        let s = schema(false);
+        // Tokens per row: 1 + its positions: 4, 9, 2, 9, 9, 1.
+        let whole = flat(&[3, 8, 1, 8, 8, 0]);
+        let parts = whole.clone().split_tokens(64, 12, &s);
+        let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
+        assert_eq!(rows, [1, 2, 1, 2]);
+        assert!(
+            parts.iter().all(|p| p.tokens(&s) <= 12),
+            "{:?}",
+            parts.iter().map(|p| p.tokens(&s)).collect::<Vec<_>>()
+        );
+        let mut scores = Vec::new();
+        for part in &parts {
+            scores.extend(mock_scores(&assemble(1, 2, [part])));
+        }
+        assert_eq!(scores, mock_scores(&assemble(1, 2, [&whole])));
+        // A row over the budget alone is a part of its own; rows still
+        // bound a part; a request within both is whole.
+        assert_eq!(whole.clone().split_tokens(64, 5, &s).len(), 6);
+        assert_eq!(whole.clone().split_tokens(2, 1000, &s).len(), 3);
+        assert_eq!(whole.clone().split_tokens(64, 1000, &s), [whole]);
+    }
+
+    #[test]
+    fn a_ranking_requests_parts_each_count_its_block_and_keep_it() {
+        let s = schema(true);
+        // 6 positions in the block: each part holds 6 + its rows.
+        let parts = ranking(10, 6).split_tokens(64, 10, &s);
+        let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
+        assert_eq!(rows, [4, 4, 2]);
+        assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s) <= 10));
+        // A block over the budget: one row a part.
+        assert_eq!(ranking(3, 6).split_tokens(64, 4, &s).len(), 3);
     }
 }

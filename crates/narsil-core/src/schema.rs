@@ -230,6 +230,10 @@ pub struct SequenceFeature {
     /// network (its channels' dims), what a position costs in memory; 0
     /// where the model looks its sequences up itself (a single-file model).
     pub width: usize,
+    /// What its dense network allocates per request for it, as declared
+    /// ([`crate::working_set`]); `None`: not declared
+    /// ([`SequenceFeature::working_set`] estimates it).
+    pub working_set: Option<crate::working_set::WorkingSet>,
 }
 
 /// Whether `level` sends sequence `name`, whose channels are the sparse

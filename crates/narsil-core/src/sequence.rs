@@ -15,10 +15,12 @@ use serde::Deserialize;
 use crate::invalid::{InputField, InvalidInput};
 use crate::schema::{sent_once, ModelSchema};
 pub use crate::schema::{KeepEnd, SequenceFeature};
+use crate::working_set::WorkingSet;
 
 /// A sequence as `schema.json`, `model.json` and `narsil_schema()` declare
 /// it: `{"name": "history", "features": ["hist_item", "hist_cat"],
-/// "max_len": 256, "keep": "last"}` (`keep` optional, `last` by default).
+/// "max_len": 256, "keep": "last", "working_set": {...}}` (`keep` optional,
+/// `last` by default; `working_set` optional: [`crate::working_set`]).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SequenceJson {
@@ -31,6 +33,10 @@ pub struct SequenceJson {
     /// `last` or `first`.
     #[serde(default)]
     pub keep: Option<String>,
+    /// What its dense network allocates per request for it
+    /// ([`crate::working_set`]); optional.
+    #[serde(default)]
+    pub working_set: Option<WorkingSet>,
 }
 
 /// The sequences `declared`, checked against `schema` (whose
@@ -42,14 +48,13 @@ pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<Se
             return Err(format!("sequence {:?} is declared twice", json.name));
         }
         let keep = json.keep.as_deref().map_or(Ok(KeepEnd::Last), KeepEnd::parse)?;
-        sequences.push(SequenceFeature::new(
-            &json.name,
-            &json.features,
-            json.max_len,
-            keep,
-            schema,
-            &sequences,
-        )?);
+        let mut sequence =
+            SequenceFeature::new(&json.name, &json.features, json.max_len, keep, schema, &sequences)?;
+        if let Some(working_set) = json.working_set {
+            working_set.check().map_err(|e| format!("sequence {:?}: {e}", json.name))?;
+            sequence.working_set = Some(working_set);
+        }
+        sequences.push(sequence);
     }
     Ok(sequences)
 }
@@ -88,7 +93,13 @@ impl SequenceFeature {
             indices.push(f);
         }
         sent_once(name, &indices, &schema.request_level, schema)?;
-        Ok(Self { name: name.into(), features: indices, max_len, keep, width: 0 })
+        Ok(Self { name: name.into(), features: indices, max_len, keep, width: 0, working_set: None })
+    }
+
+    /// What its dense network allocates per request for it: as declared,
+    /// else [`WorkingSet::undeclared`] for its width.
+    pub fn working_set(&self) -> WorkingSet {
+        self.working_set.unwrap_or(WorkingSet::undeclared(self.width))
     }
 
     /// Whether its channels are request-level (sent once in a ranking

@@ -77,7 +77,8 @@ pub struct EngineConfig {
     pub max_batch_rows: usize,
     /// Most tokens fused into one forward: rows plus the sequence positions
     /// they look up (a ranking request's history once). Applies to models
-    /// with sequence features only; a request over it still runs, alone.
+    /// with sequence features only; a request over it is cut into parts
+    /// within it (a row over it alone is a part of its own).
     pub max_batch_tokens: usize,
     /// How long the oldest queued request may wait for company once a lane
     /// is free; zero sends at once.

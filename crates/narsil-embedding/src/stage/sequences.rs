@@ -170,6 +170,7 @@ mod tests {
             features: vec!["h_shared".into(), "h_own".into()],
             max_len: 4,
             keep: None,
+            working_set: None,
         }];
         split.request_level = vec!["h_shared".into(), "h_own".into()];
         split.check().unwrap();

@@ -6,6 +6,7 @@
 //! intake, lets every queued request finish and joins the lanes.
 
 mod predict;
+mod waves;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -46,6 +47,9 @@ struct Shared {
     /// copied into each of its rows ([`RequestSamples::fused_growth_bytes`]).
     flat_only: bool,
     max_batch_rows: usize,
+    /// Most tokens a part of a request holds where it can be cut so
+    /// (`usize::MAX` for a model without sequences: tokens are rows).
+    max_batch_tokens: usize,
     queue_timeout: Option<Duration>,
     lanes: usize,
     stats: Arc<Stats>,
@@ -92,6 +96,7 @@ impl Engine {
         let health = Arc::new(BackendHealth::new(config.unhealthy_after_failures));
         factory.watch_dependencies(dependency_watcher(&health, &stats));
         let model = Arc::clone(&factory);
+        let max_batch_tokens = if schema.sequences.is_empty() { usize::MAX } else { config.max_batch_tokens };
         let lane_threads = lanes::spawn(
             config.lanes,
             LaneShared {
@@ -116,6 +121,7 @@ impl Engine {
                     limits: config.limits,
                     flat_only: !model.takes_request_level(),
                     max_batch_rows: config.max_batch_rows,
+                    max_batch_tokens,
                     queue_timeout: config.queue_timeout,
                     lanes: config.lanes,
                     stats,

@@ -1,7 +1,11 @@
-//! The request path: [`EngineHandle::predict`] validates a request,
-//! charges its memory, admits it, splits it into parts when it has more
-//! rows than one forward may carry, queues the parts and waits for their
-//! answers, its deadline or its queue timeout, whichever comes first.
+//! The request path: [`EngineHandle::predict`] validates a request, cuts
+//! it into parts when it has more rows or tokens than one forward may
+//! carry, charges its memory (its values, what its rows grow by once
+//! fused, and the working set its sequences make the dense network
+//! allocate: [`narsil_core::working_set`]), admits it, queues the parts
+//! and waits for their answers, its deadline or its queue timeout,
+//! whichever comes first. A request whose charge can never fit the
+//! memory bound is refused naming it.
 //!
 //! Timers live with the caller: when the queue timeout or the deadline
 //! fires, the caller abandons the request's [`Ticket`] and answers
@@ -20,6 +24,7 @@ use narsil_core::{InputField, InvalidInput, RequestSamples};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
+use super::waves::{halve_while, waves, Unfit};
 use super::EngineHandle;
 use crate::admission::{QueueFull, QueueLimit};
 use crate::collector::Collector;
@@ -80,28 +85,89 @@ impl EngineHandle {
         }
         let validated = request.validate(&shared.schema, shared.limits)?;
         shared.stats.positions_truncated.inc_by(validated.positions_truncated as u64);
-        // What its rows grow by once fused, and the sequence values its
-        // rows look up (those of its request block, once, stay with the
-        // last part, as the block does).
+        // Parts of at most --max-batch-rows rows and, for a model with
+        // sequences, --max-batch-tokens tokens (a row over it alone).
         let schema = &shared.schema;
-        let growth = |part: &RequestSamples| {
-            part.fused_growth_bytes(shared.flat_only).saturating_add(part.sequence_value_bytes(schema).0)
+        let (flat_only, block_bytes) =
+            (shared.flat_only, request.request.as_ref().map_or(0, |b| b.decoded_bytes()));
+        let block_values = request.sequence_value_bytes(schema).1;
+        // What each part's rows grow by once fused, the sequence values
+        // they look up, and the working set its forward allocates for its
+        // sequences (those of the request block, once, stay with the last
+        // part, as the block does).
+        let working_set = |part: &RequestSamples| part.working_set_bytes(schema, flat_only);
+        let charge = |part: &RequestSamples| {
+            part.row_bytes()
+                .saturating_add(part.fused_growth_bytes(flat_only))
+                .saturating_add(part.sequence_value_bytes(schema).0)
+                .saturating_add(working_set(part))
         };
-        let grown = growth(&request).saturating_add(request.sequence_value_bytes(schema).1);
-        let bytes = request.decoded_bytes().saturating_add(grown);
+        // Parts within both budgets, each cut in halves while it is
+        // charged more than half the memory bound (a row stays whole).
+        let mut parts = request.split_tokens(shared.max_batch_rows, shared.max_batch_tokens, schema);
+        if !schema.sequences.is_empty() {
+            parts = halve_while(parts, shared.memory.max() / 2, &charge, schema.num_sparse());
+        }
+        let charges: Vec<usize> = parts.iter().map(charge).collect();
+        let row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
+        let shared_bytes = block_bytes.saturating_add(block_values);
         let memory = &shared.memory;
-        if bytes > memory.max() && shared.flat_only && grown > 0 {
-            return Err(EngineError::Invalid(never_fits_flat(&request, bytes, memory.max())));
+        // Parts are charged and queued in waves within the bound, the next
+        // once the last is answered; a part that cannot fit alone is
+        // refused, naming what it needs.
+        let ends = match waves(&charges, &row_bytes, shared_bytes, memory.max()) {
+            Ok(ends) => ends,
+            Err(Unfit { part, bytes }) => {
+                let working = working_set(&parts[part]);
+                let rows = parts[part].num_samples;
+                if working > 0 {
+                    let part = Footprint { rows, working, bytes };
+                    return Err(EngineError::Invalid(never_fits_working_set(
+                        part,
+                        shared.max_batch_tokens,
+                        memory.max(),
+                    )));
+                }
+                if flat_only && parts[0].request.is_some() {
+                    let ids = parts[0].request.as_deref().map_or(0, |b| b.ids.len());
+                    return Err(EngineError::Invalid(never_fits_flat(ids, rows, bytes, memory.max())));
+                }
+                let full = QueueFull {
+                    limit: QueueLimit::Bytes,
+                    queued: memory.used(),
+                    max: memory.max(),
+                    needed: bytes,
+                };
+                return Err(EngineError::NeverFits(full));
+            }
+        };
+        let mut parts = parts.into_iter();
+        let (mut lease, mut first, mut answered) = (lease, 0, Vec::with_capacity(ends.len()));
+        for end in ends {
+            let wave: Vec<_> = parts.by_ref().take(end - first).collect();
+            // The block, and the rows of the parts still to come, held
+            // meanwhile.
+            let held = row_bytes[end..].iter().fold(shared_bytes, |a, &b| a.saturating_add(b));
+            answered.push(self.queue(id, wave, &charges[first..end], held, lease.take(), deadline).await?);
+            first = end;
         }
-        if bytes > memory.max() {
-            let full = QueueFull {
-                limit: QueueLimit::Bytes,
-                queued: memory.used(),
-                max: memory.max(),
-                needed: bytes,
-            };
-            return Err(EngineError::NeverFits(full));
-        }
+        Ok(Prediction::merge(answered))
+    }
+
+    /// Charges, admits and queues `parts` (each charged its `charges`, the
+    /// last also `held`: what stays held beside them), then waits for their
+    /// answers.
+    async fn queue(
+        &self,
+        id: u64,
+        parts: Vec<RequestSamples>,
+        charges: &[usize],
+        held: usize,
+        lease: Option<Lease>,
+        deadline: Option<Instant>,
+    ) -> Result<Prediction, EngineError> {
+        let (shared, memory) = (&self.shared, &self.shared.memory);
+        let bytes = charges.iter().fold(held, |a, &c| a.saturating_add(c));
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
@@ -111,7 +177,7 @@ impl EngineHandle {
             None => memory.try_reserve(bytes),
         }
         .map_err(EngineError::Overloaded)?;
-        let rows = request.num_samples;
+        let rows = parts.iter().map(|p| p.num_samples).sum();
         let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
             // Full: free the places of requests nobody waits for (if any
@@ -124,16 +190,15 @@ impl EngineHandle {
         let queue_deadline = shared.queue_timeout.map(|t| admitted + t);
         let expires = deadline.into_iter().chain(queue_deadline).min();
         let ticket = Ticket::new();
-        let parts = request.split_rows(shared.max_batch_rows, shared.schema.num_sparse());
         // Each part frees its rows when it starts, and its bytes when its
         // forward ends; the last also frees the request's place.
         let last = parts.len() - 1;
         let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
-        // A request-level block, shared by every part, stays with the last;
-        // each part holds what its own rows grow by once fused.
-        let mut leases: Vec<_> =
-            parts[..last].iter().map(|p| lease.split_off(p.row_bytes() + growth(p))).collect();
+        // What is held beside the parts (a request-level block, shared by
+        // every part) stays with the last; each part holds its rows, what
+        // they grow by once fused and its forward's working set.
+        let mut leases: Vec<_> = charges[..last].iter().map(|&charge| lease.split_off(charge)).collect();
         leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()
@@ -173,11 +238,38 @@ impl EngineHandle {
     }
 }
 
-/// Why a grouped request can never be admitted by lanes that take only
-/// flat batches: with its block copied into every row it needs `bytes`,
-/// more than the memory bound `max`.
-fn never_fits_flat(request: &RequestSamples, bytes: usize, max: usize) -> InvalidInput {
-    let ids = request.request.as_deref().map_or(0, |b| b.ids.len());
+/// What a part of a request would hold once admitted, for a refusal.
+struct Footprint {
+    /// Its rows.
+    rows: usize,
+    /// The working set its forward allocates for its sequences.
+    working: usize,
+    /// Everything it would be charged, with what is held beside it.
+    bytes: usize,
+}
+
+/// Why a request can never be admitted: a part of it (cut to at most
+/// `max_tokens` tokens, or a row alone) needs more than the memory bound
+/// `max`, with the working set its sequences make the dense network
+/// allocate.
+fn never_fits_working_set(part: Footprint, max_tokens: usize, max: usize) -> InvalidInput {
+    let Footprint { rows, working, bytes } = part;
+    InvalidInput::new(
+        InputField::Message,
+        format!(
+            "a part of {rows} row(s) needs {bytes} bytes, more than the server's memory bound of {max} bytes \
+             (--max-queue-bytes): the model's dense network allocates {working} bytes of working set for its \
+             sequences; a request is cut into parts of at most {max_tokens} tokens (--max-batch-tokens) or one \
+             row, queued in turn; send shorter histories"
+        ),
+    )
+}
+
+/// Why a grouped request of `rows` candidates and `ids` request-level ids
+/// can never be admitted by lanes that take only flat batches: with its
+/// block copied into every row it needs `bytes`, more than the memory
+/// bound `max`.
+fn never_fits_flat(ids: usize, rows: usize, bytes: usize, max: usize) -> InvalidInput {
     InvalidInput::new(
         InputField::Request,
         format!(
@@ -185,7 +277,7 @@ fn never_fits_flat(request: &RequestSamples, bytes: usize, max: usize) -> Invali
              the block once), so its {ids} request-level ids are copied into each of its {} candidate rows: {bytes} \
              bytes, more than the server's memory bound of {max} bytes (--max-queue-bytes); send fewer candidates \
              or request-level ids per request",
-            request.num_samples
+            rows
         ),
     )
 }
@@ -352,5 +444,78 @@ mod tests {
         let (pooled, memory) = grouped_engine(true, 4 << 20).await;
         pooled.handle().predict(grouped(64, 10_000), None, None).await.unwrap();
         assert!(memory.peak() < 200_000, "peak {}", memory.peak());
+    }
+
+    /// A model whose one sequence (cat_1, per row, at most 64 positions)
+    /// makes its network gather 1,000 values per row and position.
+    async fn sequence_engine(budget: usize, max_batch_tokens: usize) -> (Engine, MemoryBudget) {
+        let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
+        schema.num_dense = 1;
+        schema.sparse.truncate(2);
+        let mut history = narsil_core::SequenceFeature::new(
+            "h",
+            &["cat_1".into()],
+            64,
+            narsil_core::KeepEnd::Last,
+            &schema,
+            &[],
+        )
+        .unwrap();
+        history.working_set = Some(narsil_core::working_set::WorkingSet::Gather {
+            width: 1000,
+            position_width: 0,
+            bytes_per_value: 4,
+        });
+        schema.sequences = vec![history];
+        let memory = MemoryBudget::new(budget);
+        let config = EngineConfig { memory: memory.clone(), max_batch_tokens, ..config(false) };
+        let engine =
+            Engine::start(Arc::new(GroupedFactory { schema, takes_request_level: true }), config).unwrap();
+        engine.handle().wait_ready().await.unwrap();
+        (engine, memory)
+    }
+
+    /// `rows` flat rows, each with a history of 64 positions.
+    fn histories(rows: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: rows,
+            dense: vec![0.5; rows],
+            lengths: [1, 64].repeat(rows),
+            ids: (0..rows).flat_map(|_| std::iter::repeat_n(3, 65)).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sequence_requests_working_set_is_charged_in_waves_and_a_row_that_never_fits_is_refused() {
+        // A row's working set: 64 positions x (1,000 x 4 + 9) bytes, 257 kB.
+        let per_row = 64 * (1000 * 4 + 9);
+        let (engine, memory) = sequence_engine(8 << 20, 130).await;
+        // 16 rows: 4.1 MB of working set, cut into parts of 2 rows (130
+        // tokens), every row scored.
+        let prediction = engine.handle().predict(histories(16), None, None).await.unwrap();
+        assert_eq!(prediction.outputs[0].len(), 16);
+        assert!(prediction.forwards >= 8, "{} forwards for 8 parts", prediction.forwards);
+        assert!(memory.peak() >= 16 * per_row, "peak {} of {} charged", memory.peak(), 16 * per_row);
+        assert_eq!(memory.used(), 0, "every part's charge returned");
+        // 60 rows: 15.4 MB, more than the 8 MiB bound: queued in waves,
+        // never holding more than the bound.
+        let prediction = engine.handle().predict(histories(60), None, None).await.unwrap();
+        assert_eq!(prediction.outputs[0].len(), 60);
+        assert!(memory.peak() <= 8 << 20, "peak {}", memory.peak());
+        // A bound one row cannot fit: refused, naming what it needs.
+        let (engine, memory) = sequence_engine(200_000, 130).await;
+        let error = engine.handle().predict(histories(3), None, None).await.unwrap_err();
+        let EngineError::Invalid(invalid) = &error else { panic!("{error:?}") };
+        assert_eq!(invalid.field, InputField::Message);
+        for words in [
+            "a part of 1 row(s)",
+            "200000 bytes (--max-queue-bytes)",
+            &format!("{per_row} bytes of working set"),
+            "130 tokens (--max-batch-tokens)",
+        ] {
+            assert!(invalid.message.contains(words), "{words:?} in {invalid}");
+        }
+        assert_eq!(memory.used(), 0, "refused before any lease");
     }
 }

@@ -107,6 +107,9 @@ impl LaneContext {
             job.batch.split_outputs(&scores).collect()
         };
         for (waiter, outputs) in job.waiters.into_iter().zip(answers) {
+            // Its bytes back on the budget before its caller hears: the
+            // next wave of a request queued in waves finds them free.
+            drop(waiter.lease);
             let _ = waiter.reply.send(Ok(Prediction {
                 outputs,
                 forwards: 1,

@@ -1,0 +1,323 @@
+//! What a sequence model's dense network allocates for one request beyond
+//! its inputs: its working set. A DIN-like network gathers each row's
+//! history (`[rows, longest, width]`); an HSTU-like one attends in blocks,
+//! `[pairs, heads, block, block]` scores over every pair of a unit's blocks
+//! (the square of its history). The memory bound charges it before a
+//! request is queued, so one request cannot make a forward allocate
+//! gigabytes the bound never saw.
+//!
+//! A sequence declares its network's working set in `schema.json` (or
+//! `model.json`, `narsil_schema()`), next to its channels:
+//! `"working_set": {"kind": "gather", "width": 208}` or
+//! `{"kind": "block_attention", "block": 32, "heads": 4, "head_dim": 32,
+//! "contexts": 2, "model_dim": 128}` (`bytes_per_value` optional, 4). A
+//! sequence without one (exported before) is charged
+//! [`WorkingSet::undeclared`]: a gather of 16 values per position's value
+//! and a full attention of 64 bytes per pair of a unit's positions,
+//! conservative for the networks Narsil's exporters write.
+//!
+//! [`WorkingSet::bytes`] is a pure function of the request's shape: its
+//! units (one history each: a flat request's rows each hold their own, a
+//! ranking request's block one for all its rows) and the rows attending
+//! to each. It bounds the tensors alive at once during one forward of that
+//! request alone (checked against measured peaks: `docs/guide/sequences.md`);
+//! a fused batch holds the sum of its requests'.
+
+use serde::Deserialize;
+
+/// One unit of a request: a history of `positions` positions that `rows`
+/// of its rows attend to (a flat row: 1; a ranking request's block: all
+/// its rows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unit {
+    /// Its history's positions, as validated (cut to the maximum).
+    pub positions: usize,
+    /// The rows that attend to it.
+    pub rows: usize,
+}
+
+fn four() -> usize {
+    4
+}
+
+/// A declared working set (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum WorkingSet {
+    /// Each row gathers its unit's positions, padded to the request's
+    /// longest: `[rows, longest, width]` values alive at once (DIN).
+    Gather {
+        /// Values per (row, position) alive at once: the gathered history
+        /// and what the network computes from it per position.
+        width: usize,
+        /// Values per position computed once per position (not per row),
+        /// alive with the gather.
+        #[serde(default)]
+        position_width: usize,
+        /// Bytes per value (4: FP32).
+        #[serde(default = "four")]
+        bytes_per_value: usize,
+    },
+    /// Each unit's tokens (`contexts` plus its positions) attend in blocks
+    /// of `block`, every block to those at or before it (HSTU's jagged
+    /// form): `[pairs, heads, block, block]` scores, `[pairs, block,
+    /// heads, head_dim]` gathers; each row then attends to its unit's
+    /// blocks (`[blocks, heads, rows of its unit, block]`).
+    BlockAttention {
+        /// Tokens per block.
+        block: usize,
+        /// Attention heads.
+        heads: usize,
+        /// Values per head.
+        head_dim: usize,
+        /// Tokens a unit has before its positions (contextual features).
+        #[serde(default)]
+        contexts: usize,
+        /// Values per token between layers.
+        model_dim: usize,
+        /// Bytes per value (4: FP32).
+        #[serde(default = "four")]
+        bytes_per_value: usize,
+    },
+    /// A sequence declared without one, of `width` values per position
+    /// ([`WorkingSet::undeclared`]).
+    #[serde(skip)]
+    Undeclared {
+        /// Values per position of the sequence (its channels' dims; 0 where
+        /// the model looks its rows up itself).
+        width: usize,
+    },
+}
+
+/// Bytes of an int64 index, and of a mask value.
+const INDEX: usize = 8;
+
+/// What an undeclared sequence is charged per pair of one unit's
+/// positions (a full attention: 4 heads of FP32 scores, 4 alive at once).
+pub const UNDECLARED_PAIR_BYTES: usize = 64;
+
+/// Values per (row, position) an undeclared sequence is charged for its
+/// gather: this many per value of a position (at least 16 values).
+pub const UNDECLARED_GATHER_FACTOR: usize = 16;
+
+impl WorkingSet {
+    /// The charge of a sequence of `width` values per position declared
+    /// without a working set.
+    pub fn undeclared(width: usize) -> Self {
+        Self::Undeclared { width }
+    }
+
+    /// Checks a declaration's sizes (positive where they must be).
+    pub fn check(&self) -> Result<(), String> {
+        let zero = match *self {
+            Self::Gather { width, bytes_per_value, .. } => {
+                [("width", width), ("bytes_per_value", bytes_per_value)].into_iter().find(|(_, v)| *v == 0)
+            }
+            Self::BlockAttention { block, heads, head_dim, model_dim, bytes_per_value, .. } => [
+                ("block", block),
+                ("heads", heads),
+                ("head_dim", head_dim),
+                ("model_dim", model_dim),
+                ("bytes_per_value", bytes_per_value),
+            ]
+            .into_iter()
+            .find(|(_, v)| *v == 0),
+            Self::Undeclared { .. } => None,
+        };
+        match zero {
+            Some((name, _)) => Err(format!("working_set: {name} must be at least 1")),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes the network holds at once for one forward of `units` (module
+    /// docs); saturating. 0 for no units or no positions.
+    pub fn bytes(&self, units: &[Unit]) -> usize {
+        let rows = units.iter().map(|u| u.rows).fold(0, usize::saturating_add);
+        let positions = units.iter().map(|u| u.positions).fold(0, usize::saturating_add);
+        let longest = units.iter().map(|u| u.positions).max().unwrap_or(0);
+        match *self {
+            Self::Gather { width, position_width, bytes_per_value } => {
+                gather(rows, longest, width, bytes_per_value)
+                    .saturating_add(positions.saturating_mul(position_width).saturating_mul(bytes_per_value))
+            }
+            Self::Undeclared { width } => {
+                let width = (width * UNDECLARED_GATHER_FACTOR).max(16);
+                let pairs = units
+                    .iter()
+                    .map(|u| u.positions.saturating_mul(u.positions))
+                    .fold(0, usize::saturating_add);
+                gather(rows, longest, width, 4)
+                    .saturating_add(positions.saturating_mul(width * 4))
+                    .saturating_add(pairs.saturating_mul(UNDECLARED_PAIR_BYTES))
+            }
+            Self::BlockAttention { block, heads, head_dim, contexts, model_dim, bytes_per_value } => {
+                let shape = Blocks::of(units, block, contexts);
+                shape.bytes(block, heads, head_dim, model_dim, bytes_per_value)
+            }
+        }
+    }
+}
+
+/// `[rows, longest, width]` values with an index and a mask each.
+fn gather(rows: usize, longest: usize, width: usize, value: usize) -> usize {
+    let per = width.saturating_mul(value).saturating_add(INDEX + 1);
+    rows.saturating_mul(longest).saturating_mul(per)
+}
+
+/// A request's units cut into blocks (module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Blocks {
+    /// Units.
+    units: usize,
+    /// Tokens: contexts and positions, every unit's.
+    tokens: usize,
+    /// Blocks, every unit's.
+    blocks: usize,
+    /// Block pairs (a query block and a key block at or before it in its
+    /// unit), every unit's.
+    pairs: usize,
+    /// Rows.
+    rows: usize,
+    /// The most rows one unit has (at least 2, as the network pads).
+    most: usize,
+}
+
+impl Blocks {
+    fn of(units: &[Unit], block: usize, contexts: usize) -> Self {
+        let mut shape = Self { most: 2, ..Self::default() };
+        for unit in units.iter().filter(|u| u.rows > 0) {
+            let tokens = unit.positions.saturating_add(contexts);
+            let blocks = tokens.div_ceil(block.max(1)).max(1);
+            shape.units += 1;
+            shape.tokens = shape.tokens.saturating_add(tokens);
+            shape.blocks = shape.blocks.saturating_add(blocks);
+            shape.pairs = shape.pairs.saturating_add(blocks.saturating_mul(blocks + 1) / 2);
+            shape.rows = shape.rows.saturating_add(unit.rows);
+            shape.most = shape.most.max(unit.rows);
+        }
+        shape
+    }
+
+    /// The tensors of one layer at its peak, plus those kept across layers:
+    /// * per pair of blocks, `b x b` scores for each head, three alive at
+    ///   once (the scores, the relative bias gathered for them, the sum),
+    ///   the pair's distances and their clamped copy (int64) and its mask;
+    ///   and three `[b, heads, head_dim]` gathers (a key block, its copy by
+    ///   head, the shares);
+    /// * per block, its query, key and value blocks, what is attended and
+    ///   its token indices;
+    /// * per token, its state, norm and output (`model_dim`) and its
+    ///   `u, v, q, k` with their activation (`8 x heads x head_dim`);
+    /// * per row, as a token and its attended and own shares, and against
+    ///   each of its unit's blocks the padded candidates' gathers and
+    ///   scores, four each (a unit's rows padded to the most rows a unit
+    ///   has).
+    fn bytes(&self, b: usize, heads: usize, head_dim: usize, model_dim: usize, value: usize) -> usize {
+        if self.units == 0 {
+            return 0;
+        }
+        let attention = heads.saturating_mul(head_dim);
+        let per_pair = (3 * heads * b * value + 2 * INDEX + value) * b + 3 * b * attention * value;
+        let per_block = b * (4 * attention * value + 3 * INDEX);
+        let per_token = (4 * model_dim + 8 * attention) * value + 2 * INDEX;
+        let per_row = (4 * model_dim + 12 * attention) * value + 2 * INDEX;
+        let candidates =
+            self.blocks.saturating_mul(self.most).saturating_mul(4 * heads * (b + head_dim) * value);
+        [
+            self.pairs.saturating_mul(per_pair),
+            self.blocks.saturating_mul(per_block),
+            self.tokens.saturating_mul(per_token),
+            self.rows.saturating_mul(per_row),
+            candidates,
+            self.units.saturating_mul(self.most).saturating_mul(3 * attention * value),
+        ]
+        .into_iter()
+        .fold(0, usize::saturating_add)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flat(rows: usize, positions: usize) -> Vec<Unit> {
+        vec![Unit { positions, rows: 1 }; rows]
+    }
+
+    /// The HSTU benchmark's network (`bench-hstu`).
+    const BENCH_HSTU: WorkingSet = WorkingSet::BlockAttention {
+        block: 32,
+        heads: 4,
+        head_dim: 32,
+        contexts: 2,
+        model_dim: 128,
+        bytes_per_value: 4,
+    };
+
+    #[test]
+    fn a_declaration_parses_by_kind_and_refuses_unknown_fields_and_zero_sizes() {
+        let gather: WorkingSet = serde_json::from_str(r#"{"kind": "gather", "width": 208}"#).unwrap();
+        assert_eq!(gather, WorkingSet::Gather { width: 208, position_width: 0, bytes_per_value: 4 });
+        let attention: WorkingSet = serde_json::from_str(
+            r#"{"kind": "block_attention", "block": 32, "heads": 4, "head_dim": 32, "contexts": 2, "model_dim": 128}"#,
+        )
+        .unwrap();
+        assert_eq!(attention, BENCH_HSTU);
+        assert!(serde_json::from_str::<WorkingSet>(r#"{"kind": "gather", "width": 1, "wdth": 2}"#).is_err());
+        assert!(serde_json::from_str::<WorkingSet>(r#"{"kind": "undeclared", "width": 1}"#).is_err());
+        let zero: WorkingSet = serde_json::from_str(r#"{"kind": "gather", "width": 0}"#).unwrap();
+        assert_eq!(zero.check().unwrap_err(), "working_set: width must be at least 1");
+        attention.check().unwrap();
+    }
+
+    #[test]
+    fn a_gather_is_rows_by_the_longest_unit_by_its_width() {
+        let gather = WorkingSet::Gather { width: 10, position_width: 3, bytes_per_value: 4 };
+        // 3 rows of 5, 2 and 0 positions: padded to 5.
+        let units =
+            [Unit { positions: 5, rows: 1 }, Unit { positions: 2, rows: 1 }, Unit { positions: 0, rows: 1 }];
+        assert_eq!(gather.bytes(&units), 3 * 5 * (10 * 4 + 9) + 7 * 3 * 4);
+        // A ranking request: one unit of 100 positions for 50 rows.
+        assert_eq!(gather.bytes(&[Unit { positions: 100, rows: 50 }]), 50 * 100 * 49 + 100 * 12);
+        assert_eq!(gather.bytes(&[]), 0);
+    }
+
+    #[test]
+    fn block_attention_grows_with_the_square_of_a_units_history() {
+        let one = |positions| BENCH_HSTU.bytes(&flat(1, positions));
+        // Twice the history, about four times the memory once past the
+        // linear terms.
+        let (short, long) = (one(1000), one(2000));
+        assert!(long > 3 * short && long < 5 * short, "{short} -> {long}");
+        // Rows with their own histories add up; a ranking request's rows
+        // share one history, so they cost far less than flat rows.
+        assert_eq!(BENCH_HSTU.bytes(&flat(10, 512)), 10 * one(512) - 9 * BENCH_HSTU.bytes(&[]));
+        let ranking = BENCH_HSTU.bytes(&[Unit { positions: 512, rows: 10 }]);
+        assert!(ranking < 2 * one(512), "{ranking} vs {}", one(512));
+    }
+
+    #[test]
+    fn the_bench_hstu_flat_request_is_charged_gigabytes_not_megabytes() {
+        // 400 rows x 512 positions: 2 contexts + 512 = 514 tokens, 17
+        // blocks, 153 block pairs a row; measured at 4.8 GB of peak RSS.
+        let bytes = BENCH_HSTU.bytes(&flat(400, 512));
+        let per_row_pairs = 153 * (3 * 4 * 32 * 4 + 2 * 8 + 4) * 32 + 153 * 3 * 32 * 128 * 4;
+        assert!(bytes >= 400 * per_row_pairs, "{bytes}");
+        assert!((4_000_000_000..8_000_000_000).contains(&bytes), "{bytes}");
+    }
+
+    #[test]
+    fn an_undeclared_sequence_is_charged_its_gather_and_a_full_attention() {
+        let undeclared = WorkingSet::undeclared(48);
+        let units = flat(2, 100);
+        let gather = 2 * 100 * (48 * 16 * 4 + 9) + 200 * 48 * 16 * 4;
+        assert_eq!(undeclared.bytes(&units), gather + 2 * 100 * 100 * UNDECLARED_PAIR_BYTES);
+        // Above what bench-hstu declares (its sequence: 3 channels of 64),
+        // for flat rows and for a ranking request.
+        let bench = WorkingSet::undeclared(3 * 64);
+        for units in [flat(400, 512), vec![Unit { positions: 512, rows: 4096 }]] {
+            assert!(bench.bytes(&units) > BENCH_HSTU.bytes(&units), "{units:?}");
+        }
+    }
+}
