@@ -93,8 +93,9 @@ impl RequestSamples {
 
     /// Cuts a validated request into consecutive parts of at most
     /// `max_rows` rows and, where it can, `max_tokens` tokens each
-    /// ([`Self::tokens`]: every part counts the request block's positions,
-    /// as each part keeps the block); a part has at least one row, so a
+    /// ([`Self::tokens`] with `flat`: every part counts the request block's
+    /// positions, as each part keeps the block, on each of its rows where
+    /// lanes take only flat batches); a part has at least one row, so a
     /// row over `max_tokens` alone is a part of its own. Scores of the
     /// parts, concatenated, are the scores of the whole.
     pub fn split_tokens(
@@ -102,14 +103,17 @@ impl RequestSamples {
         max_rows: usize,
         max_tokens: usize,
         schema: &ModelSchema,
+        flat: bool,
     ) -> Vec<RequestSamples> {
         let num_sparse = schema.num_sparse();
-        if schema.sequences.is_empty() || self.tokens(schema) <= max_tokens {
+        if schema.sequences.is_empty() || self.tokens(schema, flat) <= max_tokens {
             return self.split_rows(max_rows, num_sparse);
         }
         let (b, layout) = (self.num_samples, self.layout);
         let block = self.sum_over_positions(schema, |_| 1).1;
-        let mut row_tokens = vec![1usize; b];
+        // A part holds the block once, or each of its rows a copy of it.
+        let (block, per_row) = if flat { (0, 1 + block) } else { (block, 1) };
+        let mut row_tokens = vec![per_row; b];
         for (bag, &len) in self.lengths.iter().enumerate() {
             let (sample, f) = layout.bag_position(bag, b, num_sparse);
             if schema.first_channel_of(f).is_some() {
@@ -228,13 +232,13 @@ mod tests {
         let s = schema(false);
         // Tokens per row: 1 + its positions: 4, 9, 2, 9, 9, 1.
         let whole = flat(&[3, 8, 1, 8, 8, 0]);
-        let parts = whole.clone().split_tokens(64, 12, &s);
+        let parts = whole.clone().split_tokens(64, 12, &s, false);
         let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
         assert_eq!(rows, [1, 2, 1, 2]);
         assert!(
-            parts.iter().all(|p| p.tokens(&s) <= 12),
+            parts.iter().all(|p| p.tokens(&s, false) <= 12),
             "{:?}",
-            parts.iter().map(|p| p.tokens(&s)).collect::<Vec<_>>()
+            parts.iter().map(|p| p.tokens(&s, false)).collect::<Vec<_>>()
         );
         let mut scores = Vec::new();
         for part in &parts {
@@ -243,20 +247,27 @@ mod tests {
         assert_eq!(scores, mock_scores(&assemble(1, 2, [&whole])));
         // A row over the budget alone is a part of its own; rows still
         // bound a part; a request within both is whole.
-        assert_eq!(whole.clone().split_tokens(64, 5, &s).len(), 6);
-        assert_eq!(whole.clone().split_tokens(2, 1000, &s).len(), 3);
-        assert_eq!(whole.clone().split_tokens(64, 1000, &s), [whole]);
+        assert_eq!(whole.clone().split_tokens(64, 5, &s, false).len(), 6);
+        assert_eq!(whole.clone().split_tokens(2, 1000, &s, false).len(), 3);
+        assert_eq!(whole.clone().split_tokens(64, 1000, &s, false), [whole]);
     }
 
     #[test]
     fn a_ranking_requests_parts_each_count_its_block_and_keep_it() {
         let s = schema(true);
         // 6 positions in the block: each part holds 6 + its rows.
-        let parts = ranking(10, 6).split_tokens(64, 10, &s);
+        let parts = ranking(10, 6).split_tokens(64, 10, &s, false);
         let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
         assert_eq!(rows, [4, 4, 2]);
-        assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s) <= 10));
+        assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s, false) <= 10));
         // A block over the budget: one row a part.
-        assert_eq!(ranking(3, 6).split_tokens(64, 4, &s).len(), 3);
+        assert_eq!(ranking(3, 6).split_tokens(64, 4, &s, false).len(), 3);
+        // Lanes that take only flat batches copy the block into each row:
+        // 7 tokens a row, one row a part under 10 (each within it).
+        let flat = ranking(10, 6).split_tokens(64, 10, &s, true);
+        assert_eq!(flat.len(), 10);
+        assert!(flat.iter().all(|p| p.tokens(&s, true) <= 10));
+        let two_a_part = ranking(10, 6).split_tokens(64, 14, &s, true);
+        assert_eq!(two_a_part.iter().map(|p| p.num_samples).collect::<Vec<_>>(), [2; 5]);
     }
 }

@@ -104,7 +104,8 @@ impl EngineHandle {
         };
         // Parts within both budgets, each cut in halves while it is
         // charged more than half the memory bound (a row stays whole).
-        let mut parts = request.split_tokens(shared.max_batch_rows, shared.max_batch_tokens, schema);
+        let mut parts =
+            request.split_tokens(shared.max_batch_rows, shared.max_batch_tokens, schema, flat_only);
         if !schema.sequences.is_empty() {
             parts = halve_while(parts, shared.memory.max() / 2, &charge, schema.num_sparse());
         }
