@@ -7,7 +7,9 @@
 //!
 //! A push goes to the model's ready versions all or none: each checks it
 //! first ([`PushMode::Check`]); if one refuses, none takes it and the
-//! answer says why. Once all would take it, the body is appended to the
+//! answer says why; so does every version where they hold the table with
+//! rows of different formats (one body reads as other entries in each, and
+//! only one format's log would record it). Once all would take it, the body is appended to the
 //! table's log and fsynced (if it adds an id to some version), and only
 //! then applied: an answered push is on disk.
 //!
@@ -264,6 +266,17 @@ impl ModelPushes {
             let engine = live.engine.clone();
             move |push: &IdPush<'_>| engine.push_ids(push)
         };
+        let formats: Vec<(String, String)> = versions
+            .iter()
+            .filter_map(|live| {
+                let tables = live.engine.id_map_tables();
+                let format = tables.into_iter().find(|t| t.name == table)?.row_format;
+                Some((live.number.to_string(), format))
+            })
+            .collect();
+        if let Some(refusals) = formats_disagree(table, &formats) {
+            return PushAnswer::Refused(refusals);
+        }
         let mut refusals = Vec::new();
         let mut adds = None;
         for live in versions {
@@ -317,6 +330,35 @@ impl ModelPushes {
     }
 }
 
+/// Where the ready versions' tables `table` hold rows of different
+/// formats (`formats`: each version's; a table retrained with another dim
+/// beside the old one), a refusal for each: one push body reads as other
+/// entries in each format, and only one format's log would record it.
+fn formats_disagree(table: &str, formats: &[(String, String)]) -> Option<Vec<VersionPush>> {
+    let (_, first) = formats.first()?;
+    if formats.iter().all(|(_, format)| format == first) {
+        return None;
+    }
+    let each: Vec<String> =
+        formats.iter().map(|(version, format)| format!("version {version}: {format}")).collect();
+    let why = format!(
+        "the ready versions hold table {table:?} with rows of different formats ({}): a push's body reads \
+         as different entries in each, so none takes it; push once one format serves (retire the other \
+         versions, or push after the switch)",
+        each.join(", ")
+    );
+    Some(
+        formats
+            .iter()
+            .map(|(version, _)| VersionPush {
+                version: version.clone(),
+                pushed: None,
+                error: Some(why.clone()),
+            })
+            .collect(),
+    )
+}
+
 /// Warns that version `version` does not serve the ids of the log at
 /// `path` (of rows in `format`), and why.
 fn warn_not_replayed(model: &str, version: u64, table: &str, path: &Path, format: &str, why: String) {
@@ -363,6 +405,23 @@ mod tests {
 
     fn given(given: &Mutex<Vec<Vec<u8>>>) -> Vec<String> {
         given.lock().unwrap().drain(..).map(|p| String::from_utf8(p).unwrap()).collect()
+    }
+
+    #[test]
+    fn a_push_is_refused_by_every_version_where_their_tables_row_formats_differ() {
+        let formats = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+            list.iter().map(|(v, f)| (v.to_string(), f.to_string())).collect()
+        };
+        assert!(super::formats_disagree("t", &formats(&[("1", FORMAT), ("2", FORMAT)])).is_none());
+        assert!(super::formats_disagree("t", &[]).is_none());
+        let refused =
+            super::formats_disagree("t", &formats(&[("1", FORMAT), ("2", "int8_rowwise-128-168")])).unwrap();
+        assert_eq!(refused.iter().map(|r| r.version.as_str()).collect::<Vec<_>>(), ["1", "2"]);
+        let why = refused[0].error.as_deref().unwrap();
+        assert!(
+            why.contains("\"t\"") && why.contains(FORMAT) && why.contains("int8_rowwise-128-168"),
+            "{why}"
+        );
     }
 
     #[test]
