@@ -27,11 +27,16 @@ fn room_of(name: &str) -> &str {
 }
 
 fn rust_files(dir: &Path, found: &mut Vec<std::path::PathBuf>) {
+    files_ending(dir, "rs", found)
+}
+
+/// Every file below `dir` whose extension is `extension`.
+fn files_ending(dir: &Path, extension: &str, found: &mut Vec<std::path::PathBuf>) {
     for entry in std::fs::read_dir(dir).unwrap() {
         let path = entry.unwrap().path();
         if path.is_dir() {
-            rust_files(&path, found);
-        } else if path.extension().is_some_and(|e| e == "rs") {
+            files_ending(&path, extension, found);
+        } else if path.extension().is_some_and(|e| e == extension) {
             found.push(path);
         }
     }
@@ -491,17 +496,6 @@ fn file_names(dir: &Path, found: &mut BTreeSet<String>) {
     }
 }
 
-fn markdown_files(dir: &Path, found: &mut Vec<std::path::PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            markdown_files(&path, found);
-        } else if path.extension().is_some_and(|e| e == "md") {
-            found.push(path);
-        }
-    }
-}
-
 #[test]
 fn every_source_path_the_docs_name_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -509,7 +503,7 @@ fn every_source_path_the_docs_name_exists() {
     file_names(root, &mut names_here);
     let mut missing = Vec::new();
     let mut docs = Vec::new();
-    markdown_files(&root.join("docs"), &mut docs);
+    files_ending(&root.join("docs"), "md", &mut docs);
     for doc in docs {
         let text = std::fs::read_to_string(&doc).unwrap();
         let (paths, names) = named_paths(&text);

@@ -75,6 +75,17 @@ pub(super) fn rows(spec: &TableSpec, seed: u8) -> Table {
     Table::from_rows(spec, data)
 }
 
+/// [`rows`] of `spec`'s `row_bytes` (16 or more): each 16-byte row
+/// followed by zeros (room for a raw id where a table is laid out by its
+/// id map).
+pub(super) fn wide_rows(spec: &TableSpec, seed: u8) -> Table {
+    let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, seed);
+    let pad = spec.row_bytes - 16;
+    let bytes =
+        narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, pad)));
+    Table::from_rows(spec, bytes.collect())
+}
+
 pub(super) fn batch() -> KeyedBatch {
     let [first, second] = requests();
     assemble(1, 3, [&first, &second])

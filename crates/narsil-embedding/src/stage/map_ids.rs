@@ -279,12 +279,11 @@ mod tests {
     use narsil_core::ids::Modulo;
     use narsil_core::{assemble, KeyedBatch, RequestSamples};
 
-    use super::super::fixtures::{batch, rows, schema};
+    use super::super::fixtures::{batch, rows, schema, wide_rows};
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch};
     use crate::id_map::{build, IdMap};
     use crate::schema::{IdMapSpec, SplitSchema, TableIds, TableSpec};
-    use crate::stores::local::table::Table;
     use crate::stores::row_store::RowStore;
 
     /// Raw id of row `row` in the tests' maps: large, and negative for odd
@@ -381,17 +380,8 @@ mod tests {
         }
         let maps = super::open_id_maps(dir.path(), &schema).unwrap();
         assert!(maps.iter().flatten().all(|map| !map.on_huge_pages()), "no copy at open");
-        let stores = schema
-            .tables
-            .iter()
-            .map(|spec| {
-                let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, 3);
-                let pad = spec.row_bytes - 16;
-                let bytes =
-                    narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain(vec![0u8; pad]));
-                Arc::new(Table::from_rows(spec, bytes.collect())) as Arc<dyn RowStore>
-            })
-            .collect();
+        let stores =
+            schema.tables.iter().map(|spec| Arc::new(wide_rows(spec, 3)) as Arc<dyn RowStore>).collect();
         let mut stage = EmbeddingStage::with_id_maps(&schema, stores, maps);
         assert_eq!(stage.lay_out_mapped_tables(), 1, "\"shared\" laid out, its map dropped uncopied");
         let copied = stage.hashed_maps_onto_huge_pages();

@@ -199,12 +199,14 @@ mod tests {
 
     use narsil_core::{IdMapTable, IdPush, IdsPushed, KeyedBatch, PushMode};
 
-    use super::super::fixtures::{batch, pooled_bits_both_ways, requests, rows, schema, LocalRows};
+    use super::super::fixtures::{
+        batch, pooled_bits_both_ways, requests, rows, schema, wide_rows, LocalRows,
+    };
     use super::super::pooling::tests::Fetching;
     use super::super::{EmbeddingStage, StageScratch, StageTable};
     use super::store_refusal;
     use crate::id_map::{build, IdMap, SlottedMap};
-    use crate::schema::{IdMapSpec, SplitSchema, TableIds, TableSpec};
+    use crate::schema::{IdMapSpec, SplitSchema, TableIds};
     use crate::stores::local::table::Table;
     use crate::stores::row_store::RowStore;
 
@@ -334,12 +336,7 @@ mod tests {
         for spec in mapped.tables.iter_mut().chain(plain.tables.iter_mut()) {
             spec.row_bytes = 32;
         }
-        let wide = |t: usize| {
-            let spec = &plain.tables[t];
-            let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, 3 + t as u8);
-            let bytes = narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain([0u8; 16]));
-            Table::from_rows(spec, bytes.collect())
-        };
+        let wide = |t: usize| wide_rows(&plain.tables[t], 3 + t as u8);
         let stores = || (0..2).map(|t| Arc::new(wide(t)) as Arc<dyn RowStore>).collect::<Vec<_>>();
         let hashed = EmbeddingStage::with_id_maps(&mapped, stores(), maps.clone());
         let mut laid_out = EmbeddingStage::with_id_maps(&mapped, stores(), maps);
@@ -384,16 +381,8 @@ mod tests {
     #[test]
     fn bags_of_a_laid_out_table_pooled_again_allocate_nothing_per_bag() {
         let (mut mapped, maps) = mapped();
-        let mut plain = schema();
-        for spec in mapped.tables.iter_mut().chain(plain.tables.iter_mut()) {
-            spec.row_bytes = 32;
-        }
-        let wide = |t: usize| {
-            let spec = &plain.tables[t];
-            let narrow = rows(&TableSpec { row_bytes: 16, ..spec.clone() }, 3 + t as u8);
-            let bytes = narrow.bytes().chunks(16).flat_map(|row| row.iter().copied().chain([0u8; 16]));
-            Arc::new(Table::from_rows(spec, bytes.collect())) as Arc<dyn RowStore>
-        };
+        mapped.tables.iter_mut().for_each(|spec| spec.row_bytes = 32);
+        let wide = |t: usize| Arc::new(wide_rows(&mapped.tables[t], 3 + t as u8)) as Arc<dyn RowStore>;
         let mut stage = EmbeddingStage::with_id_maps(&mapped, vec![wide(0), wide(1)], maps);
         assert_eq!(stage.lay_out_mapped_tables(), 2);
         // Every id never seen: each bag is pooled again from default rows.
