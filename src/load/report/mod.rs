@@ -1,5 +1,5 @@
 //! Latency and throughput accounting for `narsil load`: each caller's
-//! [`Recorder`], and the phase's [`Report`] (its text in [`text`]).
+//! [`Recorder`], and the phase's [`Report`] (its text: `text.rs`).
 
 mod text;
 
