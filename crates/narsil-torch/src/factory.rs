@@ -63,7 +63,7 @@ pub struct TorchConfig {
     /// CPU; no serving flag sets it.
     pub bf16_emulated: bool,
     /// A split model's dense network form (`--dense-form`).
-    pub dense_form: crate::dense_network::DenseForm,
+    pub dense_form: crate::split::dense_network::DenseForm,
     /// A split model on a device: the byte budget for its tables in device
     /// memory (`None`: `NARSIL_DEVICE_TABLE_BYTES` if set). Neither: on CUDA, every table
     /// held in this process goes to the device if it can be allocated
@@ -129,7 +129,7 @@ impl TorchConfig {
             dense_precision: DensePrecision::Fp32,
             table_store: narsil_embedding::TableStore::Memory,
             bf16_emulated: false,
-            dense_form: crate::dense_network::DenseForm::Auto,
+            dense_form: crate::split::dense_network::DenseForm::Auto,
             device_table_bytes: None,
             device_path_on_cpu: false,
             graph_buckets: None,

@@ -14,11 +14,12 @@
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
 //! * [`split`]: split models (a directory: INT8 tables pooled by
 //!   `narsil-embedding`, then the dense network), loaded once as a
-//!   [`split_model`] their lanes share (`split_lane.rs`: the CPU lane,
-//!   its stage one batch ahead).
-//! * [`dense_network`]: a split model's dense network, TorchScript or
+//!   [`split::model`] their lanes share (`split/lane.rs`: the CPU lane,
+//!   its stage one batch ahead; `split/inputs.rs`: the dense network's
+//!   inputs from the stage's buffers).
+//! * [`split::dense_network`]: a split model's dense network, TorchScript or
 //!   [`aoti_package`] (AOTInductor `.pt2`), chosen by `--dense-form`;
-//!   [`dense_cut`]: the same network cut in two, for ranking requests
+//!   [`split::dense_cut`]: the same network cut in two, for ranking requests
 //!   (the dense arch once per request, DLRM's user products once).
 //! * [`device`]: `cpu` / `cuda:N` parsing and availability checks.
 //! * [`device_lane`]: a split model's lane on a device (CUDA): staging
@@ -32,8 +33,6 @@
 pub mod aoti_package;
 pub mod buckets;
 pub mod cuda;
-pub mod dense_cut;
-pub mod dense_network;
 pub mod device;
 pub mod device_lane;
 pub mod factory;
@@ -45,16 +44,13 @@ pub mod model;
 pub mod precision;
 pub mod script_module;
 pub mod split;
-mod split_inputs;
-mod split_lane;
-pub mod split_model;
 pub mod tensor_stage;
 
-pub use dense_network::DenseForm;
 pub use factory::{TorchConfig, TorchFactory, DEVICE_PATH_ON_CPU_ENV};
 pub use model::TorchModel;
 pub use narsil_embedding::TableStore;
 pub use precision::{cpu_bf16_instructions, cpu_flags, DensePrecision};
+pub use split::dense_network::DenseForm;
 pub use split::SplitFactory;
 
 /// The libtorch `lib` directory this process loaded `libtorch_cpu.so` from

@@ -49,7 +49,7 @@ use crate::cuda::{self, CudaShim, Event, LaneStreams, Which};
 use crate::handoff::Handoff;
 use crate::lane::IntraOpThreads;
 use crate::precision::DensePrecision;
-use crate::split_model::SplitModel;
+use crate::split::model::SplitModel;
 use graphs::{BucketGraph, CAPTURE_FAILURE_LOGGED};
 use staging::{CopyOrder, HostScratch};
 

@@ -18,7 +18,7 @@ use super::{copy_order, DeviceLane};
 use crate::cuda::Which;
 use crate::handoff::{self, Handoff};
 use crate::lane::enter_inference_mode;
-use crate::split_model::SplitModel;
+use crate::split::model::SplitModel;
 
 impl DeviceLane {
     /// The lane's stage thread's stage, staging into the two buffer sets

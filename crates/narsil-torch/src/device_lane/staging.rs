@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 use super::cuda_error;
 use crate::cuda::{Event, LaneStreams, Which};
 use crate::lane::{pinned_or_pageable, torch_error};
-use crate::split_model::SplitModel;
+use crate::split::model::SplitModel;
 use crate::tensor_stage::{DeviceLookup, Lookup};
 
 type RawTensor = torch_sys::C_tensor;
@@ -273,7 +273,7 @@ unsafe fn stage_into(
             // A sequence model's sequences: copied as they are (their
             // shapes vary per batch; a sequence model runs eagerly, staged
             // on the lane).
-            for input in crate::split_inputs::sequence_inputs(scratch.stage.sequences(), model.precision)? {
+            for input in crate::split::inputs::sequence_inputs(scratch.stage.sequences(), model.precision)? {
                 sequences.push(input.f_to(model.device).map_err(torch_error)?);
             }
             let width = model.stage.pooled_width() as i64;

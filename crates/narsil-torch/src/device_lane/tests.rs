@@ -22,9 +22,9 @@ use tch::Device;
 use super::DeviceLane;
 use crate::buckets::Buckets;
 use crate::cuda::fake::{self, Call, Entry, Session, Stream};
-use crate::dense_network::{DenseForm, DenseNetwork};
 use crate::precision::DensePrecision;
-use crate::split_model::SplitModel;
+use crate::split::dense_network::{DenseForm, DenseNetwork};
+use crate::split::model::SplitModel;
 use crate::tensor_stage::TensorTables;
 
 /// Warm-up forwards before each capture (graphs.rs passes 3).

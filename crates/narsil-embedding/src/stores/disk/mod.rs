@@ -11,7 +11,8 @@
 //! * [`reads`]: planning direct reads of whole blocks, and making them on
 //!   threads.
 //! * [`uring`]: making them on an io_uring.
-//! * [`store`]: the store kind, its configuration and a table's rows.
+//! * [`store`]: the store kind, its configuration and a table's rows (a
+//!   batch's fetch: `store/fetch.rs`).
 //! * [`probe`]: whether a model's table files still read (the serving
 //!   health follows it).
 

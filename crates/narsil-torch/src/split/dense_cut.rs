@@ -26,9 +26,9 @@ use narsil_core::{BackendError, KeyedBatch};
 use narsil_embedding::SplitSchema;
 use tch::{Device, Tensor};
 
-use crate::dense_network::{DenseForm, DenseNetwork};
 use crate::lane::torch_error;
 use crate::precision::DensePrecision;
+use crate::split::dense_network::{DenseForm, DenseNetwork};
 
 /// The two parts, loaded, and the top with the user's arithmetic once.
 pub struct DenseCut {

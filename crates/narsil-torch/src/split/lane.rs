@@ -1,7 +1,7 @@
 //! A split model's CPU lane: the embedding stage pools each batch (on the
 //! lane, or one batch ahead on the lane's stage thread with
 //! `--stage-ahead`, [`SplitStage`]), then the dense network (whole, or its
-//! cut for ranking requests: [`crate::dense_cut`]) scores it on memory the
+//! cut for ranking requests: [`crate::split::dense_cut`]) scores it on memory the
 //! lane owns. Loaded and created by [`crate::split::SplitFactory`].
 
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -11,11 +11,11 @@ use std::time::Instant;
 use narsil_core::{BackendError, BatchStage, KeyedBatch, ModelBackend, StagedBatch};
 use narsil_embedding::{Bf16, PooledValue, SequenceValues, StageScratch};
 
-use crate::dense_cut::DenseCut;
 use crate::lane::{append_scores, IntraOpThreads};
 use crate::precision::DensePrecision;
-use crate::split_inputs::{in_precision, lent, sequence_inputs, Lendable};
-use crate::split_model::SplitModel;
+use crate::split::dense_cut::DenseCut;
+use crate::split::inputs::{in_precision, lent, sequence_inputs, Lendable};
+use crate::split::model::SplitModel;
 
 /// A lane of a split model: its stage buffers, pooled embeddings and
 /// dense features, reused.

@@ -7,9 +7,9 @@ use narsil_embedding::EmbeddingStage;
 use tch::Device;
 
 use crate::buckets::Buckets;
-use crate::dense_cut::DenseCut;
-use crate::dense_network::DenseNetwork;
 use crate::precision::DensePrecision;
+use crate::split::dense_cut::DenseCut;
+use crate::split::dense_network::DenseNetwork;
 use crate::tensor_stage::TensorTables;
 
 /// A loaded split model: its embedding stage and its dense network.

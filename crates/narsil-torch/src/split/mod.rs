@@ -2,7 +2,7 @@
 //! "Split models") served by libtorch: for each fused batch the lane runs
 //! Narsil's embedding stage (`narsil-embedding`: per table dedup, fetch and
 //! pooling with FBGEMM's arithmetic), then the dense network (TorchScript or
-//! an AOTInductor package: [`crate::dense_network`]) on the dense features
+//! an AOTInductor package: [`crate::split::dense_network`]) on the dense features
 //! and the pooled embeddings.
 //!
 //! In bf16 (`--dense-precision bf16`, CPUs with AVX512-BF16 or AMX-BF16)
@@ -14,13 +14,19 @@
 //! every model version that has the same ones). It runs on the lane, right
 //! before the dense forward, on the intra-op threads' calling thread; with
 //! `--stage-ahead`, on the lane's stage thread one batch ahead
-//! (`split_lane.rs`), handing the lane the pooled block.
+//! (`lane.rs`), handing the lane the pooled block.
 //!
 //! On CUDA (`--device cuda[:N]`) lanes are [`crate::device_lane`]'s: the
 //! dense network on the device (CUDA graphs per batch-size bucket), the
 //! tables in device memory when they fit the budget (the tensor stage), or
 //! on the host (this CPU stage, its pooled block copied through pinned
 //! buffers).
+
+pub mod dense_cut;
+pub mod dense_network;
+pub(crate) mod inputs;
+mod lane;
+pub mod model;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -31,15 +37,15 @@ use narsil_embedding::{EmbeddingStage, SplitSchema};
 use tch::Device;
 
 use crate::buckets::Buckets;
-use crate::dense_cut::DenseCut;
-use crate::dense_network::DenseNetwork;
 use crate::device::split_model_device;
 use crate::device_lane::DeviceLane;
 use crate::factory::{require_cpu_bf16, TorchConfig, DEVICE_TABLE_BYTES_ENV};
 use crate::lane::enter_inference_mode;
 use crate::precision::DensePrecision;
-use crate::split_lane::SplitLane;
-use crate::split_model::SplitModel;
+use crate::split::dense_cut::DenseCut;
+use crate::split::dense_network::DenseNetwork;
+use crate::split::lane::SplitLane;
+use crate::split::model::SplitModel;
 use crate::tensor_stage::{device_bytes, TablesNotOnDevice, TensorTables};
 
 /// Loads a split model once and creates lanes that share it.
@@ -168,13 +174,13 @@ impl SplitFactory {
     }
 
     /// Whether its CPU lanes run ranking requests' dense arch once per
-    /// request ([`crate::dense_cut`]).
+    /// request ([`crate::split::dense_cut`]).
     pub fn runs_dense_cut(&self) -> bool {
         self.model.dense_cut.is_some()
     }
 
     /// Whether its CPU lanes run `batch`'s user arithmetic once per request
-    /// (the user-once top, [`crate::dense_cut`]).
+    /// (the user-once top, [`crate::split::dense_cut`]).
     pub fn runs_user_once(&self, batch: &KeyedBatch) -> bool {
         self.model.dense_cut.as_ref().is_some_and(|cut| cut.runs_user_once(batch))
     }

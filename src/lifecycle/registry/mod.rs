@@ -11,129 +11,21 @@
 //! loads models:
 //! [`super::watcher`] does, and calls [`ModelRegistry::install`].
 
-use std::collections::{BTreeMap, BTreeSet};
+mod metrics;
+mod versions;
+
+use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 
 use narsil_core::{InputField, InvalidInput, ModelSchema};
-use narsil_engine::{Engine, EngineError, EngineHandle};
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use serde::Serialize;
+use narsil_engine::{Engine, EngineError};
 use tokio::sync::watch;
 
-use super::reaper::{Reaper, ReaperSender, Retired};
+use super::reaper::Reaper;
 use super::repository::Fingerprint;
-
-/// A version that serves: its engine, and the engine's owner. Dropped by
-/// its last holder once retired, it hands the engine to the [`Reaper`].
-pub struct LiveVersion {
-    /// The version number (0 for a `--model` served without a repository).
-    pub number: u64,
-    /// Where its requests go.
-    pub engine: EngineHandle,
-    model: String,
-    owner: Option<Engine>,
-    reaper: Option<ReaperSender>,
-}
-
-impl Drop for LiveVersion {
-    fn drop(&mut self) {
-        let Some(engine) = self.owner.take() else { return };
-        let retired = Retired { model: std::mem::take(&mut self.model), number: self.number, engine };
-        match &self.reaper {
-            Some(reaper) => {
-                if let Err(refused) = reaper.send(retired) {
-                    refused.0.stop_detached();
-                }
-            }
-            None => retired.stop_detached(),
-        }
-    }
-}
-
-enum VersionSlot {
-    Loading,
-    Ready(Arc<LiveVersion>),
-    Failed { error: String, fingerprint: Fingerprint },
-}
-
-impl VersionSlot {
-    fn state(&self) -> VersionState {
-        match self {
-            Self::Loading => VersionState::Loading,
-            Self::Ready(_) => VersionState::Ready,
-            Self::Failed { fingerprint, .. } => VersionState::Failed(*fingerprint),
-        }
-    }
-}
-
-/// A version's state, as the repository watcher sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum VersionState {
-    /// Being loaded and warmed up.
-    Loading,
-    /// Taking requests.
-    Ready,
-    /// Failed to load from files with this fingerprint.
-    Failed(Fingerprint),
-}
-
-impl VersionState {
-    /// `LOADING`, `READY` or `FAILED`, as listed and in ModelInfo.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Loading => "LOADING",
-            Self::Ready => "READY",
-            Self::Failed(_) => "FAILED",
-        }
-    }
-}
-
-/// What the operator asked for through the control calls; the repository's
-/// contents never override it.
-#[derive(Debug, Default, Clone)]
-pub struct OperatorMarks {
-    /// Every version unloaded, until the model is loaded again.
-    pub model_unloaded: bool,
-    /// Versions unloaded, even if the policy would serve them.
-    pub unloaded: BTreeSet<u64>,
-    /// Versions loaded beside the policy's.
-    pub pinned: BTreeSet<u64>,
-}
-
-#[derive(Default)]
-struct ModelSlot {
-    versions: BTreeMap<u64, VersionSlot>,
-    marks: OperatorMarks,
-    /// Whether the model should have a warm version (health counts it).
-    should_serve: bool,
-}
-
-/// A model and its versions, as `GET /v1/models` and ModelInfo report them.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct ModelStatus {
-    /// Model name.
-    pub name: String,
-    /// Requests that name no model go to it.
-    pub default: bool,
-    /// Has a warm, healthy version.
-    pub serving: bool,
-    /// Every version loaded, loading or failed, lowest first.
-    pub versions: Vec<VersionStatus>,
-}
-
-/// One version's state.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct VersionStatus {
-    /// Version number (or the model's own version string for a `--model`).
-    pub version: String,
-    /// `LOADING`, `READY` (loaded; serving once warm and healthy) or `FAILED`.
-    pub state: &'static str,
-    /// Why it failed.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-}
+use metrics::{labels, RegistryMetrics};
+pub use versions::{LiveVersion, ModelStatus, OperatorMarks, VersionState, VersionStatus};
+use versions::{ModelSlot, VersionSlot};
 
 /// Every model the server serves.
 pub struct ModelRegistry {
@@ -142,50 +34,6 @@ pub struct ModelRegistry {
     changed: Arc<watch::Sender<u64>>,
     reaper: Reaper,
     metrics: RegistryMetrics,
-}
-
-type Labels = Vec<(String, String)>;
-
-struct RegistryMetrics {
-    registry: prometheus_client::registry::Registry,
-    loads: Family<Labels, Counter>,
-    versions: Family<Labels, Gauge>,
-    unrouted: Family<Labels, Counter>,
-    tables_held: Gauge,
-    table_bytes_held: Gauge,
-    control_unauthorized: Family<Labels, Counter>,
-}
-
-impl RegistryMetrics {
-    fn new() -> Self {
-        let mut registry = prometheus_client::registry::Registry::with_prefix("narsil");
-        let (loads, versions, unrouted) = (Family::default(), Family::default(), Family::default());
-        registry.register("requests", "Requests by outcome", unrouted.clone());
-        registry.register("model_loads", "Version loads by model and outcome (ok, failed)", loads.clone());
-        registry.register("model_versions", "Versions of each model by state", versions.clone());
-        let (tables_held, table_bytes_held) = (Gauge::default(), Gauge::default());
-        registry.register(
-            "tables_held",
-            "Embedding tables of split models held by the process (a table shared by versions counts once)",
-            tables_held.clone(),
-        );
-        registry.register(
-            "table_bytes_held",
-            "Bytes of the embedding tables held by the process, in memory or mapped (shared tables once)",
-            table_bytes_held.clone(),
-        );
-        let control_unauthorized = Family::default();
-        registry.register(
-            "control_unauthorized",
-            "Model-control calls refused for their token, by reason (missing, wrong)",
-            control_unauthorized.clone(),
-        );
-        Self { registry, loads, versions, unrouted, tables_held, table_bytes_held, control_unauthorized }
-    }
-}
-
-fn labels(pairs: &[(&str, &str)]) -> Labels {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
 }
 
 impl ModelRegistry {

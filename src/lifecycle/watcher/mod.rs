@@ -9,19 +9,24 @@
 //! disappears is retired, except the last one serving a model: only an
 //! explicit unload takes that away.
 
+mod interface;
+mod loading;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use narsil_core::{BackendError, BackendFactory, ModelBackend, ModelSchema};
+use narsil_core::BackendFactory;
 use narsil_engine::{Engine, EngineConfig, StartError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::loader::LoadOptions;
 use super::pushes::{ModelPushes, PushBook, Replayed};
 use super::registry::{ModelRegistry, OperatorMarks, VersionState};
-use super::repository::{Localized, RepositorySource, VersionDir, VersionPolicy, MODEL_FILES};
+use super::repository::{RepositorySource, VersionDir, VersionPolicy, MODEL_FILES};
+pub use interface::same_interface;
+use loading::{on_loader_thread, VersionedFactory};
 
 /// Where versions come from and how each is served.
 #[derive(Clone)]
@@ -312,102 +317,6 @@ impl Watcher {
     }
 }
 
-/// Niceness of the thread that reads and prepares a new version: serving
-/// threads come first, so loading a version takes the CPU time they leave.
-const LOADER_NICENESS: libc::c_int = 10;
-
-/// Runs `work` on a thread of its own at [`LOADER_NICENESS`].
-async fn on_loader_thread<T: Send + 'static>(work: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
-    let (done, result) = oneshot::channel();
-    std::thread::Builder::new()
-        .name("narsil-loader".into())
-        .spawn(move || {
-            // On Linux a thread's niceness is its own (the calling thread's id).
-            // SAFETY: gettid takes no arguments, touches no memory and cannot fail.
-            let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
-            // SAFETY: setpriority takes plain integers and touches no memory;
-            // `tid` is this thread's own id, so only this thread's niceness
-            // changes, and a failure is returned, not raised.
-            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, LOADER_NICENESS) } != 0 {
-                tracing::debug!("cannot lower the loader thread's priority; loading at normal priority");
-            }
-            let _ = done.send(work());
-        })
-        .map_err(|e| format!("cannot start a loader thread: {e}"))?;
-    result.await.map_err(|_| "loading ended abnormally (the loader panicked)".to_string())
-}
-
-/// Whether `new` takes the same requests and answers the same outputs as
-/// `serving`: dense count, sparse features (names, order, weighted) and
-/// outputs. Table sizes may change between versions.
-pub fn same_interface(serving: &ModelSchema, new: &ModelSchema) -> Result<(), String> {
-    if serving.num_dense != new.num_dense {
-        return Err(format!(
-            "{} dense features, the served version takes {}",
-            new.num_dense, serving.num_dense
-        ));
-    }
-    let features =
-        |s: &ModelSchema| s.sparse.iter().map(|f| (f.name.clone(), f.weighted)).collect::<Vec<_>>();
-    if features(serving) != features(new) {
-        return Err(format!(
-            "sparse features {:?}, the served version takes {:?} (name, weighted)",
-            features(new),
-            features(serving)
-        ));
-    }
-    if serving.outputs != new.outputs {
-        return Err(format!("outputs {:?}, the served version answers {:?}", new.outputs, serving.outputs));
-    }
-    Ok(())
-}
-
-/// A loaded model under the repository's name and version number, holding
-/// its localized files while it serves (lanes may read them).
-struct VersionedFactory {
-    inner: Arc<dyn BackendFactory>,
-    schema: ModelSchema,
-    _files: Localized,
-}
-
-impl BackendFactory for VersionedFactory {
-    fn schema(&self) -> &ModelSchema {
-        &self.schema
-    }
-
-    fn create_lane(&self, lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
-        self.inner.create_lane(lane)
-    }
-
-    fn takes_request_level(&self) -> bool {
-        self.inner.takes_request_level()
-    }
-
-    fn dense_flops_per_sample(&self) -> Option<f64> {
-        self.inner.dense_flops_per_sample()
-    }
-
-    fn warmup_rows(&self) -> Vec<usize> {
-        self.inner.warmup_rows()
-    }
-
-    fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
-        self.inner.register_metrics(registry);
-    }
-
-    fn watch_dependencies(&self, watcher: narsil_core::DependencyWatcher) {
-        self.inner.watch_dependencies(watcher);
-    }
-
-    fn push_ids(&self, push: &narsil_core::IdPush<'_>) -> Result<narsil_core::IdsPushed, String> {
-        self.inner.push_ids(push)
-    }
-
-    fn id_map_tables(&self) -> Vec<narsil_core::IdMapTable> {
-        self.inner.id_map_tables()
-    }
-}
-
 /// SIGHUP, when it can be listened for.
 fn hangup_signal() -> Option<tokio::signal::unix::Signal> {
     tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
@@ -424,25 +333,5 @@ async fn next_hangup(signal: &mut Option<tokio::signal::unix::Signal>) {
             signal.recv().await;
         }
         None => std::future::pending().await,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_new_version_must_take_the_same_inputs_and_answer_the_same_outputs() {
-        let served = ModelSchema::dlrm("torch", "cpu", 1000);
-        assert_eq!(same_interface(&served, &ModelSchema::dlrm("torch", "cpu", 5000)), Ok(()));
-        let mut fewer_dense = served.clone();
-        fewer_dense.num_dense = 12;
-        assert!(same_interface(&served, &fewer_dense).unwrap_err().contains("12 dense"));
-        let mut renamed = served.clone();
-        renamed.sparse[3].name = "other".into();
-        assert!(same_interface(&served, &renamed).unwrap_err().contains("sparse features"));
-        let mut two_outputs = served.clone();
-        two_outputs.outputs.push("task_1".into());
-        assert!(same_interface(&served, &two_outputs).unwrap_err().contains("outputs"));
     }
 }
