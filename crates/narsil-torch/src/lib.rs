@@ -13,8 +13,8 @@
 //!   host staging and asynchronous copies on CUDA).
 //! * [`factory`]: the [`narsil_core::BackendFactory`] the engine uses.
 //! * [`split`]: split models (a directory: INT8 tables pooled by
-//!   `narsil-embedding`, then the dense network), loaded once as a
-//!   [`split::model`] their lanes share (`split/lane.rs`: the CPU lane,
+//!   `narsil-embedding`, then the dense network), loaded once by
+//!   [`split_factory`] as a [`split::model`] their lanes share (`split/lane.rs`: the CPU lane,
 //!   its stage one batch ahead; `split/inputs.rs`: the dense network's
 //!   inputs from the stage's buffers).
 //! * [`split::dense_network`]: a split model's dense network, TorchScript or
@@ -44,6 +44,7 @@ pub mod model;
 pub mod precision;
 pub mod script_module;
 pub mod split;
+pub mod split_factory;
 pub mod tensor_stage;
 
 pub use factory::{TorchConfig, TorchFactory, DEVICE_PATH_ON_CPU_ENV};
@@ -51,7 +52,7 @@ pub use model::TorchModel;
 pub use narsil_embedding::TableStore;
 pub use precision::{cpu_bf16_instructions, cpu_flags, DensePrecision};
 pub use split::dense_network::DenseForm;
-pub use split::SplitFactory;
+pub use split_factory::SplitFactory;
 
 /// The libtorch `lib` directory this process loaded `libtorch_cpu.so` from
 /// (the binary links it: found through its rpath, or `LD_LIBRARY_PATH` where
