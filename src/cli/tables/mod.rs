@@ -8,7 +8,9 @@
 //! map from a vocabulary, sorted on disk ([`map`]). `narsil tables
 //! push-ids`: new raw ids and their rows added to a served model's id maps
 //! ([`push_ids`]). What they write into a model is published by rename
-//! ([`publish`]).
+//! ([`publish`]). The formats' writers are `narsil_embedding`'s, beside
+//! their readers (`popularity_order::writer`, `id_map::build`): these
+//! commands keep their arguments, progress lines and publication.
 
 mod map;
 mod order;

@@ -3,7 +3,7 @@
 //! log, each with the slot index that finds an id's row. The copy serves
 //! the same scores from every store; on `mmap` and `disk` its hot rows
 //! share pages and blocks. How the order is computed and written is
-//! [`layout_builder`].
+//! [`narsil_embedding::popularity_order::writer`].
 //!
 //! The copy never shares a written file with its source: files it does not
 //! write are hard-linked (model versions are immutable), and every file it
@@ -45,8 +45,6 @@
 //! under 96 MiB (2-vCPU AMD EPYC); the page cache keeps what the limit
 //! allows of the files.
 
-mod layout_builder;
-
 use std::io::BufRead;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -54,7 +52,9 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use layout_builder::{slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder};
+use narsil_embedding::popularity_order::{
+    slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder,
+};
 use narsil_embedding::sha256::is_sha256;
 use narsil_embedding::stores::table_file::{checked_file, slot_index, Stamp, StampedFile, STAMP_FILE};
 use narsil_embedding::{Layout, SplitSchema, TableSpec};

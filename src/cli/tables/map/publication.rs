@@ -108,7 +108,7 @@ mod tests {
     use narsil_embedding::sha256::sha256_of_bytes;
 
     use super::super::tests::{args, model, named_map, no_files_left_but, raw_ids, TINY};
-    use super::super::vocabulary::VocabularyFormat;
+    use super::super::VocabularyFormat;
     use super::*;
 
     fn file_name(file: &Path) -> String {
