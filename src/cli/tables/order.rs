@@ -23,7 +23,7 @@
 //! the model is on disk whole, and before, `--out` does not exist (a
 //! `.partial` directory is not a version a repository serves). A run that
 //! fails removes its own `OUT.partial` (the way every `narsil tables`
-//! command publishes: [`super::publish`]).
+//! command publishes: [`narsil_embedding::publish`]).
 //!
 //! The copy carries a stamp ([`STAMP_FILE`]): each table file's SHA-256
 //! (those it wrote, as it wrote them; the others checked in the source)
@@ -60,6 +60,7 @@ use narsil_embedding::stores::table_file::{checked_file, slot_index, Stamp, Stam
 use narsil_embedding::{Layout, SplitSchema, TableSpec};
 
 use narsil_embedding::publish::{rename_into_place, Claimed};
+use narsil_embedding::schema::edit::edit_tables;
 
 /// Rows a reordered table is written through: at most this many bytes of
 /// them are held at once.
@@ -312,7 +313,7 @@ fn link_tree(from: &Path, to: &Path, relative: &Path, skip: &[PathBuf]) -> anyho
 /// `from`'s schema.json into `to`, each table of `layouts` with its new
 /// file hash and its layout.
 fn write_schema(from: &Path, to: &Path, layouts: &[(String, String, Layout)]) -> anyhow::Result<()> {
-    super::edit_tables(from, to, |name, table| {
+    edit_tables(from, to, |name, table| {
         if let Some((_, sha256, layout)) = layouts.iter().find(|(n, _, _)| n == name) {
             table["sha256"] = serde_json::Value::String(sha256.clone());
             table["layout"] = serde_json::to_value(layout)?;
