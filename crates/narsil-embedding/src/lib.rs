@@ -13,9 +13,12 @@
 //!   stage asks a store for.
 //! * [`id_map`]: a table's map of raw 64-bit ids to rows (the file
 //!   format, its checks, lookups, and the writer the exporters and `narsil
-//!   tables map` share).
-//! * [`popularity_order`]: the slot index that finds each id's row in a table laid out
-//!   in popularity order (the files are written by `narsil tables order`).
+//!   tables map` share; the build from a vocabulary larger than memory,
+//!   sorted on disk, that `narsil tables map` calls: [`id_map::build`]).
+//! * [`popularity_order`]: the slot index that finds each id's row in a
+//!   table laid out in popularity order, and the writer of the rows and the
+//!   index in that order ([`popularity_order::writer`], what `narsil tables
+//!   order` calls).
 //! * [`dedup`]: distinct ids per table in a fused batch (what fetching
 //!   each row once saves).
 //! * [`pool`]: pooling bags of INT8 row-wise rows into the dense network's

@@ -3,17 +3,19 @@
 //! `schema.json`. `narsil tables push`: writes new rows for a live model
 //! there, and tells every serving process to drop its cached copies. The
 //! commands are here; writing the rows in the store's key layout is
-//! [`rows`]. `narsil tables order`: a copy of a model with its tables laid
+//! [`narsil_embedding::stores::redis::writes`]. `narsil tables order`: a copy of a model with its tables laid
 //! out in popularity order ([`order`]). `narsil tables map`: a table's id
 //! map from a vocabulary, sorted on disk ([`map`]). `narsil tables
 //! push-ids`: new raw ids and their rows added to a served model's id maps
 //! ([`push_ids`]). What they write into a model is published by rename
-//! ([`publish`]).
+//! ([`narsil_embedding::publish`]). The formats' writers are
+//! `narsil_embedding`'s, beside their readers (`popularity_order::writer`,
+//! `id_map::build`, `stores::redis::writes`, `schema::edit`): these
+//! commands keep their arguments, progress lines and publication.
 
 mod map;
 mod order;
 mod push_ids;
-mod rows;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -21,9 +23,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
+use narsil_embedding::schema::edit::edit_tables;
+use narsil_embedding::stores::redis::writes::{load_table, push_rows};
 use narsil_embedding::stores::redis::DEFAULT_BUCKETS;
 use narsil_embedding::{LocalRows, RedisCluster, RedisSeeds, RedisTableSpec, SplitSchema, Table};
-use rows::{load_table, push_rows};
 
 /// `narsil tables ...`.
 #[derive(Debug, Args)]
@@ -218,32 +221,4 @@ fn record_locations(dir: &Path, specs: &[(String, RedisTableSpec)]) -> anyhow::R
         }
         Ok(())
     })
-}
-
-/// Writes `from/schema.json` to `to/schema.json` (through a temporary file,
-/// synced, renamed into place, and `to` synced: a power cut leaves the old
-/// schema or the new one, never an empty one) with `edit(name, table)`
-/// applied to each table's JSON object, every other field as it is.
-fn edit_tables(
-    from: &Path,
-    to: &Path,
-    mut edit: impl FnMut(&str, &mut serde_json::Value) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
-    let path = from.join("schema.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let mut schema: serde_json::Value = serde_json::from_str(&text)?;
-    let tables = schema["tables"].as_array_mut().context("schema.json has no tables")?;
-    for table in tables {
-        let name = table["name"].as_str().unwrap_or_default().to_owned();
-        edit(&name, table)?;
-    }
-    let (temporary, out) = (to.join("schema.json.tmp"), to.join("schema.json"));
-    let text = serde_json::to_string_pretty(&schema)? + "\n";
-    std::fs::File::create(&temporary)
-        .and_then(|mut file| {
-            file.write_all(text.as_bytes())?;
-            file.sync_all()
-        })
-        .with_context(|| format!("writing {}", temporary.display()))?;
-    narsil_embedding::publish::rename_into_place(&temporary, &out)
 }

@@ -3,7 +3,7 @@
 //! log, each with the slot index that finds an id's row. The copy serves
 //! the same scores from every store; on `mmap` and `disk` its hot rows
 //! share pages and blocks. How the order is computed and written is
-//! [`layout_builder`].
+//! [`narsil_embedding::popularity_order::writer`].
 //!
 //! The copy never shares a written file with its source: files it does not
 //! write are hard-linked (model versions are immutable), and every file it
@@ -23,7 +23,7 @@
 //! the model is on disk whole, and before, `--out` does not exist (a
 //! `.partial` directory is not a version a repository serves). A run that
 //! fails removes its own `OUT.partial` (the way every `narsil tables`
-//! command publishes: [`super::publish`]).
+//! command publishes: [`narsil_embedding::publish`]).
 //!
 //! The copy carries a stamp ([`STAMP_FILE`]): each table file's SHA-256
 //! (those it wrote, as it wrote them; the others checked in the source)
@@ -45,8 +45,6 @@
 //! under 96 MiB (2-vCPU AMD EPYC); the page cache keeps what the limit
 //! allows of the files.
 
-mod layout_builder;
-
 use std::io::BufRead;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -54,12 +52,15 @@ use std::time::Instant;
 
 use anyhow::Context;
 use clap::Args;
-use layout_builder::{slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder};
+use narsil_embedding::popularity_order::{
+    slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder,
+};
 use narsil_embedding::sha256::is_sha256;
 use narsil_embedding::stores::table_file::{checked_file, slot_index, Stamp, StampedFile, STAMP_FILE};
 use narsil_embedding::{Layout, SplitSchema, TableSpec};
 
 use narsil_embedding::publish::{rename_into_place, Claimed};
+use narsil_embedding::schema::edit::edit_tables;
 
 /// Rows a reordered table is written through: at most this many bytes of
 /// them are held at once.
@@ -312,7 +313,7 @@ fn link_tree(from: &Path, to: &Path, relative: &Path, skip: &[PathBuf]) -> anyho
 /// `from`'s schema.json into `to`, each table of `layouts` with its new
 /// file hash and its layout.
 fn write_schema(from: &Path, to: &Path, layouts: &[(String, String, Layout)]) -> anyhow::Result<()> {
-    super::edit_tables(from, to, |name, table| {
+    edit_tables(from, to, |name, table| {
         if let Some((_, sha256, layout)) = layouts.iter().find(|(n, _, _)| n == name) {
             table["sha256"] = serde_json::Value::String(sha256.clone());
             table["layout"] = serde_json::to_value(layout)?;

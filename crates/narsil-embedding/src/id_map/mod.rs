@@ -33,9 +33,9 @@
 //! same bytes (its SHA-256, named in the schema, is the map's identity),
 //! and a writer never needs the whole table in memory: entries sorted by
 //! home slot are written front to back (`narsil tables map` sorts them in
-//! runs on disk). `home_slots` is the smallest power of two at least twice
-//! the entries (a load of at most one half: short probes), so a map takes
-//! 32 to 64 bytes per id (33.6 MB for 1M ids).
+//! runs on disk: [`build`]). `home_slots` is the smallest power of two at
+//! least twice the entries (a load of at most one half: short probes), so
+//! a map takes 32 to 64 bytes per id (33.6 MB for 1M ids).
 //!
 //! Checked when opened, every byte (and hashed): the magic, the size
 //! (`64 + 16 * slots`), `rows` equal to the table's, each entry's row below
@@ -51,6 +51,7 @@ use sha2::{Digest, Sha256};
 use crate::sha256::hex;
 use crate::stores::local::huge_pages::HugePageRows;
 
+pub mod build;
 mod perfect_hash;
 mod slotted;
 mod writer;

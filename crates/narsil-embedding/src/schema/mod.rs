@@ -3,9 +3,10 @@
 //! checked when read. Here the schema as a whole and the rules between its
 //! parts; a table and the rules it keeps on its own in [`tables`], how its
 //! ids become rows in [`ids`], the dense forms' export timings in
-//! [`dense_timings`].
+//! [`dense_timings`]; the commands' edits of the file, [`edit`].
 
 mod dense_timings;
+pub mod edit;
 mod ids;
 mod tables;
 

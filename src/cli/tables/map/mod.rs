@@ -2,6 +2,10 @@
 //! ([`narsil_embedding::id_map`]) from a vocabulary, the raw id of each of
 //! its rows, and names it in the model's `schema.json`.
 //!
+//! The build itself (the vocabulary read, the external sort, the map
+//! written) is the library's: [`narsil_embedding::id_map::build`]; this
+//! module keeps the arguments, the progress lines and the publication.
+//!
 //! # The vocabulary
 //!
 //! Row `i`'s raw id is entry `i` of the file (`--vocabulary-format`):
@@ -21,9 +25,10 @@
 //! holds, so the vocabulary is read twice: once to count it, once in
 //! chunks of at most `--memory-bytes`, each sorted and spilled to a run
 //! file beside the map (or in `--tmp-dir`), merged into the map's writer
-//! ([`external_sort`]), which writes the map front to back. The files it
-//! writes are handed to the disk and dropped from the page cache as they
-//! grow ([`page_cache`]). The peak is `--memory-bytes` and a few MiB of
+//! ([`narsil_embedding::id_map::build::external_sort`]), which writes the
+//! map front to back. The files it writes are handed to the disk and
+//! dropped from the page cache as they grow
+//! ([`narsil_embedding::id_map::build::page_cache`]). The peak is `--memory-bytes` and a few MiB of
 //! buffers, whatever the vocabulary's size; the table's rows are never
 //! read.
 //!
@@ -36,31 +41,45 @@
 //! own, then the schema naming it, then the previous map removed. Run
 //! files are removed whether the run succeeds or fails.
 
-mod external_sort;
-mod page_cache;
 mod progress;
 mod publication;
-mod vocabulary;
 
-use std::io::BufWriter;
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use clap::Args;
-use external_sort::{merge, merge_rounds, sort_into_runs, Limits, RunFiles};
-use narsil_embedding::id_map::{home_slots_for, SortedWriter};
+use clap::{Args, ValueEnum};
+use narsil_embedding::id_map::build::{
+    merge_rounds, sort_into_runs, write_merged, Limits, Progress as _, ReadBehind, RunFiles, Vocabulary,
+};
+use narsil_embedding::id_map::home_slots_for;
 use narsil_embedding::SplitSchema;
-use page_cache::{DropBehind, ReadBehind};
-use progress::Progress;
-use vocabulary::{Vocabulary, VocabularyFormat};
+use progress::{Progress, Stderr};
 
 use narsil_embedding::publish::Claimed;
 
 /// `--memory-bytes` when not given.
 pub const DEFAULT_MEMORY_BYTES: u64 = 64 << 20;
-/// Buffer of the vocabulary's reader and of each file written.
-const FILE_BUFFER_BYTES: usize = 1 << 20;
+
+/// How a vocabulary file holds its raw ids (`--vocabulary-format`; the
+/// library's [`narsil_embedding::id_map::build::VocabularyFormat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VocabularyFormat {
+    /// One decimal 64-bit id a line, signed or unsigned (above i64::MAX:
+    /// its two's complement i64).
+    Text,
+    /// Little-endian i64s, 8 bytes each.
+    I64le,
+}
+
+impl From<VocabularyFormat> for narsil_embedding::id_map::build::VocabularyFormat {
+    fn from(format: VocabularyFormat) -> Self {
+        match format {
+            VocabularyFormat::Text => Self::Text,
+            VocabularyFormat::I64le => Self::I64le,
+        }
+    }
+}
 
 /// `narsil tables map`.
 #[derive(Debug, Args)]
@@ -149,8 +168,9 @@ fn map_within(args: &MapTablesArgs, limits: Limits) -> anyhow::Result<MapReport>
         args.default_row,
         args.table
     );
-    let vocabulary = Vocabulary { path: &args.vocabulary, format: args.vocabulary_format };
-    let entries = vocabulary.count()?;
+    let vocabulary = Vocabulary { path: &args.vocabulary, format: args.vocabulary_format.into() };
+    let mut stderr = Stderr::default();
+    let entries = vocabulary.count(&mut stderr)?;
     anyhow::ensure!(entries > 0, "--vocabulary {} holds no ids", args.vocabulary.display());
     anyhow::ensure!(
         entries <= rows,
@@ -166,32 +186,14 @@ fn map_within(args: &MapTablesArgs, limits: Limits) -> anyhow::Result<MapReport>
     let map_file = Claimed::file(&partial, &format!("`narsil tables map --table {}`", args.table))?;
     let mut runs_made = RunFiles { dir: tmp_dir, stem: format!("{}.idmap", args.table), paths: Vec::new() };
 
-    let runs = sort_into_runs(&vocabulary, entries, home_slots, limits, &mut runs_made)?;
+    let runs = sort_into_runs(&vocabulary, entries, home_slots, limits, &mut runs_made, &mut stderr)?;
     let spilled = runs.len();
     // The sort's memory back to the OS before the merge's buffers.
     narsil_engine::release_freed_memory();
-    let runs = merge_rounds(runs, home_slots, limits, &vocabulary, &mut runs_made)?;
+    let runs = merge_rounds(runs, home_slots, limits, &vocabulary, &mut runs_made, &mut stderr)?;
 
-    let mut progress = Progress::new(format!("{}: merge", args.table));
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&partial)
-        .with_context(|| format!("{}", partial.display()))?;
-    let writer = BufWriter::with_capacity(FILE_BUFFER_BYTES, DropBehind::new(file));
-    let mut writer = SortedWriter::new(writer, entries, rows)?;
-    let mut merged = 0u64;
-    merge(&runs, home_slots, limits, &vocabulary, |_, raw, row| {
-        writer.push(raw, row)?;
-        merged += 1;
-        progress.tick(|| format!("{merged}/{entries} ids ({:.0}%)", merged as f64 * 100.0 / entries as f64));
-        Ok(())
-    })?;
-    let (out, slots) = writer.finish()?;
-    let file_out = out.into_inner().map_err(|e| e.into_error())?.into_inner();
-    file_out.sync_all().with_context(|| format!("writing {}", partial.display()))?;
-    drop(file_out);
-    progress.done(format!("{merged} ids in {slots} slots"));
+    stderr.start(format!("{}: merge", args.table));
+    let slots = write_merged(&runs, limits, &vocabulary, &partial, entries, rows, &mut stderr)?;
     runs_made.remove_all();
 
     let progress = Progress::new(format!("{}: sha256", args.table));

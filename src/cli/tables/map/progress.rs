@@ -1,5 +1,7 @@
 //! A step's progress on stderr, for `narsil tables map`'s long steps
-//! (counting and sorting the vocabulary, merging, hashing).
+//! (counting and sorting the vocabulary, merging, hashing): the lines the
+//! library's build ([`narsil_embedding::id_map::build::Progress`]) reports,
+//! printed.
 
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -35,5 +37,31 @@ impl Progress {
 
     pub(super) fn done(self, what: String) {
         eprintln!("\r{}: {what} in {:.1} s", self.label, self.started.elapsed().as_secs_f64());
+    }
+}
+
+/// The build's steps, one [`Progress`] at a time, on stderr.
+#[derive(Default)]
+pub(super) struct Stderr(Option<Progress>);
+
+impl narsil_embedding::id_map::build::Progress for Stderr {
+    fn start(&mut self, label: String) {
+        self.0 = Some(Progress::new(label));
+    }
+
+    fn tick(&mut self, what: &dyn Fn() -> String) {
+        if let Some(progress) = &mut self.0 {
+            progress.tick(what);
+        }
+    }
+
+    fn done(&mut self, what: String) {
+        if let Some(progress) = self.0.take() {
+            progress.done(what);
+        }
+    }
+
+    fn note(&mut self, line: String) {
+        eprintln!("{line}");
     }
 }

@@ -11,6 +11,7 @@
 use std::path::{Component, Path, PathBuf};
 
 use narsil_embedding::publish::{sync_directory, Claimed};
+use narsil_embedding::schema::edit::edit_tables;
 
 /// The steps of [`publish_map`], in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,7 +54,7 @@ pub(super) fn publish_map(
     // The map file the table named before, and those the other tables name.
     let (mut previous, mut others) = (None, Vec::new());
     let named = after(Step::MapInPlace).and_then(|()| {
-        super::super::edit_tables(model, model, |name, spec| {
+        edit_tables(model, model, |name, spec| {
             let named = spec["ids"]["map"]["file"].as_str().map(PathBuf::from);
             if name == table {
                 previous = named;
@@ -108,7 +109,7 @@ mod tests {
     use narsil_embedding::sha256::sha256_of_bytes;
 
     use super::super::tests::{args, model, named_map, no_files_left_but, raw_ids, TINY};
-    use super::super::vocabulary::VocabularyFormat;
+    use super::super::VocabularyFormat;
     use super::*;
 
     fn file_name(file: &Path) -> String {
@@ -181,7 +182,7 @@ mod tests {
         std::fs::write(&shared, &bytes).unwrap();
         // Both tables name the same map file.
         let sha256 = sha256_of_bytes(&bytes);
-        super::super::super::edit_tables(dir.path(), dir.path(), |_, spec| {
+        edit_tables(dir.path(), dir.path(), |_, spec| {
             spec["ids"] = serde_json::json!({"map": {"file": "tables/shared.idmap", "sha256": sha256, "default_row": 0}});
             Ok(())
         })

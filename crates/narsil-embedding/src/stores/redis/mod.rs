@@ -59,9 +59,9 @@
 //! names, opening a model's tables), [`cluster`] (the shared connection and
 //! running commands from blocking callers), [`client`] (configuring the
 //! clients, the runtime bridge), [`keys`] (the key layout), [`rows`]
-//! (reading a batch's rows), [`invalidation`] and [`reachability`]. Loading
-//! and pushing rows is `narsil tables`' own (the binary's
-//! `src/cli/tables/`), through [`RedisCluster`] and [`keys`].
+//! (reading a batch's rows), [`invalidation`] and [`reachability`];
+//! [`writes`] (loading and pushing rows in the key layout, what `narsil
+//! tables load` and `push` call).
 
 pub mod client;
 pub mod cluster;
@@ -71,6 +71,7 @@ pub mod keys;
 pub mod reachability;
 pub mod rows;
 pub mod store;
+pub mod writes;
 
 pub use client::{Client, ClientError};
 pub use cluster::RedisCluster;

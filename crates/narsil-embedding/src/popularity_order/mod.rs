@@ -1,9 +1,10 @@
 //! A table laid out in popularity order: its file holds the rows hottest
 //! first, so the rows a skewed workload reads share blocks and pages, and a
 //! slot index (`tables/NAME.slots`, one little-endian `u32` per id) says
-//! where each id's row is. `narsil tables order` writes both (and has the
-//! code that builds them); the schema names the index and its SHA-256 in
-//! the table's `layout`. This module is what serving needs: the index, read
+//! where each id's row is. `narsil tables order` writes both, with the
+//! code in [`writer`] (the order an id log gives, the rows and the index
+//! written in it); the schema names the index and its SHA-256 in the
+//! table's `layout`. This module is what serving needs: the index, read
 //! from its file.
 //!
 //! Why: hot ids are scattered over a table (ids are hashes, or items added
@@ -22,6 +23,9 @@ use sha2::{Digest, Sha256};
 use std::io::Read;
 
 use crate::sha256::hex;
+
+pub mod writer;
+pub use writer::{slots_file, write_rows_in_order, write_slot_index, Popularity, SlotOrder};
 
 /// Bytes per id in a slot index.
 pub const SLOT_BYTES: u64 = 4;

@@ -1,5 +1,5 @@
 //! Building a table's popularity layout offline, for `narsil tables order`
-//! (serving needs only the index, [`narsil_embedding::popularity_order`]): how often
+//! (serving needs only the index, [`super`]): how often
 //! an id log names each id ([`Popularity`]), the order of the rows that
 //! follows ([`SlotOrder`]), and writing a table's rows and its slot index
 //! in that order, streaming: the rows go through one bounded buffer, read
@@ -12,9 +12,10 @@ use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use narsil_embedding::sha256::hex;
-use narsil_embedding::SlotIndex;
 use sha2::{Digest, Sha256};
+
+use super::SlotIndex;
+use crate::sha256::hex;
 
 /// How often each id was looked up, per table, from an id log: 12 bytes
 /// per distinct id in a hash map (~25 with its spare room).

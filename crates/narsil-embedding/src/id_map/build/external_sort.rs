@@ -1,4 +1,4 @@
-//! The external sort of `narsil tables map`: the vocabulary read in chunks
+//! The external sort of a map's build ([`super`]): the vocabulary read in chunks
 //! that fit the memory budget ([`Limits`]), each sorted by `(home slot,
 //! raw id)` and spilled to a run file, then the runs merged (in rounds
 //! where there are more than the budget holds buffers for) into one
@@ -10,12 +10,11 @@ use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
-use narsil_embedding::id_map::home;
 
 use super::page_cache::DropBehind;
-use super::progress::Progress;
 use super::vocabulary::Vocabulary;
-use super::FILE_BUFFER_BYTES;
+use super::{Progress, FILE_BUFFER_BYTES};
+use crate::id_map::home;
 
 /// Bytes of the budget kept for the file buffers of the sort phase (the
 /// vocabulary's reader and a run's writer).
@@ -29,18 +28,18 @@ const RUN_BUFFER_BYTES: usize = 256 << 10;
 
 /// How the work is cut to fit the memory budget.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Limits {
+pub struct Limits {
     /// Ids sorted in memory at once (one run each).
-    pub(super) chunk_ids: usize,
+    pub chunk_ids: usize,
     /// Runs merged at once.
-    pub(super) fan_in: usize,
+    pub fan_in: usize,
     /// Read buffer per run while merging.
-    pub(super) run_buffer: usize,
+    pub run_buffer: usize,
 }
 
 impl Limits {
     /// The cut of a budget of `memory_bytes`.
-    pub(super) fn of(memory_bytes: u64) -> Self {
+    pub fn of(memory_bytes: u64) -> Self {
         let usable = memory_bytes.saturating_sub(IO_BYTES);
         Self {
             chunk_ids: (usable / SORT_ENTRY_BYTES).max(1) as usize,
@@ -52,16 +51,17 @@ impl Limits {
 
 /// Reads it in chunks of `limits.chunk_ids` ids, each sorted by `(home
 /// slot, raw id)` and spilled to a run file; returns the runs.
-pub(super) fn sort_into_runs(
+pub fn sort_into_runs(
     vocabulary: &Vocabulary,
     entries: u64,
     home_slots: u64,
     limits: Limits,
     runs_made: &mut RunFiles,
+    progress: &mut dyn Progress,
 ) -> anyhow::Result<Vec<PathBuf>> {
     let mut chunk: Vec<(u64, i64, u64)> = Vec::with_capacity(limits.chunk_ids.min(entries as usize));
     let mut runs = Vec::new();
-    let mut progress = Progress::new("vocabulary: sort".into());
+    progress.start("vocabulary: sort".into());
     let mut read = 0u64;
     vocabulary.read(|row, raw| {
         chunk.push((home(raw, home_slots), raw, row));
@@ -69,7 +69,7 @@ pub(super) fn sort_into_runs(
         if chunk.len() == limits.chunk_ids {
             runs.push(spill(&mut chunk, runs_made)?);
         }
-        progress.tick(|| format!("{read}/{entries} ids read, {} runs", runs.len()));
+        progress.tick(&|| format!("{read}/{entries} ids read, {} runs", runs.len()));
         Ok(())
     })?;
     anyhow::ensure!(
@@ -101,12 +101,13 @@ fn spill(chunk: &mut Vec<(u64, i64, u64)>, runs_made: &mut RunFiles) -> anyhow::
 
 /// Merges runs `limits.fan_in` at a time into new runs until at most that
 /// many are left.
-pub(super) fn merge_rounds(
+pub fn merge_rounds(
     mut runs: Vec<PathBuf>,
     home_slots: u64,
     limits: Limits,
     vocabulary: &Vocabulary,
     runs_made: &mut RunFiles,
+    progress: &mut dyn Progress,
 ) -> anyhow::Result<Vec<PathBuf>> {
     while runs.len() > limits.fan_in {
         // Just enough at once that the next round (or the map) takes the rest.
@@ -121,7 +122,7 @@ pub(super) fn merge_rounds(
             Ok(())
         })?;
         out.flush().with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("merged {take} runs into one, {} left", runs.len() + 1);
+        progress.note(format!("merged {take} runs into one, {} left", runs.len() + 1));
         for input in &inputs {
             runs_made.remove(input);
         }
@@ -133,7 +134,7 @@ pub(super) fn merge_rounds(
 /// Calls `out(home, raw, row)` for every entry of `runs` (each sorted) in
 /// `(home, raw id)` order; a raw id given twice is an error naming both of
 /// its places in the vocabulary.
-pub(super) fn merge(
+pub fn merge(
     runs: &[PathBuf],
     home_slots: u64,
     limits: Limits,
@@ -189,10 +190,13 @@ impl RunReader {
 }
 
 /// The run files of one run, removed when it ends (whether it succeeds).
-pub(super) struct RunFiles {
-    pub(super) dir: PathBuf,
-    pub(super) stem: String,
-    pub(super) paths: Vec<PathBuf>,
+pub struct RunFiles {
+    /// Where they are written.
+    pub dir: PathBuf,
+    /// The start of their names (`STEM.run-PID-N`).
+    pub stem: String,
+    /// Those made and not yet removed.
+    pub paths: Vec<PathBuf>,
 }
 
 impl RunFiles {
@@ -212,7 +216,8 @@ impl RunFiles {
         let _ = std::fs::remove_file(path);
     }
 
-    pub(super) fn remove_all(&mut self) {
+    /// Removes every run file left.
+    pub fn remove_all(&mut self) {
         for path in self.paths.drain(..) {
             let _ = std::fs::remove_file(path);
         }

@@ -1,4 +1,4 @@
-//! The vocabulary `narsil tables map` reads: the raw id of each row of the
+//! The vocabulary a map is built from (`narsil tables map --vocabulary`): the raw id of each row of the
 //! table, row 0 first, as decimal text (signed or unsigned 64-bit ids, one
 //! a line) or little-endian `i64`s; counted, then read id by id, every
 //! error naming the place in the file.
@@ -8,13 +8,11 @@ use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
 
 use anyhow::Context;
-use clap::ValueEnum;
 
-use super::progress::Progress;
-use super::FILE_BUFFER_BYTES;
+use super::{Progress, FILE_BUFFER_BYTES};
 
 /// How a vocabulary file holds its raw ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VocabularyFormat {
     /// One decimal 64-bit id a line, signed or unsigned (above i64::MAX:
     /// its two's complement i64).
@@ -24,9 +22,11 @@ pub enum VocabularyFormat {
 }
 
 /// The vocabulary file and how it holds its ids.
-pub(super) struct Vocabulary<'a> {
-    pub(super) path: &'a Path,
-    pub(super) format: VocabularyFormat,
+pub struct Vocabulary<'a> {
+    /// The file (errors name it as `--vocabulary PATH`).
+    pub path: &'a Path,
+    /// How it holds the ids.
+    pub format: VocabularyFormat,
 }
 
 impl Vocabulary<'_> {
@@ -35,7 +35,7 @@ impl Vocabulary<'_> {
     }
 
     /// Where row `row`'s id is in the file, as an error names it.
-    pub(super) fn place(&self, row: u64) -> String {
+    pub fn place(&self, row: u64) -> String {
         match self.format {
             VocabularyFormat::Text => format!("line {}", row + 1),
             VocabularyFormat::I64le => format!("id {} (byte {})", row + 1, row * 8),
@@ -44,7 +44,7 @@ impl Vocabulary<'_> {
 
     /// How many ids it holds: an `i64le` file's size says it, a `text`
     /// file's lines are counted.
-    pub(super) fn count(&self) -> anyhow::Result<u64> {
+    pub fn count(&self, progress: &mut dyn Progress) -> anyhow::Result<u64> {
         let file = self.open()?;
         let size = file.metadata()?.len();
         match self.format {
@@ -57,7 +57,7 @@ impl Vocabulary<'_> {
                 Ok(size / 8)
             }
             VocabularyFormat::Text => {
-                let mut progress = Progress::new("vocabulary: count".into());
+                progress.start("vocabulary: count".into());
                 let mut reader = BufReader::with_capacity(FILE_BUFFER_BYTES, file);
                 let (mut lines, mut last) = (0u64, b'\n');
                 loop {
@@ -67,7 +67,7 @@ impl Vocabulary<'_> {
                     last = end;
                     let n = buffer.len();
                     reader.consume(n);
-                    progress.tick(|| format!("{lines} lines"));
+                    progress.tick(&|| format!("{lines} lines"));
                 }
                 let lines = lines + u64::from(last != b'\n');
                 progress.done(format!("{lines} lines"));
@@ -77,7 +77,7 @@ impl Vocabulary<'_> {
     }
 
     /// Reads every id, row by row, into `entry(row, raw)`.
-    pub(super) fn read(&self, mut entry: impl FnMut(u64, i64) -> anyhow::Result<()>) -> anyhow::Result<()> {
+    pub fn read(&self, mut entry: impl FnMut(u64, i64) -> anyhow::Result<()>) -> anyhow::Result<()> {
         let mut reader = BufReader::with_capacity(FILE_BUFFER_BYTES, self.open()?);
         let mut row = 0u64;
         match self.format {

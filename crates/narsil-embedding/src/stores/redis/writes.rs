@@ -1,17 +1,20 @@
-//! Rows onto a Redis Cluster for `narsil tables`, in the `redis` store's
-//! key layout ([`narsil_embedding::stores::redis::keys`]): a whole table loaded and
+//! Rows onto a Redis Cluster for `narsil tables load` and `push`, in the
+//! `redis` store's key layout ([`super::keys`]): a whole table loaded and
 //! checked ([`load_table`]), changed rows pushed and their ids published so
 //! serving processes drop their cached copies ([`push_rows`]). The store
-//! reads these keys ([`narsil_embedding::stores::redis::rows`]) and applies the
-//! published ids ([`narsil_embedding::stores::redis::invalidation`]).
+//! reads these keys ([`super::rows`]) and applies the published ids
+//! ([`super::invalidation`]).
 
 use std::collections::HashMap;
 
 use fred::prelude::{KeysInterface, PubsubInterface};
 use fred::types::Value;
-use narsil_embedding::stores::redis::invalidation::invalidation_message;
-use narsil_embedding::stores::redis::{bucket_chunks, row_key, rows_key, INVALIDATION_CHANNEL};
-use narsil_embedding::{FetchError, RedisCluster, RedisTableSpec};
+
+use super::cluster::RedisCluster;
+use super::invalidation::{invalidation_message, INVALIDATION_CHANNEL};
+use super::keys::{bucket_chunks, row_key, rows_key};
+use crate::schema::RedisTableSpec;
+use crate::stores::row_store::FetchError;
 
 /// Rows per `MSET` when loading.
 const LOAD_CHUNK_ROWS: usize = 512;

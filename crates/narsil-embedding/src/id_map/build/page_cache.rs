@@ -1,4 +1,4 @@
-//! Files `narsil tables map` streams through without filling the page
+//! Files a map's build (`narsil tables map`) streams through without filling the page
 //! cache: the map and the runs written ([`DropBehind`]: handed to the disk
 //! and dropped as they grow), the map read back to hash it
 //! ([`ReadBehind`]). So the pages of a map larger than RAM are neither held
@@ -17,7 +17,7 @@ const DROP_BEHIND_BYTES: u64 = 16 << 20;
 /// to the disk every [`DROP_BEHIND_BYTES`] and, once written, dropped from
 /// the page cache: what it writes is never held in memory (nor charged to
 /// the process's memory cgroup) more than two windows at a time.
-pub(super) struct DropBehind {
+pub struct DropBehind {
     file: File,
     /// Where the next write lands.
     at: u64,
@@ -28,11 +28,13 @@ pub(super) struct DropBehind {
 }
 
 impl DropBehind {
-    pub(super) fn new(file: File) -> Self {
+    /// Writes through `file`, from its start.
+    pub fn new(file: File) -> Self {
         Self { file, at: 0, started: 0, dropped: 0 }
     }
 
-    pub(super) fn into_inner(self) -> File {
+    /// The file written.
+    pub fn into_inner(self) -> File {
         self.file
     }
 
@@ -98,14 +100,15 @@ impl Seek for DropBehind {
 
 /// A file read front to back whose pages are dropped from the page cache
 /// once read (the hash of a map larger than RAM).
-pub(super) struct ReadBehind {
+pub struct ReadBehind {
     file: File,
     at: u64,
     dropped: u64,
 }
 
 impl ReadBehind {
-    pub(super) fn open(path: &Path) -> anyhow::Result<Self> {
+    /// Opens `path` to be read front to back.
+    pub fn open(path: &Path) -> anyhow::Result<Self> {
         let file = File::open(path).with_context(|| format!("{}", path.display()))?;
         #[cfg(target_os = "linux")]
         {
