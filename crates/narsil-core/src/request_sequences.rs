@@ -96,8 +96,9 @@ impl RequestSamples {
     /// ([`Self::tokens`] with `flat`: every part counts the request block's
     /// positions, as each part keeps the block, on each of its rows where
     /// lanes take only flat batches); a part has at least one row, so a
-    /// row over `max_tokens` alone is a part of its own. Scores of the
-    /// parts, concatenated, are the scores of the whole.
+    /// row over `max_tokens` alone is a part of its own, and a request
+    /// block whose history alone is over it is cut by rows only. Scores of
+    /// the parts, concatenated, are the scores of the whole.
     pub fn split_tokens(
         self,
         max_rows: usize,
@@ -111,6 +112,11 @@ impl RequestSamples {
         }
         let (b, layout) = (self.num_samples, self.layout);
         let block = self.sum_over_positions(schema, |_| 1).1;
+        if !flat && block.saturating_add(1) > max_tokens {
+            // No part of it fits the budget beside its history: cutting
+            // would only encode the history once per part.
+            return self.split_rows(max_rows, num_sparse);
+        }
         // A part holds the block once, or each of its rows a copy of it.
         let (block, per_row) = if flat { (0, 1 + block) } else { (block, 1) };
         let mut row_tokens = vec![per_row; b];
@@ -260,8 +266,10 @@ mod tests {
         let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
         assert_eq!(rows, [4, 4, 2]);
         assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s, false) <= 10));
-        // A block over the budget: one row a part.
-        assert_eq!(ranking(3, 6).split_tokens(64, 4, &s, false).len(), 3);
+        // A history over the budget alone: cut by rows only (cutting by
+        // tokens would encode it once per candidate).
+        assert_eq!(ranking(3, 6).split_tokens(64, 4, &s, false).len(), 1);
+        assert_eq!(ranking(3, 6).split_tokens(2, 4, &s, false).len(), 2);
         // Lanes that take only flat batches copy the block into each row:
         // 7 tokens a row, one row a part under 10 (each within it).
         let flat = ranking(10, 6).split_tokens(64, 10, &s, true);

@@ -24,7 +24,7 @@ use narsil_core::{InputField, InvalidInput, RequestSamples};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 
-use super::waves::{halve_while, waves, Unfit};
+use super::waves::{halve_while, plan, Unfit};
 use super::EngineHandle;
 use crate::admission::{QueueFull, QueueLimit};
 use crate::collector::Collector;
@@ -109,16 +109,14 @@ impl EngineHandle {
         if !schema.sequences.is_empty() {
             parts = halve_while(parts, shared.memory.max() / 2, &charge, schema.num_sparse());
         }
-        let charges: Vec<usize> = parts.iter().map(charge).collect();
-        let row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
         let shared_bytes = block_bytes.saturating_add(block_values);
         let memory = &shared.memory;
         // Parts are charged and queued in waves within the bound, the next
         // once the last is answered; a part that cannot fit alone is
-        // refused, naming what it needs.
-        let ends = match waves(&charges, &row_bytes, shared_bytes, memory.max()) {
-            Ok(ends) => ends,
-            Err(Unfit { part, bytes }) => {
+        // halved until it can, or refused (one row), naming what it needs.
+        let mut plan = match plan(parts, &charge, shared_bytes, memory.max(), schema.num_sparse()) {
+            Ok(plan) => plan,
+            Err((parts, Unfit { part, bytes })) => {
                 let working = working_set(&parts[part]);
                 let rows = parts[part].num_samples;
                 if working > 0 {
@@ -129,8 +127,8 @@ impl EngineHandle {
                         memory.max(),
                     )));
                 }
-                if flat_only && parts[0].request.is_some() {
-                    let ids = parts[0].request.as_deref().map_or(0, |b| b.ids.len());
+                if flat_only && parts[part].request.is_some() {
+                    let ids = parts[part].request.as_deref().map_or(0, |b| b.ids.len());
                     return Err(EngineError::Invalid(never_fits_flat(ids, rows, bytes, memory.max())));
                 }
                 let full = QueueFull {
@@ -142,42 +140,47 @@ impl EngineHandle {
                 return Err(EngineError::NeverFits(full));
             }
         };
-        let mut parts = parts.into_iter();
-        let (mut lease, mut first, mut answered) = (lease, 0, Vec::with_capacity(ends.len()));
-        for end in ends {
-            let wave: Vec<_> = parts.by_ref().take(end - first).collect();
-            // The block, and the rows of the parts still to come, held
-            // meanwhile.
-            let held = row_bytes[end..].iter().fold(shared_bytes, |a, &b| a.saturating_add(b));
-            answered.push(self.queue(id, wave, &charges[first..end], held, lease.take(), deadline).await?);
+        // Held until the last wave is answered (every part's forward needs
+        // the block): the block with its values, and the rows of the parts
+        // not yet queued, given back wave by wave.
+        let held = plan.held_after(plan.ends[0], shared_bytes);
+        let mut pending = match lease {
+            Some(mut lease) => lease.resize(held).map(|()| lease),
+            None => memory.try_reserve(held),
+        }
+        .map_err(EngineError::Overloaded)?;
+        let (mut first, mut answered) = (0, Vec::with_capacity(plan.ends.len()));
+        let mut parts = std::mem::take(&mut plan.parts).into_iter();
+        for (wave, &end) in plan.ends.iter().enumerate() {
+            if wave > 0 {
+                // This wave's rows are charged with its parts from here on
+                // (shrinking always succeeds).
+                let _ = pending.resize(plan.held_after(end, shared_bytes));
+            }
+            let queued: Vec<_> = parts.by_ref().take(end - first).collect();
+            answered.push(self.queue(id, queued, &plan.charges[first..end], deadline).await?);
             first = end;
         }
+        drop(pending);
         Ok(Prediction::merge(answered))
     }
 
-    /// Charges, admits and queues `parts` (each charged its `charges`, the
-    /// last also `held`: what stays held beside them), then waits for their
-    /// answers.
+    /// Charges, admits and queues `parts` (each charged its `charges`),
+    /// then waits for their answers.
     async fn queue(
         &self,
         id: u64,
         parts: Vec<RequestSamples>,
         charges: &[usize],
-        held: usize,
-        lease: Option<Lease>,
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let (shared, memory) = (&self.shared, &self.shared.memory);
-        let bytes = charges.iter().fold(held, |a, &c| a.saturating_add(c));
+        let bytes = charges.iter().fold(0usize, |a, &c| a.saturating_add(c));
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
-        let mut lease = match lease {
-            Some(mut lease) => lease.resize(bytes).map(|()| lease),
-            None => memory.try_reserve(bytes),
-        }
-        .map_err(EngineError::Overloaded)?;
+        let mut lease = memory.try_reserve(bytes).map_err(EngineError::Overloaded)?;
         let rows = parts.iter().map(|p| p.num_samples).sum();
         let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
@@ -196,9 +199,9 @@ impl EngineHandle {
         let last = parts.len() - 1;
         let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
-        // What is held beside the parts (a request-level block, shared by
-        // every part) stays with the last; each part holds its rows, what
-        // they grow by once fused and its forward's working set.
+        // Each part holds its rows, what they grow by once fused and its
+        // forward's working set (the block, shared by every part, is held
+        // by the caller until the last wave is answered).
         let mut leases: Vec<_> = charges[..last].iter().map(|&charge| lease.split_off(charge)).collect();
         leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
@@ -425,18 +428,25 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_grouped_request_is_charged_its_copy_per_row_where_lanes_take_only_flat_batches() {
         // 64 candidates x 10,000 ids x 12 bytes: 7.7 MB once made flat,
-        // 80 kB as sent.
+        // 80 kB as sent: cut into parts whose copies fit the 4 MiB bound,
+        // queued in waves, answered.
         let (flat_only, memory) = grouped_engine(false, 4 << 20).await;
-        let error = flat_only.handle().predict(grouped(64, 10_000), None, None).await.unwrap_err();
+        let answered = flat_only.handle().predict(grouped(64, 10_000), None, None).await.unwrap();
+        assert_eq!(answered.outputs[0].len(), 64);
+        assert!(answered.forwards > 1, "{} forwards", answered.forwards);
+        assert!(memory.peak() >= 10_000 * 12, "a part held its rows' copies: peak {}", memory.peak());
+        assert_eq!(memory.used(), 0);
+        // Where one candidate's copy alone is over the bound: refused,
+        // naming the copy, before any lease.
+        let (tight, tight_memory) = grouped_engine(false, 100_000).await;
+        let error = tight.handle().predict(grouped(64, 10_000), None, None).await.unwrap_err();
         let EngineError::Invalid(invalid) = &error else { panic!("{error:?}") };
         assert_eq!(invalid.field, InputField::Request);
-        for words in
-            ["take only flat batches", "10000 request-level ids", "64 candidate rows", "--max-queue-bytes"]
-        {
+        for words in ["take only flat batches", "10000 request-level ids", "--max-queue-bytes"] {
             assert!(invalid.message.contains(words), "{words:?} in {invalid}");
         }
-        assert_eq!(memory.used(), 0, "refused before any lease");
-        // A smaller one fits, and held its copy's bytes while it ran.
+        assert_eq!(tight_memory.used(), 0, "refused before any lease");
+        // A smaller one fits whole, and held its copy's bytes while it ran.
         let request = grouped(8, 10_000);
         let charged = request.decoded_bytes() + 8 * 10_000 * 12 + 8 * 4;
         flat_only.handle().predict(request, None, None).await.unwrap();

@@ -1,12 +1,16 @@
 //! How a request's parts are sized to the memory bound and queued in
 //! waves within it ([`super::predict`]): parts halved while one is charged
-//! more than half the bound, and consecutive parts grouped into waves whose
-//! charges, with what stays held meanwhile, fit the bound.
+//! more than half the bound (where halving lowers its charge), consecutive
+//! parts grouped into waves whose charges, with what stays held meanwhile,
+//! fit the bound, and a part that fits no wave halved until it does.
 
 use narsil_core::RequestSamples;
 
 /// `parts`, each cut into halves (by rows, in order) while it has more
-/// than one row and is charged more than `most`.
+/// than one row, is charged more than `most`, and halving helps: a half
+/// charged more than three quarters of the whole (a ranking part whose
+/// history's own work dominates) is not worth a forward more, each
+/// encoding the history again.
 pub(super) fn halve_while(
     parts: Vec<RequestSamples>,
     most: usize,
@@ -16,15 +20,65 @@ pub(super) fn halve_while(
     let mut fitted = Vec::with_capacity(parts.len());
     let mut pending: Vec<RequestSamples> = parts.into_iter().rev().collect();
     while let Some(part) = pending.pop() {
-        if part.num_samples > 1 && charge(&part) > most {
-            let half = part.num_samples.div_ceil(2);
-            let halves = part.split_rows(half, num_sparse);
-            pending.extend(halves.into_iter().rev());
-        } else {
-            fitted.push(part);
+        let whole = charge(&part);
+        if part.num_samples > 1 && whole > most {
+            let halves = part.clone().split_rows(part.num_samples.div_ceil(2), num_sparse);
+            if charge(&halves[0]).saturating_mul(4) <= whole.saturating_mul(3) {
+                pending.extend(halves.into_iter().rev());
+                continue;
+            }
         }
+        fitted.push(part);
     }
     fitted
+}
+
+/// A request's parts grouped into waves within the memory bound
+/// ([`plan`]).
+pub(super) struct Plan {
+    /// The parts, in order.
+    pub parts: Vec<RequestSamples>,
+    /// What each part is charged while it is queued and computed.
+    pub charges: Vec<usize>,
+    /// Each part's own rows' bytes, held until its wave is queued.
+    pub row_bytes: Vec<usize>,
+    /// Where each wave ends ([`waves`]).
+    pub ends: Vec<usize>,
+}
+
+impl Plan {
+    /// What stays held while the waves up to `end` run: `shared` and the
+    /// rows of the parts after `end`.
+    pub fn held_after(&self, end: usize, shared: usize) -> usize {
+        self.row_bytes[end..].iter().fold(shared, |a, &b| a.saturating_add(b))
+    }
+}
+
+/// `parts` grouped into waves that fit `max` beside `shared` ([`waves`]);
+/// a part that cannot fit alone is halved by rows and the waves planned
+/// again, until it fits or is one row. Else the parts as cut and the part
+/// that cannot fit.
+pub(super) fn plan(
+    mut parts: Vec<RequestSamples>,
+    charge: &impl Fn(&RequestSamples) -> usize,
+    shared: usize,
+    max: usize,
+    num_sparse: usize,
+) -> Result<Plan, (Vec<RequestSamples>, Unfit)> {
+    loop {
+        let charges: Vec<usize> = parts.iter().map(charge).collect();
+        let row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
+        match waves(&charges, &row_bytes, shared, max) {
+            Ok(ends) => return Ok(Plan { parts, charges, row_bytes, ends }),
+            Err(unfit) if parts[unfit.part].num_samples > 1 => {
+                let part = parts.remove(unfit.part);
+                let half = part.num_samples.div_ceil(2);
+                let halves = part.split_rows(half, num_sparse);
+                parts.splice(unfit.part..unfit.part, halves);
+            }
+            Err(unfit) => return Err((parts, unfit)),
+        }
+    }
 }
 
 /// A part of a request that cannot fit the memory bound alone.
@@ -81,5 +135,47 @@ mod tests {
         assert_eq!(waves(&charges, &rows, 10, 100), Ok(vec![1, 3, 5]));
         // A part that cannot fit alone is named with what it needs.
         assert_eq!(waves(&charges, &rows, 10, 60), Err(Unfit { part: 0, bytes: 40 + 10 + 20 }));
+    }
+
+    /// A request of `rows` rows, one dense and one sparse feature.
+    fn request(rows: usize) -> RequestSamples {
+        RequestSamples {
+            num_samples: rows,
+            dense: vec![0.5; rows],
+            lengths: vec![1; rows],
+            ids: (0..rows as i64).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_part_that_fits_no_wave_is_halved_until_it_fits_or_is_one_row() {
+        let per_row = |part: &RequestSamples| part.num_samples * 1000;
+        // 8 rows charged 8,000 against 4,500: halved to parts of 4 rows.
+        let plan = plan(vec![request(8)], &per_row, 0, 4500, 1).ok().unwrap();
+        let rows: Vec<usize> = plan.parts.iter().map(|p| p.num_samples).collect();
+        assert_eq!(rows, [4, 4]);
+        assert!(plan.charges.iter().all(|&c| c <= 4500));
+        assert_eq!(plan.ends.len(), 2, "one part a wave, the other's rows held meanwhile");
+        // A row charged more than the bound: refused, the part named one row.
+        let Err((parts, unfit)) = plan_of(request(4), 500) else { panic!("a row over the bound fits") };
+        assert_eq!((unfit.part, parts[unfit.part].num_samples), (0, 1));
+        assert_eq!(parts.iter().map(|p| p.num_samples).sum::<usize>(), 4);
+    }
+
+    fn plan_of(request: RequestSamples, max: usize) -> Result<Plan, (Vec<RequestSamples>, Unfit)> {
+        plan(vec![request], &|part: &RequestSamples| part.num_samples * 1000, 0, max, 1)
+    }
+
+    #[test]
+    fn a_part_is_halved_only_where_halving_lowers_its_charge() {
+        // Charged by its rows: halved down to the limit.
+        let per_row = |part: &RequestSamples| part.num_samples * 10;
+        let halves = halve_while(vec![request(8)], 25, &per_row, 1);
+        assert_eq!(halves.iter().map(|p| p.num_samples).collect::<Vec<_>>(), [2, 2, 2, 2]);
+        // Charged mostly for a history every part holds (a ranking part):
+        // kept whole, not cut into forwards that each encode it again.
+        let history = |part: &RequestSamples| 1000 + part.num_samples;
+        assert_eq!(halve_while(vec![request(8)], 25, &history, 1).len(), 1);
     }
 }
