@@ -55,22 +55,22 @@ impl Plan {
 }
 
 /// `parts` grouped into waves that fit `max` beside `shared` ([`waves`]);
-/// a part that cannot fit alone is halved by rows and the waves planned
-/// again, until it fits or is one row. Else the parts as cut and the part
-/// that cannot fit.
+/// where `halve`, a part that cannot fit alone is halved by rows and the
+/// waves planned again, until it fits or is one row. Else the parts as cut
+/// and the part that cannot fit.
 pub(super) fn plan(
     mut parts: Vec<RequestSamples>,
     charge: &impl Fn(&RequestSamples) -> usize,
     shared: usize,
     max: usize,
-    num_sparse: usize,
+    (halve, num_sparse): (bool, usize),
 ) -> Result<Plan, (Vec<RequestSamples>, Unfit)> {
     loop {
         let charges: Vec<usize> = parts.iter().map(charge).collect();
         let row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
         match waves(&charges, &row_bytes, shared, max) {
             Ok(ends) => return Ok(Plan { parts, charges, row_bytes, ends }),
-            Err(unfit) if parts[unfit.part].num_samples > 1 => {
+            Err(unfit) if halve && parts[unfit.part].num_samples > 1 => {
                 let part = parts.remove(unfit.part);
                 let half = part.num_samples.div_ceil(2);
                 let halves = part.split_rows(half, num_sparse);
@@ -152,19 +152,24 @@ mod tests {
     fn a_part_that_fits_no_wave_is_halved_until_it_fits_or_is_one_row() {
         let per_row = |part: &RequestSamples| part.num_samples * 1000;
         // 8 rows charged 8,000 against 4,500: halved to parts of 4 rows.
-        let plan = plan(vec![request(8)], &per_row, 0, 4500, 1).ok().unwrap();
-        let rows: Vec<usize> = plan.parts.iter().map(|p| p.num_samples).collect();
+        let planned = plan(vec![request(8)], &per_row, 0, 4500, (true, 1)).ok().unwrap();
+        let rows: Vec<usize> = planned.parts.iter().map(|p| p.num_samples).collect();
         assert_eq!(rows, [4, 4]);
-        assert!(plan.charges.iter().all(|&c| c <= 4500));
-        assert_eq!(plan.ends.len(), 2, "one part a wave, the other's rows held meanwhile");
+        assert!(planned.charges.iter().all(|&c| c <= 4500));
+        assert_eq!(planned.ends.len(), 2, "one part a wave, the other's rows held meanwhile");
         // A row charged more than the bound: refused, the part named one row.
         let Err((parts, unfit)) = plan_of(request(4), 500) else { panic!("a row over the bound fits") };
         assert_eq!((unfit.part, parts[unfit.part].num_samples), (0, 1));
         assert_eq!(parts.iter().map(|p| p.num_samples).sum::<usize>(), 4);
+        // Not halved where the caller says not to (a model without
+        // sequences): the part as cut is refused.
+        let per_row = |part: &RequestSamples| part.num_samples * 1000;
+        let Err((whole, _)) = plan(vec![request(8)], &per_row, 0, 4500, (false, 1)) else { panic!("fits") };
+        assert_eq!(whole.len(), 1);
     }
 
     fn plan_of(request: RequestSamples, max: usize) -> Result<Plan, (Vec<RequestSamples>, Unfit)> {
-        plan(vec![request], &|part: &RequestSamples| part.num_samples * 1000, 0, max, 1)
+        plan(vec![request], &|part: &RequestSamples| part.num_samples * 1000, 0, max, (true, 1))
     }
 
     #[test]
