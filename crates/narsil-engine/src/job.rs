@@ -110,6 +110,14 @@ pub struct Entry {
     /// Its decoded bytes on the process's memory budget, held until its
     /// forward ends.
     pub lease: Lease,
+    /// For a model with sequences: each sequence's units (histories and the
+    /// rows attending to each) and the working set its lease holds for
+    /// them, for fusing it only where the fused forward's working set is no
+    /// more than its requests' ([`crate::collector::FusedWorkingSet`]).
+    pub units: Vec<Vec<narsil_core::working_set::Unit>>,
+    /// The working set its lease holds for `units`, with what fusing it
+    /// into its batch added (the padding it or its batch takes once fused).
+    pub working: usize,
     /// Its reply channel; closed when the caller went away.
     pub reply: ReplySender,
     /// When it was admitted.

@@ -38,6 +38,8 @@ pub(super) fn entry(
         rows: b,
         tokens: b,
         lease,
+        units: Vec::new(),
+        working: 0,
         reply,
         admitted: at,
         expires: None,

@@ -22,7 +22,7 @@
 mod fixtures;
 mod queue;
 
-pub use self::queue::{BatchQueue, QueuedBatch};
+pub use self::queue::{BatchQueue, FusedWorkingSet, QueuedBatch};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::request::SparseLayout;
+use narsil_core::working_set::Unit;
 use narsil_core::{fuse, RequestSamples};
 
 use crate::error::EngineError;
@@ -123,10 +124,59 @@ impl QueuedBatch {
     }
 }
 
+/// For a model with sequences: the working set a forward allocates for a
+/// fused batch's units (each sequence's, [`narsil_core::working_set`]). Not
+/// additive: a fused forward pads to its batch's longest unit, or lays
+/// candidates out to the most rows a unit has, so a request joins a batch
+/// only where its lease can also hold what fusing adds: the fused units'
+/// working set beyond what the batch's requests and it hold already, taken
+/// from the memory budget (if the budget cannot give it, the request starts
+/// a batch of its own).
+#[derive(Clone)]
+pub struct FusedWorkingSet(pub Arc<WorkingSetOf>);
+
+/// The working set of a forward of these units, each sequence's.
+pub type WorkingSetOf = dyn Fn(&[Vec<Unit>]) -> usize + Send + Sync;
+
+impl std::fmt::Debug for FusedWorkingSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FusedWorkingSet")
+    }
+}
+
+impl FusedWorkingSet {
+    /// Whether `adding` may join `batch`: the fused units' working set is
+    /// no more than what the batch's leases and its own hold for them,
+    /// once its lease has taken the difference (counted in its `working`).
+    fn join(&self, batch: &QueuedBatch, adding: &mut Entry) -> bool {
+        if adding.units.is_empty() {
+            return true;
+        }
+        let batch_entries = || batch.queued.iter().map(|(e, _)| e);
+        let held = batch_entries().fold(adding.working, |a, e| a.saturating_add(e.working));
+        let units = |e: &Entry, s: usize| e.units.get(s).into_iter().flatten().copied().collect::<Vec<_>>();
+        let fused: Vec<Vec<Unit>> = (0..adding.units.len())
+            .map(|s| batch_entries().flat_map(|e| units(e, s)).chain(units(adding, s)).collect())
+            .collect();
+        let more = (self.0)(&fused).saturating_sub(held);
+        if more == 0 {
+            return true;
+        }
+        let bytes = adding.lease.bytes().saturating_add(more);
+        if adding.lease.resize(bytes).is_err() {
+            return false;
+        }
+        adding.working = adding.working.saturating_add(more);
+        true
+    }
+}
+
 /// Sealed batches waiting for a lane, plus the one still accepting requests.
 #[derive(Debug)]
 pub struct BatchQueue {
     policy: Arc<dyn FlushPolicy>,
+    /// For a model with sequences ([`Self::with_working_set`]).
+    working_set: Option<FusedWorkingSet>,
     num_dense: usize,
     /// The model's sparse features (the collector reorders requests
     /// key-major for them before it queues them).
@@ -140,6 +190,7 @@ impl BatchQueue {
     pub fn new(policy: Arc<dyn FlushPolicy>, num_dense: usize, num_sparse: usize) -> Self {
         Self {
             policy,
+            working_set: None,
             num_dense,
             num_sparse,
             sealed: VecDeque::new(),
@@ -147,11 +198,31 @@ impl BatchQueue {
         }
     }
 
+    /// This queue fusing a request only where the fused forward's working
+    /// set (`working_set`) is no more than its requests were charged.
+    pub fn with_working_set(mut self, working_set: FusedWorkingSet) -> Self {
+        self.working_set = Some(working_set);
+        self
+    }
+
+    /// Whether `entry` may join `batch` (non-empty): the policy's limits,
+    /// and the fused working set (its lease taking what fusing adds).
+    fn joins(
+        policy: &dyn FlushPolicy,
+        working_set: Option<&FusedWorkingSet>,
+        batch: &QueuedBatch,
+        entry: &mut Entry,
+    ) -> bool {
+        policy.fits(batch.fill(), entry.fill()) && working_set.is_none_or(|w| w.join(batch, entry))
+    }
+
     /// Adds a request to the open batch, sealing batches at their limits.
     /// `samples` are reordered key-major first, unless they already are (as
     /// [`Collector::submit`] makes them, before it takes the lock).
-    pub fn add(&mut self, entry: Entry, samples: RequestSamples) {
-        if !self.open.is_empty() && !self.policy.fits(self.open.fill(), entry.fill()) {
+    pub fn add(&mut self, mut entry: Entry, samples: RequestSamples) {
+        if !self.open.is_empty()
+            && !Self::joins(&*self.policy, self.working_set.as_ref(), &self.open, &mut entry)
+        {
             self.seal();
         }
         self.open.push(entry, samples.into_key_major(self.num_sparse));
@@ -219,19 +290,21 @@ impl BatchQueue {
     /// forwards stay full. Returns how many abandoned entries it met (and
     /// removed) on the way.
     fn top_up(&mut self, batch: &mut QueuedBatch, now: Instant) -> usize {
-        let policy = Arc::clone(&self.policy);
-        let fits = |batch: &QueuedBatch, entry: &Entry| policy.fits(batch.fill(), entry.fill());
+        let (policy, working_set) = (Arc::clone(&self.policy), self.working_set.clone());
+        let joins = |batch: &QueuedBatch, entry: &mut Entry| {
+            Self::joins(&*policy, working_set.as_ref(), batch, entry)
+        };
         let mut removed = 0;
         loop {
             let from_open = self.sealed.is_empty();
             let source = if from_open { &mut self.open } else { &mut self.sealed[0] };
             match source.queued.first() {
-                Some((first, _)) if fits(batch, first) => {}
+                Some((first, _)) if policy.fits(batch.fill(), first.fill()) => {}
                 _ => return removed,
             }
             let mut rest = Vec::new();
-            for (entry, samples) in std::mem::take(&mut source.queued) {
-                if !rest.is_empty() || !fits(batch, &entry) {
+            for (mut entry, samples) in std::mem::take(&mut source.queued) {
+                if !rest.is_empty() || !joins(batch, &mut entry) {
                     rest.push((entry, samples));
                     continue;
                 }
@@ -276,7 +349,58 @@ mod tests {
     use super::*;
     use crate::admission::Admission;
     use crate::flush::PerRequest;
+    use crate::memory::MemoryBudget;
     use narsil_core::assemble;
+
+    #[test]
+    fn a_request_joins_a_batch_only_where_its_lease_can_hold_what_fusing_adds() {
+        // A gather that pads: every row of the batch by its longest unit.
+        let gather = || {
+            FusedWorkingSet(Arc::new(|units: &[Vec<Unit>]| {
+                let rows: usize = units[0].iter().map(|u| u.rows).sum();
+                rows * units[0].iter().map(|u| u.positions).max().unwrap_or(0)
+            }))
+        };
+        let admission = Admission::new(100, 1000);
+        let now = Instant::now();
+        let mut rx = Vec::new();
+        // Requests of flat rows with histories of `positions`, charged
+        // their own working set from `budget`.
+        let mut add = |q: &mut BatchQueue, budget: &MemoryBudget, rows: usize, positions: usize| {
+            let (mut e, samples, r) = entry(&admission, rows, 1, now);
+            e.units = vec![vec![Unit { positions, rows: 1 }; rows]];
+            e.working = rows * positions;
+            e.lease = budget.try_reserve(e.working).unwrap();
+            q.add(e, samples);
+            rx.push(r);
+        };
+        let tight = MemoryBudget::new(200);
+        let mut q = queue(16, 100, 1000).with_working_set(gather());
+        // Histories of one length: fused, nothing more taken.
+        add(&mut q, &tight, 2, 10);
+        add(&mut q, &tight, 3, 10);
+        assert_eq!((q.depth(), tight.used()), ((0, 2), 50));
+        // A longer one would pad the batch's 5 rows to it: 6 x 50 = 300
+        // against 100 held, and the budget lacks the 200 more: it starts a
+        // batch of its own.
+        add(&mut q, &tight, 1, 50);
+        assert_eq!((q.depth(), tight.used()), ((1, 1), 100));
+        // Where the budget has room, it joins, its lease taking the 200.
+        let roomy = MemoryBudget::new(1000);
+        let mut q = queue(16, 100, 1000).with_working_set(gather());
+        add(&mut q, &roomy, 2, 10);
+        add(&mut q, &roomy, 3, 10);
+        add(&mut q, &roomy, 1, 50);
+        assert_eq!((q.depth(), roomy.used()), ((0, 3), 300));
+        // Requests without units (no sequences) fuse by the limits alone.
+        let mut plain = queue(16, 100, 1000).with_working_set(gather());
+        for t in 0..3 {
+            let (e, samples, r) = entry(&admission, 1, t, now);
+            plain.add(e, samples);
+            rx.push(r);
+        }
+        assert_eq!(plain.depth(), (0, 3));
+    }
 
     #[test]
     fn full_batch_is_sealed_and_due_at_once() {

@@ -13,11 +13,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use narsil_core::request::RequestLimits;
+use narsil_core::working_set::Unit;
 use narsil_core::{BackendFactory, InvalidInput, ModelSchema};
 use tokio::sync::{oneshot, watch};
 
 use crate::admission::Admission;
-use crate::collector::{BatchQueue, Collector};
+use crate::collector::{BatchQueue, Collector, FusedWorkingSet};
 use crate::config::EngineConfig;
 use crate::error::{EngineError, LaneFailed, StartError};
 use crate::health::BackendHealth;
@@ -84,15 +85,18 @@ impl Engine {
         factory.register_metrics(stats.registry_mut());
         let stats = Arc::new(stats);
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
-        let collector = Arc::new(Collector::new(
-            BatchQueue::new(
-                config.mode.flush_policy(&config, !schema.sequences.is_empty()),
-                schema.num_dense,
-                schema.num_sparse(),
-            ),
-            config.max_forward_threads,
-            Arc::clone(&stats),
-        ));
+        let mut queue = BatchQueue::new(
+            config.mode.flush_policy(&config, !schema.sequences.is_empty()),
+            schema.num_dense,
+            schema.num_sparse(),
+        );
+        if !schema.sequences.is_empty() {
+            let working_sets: Vec<_> = schema.sequences.iter().map(|s| s.working_set()).collect();
+            queue = queue.with_working_set(FusedWorkingSet(Arc::new(move |units: &[Vec<Unit>]| {
+                working_sets.iter().zip(units).fold(0usize, |a, (w, u)| a.saturating_add(w.bytes(u)))
+            })));
+        }
+        let collector = Arc::new(Collector::new(queue, config.max_forward_threads, Arc::clone(&stats)));
         let health = Arc::new(BackendHealth::new(config.unhealthy_after_failures));
         factory.watch_dependencies(dependency_watcher(&health, &stats));
         let model = Arc::clone(&factory);

@@ -215,11 +215,19 @@ impl EngineHandle {
             .map(|(part, (permit, lease))| {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
+                let schema = &shared.schema;
+                let units = schema
+                    .sequences
+                    .iter()
+                    .map(|s| part.sequence_units(schema, s, shared.flat_only))
+                    .collect();
                 let entry = Entry {
                     id,
                     rows: part.num_samples,
-                    tokens: part.tokens(&shared.schema, shared.flat_only),
+                    tokens: part.tokens(schema, shared.flat_only),
                     lease,
+                    units,
+                    working: part.working_set_bytes(schema, shared.flat_only),
                     reply,
                     admitted,
                     expires,
