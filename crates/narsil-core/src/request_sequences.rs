@@ -84,11 +84,16 @@ impl RequestSamples {
     /// ([`SequenceFeature::working_set`]), each sequence's summed; 0 for a
     /// model without sequences. Lengths as validated.
     pub fn working_set_bytes(&self, schema: &ModelSchema, flat_only: bool) -> usize {
-        schema
-            .sequences
-            .iter()
-            .map(|sequence| sequence.working_set().bytes(&self.sequence_units(schema, sequence, flat_only)))
-            .fold(0, usize::saturating_add)
+        crate::working_set::summed(
+            schema.sequences.iter().map(SequenceFeature::working_set),
+            &self.units(schema, flat_only),
+        )
+    }
+
+    /// Each sequence's units ([`Self::sequence_units`]), in declaration
+    /// order.
+    pub fn units(&self, schema: &ModelSchema, flat_only: bool) -> Vec<Vec<Unit>> {
+        schema.sequences.iter().map(|sequence| self.sequence_units(schema, sequence, flat_only)).collect()
     }
 
     /// Cuts a validated request into consecutive parts of at most

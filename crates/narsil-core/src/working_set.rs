@@ -159,6 +159,12 @@ impl WorkingSet {
     }
 }
 
+/// What a forward holds for several sequences: each one's `working_sets`
+/// over its `units` (in the same order), summed; saturating.
+pub fn summed(working_sets: impl IntoIterator<Item = WorkingSet>, units: &[Vec<Unit>]) -> usize {
+    working_sets.into_iter().zip(units).fold(0, |a, (w, u)| a.saturating_add(w.bytes(u)))
+}
+
 /// `[rows, longest, width]` values with an index and a mask each.
 fn gather(rows: usize, longest: usize, width: usize, value: usize) -> usize {
     let per = width.saturating_mul(value).saturating_add(INDEX + 1);

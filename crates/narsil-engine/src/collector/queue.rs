@@ -154,9 +154,13 @@ impl FusedWorkingSet {
         }
         let batch_entries = || batch.queued.iter().map(|(e, _)| e);
         let held = batch_entries().fold(adding.working, |a, e| a.saturating_add(e.working));
-        let units = |e: &Entry, s: usize| e.units.get(s).into_iter().flatten().copied().collect::<Vec<_>>();
         let fused: Vec<Vec<Unit>> = (0..adding.units.len())
-            .map(|s| batch_entries().flat_map(|e| units(e, s)).chain(units(adding, s)).collect())
+            .map(|s| {
+                batch_entries()
+                    .chain([&*adding])
+                    .flat_map(|e| e.units.get(s).into_iter().flatten().copied())
+                    .collect()
+            })
             .collect();
         let more = (self.0)(&fused).saturating_sub(held);
         if more == 0 {

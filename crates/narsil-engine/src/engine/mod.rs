@@ -93,7 +93,7 @@ impl Engine {
         if !schema.sequences.is_empty() {
             let working_sets: Vec<_> = schema.sequences.iter().map(|s| s.working_set()).collect();
             queue = queue.with_working_set(FusedWorkingSet(Arc::new(move |units: &[Vec<Unit>]| {
-                working_sets.iter().zip(units).fold(0usize, |a, (w, u)| a.saturating_add(w.bytes(u)))
+                narsil_core::working_set::summed(working_sets.iter().copied(), units)
             })));
         }
         let collector = Arc::new(Collector::new(queue, config.max_forward_threads, Arc::clone(&stats)));

@@ -216,18 +216,18 @@ impl EngineHandle {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
                 let schema = &shared.schema;
-                let units = schema
-                    .sequences
-                    .iter()
-                    .map(|s| part.sequence_units(schema, s, shared.flat_only))
-                    .collect();
+                let units = part.units(schema, shared.flat_only);
+                let working = narsil_core::working_set::summed(
+                    schema.sequences.iter().map(narsil_core::SequenceFeature::working_set),
+                    &units,
+                );
                 let entry = Entry {
                     id,
                     rows: part.num_samples,
                     tokens: part.tokens(schema, shared.flat_only),
                     lease,
                     units,
-                    working: part.working_set_bytes(schema, shared.flat_only),
+                    working,
                     reply,
                     admitted,
                     expires,

@@ -65,16 +65,20 @@ pub(super) fn plan(
     max: usize,
     (halve, num_sparse): (bool, usize),
 ) -> Result<Plan, (Vec<RequestSamples>, Unfit)> {
+    let mut charges: Vec<usize> = parts.iter().map(charge).collect();
+    let mut row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
     loop {
-        let charges: Vec<usize> = parts.iter().map(charge).collect();
-        let row_bytes: Vec<usize> = parts.iter().map(RequestSamples::row_bytes).collect();
         match waves(&charges, &row_bytes, shared, max) {
             Ok(ends) => return Ok(Plan { parts, charges, row_bytes, ends }),
             Err(unfit) if halve && parts[unfit.part].num_samples > 1 => {
-                let part = parts.remove(unfit.part);
+                // Only the halved part's charges are computed again.
+                let at = unfit.part;
+                let part = parts.remove(at);
                 let half = part.num_samples.div_ceil(2);
                 let halves = part.split_rows(half, num_sparse);
-                parts.splice(unfit.part..unfit.part, halves);
+                charges.splice(at..=at, halves.iter().map(charge));
+                row_bytes.splice(at..=at, halves.iter().map(RequestSamples::row_bytes));
+                parts.splice(at..at, halves);
             }
             Err(unfit) => return Err((parts, unfit)),
         }
@@ -101,7 +105,13 @@ pub(super) fn waves(
     shared: usize,
     max: usize,
 ) -> Result<Vec<usize>, Unfit> {
-    let later = |end: usize| row_bytes[end..].iter().fold(shared, |a, &b| a.saturating_add(b));
+    // What stays held after each part: `shared` and the rows after it
+    // (summed once, from the end).
+    let mut after = vec![shared; charges.len() + 1];
+    for i in (0..charges.len()).rev() {
+        after[i] = after[i + 1].saturating_add(row_bytes[i]);
+    }
+    let later = |end: usize| after[end];
     let (mut ends, mut first) = (Vec::new(), 0);
     while first < charges.len() {
         let mut end = first;
