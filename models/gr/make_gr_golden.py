@@ -629,6 +629,32 @@ def write_set(name: str, out_root: str, gr_commit: str) -> dict:
     return stats
 
 
+def verify_set(name: str, out_root: str) -> None:
+    """Rescores golden.json's cases from the committed checkpoint in this
+    process (GR's loading path only) and reports the largest difference."""
+    out = os.path.join(out_root, name)
+    model, hc = load_model(name, os.path.join(out, "checkpoint"), None)
+    with open(os.path.join(out, "golden.json")) as f:
+        golden = json.load(f)
+    for clamp, cases in golden["clamp"].items():
+        ctx = triton_clamp() if clamp == "triton" else contextlib.nullcontext()
+        with ctx:
+            again = score_cases(
+                model,
+                hc,
+                [
+                    (c["name"], [{"uih": u["uih"], "candidates": u["candidates"]} for u in c["users"]])
+                    for c in cases
+                ],
+            )
+        d = max(
+            max_diff(cases, again, "scores_alone", "scores_alone"),
+            max_diff(cases, again, "scores_in_batch", "scores_in_batch"),
+        )
+        print(f"[{name}] verify {clamp}: {len(cases)} cases rescored from the checkpoint, max |diff| {d:.3g}")
+        assert d <= 1e-6, d
+
+
 # ---------------------------------------------------------------- bench
 
 
@@ -661,19 +687,24 @@ def bench(history: int, candidates: int, layers: int, dim: int, reps: int) -> No
     mk = UserMaker("streaming", hc, 99)
     users = [mk.user(history, candidates) for _ in range(4)]
     gr_scores(model, hc, [users[0]])  # warm-up
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(reps):
         gr_scores(model, hc, [users[i % 4]])
-    dt = (time.perf_counter() - t0) / reps
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next(
-        (ln.split(":", 1)[1].strip() for ln in cpu.splitlines() if ln.startswith("Model name")),
-        "?",
+    wall = (time.perf_counter() - t0) / reps
+    cpu_s = (time.process_time() - c0) / reps
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(
+        (ln.split(":", 1)[0].strip(), ln.split(":", 1)[1].strip())
+        for ln in lscpu.splitlines()
+        if ":" in ln
     )
+    cpu_name = f"{fields.get('Model name', '?')} (family {fields.get('CPU family', '?')} model {fields.get('Model', '?')})"
+    load = os.getloadavg()[0]
     print(
-        f"[bench] GR eager forward, 1 thread, {model_name}: layers={layers} dim={dim} "
-        f"heads=4 history={history} candidates={candidates}: {dt * 1e3:.1f} ms/request, "
-        f"{candidates / dt:.0f} candidates/s"
+        f"[bench] GR eager forward, 1 thread, {cpu_name}, load {load:.1f}: layers={layers} "
+        f"dim={dim} heads=4 history={history} candidates={candidates}, one request per forward: "
+        f"{wall * 1e3:.1f} ms wall ({candidates / wall:.0f} candidates/s), "
+        f"{cpu_s * 1e3:.1f} ms CPU ({candidates / cpu_s:.0f} candidates/s per CPU-second)"
     )
 
 
@@ -683,6 +714,11 @@ def main() -> None:
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
     ap.add_argument("--bench", action="store_true", help="also time GR's eager forward")
     ap.add_argument("--bench-only", action="store_true")
+    ap.add_argument(
+        "--verify",
+        action="store_true",
+        help="rescore the committed golden cases from the committed checkpoints; write nothing",
+    )
     args = ap.parse_args()
     checkout = import_gr()
     try:
@@ -692,11 +728,14 @@ def main() -> None:
     except OSError:
         commit = "unknown"
     print(f"GR checkout {checkout} at {commit}")
-    if not args.bench_only:
+    if args.verify:
+        for name in args.sets:
+            verify_set(name, os.path.abspath(args.out))
+    elif not args.bench_only:
         for name in args.sets:
             write_set(name, os.path.abspath(args.out), commit)
     if args.bench or args.bench_only:
-        bench(history=512, candidates=128, layers=3, dim=256, reps=5)
+        bench(history=512, candidates=128, layers=3, dim=256, reps=10)
 
 
 if __name__ == "__main__":
