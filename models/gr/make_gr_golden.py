@@ -735,7 +735,8 @@ def main() -> None:
         for name in args.sets:
             write_set(name, os.path.abspath(args.out), commit)
     if args.bench or args.bench_only:
-        bench(history=512, candidates=128, layers=3, dim=256, reps=10)
+        for dim in (128, 256):
+            bench(history=512, candidates=128, layers=3, dim=dim, reps=10)
 
 
 if __name__ == "__main__":
