@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import dataclasses
 import enum
 import inspect
@@ -389,9 +388,7 @@ class UserMaker:
         self.spec = SPECS[name]
         self.g = torch.Generator().manual_seed(seed)
         self.contexts = list(hc.contextual_feature_to_max_length)
-        self.uih_seq = [f for f in hc.hstu_uih_feature_names if f not in self.contexts]
-        rows = self.spec.table_rows
-        self.rows = rows
+        self.rows = self.spec.table_rows
 
     def _ints(self, lo: int, hi: int, n: int) -> List[int]:
         return [int(x) for x in torch.randint(lo, hi, (n,), generator=self.g)]
@@ -435,8 +432,8 @@ class UserMaker:
         cand: Dict[str, List[int]] = {}
         rows = self.rows
         for f in self.contexts:
-            table = f  # every GR contextual feature here has a table of its name
-            uih[f] = self._ints(0, rows[table], 1)
+            # every contextual feature of these sets has a table of its name
+            uih[f] = self._ints(0, rows[f], 1)
         if self.name == "streaming":
             items = self._ints(0, rows["item_id"], history)
             ratings = self._ints(1, 6, history)
@@ -473,9 +470,7 @@ class UserMaker:
                 item_target_watchtime=self._ints(0, 60_000, candidates),
                 item_query_time=qs,
             )
-        assert list(uih) == self.contexts + self.uih_seq or set(uih) == set(
-            self.hc.hstu_uih_feature_names
-        )
+        assert set(uih) == set(self.hc.hstu_uih_feature_names)
         assert set(cand) == set(self.hc.hstu_candidate_feature_names)
         # GR's feature order
         uih = {f: uih[f] for f in self.hc.hstu_uih_feature_names}
