@@ -50,10 +50,32 @@ struct SchemaJson {
     sequences: Vec<narsil_core::sequence::SequenceJson>,
 }
 
+/// A feature of `narsil_schema()`: `{"name", "num_rows"}`, or `{"name",
+/// "pooling": "raw"}` for a raw integer input (no rows).
 #[derive(Debug, Deserialize)]
 struct SparseJson {
     name: String,
+    #[serde(default)]
     num_rows: u64,
+    #[serde(default)]
+    pooling: Option<String>,
+}
+
+impl SparseJson {
+    fn feature(self) -> Result<SparseFeature, String> {
+        match (self.pooling.as_deref(), self.num_rows) {
+            (Some("raw"), 0) => Ok(SparseFeature::raw(self.name)),
+            (Some("raw"), rows) => {
+                Err(format!("feature {:?}: a raw input (pooling \"raw\") has no table, but {rows} rows", self.name))
+            }
+            (Some(other), _) => Err(format!(
+                "feature {:?}: pooling {other:?}; narsil_schema() takes only \"raw\" (a raw integer input)",
+                self.name
+            )),
+            (None, 0) => Err(format!("feature {:?} has no rows (a raw input says \"pooling\": \"raw\")", self.name)),
+            (None, rows) => Ok(SparseFeature::new(self.name, rows)),
+        }
+    }
 }
 
 /// A loaded TorchScript model. TorchScript modules may run forwards from
@@ -167,9 +189,15 @@ impl TorchModel {
 fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, Option<f64>), BackendError> {
     let parsed: SchemaJson = serde_json::from_str(json)
         .map_err(|e| BackendError::load(path, "narsil_schema() is not valid").caused_by(e))?;
-    if parsed.sparse.is_empty() || parsed.sparse.iter().any(|f| f.num_rows == 0) {
-        return Err(BackendError::load(path, "the schema needs at least one sparse feature, each with rows"));
+    if parsed.sparse.is_empty() {
+        return Err(BackendError::load(path, "the schema needs at least one sparse feature"));
     }
+    let sparse = parsed
+        .sparse
+        .into_iter()
+        .map(SparseJson::feature)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| BackendError::load(path, format!("narsil_schema(): {e}")))?;
     let mut schema = ModelSchema {
         request_level: Default::default(),
         name: parsed.name,
@@ -177,7 +205,7 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         backend: "torch".into(),
         device: device.into(),
         num_dense: parsed.num_dense,
-        sparse: parsed.sparse.into_iter().map(|f| SparseFeature::new(f.name, f.num_rows)).collect(),
+        sparse,
         outputs: vec![DEFAULT_OUTPUT.into()],
         sequences: Vec::new(),
     };
