@@ -14,6 +14,8 @@
 //!   candidates: grouped, flat (1: each row its own unit), cut into parts
 //!   by `--max-batch-rows` (every part keeps the whole's count) and fused
 //!   with other users' requests.
+//! * The same through the device lane on the CPU device (the sequences'
+//!   and raw inputs' tensors copied to the device).
 //! * A per-row raw input sent with other than one value is refused with
 //!   INVALID_ARGUMENT naming the feature and the sample; ModelInfo marks
 //!   the raw inputs and the sequence's request rows.
@@ -34,9 +36,9 @@ use narsil_torch::{SplitFactory, TorchConfig};
 /// The echo model `scripts/test.sh` exports: `models/generated/test-raw-echo`,
 /// or `$NARSIL_TEST_RAW_ECHO_DIR`.
 fn echo_dir() -> PathBuf {
-    let dir = std::env::var_os("NARSIL_TEST_RAW_ECHO_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-raw-echo")
-    });
+    let dir = std::env::var_os("NARSIL_TEST_RAW_ECHO_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/generated/test-raw-echo"));
     assert!(
         dir.join("schema.json").is_file(),
         "no exported echo model in {0}: run scripts/test.sh, or .venv/bin/python models/export_raw_echo.py --out {0}",
@@ -174,11 +176,19 @@ fn v1_outputs(response: &proto::PredictResponse) -> Outputs {
     response.outputs.iter().map(|(name, scores)| (name.clone(), scores.scores.clone())).collect()
 }
 
-async fn start(max_batch_rows: usize) -> TestServer {
-    let factory = SplitFactory::load(TorchConfig::new(echo_dir())).unwrap();
+/// A server of the echo model, at most `max_batch_rows` rows a forward,
+/// on the CPU lane or (`device_lane`) the device lane on the CPU device.
+async fn start_on(max_batch_rows: usize, device_lane: bool) -> TestServer {
+    let mut torch = TorchConfig::new(echo_dir());
+    torch.device_path_on_cpu = device_lane;
+    let factory = SplitFactory::load(torch).unwrap();
     let mut config = batch_mode(1, 64);
     config.max_batch_rows = max_batch_rows;
     start_with(Arc::new(factory), config).await.ready().await
+}
+
+async fn start(max_batch_rows: usize) -> TestServer {
+    start_on(max_batch_rows, false).await
 }
 
 /// User `user`'s request of `candidates` rows whose history has `len`
@@ -186,30 +196,49 @@ async fn start(max_batch_rows: usize) -> TestServer {
 fn user(user: i64, len: usize, candidates: usize) -> UserRequest {
     UserRequest {
         user_time: 1_000 * user + 7,
-        history: (0..len as i64).map(|p| (100 * user + p, (user * 13 + p * 7) % 1000, -(p % 5) - user)).collect(),
-        rows: (0..candidates as i64).map(|c| Row { item: (c * 31 + user) % 1000, query_time: -c - 10 * user }).collect(),
+        history: (0..len as i64)
+            .map(|p| (100 * user + p, (user * 13 + p * 7) % 1000, -(p % 5) - user))
+            .collect(),
+        rows: (0..candidates as i64)
+            .map(|c| Row { item: (c * 31 + user) % 1000, query_time: -c - 10 * user })
+            .collect(),
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn raw_values_at_the_full_int64_range_arrive_unchanged_on_every_protocol() {
-    let server = start(256).await;
+    full_range_on_every_protocol(start(256).await, "CPU lane").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_values_at_the_full_int64_range_arrive_unchanged_through_the_device_lane_on_the_cpu_device() {
+    full_range_on_every_protocol(start_on(256, true).await, "device lane").await;
+}
+
+/// `i64::MIN`, -1 and `i64::MAX` as per-row, request-level and sequence
+/// raw values, flat and grouped, over each protocol to `server`.
+async fn full_range_on_every_protocol(server: TestServer, lane: &str) {
     let channel = server.channel().await;
     let (min, max) = (i64::MIN, i64::MAX);
     let request = UserRequest {
         user_time: max,
         history: vec![(min, 3, max), (-1, 4, min), (7, 5, -1), (max, 6, 0)],
-        rows: [min, -1, max, 0].iter().enumerate().map(|(c, &t)| Row { item: c as i64, query_time: t }).collect(),
+        rows: [min, -1, max, 0]
+            .iter()
+            .enumerate()
+            .map(|(c, &t)| Row { item: c as i64, query_time: t })
+            .collect(),
     };
     let flat = request.flat("full-range");
     let mut v1 = proto::predictor_client::PredictorClient::new(channel.clone());
     let response = v1.predict(flat.clone()).await.unwrap().into_inner();
-    check(&v1_outputs(&response), &request, |_| 1, false, "narsil.v1 flat");
+    check(&v1_outputs(&response), &request, |_| 1, false, &format!("{lane}: narsil.v1 flat"));
     let response = v1.predict(request.grouped("full-range-grouped")).await.unwrap().into_inner();
-    check(&v1_outputs(&response), &request, |_| 4, false, "narsil.v1 grouped");
+    check(&v1_outputs(&response), &request, |_| 4, false, &format!("{lane}: narsil.v1 grouped"));
 
     let mut kserve = GrpcInferenceServiceClient::new(channel.clone());
-    for (what, sent, rows) in [("KServe flat", flat.clone(), 1), ("KServe grouped", request.grouped("g"), 4)] {
+    for (what, sent, rows) in [("KServe flat", flat.clone(), 1), ("KServe grouped", request.grouped("g"), 4)]
+    {
         let answer = kserve.model_infer(narsil::wire::kserve::encode(&sent, 1, NUM_SPARSE)).await.unwrap();
         let answer = answer.into_inner();
         let got: Outputs = answer
@@ -218,14 +247,14 @@ async fn raw_values_at_the_full_int64_range_arrive_unchanged_on_every_protocol()
             .zip(&answer.raw_output_contents)
             .map(|(tensor, bytes)| (tensor.name.clone(), narsil::wire::le::f32s(bytes).unwrap()))
             .collect();
-        check(&got, &request, |_| rows, false, what);
+        check(&got, &request, |_| rows, false, &format!("{lane}: {what}"));
     }
 
     let mut torchrec = TorchRecClient::new(channel.clone());
     let answer =
         torchrec.predict(narsil::wire::torchrec::encode_int64(&flat, NUM_SPARSE)).await.unwrap().into_inner();
     let got: Outputs = answer.predictions.into_iter().map(|(name, values)| (name, values.data)).collect();
-    check(&got, &request, |_| 1, false, "TorchRec flat (int64 ids)");
+    check(&got, &request, |_| 1, false, &format!("{lane}: TorchRec flat (int64 ids)"));
     server.stop().await.unwrap();
 }
 

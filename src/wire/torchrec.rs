@@ -41,8 +41,11 @@ pub fn encode_int64(request: &PredictRequest, num_sparse: usize) -> pb::Predicti
     let mut encoded = encode(request, num_sparse);
     // The same bags key-major, each id's 8 bytes.
     let b = request.batch_size as usize;
-    let lengths: Vec<u32> =
-        if request.sparse_lengths.is_empty() { vec![1; b * num_sparse] } else { request.sparse_lengths.clone() };
+    let lengths: Vec<u32> = if request.sparse_lengths.is_empty() {
+        vec![1; b * num_sparse]
+    } else {
+        request.sparse_lengths.clone()
+    };
     let mut starts = Vec::with_capacity(lengths.len());
     let mut at = 0usize;
     for &len in &lengths {

@@ -220,7 +220,10 @@ mod tests {
                 "unknown field `output`",
             ),
             (r#"{"sparse_features": [{"name": "a", "num_rows": 1}]}"#, "missing field `dense_features`"),
-            (r#"{"dense_features": 1, "sparse_features": [{"name": "a"}]}"#, "sparse_features[0].num_rows: missing"),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a"}]}"#,
+                "sparse_features[0].num_rows: missing",
+            ),
             (
                 r#"{"dense_features": 1, "sparse_features": [{"name": "a", "num_rows": 1}, {"name": "t", "pooling": "raw", "num_rows": 5}]}"#,
                 "sparse_features[1].num_rows: 5, but a raw input",

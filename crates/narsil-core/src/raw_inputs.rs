@@ -95,16 +95,18 @@ mod tests {
             assert_eq!(r.ids, [3, i64::MIN, 0, 4, -1, 7, 5, i64::MAX, 9], "{policy:?}");
         }
         // The table's own feature is still checked.
-        let mut r = RequestSamples { num_samples: 1, dense: vec![0.5], ids: vec![10, 1, 2], ..Default::default() };
+        let mut r =
+            RequestSamples { num_samples: 1, dense: vec![0.5], ids: vec![10, 1, 2], ..Default::default() };
         assert!(r.validate(&schema(), LIMITS).unwrap_err().message.contains("cat_0"));
     }
 
     #[test]
     fn a_raw_input_with_other_than_one_value_a_sample_is_refused_naming_the_feature_and_sample() {
         // Sample 1 sends two query times, then none.
-        for (lengths, ids, len) in
-            [(vec![1, 1, 1, 1, 2, 1], vec![1, 5, 6, 2, 7, 8, 9], 2), (vec![1, 1, 1, 1, 0, 1], vec![1, 5, 6, 2, 9], 0)]
-        {
+        for (lengths, ids, len) in [
+            (vec![1, 1, 1, 1, 2, 1], vec![1, 5, 6, 2, 7, 8, 9], 2),
+            (vec![1, 1, 1, 1, 0, 1], vec![1, 5, 6, 2, 9], 0),
+        ] {
             let mut r =
                 RequestSamples { num_samples: 2, dense: vec![0.5; 2], lengths, ids, ..Default::default() };
             let e = r.validate(&schema(), LIMITS).unwrap_err();

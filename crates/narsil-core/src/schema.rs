@@ -100,7 +100,9 @@ impl ModelSchema {
     /// The raw inputs outside any sequence, in schema order: one value per
     /// row each, the dense network's `raw i64[R, K]`.
     pub fn row_raw_inputs(&self) -> Vec<usize> {
-        (0..self.sparse.len()).filter(|&f| self.sparse[f].raw_input && self.sequence_of(f).is_none()).collect()
+        (0..self.sparse.len())
+            .filter(|&f| self.sparse[f].raw_input && self.sequence_of(f).is_none())
+            .collect()
     }
 
     /// Number of outputs.

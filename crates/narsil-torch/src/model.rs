@@ -65,14 +65,17 @@ impl SparseJson {
     fn feature(self) -> Result<SparseFeature, String> {
         match (self.pooling.as_deref(), self.num_rows) {
             (Some("raw"), 0) => Ok(SparseFeature::raw(self.name)),
-            (Some("raw"), rows) => {
-                Err(format!("feature {:?}: a raw input (pooling \"raw\") has no table, but {rows} rows", self.name))
-            }
+            (Some("raw"), rows) => Err(format!(
+                "feature {:?}: a raw input (pooling \"raw\") has no table, but {rows} rows",
+                self.name
+            )),
             (Some(other), _) => Err(format!(
                 "feature {:?}: pooling {other:?}; narsil_schema() takes only \"raw\" (a raw integer input)",
                 self.name
             )),
-            (None, 0) => Err(format!("feature {:?} has no rows (a raw input says \"pooling\": \"raw\")", self.name)),
+            (None, 0) => {
+                Err(format!("feature {:?} has no rows (a raw input says \"pooling\": \"raw\")", self.name))
+            }
             (None, rows) => Ok(SparseFeature::new(self.name, rows)),
         }
     }

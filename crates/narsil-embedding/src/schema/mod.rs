@@ -482,7 +482,8 @@ mod tests {
             weighted: false,
         };
         let mut split = schema();
-        let none = FeatureSpec { name: "h".into(), table: "t".into(), pooling: PoolingMode::None, weighted: false };
+        let none =
+            FeatureSpec { name: "h".into(), table: "t".into(), pooling: PoolingMode::None, weighted: false };
         split.features.splice(1..1, [raw("query_time"), none, raw("h_time")]);
         split.sequences = vec![narsil_core::sequence::SequenceJson {
             name: "hist".into(),

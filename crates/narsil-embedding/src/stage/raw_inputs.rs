@@ -162,7 +162,8 @@ mod tests {
     fn raw_channels_follow_their_positions_and_units_keep_their_whole_requests_rows() {
         let split = raw_schema();
         let model = split.model_schema("torch", "cpu");
-        let stage = EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
+        let stage =
+            EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
         assert_eq!((stage.pooled_width(), stage.row_raw_width()), (8, 2), "a pooled; qt and ut raw");
         assert!(stage.takes_unpooled_inputs());
         // User 1: 5 candidates cut into parts of 2, 2 and 1 (the engine's
@@ -191,7 +192,11 @@ mod tests {
         assert_eq!(h.row_unit, [1, 1, 0, 2, 1]);
         assert_eq!(h.offsets, [0, 2, 5, 5]);
         assert_eq!((h.width, h.raw_width), (8, 2), "h_item's 8 values; h_time and h_act raw");
-        assert_eq!(h.raw, [5, -5, 6, -6, 10, -10, i64::MAX, -i64::MAX, -1, 1], "as sent, position by position");
+        assert_eq!(
+            h.raw,
+            [5, -5, 6, -6, 10, -10, i64::MAX, -i64::MAX, -1, 1],
+            "as sent, position by position"
+        );
         // Each unit's request rows: the whole request's 5 in both parts.
         assert!(h.request_rows);
         assert_eq!(h.unit_rows, [1, 5, 1]);
@@ -211,7 +216,8 @@ mod tests {
     fn two_requests_of_one_user_share_a_unit_only_where_their_rows_agree() {
         let split = raw_schema();
         let model = split.model_schema("torch", "cpu");
-        let stage = EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
+        let stage =
+            EmbeddingStage::new(&split, split.tables.iter().map(|t| Arc::new(rows(t, 7)) as _).collect());
         let mut requests = [grouped(1, &[4, 5], 3), grouped(1, &[4, 5], 2), grouped(1, &[4, 5], 3)];
         for r in &mut requests {
             r.validate(&model, LIMITS).unwrap();

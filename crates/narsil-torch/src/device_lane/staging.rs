@@ -275,7 +275,12 @@ unsafe fn stage_into(
             // copied as they are (their shapes vary per batch; such a model
             // runs eagerly, staged on the lane).
             let raw_width = model.stage.row_raw_width();
-            let unpooled = crate::split::inputs::unpooled_inputs(&scratch.stage, raw_width, batch.rows, model.precision)?;
+            let unpooled = crate::split::inputs::unpooled_inputs(
+                &scratch.stage,
+                raw_width,
+                batch.rows,
+                model.precision,
+            )?;
             for input in unpooled {
                 sequences.push(input.f_to(model.device).map_err(torch_error)?);
             }
