@@ -272,3 +272,41 @@ fn config_schema(
         .map_err(|reason| BackendError::load(model, reason))?;
     Ok((schema, path))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::parse_schema;
+
+    #[test]
+    fn narsil_schema_declares_a_raw_input_by_pooling_raw_without_rows_and_names_bad_ones() {
+        let json = |sparse: &str| {
+            format!(
+                r#"{{"name": "m", "version": "1", "num_dense": 1, "sparse": [{sparse}],
+                    "sequences": [{{"name": "h", "features": ["h_ts"], "max_len": 4, "request_rows": true}}]}}"#
+            )
+        };
+        let path = Path::new("m.pt");
+        let good = r#"{"name": "item", "num_rows": 10}, {"name": "qt", "pooling": "raw"}, {"name": "h_ts", "pooling": "raw"}"#;
+        let (schema, _) = parse_schema(&json(good), path, "cpu").unwrap();
+        let raw: Vec<(bool, u64)> = schema.sparse.iter().map(|f| (f.raw_input, f.num_rows)).collect();
+        assert_eq!(raw, [(false, 10), (true, 0), (true, 0)]);
+        assert_eq!(schema.row_raw_inputs(), [1]);
+        assert!(schema.sequences[0].request_rows && schema.sequences[0].raw_channels == 1);
+        for (sparse, named) in [
+            (
+                r#"{"name": "qt", "pooling": "raw", "num_rows": 5}, {"name": "h_ts", "pooling": "raw"}"#,
+                "\"qt\": a raw input",
+            ),
+            (r#"{"name": "qt"}, {"name": "h_ts", "pooling": "raw"}"#, "\"qt\" has no rows"),
+            (
+                r#"{"name": "qt", "pooling": "mean", "num_rows": 3}, {"name": "h_ts", "pooling": "raw"}"#,
+                "pooling \"mean\"",
+            ),
+        ] {
+            let error = parse_schema(&json(sparse), path, "cpu").unwrap_err().to_string();
+            assert!(error.contains(named), "{sparse}: {error}");
+        }
+    }
+}

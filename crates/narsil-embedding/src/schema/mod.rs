@@ -50,7 +50,8 @@ pub struct FeatureSpec {
     pub table: String,
     /// How its bags are pooled.
     pub pooling: PoolingMode,
-    /// Whether each id comes with a weight.
+    /// Whether each id comes with a weight (absent: false).
+    #[serde(default)]
     pub weighted: bool,
 }
 
