@@ -202,6 +202,7 @@ fn shaped_info(
                 request_level: false,
                 raw_ids: false,
                 sequence: String::new(),
+                raw_input: false,
             })
             .collect(),
         ..Default::default()

@@ -403,6 +403,7 @@ mod tests {
                     request_level: false,
                     raw_ids: false,
                     sequence: String::new(),
+                    raw_input: false,
                 })
                 .collect(),
             ..Default::default()
@@ -567,6 +568,7 @@ mod tests {
             features: vec!["cat_0".into(), "cat_1".into()],
             max_len: 10,
             keep: "last".into(),
+            request_rows: false,
         }];
         info.sparse_features[0].sequence = "history".into();
         info.sparse_features[1].sequence = "history".into();

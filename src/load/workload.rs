@@ -39,6 +39,12 @@ fn build_pool_in(
             info.max_batch_size
         );
     }
+    if let Some(raw) = info.sparse_features.iter().find(|f| f.raw_input) {
+        anyhow::bail!(
+            "the model takes raw integer inputs ({} among them), which narsil load does not generate",
+            raw.name
+        );
+    }
     if info.sparse_features.iter().any(|f| f.num_rows == 0) {
         anyhow::bail!("the server reports a sparse feature with an empty table");
     }
@@ -236,6 +242,7 @@ mod tests {
                     request_level: false,
                     raw_ids: false,
                     sequence: String::new(),
+                    raw_input: false,
                 })
                 .collect(),
             ..Default::default()
@@ -277,6 +284,7 @@ mod tests {
                     request_level: false,
                     raw_ids: false,
                     sequence: String::new(),
+                    raw_input: false,
                 })
                 .collect(),
             ..Default::default()
@@ -331,6 +339,7 @@ mod tests {
                 request_level: false,
                 raw_ids: false,
                 sequence: String::new(),
+                raw_input: false,
             }],
             ..Default::default()
         };

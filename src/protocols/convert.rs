@@ -79,6 +79,7 @@ pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::Mo
                 request_level: false,
                 raw_ids: f.raw_ids,
                 sequence: String::new(),
+                raw_input: f.raw_input,
             })
             .collect(),
         max_batch_size: max_request_samples as u32,
@@ -93,6 +94,7 @@ pub fn model_info(schema: &ModelSchema, max_request_samples: usize) -> proto::Mo
                 features: s.features.iter().map(|&f| schema.sparse[f].name.clone()).collect(),
                 max_len: s.max_len as u32,
                 keep: s.keep.name().into(),
+                request_rows: s.request_rows,
             })
             .collect(),
     };

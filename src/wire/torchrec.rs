@@ -34,6 +34,39 @@ pub fn encode(request: &PredictRequest, num_sparse: usize) -> pb::PredictionRequ
     encode_weighted(request, num_sparse, num_sparse)
 }
 
+/// [`encode`] with the ids as int64, as TorchRec's Python client sends
+/// `KeyedJaggedTensor.values()`: any 64-bit value (raw ids, raw inputs)
+/// arrives whole.
+pub fn encode_int64(request: &PredictRequest, num_sparse: usize) -> pb::PredictionRequest {
+    let mut encoded = encode(request, num_sparse);
+    // The same bags key-major, each id's 8 bytes.
+    let b = request.batch_size as usize;
+    let lengths: Vec<u32> = if request.sparse_lengths.is_empty() {
+        vec![1; b * num_sparse]
+    } else {
+        request.sparse_lengths.clone()
+    };
+    let mut starts = Vec::with_capacity(lengths.len());
+    let mut at = 0usize;
+    for &len in &lengths {
+        starts.push(at);
+        at += len as usize;
+    }
+    let mut values = Vec::with_capacity(8 * at);
+    for f in 0..num_sparse {
+        for s in 0..b {
+            let bag = s * num_sparse + f;
+            for id in &request.sparse_ids[starts[bag]..starts[bag] + lengths[bag] as usize] {
+                values.extend_from_slice(&id.to_le_bytes());
+            }
+        }
+    }
+    if let Some(features) = encoded.id_list_features.as_mut() {
+        features.values = values.into();
+    }
+    encoded
+}
+
 /// [`encode`] for a model whose features from `num_unweighted` on are
 /// weighted: those go in `id_score_list_features`, with their weights.
 pub fn encode_weighted(

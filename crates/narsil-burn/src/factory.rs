@@ -95,6 +95,12 @@ impl BurnFactory {
                  serve it with --backend torch, or export it with models/export_dlrm.py --split",
             ));
         };
+        if split.takes_unpooled_inputs() {
+            return Err(load_error(
+                &"the model has sequence features or raw inputs: the Burn backend serves DLRM's pooled \
+                  features only (serve it with --backend torch)",
+            ));
+        }
         if let Some(weighted) = split.features.iter().find(|f| f.weighted) {
             return Err(load_error(&format!(
                 "feature {:?} is weighted: the Burn backend serves unweighted features only",

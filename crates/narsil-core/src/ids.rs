@@ -51,12 +51,12 @@ impl Modulo {
 
 /// Checks `ids`, the ids of one bag (or run of bags) of `feature`, against
 /// its table's rows: a feature whose ids are raw is left as it is (its
-/// model maps them); an id outside `[0, num_rows)` is wrapped into range
+/// model maps them), and so is a raw input (never a row); an id outside `[0, num_rows)` is wrapped into range
 /// ([`Modulo::Signed`]) under [`IdPolicy::Modulo`], or refused under
 /// [`IdPolicy::Reject`]: `Err(position)` of the first refused id in `ids`
 /// (so the caller names it). A feature of no rows takes no id.
 pub(crate) fn fit_ids(ids: &mut [i64], feature: &SparseFeature, policy: IdPolicy) -> Result<(), usize> {
-    if feature.raw_ids {
+    if feature.is_unchecked() {
         return Ok(());
     }
     let rows = feature.num_rows;
@@ -106,6 +106,11 @@ mod tests {
         let mut ids = [-1, i64::MAX];
         fit_ids(&mut ids, &raw, IdPolicy::Reject).unwrap();
         assert_eq!(ids, [-1, i64::MAX]);
+        // A raw input: never a row, never wrapped, whatever the policy.
+        let input = SparseFeature::raw("t");
+        let mut values = [i64::MIN, -1, 0, i64::MAX];
+        fit_ids(&mut values, &input, IdPolicy::Modulo).unwrap();
+        assert_eq!(values, [i64::MIN, -1, 0, i64::MAX]);
         // No rows: nothing to wrap into (refused, never a division by zero).
         let empty = SparseFeature::new("e", 0);
         assert_eq!(fit_ids(&mut [4], &empty, IdPolicy::Modulo), Err(0));

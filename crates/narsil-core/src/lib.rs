@@ -9,7 +9,8 @@
 //!   many candidates); [`request_blocks`]: those blocks in a fused batch;
 //!   [`flat_batch`]: the rows each block goes to, and the flat batch;
 //!   `request_sequences`: a request's sequences checked, cut and weighed;
-//!   `request_reorder`: a request's bags made key-major;
+//!   `request_reorder`: a request's bags made key-major; `raw_inputs`: raw
+//!   integer inputs outside a sequence checked (one value a sample);
 //!   [`invalid`]: why a request is refused; [`ids`]: how an id becomes a
 //!   row (the range check, the modulo conventions); [`sequence`]: sequence
 //!   features (a user's history, one embedding per position), their
@@ -45,6 +46,7 @@ pub mod ids;
 pub mod invalid;
 pub mod mock;
 pub mod model_config;
+mod raw_inputs;
 pub mod request;
 pub mod request_blocks;
 pub mod request_level;

@@ -18,7 +18,10 @@
 //! `["default"]` (TorchRec's single output), `name` to the model directory's
 //! name and `version` to `"1"`. `"raw_ids": true` marks a feature whose ids
 //! the model maps to rows itself (a TorchRec managed-collision model): any
-//! 64-bit id is taken, passed to the model as `int64`. `request_level` (optional) names the
+//! 64-bit id is taken, passed to the model as `int64`. `"pooling": "raw"`
+//! (and no `num_rows`) declares a raw integer input: its int64 values reach
+//! the model as sent, never range-checked ([`crate::SparseFeature::raw_input`];
+//! one per sample outside a sequence). `request_level` (optional) names the
 //! features that are the same for every candidate of a ranking request
 //! (`dense` for the dense features): see [`crate::request_level`].
 //! `sequences` (optional) declares sequence features
@@ -56,11 +59,54 @@ struct ConfigJson {
 #[serde(deny_unknown_fields)]
 struct FeatureJson {
     name: String,
-    num_rows: u64,
+    #[serde(default)]
+    num_rows: Option<u64>,
     #[serde(default)]
     weighted: bool,
     #[serde(default)]
     raw_ids: bool,
+    /// `raw` for a raw integer input; nothing else (the model pools its own
+    /// features).
+    #[serde(default)]
+    pooling: Option<String>,
+}
+
+impl FeatureJson {
+    /// The feature, checked: a raw input has no rows, weight nor raw ids;
+    /// any other feature has rows. `at` names it in errors.
+    fn feature(self, at: &str) -> Result<SparseFeature, String> {
+        let raw = match self.pooling.as_deref() {
+            None => false,
+            Some("raw") => true,
+            Some(other) => {
+                return Err(format!(
+                    "{at}.pooling: {other:?}; model.json takes only \"raw\" (a raw integer input), the model \
+                     pools its other features itself"
+                ))
+            }
+        };
+        if raw {
+            if let Some(rows) = self.num_rows {
+                return Err(format!("{at}.num_rows: {rows}, but a raw input (pooling \"raw\") has no table"));
+            }
+            if self.weighted || self.raw_ids {
+                return Err(format!(
+                    "{at}: a raw input (pooling \"raw\") is neither weighted nor raw_ids: its values reach \
+                     the model as sent"
+                ));
+            }
+            return Ok(SparseFeature::raw(self.name));
+        }
+        match self.num_rows {
+            None => Err(format!("{at}.num_rows: missing (every feature but a raw input has a table)")),
+            Some(0) => Err(format!("{at}.num_rows: must be at least 1")),
+            Some(num_rows) => Ok(SparseFeature {
+                weighted: self.weighted,
+                raw_ids: self.raw_ids,
+                ..SparseFeature::new(self.name, num_rows)
+            }),
+        }
+    }
 }
 
 /// Parses a model config. `default_name` names the model when the config
@@ -72,13 +118,16 @@ pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Res
     }
     let mut names = HashSet::new();
     for (i, feature) in config.sparse_features.iter().enumerate() {
-        if feature.num_rows == 0 {
-            return Err(format!("sparse_features[{i}].num_rows: must be at least 1"));
-        }
         if feature.name.is_empty() || !names.insert(feature.name.as_str()) {
             return Err(format!("sparse_features[{i}].name: {:?} is empty or repeated", feature.name));
         }
     }
+    let features = config
+        .sparse_features
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| f.feature(&format!("sparse_features[{i}]")))
+        .collect::<Result<Vec<_>, _>>()?;
     let outputs = config.outputs.unwrap_or_else(|| vec![DEFAULT_OUTPUT.into()]);
     if outputs.is_empty() {
         return Err("outputs: the model needs at least one output".into());
@@ -87,24 +136,14 @@ pub fn parse(text: &str, default_name: &str, backend: &str, device: &str) -> Res
     if let Some(repeated) = outputs.iter().find(|o| o.is_empty() || !seen.insert(o.as_str())) {
         return Err(format!("outputs: {repeated:?} is empty or repeated"));
     }
-    let (unweighted, weighted): (Vec<_>, Vec<_>) =
-        config.sparse_features.into_iter().partition(|f| !f.weighted);
+    let (unweighted, weighted): (Vec<_>, Vec<_>) = features.into_iter().partition(|f| !f.weighted);
     let mut schema = ModelSchema {
         name: config.name.unwrap_or_else(|| default_name.into()),
         version: config.version.unwrap_or_else(|| "1".into()),
         backend: backend.into(),
         device: device.into(),
         num_dense: config.dense_features,
-        sparse: unweighted
-            .into_iter()
-            .chain(weighted)
-            .map(|f| SparseFeature {
-                name: f.name,
-                num_rows: f.num_rows,
-                weighted: f.weighted,
-                raw_ids: f.raw_ids,
-            })
-            .collect(),
+        sparse: unweighted.into_iter().chain(weighted).collect(),
         outputs,
         request_level: RequestLevel::default(),
         sequences: Vec::new(),
@@ -144,6 +183,23 @@ mod tests {
     }
 
     #[test]
+    fn a_raw_input_is_declared_by_pooling_raw_without_rows_and_may_be_a_sequence_channel() {
+        let schema = parsed(
+            r#"{"dense_features": 1, "sparse_features": [{"name": "item", "num_rows": 100},
+                {"name": "ts", "pooling": "raw"}, {"name": "hist", "num_rows": 100},
+                {"name": "hist_ts", "pooling": "raw"}],
+                "sequences": [{"name": "h", "features": ["hist", "hist_ts"], "max_len": 8, "request_rows": true}]}"#,
+        )
+        .unwrap();
+        assert_eq!(schema.sparse[1], SparseFeature::raw("ts"));
+        assert!(schema.sparse[3].raw_input && !schema.sparse[2].raw_input);
+        assert_eq!(schema.row_raw_inputs(), [1], "the sequence's raw channel is not a row's");
+        let h = &schema.sequences[0];
+        assert_eq!((h.raw_channels, h.request_rows), (1, true));
+        assert!(schema.takes_int64_ids());
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let cases = [
             (r#"{"dense_features": 1, "sparse_features": []}"#, "sparse_features:"),
@@ -164,6 +220,22 @@ mod tests {
                 "unknown field `output`",
             ),
             (r#"{"sparse_features": [{"name": "a", "num_rows": 1}]}"#, "missing field `dense_features`"),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a"}]}"#,
+                "sparse_features[0].num_rows: missing",
+            ),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "a", "num_rows": 1}, {"name": "t", "pooling": "raw", "num_rows": 5}]}"#,
+                "sparse_features[1].num_rows: 5, but a raw input",
+            ),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "t", "pooling": "raw", "weighted": true}]}"#,
+                "sparse_features[0]: a raw input (pooling \"raw\") is neither weighted",
+            ),
+            (
+                r#"{"dense_features": 1, "sparse_features": [{"name": "t", "pooling": "sum", "num_rows": 3}]}"#,
+                "sparse_features[0].pooling: \"sum\"",
+            ),
         ];
         for (text, field) in cases {
             let err = parsed(text).unwrap_err();

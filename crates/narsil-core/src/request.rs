@@ -184,6 +184,7 @@ impl RequestSamples {
         let total: u64 = self.lengths.iter().map(|&l| u64::from(l)).sum();
         ids_match_lengths(self.ids.len(), total as usize, InputField::Ids)?;
         validated.positions_truncated += self.fit_sequences(schema)?;
+        self.check_row_raw_inputs(schema)?;
         self.check_ids(schema, limits.id_policy)?;
         self.widen_weights(schema)?;
         Ok(validated)
@@ -319,10 +320,10 @@ impl RequestSamples {
                     sample
                         .iter()
                         .zip(&schema.sparse)
-                        .fold(ok, |ok, (&id, f)| ok & (f.raw_ids | ((id as u64) < f.num_rows)))
+                        .fold(ok, |ok, (&id, f)| ok & (f.is_unchecked() | ((id as u64) < f.num_rows)))
                 }),
                 SparseLayout::KeyMajor => self.ids.chunks_exact(b).zip(&schema.sparse).all(|(ids, f)| {
-                    f.raw_ids || ids.iter().fold(true, |ok, &id| ok & ((id as u64) < f.num_rows))
+                    f.is_unchecked() || ids.iter().fold(true, |ok, &id| ok & ((id as u64) < f.num_rows))
                 }),
             };
             if in_range {

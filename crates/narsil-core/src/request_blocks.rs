@@ -35,6 +35,10 @@ pub struct RequestBlocks {
     /// Per fused request, in order: the unit its rows use, or `None` for a
     /// flat request.
     pub request_unit: Vec<Option<usize>>,
+    /// Per unit: the rows of the whole request its block came with
+    /// ([`RequestBlock::request_rows`]; 0 where the model takes none),
+    /// however the engine cut that request into parts or fused them.
+    pub unit_rows: Vec<usize>,
 }
 
 impl RequestBlocks {
@@ -86,6 +90,7 @@ impl RequestBlocks {
         }
         for unit in &units {
             gathered.dense.extend_from_slice(&unit.dense);
+            gathered.unit_rows.push(unit.request_rows);
         }
         gathered.features = features;
         Some(gathered)

@@ -41,6 +41,13 @@ pub struct RequestBlock {
     /// thread): blocks whose digests differ differ, so fusing compares
     /// only blocks with the same digest ([`crate::RequestBlocks::gather`]).
     pub digest: u64,
+    /// The rows (candidates) of the whole request it came with, where a
+    /// sequence of the model declares `request_rows` (0 otherwise). Set
+    /// by validation, before the engine cuts the request into parts (the
+    /// parts share the block, so each keeps the whole's count); part of
+    /// the block's values, so two requests of one user share a unit only
+    /// where their counts agree.
+    pub request_rows: usize,
 }
 
 impl RequestBlock {
@@ -114,6 +121,7 @@ impl RequestBlock {
             ));
         }
         let truncated = self.fit_sequences(schema)?;
+        self.check_raw_inputs(schema)?;
         let mut at = 0;
         for (&f, &len) in level.features.iter().zip(&self.lengths) {
             let feature = &schema.sparse[f];
@@ -165,6 +173,7 @@ impl RequestBlock {
         };
         floats(&self.dense);
         floats(&self.weights);
+        hasher.write_usize(self.request_rows);
         self.lengths.hash(&mut hasher);
         self.ids.hash(&mut hasher);
         hasher.finish()
@@ -233,6 +242,7 @@ pub(crate) fn widen_row_lengths(
             ),
         ));
     }
+    block.request_rows = if schema.sequences.iter().any(|s| s.request_rows) { samples } else { 0 };
     let truncated = block.validate(schema, limits)?;
     let num_sparse = schema.num_sparse();
     let candidate = level.candidate_features(schema);

@@ -23,11 +23,22 @@ impl RequestSamples {
         self.num_samples.saturating_add(rows).saturating_add(block)
     }
 
-    /// Memory the sequence values of its rows take once looked up (each
-    /// position's FP32 values, [`crate::SequenceFeature::width`]), and
-    /// those of its request block (looked up once per request).
-    pub fn sequence_value_bytes(&self, schema: &ModelSchema) -> (usize, usize) {
-        self.sum_over_positions(schema, |sequence| sequence.width * std::mem::size_of::<f32>())
+    /// Memory the stage's unpooled outputs for it take: those of its rows
+    /// (each sequence position's FP32 values and raw channels' int64
+    /// values, [`SequenceFeature::position_bytes`]; each row's raw inputs,
+    /// request-level ones broadcast to it, 8 bytes each; a unit's request
+    /// rows), and those of its request block's sequences (laid out once
+    /// per request).
+    pub fn stage_value_bytes(&self, schema: &ModelSchema) -> (usize, usize) {
+        let (rows, block) = self.sum_over_positions(schema, SequenceFeature::position_bytes);
+        let int64 = std::mem::size_of::<i64>();
+        let row_raw = schema.row_raw_inputs().len() * int64;
+        let counted = schema.sequences.iter().filter(|s| s.request_rows).count() * int64;
+        // A unit's count: one per row (a row's own unit) and one for the
+        // block's.
+        let block_unit = if self.request.is_some() { counted } else { 0 };
+        let rows = rows.saturating_add(self.num_samples.saturating_mul(row_raw + counted));
+        (rows, block.saturating_add(block_unit))
     }
 
     /// `per_position(sequence)` summed over every sequence position of its
@@ -234,6 +245,43 @@ mod tests {
         assert_eq!(grouped.working_set_bytes(&s, false), 5 * 6 * 49);
         // No sequences: nothing.
         assert_eq!(grouped.working_set_bytes(&ModelSchema::dlrm("mock", "cpu", 100), false), 0);
+    }
+
+    #[test]
+    fn raw_channels_raw_inputs_and_unit_counts_are_charged_eight_bytes_a_value() {
+        use crate::schema::SparseFeature;
+        // cat_0 pooled; `qt` a raw input per row; `h` (cat_1 looked up, 10
+        // values a position, and `h_ts` raw), request-level, counting its
+        // request rows.
+        let mut s = ModelSchema::dlrm("mock", "cpu", 100);
+        s.num_dense = 1;
+        s.sparse.truncate(2);
+        s.sparse.extend([SparseFeature::raw("qt"), SparseFeature::raw("h_ts")]);
+        s.request_level = RequestLevel::parse(["cat_1", "h_ts"], &s).unwrap();
+        let channels = ["cat_1".to_string(), "h_ts".to_string()];
+        let mut h = SequenceFeature::new("h", &channels, 8, KeepEnd::Last, &s, &[]).unwrap();
+        (h.width, h.request_rows) = (10, true);
+        assert_eq!((h.raw_channels, h.position_bytes()), (1, 10 * 4 + 8));
+        s.sequences = vec![h];
+        let mut r = RequestSamples {
+            num_samples: 3,
+            dense: vec![0.5; 3],
+            ids: vec![1, -1, 2, i64::MAX, 3, i64::MIN],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![5, 5],
+                ids: (0..5).chain(0..5).collect(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        r.validate(&s, LIMITS).unwrap();
+        assert_eq!(r.request.as_ref().unwrap().request_rows, 3, "the whole request's rows, on its block");
+        // Rows: each its raw input and its (empty) own unit's count; the
+        // block: 5 positions of 48 bytes and its unit's count.
+        assert_eq!(r.stage_value_bytes(&s), (3 * (8 + 8), 5 * 48 + 8));
+        // Its parts keep the whole's count (they share the block).
+        let parts = r.split_rows(1, s.num_sparse());
+        assert!(parts.iter().all(|p| p.request.as_ref().unwrap().request_rows == 3));
     }
 
     #[test]

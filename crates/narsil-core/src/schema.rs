@@ -15,12 +15,30 @@ pub struct SparseFeature {
     /// modulo, a TorchRec managed-collision model): never range-checked
     /// nor changed by `--id-policy`.
     pub raw_ids: bool,
+    /// A raw integer input (`"pooling": "raw"`): its int64 values reach
+    /// the dense network exactly as sent, never looked up (no table: its
+    /// `num_rows` is 0), never range-checked nor changed by `--id-policy`.
+    /// In a sequence it is a channel aligned with the others; outside one,
+    /// exactly one value per sample (or per request block where it is
+    /// request-level).
+    pub raw_input: bool,
 }
 
 impl SparseFeature {
     /// An unweighted feature.
     pub fn new(name: impl Into<String>, num_rows: u64) -> Self {
-        Self { name: name.into(), num_rows, weighted: false, raw_ids: false }
+        Self { name: name.into(), num_rows, weighted: false, raw_ids: false, raw_input: false }
+    }
+
+    /// A raw integer input ([`SparseFeature::raw_input`]).
+    pub fn raw(name: impl Into<String>) -> Self {
+        Self { raw_input: true, ..Self::new(name, 0) }
+    }
+
+    /// Whether its values are taken as sent, never held against a
+    /// table's rows: raw ids, or a raw input.
+    pub fn is_unchecked(&self) -> bool {
+        self.raw_ids || self.raw_input
     }
 }
 
@@ -70,6 +88,21 @@ impl ModelSchema {
     /// Whether any sparse feature takes raw ids.
     pub fn takes_raw_ids(&self) -> bool {
         self.sparse.iter().any(|f| f.raw_ids)
+    }
+
+    /// Whether any feature's values must reach the model as full int64
+    /// (raw ids, raw inputs): a TorchRec-signature model then gets its ids
+    /// as int64, not int32.
+    pub fn takes_int64_ids(&self) -> bool {
+        self.sparse.iter().any(SparseFeature::is_unchecked)
+    }
+
+    /// The raw inputs outside any sequence, in schema order: one value per
+    /// row each, the dense network's `raw i64[R, K]`.
+    pub fn row_raw_inputs(&self) -> Vec<usize> {
+        (0..self.sparse.len())
+            .filter(|&f| self.sparse[f].raw_input && self.sequence_of(f).is_none())
+            .collect()
     }
 
     /// Number of outputs.
@@ -234,6 +267,14 @@ pub struct SequenceFeature {
     /// ([`crate::working_set`]); `None`: not declared
     /// ([`SequenceFeature::working_set`] estimates it).
     pub working_set: Option<crate::working_set::WorkingSet>,
+    /// Its raw channels ([`SparseFeature::raw_input`]): the int64 values
+    /// per position the stage hands the dense network as they were sent
+    /// (`seq{i}_raw i64[P, K]`).
+    pub raw_channels: usize,
+    /// Whether its dense network also takes, per unit, the rows of the
+    /// whole request the unit came from (`seq{i}_unit_rows i64[U]`;
+    /// `"request_rows": true`).
+    pub request_rows: bool,
 }
 
 /// Whether `level` sends sequence `name`, whose channels are the sparse

@@ -9,6 +9,12 @@
 //! Validation checks that alignment and cuts a sequence longer than its
 //! maximum at the model's end (the most recent positions by default),
 //! counting the positions dropped: never refused for its length.
+//!
+//! A channel may be a raw integer input (`"pooling": "raw"`: a timestamp,
+//! an action bitmask), aligned with the others and cut with them, whose
+//! values reach the dense network as sent. A sequence may also declare
+//! `"request_rows": true`: its network then takes, per unit, the rows of
+//! the whole request the unit came from (`docs/guide/sequences.md`).
 
 use serde::Deserialize;
 
@@ -19,8 +25,9 @@ use crate::working_set::WorkingSet;
 
 /// A sequence as `schema.json`, `model.json` and `narsil_schema()` declare
 /// it: `{"name": "history", "features": ["hist_item", "hist_cat"],
-/// "max_len": 256, "keep": "last", "working_set": {...}}` (`keep` optional,
-/// `last` by default; `working_set` optional: [`crate::working_set`]).
+/// "max_len": 256, "keep": "last", "working_set": {...}, "request_rows":
+/// false}` (`keep` optional, `last` by default; `working_set` optional:
+/// [`crate::working_set`]; `request_rows` optional, false by default).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SequenceJson {
@@ -37,6 +44,10 @@ pub struct SequenceJson {
     /// ([`crate::working_set`]); optional.
     #[serde(default)]
     pub working_set: Option<WorkingSet>,
+    /// Whether its dense network takes each unit's request rows
+    /// ([`SequenceFeature::request_rows`]); optional, false.
+    #[serde(default)]
+    pub request_rows: bool,
 }
 
 /// The sequences `declared`, checked against `schema` (whose
@@ -54,6 +65,7 @@ pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<Se
             working_set.check().map_err(|e| format!("sequence {:?}: {e}", json.name))?;
             sequence.working_set = Some(working_set);
         }
+        sequence.request_rows = json.request_rows;
         sequences.push(sequence);
     }
     Ok(sequences)
@@ -93,7 +105,23 @@ impl SequenceFeature {
             indices.push(f);
         }
         sent_once(name, &indices, &schema.request_level, schema)?;
-        Ok(Self { name: name.into(), features: indices, max_len, keep, width: 0, working_set: None })
+        let raw_channels = indices.iter().filter(|&&f| schema.sparse[f].raw_input).count();
+        Ok(Self {
+            name: name.into(),
+            features: indices,
+            max_len,
+            keep,
+            width: 0,
+            working_set: None,
+            raw_channels,
+            request_rows: false,
+        })
+    }
+
+    /// Bytes one of its positions takes once the stage has laid it out:
+    /// its looked-up FP32 values and its raw channels' int64 values.
+    pub fn position_bytes(&self) -> usize {
+        self.width * std::mem::size_of::<f32>() + self.raw_channels * std::mem::size_of::<i64>()
     }
 
     /// What its dense network allocates per request for it: as declared,
@@ -308,7 +336,7 @@ mod tests {
         r.validate(&s, LIMITS).unwrap();
         // 3 rows, 3 row positions, 3 history positions (once).
         assert_eq!(r.tokens(&s, false), 3 + 3 + 3);
-        assert_eq!(r.sequence_value_bytes(&s), (3 * 8 * 4, 3 * 24 * 4));
+        assert_eq!(r.stage_value_bytes(&s), (3 * 8 * 4, 3 * 24 * 4));
         // Without sequences: tokens are rows.
         assert_eq!(r.tokens(&schema(), false), 3);
     }

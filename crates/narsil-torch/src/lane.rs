@@ -121,7 +121,8 @@ impl TorchLane {
     /// TorchRec's signature: each feature group key-major under its own
     /// keys, ids as int32 (what TorchRec's server sends; int64 for a model
     /// whose features take raw 64-bit ids, a managed-collision model's
-    /// remapping needs them whole), and every output the schema names,
+    /// remapping needs them whole, and for a model with raw integer
+    /// inputs), and every output the schema names,
     /// output after output.
     fn forward_dict(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
         let device = self.model.device();
@@ -129,7 +130,7 @@ impl TorchLane {
         let unweighted = self.model.schema().num_unweighted();
         let split = batch.feature_offsets[unweighted];
         let on_device = |t: Tensor| t.f_to_device(device).map_err(torch_error);
-        let raw_ids = self.model.schema().takes_raw_ids();
+        let raw_ids = self.model.schema().takes_int64_ids();
         let ids = |ids: &[i64]| {
             on_device(if raw_ids {
                 Tensor::from_slice(ids)

@@ -50,10 +50,35 @@ struct SchemaJson {
     sequences: Vec<narsil_core::sequence::SequenceJson>,
 }
 
+/// A feature of `narsil_schema()`: `{"name", "num_rows"}`, or `{"name",
+/// "pooling": "raw"}` for a raw integer input (no rows).
 #[derive(Debug, Deserialize)]
 struct SparseJson {
     name: String,
+    #[serde(default)]
     num_rows: u64,
+    #[serde(default)]
+    pooling: Option<String>,
+}
+
+impl SparseJson {
+    fn feature(self) -> Result<SparseFeature, String> {
+        match (self.pooling.as_deref(), self.num_rows) {
+            (Some("raw"), 0) => Ok(SparseFeature::raw(self.name)),
+            (Some("raw"), rows) => Err(format!(
+                "feature {:?}: a raw input (pooling \"raw\") has no table, but {rows} rows",
+                self.name
+            )),
+            (Some(other), _) => Err(format!(
+                "feature {:?}: pooling {other:?}; narsil_schema() takes only \"raw\" (a raw integer input)",
+                self.name
+            )),
+            (None, 0) => {
+                Err(format!("feature {:?} has no rows (a raw input says \"pooling\": \"raw\")", self.name))
+            }
+            (None, rows) => Ok(SparseFeature::new(self.name, rows)),
+        }
+    }
 }
 
 /// A loaded TorchScript model. TorchScript modules may run forwards from
@@ -167,9 +192,15 @@ impl TorchModel {
 fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, Option<f64>), BackendError> {
     let parsed: SchemaJson = serde_json::from_str(json)
         .map_err(|e| BackendError::load(path, "narsil_schema() is not valid").caused_by(e))?;
-    if parsed.sparse.is_empty() || parsed.sparse.iter().any(|f| f.num_rows == 0) {
-        return Err(BackendError::load(path, "the schema needs at least one sparse feature, each with rows"));
+    if parsed.sparse.is_empty() {
+        return Err(BackendError::load(path, "the schema needs at least one sparse feature"));
     }
+    let sparse = parsed
+        .sparse
+        .into_iter()
+        .map(SparseJson::feature)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| BackendError::load(path, format!("narsil_schema(): {e}")))?;
     let mut schema = ModelSchema {
         request_level: Default::default(),
         name: parsed.name,
@@ -177,7 +208,7 @@ fn parse_schema(json: &str, path: &Path, device: &str) -> Result<(ModelSchema, O
         backend: "torch".into(),
         device: device.into(),
         num_dense: parsed.num_dense,
-        sparse: parsed.sparse.into_iter().map(|f| SparseFeature::new(f.name, f.num_rows)).collect(),
+        sparse,
         outputs: vec![DEFAULT_OUTPUT.into()],
         sequences: Vec::new(),
     };
@@ -240,4 +271,42 @@ fn config_schema(
     let schema = model_config::read(&path, directory, "torch", device)
         .map_err(|reason| BackendError::load(model, reason))?;
     Ok((schema, path))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::parse_schema;
+
+    #[test]
+    fn narsil_schema_declares_a_raw_input_by_pooling_raw_without_rows_and_names_bad_ones() {
+        let json = |sparse: &str| {
+            format!(
+                r#"{{"name": "m", "version": "1", "num_dense": 1, "sparse": [{sparse}],
+                    "sequences": [{{"name": "h", "features": ["h_ts"], "max_len": 4, "request_rows": true}}]}}"#
+            )
+        };
+        let path = Path::new("m.pt");
+        let good = r#"{"name": "item", "num_rows": 10}, {"name": "qt", "pooling": "raw"}, {"name": "h_ts", "pooling": "raw"}"#;
+        let (schema, _) = parse_schema(&json(good), path, "cpu").unwrap();
+        let raw: Vec<(bool, u64)> = schema.sparse.iter().map(|f| (f.raw_input, f.num_rows)).collect();
+        assert_eq!(raw, [(false, 10), (true, 0), (true, 0)]);
+        assert_eq!(schema.row_raw_inputs(), [1]);
+        assert!(schema.sequences[0].request_rows && schema.sequences[0].raw_channels == 1);
+        for (sparse, named) in [
+            (
+                r#"{"name": "qt", "pooling": "raw", "num_rows": 5}, {"name": "h_ts", "pooling": "raw"}"#,
+                "\"qt\": a raw input",
+            ),
+            (r#"{"name": "qt"}, {"name": "h_ts", "pooling": "raw"}"#, "\"qt\" has no rows"),
+            (
+                r#"{"name": "qt", "pooling": "mean", "num_rows": 3}, {"name": "h_ts", "pooling": "raw"}"#,
+                "pooling \"mean\"",
+            ),
+        ] {
+            let error = parse_schema(&json(sparse), path, "cpu").unwrap_err().to_string();
+            assert!(error.contains(named), "{sparse}: {error}");
+        }
+    }
 }

@@ -70,11 +70,12 @@ impl SplitFactory {
             (None, _) => Buckets::from_env().map_err(BackendError::setup)?,
         };
         let (stores, opened) = config.table_store.open(&dir, &split).map_err(|e| load_error(&dir, e))?;
-        let device_tables = if device_path && !split.sequences.is_empty() {
+        let device_tables = if device_path && split.takes_unpooled_inputs() {
             tracing::info!(
                 ?device,
-                "the model has sequence features: its tables stay on the host (the CPU stage looks sequences up \
-                 and pools; its values are copied to the device) and its dense network runs eagerly"
+                "the model has sequence features or raw inputs: its tables stay on the host (the CPU stage looks \
+                 sequences up, lays raw inputs out and pools; its values are copied to the device) and its dense \
+                 network runs eagerly"
             );
             None
         } else if device_path {

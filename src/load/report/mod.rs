@@ -368,6 +368,7 @@ mod tests {
                     request_level: false,
                     raw_ids: false,
                     sequence: String::new(),
+                    raw_input: false,
                 })
                 .collect(),
             ..Default::default()

@@ -33,6 +33,10 @@ pub enum PoolingMode {
     /// (TorchRec's `EmbeddingCollection`), handed to the dense network as
     /// jagged values ([`SplitSchema::sequences`]).
     None,
+    /// Not looked up at all: a raw integer input, no table, whose int64
+    /// values reach the dense network as sent (a sequence's raw channel,
+    /// `seq{i}_raw`, or one value per row, `raw`; `docs/guide/sequences.md`).
+    Raw,
 }
 
 /// One sparse feature.
@@ -40,12 +44,40 @@ pub enum PoolingMode {
 pub struct FeatureSpec {
     /// Its name, as requests send it (schema order).
     pub name: String,
-    /// The table its ids index; several features may share one.
+    /// The table its ids index; several features may share one. Empty
+    /// (absent) for a raw input, which has none.
+    #[serde(default)]
     pub table: String,
     /// How its bags are pooled.
     pub pooling: PoolingMode,
-    /// Whether each id comes with a weight.
+    /// Whether each id comes with a weight (absent: false).
+    #[serde(default)]
     pub weighted: bool,
+}
+
+impl PoolingMode {
+    /// Whether its bags are pooled into the pooled block (`sum`, `mean`).
+    pub fn is_pooled(self) -> bool {
+        matches!(self, Self::Sum | Self::Mean)
+    }
+}
+
+/// A raw input's own rules: no table, no weights.
+fn check_raw_input(feature: &FeatureSpec) -> Result<(), String> {
+    if !feature.table.is_empty() {
+        return Err(format!(
+            "feature {:?} is a raw input (pooling \"raw\") but names table {:?}: a raw input's values reach \
+             the dense network as sent, never looked up; drop its table",
+            feature.name, feature.table
+        ));
+    }
+    if feature.weighted {
+        return Err(format!(
+            "feature {:?} is a raw input (pooling \"raw\") and weighted: a raw input's values carry no weight",
+            feature.name
+        ));
+    }
+    Ok(())
 }
 
 /// A DLRM top cut for one set of request-level features
@@ -249,6 +281,16 @@ impl SplitSchema {
         }
         let dim = self.pooled_features().next().and_then(|f| self.table(&f.table)).map(|t| t.dim);
         for feature in &self.features {
+            if feature.pooling == PoolingMode::Raw {
+                check_raw_input(feature)?;
+                continue;
+            }
+            if feature.table.is_empty() {
+                return Err(format!(
+                    "feature {:?} names no table: only a raw input (pooling \"raw\") has none",
+                    feature.name
+                ));
+            }
             let Some(table) = self.table(&feature.table) else {
                 return Err(format!(
                     "feature {:?} names table {:?}, which is not listed",
@@ -264,8 +306,8 @@ impl SplitSchema {
             let in_sequence = self.sequences.iter().any(|s| s.features.contains(&feature.name));
             if (feature.pooling == PoolingMode::None) != in_sequence {
                 return Err(format!(
-                    "feature {:?} is pooled {:?} but {}: a feature is unpooled (`none`) exactly when it is a \
-                     sequence's channel",
+                    "feature {:?} is pooled {:?} but {}: a feature with a table is unpooled (`none`) exactly \
+                     when it is a sequence's channel (a raw input may be either)",
                     feature.name,
                     feature.pooling,
                     if in_sequence { "is a sequence's channel" } else { "in no sequence" }
@@ -278,6 +320,15 @@ impl SplitSchema {
                         sequences whole)"
                     .into(),
             );
+        }
+        if let Some(raw) = self.features.iter().find(|f| f.pooling == PoolingMode::Raw) {
+            if self.dense_bottom.is_some() || self.dense_top.is_some() || self.dense_user_once.is_some() {
+                return Err(format!(
+                    "feature {:?} is a raw input: a model with raw inputs has no dense_bottom/dense_top/\
+                     dense_user_once cut (its dense network takes them whole)",
+                    raw.name
+                ));
+            }
         }
         if let Some(cut) = &self.dense_user_once {
             if self.dense_bottom.is_none() || !cut.request_level.iter().any(|name| name == "dense") {
@@ -333,13 +384,16 @@ impl SplitSchema {
             sparse: self
                 .features
                 .iter()
-                .map(|f| narsil_core::SparseFeature {
-                    weighted: f.weighted,
-                    raw_ids: self.table(&f.table).is_some_and(|t| t.ids.are_raw()),
-                    ..narsil_core::SparseFeature::new(
-                        f.name.clone(),
-                        self.table(&f.table).map_or(0, |t| t.rows),
-                    )
+                .map(|f| match f.pooling {
+                    PoolingMode::Raw => narsil_core::SparseFeature::raw(f.name.clone()),
+                    _ => narsil_core::SparseFeature {
+                        weighted: f.weighted,
+                        raw_ids: self.table(&f.table).is_some_and(|t| t.ids.are_raw()),
+                        ..narsil_core::SparseFeature::new(
+                            f.name.clone(),
+                            self.table(&f.table).map_or(0, |t| t.rows),
+                        )
+                    },
                 })
                 .collect(),
             outputs: self.outputs.clone(),
@@ -358,10 +412,22 @@ impl SplitSchema {
         schema
     }
 
-    /// The pooled features (every one but the sequences' channels), in
-    /// schema order: the pooled block's columns.
+    /// The pooled features (every one but the sequences' channels and
+    /// the raw inputs), in schema order: the pooled block's columns.
     pub fn pooled_features(&self) -> impl Iterator<Item = &FeatureSpec> {
-        self.features.iter().filter(|f| f.pooling != PoolingMode::None)
+        self.features.iter().filter(|f| f.pooling.is_pooled())
+    }
+
+    /// Whether any feature is a raw input.
+    pub fn has_raw_inputs(&self) -> bool {
+        self.features.iter().any(|f| f.pooling == PoolingMode::Raw)
+    }
+
+    /// Whether its dense network takes more than the dense and pooled
+    /// blocks (sequences, raw inputs): inputs whose shapes vary per batch
+    /// and that the CPU stage lays out.
+    pub fn takes_unpooled_inputs(&self) -> bool {
+        !self.sequences.is_empty() || self.has_raw_inputs()
     }
 
     /// Values in each pooled vector (0 for a model whose every feature is
@@ -406,6 +472,61 @@ mod tests {
         assert_eq!(Storage::Int8Rowwise.row_bytes(64), 80);
         assert_eq!(Storage::Int8Rowwise.row_bytes(8), 16);
         assert_eq!(Storage::Fp32.row_bytes(64), 256);
+    }
+
+    #[test]
+    fn a_raw_input_has_no_table_nor_weight_takes_no_pooled_column_and_may_be_a_sequence_channel() {
+        let raw = |name: &str| FeatureSpec {
+            name: name.into(),
+            table: String::new(),
+            pooling: PoolingMode::Raw,
+            weighted: false,
+        };
+        let mut split = schema();
+        let none =
+            FeatureSpec { name: "h".into(), table: "t".into(), pooling: PoolingMode::None, weighted: false };
+        split.features.splice(1..1, [raw("query_time"), none, raw("h_time")]);
+        split.sequences = vec![narsil_core::sequence::SequenceJson {
+            name: "hist".into(),
+            features: vec!["h".into(), "h_time".into()],
+            max_len: 4,
+            keep: None,
+            working_set: None,
+            request_rows: true,
+        }];
+        assert_eq!(split.check(), Ok(()));
+        assert_eq!(split.pooled_features().map(|f| f.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
+        assert_eq!(split.sequence_width(0), 64, "the raw channel adds no value to look up");
+        let model = split.model_schema("torch", "cpu");
+        assert!(model.sparse[1].raw_input && model.sparse[1].num_rows == 0 && !model.sparse[1].raw_ids);
+        assert_eq!(model.row_raw_inputs(), [1]);
+        assert_eq!((model.sequences[0].raw_channels, model.sequences[0].request_rows), (1, true));
+        assert!(split.takes_unpooled_inputs());
+        // A sequence of raw channels only (no value looked up) is one.
+        split.sequences[0].features = vec!["h_time".into()];
+        split.features.remove(2);
+        assert_eq!(split.check(), Ok(()));
+        assert_eq!(split.sequence_width(0), 0);
+        // A raw input with a table, or weighted: refused, naming it.
+        let mut bad = split.clone();
+        bad.features[1].table = "t".into();
+        let e = bad.check().unwrap_err();
+        assert!(e.contains("\"query_time\" is a raw input") && e.contains("names table \"t\""), "{e}");
+        let mut bad = split.clone();
+        bad.features[1].weighted = true;
+        bad.features[2].weighted = true;
+        bad.features[3].weighted = true;
+        let e = bad.check().unwrap_err();
+        assert!(e.contains("\"query_time\" is a raw input") && e.contains("weighted"), "{e}");
+        // A table's feature without a table.
+        let mut bad = split.clone();
+        bad.features[0].table.clear();
+        assert!(bad.check().unwrap_err().contains("\"a\" names no table"));
+        // No dense cut beside raw inputs.
+        let mut bad = split;
+        bad.dense_bottom = Some("dense_bottom.pt".into());
+        bad.dense_top = Some("dense_top.pt".into());
+        assert!(bad.check().unwrap_err().contains("has no dense_bottom/dense_top"));
     }
 
     #[test]

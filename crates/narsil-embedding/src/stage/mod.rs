@@ -51,6 +51,9 @@
 //!   candidate rows;
 //! * `sequences.rs`: sequence features looked up unpooled, once per unit,
 //!   as jagged values with per-unit offsets and each row's unit;
+//! * `raw_inputs.rs`: raw integer inputs (never looked up) laid out as the
+//!   dense network takes them: a sequence's raw channels and its units'
+//!   request rows, the rows' own raw inputs;
 //! * `scratch.rs`: a lane's buffers ([`StageScratch`]).
 
 mod broadcast;
@@ -63,6 +66,7 @@ mod pool_laid_out;
 mod pooling;
 mod push;
 mod pushed_ids;
+mod raw_inputs;
 mod read_ahead;
 mod scratch;
 mod sequences;
@@ -125,7 +129,8 @@ struct FeatureLookup {
     name: String,
     pooling: PoolingMode,
     weighted: bool,
-    /// Its column in the pooled block, for a pooled feature.
+    /// Its column in the pooled block, for a pooled feature (none for a
+    /// sequence's channel or a raw input).
     column: Option<usize>,
     /// Where its positions go, for a sequence's channel.
     channel: Option<Channel>,
@@ -136,6 +141,9 @@ pub struct EmbeddingStage {
     tables: Vec<StageTable>,
     features: Vec<FeatureLookup>,
     sequences: Vec<StageSequence>,
+    /// The raw inputs outside any sequence, in schema order (the dense
+    /// network's `raw i64[R, K]`).
+    row_raw: Vec<usize>,
     /// Pooled features (the pooled block's columns).
     pooled: usize,
     dim: usize,
@@ -190,12 +198,15 @@ impl EmbeddingStage {
             .iter()
             .enumerate()
             .map(|(f, spec)| {
+                // A raw input is looked up nowhere: no channel, no column.
+                let looked_up = spec.pooling != PoolingMode::Raw;
                 let channel = model.sequences.iter().enumerate().find_map(|(s, sequence)| {
                     let c = sequence.features.iter().position(|&g| g == f)?;
                     let column = sequence.features[..c].iter().map(|&g| schema.feature_dim(g)).sum();
                     Some(Channel { sequence: s, column })
                 });
-                let column = channel.is_none().then(|| {
+                let channel = channel.filter(|_| looked_up);
+                let column = spec.pooling.is_pooled().then(|| {
                     pooled += 1;
                     pooled - 1
                 });
@@ -211,12 +222,19 @@ impl EmbeddingStage {
         let sequences = model
             .sequences
             .iter()
-            .map(|sequence| StageSequence { first: sequence.features[0], width: sequence.width })
+            .map(|sequence| StageSequence {
+                first: sequence.features[0],
+                width: sequence.width,
+                raw: sequence.features.iter().copied().filter(|&f| model.sparse[f].raw_input).collect(),
+                request_rows: sequence.request_rows,
+            })
             .collect();
+        let row_raw = model.row_raw_inputs();
         Self {
             tables,
             features,
             sequences,
+            row_raw,
             pooled,
             dim: schema.pooled_dim(),
             metrics,
@@ -261,6 +279,20 @@ impl EmbeddingStage {
     /// their values after the pooled block: [`StageScratch::sequences`]).
     pub fn has_sequences(&self) -> bool {
         !self.sequences.is_empty()
+    }
+
+    /// Whether its dense network takes more than the dense and pooled
+    /// blocks (sequences, raw inputs outside them: [`StageScratch::sequences`],
+    /// [`StageScratch::row_raw`]), laid out by the stage per batch, so never
+    /// staged ahead as a block alone.
+    pub fn takes_unpooled_inputs(&self) -> bool {
+        !self.sequences.is_empty() || !self.row_raw.is_empty()
+    }
+
+    /// Raw inputs outside any sequence (the width of `raw i64[R, K]`; 0:
+    /// the dense network takes no `raw`).
+    pub fn row_raw_width(&self) -> usize {
+        self.row_raw.len()
     }
 
     /// Tells `watcher` whether the store its tables are on answers (see
@@ -338,6 +370,7 @@ impl EmbeddingStage {
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
         self.lay_out_sequences(batch, &mut scratch.sequences);
+        self.lay_out_row_raw(batch, &mut scratch.row_raw);
         own_rows(batch, &mut scratch.own_rows);
         for (t, table) in self.tables.iter().enumerate() {
             let distinct = &scratch.distinct[t];

@@ -35,6 +35,9 @@ pub struct StageScratch {
     pub(super) pushed: BatchPushed,
     /// The last batch's sequences, in the schema's order.
     pub(super) sequences: Vec<SequenceValues>,
+    /// The last batch's raw inputs outside sequences, `[rows, K]`
+    /// row-major (empty for a model without).
+    pub(super) row_raw: Vec<i64>,
     /// Bag lengths of 1, for looking positions up one id each.
     pub(super) ones: Vec<i32>,
     /// The rows of a batch with ranking requests that pool their own bags
@@ -47,5 +50,13 @@ impl StageScratch {
     /// schema's order; none for a model without sequences).
     pub fn sequences(&self) -> &[SequenceValues] {
         &self.sequences
+    }
+
+    /// The last batch's raw inputs outside sequences, `[rows, K]`
+    /// row-major, K = [`super::EmbeddingStage::row_raw_width`] (each row's
+    /// own value, or its request block's where the feature arrived once
+    /// per request); empty for a model without.
+    pub fn row_raw(&self) -> &[i64] {
+        &self.row_raw
     }
 }

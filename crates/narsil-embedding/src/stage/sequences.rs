@@ -19,6 +19,10 @@
 //! order: the dense network sees only the histories its rows use, and a
 //! network whose per-unit work does not depend on a unit's length (padded
 //! attention, a unit's context tokens) pays for no empty one.
+//!
+//! A sequence's raw channels (raw integer inputs: never looked up) and
+//! its units' request rows are laid out beside its values by
+//! `raw_inputs.rs`, position for position and unit for unit.
 
 use narsil_core::KeyedBatch;
 
@@ -37,6 +41,18 @@ pub struct SequenceValues {
     pub offsets: Vec<i64>,
     /// Per row of the batch, the unit it attends to.
     pub row_unit: Vec<i64>,
+    /// `[positions, raw_width]` row-major: its raw channels' values as
+    /// sent, position for position with `values` (empty without raw
+    /// channels).
+    pub raw: Vec<i64>,
+    /// Raw channels (0: the dense network takes no `seq{i}_raw`).
+    pub raw_width: usize,
+    /// Whether the dense network takes `unit_rows` (the sequence declares
+    /// `request_rows`).
+    pub request_rows: bool,
+    /// Per unit, where `request_rows`: the rows of the whole request its
+    /// block came from (1 for a row's own unit).
+    pub unit_rows: Vec<i64>,
 }
 
 impl SequenceValues {
@@ -55,15 +71,23 @@ impl SequenceValues {
         }
         let mut renumbered = vec![0i64; units];
         let mut kept = 0;
+        let counted = self.unit_rows.len() == units;
         for u in 0..units {
             if attended[u] || self.offsets[u + 1] > self.offsets[u] {
                 renumbered[u] = kept as i64;
+                if counted {
+                    // In place, as the offsets: `kept <= u`.
+                    self.unit_rows[kept] = self.unit_rows[u];
+                }
                 kept += 1;
                 // In place: `kept <= u + 1`, so nothing unread is overwritten.
                 self.offsets[kept] = self.offsets[u + 1];
             }
         }
         self.offsets.truncate(kept + 1);
+        if counted {
+            self.unit_rows.truncate(kept);
+        }
         for u in &mut self.row_unit {
             *u = renumbered[*u as usize];
         }
@@ -97,6 +121,10 @@ pub(super) struct StageSequence {
     pub first: usize,
     /// Values per position.
     pub width: usize,
+    /// Its raw channels' features, in the order it lists them.
+    pub raw: Vec<usize>,
+    /// Whether its network takes each unit's request rows.
+    pub request_rows: bool,
 }
 
 impl EmbeddingStage {
@@ -130,6 +158,7 @@ impl EmbeddingStage {
             }
             values.values.clear();
             values.values.resize(at as usize * sequence.width, 0.0);
+            self.lay_out_raw_channels(sequence, batch, values);
             self.metrics.count_sequences(at as usize, batch.rows, values.padding_to_longest());
         }
     }
@@ -171,6 +200,7 @@ mod tests {
             max_len: 4,
             keep: None,
             working_set: None,
+            request_rows: false,
         }];
         split.request_level = vec!["h_shared".into(), "h_own".into()];
         split.check().unwrap();

@@ -90,7 +90,7 @@ impl EngineHandle {
         let schema = &shared.schema;
         let (flat_only, block_bytes) =
             (shared.flat_only, request.request.as_ref().map_or(0, |b| b.decoded_bytes()));
-        let block_values = request.sequence_value_bytes(schema).1;
+        let block_values = request.stage_value_bytes(schema).1;
         // What each part's rows grow by once fused, the sequence values
         // they look up, and the working set its forward allocates for its
         // sequences (those of the request block, once, stay with the last
@@ -99,7 +99,7 @@ impl EngineHandle {
         let charge = |part: &RequestSamples| {
             part.row_bytes()
                 .saturating_add(part.fused_growth_bytes(flat_only))
-                .saturating_add(part.sequence_value_bytes(schema).0)
+                .saturating_add(part.stage_value_bytes(schema).0)
                 .saturating_add(working_set(part))
         };
         // Parts within both budgets, each cut in halves while it is

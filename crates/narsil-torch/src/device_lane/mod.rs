@@ -143,9 +143,10 @@ impl DeviceLane {
             handoff: None,
             model,
         };
-        if capture && lane.model.stage.has_sequences() {
+        if capture && lane.model.stage.takes_unpooled_inputs() {
             tracing::info!(
-                "CUDA graphs: not used: the model has sequence features (their shapes vary per batch)"
+                "CUDA graphs: not used: the model has sequence features or raw inputs (their shapes vary per \
+                 batch)"
             );
         } else if capture {
             let eager = lane.capture_graphs();
@@ -189,9 +190,10 @@ impl ModelBackend for DeviceLane {
         self.run(held)
     }
 
-    /// None for a model with sequences: its lane stages its own batches.
+    /// None for a model with sequences or raw inputs: its lane stages its
+    /// own batches.
     fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
-        if self.model.stage.has_sequences() {
+        if self.model.stage.takes_unpooled_inputs() {
             return None;
         }
         match self.stage_thread() {

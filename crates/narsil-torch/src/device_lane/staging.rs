@@ -140,8 +140,9 @@ pub struct Held {
     /// The pooled block (tables on the host), or the lookups to pool it on
     /// the device (tables there).
     pub(super) pooled: Pooled,
-    /// Per sequence of the model: its values, units' offsets and rows'
-    /// units on the device (the host stage's, copied).
+    /// The dense network's inputs after the pooled block (each sequence's
+    /// values, units' offsets, rows' units, raw channels and units' request
+    /// rows; the rows' raw inputs) on the device (the host stage's, copied).
     pub(super) sequences: Vec<Tensor>,
 }
 
@@ -270,10 +271,17 @@ unsafe fn stage_into(
     let pooled = match &model.device_tables {
         None => {
             model.stage.pool(batch, &mut scratch.stage, &mut scratch.pooled).map_err(BackendError::from)?;
-            // A sequence model's sequences: copied as they are (their
-            // shapes vary per batch; a sequence model runs eagerly, staged
-            // on the lane).
-            for input in crate::split::inputs::sequence_inputs(scratch.stage.sequences(), model.precision)? {
+            // A sequence model's sequences and a model's raw inputs:
+            // copied as they are (their shapes vary per batch; such a model
+            // runs eagerly, staged on the lane).
+            let raw_width = model.stage.row_raw_width();
+            let unpooled = crate::split::inputs::unpooled_inputs(
+                &scratch.stage,
+                raw_width,
+                batch.rows,
+                model.precision,
+            )?;
+            for input in unpooled {
                 sequences.push(input.f_to(model.device).map_err(torch_error)?);
             }
             let width = model.stage.pooled_width() as i64;

@@ -1,29 +1,52 @@
 //! The split lanes' inputs to the dense network, made from the stage's
 //! buffers: a block lent to libtorch without a copy, the dense network's
-//! precision, and each sequence's values, offsets and rows' units.
+//! precision, and what follows the pooled block: each sequence's values,
+//! offsets, rows' units, raw channels and units' request rows, then the
+//! rows' raw inputs.
 
 use narsil_core::BackendError;
-use narsil_embedding::{Bf16, SequenceValues};
+use narsil_embedding::{Bf16, StageScratch};
 use tch::{Device, Tensor};
 
 use crate::lane::torch_error;
 use crate::precision::DensePrecision;
 
-/// Each sequence's inputs to the dense network, in order: its values
-/// `[positions, width]` (copied; in the network's precision), its units'
-/// offsets and its rows' units (int64).
-pub(crate) fn sequence_inputs(
-    sequences: &[SequenceValues],
+/// The dense network's inputs after the pooled block, in order
+/// (`docs/guide/split-models.md`), from the stage's last batch of `rows`
+/// rows: for each sequence its values `[positions, width]` (copied; in the
+/// network's precision), its units' offsets and its rows' units (int64),
+/// its raw channels `[positions, K]` (int64, only where it has some), its
+/// units' request rows (int64, only where it declares `request_rows`);
+/// then the rows' raw inputs `[rows, raw_width]` (int64, only where
+/// `raw_width > 0`). Raw values are int64 in every precision: never cast.
+pub(crate) fn unpooled_inputs(
+    scratch: &StageScratch,
+    raw_width: usize,
+    rows: usize,
     precision: DensePrecision,
 ) -> Result<Vec<Tensor>, BackendError> {
-    let mut inputs = Vec::with_capacity(3 * sequences.len());
+    let sequences = scratch.sequences();
+    let mut inputs = Vec::with_capacity(5 * sequences.len() + 1);
+    let int64 = |values: &[i64], shape: &[i64]| {
+        Tensor::f_from_slice(values).and_then(|t| t.f_view(shape)).map_err(torch_error)
+    };
     for sequence in sequences {
-        let shape = [sequence.positions() as i64, sequence.width as i64];
-        let values =
-            Tensor::f_from_slice(&sequence.values).and_then(|t| t.f_view(shape)).map_err(torch_error)?;
+        let positions = sequence.positions() as i64;
+        let values = Tensor::f_from_slice(&sequence.values)
+            .and_then(|t| t.f_view([positions, sequence.width as i64]))
+            .map_err(torch_error)?;
         inputs.push(in_precision(values, precision)?);
         inputs.push(Tensor::f_from_slice(&sequence.offsets).map_err(torch_error)?);
         inputs.push(Tensor::f_from_slice(&sequence.row_unit).map_err(torch_error)?);
+        if sequence.raw_width > 0 {
+            inputs.push(int64(&sequence.raw, &[positions, sequence.raw_width as i64])?);
+        }
+        if sequence.request_rows {
+            inputs.push(Tensor::f_from_slice(&sequence.unit_rows).map_err(torch_error)?);
+        }
+    }
+    if raw_width > 0 {
+        inputs.push(int64(scratch.row_raw(), &[rows as i64, raw_width as i64])?);
     }
     Ok(inputs)
 }

@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use narsil_core::{BackendError, BatchStage, KeyedBatch, ModelBackend, StagedBatch};
-use narsil_embedding::{Bf16, PooledValue, SequenceValues, StageScratch};
+use narsil_embedding::{Bf16, PooledValue, StageScratch};
 
 use crate::lane::{append_scores, IntraOpThreads};
 use crate::precision::DensePrecision;
 use crate::split::dense_cut::DenseCut;
-use crate::split::inputs::{in_precision, lent, sequence_inputs, Lendable};
+use crate::split::inputs::{in_precision, lent, unpooled_inputs, Lendable};
 use crate::split::model::SplitModel;
 
 /// A lane of a split model: its stage buffers, pooled embeddings and
@@ -62,14 +62,15 @@ impl SplitLane {
             .pool_into(batch, &mut self.scratch, &mut pooled)
             .map_err(BackendError::from)
             .and_then(|()| {
-                Self::dense_forward(model, batch, &mut self.dense, &mut pooled, self.scratch.sequences())
+                Self::dense_forward(model, batch, &mut self.dense, &mut pooled, Some(&self.scratch))
             });
         *block(self) = pooled;
         scored
     }
 
-    /// The dense network's forward over `batch`'s dense features and its
-    /// `pooled` block.
+    /// The dense network's forward over `batch`'s dense features, its
+    /// `pooled` block and, where the stage laid them out (`unpooled`: the
+    /// scratch it pooled `batch` with), its sequences and raw inputs.
     ///
     /// The network may write into its inputs: a TorchScript graph or an
     /// AOTInductor package with an in-place op on an input (`relu_`,
@@ -84,7 +85,7 @@ impl SplitLane {
         batch: &KeyedBatch,
         dense: &mut Vec<f32>,
         pooled: &mut [T],
-        sequences: &[SequenceValues],
+        unpooled: Option<&StageScratch>,
     ) -> Result<Vec<f32>, BackendError> {
         let (rows, width) = (batch.rows, model.stage.pooled_width());
         // SAFETY: `dense` and `pooled` are exclusive borrows for the whole
@@ -107,9 +108,14 @@ impl SplitLane {
                 dense.extend_from_slice(&batch.dense);
                 // SAFETY: as above.
                 let dense = in_precision(unsafe { lent(dense, rows, batch.num_dense) }?, model.precision)?;
-                let sequences = sequence_inputs(sequences, model.precision)?;
+                let unpooled = match unpooled {
+                    Some(scratch) => {
+                        unpooled_inputs(scratch, model.stage.row_raw_width(), rows, model.precision)?
+                    }
+                    None => Vec::new(),
+                };
                 let mut inputs = vec![&dense, &pooled];
-                inputs.extend(sequences.iter());
+                inputs.extend(unpooled.iter());
                 model
                     .dense_network
                     .forward_tensors(&inputs)
@@ -170,10 +176,10 @@ impl ModelBackend for SplitLane {
         }
     }
 
-    /// None for a model with sequences: their values are not part of the
-    /// staged block, so its stage runs on the lane.
+    /// None for a model with sequences or raw inputs: they are not part of
+    /// the staged block, so its stage runs on the lane.
     fn take_stage(&mut self) -> Option<Box<dyn BatchStage>> {
-        if self.model.stage.has_sequences() {
+        if self.model.stage.takes_unpooled_inputs() {
             return None;
         }
         let (spent, to_stage) = channel();
@@ -189,7 +195,7 @@ impl ModelBackend for SplitLane {
         // The staged block is the lane's now (owned): the dense network may
         // write into it, and the stage pools over it whole when it is reused.
         let mut pooled = staged.values;
-        let scores = Self::dense_forward(&self.model, batch, &mut self.dense, &mut pooled, &[]);
+        let scores = Self::dense_forward(&self.model, batch, &mut self.dense, &mut pooled, None);
         if let Some(spent) = &self.spent {
             // The stage may be gone (shutting down): the block is freed.
             let _ = spent.send(pooled);
