@@ -38,7 +38,8 @@ Writes into --out: model.pt, model.json, golden.json (flat requests:
 histories of 0, 1, random, max and more positions, each scored by model.pt
 on its history cut as Narsil serves it), golden_ranking.json (ranking
 requests: the block tiled onto each candidate and scored by model.pt),
-manifest.json.
+manifest.json; with --extract, `extracted/`: the split form
+models/extract_split.py makes from model.pt and model.json alone.
 """
 
 import json
@@ -60,6 +61,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from din_requests import Draw, Scored, ranking_requests, sample_major, sequence_flags, served_golden_requests, tiled
 from export_common import begin_export, int_list, logger, parser, write_json_files, write_manifest
+from extract_split import extract
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
 EXPORT_FORMAT = 1
@@ -196,9 +198,11 @@ def main() -> int:
     p.add_argument("--attention-arch", type=int_list, default=[32, 16], help="din: the attention MLP")
     p.add_argument("--heads", type=int, default=2, help="bst: attention heads")
     p.add_argument("--over-arch", type=int_list, default=[64, 32])
+    p.add_argument("--extract", action="store_true",
+                   help="then split model.pt as a team would, with models/extract_split.py, into OUT/extracted")
     args = p.parse_args()
     out: Path = args.out
-    started = begin_export(args, log)
+    started = begin_export(args, log, args.extract and "extracted/schema.json")
     if started is None:
         return 0
     user = [f"user_{i}" for i in range(args.num_user)]
@@ -235,11 +239,14 @@ def main() -> int:
     log(f"scores: {scored.spread()}")
     goldens = scored.files(config, request_level)
     write_json_files(out, goldens)
+    if args.extract:
+        log("extracting the split form from model.pt alone (models/extract_split.py)")
+        extract(out, out / "extracted")
     fields = {"kind": args.kind, "name": args.name, "seed": args.seed, "num_dense": args.num_dense,
               "num_user": args.num_user, "item_rows": args.item_rows, "cat_rows": args.cat_rows,
               "user_rows": args.user_rows, "embedding_dim": args.embedding_dim, "max_len": args.max_len}
-    write_manifest(out, EXPORT_FORMAT, fields, ["model.pt", "model.json", "golden.json", "golden_ranking.json"],
-                   started, log)
+    files = ["model.pt", "model.json", "golden.json", "golden_ranking.json"] + (["extracted/"] if args.extract else [])
+    write_manifest(out, EXPORT_FORMAT, fields, files, started, log)
     return 0
 
 

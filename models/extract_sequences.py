@@ -403,10 +403,20 @@ def extract_sequence_model(model_dir: Path, out: Path, config: dict, probe, look
               "dense_network": "dense.pt", "request_level": config.get("request_level", []), "sequences": sequences}
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     if pt2:
-        log("--pt2: no AOTInductor package for a sequence model extracted from a TorchScript file (its graph "
-            "splits the lookups' rows by lengths read as Python ints, which torch.export cannot trace without "
-            "a rewrite); dense.pt (TorchScript) serves it")
+        log("--pt2: no AOTInductor package for a sequence model extracted from a TorchScript file: the retrace "
+            "for torch.export (ts_retrace.py) takes pooled models' graphs (forward(dense, pooled)), not yet one "
+            "whose shapes follow each batch's positions; dense.pt (TorchScript) serves it")
     check(model_dir, out, config, plan, probe, lookups, places, log)
+    shown = what_the_history_meets(network, plan, places, config)
+    alone = shown["history_only"]
+    log(f"the history alone (request-level sequences, read from the graph's data flow): {len(alone)} ops"
+        + (" (" + "; ".join(f"`{line}`" for line in alone) + ")" if alone else "")
+        + "; run per row on each row's gathered positions, as the model's code is written")
+    if shown["met_at"]:
+        log(f"the history first meets a row's own inputs (dense, pooled or per-row features) at `{shown['met_at']}`: "
+            "what follows (the attention) depends on the candidate, so it cannot be computed once per unit")
+    else:
+        log("the history never meets a row's own inputs before the outputs")
 
 
 def check(model_dir: Path, out: Path, config: dict, plan: Plan, probe, lookups, places, log) -> None:
@@ -431,3 +441,100 @@ def check(model_dir: Path, out: Path, config: dict, plan: Plan, probe, lookups, 
         if (model_dir / name).exists():
             shutil.copyfile(model_dir / name, out / name)
     log(f"wrote the split model {out}: golden scores " + ", ".join(f"{k} within {v:.1e}" for k, v in worst.items()))
+
+
+# Ops whose output depends on an input's shape only (that input then
+# carries no values into it).
+SHAPE_ONLY = {"aten::expand_as": 1, "aten::size": 0, "aten::dim": 0, "aten::numel": 0, "aten::zeros_like": 0,
+              "aten::ones_like": 0, "aten::full_like": 0, "aten::empty_like": 0}
+
+
+def code_line(node) -> str:
+    """The line of the model's code (as FX wrote it) a node comes from."""
+    lines = node.sourceRange().split("\n")
+    for k, line in enumerate(lines):
+        if k > 0 and line.strip() and set(line.strip().split(" ")[0]) == {"~"}:
+            return lines[k - 1].strip()
+    return node.kind()
+
+
+def what_the_history_meets(network: SequenceDense, plan: Plan, places: List[Tuple[int, int]], config: dict) -> dict:
+    """Which of the graph's values depend on the request-level sequences'
+    positions (the history) and which on a row's own inputs (dense
+    features, pooled features, per-row sequences), read from the graph's
+    data flow (shape-only uses excluded): the ops on the history alone and
+    the first op where the history meets a row's inputs, by the model's
+    code line. The history's values reach the model as rows of an unpooled
+    lookup, split per feature (`aten::split` of its output, one list item
+    per feature in the lookup's order)."""
+    graph = network.inner.graph
+    request_level = set(config.get("request_level", []))
+    history_sequences = {s for s, seq in enumerate(plan.sequences)
+                         if all(f in request_level for f in seq["features"])}
+    feature_at = {}  # (lookup, position) -> "history" or "row"
+    for j, (i, p) in enumerate(places):
+        if j in plan.channel_of:
+            feature_at[(i, p)] = "history" if plan.channel_of[j][0] in history_sequences else "row"
+    sources: Dict[object, frozenset] = {}
+    rows_of: Dict[object, int] = {}  # values carrying lookup i's whole output (or its split list)
+    batch = list(graph.inputs())[1]
+    slots: Dict[tuple, frozenset] = {}
+    met, history_only = [], []
+
+    def constant_of(value):
+        return value.toIValue() if value.node().kind() == "prim::Constant" else None
+
+    def visit(block) -> None:
+        for node in block.nodes():
+            inputs = list(node.inputs())
+            if node.kind() == "aten::__getitem__" and inputs and inputs[0] is batch \
+                    and inputs[1].node().kind() == "prim::Constant":
+                key = inputs[1].toIValue()
+                if key.startswith("narsil.rows."):
+                    rows_of[node.output()] = int(key.rsplit(".", 1)[1])
+                    sources[node.output()] = frozenset(["history", "row"])
+                elif key.startswith("narsil.pooled.") or key == "float_features":
+                    sources[node.output()] = frozenset(["row"])
+                continue
+            for inner in node.blocks():
+                visit(inner)
+            # Values kept in objects (TorchRec's JaggedTensor) and dicts, by
+            # attribute or constant key.
+            if node.kind() == "prim::SetAttr":
+                slots[(inputs[0], node.s("name"))] = sources.get(inputs[1], frozenset())
+                continue
+            if node.kind() == "prim::GetAttr" and (inputs[0], node.s("name")) in slots:
+                sources[node.output()] = slots[(inputs[0], node.s("name"))]
+                continue
+            if node.kind() == "aten::_set_item" and inputs[1].node().kind() == "prim::Constant":
+                slots[(inputs[0], inputs[1].toIValue())] = sources.get(inputs[2], frozenset())
+                continue
+            if node.kind() == "aten::__getitem__" and (inputs[0], constant_of(inputs[1])) in slots:
+                sources[node.output()] = slots[(inputs[0], constant_of(inputs[1]))]
+                continue
+            shape_only = SHAPE_ONLY.get(node.kind())
+            used = [] if shape_only == 0 else [v for k, v in enumerate(inputs) if k != shape_only]
+            found = frozenset().union(*[sources.get(v, frozenset()) for v in used]) if used else frozenset()
+            for inner in node.blocks():
+                for v in inner.returnNode().inputs():
+                    found |= sources.get(v, frozenset())
+            carried = [rows_of[v] for v in inputs if v in rows_of]
+            if node.kind() == "aten::__getitem__" and carried and inputs[1].node().kind() == "prim::Constant":
+                # One feature's rows, out of the lookup's output split per feature.
+                found = frozenset([feature_at.get((carried[0], inputs[1].toIValue()), "row")])
+                carried = []
+            for out in node.outputs():
+                if carried:
+                    rows_of[out] = carried[0]
+            for out in node.outputs():
+                if found:
+                    sources[out] = found
+            is_op = not node.kind().startswith("prim::") and node.kind() != "aten::__getitem__" and any(
+                isinstance(o.type(), torch._C.TensorType) for o in node.outputs())
+            if is_op and not carried and found == {"history"}:
+                history_only.append(code_line(node))
+            if is_op and not carried and found == {"history", "row"} and not met:
+                met.append(code_line(node))
+
+    visit(graph)
+    return {"history_only": list(dict.fromkeys(history_only)), "met_at": met[0] if met else None}
