@@ -21,6 +21,10 @@ How, and what it relies on:
     are not FBGEMM's) is refused with a message naming it.
   * Pooling mode (sum or mean) is read from each lookup call's arguments;
     which features are weighted from model.json, checked by measurement.
+    A lookup in pooling mode none (an `EmbeddingCollection`'s: sequence
+    features, one row per id) makes the model a sequence model, split by
+    models/extract_sequences.py: its history in the stage, looked up once
+    per unit, and each row's positions gathered inside the graph.
   * Which request feature feeds which lookup column is measured, not parsed:
     the model runs once per feature with one id in that feature's bag and
     every other bag empty, returning its lookups' outputs; the one non-zero
@@ -71,7 +75,7 @@ from dense_packages import write_dense_packages
 from export_common import logger
 from extract_sequences import extract_sequence_model
 from packaged_graph import (POOLING_NONE, Lookup, block, dequantized, one_id_request, place_features, returning_lookups,
-                            takes_raw_ids, wire_batch, without_lookups)
+                            wire_batch, without_lookups)
 from split_model import SPLIT_FORMAT, dense_flops_per_sample
 from ts_retrace import RetracedScript
 
