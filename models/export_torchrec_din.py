@@ -185,7 +185,11 @@ def build(args, user: List[str], keys: List[str]) -> nn.Module:
         if isinstance(layer, nn.Linear) and not isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear):
             nn.init.normal_(layer.weight, std=math.sqrt(2.0 / layer.in_features))
             nn.init.uniform_(layer.bias, -0.1, 0.1)
-    return TeamPredictModule(model, keys).eval()
+    # An inference export: no parameter asks for gradients. (Left asking,
+    # the BST's frozen transformer layer fails in Narsil's lanes: "Inference
+    # tensors cannot be saved for backward", once a forward has run with
+    # gradients enabled before one in inference mode.)
+    return TeamPredictModule(model, keys).eval().requires_grad_(False)
 
 
 def main() -> int:
