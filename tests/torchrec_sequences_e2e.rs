@@ -50,19 +50,31 @@ fn split(name: &str) -> Arc<dyn BackendFactory> {
 /// User `user`'s ranking request, grouped (user features, history and
 /// dense features once in the block) and flat (all of it on every row):
 /// `history` positions, `candidates` rows of one item and its category.
-fn ranking(info: &proto::ModelInfoResponse, user: u64, history: usize, candidates: usize) -> (PredictRequest, PredictRequest) {
+fn ranking(
+    info: &proto::ModelInfoResponse,
+    user: u64,
+    history: usize,
+    candidates: usize,
+) -> (PredictRequest, PredictRequest) {
     let features = &info.sparse_features;
     let rows = |f: usize| features[f].num_rows as i64;
-    let dense: Vec<f32> = (0..info.num_dense as u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
+    let dense: Vec<f32> =
+        (0..info.num_dense as u64).map(|d| ((user * 37 + d * 11) % 100) as f32 / 100.0).collect();
     let bag = |f: usize| -> Vec<i64> {
         if features[f].sequence == info.sequences[0].name {
             (0..history as i64).map(|p| (user as i64 * 131 + p * 977) % rows(f)).collect()
         } else {
-            (0..1 + (user as usize + f) % 3).map(|k| (user as i64 * 7919 + f as i64 * 31 + k as i64 * 17) % rows(f)).collect()
+            (0..1 + (user as usize + f) % 3)
+                .map(|k| (user as i64 * 7919 + f as i64 * 31 + k as i64 * 17) % rows(f))
+                .collect()
         }
     };
     let mut block = RequestFeatures { dense: dense.clone(), ..Default::default() };
-    let mut grouped = PredictRequest { batch_size: candidates as u32, request_id: format!("user-{user}"), ..Default::default() };
+    let mut grouped = PredictRequest {
+        batch_size: candidates as u32,
+        request_id: format!("user-{user}"),
+        ..Default::default()
+    };
     let mut flat = PredictRequest { batch_size: candidates as u32, ..Default::default() };
     for f in (0..features.len()).filter(|&f| features[f].request_level) {
         let ids = bag(f);
@@ -111,7 +123,11 @@ async fn scores_as_the_single_file(server: &TestServer, name: &str, what: &str) 
     assert!(!grouped.is_empty(), "{what}: golden ranking requests");
     for (i, golden) in grouped.into_iter().enumerate() {
         let got = client.predict(golden.grouped).await.unwrap().into_inner().scores;
-        assert_close(&got, &golden.scores_int8, &format!("{what}: golden ranking request {i}, its history once"));
+        assert_close(
+            &got,
+            &golden.scores_int8,
+            &format!("{what}: golden ranking request {i}, its history once"),
+        );
     }
     info
 }
@@ -122,7 +138,10 @@ async fn the_split_form_scores_as_the_single_file(name: &str) {
     let server = start_with(split(name), batch_mode(1, 16)).await.ready().await;
     let split_info = scores_as_the_single_file(&server, name, &format!("{name} split")).await;
     let history = split_info.sparse_features.iter().filter(|f| f.sequence == "history");
-    assert!(history.clone().count() == 2 && history.clone().all(|f| f.request_level), "the history is request-level");
+    assert!(
+        history.clone().count() == 2 && history.clone().all(|f| f.request_level),
+        "the history is request-level"
+    );
     // Grouped == flat == the single file's, alone: histories of 0, 1, some
     // and the maximum positions, 1 to 300 candidates.
     let max = info.sequences[0].max_len as usize;
@@ -137,7 +156,11 @@ async fn the_split_form_scores_as_the_single_file(name: &str) {
         let want = single_client.predict(flat.clone()).await.unwrap().into_inner().scores;
         for (form, request) in [("flat", flat), ("grouped", grouped)] {
             let got = split_client.predict(request.clone()).await.unwrap().into_inner().scores;
-            assert_close(&got, &want, &format!("{name}: ranking request {i} {form}, split against the single file"));
+            assert_close(
+                &got,
+                &want,
+                &format!("{name}: ranking request {i} {form}, split against the single file"),
+            );
         }
         flat_scores.push(want);
     }
