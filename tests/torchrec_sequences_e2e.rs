@@ -83,12 +83,12 @@ fn ranking(
     }
     for c in 0..candidates as i64 {
         flat.dense.extend(&dense);
-        for f in 0..features.len() {
-            let ids = match features[f].request_level {
+        for (f, feature) in features.iter().enumerate() {
+            let ids = match feature.request_level {
                 true => bag(f),
                 false => vec![(c * 104_729 + f as i64 * 13 + user as i64) % rows(f)],
             };
-            if !features[f].request_level {
+            if !feature.request_level {
                 grouped.sparse_lengths.push(ids.len() as u32);
                 grouped.sparse_ids.extend(&ids);
             }
