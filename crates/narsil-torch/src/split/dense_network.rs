@@ -303,6 +303,28 @@ pub fn auto_serves_torchscript(
     timings.cpu == this_cpu && times.is_some_and(|times| times.torchscript_faster(&timings.rows))
 }
 
+/// Loads a TorchScript dense network. One that names FBGEMM's operators (a
+/// network `models/extract_split.py` sliced out of a packaged TorchRec model
+/// with sequence features keeps TorchRec's jagged-tensor ops, which are
+/// FBGEMM's) is loaded again once they are registered: a split server
+/// registers them only for such a network, since loading them opens
+/// `libtorch.so` and its CUDA libraries.
+fn load_script(
+    network: &Path,
+    device: Device,
+    precision: DensePrecision,
+) -> Result<crate::script_module::Loaded, LibtorchError> {
+    match ScriptModule::load(network, device, precision) {
+        Err(e) if e.0.contains("fbgemm::") => {
+            let dir = crate::fbgemm::default_fbgemm_dir();
+            crate::fbgemm::load_fbgemm_ops(&dir).map_err(|why| LibtorchError(format!("{e}; {why}")))?;
+            tracing::info!(file = %network.display(), "dense network names FBGEMM's operators: registered them");
+            ScriptModule::load(network, device, precision)
+        }
+        other => other,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use narsil_embedding::FormTimes;
@@ -327,27 +349,5 @@ mod tests {
         assert!(!auto_serves_torchscript(Some(&timings(here, faster())), DensePrecision::Bf16, here));
         assert!(!auto_serves_torchscript(Some(&timings(here, faster())), DensePrecision::Int8, here));
         assert!(!auto_serves_torchscript(None, DensePrecision::Fp32, here));
-    }
-}
-
-/// Loads a TorchScript dense network. One that names FBGEMM's operators (a
-/// network `models/extract_split.py` sliced out of a packaged TorchRec model
-/// with sequence features keeps TorchRec's jagged-tensor ops, which are
-/// FBGEMM's) is loaded again once they are registered: a split server
-/// registers them only for such a network, since loading them opens
-/// `libtorch.so` and its CUDA libraries.
-fn load_script(
-    network: &Path,
-    device: Device,
-    precision: DensePrecision,
-) -> Result<crate::script_module::Loaded, LibtorchError> {
-    match ScriptModule::load(network, device, precision) {
-        Err(e) if e.0.contains("fbgemm::") => {
-            let dir = crate::fbgemm::default_fbgemm_dir();
-            crate::fbgemm::load_fbgemm_ops(&dir).map_err(|why| LibtorchError(format!("{e}; {why}")))?;
-            tracing::info!(file = %network.display(), "dense network names FBGEMM's operators: registered them");
-            ScriptModule::load(network, device, precision)
-        }
-        other => other,
     }
 }
