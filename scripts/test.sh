@@ -25,6 +25,10 @@ export_torchrec_model test-torchrec-dcn --kind dlrm_dcn --split --pt2
 export_torchrec_model test-torchrec-multitask --kind multitask --split --pt2
 export_with models/export_torchrec_mc.py test-torchrec-mc --split
 export_with models/export_din.py test-din --split --pt2
+# A team's TorchRec DIN and BST-like model (an EmbeddingCollection over the
+# history and the candidate), single files split by models/extract_split.py.
+export_with models/export_torchrec_din.py test-torchrec-din --extract
+export_with models/export_torchrec_din.py test-torchrec-bst --kind bst --name team-bst --extract
 export_with models/export_hstu.py test-hstu --pt2
 export_with models/export_raw_echo.py test-raw-echo
 step "building the tests (workspace, all targets, --features torch)"

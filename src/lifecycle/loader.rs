@@ -226,16 +226,35 @@ fn faster_form_hint(model: &Path) -> Option<String> {
             split.display()
         ));
     }
-    dir.join("model.json").is_file().then(|| {
-        format!(
-            "{} is a single-file TorchRec model; its split form (an AOTInductor dense network) is usually \
-             faster: make it once with `.venv/bin/python models/extract_split.py {} --pt2` and serve \
-             --model {}",
+    let config = std::fs::read_to_string(dir.join("model.json")).ok()?;
+    if declares_sequences(&config) {
+        return Some(format!(
+            "{} is a single-file TorchRec model with sequence features: each request's history is copied into \
+             every candidate row and looked up again per row; its split form looks each history up once per \
+             request: make it once with `.venv/bin/python models/extract_split.py {}` and serve --model {}",
             model.display(),
             dir.display(),
             dir.join("extracted").display()
-        )
-    })
+        ));
+    }
+    Some(format!(
+        "{} is a single-file TorchRec model; its split form (an AOTInductor dense network) is usually \
+         faster: make it once with `.venv/bin/python models/extract_split.py {} --pt2` and serve \
+         --model {}",
+        model.display(),
+        dir.display(),
+        dir.join("extracted").display()
+    ))
+}
+
+/// Whether a `model.json`'s text declares sequence features (a non-empty
+/// `sequences`).
+#[cfg(any(feature = "torch", test))]
+fn declares_sequences(config: &str) -> bool {
+    serde_json::from_str::<serde_json::Value>(config)
+        .ok()
+        .and_then(|v| v.get("sequences").and_then(|s| s.as_array()).map(|s| !s.is_empty()))
+        .unwrap_or(false)
 }
 
 /// Whether `model` is a split model: its directory, or its `schema.json`
@@ -275,6 +294,11 @@ mod tests {
         std::fs::write(dir.path().join("model.json"), "{}").unwrap();
         let make = faster_form_hint(&model).unwrap();
         assert!(make.contains("models/extract_split.py") && make.contains("--pt2"), "{make}");
+        let sequences = r#"{"sequences": [{"name": "history", "features": ["hist_item"], "max_len": 8}]}"#;
+        std::fs::write(dir.path().join("model.json"), sequences).unwrap();
+        let make = faster_form_hint(&model).unwrap();
+        assert!(make.contains("sequence features") && make.contains("once per request"), "{make}");
+        assert!(make.contains("models/extract_split.py") && !make.contains("--pt2"), "{make}");
         std::fs::create_dir(dir.path().join("split")).unwrap();
         std::fs::write(dir.path().join("split/schema.json"), "{}").unwrap();
         let beside = faster_form_hint(&model).unwrap();

@@ -120,7 +120,7 @@ impl DenseNetwork {
             }
         }
         let network = dir.join(&split.dense_network);
-        let loaded = ScriptModule::load(&network, Device::Cpu, precision).map_err(|e| {
+        let loaded = load_script(&network, Device::Cpu, precision).map_err(|e| {
             BackendError::load(&network, "not a TorchScript dense network libtorch can load").caused_by(e)
         })?;
         tracing::info!(file = %network.display(), "dense network: TorchScript");
@@ -199,7 +199,7 @@ impl DenseNetwork {
             return Ok(Self::Package(package));
         }
         let network = dir.join(&split.dense_network);
-        let loaded = ScriptModule::load(&network, device, precision).map_err(|e| {
+        let loaded = load_script(&network, device, precision).map_err(|e| {
             BackendError::load(
                 &network,
                 format!("not a TorchScript dense network libtorch can load on {device:?}"),
@@ -301,6 +301,28 @@ pub fn auto_serves_torchscript(
         DensePrecision::Int8 => None,
     };
     timings.cpu == this_cpu && times.is_some_and(|times| times.torchscript_faster(&timings.rows))
+}
+
+/// Loads a TorchScript dense network. One that names FBGEMM's operators (a
+/// network `models/extract_split.py` sliced out of a packaged TorchRec model
+/// with sequence features keeps TorchRec's jagged-tensor ops, which are
+/// FBGEMM's) is loaded again once they are registered: a split server
+/// registers them only for such a network, since loading them opens
+/// `libtorch.so` and its CUDA libraries.
+fn load_script(
+    network: &Path,
+    device: Device,
+    precision: DensePrecision,
+) -> Result<crate::script_module::Loaded, LibtorchError> {
+    match ScriptModule::load(network, device, precision) {
+        Err(e) if e.0.contains("fbgemm::") => {
+            let dir = crate::fbgemm::default_fbgemm_dir();
+            crate::fbgemm::load_fbgemm_ops(&dir).map_err(|why| LibtorchError(format!("{e}; {why}")))?;
+            tracing::info!(file = %network.display(), "dense network names FBGEMM's operators: registered them");
+            ScriptModule::load(network, device, precision)
+        }
+        other => other,
+    }
 }
 
 #[cfg(test)]
