@@ -43,11 +43,9 @@ class Model:
     """An imported GR model: its schema, tables (as the stage reads them)
     and dense network."""
 
-    def __init__(self, out: Path, dtype: torch.dtype = torch.float32) -> None:
-        self.schema = json.loads((out / "schema.json").read_text())
-        self.clamp = json.loads((out / "import.json").read_text())["clamp"] \
-            if (out / "import.json").exists() else None
-        self.tables = {t["name"]: self.table(out, t) for t in self.schema["tables"]}
+    def __init__(self, schema: dict, tables: Dict[str, np.ndarray], network, dtype: torch.dtype = torch.float32,
+                 clamp=None) -> None:
+        self.schema, self.tables, self.network, self.dtype, self.clamp = schema, tables, network, dtype, clamp
         self.features = {f["name"]: f for f in self.schema["features"]}
         self.sequence = self.schema["sequences"][0]
         channels = set(self.sequence["features"])
@@ -56,10 +54,17 @@ class Model:
         self.lookups = [f for f in self.sequence["features"] if self.features[f]["pooling"] == "none"]
         self.raw_channels = [f for f in self.sequence["features"] if self.features[f]["pooling"] == "raw"]
         self.request_level = set(self.schema.get("request_level", []))
-        self.network = torch.jit.load(str(out / self.schema["dense_network"])).eval()
+
+    @classmethod
+    def load(cls, out: Path, dtype: torch.dtype = torch.float32) -> "Model":
+        """The imported model in `out` (its dense.pt, cast to `dtype` as
+        Narsil's --dense-precision does)."""
+        schema = json.loads((out / "schema.json").read_text())
+        clamp = json.loads((out / "import.json").read_text())["clamp"] if (out / "import.json").exists() else None
+        network = torch.jit.load(str(out / schema["dense_network"])).eval()
         if dtype != torch.float32:
-            self.network = self.network.to(dtype)
-        self.dtype = dtype
+            network = network.to(dtype)
+        return cls(schema, {t["name"]: cls.table(out, t) for t in schema["tables"]}, network, dtype, clamp)
 
     @staticmethod
     def table(out: Path, table: dict) -> np.ndarray:
@@ -173,7 +178,7 @@ def main() -> int:
     p.add_argument("--fused-bound", type=float, default=FUSED_BOUND)
     p.add_argument("--bf16", action="store_true", help="run dense.pt in bf16 (reports the bound, checks none)")
     args = p.parse_args()
-    model = Model(args.out, torch.bfloat16 if args.bf16 else torch.float32)
+    model = Model.load(args.out, torch.bfloat16 if args.bf16 else torch.float32)
     clamp = args.clamp or model.clamp
     cases = cases_for(json.loads(args.golden.read_text()), clamp)
     if args.bf16:

@@ -140,8 +140,7 @@ class Stu(nn.Module):
         uvqk = torch.addmm(self.uvqk_beta, normed, self.uvqk_weight)
         h, hd, qk = self.heads, self.hidden, self.qk
         u, v, q, k = uvqk.split([h * hd, h * hd, h * qk, h * qk], dim=1)
-        n = x.size(0)
-        return F.silu(u), v.reshape(n, h, hd), q.reshape(n, h, qk), k.reshape(n, h, qk)
+        return F.silu(u), v.unflatten(1, (h, hd)), q.unflatten(1, (h, qk)), k.unflatten(1, (h, qk))
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """`x + [u, attn, u * LN(attn)] @ W_o` (the concatenation in FP32,

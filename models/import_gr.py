@@ -333,8 +333,8 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> str:
     flags = isa_cpu_flags(vec_isa.build_arch_flags())
     rows = torch.export.Dim("rows", min=1, max=1 << 20)
     positions = torch.export.Dim("positions", min=0, max=1 << 24)
-    offsets = torch.export.Dim("units_plus_one", min=2, max=1 << 20)
-    units = offsets - 1
+    units = torch.export.Dim("units", min=1, max=1 << 20)
+    offsets = units + 1
     example = example_inputs(plan)
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         program = torch.export.export(network, example, dynamic_shapes=(
