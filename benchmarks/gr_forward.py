@@ -15,7 +15,8 @@ forward (c16 by default: one forward for 16 users' requests), and one per
 forward; its inputs are built before the timer (the stage's work). Both
 score the same weights: checked within 1e-5 of GR alone first.
 
-Prints candidates/s for each, the speedup, and the padding: the token
+Times are the least CPU time of --repeats runs (one thread: what the
+forward computes, whatever else the machine runs). Prints candidates/s for each, the speedup, and the padding: the token
 slots each computes beyond the real tokens (Narsil: each unit's last
 attention block and the candidates laid out per unit; GR fused: every user
 padded to the batch's longest).
@@ -138,12 +139,15 @@ def gr_inputs(cfg, users):
 
 
 def best(fn, repeats: int) -> float:
+    """The least CPU time (this process, one thread) of `repeats` calls
+    after a warm-up: CPU time, not wall time, so a machine shared with
+    other work does not charge its waits to either side."""
     fn()
     times = []
     for _ in range(repeats):
-        started = time.perf_counter()
+        started = time.process_time()
         fn()
-        times.append(time.perf_counter() - started)
+        times.append(time.process_time() - started)
     return min(times)
 
 

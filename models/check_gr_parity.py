@@ -56,14 +56,18 @@ class Model:
         self.request_level = set(self.schema.get("request_level", []))
 
     @classmethod
-    def load(cls, out: Path, dtype: torch.dtype = torch.float32) -> "Model":
-        """The imported model in `out` (its dense.pt, cast to `dtype` as
-        Narsil's --dense-precision does)."""
+    def load(cls, out: Path, dtype: torch.dtype = torch.float32, package: bool = False) -> "Model":
+        """The imported model in `out`: its dense.pt, cast to `dtype` as
+        Narsil's --dense-precision does, or with `package` its dense.pt2."""
         schema = json.loads((out / "schema.json").read_text())
         clamp = json.loads((out / "import.json").read_text())["clamp"] if (out / "import.json").exists() else None
-        network = torch.jit.load(str(out / schema["dense_network"])).eval()
-        if dtype != torch.float32:
-            network = network.to(dtype)
+        if package:
+            from dense_packages import load_unlinked_package
+            network = load_unlinked_package(str(out / schema["dense_package"]))
+        else:
+            network = torch.jit.load(str(out / schema["dense_network"])).eval()
+            if dtype != torch.float32:
+                network = network.to(dtype)
         return cls(schema, {t["name"]: cls.table(out, t) for t in schema["tables"]}, network, dtype, clamp)
 
     @staticmethod
@@ -177,8 +181,9 @@ def main() -> int:
     p.add_argument("--bound", type=float, default=BOUND)
     p.add_argument("--fused-bound", type=float, default=FUSED_BOUND)
     p.add_argument("--bf16", action="store_true", help="run dense.pt in bf16 (reports the bound, checks none)")
+    p.add_argument("--pt2", action="store_true", help="run the import's dense.pt2 instead of dense.pt")
     args = p.parse_args()
-    model = Model.load(args.out, torch.bfloat16 if args.bf16 else torch.float32)
+    model = Model.load(args.out, torch.bfloat16 if args.bf16 else torch.float32, package=args.pt2)
     clamp = args.clamp or model.clamp
     cases = cases_for(json.loads(args.golden.read_text()), clamp)
     if args.bf16:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from din_model import longest_unit
-from hstu_model import by_head, most_rows
+from hstu_model import by_head
 
 # The time-bucket clamp of each GR path (module docstring).
 CLAMPS = ("pytorch", "triton")
@@ -219,6 +219,7 @@ class GrDenseNetwork(nn.Module):
     table_dim: int
     max_position: int
     bucket_seconds: float
+    pair_chunk: int
 
     def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64) -> None:
         super().__init__()
@@ -227,6 +228,8 @@ class GrDenseNetwork(nn.Module):
         d, e = config["hstu_transducer_embedding_dim"], config["hstu_embedding_table_dim"]
         hidden = config["hstu_preprocessor_hidden_dim"]
         self.block, self.dim, self.table_dim = block, d, e
+        # Block pairs per chunk (pair_attention): about 2 MiB of scores at b = 64, 4 heads.
+        self.pair_chunk = max(1, (1 << 19) // (block * block * config["hstu_num_heads"]))
         self.clamp = clamp
         self.max_position, self.bucket_seconds = POSITION_BUCKETS - 1, TIME_BUCKET_SECONDS
         self.time_clamp = d - 1 if clamp == "pytorch" else TRITON_TIME_BUCKETS
@@ -338,9 +341,14 @@ class GrDenseNetwork(nn.Module):
         lengths = seq0_offsets[1:] - starts
         sizes = c + lengths  # tokens per unit: contexts and history
         arange_rows = torch.arange(rows, device=device)
-        # The last row of each unit (its contexts and its query time are the unit's).
-        unit_row = torch.zeros(units, dtype=torch.int64, device=device).scatter_reduce(
-            0, seq0_row_unit, arange_rows, "amax", include_self=False)
+        # Rows by unit (stably: in request order within a unit), and each unit's last row: its contexts and
+        # its query time are the unit's. (A sort, not a scatter's amax: AOTInductor's lowering of that one
+        # took another row.)
+        per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
+            0, seq0_row_unit, torch.ones_like(seq0_row_unit))
+        by_unit = torch.sort(seq0_row_unit, stable=True)
+        first_row = torch.cumsum(per_unit, 0) - per_unit
+        unit_row = by_unit.indices.index_select(0, (first_row + per_unit - 1).clamp(min=0))
         query_times = raw[:, self.query_time_raw]
         unit_query = query_times.index_select(0, unit_row)  # [U]
         # N per unit: contexts, history and its request's rows (candidates).
@@ -378,16 +386,17 @@ class GrDenseNetwork(nn.Module):
                                  pooled.index_select(1, self.candidate_additional), target)
         candidates = self.encoded(candidates, torch.full_like(arange_rows, c).clamp(max=self.max_position),
                                   self.buckets(unit_query.index_select(0, seq0_row_unit), query_times))
-        candidates = self.attend(x, candidates, sizes, starts, lengths, position_unit, place, scale,
-                                 seq0_row_unit, units, positions, rows)
+        candidates = self.attend(x, candidates, sizes, starts, position_unit, place, scale, seq0_row_unit,
+                                 per_unit, by_unit.indices, by_unit.values, first_row, units, positions, rows)
         user = self.postprocess(candidates, query_times)
         item = self.item(pooled.index_select(1, self.item_columns))
         logits = self.prediction(user * item).float().transpose(0, 1)  # [tasks, R]
         return torch.where(self.binary.unsqueeze(1), torch.sigmoid(logits), logits)
 
     def attend(self, x: torch.Tensor, candidates: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor,
-               lengths: torch.Tensor, position_unit: torch.Tensor, place: torch.Tensor, scale: torch.Tensor,
-               row_unit: torch.Tensor, units: int, positions: int, rows: int) -> torch.Tensor:
+               position_unit: torch.Tensor, place: torch.Tensor, scale: torch.Tensor, row_unit: torch.Tensor,
+               per_unit: torch.Tensor, sorted_rows: torch.Tensor, sorted_units: torch.Tensor, first_row: torch.Tensor,
+               units: int, positions: int, rows: int) -> torch.Tensor:
         """The STU layers: each unit's tokens `x` (its contexts, then its
         history) once, in blocks; each candidate against its unit's key
         blocks and itself. Returns the candidates' last states."""
@@ -422,16 +431,22 @@ class GrDenseNetwork(nn.Module):
         token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
         token_place = (first_block.index_select(0, token_unit) + token_place_in_unit // b) * b \
             + token_place_in_unit % b
-        # Candidates laid out per unit (`[U, most]`, rows ranked within their unit).
-        per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
-            0, row_unit, torch.ones_like(row_unit))
-        most = most_rows(per_unit)
-        by_unit = torch.sort(row_unit, stable=True)
-        first_row = torch.cumsum(per_unit, 0) - per_unit
+        # Candidates in blocks of `b` rows too, unit after unit (rows ranked within their unit; only a
+        # unit's last candidate block padded), each candidate block paired with every key block of its unit.
         rank = torch.zeros_like(row_unit).index_copy(
-            0, by_unit.indices, torch.arange(rows, device=device) - first_row.index_select(0, by_unit.values))
-        candidate_slot = row_unit * most + rank
-        key_mask = (valid.to(dtype) / scale.index_select(0, block_unit).unsqueeze(1)).view(blocks, 1, 1, b)
+            0, sorted_rows, torch.arange(rows, device=device) - first_row.index_select(0, sorted_units))
+        candidate_blocks_of = (per_unit + b - 1) // b
+        candidate_found = (torch.arange(longest_unit(candidate_blocks_of), device=device).unsqueeze(0)
+                           < candidate_blocks_of.unsqueeze(1)).nonzero()
+        candidate_block_unit = candidate_found[:, 0]
+        candidate_blocks = candidate_block_unit.size(0)
+        first_candidate_block = torch.cumsum(candidate_blocks_of, 0) - candidate_blocks_of
+        candidate_place = (first_candidate_block.index_select(0, row_unit) + rank // b) * b + rank % b  # [R]
+        cross = (block_steps < blocks_of.index_select(0, candidate_block_unit).unsqueeze(1)).nonzero()
+        cross_query = cross[:, 0]
+        cross_key = first_block.index_select(0, candidate_block_unit.index_select(0, cross_query)) + cross[:, 1]
+        cross_mask = (valid.to(dtype) / scale.index_select(0, block_unit).unsqueeze(1)).index_select(
+            0, cross_key).view(-1, 1, 1, b)
         row_scale = scale.index_select(0, row_unit).unsqueeze(1)  # [R, 1]
         for layer in self.layers:
             heads, hidden, qk, alpha = layer.heads, layer.hidden, layer.qk, layer.alpha
@@ -440,27 +455,46 @@ class GrDenseNetwork(nn.Module):
             qb = torch.cat([q, torch.zeros(1, heads, qk, dtype=dtype, device=device)])[token]  # [K, b, H, qk]
             kb = torch.cat([k, torch.zeros(1, heads, qk, dtype=dtype, device=device)])[token]
             vb = torch.cat([v, torch.zeros(1, heads, hidden, dtype=dtype, device=device)])[token]
-            scores = torch.bmm(by_head(qb.index_select(0, pair_query)),
-                               by_head(kb.index_select(0, pair_key)).transpose(1, 2))
-            weights = F.silu(scores.view(pairs.size(0), heads, b, b) * alpha) * pair_mask
-            shares = torch.bmm(weights.view(pairs.size(0) * heads, b, b), by_head(vb.index_select(0, pair_key)))
-            attended = torch.zeros(blocks, heads, b, hidden, dtype=dtype, device=device).index_add(
-                0, pair_query, shares.view(pairs.size(0), heads, b, hidden))
+            attended = self.pair_attention(qb, kb, vb, pair_query, pair_key, pair_mask, alpha, blocks)
             attended = attended.transpose(1, 2).reshape(blocks * b, heads * hidden).index_select(0, token_place)
             x = layer.finish(x, attended, u)
             # The candidates, against their unit's key blocks and themselves.
             cu, cv, cq, ck = layer.project(candidates)
-            padded = torch.zeros(units * most, heads, qk, dtype=dtype, device=device)
-            padded = padded.index_copy(0, candidate_slot, cq).view(units, most, heads, qk)
-            scores = torch.bmm(by_head(padded.index_select(0, block_unit)), by_head(kb).transpose(1, 2))
-            weights = F.silu(scores.view(blocks, heads, most, b) * alpha) * key_mask
-            shares = torch.bmm(weights.view(blocks * heads, most, b), by_head(vb))
-            attended = torch.zeros(units, heads, most, hidden, dtype=dtype, device=device).index_add(
-                0, block_unit, shares.view(blocks, heads, most, hidden))
-            attended = attended.transpose(1, 2).reshape(units * most, heads * hidden).index_select(0, candidate_slot)
+            padded = torch.zeros(candidate_blocks * b, heads, qk, dtype=dtype, device=device).index_copy(
+                0, candidate_place, cq).view(candidate_blocks, b, heads, qk)
+            attended = self.pair_attention(padded, kb, vb, cross_query, cross_key, cross_mask, alpha,
+                                           candidate_blocks)
+            attended = attended.transpose(1, 2).reshape(candidate_blocks * b, heads * hidden).index_select(
+                0, candidate_place)
             own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
             candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
         return candidates
+
+    def pair_attention(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pair_query: torch.Tensor,
+                       pair_key: torch.Tensor, mask: torch.Tensor, alpha: float, blocks: int) -> torch.Tensor:
+        """`[blocks, H, b, hidden]`: for each query block (of `queries`
+        `[blocks, b, H, qk]`), the sum over its pairs of `silu(alpha q.k) *
+        mask @ v` against the key block (of `keys`, `values`) the pair
+        names; `mask` per pair (`1/N` where a key counts, 0 elsewhere).
+        TorchScript runs the pairs a chunk at a time (a chunk's gathers and
+        scores stay in the caches; a fused batch of long histories has
+        thousands of pairs); torch.export, all at once."""
+        b, heads, hidden = self.block, values.size(2), values.size(3)
+        out = torch.zeros(blocks, heads, b, hidden, dtype=values.dtype, device=values.device)
+        total = pair_query.size(0)
+        chunk = total
+        if torch.jit.is_scripting():
+            chunk = max(self.pair_chunk, 1)
+        start = 0
+        while start < total:
+            end = min(start + chunk, total)
+            query, key = pair_query[start:end], pair_key[start:end]
+            scores = torch.bmm(by_head(queries.index_select(0, query)), by_head(keys.index_select(0, key)).transpose(1, 2))
+            weights = F.silu(scores.view(end - start, heads, b, b) * alpha) * mask[start:end]
+            shares = torch.bmm(weights.view((end - start) * heads, b, b), by_head(values.index_select(0, key)))
+            out.index_add_(0, query, shares.view(end - start, heads, b, hidden))
+            start = end
+        return out
 
     def postprocess(self, states: torch.Tensor, query_times: torch.Tensor) -> torch.Tensor:
         """GR's output postprocessor on the candidates' last states."""

@@ -52,6 +52,8 @@ from split_model import SPLIT_FORMAT
 
 log = logger("import_gr")
 
+# Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
+IMPORT_FORMAT = 1
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16
@@ -305,11 +307,14 @@ def example_inputs(plan: Plan, units: int = 3, seed: int = 0) -> tuple:
     per_unit = torch.tensor([3, 1, 2][:units] + [2] * max(units - 3, 0))
     rows, positions = int(per_unit.sum()), int(lengths.sum())
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+    # Rows of a unit not contiguous: the last unit's first row comes first.
     row_unit = torch.repeat_interleave(torch.arange(units), per_unit)
+    row_unit = torch.cat([row_unit[-1:], row_unit[:-1]])
     raw_channels = torch.randint(0, 32, (positions, len(plan.raw_channels)), generator=g)
     raw_channels[:, plan.layout.time_raw] = 1_700_000_000 + torch.arange(positions) * 3600
     raw = torch.randint(0, 32, (rows, len(plan.raw)), generator=g)
-    raw[:, plan.layout.query_time_raw] = 1_700_000_000 + 3600 * positions
+    # Query times differ between a unit's rows (the unit's is its last row's).
+    raw[:, plan.layout.query_time_raw] = 1_700_000_000 + 3600 * positions + torch.randint(0, 86400, (rows,), generator=g)
     return (torch.zeros(rows, 0), torch.rand(rows, len(plan.pooled) * e, generator=g) * 2 - 1,
             torch.rand(positions, len(plan.lookups) * e, generator=g) * 2 - 1, offsets, row_unit, raw_channels,
             per_unit.clone(), raw)
@@ -399,7 +404,7 @@ def main() -> int:
                                                 plan)
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     (out / "import.json").write_text(json.dumps({
-        "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp, "int8": args.int8,
+        "import_format": IMPORT_FORMAT, "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp, "int8": args.int8,
         "bf16": args.bf16, "block": args.block, "torch": torch.__version__}, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s (clamp {args.clamp}, tables "
         f"{'INT8' if args.int8 else 'FP32'}, dense {'bf16' if args.bf16 else 'FP32'})")

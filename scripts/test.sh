@@ -26,6 +26,9 @@ export_torchrec_model test-torchrec-multitask --kind multitask --split --pt2
 export_with models/export_torchrec_mc.py test-torchrec-mc --split
 export_with models/export_din.py test-din --split --pt2
 export_with models/export_hstu.py test-hstu --pt2
+for set in streaming kuairand; do
+  for clamp in pytorch triton; do import_gr_model "$set" "$clamp"; done
+done
 step "building the tests (workspace, all targets, --features torch)"
 cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked --no-run
 # A cold build writes gigabytes; on a 2-vCPU machine their writeback competes
