@@ -18,7 +18,7 @@ score the same weights: checked within 1e-5 of GR alone first.
 Times are the least CPU time of --repeats runs (one thread: what the
 forward computes, whatever else the machine runs). Prints candidates/s for each, the speedup, and the padding: the token
 slots each computes beyond the real tokens (Narsil: each unit's last
-attention block and the candidates laid out per unit; GR fused: every user
+attention block and its last block of candidates; GR fused: every user
 padded to the batch's longest).
 
   source /work/coord/gr_env.sh   # GR_CHECKOUT on PYTHONPATH (GR commit db1bf8f)
@@ -156,7 +156,7 @@ def padding(args, users, contexts: int, block: int) -> dict:
     counts = np.array([len(u["candidates"]["item_candidate_id"]) for u in users])
     tokens = contexts + lengths
     real = int(tokens.sum() + counts.sum())
-    narsil = int((np.ceil(tokens / block) * block).sum() + len(users) * max(counts.max(), 2))
+    narsil = int((np.ceil(tokens / block) * block).sum() + (np.ceil(counts / block) * block).sum())
     gr = len(users) * int((tokens + counts).max())
     return {"real_tokens": real, "narsil_slots": narsil, "narsil_padding": 1 - real / narsil,
             "gr_fused_slots": gr, "gr_fused_padding": 1 - real / gr}

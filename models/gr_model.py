@@ -220,8 +220,10 @@ class GrDenseNetwork(nn.Module):
     max_position: int
     bucket_seconds: float
     pair_chunk: int
+    group_tokens: int
 
-    def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64) -> None:
+    def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64,
+                 group_tokens: int = 2048) -> None:
         super().__init__()
         if clamp not in CLAMPS:
             raise ValueError(f"clamp must be one of {CLAMPS}, not {clamp!r}")
@@ -229,6 +231,7 @@ class GrDenseNetwork(nn.Module):
         hidden = config["hstu_preprocessor_hidden_dim"]
         self.block, self.dim, self.table_dim = block, d, e
         # Block pairs per chunk (pair_attention): about 2 MiB of scores at b = 64, 4 heads.
+        self.group_tokens = group_tokens
         self.pair_chunk = max(1, (1 << 19) // (block * block * config["hstu_num_heads"]))
         self.clamp = clamp
         self.max_position, self.bucket_seconds = POSITION_BUCKETS - 1, TIME_BUCKET_SECONDS
@@ -332,6 +335,37 @@ class GrDenseNetwork(nn.Module):
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
                 seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
                 seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """Scores `[tasks, R]`. Under TorchScript a batch of more than
+        `group_tokens` tokens (positions and rows) runs as groups of whole
+        units within it, one after the other: units are independent, so
+        the scores are the same, and a group's activations stay in the
+        caches (on one core, 16 users of 256-1,024 positions fused in one
+        group ran 10-25% slower than each alone)."""
+        units = seq0_offsets.numel() - 1
+        if not torch.jit.is_scripting() or units < 2 or seq0_values.size(0) + pooled.size(0) <= self.group_tokens:
+            return self.score(dense, pooled, seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, raw)
+        per_unit = torch.zeros(units, dtype=torch.int64, device=pooled.device).index_add(
+            0, seq0_row_unit, torch.ones_like(seq0_row_unit))
+        tokens: List[int] = (seq0_offsets[1:] - seq0_offsets[:-1] + per_unit).tolist()
+        out = torch.zeros(self.binary.size(0), pooled.size(0), dtype=torch.float32, device=pooled.device)
+        first, held = 0, 0
+        for u in range(units + 1):
+            if u == units or (held > 0 and held + tokens[u] > self.group_tokens):
+                rows = ((seq0_row_unit >= first) & (seq0_row_unit < u)).nonzero().squeeze(1)
+                start, end = int(seq0_offsets[first]), int(seq0_offsets[u])
+                out[:, rows] = self.score(
+                    dense.index_select(0, rows), pooled.index_select(0, rows), seq0_values[start:end],
+                    seq0_offsets[first:u + 1] - start, seq0_row_unit.index_select(0, rows) - first,
+                    seq0_raw[start:end], seq0_unit_rows[first:u], raw.index_select(0, rows))
+                first, held = u, 0
+            if u < units:
+                held += tokens[u]
+        return out
+
+    def score(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
+              seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
+              seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """The forward of one group of units (`forward`)."""
         dtype = self.content.first.weight.dtype
         pooled, values = pooled.to(dtype), seq0_values.to(dtype)
         c, b, e = self.contexts, self.block, self.table_dim
@@ -481,20 +515,24 @@ class GrDenseNetwork(nn.Module):
         thousands of pairs); torch.export, all at once."""
         b, heads, hidden = self.block, values.size(2), values.size(3)
         out = torch.zeros(blocks, heads, b, hidden, dtype=values.dtype, device=values.device)
-        total = pair_query.size(0)
-        chunk = total
-        if torch.jit.is_scripting():
-            chunk = max(self.pair_chunk, 1)
-        start = 0
-        while start < total:
+        if not torch.jit.is_scripting():
+            return out.index_add(0, pair_query, self.shares(queries, keys, values, pair_query, pair_key, mask, alpha))
+        total, chunk = pair_query.size(0), max(self.pair_chunk, 1)
+        for start in range(0, total, chunk):
             end = min(start + chunk, total)
-            query, key = pair_query[start:end], pair_key[start:end]
-            scores = torch.bmm(by_head(queries.index_select(0, query)), by_head(keys.index_select(0, key)).transpose(1, 2))
-            weights = F.silu(scores.view(end - start, heads, b, b) * alpha) * mask[start:end]
-            shares = torch.bmm(weights.view((end - start) * heads, b, b), by_head(values.index_select(0, key)))
-            out.index_add_(0, query, shares.view(end - start, heads, b, hidden))
-            start = end
+            query = pair_query[start:end]
+            out.index_add_(0, query, self.shares(queries, keys, values, query, pair_key[start:end], mask[start:end],
+                                                 alpha))
         return out
+
+    def shares(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+               key: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+        """`[pairs, H, b, hidden]`: each pair's `silu(alpha q.k) * mask @ v`."""
+        b, heads, hidden = self.block, values.size(2), values.size(3)
+        scores = torch.bmm(by_head(queries.index_select(0, query)), by_head(keys.index_select(0, key)).transpose(1, 2))
+        weights = F.silu(scores.view(query.size(0), heads, b, b) * alpha) * mask
+        return torch.bmm(weights.view(query.size(0) * heads, b, b), by_head(values.index_select(0, key))).view(
+            query.size(0), heads, b, hidden)
 
     def postprocess(self, states: torch.Tensor, query_times: torch.Tensor) -> torch.Tensor:
         """GR's output postprocessor on the candidates' last states."""
