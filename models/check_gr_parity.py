@@ -22,8 +22,8 @@ features one per row. The checks, per golden case of the model's clamp
     alone (Narsil's scores do not depend on who shares a forward; GR's
     `scores_in_batch` do, and are reported, not checked).
 
-Rust's end-to-end test mirrors `check_model`: the same users sent over
-gRPC, the same bounds.
+`check_model` is written to be mirrored by a test over gRPC: the same
+users, each a grouped request, the same bounds.
 """
 
 import argparse

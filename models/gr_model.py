@@ -407,8 +407,9 @@ class GrDenseNetwork(nn.Module):
             gate = ((lengths + seq0_unit_rows).unsqueeze(1) >= self.context_min_lengths.unsqueeze(0)).to(dtype)
             inputs = unit_pooled.index_select(1, self.context_columns.reshape(-1)).view(units, c, e) \
                 * gate.unsqueeze(2)
-            contexts = torch.baddbmm(self.context_bias.to(dtype).unsqueeze(1), inputs.transpose(0, 1),
-                                     self.context_weight.to(dtype)).transpose(0, 1)  # [U, C, D]
+            # One GEMM per contextual feature (GR's is one batched GEMM over them).
+            contexts = torch.stack([torch.addmm(self.context_bias[i].to(dtype), inputs[:, i],
+                                                self.context_weight[i].to(dtype)) for i in range(c)], dim=1)
             context_position = torch.arange(c, device=device).repeat(units)
             context_bucket = self.buckets(unit_query.repeat_interleave(c), torch.zeros(units * c, dtype=torch.int64,
                                                                                         device=device))
