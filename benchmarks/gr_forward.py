@@ -56,7 +56,8 @@ def import_gr():
             import torchrec.modules.sorted_index_select  # noqa: F401
         except ImportError:
             shim = types.ModuleType("torchrec.modules.sorted_index_select")
-            shim.maybe_sorted_index_select = lambda values, index, use_sorted=False: torch.index_select(values, 0, index)
+            shim.maybe_sorted_index_select = \
+                lambda values, index, use_sorted=False: torch.index_select(values, 0, index)
             sys.modules["torchrec.modules.sorted_index_select"] = shim
     from generative_recommenders.common import HammerKernel
     from generative_recommenders.dlrm_v3.configs import get_embedding_table_config, get_hstu_configs

@@ -47,9 +47,9 @@ def gr_plan(shape: dict) -> Plan:
         "item_embedding_feature_names": ["item_candidate_id", "item_candidate_category_id"],
         "uih_post_id_feature_name": "item_id", "uih_action_time_feature_name": "action_timestamp",
         "candidates_querytime_feature_name": "item_query_time", "uih_weight_feature_name": "item_weights",
-        "merge_uih_candidate_feature_mapping": [["item_id", "item_candidate_id"], ["action_timestamp", "item_query_time"],
-                                                ["item_weights", "item_action_weights"],
-                                                ["item_category_id", "item_candidate_category_id"]],
+        "merge_uih_candidate_feature_mapping": [
+            ["item_id", "item_candidate_id"], ["action_timestamp", "item_query_time"],
+            ["item_weights", "item_action_weights"], ["item_category_id", "item_candidate_category_id"]],
         "hstu_uih_feature_names": ["user_id", "item_id", "action_timestamp", "item_weights", "item_category_id"],
         "hstu_candidate_feature_names": ["item_candidate_id", "item_query_time", "item_action_weights",
                                          "item_candidate_category_id"],

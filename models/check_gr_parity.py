@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import numpy as np
 import torch
@@ -119,7 +119,8 @@ class Model:
         return (torch.zeros(len(row_unit), 0, dtype=self.dtype), cast(np.stack(pooled)),
                 cast(np.concatenate(values)), torch.from_numpy(offsets), torch.tensor(row_unit, dtype=torch.int64),
                 torch.from_numpy(np.ascontiguousarray(np.concatenate(raw_channels))),
-                torch.tensor(unit_rows, dtype=torch.int64), torch.tensor(raw, dtype=torch.int64).reshape(-1, len(self.raw)))
+                torch.tensor(unit_rows, dtype=torch.int64),
+                torch.tensor(raw, dtype=torch.int64).reshape(-1, len(self.raw)))
 
     def scores(self, users: List[dict]) -> torch.Tensor:
         """`[tasks, candidates of every user]`, FP32."""

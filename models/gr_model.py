@@ -394,7 +394,8 @@ class GrDenseNetwork(nn.Module):
         actions = torch.zeros(positions, self.action_table.numel(), dtype=dtype, device=device)
         if self.use_action:
             bits = (seq0_raw[:, self.action_raw].unsqueeze(1) & self.action_weights.unsqueeze(0)) > 0
-            actions = (bits.unsqueeze(2).to(dtype) * self.action_table.unsqueeze(0)).reshape(positions, self.action_table.numel())
+            actions = (bits.unsqueeze(2).to(dtype) * self.action_table.unsqueeze(0)).reshape(
+                positions, self.action_table.numel())
         history = self.tokens(values[:, self.history_post:self.history_post + e],
                               values.index_select(1, self.history_additional), actions)
         history_position = (lengths.index_select(0, position_unit) - place + c).clamp(max=self.max_position)

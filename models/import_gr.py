@@ -144,7 +144,9 @@ class Plan:
     schema's features in order, the sequence's channels, and the network's
     column layout."""
 
-    def __init__(self, config: dict, tables: List[dict]) -> None:
+    def __init__(self, config: dict, tables: List[dict], additional_inputs: int = -1) -> None:
+        """`additional_inputs`: the checkpoint's additional-embedding MLP's
+        input width, where known (-1: not checked)."""
         self.config = config
         table_of = {f: t["name"] for t in tables for f in t["feature_names"]}
         self.table_of = table_of
@@ -178,6 +180,14 @@ class Plan:
         # counterpart is an item feature, the post id excepted.
         additional = [u for u, c in config["merge_uih_candidate_feature_mapping"]
                       if c in items and u in users and u != post]
+        if additional_inputs >= 0 and additional_inputs != len(additional) * e:
+            # GR leaves the post id out with `is not` (identity): a config whose strings are not the
+            # interned literals of GR's configs.py keeps it. The checkpoint's MLP says which GR built.
+            with_post = [u for u, c in config["merge_uih_candidate_feature_mapping"] if c in items and u in users]
+            if additional_inputs != len(with_post) * e:
+                raise SystemExit(f"the checkpoint's additional-embedding MLP takes {additional_inputs} inputs; "
+                                 f"the hparams give {additional} ({len(additional) * e})")
+            additional = with_post
         for feature in [post] + additional:
             if feature not in self.lookups or mapping.get(feature) not in self.pooled:
                 raise SystemExit(f"{feature}: GR embeds it in the history and as {mapping.get(feature)} for "
@@ -314,7 +324,8 @@ def example_inputs(plan: Plan, units: int = 3, seed: int = 0) -> tuple:
     raw_channels[:, plan.layout.time_raw] = 1_700_000_000 + torch.arange(positions) * 3600
     raw = torch.randint(0, 32, (rows, len(plan.raw)), generator=g)
     # Query times differ between a unit's rows (the unit's is its last row's).
-    raw[:, plan.layout.query_time_raw] = 1_700_000_000 + 3600 * positions + torch.randint(0, 86400, (rows,), generator=g)
+    raw[:, plan.layout.query_time_raw] = 1_700_000_000 + 3600 * positions \
+        + torch.randint(0, 86400, (rows,), generator=g)
     return (torch.zeros(rows, 0), torch.rand(rows, len(plan.pooled) * e, generator=g) * 2 - 1,
             torch.rand(positions, len(plan.lookups) * e, generator=g) * 2 - 1, offsets, row_unit, raw_channels,
             per_unit.clone(), raw)
@@ -388,8 +399,9 @@ def main() -> int:
     path = checkpoint_dir(args.checkpoint)
     hparams = json.loads(args.hparams.read_text())
     config = normalized_config(hparams["hstu_config"])
-    plan = Plan(config, hparams["tables"])
     dense = read_dense(path)
+    width = dense.get("_hstu_transducer._input_preprocessor._additional_embedding_mlp.0.weight")
+    plan = Plan(config, hparams["tables"], -1 if width is None else width.shape[1])
     log(f"{path}: {len(dense)} dense tensors; {len(plan.contexts)} contextual features, "
         f"{len(plan.channels)} history features, {len(plan.candidates)} candidate features, tasks {plan.tasks}")
     shutil.rmtree(out, ignore_errors=True)
@@ -404,7 +416,8 @@ def main() -> int:
                                                 plan)
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     (out / "import.json").write_text(json.dumps({
-        "import_format": IMPORT_FORMAT, "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp, "int8": args.int8,
+        "import_format": IMPORT_FORMAT, "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp,
+        "int8": args.int8,
         "bf16": args.bf16, "block": args.block, "torch": torch.__version__}, indent=2) + "\n")
     log(f"wrote {out} in {time.time() - started:.1f} s (clamp {args.clamp}, tables "
         f"{'INT8' if args.int8 else 'FP32'}, dense {'bf16' if args.bf16 else 'FP32'})")
