@@ -375,14 +375,17 @@ class GrDenseNetwork(nn.Module):
         lengths = seq0_offsets[1:] - starts
         sizes = c + lengths  # tokens per unit: contexts and history
         arange_rows = torch.arange(rows, device=device)
-        # Rows by unit (stably: in request order within a unit), and each unit's last row: its contexts and
-        # its query time are the unit's. (A sort, not a scatter's amax: AOTInductor's lowering of that one
+        # Rows by unit, in request order within a unit, and each unit's last row: its contexts and its
+        # query time are the unit's. (A sort, not a scatter's amax: AOTInductor's lowering of that one
         # took another row.)
         per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
             0, seq0_row_unit, torch.ones_like(seq0_row_unit))
-        by_unit = torch.sort(seq0_row_unit, stable=True)
+        # Sorted by (unit, row): keys all distinct, so no sort's stability is relied on (AOTInductor's
+        # was not stable).
+        sorted_rows = torch.sort(seq0_row_unit * rows + arange_rows).indices
+        sorted_units = seq0_row_unit.index_select(0, sorted_rows)
         first_row = torch.cumsum(per_unit, 0) - per_unit
-        unit_row = by_unit.indices.index_select(0, (first_row + per_unit - 1).clamp(min=0))
+        unit_row = sorted_rows.index_select(0, (first_row + per_unit - 1).clamp(min=0))
         query_times = raw[:, self.query_time_raw]
         unit_query = query_times.index_select(0, unit_row)  # [U]
         # N per unit: contexts, history and its request's rows (candidates).
@@ -423,7 +426,7 @@ class GrDenseNetwork(nn.Module):
         candidates = self.encoded(candidates, torch.full_like(arange_rows, c).clamp(max=self.max_position),
                                   self.buckets(unit_query.index_select(0, seq0_row_unit), query_times))
         candidates = self.attend(x, candidates, sizes, starts, position_unit, place, scale, seq0_row_unit,
-                                 per_unit, by_unit.indices, by_unit.values, first_row, units, positions, rows)
+                                 per_unit, sorted_rows, sorted_units, first_row, units, positions, rows)
         user = self.postprocess(candidates, query_times)
         item = self.item(pooled.index_select(1, self.item_columns))
         logits = self.prediction(user * item).float().transpose(0, 1)  # [tasks, R]
