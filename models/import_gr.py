@@ -30,7 +30,8 @@ Writes OUT_DIR, a split model (models/split_model.py's format
   dense.pt      models/gr_model.py's GrDenseNetwork, TorchScript, its
                 time-bucket clamp fixed (--clamp; default pytorch); with
                 --bf16 its weights bf16 (arithmetic bf16, scores FP32)
-  dense.pt2     with --pt2: the same network compiled by AOTInductor (FP32)
+  dense.pt2     with --pt2: the same network compiled by AOTInductor (FP32),
+                kept only where it scores within 1e-5 of the network
   import.json   what was imported: the checkpoint, hparams, clamp, options
 """
 
@@ -42,7 +43,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -314,7 +315,7 @@ def example_inputs(plan: Plan, units: int = 3, seed: int = 0) -> tuple:
     g = torch.Generator().manual_seed(seed)
     e = plan.layout.table_dim
     lengths = torch.tensor([5, 0, 40][:units] + [7] * max(units - 3, 0))
-    per_unit = torch.tensor([3, 1, 2][:units] + [2] * max(units - 3, 0))
+    per_unit = torch.tensor([3, 1, 2][:units] + [2] * max(units - 3, 0)) * (1 + seed * 20)
     rows, positions = int(per_unit.sum()), int(lengths.sum())
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     # Rows of a unit not contiguous: the last unit's first row comes first.
@@ -323,21 +324,26 @@ def example_inputs(plan: Plan, units: int = 3, seed: int = 0) -> tuple:
     raw_channels = torch.randint(0, 32, (positions, len(plan.raw_channels)), generator=g)
     raw_channels[:, plan.layout.time_raw] = 1_700_000_000 + torch.arange(positions) * 3600
     raw = torch.randint(0, 32, (rows, len(plan.raw)), generator=g)
-    # Query times differ between a unit's rows (the unit's is its last row's).
-    raw[:, plan.layout.query_time_raw] = 1_700_000_000 + 3600 * positions \
-        + torch.randint(0, 86400, (rows,), generator=g)
+    # Query times differ between a unit's rows (the unit's is its last row's), seconds or milliseconds.
+    scale = 1000 if seed % 2 else 1
+    raw_channels[:, plan.layout.time_raw] *= scale
+    raw[:, plan.layout.query_time_raw] = (1_700_000_000 + 3600 * positions
+                                          + torch.randint(0, 30 * 86400, (rows,), generator=g)) * scale
     return (torch.zeros(rows, 0), torch.rand(rows, len(plan.pooled) * e, generator=g) * 2 - 1,
             torch.rand(positions, len(plan.lookups) * e, generator=g) * 2 - 1, offsets, row_unit, raw_channels,
             per_unit.clone(), raw)
 
 
-def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> str:
+def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[str]:
     """`network` compiled ahead of time into `out/dense.pt2`: torch.export
     with dynamic rows, positions (0 included), units (1 included) and the
     longest unit known at run time, then AOTInductor (FP32, this CPU's
     vector ISA without -march=native, kernels not linking libtorch, as
     models/sequence_split.py compiles HSTU's). Checked within 1e-5 of the
-    network."""
+    network on batches of second and millisecond timestamps; a package
+    over it is removed (None returned): AOTInductor computes the timestamp
+    postprocessor's float floor division and remainder otherwise than
+    eager PyTorch (GR's), up to 2e-2 per score on GR's test checkpoints."""
     import torch.fx.experimental._config as fx_config
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -365,10 +371,12 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> str:
     package = load_unlinked_package(path)
     worst = 0.0
     with torch.inference_mode():
-        for batch in (example_inputs(plan, 1, 1), example_inputs(plan, 5, 2), example):
+        for batch in (example_inputs(plan, 1, 1), example_inputs(plan, 5, 2), example_inputs(plan, 4, 3), example):
             worst = max(worst, (package(*batch) - network(*batch)).abs().max().item())
     if not worst <= 1e-5:
-        raise SystemExit(f"dense.pt2 check failed: {worst} from the network")
+        (out / "dense.pt2").unlink()
+        log(f"dense.pt2 not written: its scores are {worst:.1e} from the network's (over 1e-5); serve dense.pt")
+        return None
     log(f"compiled dense.pt2 for {vec_isa} in {time.time() - started:.0f} s; within {worst:.1e} of the network")
     return "dense.pt2"
 
@@ -412,8 +420,9 @@ def main() -> int:
     scripted.save(str(out / "dense.pt"))
     schema = schema_json(args.name or out.name, args.version, plan, tables, config, args.block)
     if args.pt2:
-        schema["dense_package"] = write_package(out, build_network(config, plan, dense, args.clamp, args.block),
-                                                plan)
+        package = write_package(out, build_network(config, plan, dense, args.clamp, args.block), plan)
+        if package is not None:
+            schema["dense_package"] = package
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     (out / "import.json").write_text(json.dumps({
         "import_format": IMPORT_FORMAT, "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp,
