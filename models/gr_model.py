@@ -186,6 +186,19 @@ class GrLayout:
         self.query_time_raw = query_time_raw
 
 
+def floor_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.div(a, b, rounding_mode="floor")` for floats as eager PyTorch
+    computes it (c10's div_floor_floating: `(a - fmod(a, b)) / b`, then
+    floored and rounded up past .5), written out: AOTInductor computes
+    `floor(a / b)`, which differs where `a / b` rounds up to an integer
+    (1.4% of float32 Unix times over 3,600). `b` nonzero."""
+    mod = torch.fmod(a, b)
+    div = (a - mod) / b
+    div = torch.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floored = torch.floor(div)
+    return torch.where(div - floored > 0.5, floored + 1, floored)
+
+
 def columns(starts: List[int], width: int) -> torch.Tensor:
     """The column indices of blocks of `width` starting at `starts`."""
     if not starts:
@@ -544,7 +557,7 @@ class GrDenseNetwork(nn.Module):
         if self.postprocessor == "l2":
             return states / torch.linalg.norm(states, ord=2, dim=-1, keepdim=True).clamp(min=1e-6)
         if self.postprocessor == "timestamp":
-            since = torch.div(query_times.float().unsqueeze(1), self.period_units.float(), rounding_mode="floor")
+            since = floor_divide(query_times.float().unsqueeze(1), self.period_units.float())
             periods = self.units_per_period.float()
             angle = torch.remainder(since, periods) / periods * 2 * 3.14  # [R, 2]
             features = torch.stack([torch.cos(angle), torch.sin(angle)], dim=2).flatten(1).to(states.dtype)
