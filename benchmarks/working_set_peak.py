@@ -30,6 +30,34 @@ from din_model import DinDenseNetwork  # noqa: E402
 from din_model import build as build_din  # noqa: E402
 from hstu_model import HstuDenseNetwork, HstuNetwork  # noqa: E402
 from working_sets import din_working_set, hstu_working_set  # noqa: E402
+from import_gr import Plan, normalized_config, working_set as gr_working_set  # noqa: E402
+from gr_model import GrDenseNetwork  # noqa: E402
+
+
+def gr_plan(shape: dict) -> Plan:
+    """An imported GR model's plan of the streaming feature set (GR's
+    dlrm_v3/configs.py "streaming" names) at `shape`'s sizes."""
+    config = normalized_config({
+        "max_seq_len": 4096, "hstu_num_heads": shape["heads"], "hstu_attn_linear_dim": shape["head_dim"],
+        "hstu_attn_qk_dim": shape["head_dim"], "hstu_attn_num_layers": shape["layers"],
+        "hstu_embedding_table_dim": shape["table_dim"], "hstu_preprocessor_hidden_dim": shape["hidden"],
+        "hstu_transducer_embedding_dim": shape["model_dim"], "action_weights": [1, 2, 4, 8, 16],
+        "contextual_feature_to_max_length": {"user_id": 1}, "contextual_feature_to_min_uih_length": {"user_id": 20},
+        "user_embedding_feature_names": ["item_id", "user_id", "item_category_id"],
+        "item_embedding_feature_names": ["item_candidate_id", "item_candidate_category_id"],
+        "uih_post_id_feature_name": "item_id", "uih_action_time_feature_name": "action_timestamp",
+        "candidates_querytime_feature_name": "item_query_time", "uih_weight_feature_name": "item_weights",
+        "merge_uih_candidate_feature_mapping": [
+            ["item_id", "item_candidate_id"], ["action_timestamp", "item_query_time"],
+            ["item_weights", "item_action_weights"], ["item_category_id", "item_candidate_category_id"]],
+        "hstu_uih_feature_names": ["user_id", "item_id", "action_timestamp", "item_weights", "item_category_id"],
+        "hstu_candidate_feature_names": ["item_candidate_id", "item_query_time", "item_action_weights",
+                                         "item_candidate_category_id"],
+        "multitask_configs": [{"task_name": "rating", "task_weight": 1, "task_type": 0}]})
+    tables = [{"name": n, "num_embeddings": 100, "embedding_dim": shape["table_dim"], "feature_names": f}
+              for n, f in (("item_id", ["item_id", "item_candidate_id"]), ("user_id", ["user_id"]),
+                           ("item_category_id", ["item_category_id", "item_candidate_category_id"]))]
+    return Plan(config, tables)
 
 
 def vm_hwm() -> int:
@@ -42,8 +70,19 @@ def vm_hwm() -> int:
 def inputs(kind: str, shape: dict, rows: int, positions: int, ranking: bool):
     """A flat request (`rows` units of `positions` each) or a ranking one
     (one unit of `positions` for `rows` rows), as the stage hands it."""
-    d = shape["embedding_dim"]
+    d = shape.get("embedding_dim", 0)
     units = 1 if ranking else rows
+    if kind == "gr":
+        plan = gr_plan(shape)
+        e, positions_all = shape["table_dim"], units * positions
+        raw_channels = torch.randint(0, 32, (positions_all, len(plan.raw_channels)))
+        raw_channels[:, plan.layout.time_raw] = 1_700_000_000 + torch.arange(positions_all)
+        raw = torch.full((rows, len(plan.raw)), 1_700_100_000, dtype=torch.int64)
+        offsets = torch.arange(units + 1, dtype=torch.int64) * positions
+        row_unit = torch.zeros(rows, dtype=torch.int64) if ranking else torch.arange(rows, dtype=torch.int64)
+        unit_rows = torch.full((units,), rows if ranking else 1, dtype=torch.int64)
+        return (torch.zeros(rows, 0), torch.rand(rows, len(plan.pooled) * e),
+                torch.rand(positions_all, len(plan.lookups) * e), offsets, row_unit, raw_channels, unit_rows, raw)
     if kind == "hstu":
         dense, pooled = torch.zeros(rows, 0), torch.rand(rows, (shape["contexts"] + 1) * d)
         values = torch.rand(units * positions, 3 * d)
@@ -57,6 +96,9 @@ def inputs(kind: str, shape: dict, rows: int, positions: int, ranking: bool):
 
 def network(kind: str, shape: dict) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "gr":
+        plan = gr_plan(shape)
+        return GrDenseNetwork(plan.config, plan.layout, block=shape["block"]).eval()
     if kind == "hstu":
         hstu = HstuNetwork(shape["embedding_dim"], shape["contexts"], shape["model_dim"], shape["layers"],
                            shape["heads"], shape["head_dim"], shape["max_len"], [shape["model_dim"]])
@@ -87,6 +129,9 @@ SHAPES = {
                                max_len=64, block=32)),
     "bench-hstu": ("hstu", dict(embedding_dim=64, contexts=2, model_dim=128, layers=3, heads=4, head_dim=32,
                                 max_len=512, block=32)),
+    # An imported GR model: models/testdata/gr's shape, and benchmarks/gr_forward.py's.
+    "test-gr": ("gr", dict(table_dim=32, model_dim=24, layers=2, heads=2, head_dim=16, hidden=64, block=64)),
+    "bench-gr": ("gr", dict(table_dim=128, model_dim=256, layers=3, heads=4, head_dim=64, hidden=256, block=64)),
     # models/export_din.py's defaults (test-din), factored and exact.
     "test-din": ("din", dict(embedding_dim=32, num_user=3, num_dense=8, attention_arch=[64, 16], factored=True)),
     "test-din-exact": ("din", dict(embedding_dim=32, num_user=3, num_dense=8, attention_arch=[64, 16],
@@ -95,6 +140,9 @@ SHAPES = {
 
 
 def declared(kind: str, shape: dict) -> dict:
+    if kind == "gr":
+        plan = gr_plan(shape)
+        return gr_working_set(plan.config, len(plan.contexts), shape["block"])
     if kind == "hstu":
         return hstu_working_set(shape["block"], shape["heads"], shape["head_dim"], shape["contexts"],
                                 shape["model_dim"])
@@ -130,6 +178,7 @@ def formula(working_set: dict, rows: int, positions: int, ranking: bool) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gr", action="store_true", help="measure only the imported GR network's shapes")
     p.add_argument("--bench-hstu", type=int, default=0, help="measure only bench-hstu, this many rows x 512 positions")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -138,7 +187,10 @@ def main() -> int:
         kind, shape = SHAPES[name]
         print(measure(kind, shape, rows, positions, ranking))
         return 0
-    if args.bench_hstu:
+    if args.gr:
+        cases = [("test-gr", 200, 240, False), ("test-gr", 16, 240, True), ("bench-gr", 16, 1024, False),
+                 ("bench-gr", 256, 1024, True), ("bench-gr", 64, 256, True), ("bench-gr", 200, 64, False)]
+    elif args.bench_hstu:
         cases = [("bench-hstu", args.bench_hstu, 512, False)]
     else:
         cases = [("test-hstu", 400, 64, False), ("test-hstu", 2000, 64, False), ("test-hstu", 2000, 64, True),

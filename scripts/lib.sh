@@ -47,6 +47,24 @@ export_torchrec_model() {
   export_with models/export_torchrec.py "$@"
 }
 
+# Imports GR's test checkpoint models/testdata/gr/SET (written by GR's own code) with
+# models/import_gr.py into models/generated/gr-SET-CLAMP, and checks it against GR's golden
+# scores (models/check_gr_parity.py), unless an import of the current IMPORT_FORMAT is there.
+import_gr_model() {
+  local set="$1" clamp="$2"
+  local data="models/testdata/gr/$set" out="models/generated/gr-$set-$clamp" format
+  if [ ! -d "$data" ]; then
+    echo "skipped: importing $out: no $data"
+    return
+  fi
+  format=$(sed -n 's/^IMPORT_FORMAT = //p' models/import_gr.py)
+  if ! grep -q "\"import_format\": $format," "$out/import.json" 2>/dev/null; then
+    step "importing $data into $out (clamp $clamp) and checking it against GR's golden scores"
+    .venv/bin/python models/import_gr.py "$data/checkpoint" "$data/hparams.json" "$out" --clamp "$clamp" --force
+    .venv/bin/python models/check_gr_parity.py "$out" "$data/golden.json"
+  fi
+}
+
 export_with() {
   local script="$1" name="$2"
   shift 2

@@ -31,6 +31,9 @@ export_with models/export_torchrec_din.py test-torchrec-din --extract
 export_with models/export_torchrec_din.py test-torchrec-bst --kind bst --name team-bst --extract
 export_with models/export_hstu.py test-hstu --pt2
 export_with models/export_raw_echo.py test-raw-echo
+for set in streaming kuairand; do
+  for clamp in pytorch triton; do import_gr_model "$set" "$clamp"; done
+done
 step "building the tests (workspace, all targets, --features torch)"
 cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked --no-run
 # A cold build writes gigabytes; on a 2-vCPU machine their writeback competes

@@ -1,0 +1,565 @@
+"""Narsil's own implementation of generative-recommenders' (GR) `DlrmHSTU`
+forward after its lookups (the model of MLPerf's DLRMv3), as a split dense
+network: `GrDenseNetwork`, built from a GR checkpoint's `dense_dict` by
+models/import_gr.py. Written from GR's source (modules/dlrm_hstu.py and
+what it calls, commit db1bf8f); none of GR's code is used or needed here.
+
+What GR computes for one user (its contexts, its history of L positions
+and its K candidates), inference, as this network computes it:
+
+  * Contextual tokens (one per `contextual_feature_to_max_length` feature,
+    of length 1): `bias_c + e_c @ W_c`, the input zeroed where `L + K` is
+    under the feature's `contextual_feature_to_min_uih_length`.
+  * A token per history position and per candidate:
+    `content(item) [+ additional(other embeddings)] [+ action(a)]`, each an
+    MLP `Linear, SwishLayerNorm, Linear, LayerNorm` (`SwishLayerNorm(x) = x
+    * sigmoid(LN(x))`); `a` the position's action bitmask exploded against
+    `action_weights` into learned 8-wide vectors, a candidate's one learned
+    vector.
+  * `x * sqrt(D) + (time_emb[b] + pos_emb[p])` over `[contexts | history |
+    candidates]`: `p` a context's index, a history position's distance from
+    the history's end plus the contexts (`L - j + C`), `C` for every
+    candidate; `b = int(sqrt(max(q - t, 1e-6) / 60))` in FP32, `t` the
+    token's time (0 for contexts, a candidate's own query time), `q` the
+    last candidate's query time, clamped to `clamp` (`pytorch`: GR's PyTorch
+    path caps at the model dim - 1; `triton`: its GPU kernel at 2048).
+  * STU layers: `u, v, q, k = split(LN(x) @ W + beta)`, `u = silu(u)`;
+    `attn_i = sum_j silu(alpha q_i.k_j) / N * v_j` over keys `j` the mask
+    allows (a context or history token: those at or before it; a
+    candidate: every context and history token and itself), `alpha =
+    1/sqrt(qk dim)`, `N = C + L + K` (GR divides by the padded length of
+    its batch: this network by the user's own, its scores alone); `x + [u,
+    attn, u * LN(attn)] @ W_o`.
+  * Each candidate's last state through the postprocessor (GR's timestamp
+    one: `[state, cos/sin of hour-of-day and day-of-week of its query
+    time]`, FP32, `2 * 3.14`, then Linear and LayerNorm; or LayerNorm; or
+    L2 norm), times the item tower (an MLP of its item embeddings), through
+    the multitask head: one output per task, sigmoid for binary tasks.
+
+Narsil's split form (docs/guide/gr-models.md): `forward(dense, pooled,
+seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, raw)`,
+jagged throughout, never padded to the batch's longest unit. Each unit's
+contexts and history go through the layers once, attention in blocks of
+each unit's own tokens (as models/hstu_model.py's `HstuDenseNetwork`);
+each candidate then runs every layer against its unit's key blocks and
+itself. N per unit is its contexts, its history and its request's rows
+(`seq0_unit_rows`), so a user's scores do not depend on who shares the
+forward. Arithmetic in the weights' dtype (norms in FP32, as GR's); scores
+FP32.
+"""
+
+import math
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from din_model import longest_unit
+from hstu_model import by_head
+
+# The time-bucket clamp of each GR path (module docstring).
+CLAMPS = ("pytorch", "triton")
+DEFAULT_CLAMP = "pytorch"
+TRITON_TIME_BUCKETS = 2048
+# GR's positional encoder's tables (modules/dlrm_hstu.py).
+POSITION_BUCKETS = 8192
+TIME_BUCKET_SECONDS = 60.0
+
+
+def layer_norm32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm computed in FP32 and returned in `x`'s dtype (GR's)."""
+    return F.layer_norm(x.float(), [x.size(-1)], weight.float(), bias.float(), eps).to(x.dtype)
+
+
+class Mlp(nn.Module):
+    """GR's `Linear, SwishLayerNorm, Linear[, LayerNorm]` (its content,
+    action, item and prediction MLPs; eps 1e-5)."""
+
+    final_norm: bool
+
+    def __init__(self, inputs: int, hidden: int, outputs: int, final_norm: bool) -> None:
+        super().__init__()
+        self.first = nn.Linear(inputs, hidden)
+        self.swish_weight = nn.Parameter(torch.ones(hidden))
+        self.swish_bias = nn.Parameter(torch.zeros(hidden))
+        self.second = nn.Linear(hidden, outputs)
+        self.norm_weight = nn.Parameter(torch.ones(outputs))
+        self.norm_bias = nn.Parameter(torch.zeros(outputs))
+        self.final_norm = final_norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h32 = h.float()
+        h = (h32 * torch.sigmoid(F.layer_norm(h32, [h.size(-1)], self.swish_weight.float(),
+                                              self.swish_bias.float(), 1e-5))).to(h.dtype)
+        h = self.second(h)
+        if self.final_norm:
+            h = layer_norm32(h, self.norm_weight, self.norm_bias, 1e-5)
+        return h
+
+    def load(self, state: Dict[str, torch.Tensor], prefix: str) -> None:
+        """From GR's `nn.Sequential` weights under `prefix` (`0`, `1`, `2`
+        and, with a final norm, `3`)."""
+        with torch.no_grad():
+            self.first.weight.copy_(state[prefix + "0.weight"])
+            self.first.bias.copy_(state[prefix + "0.bias"])
+            self.swish_weight.copy_(state[prefix + "1.weight"])
+            self.swish_bias.copy_(state[prefix + "1.bias"])
+            self.second.weight.copy_(state[prefix + "2.weight"])
+            self.second.bias.copy_(state[prefix + "2.bias"])
+            if self.final_norm:
+                self.norm_weight.copy_(state[prefix + "3.weight"])
+                self.norm_bias.copy_(state[prefix + "3.bias"])
+
+
+class Stu(nn.Module):
+    """One STU layer's weights (GR's `STULayer`, no group norm)."""
+
+    heads: int
+    hidden: int
+    qk: int
+    alpha: float
+
+    def __init__(self, dim: int, heads: int, hidden: int, qk: int) -> None:
+        super().__init__()
+        self.heads, self.hidden, self.qk = heads, hidden, qk
+        self.alpha = 1.0 / math.sqrt(qk)
+        self.uvqk_weight = nn.Parameter(torch.zeros(dim, (2 * hidden + 2 * qk) * heads))
+        self.uvqk_beta = nn.Parameter(torch.zeros((2 * hidden + 2 * qk) * heads))
+        self.input_norm_weight = nn.Parameter(torch.ones(dim))
+        self.input_norm_bias = nn.Parameter(torch.zeros(dim))
+        self.output_weight = nn.Parameter(torch.zeros(3 * hidden * heads, dim))
+        self.output_norm_weight = nn.Parameter(torch.ones(hidden * heads))
+        self.output_norm_bias = nn.Parameter(torch.zeros(hidden * heads))
+
+    def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`u` `[T, H * hidden]` (silu), `v` `[T, H, hidden]`, `q`, `k`
+        `[T, H, qk]` of tokens `x` `[T, D]`."""
+        normed = layer_norm32(x, self.input_norm_weight, self.input_norm_bias, 1e-6)
+        uvqk = torch.addmm(self.uvqk_beta, normed, self.uvqk_weight)
+        h, hd, qk = self.heads, self.hidden, self.qk
+        u, v, q, k = uvqk.split([h * hd, h * hd, h * qk, h * qk], dim=1)
+        return F.silu(u), v.unflatten(1, (h, hd)), q.unflatten(1, (h, qk)), k.unflatten(1, (h, qk))
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """`x + [u, attn, u * LN(attn)] @ W_o` (the concatenation in FP32,
+        as GR's)."""
+        a32, u32 = attended.float(), u.float()
+        y = u32 * F.layer_norm(a32, [a32.size(-1)], self.output_norm_weight.float(),
+                               self.output_norm_bias.float(), 1e-6)
+        return torch.addmm(x, torch.cat([u32, a32, y], dim=1).to(x.dtype), self.output_weight)
+
+    def load(self, state: Dict[str, torch.Tensor], prefix: str) -> None:
+        with torch.no_grad():
+            for mine, theirs in (("uvqk_weight", "_uvqk_weight"), ("uvqk_beta", "_uvqk_beta"),
+                                 ("input_norm_weight", "_input_norm_weight"),
+                                 ("input_norm_bias", "_input_norm_bias"), ("output_weight", "_output_weight"),
+                                 ("output_norm_weight", "_output_norm_weight"),
+                                 ("output_norm_bias", "_output_norm_bias")):
+                getattr(self, mine).copy_(state[prefix + theirs])
+
+
+class GrLayout:
+    """Where each input GR's forward reads sits in Narsil's tensors (column
+    indices), and GR's hyperparameters the network needs. Built by
+    models/import_gr.py from the schema it writes."""
+
+    def __init__(self, table_dim: int, contexts: List[int], context_min_lengths: List[int],
+                 candidate_post: int, candidate_additional: List[int], item_columns: List[int],
+                 history_post: int, history_additional: List[int], action_raw: int, time_raw: int,
+                 query_time_raw: int) -> None:
+        self.table_dim = table_dim
+        # `pooled` column starts: each contextual feature's, the candidate's
+        # post id's, its additional embeddings', the item tower's inputs.
+        self.contexts = contexts
+        self.context_min_lengths = context_min_lengths
+        self.candidate_post = candidate_post
+        self.candidate_additional = candidate_additional
+        self.item_columns = item_columns
+        # `seq0_values` column starts: the history's post id, its additional embeddings.
+        self.history_post = history_post
+        self.history_additional = history_additional
+        # `seq0_raw` columns: the action bitmask (-1: none), the time; `raw`'s: the query time.
+        self.action_raw = action_raw
+        self.time_raw = time_raw
+        self.query_time_raw = query_time_raw
+
+
+def floor_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.div(a, b, rounding_mode="floor")` for floats as eager PyTorch
+    computes it (c10's div_floor_floating: `(a - fmod(a, b)) / b`, then
+    floored and rounded up past .5), written out: AOTInductor computes
+    `floor(a / b)`, which differs where `a / b` rounds up to an integer
+    (1.4% of float32 Unix times over 3,600). `b` nonzero."""
+    mod = torch.fmod(a, b)
+    div = (a - mod) / b
+    div = torch.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
+    floored = torch.floor(div)
+    return torch.where(div - floored > 0.5, floored + 1, floored)
+
+
+def columns(starts: List[int], width: int) -> torch.Tensor:
+    """The column indices of blocks of `width` starting at `starts`."""
+    if not starts:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(s, s + width) for s in starts])
+
+
+class GrDenseNetwork(nn.Module):
+    """GR's `DlrmHSTU` forward after its lookups, Narsil's split form
+    (module docstring):
+
+      forward(dense f32[R, 0], pooled f32[R, (contexts + candidate tables) * E],
+              seq0_values f32[P, W], seq0_offsets i64[U + 1], seq0_row_unit i64[R],
+              seq0_raw i64[P, K], seq0_unit_rows i64[U], raw i64[R, J]) -> f32[tasks, R]
+
+    The layout (`GrLayout`) says which columns hold what; `clamp` is the
+    time-bucket clamp, fixed here; `block` the attention block."""
+
+    block: int
+    contexts: int
+    dim: int
+    time_clamp: int
+    use_action: bool
+    use_additional: bool
+    postprocessor: str
+    action_raw: int
+    time_raw: int
+    query_time_raw: int
+    history_post: int
+    candidate_post: int
+    table_dim: int
+    max_position: int
+    bucket_seconds: float
+    pair_chunk: int
+    group_tokens: int
+
+    def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64,
+                 group_tokens: int = 2048) -> None:
+        super().__init__()
+        if clamp not in CLAMPS:
+            raise ValueError(f"clamp must be one of {CLAMPS}, not {clamp!r}")
+        d, e = config["hstu_transducer_embedding_dim"], config["hstu_embedding_table_dim"]
+        hidden = config["hstu_preprocessor_hidden_dim"]
+        self.block, self.dim, self.table_dim = block, d, e
+        # Block pairs per chunk (pair_attention): about 2 MiB of scores at b = 64, 4 heads.
+        self.group_tokens = group_tokens
+        self.pair_chunk = max(1, (1 << 19) // (block * block * config["hstu_num_heads"]))
+        self.clamp = clamp
+        self.max_position, self.bucket_seconds = POSITION_BUCKETS - 1, TIME_BUCKET_SECONDS
+        self.time_clamp = d - 1 if clamp == "pytorch" else TRITON_TIME_BUCKETS
+        self.contexts = len(layout.contexts)
+        self.register_buffer("context_columns", columns(layout.contexts, e).view(max(self.contexts, 1), -1)
+                             if self.contexts else torch.zeros(1, 0, dtype=torch.int64))
+        self.register_buffer("context_min_lengths", torch.tensor(layout.context_min_lengths + [0],
+                                                                 dtype=torch.int64)[:max(self.contexts, 1)])
+        self.context_weight = nn.Parameter(torch.zeros(max(self.contexts, 1), e, d))
+        self.context_bias = nn.Parameter(torch.zeros(max(self.contexts, 1), d))
+        self.content = Mlp(e, hidden, d, True)
+        self.use_additional = len(layout.history_additional) > 0
+        self.additional = Mlp(e * len(layout.history_additional), hidden, d, True)
+        self.register_buffer("history_additional", columns(layout.history_additional, e))
+        self.register_buffer("candidate_additional", columns(layout.candidate_additional, e))
+        self.history_post, self.candidate_post = layout.history_post, layout.candidate_post
+        weights = config.get("action_weights") or []
+        self.use_action = len(weights) > 0
+        actions = max(len(weights), 1)
+        self.register_buffer("action_weights", torch.tensor(weights or [0], dtype=torch.int64))
+        self.action_table = nn.Parameter(torch.zeros(actions, 8))
+        self.target_action = nn.Parameter(torch.zeros(1, actions * 8))
+        self.action = Mlp(actions * 8, hidden, d, True)
+        self.action_raw, self.time_raw, self.query_time_raw = layout.action_raw, layout.time_raw, layout.query_time_raw
+        self.position_embeddings = nn.Parameter(torch.zeros(POSITION_BUCKETS, d))
+        self.time_embeddings = nn.Parameter(torch.zeros(TRITON_TIME_BUCKETS + 1, d))
+        self.layers = nn.ModuleList([Stu(d, config["hstu_num_heads"], config["hstu_attn_linear_dim"],
+                                         config["hstu_attn_qk_dim"]) for _ in range(config["hstu_attn_num_layers"])])
+        if not config.get("enable_postprocessor", True):
+            self.postprocessor = "l2"
+        elif config.get("use_layer_norm_postprocessor", False):
+            self.postprocessor = "layernorm"
+        else:
+            self.postprocessor = "timestamp"
+        self.register_buffer("period_units", torch.tensor([[3600.0, 86400.0]]))
+        self.register_buffer("units_per_period", torch.tensor([[24.0, 7.0]]))
+        self.time_combiner = nn.Linear(d + 4, d)
+        self.post_norm_weight = nn.Parameter(torch.ones(d))
+        self.post_norm_bias = nn.Parameter(torch.zeros(d))
+        self.register_buffer("item_columns", columns(layout.item_columns, e))
+        self.item = Mlp(e * len(layout.item_columns), 512, d, True)
+        tasks = config["multitask_configs"]
+        self.prediction = Mlp(d, 512, len(tasks), False)
+        self.register_buffer("binary", torch.tensor([t["task_type"] == 0 for t in tasks], dtype=torch.bool))
+
+    def load_gr(self, state: Dict[str, torch.Tensor]) -> None:
+        """GR's weights, from its checkpoint's `dense_dict` (keys as
+        `DlrmHSTU.state_dict()` names them)."""
+        pre = "_hstu_transducer._input_preprocessor."
+        with torch.no_grad():
+            if self.contexts:
+                self.context_weight.copy_(state[pre + "_batched_contextual_linear_weights"])
+                self.context_bias.copy_(state[pre + "_batched_contextual_linear_bias"])
+            self.content.load(state, pre + "_content_embedding_mlp.")
+            if self.use_additional:
+                self.additional.load(state, pre + "_additional_embedding_mlp.")
+            if self.use_action:
+                self.action_table.copy_(state[pre + "_action_encoder._action_embedding_table"])
+                self.target_action.copy_(state[pre + "_action_encoder._target_action_embedding_table"])
+                self.action_weights.copy_(state[pre + "_action_encoder._combined_action_weights"])
+                self.action.load(state, pre + "_action_embedding_mlp.")
+            encoder = "_hstu_transducer._positional_encoder."
+            self.position_embeddings.copy_(state[encoder + "_position_embeddings_weight"])
+            self.time_embeddings.copy_(state[encoder + "_timestamp_embeddings_weight"])
+            for i, layer in enumerate(self.layers):
+                layer.load(state, f"_hstu_transducer._stu_module._stu_layers.{i}.")
+            post = "_hstu_transducer._output_postprocessor."
+            if self.postprocessor == "timestamp":
+                self.period_units.copy_(state[post + "_period_units"])
+                self.units_per_period.copy_(state[post + "_units_per_period"])
+                self.time_combiner.weight.copy_(state[post + "_time_feature_combiner.weight"])
+                self.time_combiner.bias.copy_(state[post + "_time_feature_combiner.bias"])
+            if self.postprocessor != "l2":
+                self.post_norm_weight.copy_(state[post + "_layer_norm.weight"])
+                self.post_norm_bias.copy_(state[post + "_layer_norm.bias"])
+            self.item.load(state, "_item_embedding_mlp.")
+            self.prediction.load(state, "_multitask_module._prediction_module.")
+
+    def tokens(self, post: torch.Tensor, additional: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """The preprocessor's token of each row: content, additional and
+        action MLPs summed (`actions` `[n, A * 8]`)."""
+        x = self.content(post)
+        if self.use_additional:
+            x = x + self.additional(additional)
+        if self.use_action:
+            x = x + self.action(actions)
+        return x
+
+    def buckets(self, query: torch.Tensor, times: torch.Tensor) -> torch.Tensor:
+        """Time bucket of tokens at `times` for query times `query` (int64,
+        FP32 arithmetic as GR's)."""
+        seconds = (query - times).to(torch.float32).clamp(min=1e-6) / self.bucket_seconds
+        return torch.sqrt(seconds).clamp(min=0).to(torch.int32).clamp(0, self.time_clamp).to(torch.int64)
+
+    def encoded(self, x: torch.Tensor, positions: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+        """`x * sqrt(D) + (time_emb[b] + pos_emb[p])`."""
+        added = self.time_embeddings.index_select(0, buckets) + self.position_embeddings.index_select(0, positions)
+        return x * (self.dim ** 0.5) + added.to(x.dtype)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
+                seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
+                seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """Scores `[tasks, R]`. Under TorchScript a batch of more than
+        `group_tokens` tokens (positions and rows) runs as groups of whole
+        units within it, one after the other: units are independent, so
+        the scores are the same, and a group's activations stay in the
+        caches (on one core, 16 users of 256-1,024 positions fused in one
+        group ran 10-25% slower than each alone)."""
+        units = seq0_offsets.numel() - 1
+        if not torch.jit.is_scripting() or units < 2 or seq0_values.size(0) + pooled.size(0) <= self.group_tokens:
+            return self.score(dense, pooled, seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, raw)
+        per_unit = torch.zeros(units, dtype=torch.int64, device=pooled.device).index_add(
+            0, seq0_row_unit, torch.ones_like(seq0_row_unit))
+        tokens: List[int] = (seq0_offsets[1:] - seq0_offsets[:-1] + per_unit).tolist()
+        out = torch.zeros(self.binary.size(0), pooled.size(0), dtype=torch.float32, device=pooled.device)
+        first, held = 0, 0
+        for u in range(units + 1):
+            if u == units or (held > 0 and held + tokens[u] > self.group_tokens):
+                rows = ((seq0_row_unit >= first) & (seq0_row_unit < u)).nonzero().squeeze(1)
+                start, end = int(seq0_offsets[first]), int(seq0_offsets[u])
+                out[:, rows] = self.score(
+                    dense.index_select(0, rows), pooled.index_select(0, rows), seq0_values[start:end],
+                    seq0_offsets[first:u + 1] - start, seq0_row_unit.index_select(0, rows) - first,
+                    seq0_raw[start:end], seq0_unit_rows[first:u], raw.index_select(0, rows))
+                first, held = u, 0
+            if u < units:
+                held += tokens[u]
+        return out
+
+    def score(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
+              seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
+              seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """The forward of one group of units (`forward`)."""
+        dtype = self.content.first.weight.dtype
+        pooled, values = pooled.to(dtype), seq0_values.to(dtype)
+        c, b, e = self.contexts, self.block, self.table_dim
+        rows, units, positions = pooled.size(0), seq0_offsets.numel() - 1, values.size(0)
+        device = values.device
+        starts = seq0_offsets[:-1]
+        lengths = seq0_offsets[1:] - starts
+        sizes = c + lengths  # tokens per unit: contexts and history
+        arange_rows = torch.arange(rows, device=device)
+        # Rows by unit, in request order within a unit, and each unit's last row: its contexts and its
+        # query time are the unit's. (A sort, not a scatter's amax: AOTInductor's lowering of that one
+        # took another row.)
+        per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
+            0, seq0_row_unit, torch.ones_like(seq0_row_unit))
+        # Sorted by (unit, row): keys all distinct, so no sort's stability is relied on (AOTInductor's
+        # was not stable).
+        sorted_rows = torch.sort(seq0_row_unit * rows + arange_rows).indices
+        sorted_units = seq0_row_unit.index_select(0, sorted_rows)
+        first_row = torch.cumsum(per_unit, 0) - per_unit
+        unit_row = sorted_rows.index_select(0, (first_row + per_unit - 1).clamp(min=0))
+        query_times = raw[:, self.query_time_raw]
+        unit_query = query_times.index_select(0, unit_row)  # [U]
+        # N per unit: contexts, history and its request's rows (candidates).
+        scale = (sizes + seq0_unit_rows).to(dtype)  # [U]
+        position = torch.arange(positions, device=device)
+        position_unit = torch.searchsorted(seq0_offsets, position, right=True) - 1
+        place = position - starts.index_select(0, position_unit)  # j: a position's index in its history
+        # History tokens.
+        actions = torch.zeros(positions, self.action_table.numel(), dtype=dtype, device=device)
+        if self.use_action:
+            bits = (seq0_raw[:, self.action_raw].unsqueeze(1) & self.action_weights.unsqueeze(0)) > 0
+            actions = (bits.unsqueeze(2).to(dtype) * self.action_table.unsqueeze(0)).reshape(
+                positions, self.action_table.numel())
+        history = self.tokens(values[:, self.history_post:self.history_post + e],
+                              values.index_select(1, self.history_additional), actions)
+        history_position = (lengths.index_select(0, position_unit) - place + c).clamp(max=self.max_position)
+        history = self.encoded(history, history_position,
+                               self.buckets(unit_query.index_select(0, position_unit), seq0_raw[:, self.time_raw]))
+        # Contextual tokens, from each unit's last row's pooled features.
+        unit_pooled = pooled.index_select(0, unit_row)
+        contexts = torch.zeros(units, 0, self.dim, dtype=dtype, device=device)
+        if c > 0:
+            gate = ((lengths + seq0_unit_rows).unsqueeze(1) >= self.context_min_lengths.unsqueeze(0)).to(dtype)
+            inputs = unit_pooled.index_select(1, self.context_columns.reshape(-1)).view(units, c, e) \
+                * gate.unsqueeze(2)
+            # One GEMM per contextual feature (GR's is one batched GEMM over them).
+            contexts = torch.stack([torch.addmm(self.context_bias[i].to(dtype), inputs[:, i],
+                                                self.context_weight[i].to(dtype)) for i in range(c)], dim=1)
+            context_position = torch.arange(c, device=device).repeat(units)
+            context_bucket = self.buckets(unit_query.repeat_interleave(c), torch.zeros(units * c, dtype=torch.int64,
+                                                                                        device=device))
+            contexts = self.encoded(contexts.reshape(units * c, self.dim), context_position, context_bucket)
+        x = torch.cat([contexts.reshape(units * c, self.dim), history])  # [U*C + P, D]: contexts, then positions
+        # Candidate tokens (every candidate at position C).
+        target = self.target_action.to(dtype).expand(rows, -1)
+        candidates = self.tokens(pooled[:, self.candidate_post:self.candidate_post + e],
+                                 pooled.index_select(1, self.candidate_additional), target)
+        candidates = self.encoded(candidates, torch.full_like(arange_rows, c).clamp(max=self.max_position),
+                                  self.buckets(unit_query.index_select(0, seq0_row_unit), query_times))
+        candidates = self.attend(x, candidates, sizes, starts, position_unit, place, scale, seq0_row_unit,
+                                 per_unit, sorted_rows, sorted_units, first_row, units, positions, rows)
+        user = self.postprocess(candidates, query_times)
+        item = self.item(pooled.index_select(1, self.item_columns))
+        logits = self.prediction(user * item).float().transpose(0, 1)  # [tasks, R]
+        return torch.where(self.binary.unsqueeze(1), torch.sigmoid(logits), logits)
+
+    def attend(self, x: torch.Tensor, candidates: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor,
+               position_unit: torch.Tensor, place: torch.Tensor, scale: torch.Tensor, row_unit: torch.Tensor,
+               per_unit: torch.Tensor, sorted_rows: torch.Tensor, sorted_units: torch.Tensor, first_row: torch.Tensor,
+               units: int, positions: int, rows: int) -> torch.Tensor:
+        """The STU layers: each unit's tokens `x` (its contexts, then its
+        history) once, in blocks; each candidate against its unit's key
+        blocks and itself. Returns the candidates' last states."""
+        c, b = self.contexts, self.block
+        dtype, device = x.dtype, x.device
+        # Blocks, unit after unit, `blocks_of[u]` each (at least one); slot
+        # `s` of block `k` is its unit's token `index[k] * b + s`.
+        blocks_of = ((sizes + b - 1) // b).clamp(min=1)
+        block_steps = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0)
+        found = (block_steps < blocks_of.unsqueeze(1)).nonzero()
+        block_unit, block_index = found[:, 0], found[:, 1]
+        blocks = block_unit.size(0)
+        step = torch.arange(b, device=device)
+        slot = block_index.unsqueeze(1) * b + step.unsqueeze(0)  # [K, b]
+        valid = slot < sizes.index_select(0, block_unit).unsqueeze(1)
+        real = units * c + positions  # the appended zero row
+        token = torch.where(slot < c, block_unit.unsqueeze(1) * c + slot,
+                            units * c + starts.index_select(0, block_unit).unsqueeze(1) + slot - c)
+        token = torch.where(valid, token, torch.full_like(token, real))
+        # Pairs: query block, and a key block of its unit at or before it.
+        pairs = (block_steps <= block_index.unsqueeze(1)).nonzero()
+        pair_query = pairs[:, 0]
+        pair_key = pair_query - block_index.index_select(0, pair_query) + pairs[:, 1]
+        before = (block_index.index_select(0, pair_query) - pairs[:, 1]).view(-1, 1, 1) * b \
+            + step.view(1, b, 1) - step.view(1, 1, b)
+        pair_mask = (valid.index_select(0, pair_query).unsqueeze(2) & valid.index_select(0, pair_key).unsqueeze(1)
+                     & (before >= 0)).unsqueeze(1).to(dtype)
+        pair_mask = pair_mask / scale.index_select(0, block_unit.index_select(0, pair_query)).view(-1, 1, 1, 1)
+        # Each real token's place among the blocks.
+        first_block = torch.cumsum(blocks_of, 0) - blocks_of
+        token_place_in_unit = torch.cat([torch.arange(c, device=device).repeat(units), c + place])
+        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
+        token_place = (first_block.index_select(0, token_unit) + token_place_in_unit // b) * b \
+            + token_place_in_unit % b
+        # Candidates in blocks of `b` rows too, unit after unit (rows ranked within their unit; only a
+        # unit's last candidate block padded), each candidate block paired with every key block of its unit.
+        rank = torch.zeros_like(row_unit).index_copy(
+            0, sorted_rows, torch.arange(rows, device=device) - first_row.index_select(0, sorted_units))
+        candidate_blocks_of = (per_unit + b - 1) // b
+        candidate_found = (torch.arange(longest_unit(candidate_blocks_of), device=device).unsqueeze(0)
+                           < candidate_blocks_of.unsqueeze(1)).nonzero()
+        candidate_block_unit = candidate_found[:, 0]
+        candidate_blocks = candidate_block_unit.size(0)
+        first_candidate_block = torch.cumsum(candidate_blocks_of, 0) - candidate_blocks_of
+        candidate_place = (first_candidate_block.index_select(0, row_unit) + rank // b) * b + rank % b  # [R]
+        cross = (block_steps < blocks_of.index_select(0, candidate_block_unit).unsqueeze(1)).nonzero()
+        cross_query = cross[:, 0]
+        cross_key = first_block.index_select(0, candidate_block_unit.index_select(0, cross_query)) + cross[:, 1]
+        cross_mask = (valid.to(dtype) / scale.index_select(0, block_unit).unsqueeze(1)).index_select(
+            0, cross_key).view(-1, 1, 1, b)
+        row_scale = scale.index_select(0, row_unit).unsqueeze(1)  # [R, 1]
+        for layer in self.layers:
+            heads, hidden, qk, alpha = layer.heads, layer.hidden, layer.qk, layer.alpha
+            # The units' contexts and histories, block pair by block pair.
+            u, v, q, k = layer.project(x)
+            qb = torch.cat([q, torch.zeros(1, heads, qk, dtype=dtype, device=device)])[token]  # [K, b, H, qk]
+            kb = torch.cat([k, torch.zeros(1, heads, qk, dtype=dtype, device=device)])[token]
+            vb = torch.cat([v, torch.zeros(1, heads, hidden, dtype=dtype, device=device)])[token]
+            attended = self.pair_attention(qb, kb, vb, pair_query, pair_key, pair_mask, alpha, blocks)
+            attended = attended.transpose(1, 2).reshape(blocks * b, heads * hidden).index_select(0, token_place)
+            x = layer.finish(x, attended, u)
+            # The candidates, against their unit's key blocks and themselves.
+            cu, cv, cq, ck = layer.project(candidates)
+            padded = torch.zeros(candidate_blocks * b, heads, qk, dtype=dtype, device=device).index_copy(
+                0, candidate_place, cq).view(candidate_blocks, b, heads, qk)
+            attended = self.pair_attention(padded, kb, vb, cross_query, cross_key, cross_mask, alpha,
+                                           candidate_blocks)
+            attended = attended.transpose(1, 2).reshape(candidate_blocks * b, heads * hidden).index_select(
+                0, candidate_place)
+            own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
+            candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
+        return candidates
+
+    def pair_attention(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pair_query: torch.Tensor,
+                       pair_key: torch.Tensor, mask: torch.Tensor, alpha: float, blocks: int) -> torch.Tensor:
+        """`[blocks, H, b, hidden]`: for each query block (of `queries`
+        `[blocks, b, H, qk]`), the sum over its pairs of `silu(alpha q.k) *
+        mask @ v` against the key block (of `keys`, `values`) the pair
+        names; `mask` per pair (`1/N` where a key counts, 0 elsewhere).
+        TorchScript runs the pairs a chunk at a time (a chunk's gathers and
+        scores stay in the caches; a fused batch of long histories has
+        thousands of pairs); torch.export, all at once."""
+        b, heads, hidden = self.block, values.size(2), values.size(3)
+        out = torch.zeros(blocks, heads, b, hidden, dtype=values.dtype, device=values.device)
+        if not torch.jit.is_scripting():
+            return out.index_add(0, pair_query, self.shares(queries, keys, values, pair_query, pair_key, mask, alpha))
+        total, chunk = pair_query.size(0), max(self.pair_chunk, 1)
+        for start in range(0, total, chunk):
+            end = min(start + chunk, total)
+            query = pair_query[start:end]
+            out.index_add_(0, query, self.shares(queries, keys, values, query, pair_key[start:end], mask[start:end],
+                                                 alpha))
+        return out
+
+    def shares(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+               key: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
+        """`[pairs, H, b, hidden]`: each pair's `silu(alpha q.k) * mask @ v`."""
+        b, heads, hidden = self.block, values.size(2), values.size(3)
+        scores = torch.bmm(by_head(queries.index_select(0, query)), by_head(keys.index_select(0, key)).transpose(1, 2))
+        weights = F.silu(scores.view(query.size(0), heads, b, b) * alpha) * mask
+        return torch.bmm(weights.view(query.size(0) * heads, b, b), by_head(values.index_select(0, key))).view(
+            query.size(0), heads, b, hidden)
+
+    def postprocess(self, states: torch.Tensor, query_times: torch.Tensor) -> torch.Tensor:
+        """GR's output postprocessor on the candidates' last states."""
+        if self.postprocessor == "l2":
+            return states / torch.linalg.norm(states, ord=2, dim=-1, keepdim=True).clamp(min=1e-6)
+        if self.postprocessor == "timestamp":
+            since = floor_divide(query_times.float().unsqueeze(1), self.period_units.float())
+            periods = self.units_per_period.float()
+            angle = torch.remainder(since, periods) / periods * 2 * 3.14  # [R, 2]
+            features = torch.stack([torch.cos(angle), torch.sin(angle)], dim=2).flatten(1).to(states.dtype)
+            states = self.time_combiner(torch.cat([states, features], dim=1))
+        return layer_norm32(states, self.post_norm_weight, self.post_norm_bias, 1e-5)
