@@ -169,8 +169,14 @@ def find_peak(args) -> dict:
 
     lo, hi = args.qps_low, max(args.qps_high, args.qps_low * 2)
     while not valid(attempt(lo)):  # a VALID lower end
-        if lo / 2 < args.qps_min:
-            return {"peak_qps": None, "runs": runs}
+        floor = len(runs) > 1 and runs[-1]["p99_ms"] and runs[-2]["p99_ms"] and \
+            runs[-1]["p99_ms"] > 0.9 * runs[-2]["p99_ms"] and runs[-1]["p99_ms"] > runs[-1]["latency_bound_ms"]
+        if floor or lo / 2 < args.qps_min:
+            # Halving the rate no longer lowers the p99: it is the queries' own latency, not queueing.
+            why = (f"p99 {runs[-1]['p99_ms']:.1f} ms at {lo} queries/s, no lower than at {2 * lo}: over the "
+                   f"{runs[-1]['latency_bound_ms']:g} ms bound at any rate" if floor else "no VALID rate found")
+            print(f"[{LABEL}] {why}", flush=True)
+            return {"peak_qps": None, "runs": runs, "why": why}
         hi, lo = lo, lo / 2
     raised = 0
     while valid(attempt(hi)):  # an upper end that is not
