@@ -310,12 +310,26 @@ def accuracy(args, sut: NarsilSut, queries: Queries) -> dict:
     diffs = np.concatenate([np.abs(sut.scores[i] - queries.golden_scores[i]) for i in sut.scores]) \
         if sut.scores else np.array([np.inf])
     ok = not missing and not result["failures"] and float(diffs.max()) <= args.score_bound
+    got = np.concatenate([sut.scores[i] for i in sorted(sut.scores)]) if sut.scores else np.zeros(0)
+    want = np.concatenate([queries.golden_scores[i] for i in sorted(sut.scores)]) if sut.scores else np.zeros(0)
     out = {**result, "queries": len(queries), "pairs": int(sum(len(d) for d in queries.dense)),
            "missing": missing, "max_abs_diff": float(diffs.max()), "mean_abs_diff": float(diffs.mean()),
-           "score_bound": args.score_bound, "passed": ok}
+           "golden_score_std": float(want.std()) if len(want) else None,
+           "rank_correlation": rank_correlation(got, want), "score_bound": args.score_bound, "passed": ok}
     print(f"[{LABEL}] accuracy: {'PASSED' if ok else 'FAILED'}: max |score - golden| {out['max_abs_diff']:.2e} "
-          f"(bound {args.score_bound:g}), mean {out['mean_abs_diff']:.2e}, {len(missing)} queries missing", flush=True)
+          f"(bound {args.score_bound:g}), mean {out['mean_abs_diff']:.2e} (golden scores' std "
+          f"{out['golden_score_std']:.2e}), rank correlation {out['rank_correlation']:.6f}, {len(missing)} queries "
+          f"missing", flush=True)
     return out
+
+
+def rank_correlation(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation of two score vectors (how far the order
+    of the pairs agrees; ties broken by position)."""
+    if len(a) < 2:
+        return float("nan")
+    ra, rb = np.argsort(np.argsort(a)).astype(np.float64), np.argsort(np.argsort(b)).astype(np.float64)
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def cpu_name() -> str:
