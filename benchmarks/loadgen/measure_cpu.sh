@@ -56,13 +56,15 @@ harness() {  # harness STEP FLAGS...: run.py on core 1
   taskset -c 1 "$PY" benchmarks/loadgen/run.py --addr "$ADDR" --max-rows "$MAX_ROWS" --out "$OUT/$step" "$@"
 }
 
-# The client's ceiling: the mock answers at once (no forward, scores made up).
+# The client's ceiling: the mock answers at once (no forward, scores made up). LOADGEN_SKIP_MOCK=1 skips it.
+if [ -z "${LOADGEN_SKIP_MOCK:-}" ]; then
 serve mock --backend mock --mock-latency-ms 0 --mock-table-rows "${MAX_ROWS:-1000000}"
 harness mock-offline --scenario Offline --target-qps 200 --duration-s "$DURATION" --max-inflight 16 \
   --note "client ceiling: mock backend, 0 ms"
-harness mock-server --scenario Server --find-peak --qps-low 50 --qps-high 200 --duration-s "$STEP" \
-  --note "client ceiling: mock backend, 0 ms"
+harness mock-server --scenario Server --find-peak --qps-low 100 --qps-high 400 --precision 0.1 --max-steps 3 \
+  --duration-s "$STEP" --confirm-s "$DURATION" --note "client ceiling: mock backend, 0 ms"
 stop_server
+fi
 
 for precision in "${PRECISIONS[@]}"; do
   bound=1e-5; [ "$precision" = fp32 ] || bound=2e-2

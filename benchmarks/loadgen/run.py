@@ -57,7 +57,7 @@ def user_conf(path: str, args, scenario: str, qps: float) -> str:
     key = args.model_key
     lines = [f"# {LABEL}: shortened run, fewer samples than MLPerf loads.",
              f"{key}.*.min_duration = {int(args.duration_s * 1000)}",
-             f"{key}.*.min_query_count = {args.min_queries or (500 if scenario == 'Server' else 100)}",
+             f"{key}.*.min_query_count = {args.min_queries or (700 if scenario == 'Server' else 100)}",
              f"{key}.*.performance_sample_count_override = {args.queries}",
              f"{key}.{scenario}.target_qps = {qps}"]
     with open(path, "w") as f:
@@ -237,8 +237,8 @@ def main() -> int:
     p.add_argument("--confirm-s", type=float, default=0.0, help="--find-peak: rerun the peak for this long")
     p.add_argument("--duration-s", type=float, default=60.0, help="LoadGen's min_duration (MLPerf: 600)")
     p.add_argument("--min-queries", type=int, default=0,
-                   help="LoadGen's min_query_count (default: Server 500, about what LoadGen's early stopping needs "
-                        "to accept a p99 with no query over the bound; Offline 100)")
+                   help="LoadGen's min_query_count (default: Server 700, enough for LoadGen's early stopping to "
+                        "accept a p99 with one query over the bound (662); Offline 100)")
     p.add_argument("--queries", type=int, default=1024, help="distinct queries loaded (MLPerf: 204,800)")
     p.add_argument("--zipf", type=float, default=1.05, help="exponent of the bags' first ids")
     p.add_argument("--max-rows", type=int, default=0,
@@ -292,9 +292,10 @@ def main() -> int:
         rate = (report.get("run") or {}).get("samples_per_s") or 0
         if (args.scenario == "Offline" and "run" in report and not valid(report["run"]) and rate > args.target_qps
                 and not args.child):
-            # Offline issues target_qps x min_duration samples: too few ran short; once more at the rate seen.
+            # Offline issues target_qps x min_duration samples: too few ran short; once more at 1.5x the rate seen
+            # (neighbours on a shared machine move the rate between runs).
             report["first_run"] = report["run"]
-            report["run"] = child_run(args, "Offline", round(rate * 1.1, 3), args.duration_s, "retuned")
+            report["run"] = child_run(args, "Offline", round(rate * 1.5, 3), args.duration_s, "retuned")
     path = os.path.join(args.out, "results.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
