@@ -18,6 +18,18 @@ probabilities per task.
 --kind dlrm_dcn   TorchRec's DLRM_DCN (DCNv2 low-rank cross layers in place of
                   the pairwise dot interaction) with DLRMPredictModule's
                   signature: one output, "default".
+--shape mlperf-dlrm-v2  MLPerf Inference's DLRM-v2: DLRM_DCN with 13 dense and
+                  26 multi-hot features (MLPerf's multi-hot sizes, 214 ids a
+                  pair), dimension 128, 3 cross layers of rank 512, dense
+                  arch 512-256-128, over arch 1024-1024-512-256-1, and
+                  MLPerf's table sizes each capped at --max-rows (default
+                  1M: 7.1M rows, 1.0 GB of INT8 rows; uncapped, 204M rows
+                  need about 29 GB as INT8 and 104 GB as FP32). The cap
+                  changes only how many distinct rows the ids reach (the
+                  cache behaviour): the dense network and the ids a pair
+                  carries are MLPerf's. Also writes loadgen_golden.npz:
+                  MLPerf-shaped queries (models/mlperf_traffic.py) and their
+                  scores, for benchmarks/loadgen's accuracy pass.
 --kind multitask  a two-task ranking model ("click", "conversion") over
                   unweighted and weighted (id-score) features; cat_0 and
                   cat_1 share one table, and the last unweighted feature is
@@ -36,6 +48,7 @@ bf16 instructions).
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -53,6 +66,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import mlperf_traffic
 from export_common import (begin_export, embedding_flags, int_list, logger, parser, uniform_table, write_json_files,
                            write_manifest)
 from extract_split import extract
@@ -66,12 +80,14 @@ log = logger("export_torchrec")
 
 
 def tables(names: List[str], args: argparse.Namespace, varied: bool = False) -> List[EmbeddingBagConfig]:
-    """One sum-pooled table per feature; `varied`: the first two features
-    share one table and the last is mean-pooled."""
+    """One sum-pooled table per feature (`args.rows` rows: --num-rows, or
+    per feature for --shape); `varied`: the first two features share one
+    table and the last is mean-pooled."""
     groups = [[name] for name in names]
     if varied:
         groups = [names[:2]] + groups[2:]
-    return [uniform_table("t_" + "_".join(group), group, args.num_rows, args,
+    rows = dict(zip(names, args.rows)) if len(args.rows) == len(names) else {}
+    return [uniform_table("t_" + "_".join(group), group, rows.get(group[0], args.num_rows), args,
                           PoolingType.MEAN if varied and group[-1] == names[-1] else PoolingType.SUM)
             for group in groups]
 
@@ -171,6 +187,8 @@ def golden_requests(args: argparse.Namespace, unweighted: List[str], weighted: L
     g = torch.Generator().manual_seed(args.seed + 1)
     requests = []
     names = unweighted + weighted
+    if args.shape == "mlperf-dlrm-v2":
+        return mlperf_golden_requests(args, g)
     for i, batch_size in enumerate([1, 7, 32, 3]):
         top = 5 if i % 2 else 2
         lengths = torch.randint(0 if i % 2 else 1, top, (batch_size, len(names)), generator=g, dtype=torch.int32)
@@ -184,6 +202,43 @@ def golden_requests(args: argparse.Namespace, unweighted: List[str], weighted: L
             "weights": torch.rand(weighted_ids, generator=g) * 2.0,
         })
     return requests
+
+
+def mlperf_golden_requests(args: argparse.Namespace, g: torch.Generator) -> List[dict]:
+    """Fixed random requests at MLPerf's multi-hot sizes, every id uniform
+    in its feature's table."""
+    requests = []
+    sizes = torch.tensor(mlperf_traffic.MULTI_HOT_SIZES, dtype=torch.int32)
+    for batch_size in [1, 7, 32, 3]:
+        lengths = sizes.repeat(batch_size, 1)
+        rows = torch.tensor(args.rows, dtype=torch.float64).repeat_interleave(sizes.long()).repeat(batch_size)
+        ids = (torch.rand(len(rows), generator=g, dtype=torch.float64) * rows).long()
+        requests.append({"batch_size": batch_size, "dense": torch.randn(batch_size, args.num_dense, generator=g),
+                         "lengths": lengths, "ids": ids.to(torch.int32), "weights": torch.zeros(0)})
+    return requests
+
+
+def write_loadgen_golden(out: Path, loaded, args: argparse.Namespace, num_unweighted: int) -> None:
+    """`out/loadgen_golden.npz`: --loadgen-golden-queries MLPerf-shaped
+    queries (models/mlperf_traffic.py, seed --seed + 7) and the saved
+    model's scores: `pairs` i64[Q], `dense` f32[sum P, 13], `ids`
+    i64[sum P, 214] (sample-major), `scores` f32[sum P], and the traffic's
+    `zipf` exponent and `rows` per table."""
+    import numpy as np
+
+    drawn = mlperf_traffic.queries(args.loadgen_golden_queries, args.rows, args.zipf, args.seed + 7)
+    sizes = torch.tensor(mlperf_traffic.MULTI_HOT_SIZES, dtype=torch.int32)
+    scores = []
+    with torch.inference_mode():
+        for dense, ids in drawn:
+            request = {"batch_size": len(dense), "dense": torch.from_numpy(dense), "lengths": sizes.repeat(len(dense), 1),
+                       "ids": torch.from_numpy(ids.reshape(-1)).to(torch.int32), "weights": torch.zeros(0)}
+            scores.append(loaded(batch_of(request, num_unweighted))["default"].reshape(-1).numpy())
+    np.savez(out / "loadgen_golden.npz", pairs=np.array([len(d) for d, _ in drawn], dtype=np.int64),
+             dense=np.concatenate([d for d, _ in drawn]), ids=np.concatenate([i for _, i in drawn]),
+             scores=np.concatenate(scores).astype(np.float32), zipf=np.float64(args.zipf),
+             rows=np.array(args.rows, dtype=np.int64))
+    log(f"wrote loadgen_golden.npz ({len(drawn)} MLPerf-shaped queries, {sum(len(d) for d, _ in drawn)} pairs)")
 
 
 def batch_of(request: dict, num_unweighted: int) -> Dict[str, torch.Tensor]:
@@ -266,7 +321,24 @@ def main() -> int:
                    help="dlrm, dlrm_dcn: the over arch's layer sizes, comma-separated, the last 1 (default 64,1)")
     p.add_argument("--dcn-layers", type=int, default=2, help="dlrm_dcn: DCNv2 cross layers")
     p.add_argument("--dcn-rank", type=int, default=8, help="dlrm_dcn: the cross layers' low rank")
+    p.add_argument("--shape", choices=["custom", "mlperf-dlrm-v2"], default="custom",
+                   help="mlperf-dlrm-v2: MLPerf's DLRM-v2 (see above); sets --kind, the layer, feature and table "
+                        "sizes, and ignores those flags")
+    p.add_argument("--max-rows", type=int, default=mlperf_traffic.DEFAULT_MAX_ROWS,
+                   help="--shape mlperf-dlrm-v2: the most rows a table keeps (default 1M fits a 24 GiB machine)")
+    p.add_argument("--zipf", type=float, default=1.05,
+                   help="--shape mlperf-dlrm-v2: exponent of the first ids' Zipf law in loadgen_golden.npz")
+    p.add_argument("--loadgen-golden-queries", type=int, default=4,
+                   help="--shape mlperf-dlrm-v2: MLPerf-shaped queries in loadgen_golden.npz")
     args = p.parse_args()
+    args.rows = [args.num_rows] * args.num_sparse
+    if args.shape == "mlperf-dlrm-v2":
+        args.kind, args.num_dense, args.num_sparse = "dlrm_dcn", mlperf_traffic.NUM_DENSE, 26
+        args.embedding_dim, args.dense_arch, args.over_arch = (mlperf_traffic.EMBEDDING_DIM, mlperf_traffic.DENSE_ARCH,
+                                                               mlperf_traffic.OVER_ARCH)
+        args.dcn_layers, args.dcn_rank = mlperf_traffic.DCN_LAYERS, mlperf_traffic.DCN_RANK
+        args.rows = mlperf_traffic.capped_rows(args.max_rows)
+        args.num_rows = max(args.rows)
     args.dense_arch = args.dense_arch or [64, args.embedding_dim]
     if args.dense_arch[-1] != args.embedding_dim:
         p.error(f"--dense-arch must end with the embedding dimension ({args.embedding_dim})")
@@ -313,8 +385,8 @@ def main() -> int:
 
     config = {
         "dense_features": args.num_dense,
-        "sparse_features": [{"name": n, "num_rows": args.num_rows, "weighted": n in weighted}
-                            for n in unweighted + weighted],
+        "sparse_features": [{"name": n, "num_rows": (args.rows[i] if i < len(args.rows) else args.num_rows),
+                             "weighted": n in weighted} for i, n in enumerate(unweighted + weighted)],
         "outputs": outputs,
     }
     (out / "model.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -335,13 +407,19 @@ def main() -> int:
             })
     goldens = {"golden.json": {"config": config, "requests": golden}}
     write_json_files(out, goldens)
+    if args.shape == "mlperf-dlrm-v2":
+        write_loadgen_golden(out, loaded, args, len(unweighted))
     if args.split:
         write_split(out / "split", quantized, args, unweighted, weighted, outputs, requests, golden)
         write_json_files(out / "split", goldens)
+        if args.shape == "mlperf-dlrm-v2":
+            shutil.copyfile(out / "loadgen_golden.npz", out / "split" / "loadgen_golden.npz")
         log("extracting a split model from model.pt alone (models/extract_split.py)")
         extract(out, out / "extracted", pt2=args.pt2)
-    write_manifest(out, EXPORT_FORMAT, {"kind": args.kind, "seed": args.seed},
-                   ["model.pt", "model.json", "golden.json"] + (["split/", "extracted/"] if args.split else []),
+    mlperf = args.shape == "mlperf-dlrm-v2"
+    write_manifest(out, EXPORT_FORMAT, {"kind": args.kind, "seed": args.seed, "shape": args.shape,
+                                        **({"max_rows": args.max_rows} if mlperf else {})},
+                   ["model.pt", "model.json", "golden.json"] + (["loadgen_golden.npz"] if mlperf else []) + (["split/", "extracted/"] if args.split else []),
                    started, log)
     return 0
 
