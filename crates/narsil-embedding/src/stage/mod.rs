@@ -186,7 +186,10 @@ impl EmbeddingStage {
                 deduplicates: store.local_rows().is_none() || store.may_fault(),
                 store,
                 features: (0..schema.features.len())
-                    .filter(|&f| schema.features[f].table == spec.name)
+                    .filter(|&f| {
+                        schema.features[f].pooling != PoolingMode::Raw
+                            && schema.features[f].table == spec.name
+                    })
                     .collect(),
                 counters: metrics.table(&spec.name),
             })
