@@ -17,6 +17,12 @@
 //!   uniform from half the sequence's `max_len` to its `max_len`), drawn
 //!   per `--id-distribution` from each channel's table, one length per
 //!   sequence for all its channels.
+//! * A model's **raw integer inputs** (`raw_input`) get GR-like values
+//!   ([`super::raw`]): a history's `time` channels increasing timestamps
+//!   from the user's generator, its other raw channels action bitmasks, a
+//!   row's raw `time` feature the request's query time after the user's
+//!   last timestamp (one draw a request, the same on every row), other raw
+//!   features small values, one a row.
 //! * The other sparse features are the **candidates'** own: per row, bags of
 //!   `--ids-per-feature` ids (1 by default: one-hot), drawn per
 //!   `--id-distribution` from the request's generator (`--seed`).
