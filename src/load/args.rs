@@ -118,7 +118,7 @@ pub struct LoadArgs {
     pub seed: u64,
     /// Also write every id of the prebuilt requests to this file, one
     /// `FEATURE ID` line each: a log of the traffic, for `narsil tables
-    /// order --id-log`.
+    /// order --id-log` (raw integer inputs' values are no ids: skipped).
     #[arg(long, env = "NARSIL_LOAD_ID_LOG")]
     pub id_log: Option<std::path::PathBuf>,
     /// Print one JSON object instead of the text report.

@@ -29,7 +29,7 @@
 //! Its files, by job: the flags ([`LoadArgs`], `args.rs`), the connections and
 //! the prebuilt requests they send (`client.rs`), a phase's callers, closed
 //! or open loop (`phase.rs`), the requests built (`workload`, `ranking`,
-//! `ids`), the accounting and the report (`report`), and TLS (`tls`).
+//! `ids`, `raw`: the values of raw integer inputs), the accounting and the report (`report`), and TLS (`tls`).
 
 mod args;
 mod bag_length;
@@ -37,6 +37,7 @@ mod client;
 pub mod ids;
 mod phase;
 pub mod ranking;
+mod raw;
 pub mod report;
 pub mod tls;
 pub mod workload;

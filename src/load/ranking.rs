@@ -17,6 +17,12 @@
 //!   uniform from half the sequence's `max_len` to its `max_len`), drawn
 //!   per `--id-distribution` from each channel's table, one length per
 //!   sequence for all its channels.
+//! * A model's **raw integer inputs** (`raw_input`) get GR-like values
+//!   ([`super::raw`]): a history's `time` channels increasing timestamps
+//!   from the user's generator, its other raw channels action bitmasks, a
+//!   row's raw `time` feature the request's query time after the user's
+//!   last timestamp (one draw a request, the same on every row), other raw
+//!   features small values, one a row.
 //! * The other sparse features are the **candidates'** own: per row, bags of
 //!   `--ids-per-feature` ids (1 by default: one-hot), drawn per
 //!   `--id-distribution` from the request's generator (`--seed`).
@@ -38,7 +44,7 @@ use rand_distr::Distribution;
 
 pub use super::bag_length::BagLength;
 use super::ids::{IdSampler, RandomBag};
-use super::{LoadArgs, Protocol};
+use super::{raw, LoadArgs, Protocol};
 use crate::proto::{ModelInfoResponse, PredictRequest, RequestFeatures};
 
 /// `--ranking-form`: how a ranking request travels.
@@ -165,6 +171,9 @@ pub struct UserFeatures {
     /// Per request-level sparse feature, its ids' weights (empty for an
     /// unweighted feature).
     pub weights: Vec<Vec<f32>>,
+    /// The last timestamp of the user's history (its raw `time` channels),
+    /// `None` without one: the requests' query times follow it.
+    pub last_time: Option<i64>,
 }
 
 /// Mixed into a user id before it seeds the user's generator, so user `s`
@@ -250,19 +259,33 @@ impl Ranking {
         // Each sequence's length, drawn once for all its (aligned) channels.
         let lengths: Vec<u32> = self.history.iter().map(|h| rng.random_range(h.min..=h.max)).collect();
         let features = self.info.sparse_features.iter().zip(&self.ids).zip(&self.request_level);
+        let (mut start, mut last_time) = (None, None);
         for ((feature, sampler), _) in features.filter(|(_, request_level)| **request_level) {
             let sequence = self.info.sequences.iter().position(|s| s.name == feature.sequence);
+            let in_sequence = sequence.is_some() && !feature.sequence.is_empty();
             let len = match sequence {
-                Some(s) if !feature.sequence.is_empty() => lengths[s],
+                Some(s) if in_sequence => lengths[s],
+                // A raw input outside a sequence is one value.
+                _ if feature.raw_input => 1,
                 _ => rng.random_range(self.bag_length.min..=self.bag_length.max),
             };
-            let bag: Vec<i64> = (0..len).map(|_| sampler.sample(&mut rng)).collect();
+            let bag: Vec<i64> = match (feature.raw_input, raw::is_time(&feature.name)) {
+                (false, _) => (0..len).map(|_| sampler.sample(&mut rng)).collect(),
+                (true, true) if in_sequence => {
+                    let start = *start.get_or_insert_with(|| raw::start_time(&mut rng));
+                    let times = raw::history_times(&mut rng, start, len as usize);
+                    last_time = times.last().copied().max(last_time);
+                    times
+                }
+                (true, true) => vec![raw::query_time(&mut rng, last_time)],
+                (true, false) => (0..len).map(|_| raw::small(&mut rng)).collect(),
+            };
             let bag_weights =
                 if feature.weighted { bag.iter().map(|_| rng.random::<f32>()).collect() } else { Vec::new() };
             bags.push(bag);
             weights.push(bag_weights);
         }
-        UserFeatures { dense, bags, weights }
+        UserFeatures { dense, bags, weights, last_time }
     }
 
     /// One flat request: `user`'s features repeated on each of the
@@ -275,6 +298,7 @@ impl Ranking {
         let mut sparse_ids = Vec::new();
         let mut sparse_weights = Vec::new();
         let per = self.candidate_ids_per_feature;
+        let query_time = self.query_time(user, rng);
         for _ in 0..rows {
             dense.extend_from_slice(&user.dense);
             let mut user_bag = 0;
@@ -284,6 +308,13 @@ impl Ranking {
                     sparse_ids.extend_from_slice(&user.bags[user_bag]);
                     sparse_weights.extend_from_slice(&user.weights[user_bag]);
                     user_bag += 1;
+                    continue;
+                }
+                if feature.raw_input {
+                    sparse_lengths.push(1);
+                    sparse_ids.push(
+                        query_time.filter(|_| raw::is_time(&feature.name)).unwrap_or_else(|| raw::small(rng)),
+                    );
                     continue;
                 }
                 let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per };
@@ -317,9 +348,15 @@ impl Ranking {
         let mut sparse_ids = Vec::new();
         let mut sparse_weights = Vec::new();
         let per = self.candidate_ids_per_feature;
+        let query_time = self.query_time(user, rng);
         for _ in 0..rows {
             for (f, (feature, sampler)) in self.info.sparse_features.iter().zip(&self.ids).enumerate() {
-                if !self.request_level[f] {
+                if !self.request_level[f] && feature.raw_input {
+                    sparse_lengths.push(1);
+                    sparse_ids.push(
+                        query_time.filter(|_| raw::is_time(&feature.name)).unwrap_or_else(|| raw::small(rng)),
+                    );
+                } else if !self.request_level[f] {
                     let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per };
                     bag.push(rng, &mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
                 }
@@ -343,6 +380,15 @@ impl Ranking {
             sparse_weights,
             request: Some(request),
         }
+    }
+
+    /// A request's query time for `user` ([`raw::query_time`]), drawn from
+    /// `rng` only when the candidate rows carry a raw `time` feature (so
+    /// other models' requests draw what they always drew).
+    fn query_time(&self, user: &UserFeatures, rng: &mut impl Rng) -> Option<i64> {
+        let features = self.info.sparse_features.iter().zip(&self.request_level);
+        let row_time = features.into_iter().any(|(f, &r)| !r && f.raw_input && raw::is_time(&f.name));
+        row_time.then(|| raw::query_time(rng, user.last_time))
     }
 
     /// `count` flat requests, each with the user it is for; users drawn
@@ -371,7 +417,7 @@ impl Ranking {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::{BTreeMap, BTreeSet};
 
     use clap::Parser;
@@ -776,5 +822,99 @@ mod tests {
         };
         assert!(error(&["--candidates", "5", "--request-features", "27"]).contains("--request-features"));
         assert!(error(&["--candidates", "5", "--users", "0"]).contains("--users"));
+    }
+
+    /// A GR-like model (generative-recommenders' streaming features): a
+    /// request-level user id and history `uih` of item ids, raw timestamps
+    /// and raw action bitmasks; per candidate an item id, a raw rating and
+    /// a raw query time.
+    pub(crate) fn gr_info() -> ModelInfoResponse {
+        let feature = |name: &str, num_rows: u64, request_level: bool, sequence: &str| SparseFeature {
+            name: name.into(),
+            num_rows,
+            weighted: false,
+            request_level,
+            raw_ids: false,
+            sequence: sequence.into(),
+            raw_input: num_rows == 0,
+        };
+        ModelInfoResponse {
+            name: "gr".into(),
+            num_dense: 0,
+            sparse_features: vec![
+                feature("user_id", 1_000, true, ""),
+                feature("item_candidate_id", 5_000, false, ""),
+                feature("item_candidate_rating", 0, false, ""),
+                feature("item_query_time", 0, false, ""),
+                feature("item_id", 5_000, true, "uih"),
+                feature("action_timestamp", 0, true, "uih"),
+                feature("item_weights", 0, true, "uih"),
+            ],
+            sequences: vec![crate::proto::SequenceFeature {
+                name: "uih".into(),
+                features: vec!["item_id".into(), "action_timestamp".into(), "item_weights".into()],
+                max_len: 64,
+                keep: "last".into(),
+                request_rows: true,
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn timestamps_increase_within_a_history_and_bitmasks_are_in_range() {
+        let workload = ranking(&gr_info(), &["--candidates", "16"]);
+        for user in 0..50 {
+            let features = workload.user(user);
+            // Request-level bags: user_id, item_id, action_timestamp, item_weights.
+            let [user_id, items, times, masks] = &features.bags[..] else { panic!("four user bags") };
+            assert!(!user_id.is_empty(), "a pooled user bag (--user-bag-ids)");
+            assert!((32..=64).contains(&items.len()), "history length {}", items.len());
+            assert_eq!((times.len(), masks.len()), (items.len(), items.len()), "channels aligned");
+            assert!(times.windows(2).all(|w| w[1] > w[0]), "user {user}: oldest first, increasing");
+            assert!(times[0] >= raw::EPOCH_BASE && times[0] < raw::EPOCH_BASE + 400 * 86_400);
+            assert!(masks.iter().all(|m| (0..256).contains(m)), "user {user}: {masks:?}");
+            assert_eq!(features.last_time, times.last().copied());
+            assert_eq!(workload.user(user), features, "a recurring user has the same history");
+        }
+        assert_ne!(workload.user(0).bags[2][0], workload.user(1).bags[2][0], "each user its own start");
+    }
+
+    #[test]
+    fn the_query_time_follows_the_history_the_same_for_every_candidate() {
+        let info = gr_info();
+        let workload = ranking(&info, &["--candidates", "16"]);
+        let mut query_times_of_user_0 = BTreeSet::new();
+        for (user, request) in workload.pool_in(RankingForm::Grouped, 40, 7) {
+            let last = workload.user(user).last_time.unwrap();
+            assert!(request.sparse_lengths.is_empty(), "one value per candidate bag");
+            // Per row: item_candidate_id, item_candidate_rating, item_query_time.
+            let rows: Vec<&[i64]> = request.sparse_ids.chunks(3).collect();
+            assert_eq!(rows.len(), 16);
+            let query = rows[0][2];
+            assert!(query > last && query <= last + 3_600, "query {query} after the history's {last}");
+            assert!(rows.iter().all(|row| row[2] == query), "one query time a request");
+            assert!(rows.iter().all(|row| (0..256).contains(&row[1])), "ratings in [0, 256)");
+            if user == 0 {
+                query_times_of_user_0.insert(query);
+            }
+        }
+        assert!(query_times_of_user_0.len() > 1, "a recurring user asks again later, another query time");
+    }
+
+    #[test]
+    fn grouped_and_flat_twins_carry_the_same_raw_values() {
+        let info = gr_info();
+        for flags in [&["--candidates", "16"][..], &["--candidates", "5", "--ids-per-feature", "2"]] {
+            let workload = ranking(&info, flags);
+            let grouped = workload.pool_in(RankingForm::Grouped, 10, 3);
+            let flat = workload.pool_in(RankingForm::Flat, 10, 3);
+            for ((_, grouped), (_, flat)) in grouped.iter().zip(&flat) {
+                assert_eq!(&expand(&info, grouped), flat, "{flags:?}: grouped != flat");
+                // Every raw input outside the sequence is one value a row.
+                let per_row = flat.sparse_lengths.chunks(7).map(|row| (row[2], row[3])).collect::<Vec<_>>();
+                assert!(per_row.iter().all(|&lengths| lengths == (1, 1)), "{per_row:?}");
+            }
+        }
     }
 }

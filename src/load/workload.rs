@@ -39,14 +39,10 @@ fn build_pool_in(
             info.max_batch_size
         );
     }
-    if let Some(raw) = info.sparse_features.iter().find(|f| f.raw_input) {
-        anyhow::bail!(
-            "the model takes raw integer inputs ({} among them), which narsil load does not generate",
-            raw.name
-        );
-    }
-    if info.sparse_features.iter().any(|f| f.num_rows == 0) {
-        anyhow::bail!("the server reports a sparse feature with an empty table");
+    // A raw integer input has no table (`num_rows` 0): its values come from
+    // [`super::raw`], not from a table's ids.
+    if let Some(empty) = info.sparse_features.iter().find(|f| f.num_rows == 0 && !f.raw_input) {
+        anyhow::bail!("the server reports sparse feature `{}` with an empty table", empty.name);
     }
     let ids = id_samplers(info, &args.id_distributions())?;
     if args.candidates > 0 {
@@ -63,7 +59,8 @@ fn build_pool_in(
 /// Writes every id of `requests` to `path`, one `FEATURE ID` line each
 /// (`narsil load --id-log`): as sent, so a grouped request's request-level
 /// ids once (they are the features `info` declares request-level), then its
-/// candidates'.
+/// candidates'. Raw integer inputs are not ids of any table: their values
+/// are skipped.
 pub fn write_id_log(
     path: &std::path::Path,
     info: &ModelInfoResponse,
@@ -79,13 +76,17 @@ pub fn write_id_log(
         features.map(|f| f.name.as_str()).collect()
     };
     let (user, candidate) = (of(true), of(false));
+    let raw: std::collections::HashSet<&str> =
+        info.sparse_features.iter().filter(|f| f.raw_input).map(|f| f.name.as_str()).collect();
     let mut write = |names: &[&str], bags: usize, lengths: &[u32], ids: &[i64]| -> std::io::Result<()> {
         let mut ids = ids.iter();
         for bag in 0..bags * names.len() {
             let len = lengths.get(bag).map_or(1, |&len| len as usize);
             let name = names[bag % names.len()];
             for &id in ids.by_ref().take(len) {
-                writeln!(out, "{name} {id}")?;
+                if !raw.contains(name) {
+                    writeln!(out, "{name} {id}")?;
+                }
             }
         }
         Ok(())
@@ -113,7 +114,9 @@ pub fn id_samplers(
     info: &ModelInfoResponse,
     distributions: &IdDistributions,
 ) -> anyhow::Result<Vec<IdSampler>> {
-    let rows: Vec<u64> = info.sparse_features.iter().map(|f| f.num_rows).collect();
+    // A raw input's sampler is never drawn from: one row stands in.
+    let rows: Vec<u64> =
+        info.sparse_features.iter().map(|f| if f.raw_input { 1 } else { f.num_rows }).collect();
     distributions.samplers(&rows)
 }
 
@@ -132,7 +135,13 @@ pub fn random_request(
     let mut sparse_lengths = Vec::new();
     let mut sparse_ids = Vec::with_capacity(batch_size * info.sparse_features.len());
     let mut sparse_weights = Vec::new();
+    let has_raw = info.sparse_features.iter().any(|f| f.raw_input);
     for _ in 0..batch_size {
+        if has_raw {
+            let columns = (&mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
+            push_raw_sample(info, ids_per_feature, ids, rng, columns);
+            continue;
+        }
         for (feature, sampler) in info.sparse_features.iter().zip(ids) {
             let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature };
             bag.push(rng, &mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
@@ -142,13 +151,73 @@ pub fn random_request(
         batch_size: batch_size as u32,
         dense,
         // One id per bag is the wire default: send no lengths at all.
-        sparse_lengths: if ids_per_feature == 1 { Vec::new() } else { sparse_lengths },
+        sparse_lengths: if ids_per_feature == 1 && !has_raw { Vec::new() } else { sparse_lengths },
         sparse_ids,
         request_id: format!("load-{index}"),
         model: info.name.clone(),
         model_version: String::new(),
         sparse_weights,
         request: None,
+    }
+}
+
+/// One sample of a model with raw integer inputs ([`super::raw`]): one
+/// history length per sequence (`ids_per_feature` as for a bag), its
+/// channels aligned, its raw `time` channels increasing timestamps, a raw
+/// input outside a sequence one value (its query time after the sample's
+/// history when it is a `time`), the other features' bags as
+/// [`RandomBag`] draws them.
+fn push_raw_sample(
+    info: &ModelInfoResponse,
+    ids_per_feature: u32,
+    ids: &[IdSampler],
+    rng: &mut impl Rng,
+    (lengths, values, weights): (&mut Vec<u32>, &mut Vec<i64>, &mut Vec<f32>),
+) {
+    use super::raw;
+    let per = ids_per_feature;
+    let history: Vec<u32> =
+        info.sequences.iter().map(|_| if per <= 1 { per } else { rng.random_range(0..2 * per) }).collect();
+    let start = raw::start_time(rng);
+    let mut last_time = None;
+    // Per feature: its bag (and weights), or None for a query time, filled
+    // once the sample's history is drawn.
+    let mut bags: Vec<Option<(Vec<i64>, Vec<f32>)>> = Vec::with_capacity(ids.len());
+    for (feature, sampler) in info.sparse_features.iter().zip(ids) {
+        let sequence =
+            info.sequences.iter().position(|s| !feature.sequence.is_empty() && s.name == feature.sequence);
+        let bag = match (sequence, feature.raw_input, raw::is_time(&feature.name)) {
+            (Some(_), true, true) => {
+                let times = raw::history_times(rng, start, history[sequence.unwrap()] as usize);
+                last_time = times.last().copied().max(last_time);
+                Some((times, Vec::new()))
+            }
+            (Some(s), true, false) => Some(((0..history[s]).map(|_| raw::small(rng)).collect(), Vec::new())),
+            (None, true, true) => None,
+            (None, true, false) => Some((vec![raw::small(rng)], Vec::new())),
+            (Some(s), false, _) => {
+                let bag: Vec<i64> = (0..history[s]).map(|_| sampler.sample(rng)).collect();
+                let w = if feature.weighted {
+                    bag.iter().map(|_| rng.random::<f32>()).collect()
+                } else {
+                    Vec::new()
+                };
+                Some((bag, w))
+            }
+            (None, false, _) => {
+                let (mut l, mut b, mut w) = (Vec::new(), Vec::new(), Vec::new());
+                RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per }
+                    .push(rng, &mut l, &mut b, &mut w);
+                Some((b, w))
+            }
+        };
+        bags.push(bag);
+    }
+    for bag in bags {
+        let (bag, bag_weights) = bag.unwrap_or_else(|| (vec![raw::query_time(rng, last_time)], Vec::new()));
+        lengths.push(bag.len() as u32);
+        values.extend(bag);
+        weights.extend(bag_weights);
     }
 }
 
@@ -349,5 +418,31 @@ mod tests {
         let args = Cli::parse_from(["load", "--candidates", "200", "--distinct-requests", "3"]).load;
         let pool = build_pool(&info, &args).unwrap();
         assert_eq!(pool.iter().map(|r| r.batch_size).collect::<Vec<_>>(), [200, 200, 200]);
+    }
+
+    #[test]
+    fn without_candidates_a_gr_model_gets_aligned_histories_and_query_times_after_them() {
+        let info = crate::load::ranking::tests::gr_info();
+        let args = Cli::parse_from(["load", "--ids-per-feature", "4", "--samples-per-request", "20"]).load;
+        let pool = build_pool(&info, &args).unwrap();
+        let request = &pool[0];
+        let mut values = request.sparse_ids.iter().copied();
+        for sample in request.sparse_lengths.chunks(7) {
+            let bags: Vec<Vec<i64>> =
+                sample.iter().map(|&len| values.by_ref().take(len as usize).collect()).collect();
+            assert_eq!((sample[2], sample[3]), (1, 1), "one raw value outside a sequence");
+            assert!(sample[4] == sample[5] && sample[5] == sample[6], "the history's channels aligned");
+            let (times, masks) = (&bags[5], &bags[6]);
+            assert!(times.windows(2).all(|w| w[1] > w[0]) && times.iter().all(|&t| t > 1_600_000_000));
+            assert!(masks.iter().chain(&bags[2]).all(|m| (0..256).contains(m)));
+            assert!(bags[3][0] > times.last().copied().unwrap_or(0), "the query time follows the history");
+        }
+        // The id log skips raw values: they are no table's ids.
+        let dir = tempfile::tempdir().unwrap();
+        write_id_log(&dir.path().join("log"), &info, &pool).unwrap();
+        let log = std::fs::read_to_string(dir.path().join("log")).unwrap();
+        let features: std::collections::BTreeSet<&str> =
+            log.lines().map(|l| l.split(' ').next().unwrap()).collect();
+        assert_eq!(features.into_iter().collect::<Vec<_>>(), ["item_candidate_id", "item_id", "user_id"]);
     }
 }
