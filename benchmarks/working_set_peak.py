@@ -81,8 +81,10 @@ def inputs(kind: str, shape: dict, rows: int, positions: int, ranking: bool):
         offsets = torch.arange(units + 1, dtype=torch.int64) * positions
         row_unit = torch.zeros(rows, dtype=torch.int64) if ranking else torch.arange(rows, dtype=torch.int64)
         unit_rows = torch.full((units,), rows if ranking else 1, dtype=torch.int64)
+        unit_raw = raw[:units]  # every row's query time is the same
         return (torch.zeros(rows, 0), torch.rand(rows, len(plan.pooled) * e),
-                torch.rand(positions_all, len(plan.lookups) * e), offsets, row_unit, raw_channels, unit_rows, raw)
+                torch.rand(positions_all, len(plan.lookups) * e), offsets, row_unit, raw_channels, unit_rows,
+                unit_raw, raw)
     if kind == "hstu":
         dense, pooled = torch.zeros(rows, 0), torch.rand(rows, (shape["contexts"] + 1) * d)
         values = torch.rand(units * positions, 3 * d)

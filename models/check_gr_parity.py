@@ -91,7 +91,7 @@ class Model:
     def stage_inputs(self, users: List[dict]) -> tuple:
         """The dense network's inputs for `users` fused in one forward, each
         its own grouped request (module docstring)."""
-        pooled, raw, values, raw_channels, lengths, row_unit, unit_rows = [], [], [], [], [], [], []
+        pooled, raw, values, raw_channels, lengths, row_unit, unit_rows, unit_raw = [], [], [], [], [], [], [], []
         max_len, keep = self.sequence["max_len"], self.sequence.get("keep", "last")
         for u, user in enumerate(users):
             uih, candidates = user["uih"], user["candidates"]
@@ -114,12 +114,14 @@ class Model:
                 raw.append([candidates[f][r] for f in self.raw])
                 row_unit.append(u)
             unit_rows.append(count)
+            unit_raw.append(raw[-1])  # the request's last candidate's
         cast = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.dtype)  # noqa: E731
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         return (torch.zeros(len(row_unit), 0, dtype=self.dtype), cast(np.stack(pooled)),
                 cast(np.concatenate(values)), torch.from_numpy(offsets), torch.tensor(row_unit, dtype=torch.int64),
                 torch.from_numpy(np.ascontiguousarray(np.concatenate(raw_channels))),
                 torch.tensor(unit_rows, dtype=torch.int64),
+                torch.tensor(unit_raw, dtype=torch.int64).reshape(-1, len(self.raw)),
                 torch.tensor(raw, dtype=torch.int64).reshape(-1, len(self.raw)))
 
     def scores(self, users: List[dict]) -> torch.Tensor:

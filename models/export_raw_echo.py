@@ -16,7 +16,8 @@ with raw inputs (docs/guide/split-models.md):
 
   forward(dense f32[R, 1], pooled f32[R, 4],
           seq0_values f32[P, 4], seq0_offsets i64[U + 1], seq0_row_unit i64[R],
-          seq0_raw i64[P, 2], seq0_unit_rows i64[U], raw i64[R, 2]) -> f32[17, R]
+          seq0_raw i64[P, 2], seq0_unit_rows i64[U], seq0_unit_raw i64[U, 2],
+          raw i64[R, 2]) -> f32[20, R]
 
 and returns, per row, values a float32 holds exactly: an int64 x as three
 pieces, lo = x & (2^21 - 1), mid = (x >> 21) & (2^21 - 1), hi = x >> 42
@@ -33,6 +34,8 @@ pieces, lo = x & (2^21 - 1), mid = (x >> 21) & (2^21 - 1), hi = x >> 42
   unit_rows    the unit's request rows
   positions    the unit's positions
   item         the pooled item's first value (its id)
+  unit_qt_*    the row's unit's query_time in seq0_unit_raw (its whole
+               request's last row's)
 
 Usage: models/export_raw_echo.py [--out DIR] [--force]
 (scripts/test.sh exports it into models/generated/test-raw-echo.)
@@ -49,11 +52,11 @@ from torch import nn
 
 from export_common import begin_export, logger, parser, write_manifest
 
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 ROWS, DIM, MAX_LEN = 1000, 4, 8
 OUTPUTS = ["qt_lo", "qt_mid", "qt_hi", "ut_lo", "ut_mid", "ut_hi", "last_ts_lo", "last_ts_mid", "last_ts_hi",
            "first_act_lo", "first_act_mid", "first_act_hi", "seq_sum", "hist_items", "unit_rows", "positions",
-           "item"]
+           "item", "unit_qt_lo", "unit_qt_mid", "unit_qt_hi"]
 log = logger("export_raw_echo")
 
 
@@ -66,7 +69,7 @@ class RawEcho(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
                 seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
-                seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+                seq0_unit_rows: torch.Tensor, seq0_unit_raw: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         positions = seq0_values.shape[0]
         units = seq0_offsets.shape[0] - 1
         lengths = seq0_offsets[1:] - seq0_offsets[:-1]
@@ -85,6 +88,7 @@ class RawEcho(nn.Module):
         columns = self.pieces(raw[:, 0]) + self.pieces(raw[:, 1]) + self.pieces(last) + self.pieces(first)
         columns += [unit_sum[u].float(), unit_items[u], seq0_unit_rows[u].float(), (end - start).float(),
                     pooled[:, 0] + 0.0 * dense[:, 0]]
+        columns += self.pieces(seq0_unit_raw[u, 0])
         return torch.stack(columns, 0)
 
 
@@ -97,7 +101,7 @@ def check(network: torch.jit.ScriptModule) -> None:
     values = torch.tensor([[float(i), -float(i), 0.5, 1.0] for i in (4, 9, 11)])
     raw = torch.tensor([[big[0], big[2]], [big[1], 3], [12, big[0]]])
     out = network(torch.zeros(3, 1), torch.tensor([[6.0, 0, 0, 0]] * 3), values, offsets, torch.tensor([0, 0, 1]),
-                  raw_seq, torch.tensor([5, 1]), raw)
+                  raw_seq, torch.tensor([5, 1]), torch.tensor([[13, 0], [12, 0]]), raw)
 
     def whole(lo: float, mid: float, hi: float) -> int:
         return (int(hi) << 42) + (int(mid) << 21) + int(lo)
@@ -107,7 +111,9 @@ def check(network: torch.jit.ScriptModule) -> None:
         want = [raw[row, 0].item(), raw[row, 1].item(), big[2] if row < 2 else 0, 5 if row < 2 else 0]
         if got != want:
             raise SystemExit(f"the echo network's row {row} gave {got}, not {want}")
-    if out[12:, 2].tolist() != [0.0, 0.0, 1.0, 0.0, 6.0] or out[13:, 0].tolist() != [24.0, 5.0, 3.0, 6.0]:
+    if [whole(*out[17:20, row].tolist()) for row in range(3)] != [13, 13, 12]:
+        raise SystemExit(f"the echo network's unit query times are wrong: {out[17:].tolist()}")
+    if out[12:17, 2].tolist() != [0.0, 0.0, 1.0, 0.0, 6.0] or out[13:17, 0].tolist() != [24.0, 5.0, 3.0, 6.0]:
         raise SystemExit(f"the echo network's sums are wrong: {out[12:].tolist()}")
 
 

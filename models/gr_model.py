@@ -37,7 +37,8 @@ and its K candidates), inference, as this network computes it:
     the multitask head: one output per task, sigmoid for binary tasks.
 
 Narsil's split form (docs/guide/gr-models.md): `forward(dense, pooled,
-seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, raw)`,
+seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, seq0_unit_raw,
+raw)`,
 jagged throughout, never padded to the batch's longest unit. Each unit's
 contexts and history go through the layers once, attention in blocks of
 each unit's own tokens (as models/hstu_model.py's `HstuDenseNetwork`);
@@ -212,7 +213,7 @@ class GrDenseNetwork(nn.Module):
 
       forward(dense f32[R, 0], pooled f32[R, (contexts + candidate tables) * E],
               seq0_values f32[P, W], seq0_offsets i64[U + 1], seq0_row_unit i64[R],
-              seq0_raw i64[P, K], seq0_unit_rows i64[U], raw i64[R, J]) -> f32[tasks, R]
+              seq0_raw i64[P, K], seq0_unit_rows i64[U], seq0_unit_raw i64[U, J], raw i64[R, J]) -> f32[tasks, R]
 
     The layout (`GrLayout`) says which columns hold what; `clamp` is the
     time-bucket clamp, fixed here; `block` the attention block."""
@@ -347,7 +348,7 @@ class GrDenseNetwork(nn.Module):
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
                 seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
-                seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+                seq0_unit_rows: torch.Tensor, seq0_unit_raw: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """Scores `[tasks, R]`. Under TorchScript a batch of more than
         `group_tokens` tokens (positions and rows) runs as groups of whole
         units within it, one after the other: units are independent, so
@@ -356,7 +357,8 @@ class GrDenseNetwork(nn.Module):
         group ran 10-25% slower than each alone)."""
         units = seq0_offsets.numel() - 1
         if not torch.jit.is_scripting() or units < 2 or seq0_values.size(0) + pooled.size(0) <= self.group_tokens:
-            return self.score(dense, pooled, seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, raw)
+            return self.score(dense, pooled, seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows,
+                              seq0_unit_raw, raw)
         per_unit = torch.zeros(units, dtype=torch.int64, device=pooled.device).index_add(
             0, seq0_row_unit, torch.ones_like(seq0_row_unit))
         tokens: List[int] = (seq0_offsets[1:] - seq0_offsets[:-1] + per_unit).tolist()
@@ -369,7 +371,7 @@ class GrDenseNetwork(nn.Module):
                 out[:, rows] = self.score(
                     dense.index_select(0, rows), pooled.index_select(0, rows), seq0_values[start:end],
                     seq0_offsets[first:u + 1] - start, seq0_row_unit.index_select(0, rows) - first,
-                    seq0_raw[start:end], seq0_unit_rows[first:u], raw.index_select(0, rows))
+                    seq0_raw[start:end], seq0_unit_rows[first:u], seq0_unit_raw[first:u], raw.index_select(0, rows))
                 first, held = u, 0
             if u < units:
                 held += tokens[u]
@@ -377,7 +379,7 @@ class GrDenseNetwork(nn.Module):
 
     def score(self, dense: torch.Tensor, pooled: torch.Tensor, seq0_values: torch.Tensor,
               seq0_offsets: torch.Tensor, seq0_row_unit: torch.Tensor, seq0_raw: torch.Tensor,
-              seq0_unit_rows: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+              seq0_unit_rows: torch.Tensor, seq0_unit_raw: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """The forward of one group of units (`forward`)."""
         dtype = self.content.first.weight.dtype
         pooled, values = pooled.to(dtype), seq0_values.to(dtype)
@@ -388,9 +390,8 @@ class GrDenseNetwork(nn.Module):
         lengths = seq0_offsets[1:] - starts
         sizes = c + lengths  # tokens per unit: contexts and history
         arange_rows = torch.arange(rows, device=device)
-        # Rows by unit, in request order within a unit, and each unit's last row: its contexts and its
-        # query time are the unit's. (A sort, not a scatter's amax: AOTInductor's lowering of that one
-        # took another row.)
+        # Rows by unit, in request order within a unit, and each unit's last row here: its contexts are
+        # the unit's. (A sort, not a scatter's amax: AOTInductor's lowering of that one took another row.)
         per_unit = torch.zeros(units, dtype=torch.int64, device=device).index_add(
             0, seq0_row_unit, torch.ones_like(seq0_row_unit))
         # Sorted by (unit, row): keys all distinct, so no sort's stability is relied on (AOTInductor's
@@ -400,7 +401,9 @@ class GrDenseNetwork(nn.Module):
         first_row = torch.cumsum(per_unit, 0) - per_unit
         unit_row = sorted_rows.index_select(0, (first_row + per_unit - 1).clamp(min=0))
         query_times = raw[:, self.query_time_raw]
-        unit_query = query_times.index_select(0, unit_row)  # [U]
+        # The query time q: the whole request's last candidate's (`seq0_unit_raw`, handed by the stage),
+        # the same in every part of a request cut into parts.
+        unit_query = seq0_unit_raw[:, self.query_time_raw]  # [U]
         # N per unit: contexts, history and its request's rows (candidates).
         scale = (sizes + seq0_unit_rows).to(dtype)  # [U]
         position = torch.arange(positions, device=device)

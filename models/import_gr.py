@@ -54,7 +54,7 @@ from split_model import SPLIT_FORMAT
 log = logger("import_gr")
 
 # Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
-IMPORT_FORMAT = 1
+IMPORT_FORMAT = 2
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16
@@ -324,14 +324,21 @@ def example_inputs(plan: Plan, units: int = 3, seed: int = 0) -> tuple:
     raw_channels = torch.randint(0, 32, (positions, len(plan.raw_channels)), generator=g)
     raw_channels[:, plan.layout.time_raw] = 1_700_000_000 + torch.arange(positions) * 3600
     raw = torch.randint(0, 32, (rows, len(plan.raw)), generator=g)
-    # Query times differ between a unit's rows (the unit's is its last row's), seconds or milliseconds.
+    # Query times differ between a unit's rows (the unit's, `seq0_unit_raw`, is its request's last
+    # row's: here its last row in the batch), seconds or milliseconds.
     scale = 1000 if seed % 2 else 1
     raw_channels[:, plan.layout.time_raw] *= scale
     raw[:, plan.layout.query_time_raw] = (1_700_000_000 + 3600 * positions
                                           + torch.randint(0, 30 * 86400, (rows,), generator=g)) * scale
     return (torch.zeros(rows, 0), torch.rand(rows, len(plan.pooled) * e, generator=g) * 2 - 1,
             torch.rand(positions, len(plan.lookups) * e, generator=g) * 2 - 1, offsets, row_unit, raw_channels,
-            per_unit.clone(), raw)
+            per_unit.clone(), raw.index_select(0, last_rows(row_unit, units)), raw)
+
+
+def last_rows(row_unit: torch.Tensor, units: int) -> torch.Tensor:
+    """Each unit's last row (every unit has one)."""
+    rows = torch.arange(row_unit.numel())
+    return torch.stack([rows[row_unit == u].max() for u in range(units)])
 
 
 def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[str]:
@@ -360,7 +367,8 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[s
     example = example_inputs(plan)
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         program = torch.export.export(network, example, dynamic_shapes=(
-            {0: rows}, {0: rows}, {0: positions}, {0: offsets}, {0: rows}, {0: positions}, {0: units}, {0: rows}))
+            {0: rows}, {0: rows}, {0: positions}, {0: offsets}, {0: rows}, {0: positions}, {0: units}, {0: units},
+            {0: rows}))
     with torch.no_grad():
         path = aoti_compile_and_package(program, package_path=str(out / "dense.pt2"), inductor_configs={
             "cpp.march": "",

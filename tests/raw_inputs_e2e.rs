@@ -12,8 +12,8 @@
 //!   (cut at the kept end), request-level raw inputs reach every row of
 //!   the block, and each unit's request rows are the whole request's
 //!   candidates: grouped, flat (1: each row its own unit), cut into parts
-//!   by `--max-batch-rows` (every part keeps the whole's count) and fused
-//!   with other users' requests.
+//!   by `--max-batch-rows` (every part keeps the whole's count and the
+//!   whole's last row's query time) and fused with other users' requests.
 //! * The same through the device lane on the CPU device (the sequences'
 //!   and raw inputs' tensors copied to the device).
 //! * A per-row raw input sent with other than one value is refused with
@@ -52,7 +52,7 @@ fn echo_dir() -> PathBuf {
 const NUM_SPARSE: usize = 6;
 /// The history's max_len (its last positions are kept).
 const MAX_LEN: usize = 8;
-const OUTPUTS: [&str; 17] = [
+const OUTPUTS: [&str; 20] = [
     "qt_lo",
     "qt_mid",
     "qt_hi",
@@ -70,6 +70,9 @@ const OUTPUTS: [&str; 17] = [
     "unit_rows",
     "positions",
     "item",
+    "unit_qt_lo",
+    "unit_qt_mid",
+    "unit_qt_hi",
 ];
 
 /// One position of a history: (hist_ts, hist_item, hist_act).
@@ -146,6 +149,10 @@ impl UserRequest {
         out.push(small.then_some(seq_sum as f32));
         out.push(Some(kept.iter().map(|p| p.1).sum::<i64>() as f32));
         out.extend([Some(unit_rows as f32), Some(kept.len() as f32), Some(row.item as f32)]);
+        // The unit's query time: its whole request's last row's (a row's own
+        // where the row is its unit), in every part of a cut request.
+        let unit_qt = if unit_rows == 1 { row.query_time } else { self.rows[self.rows.len() - 1].query_time };
+        out.extend(pieces(unit_qt).map(Some));
         out
     }
 }

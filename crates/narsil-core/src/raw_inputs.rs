@@ -32,6 +32,33 @@ impl RequestSamples {
         }
         Ok(())
     }
+
+    /// For a grouped request whose block counts its rows
+    /// ([`RequestBlock::request_rows`]): records its last row's raw inputs
+    /// outside sequences on the block ([`RequestBlock::last_row_raw`]),
+    /// before the engine can cut it into parts. Rows checked
+    /// ([`Self::check_row_raw_inputs`]).
+    pub(crate) fn record_last_row_raw(&mut self, schema: &ModelSchema) {
+        let (b, num_sparse, layout) = (self.num_samples, schema.num_sparse(), self.layout);
+        let Some(block) = self.request.as_mut().filter(|block| block.request_rows > 0) else { return };
+        let level = &schema.request_level;
+        let last_row: Vec<i64> = schema
+            .row_raw_inputs()
+            .into_iter()
+            .map(|f| match level.features.binary_search(&f) {
+                // Checked: one value in the block (`check_raw_inputs`).
+                Ok(k) => block.feature_ids(k)[0],
+                Err(_) => {
+                    let bag = layout.bag_index(b - 1, f, b, num_sparse);
+                    let at: u64 = self.lengths[..bag].iter().map(|&l| u64::from(l)).sum();
+                    self.ids[at as usize]
+                }
+            })
+            .collect();
+        let block = std::sync::Arc::make_mut(block);
+        block.last_row_raw = last_row;
+        block.digest = block.hash_values();
+    }
 }
 
 impl RequestBlock {

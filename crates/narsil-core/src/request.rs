@@ -185,6 +185,7 @@ impl RequestSamples {
         ids_match_lengths(self.ids.len(), total as usize, InputField::Ids)?;
         validated.positions_truncated += self.fit_sequences(schema)?;
         self.check_row_raw_inputs(schema)?;
+        self.record_last_row_raw(schema);
         self.check_ids(schema, limits.id_policy)?;
         self.widen_weights(schema)?;
         Ok(validated)

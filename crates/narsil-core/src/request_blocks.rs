@@ -39,6 +39,11 @@ pub struct RequestBlocks {
     /// ([`RequestBlock::request_rows`]; 0 where the model takes none),
     /// however the engine cut that request into parts or fused them.
     pub unit_rows: Vec<usize>,
+    /// Per unit, where its block counts request rows: the whole request's
+    /// last row's raw inputs outside sequences
+    /// ([`RequestBlock::last_row_raw`]), unit after unit (empty where the
+    /// model takes none).
+    pub unit_last_raw: Vec<i64>,
 }
 
 impl RequestBlocks {
@@ -91,6 +96,7 @@ impl RequestBlocks {
         for unit in &units {
             gathered.dense.extend_from_slice(&unit.dense);
             gathered.unit_rows.push(unit.request_rows);
+            gathered.unit_last_raw.extend_from_slice(&unit.last_row_raw);
         }
         gathered.features = features;
         Some(gathered)

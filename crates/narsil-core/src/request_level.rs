@@ -48,6 +48,13 @@ pub struct RequestBlock {
     /// the block's values, so two requests of one user share a unit only
     /// where their counts agree.
     pub request_rows: usize,
+    /// Where [`RequestBlock::request_rows`] is set: the whole request's
+    /// last row's raw inputs outside sequences, one value each in schema
+    /// order ([`ModelSchema::row_raw_inputs`]; a request-level one's is
+    /// the block's), so every part of a cut request hands the network its
+    /// whole request's last row (a generative ranker's query time). Set by
+    /// validation once the rows are checked; part of the block's values.
+    pub last_row_raw: Vec<i64>,
 }
 
 impl RequestBlock {
@@ -59,6 +66,7 @@ impl RequestBlock {
             + self.ids.len() * size_of::<i64>()
             + self.weights.len() * size_of::<f32>()
             + self.features.len() * size_of::<usize>()
+            + self.last_row_raw.len() * size_of::<i64>()
     }
 
     /// Checks the block against the model's declaration and the server's
@@ -163,7 +171,7 @@ impl RequestBlock {
     /// flipping an id's top bit and the next id's bit 4 cancels in
     /// FxHash's rotate-xor-multiply). A collision still only costs a
     /// comparison.
-    fn hash_values(&self) -> u64 {
+    pub(crate) fn hash_values(&self) -> u64 {
         use std::hash::{BuildHasher, Hash, Hasher};
         static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> = std::sync::OnceLock::new();
         let mut hasher = KEY.get_or_init(Default::default).build_hasher();
@@ -174,6 +182,7 @@ impl RequestBlock {
         floats(&self.dense);
         floats(&self.weights);
         hasher.write_usize(self.request_rows);
+        self.last_row_raw.hash(&mut hasher);
         self.lengths.hash(&mut hasher);
         self.ids.hash(&mut hasher);
         hasher.finish()

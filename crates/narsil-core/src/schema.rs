@@ -273,7 +273,9 @@ pub struct SequenceFeature {
     pub raw_channels: usize,
     /// Whether its dense network also takes, per unit, the rows of the
     /// whole request the unit came from (`seq{i}_unit_rows i64[U]`;
-    /// `"request_rows": true`).
+    /// `"request_rows": true`) and, where the model has raw inputs outside
+    /// sequences, that request's last row's values of them
+    /// (`seq{i}_unit_raw i64[U, K]`).
     pub request_rows: bool,
 }
 

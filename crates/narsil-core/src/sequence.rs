@@ -65,6 +65,14 @@ pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<Se
             working_set.check().map_err(|e| format!("sequence {:?}: {e}", json.name))?;
             sequence.working_set = Some(working_set);
         }
+        if json.request_rows && !sequence.is_request_level(schema) {
+            return Err(format!(
+                "sequence {:?} declares \"request_rows\": true, but its features are not all request-level: \
+                 only a sequence sent once per ranking request (every channel in \"request_level\") has rows \
+                 of a whole request to count; drop \"request_rows\" or declare its channels request-level",
+                json.name
+            ));
+        }
         sequence.request_rows = json.request_rows;
         sequences.push(sequence);
     }
@@ -411,5 +419,62 @@ mod tests {
         assert!(e.contains("max_len"), "{e}");
         assert_eq!(KeepEnd::parse("first"), Ok(KeepEnd::First));
         assert!(KeepEnd::parse("newest").is_err());
+    }
+
+    #[test]
+    fn request_rows_on_a_sequence_sent_on_every_row_is_refused_naming_it() {
+        let s = schema();
+        let json = |name: &str, features: &[&str]| SequenceJson {
+            name: name.into(),
+            features: names(features),
+            max_len: 4,
+            keep: None,
+            working_set: None,
+            request_rows: true,
+        };
+        // cat_1 is per row: each row is its own unit, with no whole request to count.
+        let e = declare(&[json("r", &["cat_1"])], &s).unwrap_err();
+        assert!(
+            e.contains("sequence \"r\" declares \"request_rows\": true") && e.contains("request-level"),
+            "{e}"
+        );
+        // cat_2 and cat_3 are request-level.
+        assert!(declare(&[json("h", &["cat_2", "cat_3"])], &s).unwrap()[0].request_rows);
+    }
+
+    #[test]
+    fn every_part_of_a_cut_request_carries_its_whole_requests_last_row_raw_inputs() {
+        // cat_0: a raw input per row (a query time); h (cat_2, cat_3) request-level, counting rows.
+        let mut s = schema();
+        s.sparse[0].raw_input = true;
+        let mut h =
+            SequenceFeature::new("h", &names(&["cat_2", "cat_3"]), 3, KeepEnd::Last, &s, &[]).unwrap();
+        h.request_rows = true;
+        s.sequences = vec![h];
+        let ranking = |query_times: [i64; 3]| RequestSamples {
+            num_samples: 3,
+            dense: vec![0.5; 3],
+            lengths: vec![1, 1, 1, 1, 1, 1],
+            ids: vec![query_times[0], 10, query_times[1], 11, query_times[2], 12],
+            request: Some(Arc::new(RequestBlock {
+                lengths: vec![2, 2],
+                ids: vec![20, 21, 30, 31],
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let mut r = ranking([1_700_000_000, 1_700_000_005, -7]);
+        r.validate(&s, LIMITS).unwrap();
+        let parts = r.split_rows(2, s.num_sparse());
+        assert_eq!(parts.len(), 2);
+        for part in &parts {
+            let block = part.request.as_ref().unwrap();
+            assert_eq!((block.request_rows, block.last_row_raw.as_slice()), (3, &[-7][..]));
+        }
+        // Two requests of one user differing only in their last row's query time are two units.
+        let mut other = ranking([1_700_000_000, 1_700_000_005, 9]);
+        other.validate(&s, LIMITS).unwrap();
+        assert_ne!(other.request.as_ref().unwrap().digest, parts[0].request.as_ref().unwrap().digest);
+        assert_ne!(other.request, parts[0].request);
     }
 }

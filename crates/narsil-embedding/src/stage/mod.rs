@@ -372,8 +372,8 @@ impl EmbeddingStage {
         let units = batch.request_blocks.as_ref().map_or(0, |b| b.unit_count * b.features.len() * self.dim);
         scratch.unit_pooled.clear();
         scratch.unit_pooled.resize(units, 0.0);
-        self.lay_out_sequences(batch, &mut scratch.sequences);
         self.lay_out_row_raw(batch, &mut scratch.row_raw);
+        self.lay_out_sequences(batch, &scratch.row_raw, &mut scratch.sequences);
         own_rows(batch, &mut scratch.own_rows);
         for (t, table) in self.tables.iter().enumerate() {
             let distinct = &scratch.distinct[t];

@@ -9,7 +9,8 @@
 //! * per unit, where the sequence declares `request_rows`, the rows of the
 //!   whole request its block came from (the count the block carries from
 //!   validation, however the request was cut or fused; 1 for a row's own
-//!   unit);
+//!   unit) and that request's last row's raw inputs outside sequences
+//!   (carried the same way; a row's own unit: the row's);
 //! * the raw inputs outside any sequence, `[rows, K]`: each row's own
 //!   value, or, for a grouped row, its request block's (one per block).
 //!
@@ -27,6 +28,7 @@ impl EmbeddingStage {
         &self,
         sequence: &StageSequence,
         batch: &KeyedBatch,
+        row_raw: &[i64],
         values: &mut SequenceValues,
     ) {
         let positions = values.positions();
@@ -46,14 +48,19 @@ impl EmbeddingStage {
         }
         values.request_rows = sequence.request_rows;
         values.unit_rows.clear();
+        values.unit_raw.clear();
+        values.unit_raw_width = self.row_raw.len();
         if sequence.request_rows {
             let units = values.offsets.len() - 1;
             values.unit_rows.resize(batch.rows, 1);
+            values.unit_raw.extend_from_slice(row_raw);
             if units > batch.rows {
-                let counts = blocks.map_or(&[][..], |b| &b.unit_rows[..]);
-                values.unit_rows.extend(counts.iter().map(|&rows| rows as i64));
+                let blocks = blocks.expect("units beyond the rows' own are the blocks'");
+                values.unit_rows.extend(blocks.unit_rows.iter().map(|&rows| rows as i64));
+                values.unit_raw.extend_from_slice(&blocks.unit_last_raw);
             }
             debug_assert_eq!(values.unit_rows.len(), units);
+            debug_assert_eq!(values.unit_raw.len(), units * values.unit_raw_width);
         }
     }
 
@@ -200,6 +207,10 @@ mod tests {
         // Each unit's request rows: the whole request's 5 in both parts.
         assert!(h.request_rows);
         assert_eq!(h.unit_rows, [1, 5, 1]);
+        // And its last row's [qt, ut]: user 1's candidate 4 in both parts
+        // (this batch holds neither part's last row as user 1's last).
+        assert_eq!(h.unit_raw_width, 2);
+        assert_eq!(h.unit_raw, [77, -77, -4, 1_000, 0, 2_000]);
         // Rows' raw inputs: [qt, ut], ut broadcast from each row's block.
         assert_eq!(scratch.row_raw(), [-2, 1_000, -3, 1_000, 77, -77, 0, 2_000, -4, 1_000]);
         // The same rows sent flat: the same values per row and unit.
@@ -210,6 +221,7 @@ mod tests {
         assert_eq!(f.offsets, [0, 3, 6, 8, 8, 11]);
         assert_eq!(&f.raw[..6], &[10, -10, i64::MAX, -i64::MAX, -1, 1]);
         assert_eq!(f.unit_rows, [1; 5], "each row its own unit");
+        assert_eq!(f.unit_raw, scratch.row_raw(), "each row's own raw inputs");
     }
 
     #[test]
@@ -229,6 +241,7 @@ mod tests {
         let h = &scratch.sequences()[0];
         assert_eq!(h.row_unit, [0, 0, 0, 1, 1, 0, 0, 0]);
         assert_eq!(h.unit_rows, [3, 2]);
+        assert_eq!(h.unit_raw, [-2, 1_000, -1, 1_000], "each request's last query time");
         assert_eq!(h.positions(), 4, "the history once per distinct count");
     }
 }

@@ -53,6 +53,13 @@ pub struct SequenceValues {
     /// Per unit, where `request_rows`: the rows of the whole request its
     /// block came from (1 for a row's own unit).
     pub unit_rows: Vec<i64>,
+    /// Per unit, where `request_rows`: the whole request's last row's raw
+    /// inputs outside sequences, `[units, unit_raw_width]` row-major (a
+    /// row's own unit: the row's).
+    pub unit_raw: Vec<i64>,
+    /// Values per unit in `unit_raw`: the model's raw inputs outside
+    /// sequences.
+    pub unit_raw_width: usize,
 }
 
 impl SequenceValues {
@@ -78,6 +85,8 @@ impl SequenceValues {
                 if counted {
                     // In place, as the offsets: `kept <= u`.
                     self.unit_rows[kept] = self.unit_rows[u];
+                    let k = self.unit_raw_width;
+                    self.unit_raw.copy_within(u * k..(u + 1) * k, kept * k);
                 }
                 kept += 1;
                 // In place: `kept <= u + 1`, so nothing unread is overwritten.
@@ -87,6 +96,7 @@ impl SequenceValues {
         self.offsets.truncate(kept + 1);
         if counted {
             self.unit_rows.truncate(kept);
+            self.unit_raw.truncate(kept * self.unit_raw_width);
         }
         for u in &mut self.row_unit {
             *u = renumbered[*u as usize];
@@ -130,7 +140,14 @@ pub(super) struct StageSequence {
 impl EmbeddingStage {
     /// Lays out each sequence's units for `batch` (offsets, rows' units)
     /// and sizes its values (zeroed); the lookups fill them per table.
-    pub(super) fn lay_out_sequences(&self, batch: &KeyedBatch, out: &mut Vec<SequenceValues>) {
+    /// `row_raw`: the batch's raw inputs outside sequences, laid out
+    /// ([`Self::lay_out_row_raw`]).
+    pub(super) fn lay_out_sequences(
+        &self,
+        batch: &KeyedBatch,
+        row_raw: &[i64],
+        out: &mut Vec<SequenceValues>,
+    ) {
         out.resize_with(self.sequences.len(), SequenceValues::default);
         let blocks = batch.request_blocks.as_ref();
         for (sequence, values) in self.sequences.iter().zip(out.iter_mut()) {
@@ -158,7 +175,7 @@ impl EmbeddingStage {
             }
             values.values.clear();
             values.values.resize(at as usize * sequence.width, 0.0);
-            self.lay_out_raw_channels(sequence, batch, values);
+            self.lay_out_raw_channels(sequence, batch, row_raw, values);
             self.metrics.count_sequences(at as usize, batch.rows, values.padding_to_longest());
         }
     }

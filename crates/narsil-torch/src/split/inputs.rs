@@ -1,8 +1,8 @@
 //! The split lanes' inputs to the dense network, made from the stage's
 //! buffers: a block lent to libtorch without a copy, the dense network's
 //! precision, and what follows the pooled block: each sequence's values,
-//! offsets, rows' units, raw channels and units' request rows, then the
-//! rows' raw inputs.
+//! offsets, rows' units, raw channels, units' request rows and their
+//! requests' last rows' raw inputs, then the rows' raw inputs.
 
 use narsil_core::BackendError;
 use narsil_embedding::{Bf16, StageScratch};
@@ -16,8 +16,10 @@ use crate::precision::DensePrecision;
 /// rows: for each sequence its values `[positions, width]` (copied; in the
 /// network's precision), its units' offsets and its rows' units (int64),
 /// its raw channels `[positions, K]` (int64, only where it has some), its
-/// units' request rows (int64, only where it declares `request_rows`);
-/// then the rows' raw inputs `[rows, raw_width]` (int64, only where
+/// units' request rows (int64, only where it declares `request_rows`) and
+/// their requests' last rows' raw inputs `[units, raw_width]` (int64,
+/// where it declares `request_rows` and `raw_width > 0`); then the rows'
+/// raw inputs `[rows, raw_width]` (int64, only where
 /// `raw_width > 0`). Raw values are int64 in every precision: never cast.
 pub(crate) fn unpooled_inputs(
     scratch: &StageScratch,
@@ -26,7 +28,7 @@ pub(crate) fn unpooled_inputs(
     precision: DensePrecision,
 ) -> Result<Vec<Tensor>, BackendError> {
     let sequences = scratch.sequences();
-    let mut inputs = Vec::with_capacity(5 * sequences.len() + 1);
+    let mut inputs = Vec::with_capacity(6 * sequences.len() + 1);
     let int64 = |values: &[i64], shape: &[i64]| {
         Tensor::f_from_slice(values).and_then(|t| t.f_view(shape)).map_err(torch_error)
     };
@@ -43,6 +45,10 @@ pub(crate) fn unpooled_inputs(
         }
         if sequence.request_rows {
             inputs.push(Tensor::f_from_slice(&sequence.unit_rows).map_err(torch_error)?);
+            if raw_width > 0 {
+                let units = sequence.unit_rows.len() as i64;
+                inputs.push(int64(&sequence.unit_raw, &[units, raw_width as i64])?);
+            }
         }
     }
     if raw_width > 0 {
