@@ -54,9 +54,16 @@ pub(super) fn measure(
     let limits = RequestLimits::new(usize::MAX, IdPolicy::Reject);
     let ids = id_samplers(&info, &args.id_distribution)?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let times = crate::load::raw::RawTimes::default();
     let mut random = |samples: usize, index: usize| -> anyhow::Result<RequestSamples> {
-        let mut request =
-            request_samples(random_request(&info, samples, args.ids_per_feature, &ids, &mut rng, index));
+        let mut request = request_samples(random_request(
+            &info,
+            (samples, args.ids_per_feature),
+            &ids,
+            &times,
+            &mut rng,
+            index,
+        ));
         request.validate(&schema, limits)?;
         Ok(request)
     };

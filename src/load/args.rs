@@ -100,6 +100,16 @@ pub struct LoadArgs {
     /// --id-distribution from each channel's table.
     #[arg(long, env = "NARSIL_LOAD_HISTORY_LEN")]
     pub history_len: Option<ranking::BagLength>,
+    /// --candidates, models with raw integer inputs: the raw features that
+    /// carry times (a history's increasing timestamps, a candidate's query
+    /// time), comma-separated; by default those whose name contains `time`
+    /// but not `watch`. Other raw inputs get small values in [0, 256).
+    #[arg(long, env = "NARSIL_LOAD_RAW_TIMES", value_delimiter = ',')]
+    pub raw_times: Option<Vec<String>>,
+    /// The unit of those times: `s` (epoch seconds) or `ms` (epoch
+    /// milliseconds, as KuaiRand's).
+    #[arg(long, env = "NARSIL_LOAD_RAW_TIME_UNIT", value_enum, default_value_t = TimeUnit::S)]
+    pub raw_time_unit: TimeUnit,
     /// Distinct prebuilt requests cycled through.
     #[arg(long, env = "NARSIL_LOAD_DISTINCT_REQUESTS", default_value_t = 64)]
     pub distinct_requests: usize,
@@ -149,6 +159,14 @@ pub struct LoadArgs {
 }
 
 impl LoadArgs {
+    /// Which raw inputs carry times (--raw-times, --raw-time-unit).
+    pub fn raw_times(&self) -> super::raw::RawTimes {
+        super::raw::RawTimes {
+            names: self.raw_times.clone(),
+            milliseconds: self.raw_time_unit == TimeUnit::Ms,
+        }
+    }
+
     /// Rows per request: --candidates when set, else --samples-per-request.
     pub fn rows_per_request(&self) -> usize {
         if self.candidates > 0 {
@@ -166,4 +184,13 @@ impl LoadArgs {
             IdDistributions(vec![default])
         })
     }
+}
+
+/// The unit `narsil load` sends raw times in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TimeUnit {
+    /// Epoch seconds.
+    S,
+    /// Epoch milliseconds.
+    Ms,
 }

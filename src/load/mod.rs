@@ -37,7 +37,7 @@ mod client;
 pub mod ids;
 mod phase;
 pub mod ranking;
-mod raw;
+pub mod raw;
 pub mod report;
 pub mod tls;
 pub mod workload;

@@ -194,6 +194,8 @@ pub struct Ranking {
     ids: Vec<IdSampler>,
     users: u64,
     user_zipf: rand_distr::Zipf<f64>,
+    /// Which raw inputs carry times, in what unit.
+    times: raw::RawTimes,
 }
 
 /// How many sparse features are request-level ([`request_level`]); 0 when
@@ -231,6 +233,7 @@ impl Ranking {
             ids,
             users: args.users,
             user_zipf,
+            times: args.raw_times(),
         })
     }
 
@@ -269,15 +272,15 @@ impl Ranking {
                 _ if feature.raw_input => 1,
                 _ => rng.random_range(self.bag_length.min..=self.bag_length.max),
             };
-            let bag: Vec<i64> = match (feature.raw_input, raw::is_time(&feature.name)) {
+            let bag: Vec<i64> = match (feature.raw_input, self.times.is_time(&feature.name)) {
                 (false, _) => (0..len).map(|_| sampler.sample(&mut rng)).collect(),
                 (true, true) if in_sequence => {
                     let start = *start.get_or_insert_with(|| raw::start_time(&mut rng));
                     let times = raw::history_times(&mut rng, start, len as usize);
                     last_time = times.last().copied().max(last_time);
-                    times
+                    times.into_iter().map(|t| self.times.sent(t)).collect()
                 }
-                (true, true) => vec![raw::query_time(&mut rng, last_time)],
+                (true, true) => vec![self.times.sent(raw::query_time(&mut rng, last_time))],
                 (true, false) => (0..len).map(|_| raw::small(&mut rng)).collect(),
             };
             let bag_weights =
@@ -313,7 +316,9 @@ impl Ranking {
                 if feature.raw_input {
                     sparse_lengths.push(1);
                     sparse_ids.push(
-                        query_time.filter(|_| raw::is_time(&feature.name)).unwrap_or_else(|| raw::small(rng)),
+                        query_time
+                            .filter(|_| self.times.is_time(&feature.name))
+                            .unwrap_or_else(|| raw::small(rng)),
                     );
                     continue;
                 }
@@ -354,7 +359,9 @@ impl Ranking {
                 if !self.request_level[f] && feature.raw_input {
                     sparse_lengths.push(1);
                     sparse_ids.push(
-                        query_time.filter(|_| raw::is_time(&feature.name)).unwrap_or_else(|| raw::small(rng)),
+                        query_time
+                            .filter(|_| self.times.is_time(&feature.name))
+                            .unwrap_or_else(|| raw::small(rng)),
                     );
                 } else if !self.request_level[f] {
                     let bag = RandomBag { sampler, weighted: feature.weighted, ids_per_feature: per };
@@ -387,8 +394,8 @@ impl Ranking {
     /// other models' requests draw what they always drew).
     fn query_time(&self, user: &UserFeatures, rng: &mut impl Rng) -> Option<i64> {
         let features = self.info.sparse_features.iter().zip(&self.request_level);
-        let row_time = features.into_iter().any(|(f, &r)| !r && f.raw_input && raw::is_time(&f.name));
-        row_time.then(|| raw::query_time(rng, user.last_time))
+        let row_time = features.into_iter().any(|(f, &r)| !r && f.raw_input && self.times.is_time(&f.name));
+        row_time.then(|| self.times.sent(raw::query_time(rng, user.last_time)))
     }
 
     /// `count` flat requests, each with the user it is for; users drawn

@@ -2,12 +2,14 @@
 //! (`ModelInfo.sparse_features[].raw_input`: never looked up, they reach
 //! the dense network as sent), shaped like a generative recommender's:
 //!
-//! * a raw channel of a sequence whose name contains `time`
-//!   (case-insensitive): increasing timestamps in epoch seconds, oldest
+//! * a raw channel of a sequence that carries times ([`RawTimes`]: by
+//!   default a name containing `time` but not `watch`, case-insensitive;
+//!   `--raw-times` names them): increasing timestamps in epoch seconds
+//!   (milliseconds with `--raw-time-unit ms`), oldest
 //!   first, from a per-user start in the year after 1.7e9 s, gaps of a
 //!   second to a few hours ([`history_times`]);
 //! * any other raw channel of a sequence: an action bitmask in `[0, 256)`;
-//! * a raw feature outside a sequence whose name contains `time`: the
+//! * a raw feature outside a sequence that carries times: the
 //!   request's query time, seconds to an hour after its history's last
 //!   timestamp ([`query_time`]), the same on every candidate row;
 //! * any other raw feature outside a sequence: a small value in `[0, 256)`.
@@ -17,9 +19,38 @@ use rand::Rng;
 /// Epoch seconds the timestamps start from (November 2023).
 pub const EPOCH_BASE: i64 = 1_700_000_000;
 
-/// Whether a raw feature named `name` carries times.
-pub fn is_time(name: &str) -> bool {
-    name.to_ascii_lowercase().contains("time")
+/// Which raw features carry times, and in what unit.
+#[derive(Debug, Clone, Default)]
+pub struct RawTimes {
+    /// `--raw-times`: exactly these features (`None`: the name rule).
+    pub names: Option<Vec<String>>,
+    /// `--raw-time-unit ms`: milliseconds (else seconds).
+    pub milliseconds: bool,
+}
+
+impl RawTimes {
+    /// Whether the raw feature `name` carries times: one of `--raw-times`,
+    /// or by default a name containing `time` but not `watch`
+    /// (case-insensitive: `action_timestamp`, `item_query_time`; not
+    /// `watch_time`, a duration).
+    pub fn is_time(&self, name: &str) -> bool {
+        match &self.names {
+            Some(names) => names.iter().any(|n| n == name),
+            None => {
+                let name = name.to_ascii_lowercase();
+                name.contains("time") && !name.contains("watch")
+            }
+        }
+    }
+
+    /// A time in epoch seconds, in the unit sent.
+    pub fn sent(&self, seconds: i64) -> i64 {
+        if self.milliseconds {
+            seconds.saturating_mul(1_000)
+        } else {
+            seconds
+        }
+    }
 }
 
 /// A history's start: a second of the year after [`EPOCH_BASE`].
@@ -71,10 +102,24 @@ mod tests {
     }
 
     #[test]
-    fn names_with_time_in_any_case_are_times() {
-        for name in ["action_timestamp", "item_query_time", "Watch_TIME"] {
-            assert!(is_time(name), "{name}");
+    fn names_with_time_in_any_case_are_times_but_watch_times_are_durations() {
+        let times = RawTimes::default();
+        for name in ["action_timestamp", "item_query_time", "User_TIME"] {
+            assert!(times.is_time(name), "{name}");
         }
-        assert!(!is_time("item_weights") && !is_time("action_weight"));
+        for name in
+            ["item_weights", "action_weight", "watch_time", "item_target_watchtime", "dummy_watch_time"]
+        {
+            assert!(!times.is_time(name), "{name}");
+        }
+        assert_eq!(times.sent(1_700_000_000), 1_700_000_000);
+    }
+
+    #[test]
+    fn named_raw_times_replace_the_name_rule_and_milliseconds_scale_them() {
+        let times = RawTimes { names: Some(vec!["ts".into(), "watch_time".into()]), milliseconds: true };
+        assert!(times.is_time("ts") && times.is_time("watch_time"));
+        assert!(!times.is_time("item_query_time"), "only the names given");
+        assert_eq!(times.sent(1_700_000_000), 1_700_000_000_000);
     }
 }

@@ -52,7 +52,10 @@ fn build_pool_in(
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
     Ok((0..args.distinct_requests.max(1))
-        .map(|i| random_request(info, args.samples_per_request, args.ids_per_feature, &ids, &mut rng, i))
+        .map(|i| {
+            let shape = (args.samples_per_request, args.ids_per_feature);
+            random_request(info, shape, &ids, &args.raw_times(), &mut rng, i)
+        })
         .collect())
 }
 
@@ -122,12 +125,12 @@ pub fn id_samplers(
 
 /// One request of `batch_size` random samples, feature `f`'s ids from
 /// `ids[f]`. With `ids_per_feature` above 1, bag sizes are uniform in
-/// `[0, 2 * ids_per_feature - 1]`.
+/// `[0, 2 * ids_per_feature - 1]`. Raw inputs that carry times per `times`.
 pub fn random_request(
     info: &ModelInfoResponse,
-    batch_size: usize,
-    ids_per_feature: u32,
+    (batch_size, ids_per_feature): (usize, u32),
     ids: &[IdSampler],
+    times: &super::raw::RawTimes,
     rng: &mut impl Rng,
     index: usize,
 ) -> PredictRequest {
@@ -139,7 +142,7 @@ pub fn random_request(
     for _ in 0..batch_size {
         if has_raw {
             let columns = (&mut sparse_lengths, &mut sparse_ids, &mut sparse_weights);
-            push_raw_sample(info, ids_per_feature, ids, rng, columns);
+            push_raw_sample(info, ids_per_feature, (ids, times), rng, columns);
             continue;
         }
         for (feature, sampler) in info.sparse_features.iter().zip(ids) {
@@ -163,14 +166,14 @@ pub fn random_request(
 
 /// One sample of a model with raw integer inputs ([`super::raw`]): one
 /// history length per sequence (`ids_per_feature` as for a bag), its
-/// channels aligned, its raw `time` channels increasing timestamps, a raw
-/// input outside a sequence one value (its query time after the sample's
-/// history when it is a `time`), the other features' bags as
+/// channels aligned, its raw channels that carry `times` increasing
+/// timestamps, a raw input outside a sequence one value (its query time
+/// after the sample's history when it carries times), the other features' bags as
 /// [`RandomBag`] draws them.
 fn push_raw_sample(
     info: &ModelInfoResponse,
     ids_per_feature: u32,
-    ids: &[IdSampler],
+    (ids, times): (&[IdSampler], &raw::RawTimes),
     rng: &mut impl Rng,
     (lengths, values, weights): (&mut Vec<u32>, &mut Vec<i64>, &mut Vec<f32>),
 ) {
@@ -186,11 +189,11 @@ fn push_raw_sample(
     for (feature, sampler) in info.sparse_features.iter().zip(ids) {
         let sequence =
             info.sequences.iter().position(|s| !feature.sequence.is_empty() && s.name == feature.sequence);
-        let bag = match (sequence, feature.raw_input, raw::is_time(&feature.name)) {
+        let bag = match (sequence, feature.raw_input, times.is_time(&feature.name)) {
             (Some(_), true, true) => {
-                let times = raw::history_times(rng, start, history[sequence.unwrap()] as usize);
-                last_time = times.last().copied().max(last_time);
-                Some((times, Vec::new()))
+                let history = raw::history_times(rng, start, history[sequence.unwrap()] as usize);
+                last_time = history.last().copied().max(last_time);
+                Some((history.into_iter().map(|t| times.sent(t)).collect(), Vec::new()))
             }
             (Some(s), true, false) => Some(((0..history[s]).map(|_| raw::small(rng)).collect(), Vec::new())),
             (None, true, true) => None,
@@ -214,7 +217,8 @@ fn push_raw_sample(
         bags.push(bag);
     }
     for bag in bags {
-        let (bag, bag_weights) = bag.unwrap_or_else(|| (vec![raw::query_time(rng, last_time)], Vec::new()));
+        let (bag, bag_weights) =
+            bag.unwrap_or_else(|| (vec![times.sent(raw::query_time(rng, last_time))], Vec::new()));
         lengths.push(bag.len() as u32);
         values.extend(bag);
         weights.extend(bag_weights);
