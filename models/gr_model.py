@@ -200,6 +200,17 @@ def floor_divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(div - floored > 0.5, floored + 1, floored)
 
 
+def remainder(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`torch.remainder(a, b)` for floats as eager PyTorch computes it
+    (c10: `fmod(a, b)`, plus `b` where its sign differs from `b`'s), written
+    out: Inductor computes `a - b * floor(a / b)`, which is off by `b`
+    where `a / b` rounds across an integer (GR's postprocessor takes
+    remainders of float32 times in hours, which for millisecond timestamps
+    are near 5e8, where float32 steps by 32). `b` nonzero."""
+    mod = torch.fmod(a, b)
+    return torch.where((mod != 0) & ((b < 0) != (mod < 0)), mod + b, mod)
+
+
 def columns(starts: List[int], width: int) -> torch.Tensor:
     """The column indices of blocks of `width` starting at `starts`."""
     if not starts:
@@ -562,7 +573,7 @@ class GrDenseNetwork(nn.Module):
         if self.postprocessor == "timestamp":
             since = floor_divide(query_times.float().unsqueeze(1), self.period_units.float())
             periods = self.units_per_period.float()
-            angle = torch.remainder(since, periods) / periods * 2 * 3.14  # [R, 2]
+            angle = remainder(since, periods) / periods * 2 * 3.14  # [R, 2]
             features = torch.stack([torch.cos(angle), torch.sin(angle)], dim=2).flatten(1).to(states.dtype)
             states = self.time_combiner(torch.cat([states, features], dim=1))
         return layer_norm32(states, self.post_norm_weight, self.post_norm_bias, 1e-5)

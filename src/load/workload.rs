@@ -173,7 +173,7 @@ pub fn random_request(
 fn push_raw_sample(
     info: &ModelInfoResponse,
     ids_per_feature: u32,
-    (ids, times): (&[IdSampler], &raw::RawTimes),
+    (ids, times): (&[IdSampler], &super::raw::RawTimes),
     rng: &mut impl Rng,
     (lengths, values, weights): (&mut Vec<u32>, &mut Vec<i64>, &mut Vec<f32>),
 ) {
