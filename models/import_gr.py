@@ -3,7 +3,7 @@
 Narsil split model (docs/guide/gr-models.md).
 
   .venv/bin/python models/import_gr.py CHECKPOINT_DIR HPARAMS_JSON OUT_DIR \\
-      [--clamp pytorch|triton] [--int8] [--bf16] [--pt2] [--block 64] [--force]
+      [--clamp pytorch|triton] [--int8] [--bf16] [--pt2] [--block 64] [--golden GR_GOLDEN_JSON] [--force]
 
 CHECKPOINT_DIR is what GR's `save_dmp_checkpoint` writes (dlrm_v3/
 checkpoint.py): the embedding tables as a torch.distributed.checkpoint
@@ -33,6 +33,10 @@ Writes OUT_DIR, a split model (models/split_model.py's format
   dense.pt2     with --pt2: the same network compiled by AOTInductor (FP32),
                 kept only where it scores within 1e-5 of the network
   import.json   what was imported: the checkpoint, hparams, clamp, options
+  golden.json   with --golden (GR's golden file, models/gr/make_gr_golden.py's):
+                `narsil verify`'s golden requests, its one-candidate users of
+                the clamp's cases as flat rows, expecting GR's alone scores
+                per task (`verify_golden`)
 """
 
 import argparse
@@ -47,6 +51,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from check_gr_parity import cases_for
 from export_common import logger
 from gr_model import CLAMPS, DEFAULT_CLAMP, GrDenseNetwork, GrLayout
 from split_model import SPLIT_FORMAT
@@ -54,7 +59,7 @@ from split_model import SPLIT_FORMAT
 log = logger("import_gr")
 
 # Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
-IMPORT_FORMAT = 2
+IMPORT_FORMAT = 3
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16
@@ -389,6 +394,34 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[s
     return "dense.pt2"
 
 
+def verify_golden(schema: dict, cases: List[dict]) -> dict:
+    """`narsil verify`'s golden file (`{"requests": [...]}`) from GR's golden
+    `cases` of one clamp: each user with one candidate, a request of one
+    flat row (every feature in schema order, its contexts and history on
+    the row, raw values as sent, no dense), expecting GR's `scores_alone`
+    per task (`outputs`). Only those: narsil verify sends flat rows, and a
+    flat row is its own request (N = contexts + history + 1), scored as GR
+    scores its user alone only where that user has one candidate; users of
+    more are checked grouped by tests/gr_models_e2e.rs."""
+    request_level = set(schema["request_level"])
+    requests = []
+    for case in cases:
+        for user in case["users"]:
+            if len(user["scores_alone"][schema["outputs"][0]]) != 1:
+                continue
+            lengths, ids = [], []
+            for feature in schema["features"]:
+                name = feature["name"]
+                values = user["uih" if name in request_level else "candidates"][name]
+                lengths.append(len(values))
+                ids.extend(values)
+            requests.append({"batch_size": 1, "dense": [], "lengths": lengths, "ids": ids,
+                             "outputs": {task: user["scores_alone"][task] for task in schema["outputs"]}})
+    if not requests:
+        raise SystemExit("the golden cases have no user of one candidate: no request for narsil verify")
+    return {"requests": requests}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="GR's checkpoint folder (non_sparse.ckpt and sparse/)")
@@ -403,6 +436,8 @@ def main() -> int:
     p.add_argument("--block", type=int, default=64, help="the network's attention block (tokens)")
     p.add_argument("--name", default=None, help="model name (default: OUT_DIR's name)")
     p.add_argument("--version", default="1")
+    p.add_argument("--golden", type=Path, default=None,
+                   help="GR's golden.json: also write OUT_DIR/golden.json for narsil verify (verify_golden)")
     p.add_argument("--force", action="store_true", help="overwrite OUT_DIR")
     args = p.parse_args()
     if args.bf16 and args.pt2:
@@ -432,6 +467,10 @@ def main() -> int:
         if package is not None:
             schema["dense_package"] = package
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
+    if args.golden is not None:
+        golden = verify_golden(schema, cases_for(json.loads(args.golden.read_text()), args.clamp))
+        (out / "golden.json").write_text(json.dumps(golden) + "\n")
+        log(f"golden.json: {len(golden['requests'])} one-candidate users of {args.golden} ({args.clamp} clamp)")
     (out / "import.json").write_text(json.dumps({
         "import_format": IMPORT_FORMAT, "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp,
         "int8": args.int8,

@@ -4,7 +4,9 @@
 # and writes a folder to carry to a machine that has that PyTorch: the
 # binary, the CUDA shim (libnarsil_cuda_shim.so: CUDA graphs and streams;
 # the build fails without it), the small split test model with its golden
-# requests, and scripts/gpu_check.sh with models/model_files.py.
+# requests, the sequence models of its phases S, G and R (split-din/,
+# split-hstu/, split-gr/), and scripts/gpu_check.sh with
+# models/model_files.py.
 #
 #   scripts/build_for_libtorch.sh [TORCH_VERSION] [OUT_DIR]
 #
@@ -167,6 +169,15 @@ if [ ! -f "$HSTU_GPU/split/schema.json" ]; then
 fi
 mkdir -p "$OUT/split-hstu"
 (cd "$HSTU_GPU/split" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-hstu" && tar -xf -)
+# The GR checkpoint's import with GR's GPU clamp (phase R), with narsil
+# verify's golden file, where the tests imported it (2 MiB).
+GR_MODEL="$ROOT/models/generated/gr-streaming-triton"
+if [ -f "$GR_MODEL/golden.json" ]; then
+  mkdir -p "$OUT/split-gr"
+  (cd "$GR_MODEL" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-gr" && tar -xf -)
+else
+  echo "build_for_libtorch: no GR import with a golden file at $GR_MODEL (scripts/test.sh imports it): gpu_check.sh's phase R will say skipped" >&2
+fi
 cp "$ROOT/scripts/gpu_check.sh" "$OUT/gpu_check.sh"
 # What gpu_check.sh's default-size model copies from split/ (every file its
 # schema names).

@@ -21,5 +21,6 @@ NARSIL_GPU_CHECK_DRY_RUN=1 \
   NARSIL_GPU_CHECK_GOLDEN="$PWD/$MODEL/golden.json" \
   NARSIL_GPU_CHECK_SEQUENCE_MODEL="$PWD/models/generated/test-din/split" \
   NARSIL_GPU_CHECK_HSTU_MODEL="$PWD/models/generated/test-hstu/split" \
+  NARSIL_GPU_CHECK_GR_MODEL="$PWD/models/generated/gr-streaming-triton" \
   OUT="$PWD/target/gpu_check_dry" \
   bash scripts/gpu_check.sh

@@ -48,8 +48,9 @@ export_torchrec_model() {
 }
 
 # Imports GR's test checkpoint models/testdata/gr/SET (written by GR's own code) with
-# models/import_gr.py into models/generated/gr-SET-CLAMP, and checks it against GR's golden
-# scores (models/check_gr_parity.py), unless an import of the current IMPORT_FORMAT is there.
+# models/import_gr.py into models/generated/gr-SET-CLAMP (with narsil verify's golden.json of GR's
+# golden scores), and checks it against them (models/check_gr_parity.py), unless an import of the
+# current IMPORT_FORMAT is there.
 import_gr_model() {
   local set="$1" clamp="$2"
   local data="models/testdata/gr/$set" out="models/generated/gr-$set-$clamp" format
@@ -60,7 +61,8 @@ import_gr_model() {
   format=$(sed -n 's/^IMPORT_FORMAT = //p' models/import_gr.py)
   if ! grep -q "\"import_format\": $format," "$out/import.json" 2>/dev/null; then
     step "importing $data into $out (clamp $clamp) and checking it against GR's golden scores"
-    .venv/bin/python models/import_gr.py "$data/checkpoint" "$data/hparams.json" "$out" --clamp "$clamp" --force
+    .venv/bin/python models/import_gr.py "$data/checkpoint" "$data/hparams.json" "$out" --clamp "$clamp" \
+      --golden "$data/golden.json" --force
     .venv/bin/python models/check_gr_parity.py "$out" "$data/golden.json"
   fi
 }
