@@ -353,9 +353,10 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[s
     vector ISA without -march=native, kernels not linking libtorch, as
     models/sequence_split.py compiles HSTU's). Checked within 1e-5 of the
     network on batches of second and millisecond timestamps; a package
-    over it is removed (None returned): AOTInductor computes the timestamp
-    postprocessor's float floor division and remainder otherwise than
-    eager PyTorch (GR's), up to 2e-2 per score on GR's test checkpoints."""
+    over it is removed (None returned): a lowering of Inductor's that
+    differs from eager PyTorch where GR's arithmetic is sensitive (the
+    timestamp postprocessor's float floor division and remainder, written
+    out in models/gr_model.py for that) would otherwise pass unnoticed."""
     import torch.fx.experimental._config as fx_config
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa

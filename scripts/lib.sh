@@ -50,19 +50,22 @@ export_torchrec_model() {
 # Imports GR's test checkpoint models/testdata/gr/SET (written by GR's own code) with
 # models/import_gr.py into models/generated/gr-SET-CLAMP (with narsil verify's golden.json of GR's
 # golden scores), and checks it against them (models/check_gr_parity.py), unless an import of the
-# current IMPORT_FORMAT is there.
+# current IMPORT_FORMAT is there (with its dense.pt2 where `--pt2` is among the further flags, which
+# go to the importer).
 import_gr_model() {
   local set="$1" clamp="$2"
+  shift 2
   local data="models/testdata/gr/$set" out="models/generated/gr-$set-$clamp" format
   if [ ! -d "$data" ]; then
     echo "skipped: importing $out: no $data"
     return
   fi
   format=$(sed -n 's/^IMPORT_FORMAT = //p' models/import_gr.py)
-  if ! grep -q "\"import_format\": $format," "$out/import.json" 2>/dev/null; then
-    step "importing $data into $out (clamp $clamp) and checking it against GR's golden scores"
+  if ! grep -q "\"import_format\": $format," "$out/import.json" 2>/dev/null \
+      || { [[ " $* " == *" --pt2 "* ]] && [ ! -f "$out/dense.pt2" ]; }; then
+    step "importing $data into $out (clamp $clamp $*) and checking it against GR's golden scores"
     .venv/bin/python models/import_gr.py "$data/checkpoint" "$data/hparams.json" "$out" --clamp "$clamp" \
-      --golden "$data/golden.json" --force
+      --golden "$data/golden.json" --force "$@"
     .venv/bin/python models/check_gr_parity.py "$out" "$data/golden.json"
   fi
 }
