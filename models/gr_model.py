@@ -227,9 +227,11 @@ class GrDenseNetwork(nn.Module):
               seq0_raw i64[P, K], seq0_unit_rows i64[U], seq0_unit_raw i64[U, J], raw i64[R, J]) -> f32[tasks, R]
 
     The layout (`GrLayout`) says which columns hold what; `clamp` is the
-    time-bucket clamp, fixed here; `block` the attention block."""
+    time-bucket clamp, fixed here; `block` the attention block (tokens of a unit a
+    block), `candidate_block` the candidates' (rows a block, at most `block`)."""
 
     block: int
+    candidate_block: int
     contexts: int
     dim: int
     time_clamp: int
@@ -248,13 +250,15 @@ class GrDenseNetwork(nn.Module):
     group_tokens: int
 
     def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64,
-                 group_tokens: int = 2048) -> None:
+                 group_tokens: int = 2048, candidate_block: int = 16) -> None:
         super().__init__()
         if clamp not in CLAMPS:
             raise ValueError(f"clamp must be one of {CLAMPS}, not {clamp!r}")
         d, e = config["hstu_transducer_embedding_dim"], config["hstu_embedding_table_dim"]
         hidden = config["hstu_preprocessor_hidden_dim"]
         self.block, self.dim, self.table_dim = block, d, e
+        # Candidates' query blocks: rows of a unit's candidates a block, padded in its last one only.
+        self.candidate_block = min(candidate_block, block)
         # Block pairs per chunk (pair_attention): about 2 MiB of scores at b = 64, 4 heads.
         self.group_tokens = group_tokens
         self.pair_chunk = max(1, (1 << 19) // (block * block * config["hstu_num_heads"]))
@@ -497,17 +501,19 @@ class GrDenseNetwork(nn.Module):
         token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
         token_place = (first_block.index_select(0, token_unit) + token_place_in_unit // b) * b \
             + token_place_in_unit % b
-        # Candidates in blocks of `b` rows too, unit after unit (rows ranked within their unit; only a
-        # unit's last candidate block padded), each candidate block paired with every key block of its unit.
+        # Candidates in blocks of `cb` rows (fewer than a key block's: a unit's candidates pad only its last
+        # candidate block), unit after unit (rows ranked within their unit), each candidate block paired
+        # with every key block of its unit.
+        cb = self.candidate_block
         rank = torch.zeros_like(row_unit).index_copy(
             0, sorted_rows, torch.arange(rows, device=device) - first_row.index_select(0, sorted_units))
-        candidate_blocks_of = (per_unit + b - 1) // b
+        candidate_blocks_of = (per_unit + cb - 1) // cb
         candidate_found = (torch.arange(longest_unit(candidate_blocks_of), device=device).unsqueeze(0)
                            < candidate_blocks_of.unsqueeze(1)).nonzero()
         candidate_block_unit = candidate_found[:, 0]
         candidate_blocks = candidate_block_unit.size(0)
         first_candidate_block = torch.cumsum(candidate_blocks_of, 0) - candidate_blocks_of
-        candidate_place = (first_candidate_block.index_select(0, row_unit) + rank // b) * b + rank % b  # [R]
+        candidate_place = (first_candidate_block.index_select(0, row_unit) + rank // cb) * cb + rank % cb  # [R]
         cross = (block_steps < blocks_of.index_select(0, candidate_block_unit).unsqueeze(1)).nonzero()
         cross_query = cross[:, 0]
         cross_key = first_block.index_select(0, candidate_block_unit.index_select(0, cross_query)) + cross[:, 1]
@@ -526,11 +532,11 @@ class GrDenseNetwork(nn.Module):
             x = layer.finish(x, attended, u)
             # The candidates, against their unit's key blocks and themselves.
             cu, cv, cq, ck = layer.project(candidates)
-            padded = torch.zeros(candidate_blocks * b, heads, qk, dtype=dtype, device=device).index_copy(
-                0, candidate_place, cq).view(candidate_blocks, b, heads, qk)
+            padded = torch.zeros(candidate_blocks * cb, heads, qk, dtype=dtype, device=device).index_copy(
+                0, candidate_place, cq).view(candidate_blocks, cb, heads, qk)
             attended = self.pair_attention(padded, kb, vb, cross_query, cross_key, cross_mask, alpha,
                                            candidate_blocks)
-            attended = attended.transpose(1, 2).reshape(candidate_blocks * b, heads * hidden).index_select(
+            attended = attended.transpose(1, 2).reshape(candidate_blocks * cb, heads * hidden).index_select(
                 0, candidate_place)
             own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
             candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
@@ -538,15 +544,15 @@ class GrDenseNetwork(nn.Module):
 
     def pair_attention(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pair_query: torch.Tensor,
                        pair_key: torch.Tensor, mask: torch.Tensor, alpha: float, blocks: int) -> torch.Tensor:
-        """`[blocks, H, b, hidden]`: for each query block (of `queries`
-        `[blocks, b, H, qk]`), the sum over its pairs of `silu(alpha q.k) *
+        """`[blocks, H, rows, hidden]`: for each query block (of `queries`
+        `[blocks, rows, H, qk]`), the sum over its pairs of `silu(alpha q.k) *
         mask @ v` against the key block (of `keys`, `values`) the pair
         names; `mask` per pair (`1/N` where a key counts, 0 elsewhere).
         TorchScript runs the pairs a chunk at a time (a chunk's gathers and
         scores stay in the caches; a fused batch of long histories has
         thousands of pairs); torch.export, all at once."""
-        b, heads, hidden = self.block, values.size(2), values.size(3)
-        out = torch.zeros(blocks, heads, b, hidden, dtype=values.dtype, device=values.device)
+        rows, heads, hidden = queries.size(1), values.size(2), values.size(3)
+        out = torch.zeros(blocks, heads, rows, hidden, dtype=values.dtype, device=values.device)
         if not torch.jit.is_scripting():
             return out.index_add(0, pair_query, self.shares(queries, keys, values, pair_query, pair_key, mask, alpha))
         total, chunk = pair_query.size(0), max(self.pair_chunk, 1)
@@ -559,12 +565,13 @@ class GrDenseNetwork(nn.Module):
 
     def shares(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                key: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-        """`[pairs, H, b, hidden]`: each pair's `silu(alpha q.k) * mask @ v`."""
-        b, heads, hidden = self.block, values.size(2), values.size(3)
+        """`[pairs, H, rows, hidden]`: each pair's `silu(alpha q.k) * mask @ v`
+        (`rows` of a query block, `b` of a key block)."""
+        b, rows, heads, hidden = self.block, queries.size(1), values.size(2), values.size(3)
         scores = torch.bmm(by_head(queries.index_select(0, query)), by_head(keys.index_select(0, key)).transpose(1, 2))
-        weights = F.silu(scores.view(query.size(0), heads, b, b) * alpha) * mask
-        return torch.bmm(weights.view(query.size(0) * heads, b, b), by_head(values.index_select(0, key))).view(
-            query.size(0), heads, b, hidden)
+        weights = F.silu(scores.view(query.size(0), heads, rows, b) * alpha) * mask
+        return torch.bmm(weights.view(query.size(0) * heads, rows, b), by_head(values.index_select(0, key))).view(
+            query.size(0), heads, rows, hidden)
 
     def postprocess(self, states: torch.Tensor, query_times: torch.Tensor) -> torch.Tensor:
         """GR's output postprocessor on the candidates' last states."""

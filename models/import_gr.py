@@ -34,9 +34,10 @@ Writes OUT_DIR, a split model (models/split_model.py's format
                 kept only where it scores within 1e-5 of the network
   import.json   what was imported: the checkpoint, hparams, clamp, options
   golden.json   with --golden (GR's golden file, models/gr/make_gr_golden.py's):
-                `narsil verify`'s golden requests, its one-candidate users of
-                the clamp's cases as flat rows, expecting GR's alone scores
-                per task (`verify_golden`)
+                `narsil verify`'s golden requests: each user of the clamp's
+                cases a ranking request (contexts and history once, in the
+                request block), expecting GR's alone scores per task
+                (`verify_golden`)
 """
 
 import argparse
@@ -59,7 +60,7 @@ from split_model import SPLIT_FORMAT
 log = logger("import_gr")
 
 # Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
-IMPORT_FORMAT = 3
+IMPORT_FORMAT = 5
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16
@@ -397,29 +398,23 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[s
 
 def verify_golden(schema: dict, cases: List[dict]) -> dict:
     """`narsil verify`'s golden file (`{"requests": [...]}`) from GR's golden
-    `cases` of one clamp: each user with one candidate, a request of one
-    flat row (every feature in schema order, its contexts and history on
-    the row, raw values as sent, no dense), expecting GR's `scores_alone`
-    per task (`outputs`). Only those: narsil verify sends flat rows, and a
-    flat row is its own request (N = contexts + history + 1), scored as GR
-    scores its user alone only where that user has one candidate; users of
-    more are checked grouped by tests/gr_models_e2e.rs."""
+    `cases` of one clamp: each user a ranking request (its contexts and
+    history once in the request block, its candidates the rows, raw values
+    as sent, no dense), expecting GR's `scores_alone` per task
+    (`outputs`)."""
     request_level = set(schema["request_level"])
+    block_features = [f["name"] for f in schema["features"] if f["name"] in request_level]
+    row_features = [f["name"] for f in schema["features"] if f["name"] not in request_level]
     requests = []
     for case in cases:
         for user in case["users"]:
-            if len(user["scores_alone"][schema["outputs"][0]]) != 1:
-                continue
-            lengths, ids = [], []
-            for feature in schema["features"]:
-                name = feature["name"]
-                values = user["uih" if name in request_level else "candidates"][name]
-                lengths.append(len(values))
-                ids.extend(values)
-            requests.append({"batch_size": 1, "dense": [], "lengths": lengths, "ids": ids,
+            rows = len(user["scores_alone"][schema["outputs"][0]])
+            block = {"lengths": [len(user["uih"][name]) for name in block_features],
+                     "ids": [v for name in block_features for v in user["uih"][name]]}
+            requests.append({"batch_size": rows, "dense": [], "lengths": [1] * (rows * len(row_features)),
+                             "ids": [user["candidates"][name][r] for r in range(rows) for name in row_features],
+                             "request": block,
                              "outputs": {task: user["scores_alone"][task] for task in schema["outputs"]}})
-    if not requests:
-        raise SystemExit("the golden cases have no user of one candidate: no request for narsil verify")
     return {"requests": requests}
 
 
@@ -471,7 +466,7 @@ def main() -> int:
     if args.golden is not None:
         golden = verify_golden(schema, cases_for(json.loads(args.golden.read_text()), args.clamp))
         (out / "golden.json").write_text(json.dumps(golden) + "\n")
-        log(f"golden.json: {len(golden['requests'])} one-candidate users of {args.golden} ({args.clamp} clamp)")
+        log(f"golden.json: {len(golden['requests'])} users (ranking requests) of {args.golden} ({args.clamp} clamp)")
     (out / "import.json").write_text(json.dumps({
         "import_format": IMPORT_FORMAT, "checkpoint": str(path), "hparams": str(args.hparams), "clamp": args.clamp,
         "int8": args.int8,

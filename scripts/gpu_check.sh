@@ -37,10 +37,10 @@
 # scripts/build_for_libtorch.sh exports) the same way: golden parity (FP32
 # within 1e-5, bf16 within 1e-1 of its eager forward), grouped vs flat, and
 # c16 with 100 candidates, grouped and flat.
-# Phase R (<= NARSIL_GPU_PHASE_R_SECS, 120): a generative ranker imported
+# Phase R (<= NARSIL_GPU_PHASE_R_SECS, 90): a generative ranker imported
 # from a GR checkpoint (`split-gr/`: models/import_gr.py's import of GR's
 # streaming test checkpoint with GR's GPU clamp, --clamp triton) the same
-# way: GR's own scores of its one-candidate golden users alone (FP32 within
+# way: GR's own scores of its golden users alone, as ranking requests (FP32 within
 # 1e-5, bf16 within 3e-2), and c16 with 64 candidates, grouped and flat;
 # no grouped vs flat (a flat row is a request of its own: they differ).
 # Phase B (<= NARSIL_GPU_PHASE_B_SECS, 180): `narsil load`, 100 samples a
@@ -73,7 +73,7 @@ LIMIT_A="${NARSIL_GPU_PHASE_A_SECS:-150}"
 LIMIT_B="${NARSIL_GPU_PHASE_B_SECS:-180}"
 LIMIT_S="${NARSIL_GPU_PHASE_S_SECS:-120}"
 LIMIT_G="${NARSIL_GPU_PHASE_G_SECS:-120}"
-LIMIT_R="${NARSIL_GPU_PHASE_R_SECS:-120}"
+LIMIT_R="${NARSIL_GPU_PHASE_R_SECS:-90}"
 # The sequence model (phase S) and its golden file.
 export SEQUENCE_MODEL="${NARSIL_GPU_CHECK_SEQUENCE_MODEL:-$HERE/split-din}"
 # The generative ranker (phase G) and its golden file.

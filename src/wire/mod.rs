@@ -41,7 +41,12 @@ pub mod proto {
                 request_id: request_id.into(),
                 model: String::new(),
                 model_version: String::new(),
-                request: None,
+                request: g.request.as_ref().map(|b| RequestFeatures {
+                    dense: b.dense.clone(),
+                    sparse_lengths: b.lengths.clone(),
+                    sparse_ids: b.ids.clone(),
+                    sparse_weights: b.weights.clone(),
+                }),
             }
         }
     }

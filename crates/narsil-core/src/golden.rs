@@ -1,9 +1,13 @@
 //! The golden file `models/export_dlrm.py` and `models/export_torchrec.py`
 //! write next to a model: fixed random requests (sample-major, as on the
 //! wire) and the scores Python computed for each, alone, with the exported
-//! TorchScript files. Backends' parity tests compare against it.
+//! TorchScript files. Backends' parity tests compare against it. A golden
+//! request may be a ranking request: its request-level features once in a
+//! block (`request`), its rows the candidates (`models/import_gr.py
+//! --golden` writes such).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -41,6 +45,27 @@ pub struct GoldenRequest {
     /// Scores per output name (`export_torchrec.py`'s `model.pt`).
     #[serde(default)]
     pub outputs: std::collections::BTreeMap<String, Vec<f32>>,
+    /// A ranking request's request-level features, once for its rows (whose
+    /// `lengths` then cover the other features only); absent for a flat
+    /// request.
+    #[serde(default)]
+    pub request: Option<GoldenBlock>,
+}
+
+/// A golden ranking request's block, as on the wire (`narsil.v1`'s
+/// `RequestFeatures`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct GoldenBlock {
+    /// The dense features when they are request-level.
+    #[serde(default)]
+    pub dense: Vec<f32>,
+    /// Ids per request-level feature, in schema order.
+    pub lengths: Vec<u32>,
+    /// Their ids, feature after feature.
+    pub ids: Vec<i64>,
+    /// Weights of the weighted request-level features' ids.
+    #[serde(default)]
+    pub weights: Vec<f32>,
 }
 
 impl Golden {
@@ -61,6 +86,15 @@ impl GoldenRequest {
             lengths: self.lengths.clone(),
             ids: self.ids.clone(),
             weights: self.weights.clone(),
+            request: self.request.as_ref().map(|block| {
+                Arc::new(crate::RequestBlock {
+                    dense: block.dense.clone(),
+                    lengths: block.lengths.clone(),
+                    ids: block.ids.clone(),
+                    weights: block.weights.clone(),
+                    ..Default::default()
+                })
+            }),
             ..Default::default()
         }
     }
@@ -140,5 +174,17 @@ mod tests {
         let golden: Golden = serde_json::from_str(json).unwrap();
         let batch = golden.requests[0].sample_batch();
         assert_eq!((batch.num_samples, batch.lengths, batch.ids), (1, vec![2], vec![3, 4]));
+        assert!(batch.request.is_none());
+    }
+
+    #[test]
+    fn a_golden_ranking_request_carries_its_block() {
+        let json = r#"{"requests": [{"batch_size": 2, "dense": [], "lengths": [1, 1], "ids": [5, 6],
+            "request": {"lengths": [2], "ids": [7, 8]}, "outputs": {"ctr": [0.1, 0.2]}}]}"#;
+        let golden: Golden = serde_json::from_str(json).unwrap();
+        let batch = golden.requests[0].sample_batch();
+        let block = batch.request.expect("the block");
+        assert_eq!((block.lengths.as_slice(), block.ids.as_slice()), (&[2][..], &[7, 8][..]));
+        assert_eq!(batch.ids, [5, 6]);
     }
 }
