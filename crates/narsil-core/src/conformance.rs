@@ -167,6 +167,7 @@ mod tests {
             scores_int8: vec![],
             scores_fp32: vec![],
             outputs: Default::default(),
+            request: None,
         };
         Golden { requests: vec![request(1, 0), request(4, 1), request(7, 2)] }
     }
