@@ -54,8 +54,7 @@ impl EmbeddingStage {
             let units = values.offsets.len() - 1;
             values.unit_rows.resize(batch.rows, 1);
             values.unit_raw.extend_from_slice(row_raw);
-            if units > batch.rows {
-                let blocks = blocks.expect("units beyond the rows' own are the blocks'");
+            if let Some(blocks) = blocks.filter(|_| units > batch.rows) {
                 values.unit_rows.extend(blocks.unit_rows.iter().map(|&rows| rows as i64));
                 values.unit_raw.extend_from_slice(&blocks.unit_last_raw);
             }
