@@ -188,7 +188,8 @@ mod tests {
             r#"{"dense_features": 1, "sparse_features": [{"name": "item", "num_rows": 100},
                 {"name": "ts", "pooling": "raw"}, {"name": "hist", "num_rows": 100},
                 {"name": "hist_ts", "pooling": "raw"}],
-                "sequences": [{"name": "h", "features": ["hist", "hist_ts"], "max_len": 8, "request_rows": true}]}"#,
+                "sequences": [{"name": "h", "features": ["hist", "hist_ts"], "max_len": 8, "request_rows": true}],
+                "request_level": ["hist", "hist_ts"]}"#,
         )
         .unwrap();
         assert_eq!(schema.sparse[1], SparseFeature::raw("ts"));

@@ -16,9 +16,16 @@
 //! malloc'd C string, or as null when even that allocation failed), a
 //! function that fails returns null (or -1) and nothing else, and a tensor it
 //! returns is a new heap `at::Tensor` the caller owns.
+//!
+//! libtorch's package loader is not safe to enter from two threads at once
+//! (two versions or models loading together crashed a test process, each
+//! loader thread faulting inside it, and a metadata read once returned
+//! another entry's value): its entry points here (metadata, load, free)
+//! take one process-wide lock. Loads are rare; `run` does not take it.
 
 use std::ffi::{c_char, c_int, CString};
 use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
 
 use tch::Tensor;
 
@@ -73,6 +80,14 @@ unsafe impl Send for AotiPackage {}
 // SAFETY: as above; no method takes `&mut self`.
 unsafe impl Sync for AotiPackage {}
 
+/// Held across every call into libtorch's package loader (module docs).
+static LOADER: Mutex<()> = Mutex::new(());
+
+/// [`LOADER`], whatever a panic while it was held left (it guards no data).
+fn loader_lock() -> MutexGuard<'static, ()> {
+    LOADER.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn c_path(path: &Path) -> Result<CString, LibtorchError> {
     CString::new(path.as_os_str().as_encoded_bytes())
         .map_err(|_| LibtorchError(format!("path with a NUL byte: {}", path.display())))
@@ -109,6 +124,7 @@ impl AotiPackage {
         }
         let c_path = c_path(path)?;
         let mut error: *mut c_char = std::ptr::null_mut();
+        let _loader = loader_lock();
         // SAFETY: a valid C string and out-pointer that outlive the call;
         // the shim returns a package or sets `error` (possibly to null),
         // never both, and throws nothing (module docs).
@@ -125,6 +141,7 @@ impl AotiPackage {
         crate::fbgemm::open_global(&crate::libtorch_lib_dir().join("libtorch.so")).map_err(LibtorchError)?;
         let c_path = c_path(path)?;
         let mut error: *mut c_char = std::ptr::null_mut();
+        let _loader = loader_lock();
         // SAFETY: as in `load`.
         let raw = unsafe { narsil_aoti_package_load(c_path.as_ptr(), runners.max(1) as c_int, &mut error) };
         if raw.is_null() {
@@ -143,6 +160,7 @@ impl AotiPackage {
         // success `value` is a malloc'd string or null, on failure `value`
         // is null and `error` is set (possibly to null); the shim throws
         // nothing.
+        let _loader = loader_lock();
         let status =
             unsafe { narsil_aoti_package_metadata(c_path.as_ptr(), c_key.as_ptr(), &mut value, &mut error) };
         if status != 0 {
@@ -180,6 +198,7 @@ fn shim_error(error: *mut c_char) -> LibtorchError {
 
 impl Drop for AotiPackage {
     fn drop(&mut self) {
+        let _loader = loader_lock();
         // SAFETY: `raw` came from the shim's load and is freed once.
         unsafe { narsil_aoti_package_free(self.raw) }
     }

@@ -284,7 +284,8 @@ mod tests {
         let json = |sparse: &str| {
             format!(
                 r#"{{"name": "m", "version": "1", "num_dense": 1, "sparse": [{sparse}],
-                    "sequences": [{{"name": "h", "features": ["h_ts"], "max_len": 4, "request_rows": true}}]}}"#
+                    "sequences": [{{"name": "h", "features": ["h_ts"], "max_len": 4, "request_rows": true}}],
+                    "request_level": ["h_ts"]}}"#
             )
         };
         let path = Path::new("m.pt");

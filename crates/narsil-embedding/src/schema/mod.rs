@@ -494,6 +494,7 @@ mod tests {
             working_set: None,
             request_rows: true,
         }];
+        split.request_level = vec!["h".into(), "h_time".into()];
         assert_eq!(split.check(), Ok(()));
         assert_eq!(split.pooled_features().map(|f| f.name.as_str()).collect::<Vec<_>>(), ["a", "b"]);
         assert_eq!(split.sequence_width(0), 64, "the raw channel adds no value to look up");
@@ -505,6 +506,7 @@ mod tests {
         // A sequence of raw channels only (no value looked up) is one.
         split.sequences[0].features = vec!["h_time".into()];
         split.features.remove(2);
+        split.request_level = vec!["h_time".into()];
         assert_eq!(split.check(), Ok(()));
         assert_eq!(split.sequence_width(0), 0);
         // A raw input with a table, or weighted: refused, naming it.
