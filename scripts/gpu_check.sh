@@ -257,7 +257,7 @@ sequence_section() {
     return 0
   fi
   key="$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["requests"][0]; print("int8" if r.get("scores_int8") else next(iter(r["outputs"])))' "$dir/golden.json" 2>/dev/null || echo default)"
-  row "| precision | golden (the model's eager forward), flat | ranking: grouped vs flat | tolerance | CUDA graphs |"
+  row "| precision | golden (the model's eager forward; golden.json's requests) | ranking: grouped vs flat | tolerance | CUDA graphs |"
   row "|---|---|---|---|---|"
   for precision in fp32 bf16; do
     name="$(basename "$(dirname "$dir")")-$(basename "$dir")-$precision"
