@@ -146,15 +146,20 @@ mkdir -p "$OUT/split"
 # golden file holds the scores the split form serves.
 (cd "$MODEL" && tar --exclude='*.pt2' --exclude=golden.json --exclude=dense.safetensors -cf - .) | (cd "$OUT/split" && tar -xf -)
 cp "$MODEL/../golden.json" "$OUT/golden.json"
-# The sequence model (gpu_check.sh's phase S), its split form with its golden
-# file, where the tests exported it.
-SEQUENCE_MODEL="$ROOT/models/generated/test-din/split"
-if [ -f "$SEQUENCE_MODEL/schema.json" ]; then
-  mkdir -p "$OUT/split-din"
-  (cd "$SEQUENCE_MODEL" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-din" && tar -xf -)
-else
-  echo "build_for_libtorch: no sequence model at $SEQUENCE_MODEL (scripts/test.sh exports it): gpu_check.sh's phase S will say skipped" >&2
-fi
+# carry_split SRC NAME PHASE: the split model in SRC with its golden file,
+# without its CPU packages, as $OUT/NAME, where the tests made it (else
+# gpu_check.sh's PHASE will say skipped).
+carry_split() {
+  local src=$1 name=$2 phase=$3
+  if [ -f "$src/golden.json" ]; then
+    mkdir -p "$OUT/$name"
+    (cd "$src" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/$name" && tar -xf -)
+  else
+    echo "build_for_libtorch: no model with a golden file at $src (scripts/test.sh makes it): gpu_check.sh's phase $phase will say skipped" >&2
+  fi
+}
+# The sequence model (gpu_check.sh's phase S).
+carry_split "$ROOT/models/generated/test-din/split" split-din S
 # The generative ranker (phase G) in its GPU shape (a DLRMv3-like ranker
 # scaled to the carry limit: 5 STU layers of width 256, 4 heads of 64,
 # histories of up to 1,024 positions, 50k items x 128), exported here once
@@ -167,17 +172,9 @@ if [ ! -f "$HSTU_GPU/split/schema.json" ]; then
     --user-rows 10000 --embedding-dim 128 --model-dim 256 --layers 5 --heads 4 --head-dim 64 --max-len 1024 \
     --head-arch 256,64 || die "exporting $HSTU_GPU failed"
 fi
-mkdir -p "$OUT/split-hstu"
-(cd "$HSTU_GPU/split" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-hstu" && tar -xf -)
-# The GR checkpoint's import with GR's GPU clamp (phase R), with narsil
-# verify's golden file, where the tests imported it (2 MiB).
-GR_MODEL="$ROOT/models/generated/gr-streaming-triton"
-if [ -f "$GR_MODEL/golden.json" ]; then
-  mkdir -p "$OUT/split-gr"
-  (cd "$GR_MODEL" && tar --exclude='*.pt2' -cf - .) | (cd "$OUT/split-gr" && tar -xf -)
-else
-  echo "build_for_libtorch: no GR import with a golden file at $GR_MODEL (scripts/test.sh imports it): gpu_check.sh's phase R will say skipped" >&2
-fi
+carry_split "$HSTU_GPU/split" split-hstu G
+# The GR checkpoint's import with GR's GPU clamp (phase R; 2 MiB).
+carry_split "$ROOT/models/generated/gr-streaming-triton" split-gr R
 cp "$ROOT/scripts/gpu_check.sh" "$OUT/gpu_check.sh"
 # What gpu_check.sh's default-size model copies from split/ (every file its
 # schema names).
