@@ -156,11 +156,11 @@ impl AotiPackage {
         let c_key = CString::new(key).map_err(|_| LibtorchError(format!("key with a NUL byte: {key}")))?;
         let mut value: *mut c_char = std::ptr::null_mut();
         let mut error: *mut c_char = std::ptr::null_mut();
+        let _loader = loader_lock();
         // SAFETY: valid C strings and out-pointers that outlive the call; on
         // success `value` is a malloc'd string or null, on failure `value`
         // is null and `error` is set (possibly to null); the shim throws
         // nothing.
-        let _loader = loader_lock();
         let status =
             unsafe { narsil_aoti_package_metadata(c_path.as_ptr(), c_key.as_ptr(), &mut value, &mut error) };
         if status != 0 {
