@@ -87,6 +87,7 @@ import os
 import subprocess
 import sys
 
+import gr_rows
 from benchlib import DEFAULT_BINARY, ROOT, free_port, machine, peak_rss_mib, pinned, require_binary, wait_serving
 
 VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -286,6 +287,8 @@ def ranking_servers(args, cores, torchrec_bin):
         for precision in [p for p in args.precisions if p != "int8"]:
             out.append((f"TorchRec C++ flat {precision}", torchrec_command(args, torchrec_bin, precision),
                         torchrec_flat))
+    if args.gr_eager:
+        out.append(gr_rows.eager_server(args, cores, VENV_PYTHON))
     return out
 
 
@@ -296,6 +299,8 @@ def measure_ranking(args, name, command, load_flags, cores):
     protocol = "torchrec" if name.startswith("TorchRec C++") else "narsil"
     with served(args, name, command, cores, f"ranking: 1 user x {args.candidates} candidates", protocol) as (
             addr, process, ready_s, load_core):
+        checked = gr_rows.before_load(args, name, addr, args.binary, 3e-2 if "bf16" in name else 1e-5) \
+            if args.gr_eager else {}
         for concurrency in args.concurrency:
             flat = "--ranking-form" in load_flags and load_flags[load_flags.index("--ranking-form") + 1] == "flat"
             requests = args.ranking_flat_requests if flat and args.ranking_flat_requests else args.ranking_requests
@@ -307,7 +312,7 @@ def measure_ranking(args, name, command, load_flags, cores):
                 load += ["--history-len", args.history_len]
             report = load_report(load, load_core, f"ranking load against {name}")
             rows.append({"server": name, "workload": "ranking", "cores": cores, "concurrency": concurrency,
-                         "ready_s": ready_s, **report, "peak_rss_mib": peak_rss_mib(process.pid)})
+                         "ready_s": ready_s, **report, **checked, "peak_rss_mib": peak_rss_mib(process.pid)})
             diff = report.get("max_abs_diff_vs_flat")
             vs_flat = f", max |grouped - flat| {diff:.2e}" if diff is not None else ""
             print(f"    concurrency {concurrency}: {report['candidates_per_s']:.0f} candidates/s, "
@@ -320,13 +325,14 @@ def print_ranking_tables(rows):
     for cores in dict.fromkeys(r["cores"] for r in rows):
         mine = [r for r in rows if r["cores"] == cores]
         first = mine[0]
+        gr = any("max_abs_diff_vs_gr_golden" in r for r in mine)
         print(f"\n### Ranking, {cores} core(s): 1 user x {first['candidates_per_request']} candidates, "
               f"{first['request_features']} request-level sparse features (and the dense ones), "
               f"{first['id_distribution']} ids\n")
         print("| Server | Concurrency | Candidates/s | Req/s | p50 ms | p99 ms | KB/request | "
               "vs Narsil flat same precision | vs TorchRec C++ flat same precision (int8: bf16) | "
-              "max abs diff vs flat | peak RSS MiB |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "max abs diff vs flat | peak RSS MiB |" + (" vs GR eager fp32 | max abs diff vs GR golden |" if gr else ""))
+        print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if gr else ""))
         for r in mine:
             def ratio(server):
                 ref = next((x for x in mine if x["server"] == server and x["concurrency"] == r["concurrency"]), None)
@@ -345,7 +351,8 @@ def print_ranking_tables(rows):
                   f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {r['request_bytes_mean'] / 1e3:.1f} | "
                   f"{ratio('Narsil flat ' + precision)} | "
                   f"{ratio('TorchRec C++ flat ' + ('bf16' if precision == 'int8' else precision))} | "
-                  f"{diff} | {rss} |")
+                  f"{diff} | {rss} |" + (f" {ratio('GR eager fp32')} | {r.get('max_abs_diff_vs_gr_golden', 0):.1e} |"
+                                           if gr else ""))
 
 
 def config(row):
@@ -458,6 +465,12 @@ def main():
     p.add_argument("--compare-flat-requests", type=int, default=200,
                    help="Narsil grouped rows: how many of the prebuilt requests' flat twins are sent first and "
                    "compared with every grouped answer (narsil load --compare-flat)")
+    p.add_argument("--gr-eager", metavar="SET",
+                   help="GR rows: --ranking-model is models/import_gr.py's import of the checkpoint "
+                        "models/gr/make_gr_golden.py wrote for SET (e.g. dlrmv3-cpu); adds GR's own eager forward "
+                        "(benchmarks/baselines/gr_eager_server.py, needs GR_CHECKOUT) and checks every row's "
+                        "server against GR's golden scores first (benchmarks/gr_rows.py)")
+    p.add_argument("--gr-checkpoint", help="--gr-eager's checkpoint (default models/generated/gr/SET/checkpoint)")
     p.add_argument("--start-timeout", type=float, default=180)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "torchrec_dlrm_compare"),
                    help="path prefix of the .json and .png written")
@@ -478,6 +491,8 @@ def main():
     if args.candidates > 0 and not os.path.exists(os.path.join(args.ranking_model, "schema.json")):
         raise SystemExit(f"--candidates: no split model at {args.ranking_model} (pass --ranking-model or "
                          "--split-model, or run scripts/serve.sh once)")
+    if args.gr_eager:
+        gr_rows.check_args(args)
     if "int8" in args.precisions:
         schema_path = os.path.join(args.split_model or args.ranking_model or "", "schema.json")
         with_int8 = os.path.exists(schema_path) and json.load(open(schema_path)).get("dense_package_int8")

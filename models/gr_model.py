@@ -40,10 +40,14 @@ Narsil's split form (docs/guide/gr-models.md): `forward(dense, pooled,
 seq0_values, seq0_offsets, seq0_row_unit, seq0_raw, seq0_unit_rows, seq0_unit_raw,
 raw)`,
 jagged throughout, never padded to the batch's longest unit. Each unit's
-contexts and history go through the layers once, attention in blocks of
-each unit's own tokens (as models/hstu_model.py's `HstuDenseNetwork`);
-each candidate then runs every layer against its unit's key blocks and
-itself. N per unit is its contexts, its history and its request's rows
+contexts and history go through the layers once; each candidate runs every
+layer against its unit's keys and itself. Under TorchScript (dense.pt) the
+attention runs unit by unit on each unit's own tokens where they lie, a
+query block of `block` tokens against its unit's keys up to its end in
+one product, nothing gathered or padded (`attend_units`); exported
+(dense.pt2, torch.export takes no loop over units) in blocks of each
+unit's own tokens paired with the key blocks before them, as
+models/hstu_model.py's `HstuDenseNetwork` (`attend`). N per unit is its contexts, its history and its request's rows
 (`seq0_unit_rows`), so a user's scores do not depend on who shares the
 forward. Arithmetic in the weights' dtype (norms in FP32, as GR's); scores
 FP32.
@@ -456,8 +460,12 @@ class GrDenseNetwork(nn.Module):
                                  pooled.index_select(1, self.candidate_additional), target)
         candidates = self.encoded(candidates, torch.full_like(arange_rows, c).clamp(max=self.max_position),
                                   self.buckets(unit_query.index_select(0, seq0_row_unit), query_times))
-        candidates = self.attend(x, candidates, sizes, starts, position_unit, place, scale, seq0_row_unit,
-                                 per_unit, sorted_rows, sorted_units, first_row, units, positions, rows)
+        if torch.jit.is_scripting():
+            candidates = self.attend_units(x, candidates, sizes, position_unit, place, scale, per_unit,
+                                           sorted_rows, sorted_units, first_row, units)
+        else:
+            candidates = self.attend(x, candidates, sizes, starts, position_unit, place, scale, seq0_row_unit,
+                                     per_unit, sorted_rows, sorted_units, first_row, units, positions, rows)
         user = self.postprocess(candidates, query_times)
         item = self.item(pooled.index_select(1, self.item_columns))
         logits = self.prediction(user * item).float().transpose(0, 1)  # [tasks, R]
@@ -541,6 +549,66 @@ class GrDenseNetwork(nn.Module):
             own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
             candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
         return candidates
+
+    def attend_units(self, x: torch.Tensor, candidates: torch.Tensor, sizes: torch.Tensor,
+                     position_unit: torch.Tensor, place: torch.Tensor, scale: torch.Tensor, per_unit: torch.Tensor,
+                     sorted_rows: torch.Tensor, sorted_units: torch.Tensor, first_row: torch.Tensor,
+                     units: int) -> torch.Tensor:
+        """`attend` as TorchScript runs it: unit by unit, on the unit's own
+        tokens where they lie, nothing gathered or padded. The tokens are
+        laid out unit after unit (its contexts, then its history) and by
+        head once a layer; each query block of `block` tokens is scored
+        against every key of its unit up to its own end in one product
+        (the causal mask applied inside its own block only), and a unit's
+        candidates, laid out unit after unit, against every key of their
+        unit in one. The same keys and `1/N` as `attend` (which the
+        exported `.pt2` runs: torch.export takes no loop over units), at
+        half the work of a unit's whole square."""
+        c, b = self.contexts, self.block
+        dtype, device = x.dtype, x.device
+        tokens, rows = x.size(0), candidates.size(0)
+        # x is every unit's contexts, then every unit's positions: its rows unit after unit.
+        unit_first = torch.cumsum(sizes, 0) - sizes
+        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
+        token_place = torch.cat([torch.arange(c, device=device).repeat(units), c + place])
+        order = torch.zeros(tokens, dtype=torch.int64, device=device).index_copy(
+            0, unit_first.index_select(0, token_unit) + token_place, torch.arange(tokens, device=device))
+        x = x.index_select(0, order)
+        candidates = candidates.index_select(0, sorted_rows)  # unit after unit
+        firsts: List[int] = unit_first.tolist()
+        lengths: List[int] = sizes.tolist()
+        row_firsts: List[int] = first_row.tolist()
+        row_counts: List[int] = per_unit.tolist()
+        inverse = (1.0 / scale.float().clamp(min=1.0)).to(dtype)
+        inverses: List[float] = inverse.float().tolist()
+        row_scale = scale.index_select(0, sorted_units).unsqueeze(1)  # [R, 1]
+        causal = torch.ones(b, b, dtype=dtype, device=device).tril()
+        for layer in self.layers:
+            heads, hidden, alpha = layer.heads, layer.hidden, layer.alpha
+            u, v, q, k = layer.project(x)
+            qh, kh, vh = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+            out = torch.empty(heads, tokens, hidden, dtype=dtype, device=device)
+            for unit in range(units):
+                first, end, inv = firsts[unit], firsts[unit] + lengths[unit], inverses[unit]
+                for start in range(first, end, b):
+                    stop = min(start + b, end)
+                    weights = F.silu(torch.bmm(qh[:, start:stop], kh[:, first:stop].transpose(1, 2)) * alpha) * inv
+                    weights[:, :, start - first:].mul_(causal[:stop - start, :stop - start])
+                    out[:, start:stop] = torch.bmm(weights, vh[:, first:stop])
+            x = layer.finish(x, out.transpose(0, 1).reshape(tokens, heads * hidden), u)
+            cu, cv, cq, ck = layer.project(candidates)
+            cqh = cq.transpose(0, 1).contiguous()
+            attended = torch.zeros(heads, rows, hidden, dtype=dtype, device=device)
+            for unit in range(units):
+                first, end, inv = firsts[unit], firsts[unit] + lengths[unit], inverses[unit]
+                start, stop = row_firsts[unit], row_firsts[unit] + row_counts[unit]
+                if stop > start and end > first:
+                    weights = F.silu(torch.bmm(cqh[:, start:stop], kh[:, first:end].transpose(1, 2)) * alpha) * inv
+                    attended[:, start:stop] = torch.bmm(weights, vh[:, first:end])
+            own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
+            candidates = layer.finish(candidates, attended.transpose(0, 1).reshape(rows, heads * hidden)
+                                      + (own.unsqueeze(2) * cv).flatten(1), cu)
+        return torch.zeros_like(candidates).index_copy(0, sorted_rows, candidates)
 
     def pair_attention(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pair_query: torch.Tensor,
                        pair_key: torch.Tensor, mask: torch.Tensor, alpha: float, blocks: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ from split_model import SPLIT_FORMAT
 log = logger("import_gr")
 
 # Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
-IMPORT_FORMAT = 5
+IMPORT_FORMAT = 6
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16

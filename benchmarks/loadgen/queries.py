@@ -2,7 +2,9 @@
 messages (generated once from proto/narsil/v1/predict.proto with
 grpcio-tools into benchmarks/loadgen/_generated, as the other Python gRPC
 clients of benchmarks/ do), a query's PredictRequest serialized once, and
-the MLPerf-shaped queries themselves (models/mlperf_traffic.py)."""
+the queries themselves: DLRM-v2's MLPerf-shaped ones
+(models/mlperf_traffic.py) or DLRMv3's (models/dlrmv3_traffic.py: one
+user's history and candidates, a grouped request)."""
 
 import os
 import subprocess
@@ -17,6 +19,7 @@ PREDICT_METHOD = "/narsil.v1.Predictor/Predict"
 MODEL_INFO_METHOD = "/narsil.v1.Predictor/ModelInfo"
 
 sys.path.insert(0, os.path.join(ROOT, "models"))
+import dlrmv3_traffic  # noqa: E402
 import mlperf_traffic  # noqa: E402
 
 
@@ -73,3 +76,31 @@ class Queries:
 
     def pairs(self, index: int) -> int:
         return len(self.dense[index])
+
+    def serialize(self, pb, index: int, model: str) -> bytes:
+        return serialized(pb, self.dense[index], self.ids[index], model)
+
+
+class Dlrmv3Queries:
+    """DLRMv3 queries (models/dlrmv3_traffic.py) for a served GR import:
+    each one user's grouped request; its pairs are its candidates."""
+
+    golden_scores = None
+
+    def __init__(self, queries, features):
+        self.queries, self.features = queries, features
+
+    @classmethod
+    def drawn(cls, info, count: int, history, candidates, seed: int) -> "Dlrmv3Queries":
+        rows = {f.name: f.num_rows for f in info.sparse_features}
+        return cls(dlrmv3_traffic.queries(count, rows, history, candidates, seed),
+                   [(f.name, f.request_level) for f in info.sparse_features])
+
+    def __len__(self) -> int:
+        return len(self.queries)
+
+    def pairs(self, index: int) -> int:
+        return len(self.queries[index]["candidates"]["item_query_time"])
+
+    def serialize(self, pb, index: int, model: str) -> bytes:
+        return dlrmv3_traffic.grouped_request(pb, self.queries[index], self.features, model).SerializeToString()

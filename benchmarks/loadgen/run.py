@@ -27,7 +27,13 @@ writes a user.conf saying so and is marked "not a submission".
 * Queries: MLPerf-shaped (models/mlperf_traffic.py): 100-700 pairs from
   MLPerf's quantile list, 214 ids a pair, the first id of a bag Zipf-like
   (--zipf), drawn for the served tables (ModelInfo's rows, or MLPerf's sizes
-  capped at --max-rows, which must fit the served ones).
+  capped at --max-rows, which must fit the served ones). With `--model-key
+  dlrm-v3`, against a served GR import (models/import_gr.py, GR's streaming
+  feature set): DLRMv3-shaped queries (models/dlrmv3_traffic.py), one user's
+  contexts and history (--history) once and its candidates (--candidates)
+  as rows, in time order; a query's pairs are its candidates. The same
+  queries drive GR's own eager forward behind
+  benchmarks/baselines/gr_eager_server.py.
 
 Prints one line per run and writes --out/results.json. Needs the harness's
 own venv (benchmarks/loadgen/setup.sh) and a Narsil serving the model.
@@ -45,7 +51,7 @@ import time
 import mlperf_loadgen as lg
 import numpy as np
 
-from queries import Queries, mlperf_traffic
+from queries import Dlrmv3Queries, Queries, mlperf_traffic
 from sut import NarsilSut
 
 LABEL = "MLPerf-shaped, unverified (not a submission)"
@@ -202,10 +208,15 @@ def find_peak(args) -> dict:
     return peak
 
 
-def served_rows(sut: NarsilSut, args) -> list:
-    """The table rows the traffic draws from: MLPerf's capped at --max-rows,
-    checked against what the server serves, or the server's own."""
-    info = sut._run(sut.model_info())
+def span(text: str) -> tuple:
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def served_rows(info, args) -> list:
+    """The table rows DLRM-v2's traffic draws from: MLPerf's capped at
+    --max-rows, checked against what the server serves (its ModelInfo), or
+    the server's own."""
     rows = [f.num_rows for f in info.sparse_features]
     if len(rows) != 26 or info.num_dense != mlperf_traffic.NUM_DENSE:
         raise SystemExit(f"the served model has {info.num_dense} dense and {len(rows)} sparse features, "
@@ -243,6 +254,10 @@ def main() -> int:
     p.add_argument("--zipf", type=float, default=1.05, help="exponent of the bags' first ids")
     p.add_argument("--max-rows", type=int, default=0,
                    help="draw ids for MLPerf's tables capped at this (the export's --max-rows); 0: the server's")
+    p.add_argument("--history", default="256-1024",
+                   help="--model-key dlrm-v3: a query's history positions, MIN-MAX (uniform)")
+    p.add_argument("--candidates", default="64-256",
+                   help="--model-key dlrm-v3: a query's candidates, MIN-MAX (uniform; MLPerf's DLRMv3: 2,048)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--channels", type=int, default=4, help="gRPC channels, round robin")
     p.add_argument("--max-inflight", type=int, default=-1,
@@ -267,9 +282,17 @@ def main() -> int:
         print(f"[{LABEL}] highest VALID Server target: {report['peak']['peak_qps']} queries/s", flush=True)
     else:
         probe = NarsilSut(args.addr, Queries([], []), channels=1, model=args.model)
-        rows = served_rows(probe, args)
+        info = probe._run(probe.model_info())
+        rows = served_rows(info, args) if args.model_key == "dlrm-v2" else None
         probe.close()
-        if args.mode == "accuracy":
+        if args.model_key == "dlrm-v3":
+            if args.mode == "accuracy":
+                raise SystemExit("--model-key dlrm-v3 runs performance only (check a GR import's scores with "
+                                 "narsil verify and its golden.json)")
+            queries = Dlrmv3Queries.drawn(info, args.queries, span(args.history), span(args.candidates), args.seed)
+            print(f"drew {len(queries)} DLRMv3 queries ({np.mean([queries.pairs(i) for i in range(len(queries))]):.0f}"
+                  f" candidates on average)", flush=True)
+        elif args.mode == "accuracy":
             if not args.golden:
                 raise SystemExit("--mode accuracy needs --golden (the export's loadgen_golden.npz)")
             queries = Queries.golden(args.golden)

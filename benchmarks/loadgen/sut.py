@@ -22,7 +22,7 @@ import grpc
 import mlperf_loadgen as lg
 import numpy as np
 
-from queries import MODEL_INFO_METHOD, PREDICT_METHOD, Queries, predict_pb2, serialized
+from queries import MODEL_INFO_METHOD, PREDICT_METHOD, Queries, predict_pb2
 
 
 class NarsilSut:
@@ -68,7 +68,7 @@ class NarsilSut:
     def load_samples(self, indices):
         for i in indices:
             if i not in self.loaded:
-                self.loaded[i] = serialized(self.pb, self.queries.dense[i], self.queries.ids[i], self.model)
+                self.loaded[i] = self.queries.serialize(self.pb, i, self.model)
 
     def unload_samples(self, indices):
         for i in indices:

@@ -36,6 +36,7 @@ extra Python dependencies (gin-config, pandas, tensorboard) importable. CI never
 runs this script; its output is committed.
 
     GR_CHECKOUT=/path/to/generative-recommenders python models/gr/make_gr_golden.py
+    ... --sets dlrmv3-cpu --out models/generated/gr   # a benchmark checkpoint (models/gr/README.md)
     ... --bench   # also time GR's eager forward on one core (DLRMv3-like CPU shape)
 """
 
@@ -60,6 +61,9 @@ from typing import Dict, List, Tuple
 import torch
 
 SETS = ("streaming", "kuairand")
+# Not test data: a DLRMv3-like shape scaled to a CPU, for benchmarks
+# (benchmarks/gr_compare.py); written with --sets dlrmv3-cpu --out models/generated/gr.
+BENCH_SETS = ("dlrmv3-cpu",)
 
 
 def import_gr():
@@ -97,6 +101,11 @@ class SetSpec:
     max_candidates: int
     time_unit: int  # 1 = seconds, 1000 = milliseconds
     seed: int
+    layers: int = 2
+    heads: int = 2
+    head_dim: int = 16  # attention qk and linear dims, per head
+    hidden: int = 64  # preprocessor hidden dim
+    max_seq_len: int = 256
 
 
 SPECS = {
@@ -128,6 +137,22 @@ SPECS = {
         time_unit=1000,
         seed=4321,
     ),
+    # issue 70's CPU shape: 3 layers, dim 256, histories up to 1,024, up to 256 candidates
+    "dlrmv3-cpu": SetSpec(
+        dataset="streaming-100b",
+        table_rows={"item_id": 100_000, "item_category_id": 128, "user_id": 10_000},
+        table_dim=128,
+        transducer_dim=256,
+        max_history=1024,
+        max_candidates=256,
+        time_unit=1,
+        seed=2468,
+        layers=3,
+        heads=4,
+        head_dim=64,
+        hidden=256,
+        max_seq_len=2048,
+    ),
 }
 
 
@@ -140,14 +165,14 @@ def gr_configs(name: str):
 
     spec = SPECS[name]
     hc = get_hstu_configs(spec.dataset)
-    hc.hstu_num_heads = 2
-    hc.hstu_attn_linear_dim = 16
-    hc.hstu_attn_qk_dim = 16
-    hc.hstu_attn_num_layers = 2
+    hc.hstu_num_heads = spec.heads
+    hc.hstu_attn_linear_dim = spec.head_dim
+    hc.hstu_attn_qk_dim = spec.head_dim
+    hc.hstu_attn_num_layers = spec.layers
     hc.hstu_embedding_table_dim = spec.table_dim
-    hc.hstu_preprocessor_hidden_dim = 64
+    hc.hstu_preprocessor_hidden_dim = spec.hidden
     hc.hstu_transducer_embedding_dim = spec.transducer_dim
-    hc.max_seq_len = 256
+    hc.max_seq_len = spec.max_seq_len
     hc.max_num_candidates = spec.max_candidates
     hc.max_num_candidates_inference = spec.max_candidates
     tables = get_embedding_table_config(spec.dataset)
@@ -434,7 +459,7 @@ class UserMaker:
         for f in self.contexts:
             # every contextual feature of these sets has a table of its name
             uih[f] = self._ints(0, rows[f], 1)
-        if self.name == "streaming":
+        if self.spec.dataset == "streaming-100b":
             items = self._ints(0, rows["item_id"], history)
             ratings = self._ints(1, 6, history)
             citems = self._ints(0, rows["item_id"], candidates)
@@ -706,7 +731,7 @@ def bench(history: int, candidates: int, layers: int, dim: int, reps: int) -> No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "testdata", "gr"))
-    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS + BENCH_SETS)
     ap.add_argument("--bench", action="store_true", help="also time GR's eager forward")
     ap.add_argument("--bench-only", action="store_true")
     ap.add_argument(
