@@ -22,6 +22,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER = os.path.join(ROOT, "benchmarks", "baselines", "gr_eager_server.py")
 MODEL_INFO_METHOD = "/narsil.v1.Predictor/ModelInfo"
+# The Narsil rows' memory bound: the import declares the working set of its .pt2 form (every block pair at once),
+# ~110 MiB for a 1,024-position history, charged from admission, so 16 such requests in flight need ~1.8 GiB; under
+# the default 256 MiB most of them would be refused with RESOURCE_EXHAUSTED (docs/guide/gr-models.md#memory).
+NARSIL_FLAGS = ["--max-queue-bytes", str(4 << 30)]
 
 
 def check_args(args) -> None:

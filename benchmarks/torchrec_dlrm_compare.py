@@ -67,6 +67,12 @@ requests (the same draws) go, per precision:
     hands it over: TorchRec's own modules, scripted) with the same requests
     flat; `--history-len` sets a sequence model's history lengths
 
+  * with --gr-eager SET (--ranking-model a GR import, models/import_gr.py):
+    GR eager fp32 - GR's own eager forward on the same checkpoint, one
+    request at a time (benchmarks/baselines/gr_eager_server.py, needs
+    GR_CHECKOUT), sent the same grouped requests; every GR-model row's
+    server is first checked against GR's golden scores (benchmarks/gr_rows.py)
+
 Their table gives candidates/s, req/s, the whole request's p50/p99, request
 bytes on the wire, ratios to Narsil flat and TorchRec C++ flat of the same
 precision, and max_abs_diff_vs_flat; the JSON keeps them under
@@ -266,6 +272,8 @@ def ranking_servers(args, cores, torchrec_bin):
         "--execution-mode", "batch", "--dense-form", "auto"]
     if args.ranking_request_level:
         split += ["--request-level", args.ranking_request_level]
+    if args.gr_eager:
+        split += gr_rows.NARSIL_FLAGS
     grouped = ["--protocol", "narsil", "--ranking-form", "grouped", "--compare-flat",
                str(args.compare_flat_requests)]
     flat = ["--protocol", "narsil", "--ranking-form", "flat"]

@@ -115,7 +115,8 @@ pub struct ServeArgs {
     /// only flat batches, which copy it there). Longer histories seal
     /// batches sooner, keeping a forward's work bounded; a request over it
     /// is cut into parts within it (a row over it alone is a part of its
-    /// own; a ranking request's parts each keep its history). (On one Zen 4
+    /// own; a ranking request's parts each keep its history, and one whose
+    /// history is over half of it is cut by rows only). (On one Zen 4
     /// core, a DIN ranker served 500-candidate requests fastest one per
     /// forward: fused ones cost more per candidate.)
     #[arg(long, env = "NARSIL_MAX_BATCH_TOKENS", default_value_t = 1024)]

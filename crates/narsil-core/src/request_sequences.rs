@@ -113,8 +113,11 @@ impl RequestSamples {
     /// positions, as each part keeps the block, on each of its rows where
     /// lanes take only flat batches); a part has at least one row, so a
     /// row over `max_tokens` alone is a part of its own, and a request
-    /// block whose history alone is over it is cut by rows only. Scores of
-    /// the parts, concatenated, are the scores of the whole.
+    /// block whose history is over half of it is cut by rows only (each
+    /// part would encode the history again for fewer rows than the
+    /// history has positions: a generative ranker's history of 1,000
+    /// under a budget of 1,024 would be encoded once per 24 candidates).
+    /// Scores of the parts, concatenated, are the scores of the whole.
     pub fn split_tokens(
         self,
         max_rows: usize,
@@ -128,9 +131,9 @@ impl RequestSamples {
         }
         let (b, layout) = (self.num_samples, self.layout);
         let block = self.sum_over_positions(schema, |_| 1).1;
-        if !flat && block.saturating_add(1) > max_tokens {
-            // No part of it fits the budget beside its history: cutting
-            // would only encode the history once per part.
+        if !flat && block.saturating_mul(2) > max_tokens {
+            // Each part would hold fewer rows than its history's positions:
+            // cutting would mostly encode the history once per part.
             return self.split_rows(max_rows, num_sparse);
         }
         // A part holds the block once, or each of its rows a copy of it.
@@ -315,12 +318,14 @@ mod tests {
     fn a_ranking_requests_parts_each_count_its_block_and_keep_it() {
         let s = schema(true);
         // 6 positions in the block: each part holds 6 + its rows.
-        let parts = ranking(10, 6).split_tokens(64, 10, &s, false);
+        let parts = ranking(10, 6).split_tokens(64, 12, &s, false);
         let rows: Vec<_> = parts.iter().map(|p| p.num_samples).collect();
-        assert_eq!(rows, [4, 4, 2]);
-        assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s, false) <= 10));
-        // A history over the budget alone: cut by rows only (cutting by
-        // tokens would encode it once per candidate).
+        assert_eq!(rows, [6, 4]);
+        assert!(parts.iter().all(|p| p.request.is_some() && p.tokens(&s, false) <= 12));
+        // A history over half the budget, or over all of it: cut by rows
+        // only (cutting by tokens would encode it again for every few
+        // candidates, or once per candidate).
+        assert_eq!(ranking(10, 6).split_tokens(64, 11, &s, false).len(), 1);
         assert_eq!(ranking(3, 6).split_tokens(64, 4, &s, false).len(), 1);
         assert_eq!(ranking(3, 6).split_tokens(2, 4, &s, false).len(), 2);
         // Lanes that take only flat batches copy the block into each row:
