@@ -250,7 +250,6 @@ class GrDenseNetwork(nn.Module):
     table_dim: int
     max_position: int
     bucket_seconds: float
-    pair_chunk: int
     group_tokens: int
 
     def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64,
@@ -263,9 +262,7 @@ class GrDenseNetwork(nn.Module):
         self.block, self.dim, self.table_dim = block, d, e
         # Candidates' query blocks: rows of a unit's candidates a block, padded in its last one only.
         self.candidate_block = min(candidate_block, block)
-        # Block pairs per chunk (pair_attention): about 2 MiB of scores at b = 64, 4 heads.
         self.group_tokens = group_tokens
-        self.pair_chunk = max(1, (1 << 19) // (block * block * config["hstu_num_heads"]))
         self.clamp = clamp
         self.max_position, self.bucket_seconds = POSITION_BUCKETS - 1, TIME_BUCKET_SECONDS
         self.time_clamp = d - 1 if clamp == "pytorch" else TRITON_TIME_BUCKETS
@@ -616,20 +613,11 @@ class GrDenseNetwork(nn.Module):
         `[blocks, rows, H, qk]`), the sum over its pairs of `silu(alpha q.k) *
         mask @ v` against the key block (of `keys`, `values`) the pair
         names; `mask` per pair (`1/N` where a key counts, 0 elsewhere).
-        TorchScript runs the pairs a chunk at a time (a chunk's gathers and
-        scores stay in the caches; a fused batch of long histories has
-        thousands of pairs); torch.export, all at once."""
+        Every pair at once (run by torch.export and eager PyTorch only:
+        TorchScript attends unit by unit, `attend_units`)."""
         rows, heads, hidden = queries.size(1), values.size(2), values.size(3)
         out = torch.zeros(blocks, heads, rows, hidden, dtype=values.dtype, device=values.device)
-        if not torch.jit.is_scripting():
-            return out.index_add(0, pair_query, self.shares(queries, keys, values, pair_query, pair_key, mask, alpha))
-        total, chunk = pair_query.size(0), max(self.pair_chunk, 1)
-        for start in range(0, total, chunk):
-            end = min(start + chunk, total)
-            query = pair_query[start:end]
-            out.index_add_(0, query, self.shares(queries, keys, values, query, pair_key[start:end], mask[start:end],
-                                                 alpha))
-        return out
+        return out.index_add(0, pair_query, self.shares(queries, keys, values, pair_query, pair_key, mask, alpha))
 
     def shares(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
                key: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
