@@ -35,31 +35,12 @@ venv; see models/gr/README.md.
 import argparse
 import contextlib
 import os
-import subprocess
 import sys
 import threading
-from concurrent import futures
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-GENERATED = os.path.join(HERE, "_generated")
+from grpc_baseline import ROOT, generated_stubs, serve
+
 sys.path.insert(0, os.path.join(ROOT, "models", "gr"))
-
-
-def narsil_stubs():
-    """narsil.v1's predict_pb2 / predict_pb2_grpc, generated once with grpcio-tools."""
-    proto_dir = os.path.join(ROOT, "proto", "narsil", "v1")
-    proto = os.path.join(proto_dir, "predict.proto")
-    stub = os.path.join(GENERATED, "predict_pb2_grpc.py")
-    if not os.path.exists(stub) or os.path.getmtime(stub) < os.path.getmtime(proto):
-        os.makedirs(GENERATED, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{proto_dir}", f"--python_out={GENERATED}",
-                        f"--grpc_python_out={GENERATED}", proto], check=True)
-    if GENERATED not in sys.path:
-        sys.path.insert(0, GENERATED)
-    import predict_pb2  # noqa: E402
-    import predict_pb2_grpc  # noqa: E402
-    return predict_pb2, predict_pb2_grpc
 
 
 class RequestReader:
@@ -69,7 +50,8 @@ class RequestReader:
 
     def __init__(self, info, hc) -> None:
         self.features = [f.name for f in info.sparse_features]
-        self.request_level = [f.request_level for f in info.sparse_features]
+        self.user_features = [f.name for f in info.sparse_features if f.request_level]
+        self.row_features = [f.name for f in info.sparse_features if not f.request_level]
         self.uih_names = list(hc.hstu_uih_feature_names)
         self.candidate_names = list(hc.hstu_candidate_feature_names)
         self.contexts = set(hc.contextual_feature_to_max_length)
@@ -77,27 +59,23 @@ class RequestReader:
     def user(self, request) -> dict:
         import numpy as np
 
-        rows = request.batch_size
+        rows, grouped = request.batch_size, request.HasField("request")
         ids = np.asarray(request.sparse_ids, dtype=np.int64)
         values, at = {}, 0
-        if request.HasField("request"):
-            row_features = [f for f, r in zip(self.features, self.request_level) if not r]
-            user_features = [f for f, r in zip(self.features, self.request_level) if r]
+        if grouped:
             block_ids, block_at = request.request.sparse_ids, 0
-            for name, length in zip(user_features, request.request.sparse_lengths):
+            for name, length in zip(self.user_features, request.request.sparse_lengths):
                 values[name] = list(block_ids[block_at:block_at + length])
                 block_at += length
-            lengths = list(request.sparse_lengths) or [1] * (rows * len(row_features))
-        else:
-            row_features = self.features
-            lengths = list(request.sparse_lengths) or [1] * (rows * len(row_features))
+        row_features = self.row_features if grouped else self.features
+        lengths = list(request.sparse_lengths) or [1] * (rows * len(row_features))
         per_row = {name: [] for name in row_features}
         for r in range(rows):
             for f, name in enumerate(row_features):
                 length = lengths[r * len(row_features) + f]
                 bag = ids[at:at + length]
                 at += length
-                if not request.HasField("request") and self.request_level[self.features.index(name)]:
+                if name in self.user_features:  # a flat request's user features: its first row's
                     if r == 0:
                         values[name] = bag.tolist()
                     continue
@@ -125,11 +103,10 @@ def main():
 
     import grpc
     import torch
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
     import make_gr_golden as gr
 
-    pb, pb_grpc = narsil_stubs()
+    pb, pb_grpc = generated_stubs("narsil/v1", "predict")
     torch.set_num_threads(args.intra_op_threads)
     gr.import_gr()
     model, hc = gr.load_model(args.set, args.checkpoint, None)
@@ -163,24 +140,11 @@ def main():
 
     with clamp:
         # Warm-up: one small request.
-        contexts = set(hc.contextual_feature_to_max_length)
-        warm = {"uih": {n: [0] * (1 if n in contexts else 64) for n in hc.hstu_uih_feature_names},
+        warm = {"uih": {n: [0] * (1 if n in reader.contexts else 64) for n in hc.hstu_uih_feature_names},
                 "candidates": {n: [0] * 8 for n in hc.hstu_candidate_feature_names}}
         gr.gr_scores(model, hc, [warm])
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.workers),
-                             options=[("grpc.max_receive_message_length", 64 << 20)])
-        pb_grpc.add_PredictorServicer_to_server(Predictor(), server)
-        health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        server.add_insecure_port(args.addr)
-        server.start()
-        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        print(f"GR eager server ({args.set}, clamp {args.clamp}) on {args.addr}", flush=True)
-        try:
-            server.wait_for_termination()
-        except KeyboardInterrupt:
-            pass
-        server.stop(grace=5)
+        serve(pb_grpc.add_PredictorServicer_to_server, Predictor(), args.addr, args.workers,
+              f"GR eager server ({args.set}, clamp {args.clamp}) on {args.addr}")
 
 
 if __name__ == "__main__":

@@ -13,30 +13,9 @@ Run it with the project venv: .venv/bin/python benchmarks/baselines/torchrec_pyt
 """
 
 import argparse
-import os
-import subprocess
 import sys
-import time
-from concurrent import futures
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-GENERATED = os.path.join(HERE, "_generated")
-
-
-def generated_stubs():
-    """predictor_pb2 / predictor_pb2_grpc, generated once with grpcio-tools."""
-    proto_dir = os.path.join(ROOT, "proto", "predictor")
-    proto = os.path.join(proto_dir, "predictor.proto")
-    stub = os.path.join(GENERATED, "predictor_pb2_grpc.py")
-    if not os.path.exists(stub) or os.path.getmtime(stub) < os.path.getmtime(proto):
-        os.makedirs(GENERATED, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{proto_dir}", f"--python_out={GENERATED}",
-                        f"--grpc_python_out={GENERATED}", proto], check=True)
-    sys.path.insert(0, GENERATED)
-    import predictor_pb2  # noqa: E402
-    import predictor_pb2_grpc  # noqa: E402
-    return predictor_pb2, predictor_pb2_grpc
+from grpc_baseline import generated_stubs, serve
 
 
 def main():
@@ -51,9 +30,8 @@ def main():
     import numpy as np
     import torch
     import fbgemm_gpu  # noqa: F401  (FBGEMM operators for the INT8 tables)
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    pb, pb_grpc = generated_stubs()
+    pb, pb_grpc = generated_stubs("predictor", "predictor")
     torch.set_num_threads(args.intra_op_threads)
     model = torch.jit.load(args.model)
     model.eval()
@@ -83,21 +61,8 @@ def main():
             response.predictions["default"].data.extend(scores.tolist())
             return response
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.workers),
-                         options=[("grpc.max_receive_message_length", 64 << 20)])
-    pb_grpc.add_PredictorServicer_to_server(Predictor(), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.add_insecure_port(args.addr)
-    server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"python baseline serving {args.model} on {args.addr}", file=sys.stderr, flush=True)
-    try:
-        server.wait_for_termination()
-    except KeyboardInterrupt:
-        pass
-    server.stop(grace=5)
-    time.sleep(0)
+    serve(pb_grpc.add_PredictorServicer_to_server, Predictor(), args.addr, args.workers,
+          f"python baseline serving {args.model} on {args.addr}")
 
 
 if __name__ == "__main__":
