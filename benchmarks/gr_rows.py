@@ -40,6 +40,8 @@ def check_args(args) -> None:
         if not os.path.exists(needed):
             raise SystemExit(f"--gr-eager: {needed} not found (models/gr/README.md: writing and importing a "
                              "benchmark checkpoint)")
+    with open(os.path.join(args.ranking_model, "golden.json")) as f:
+        args.gr_task = next(iter(json.load(f)["requests"][0]["outputs"]))  # the first task's scores are checked
     args.gr_model_info = args.out + ".gr_model_info.bin"
     if os.path.exists(args.gr_model_info):
         os.remove(args.gr_model_info)
@@ -64,9 +66,7 @@ def before_load(args, name, addr, binary, precision_bound) -> dict:
         with open(args.gr_model_info, "wb") as f:
             f.write(info)
     golden = os.path.join(args.ranking_model, "golden.json")
-    with open(golden) as f:
-        task = next(iter(json.load(f)["requests"][0]["outputs"]))  # the first task's scores are checked
-    out = subprocess.run([binary, "verify", "--addr", f"http://{addr}", "--golden", golden, "--scores", task,
+    out = subprocess.run([binary, "verify", "--addr", f"http://{addr}", "--golden", golden, "--scores", args.gr_task,
                           "--tolerance", str(precision_bound), "--wait-secs", "30"], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{name} does not give GR's golden scores:\n{(out.stdout + out.stderr)[-2000:]}")

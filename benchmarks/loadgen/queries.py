@@ -100,7 +100,7 @@ class Dlrmv3Queries:
         return len(self.queries)
 
     def pairs(self, index: int) -> int:
-        return len(self.queries[index]["candidates"]["item_query_time"])
+        return len(next(iter(self.queries[index]["candidates"].values())))
 
     def serialize(self, pb, index: int, model: str) -> bytes:
         return dlrmv3_traffic.grouped_request(pb, self.queries[index], self.features, model).SerializeToString()
