@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import List
 
@@ -46,7 +45,9 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from dense_packages import cpu_has_bf16, isa_cpu_flags, load_unlinked_package
+import int8_package
+from dense_packages import cpu_has_bf16
+from int8_package import INT8_CPU_FLAGS, add_to_schema, cpu_flags
 from export_common import (WithSchema, begin_export, embedding_flags, int_list, key_major, logger, parser,
                            uniform_table, write_manifest)
 from model_files import link_or_copy
@@ -178,29 +179,7 @@ def script(dlrm: nn.Module, keys: List[str], schema_json: str) -> torch.jit.Scri
     return torch.jit.script(WithSchema(torch.jit.script(traced), schema_json))
 
 
-# --- INT8 dense arithmetic (--int8) ------------------------------------------
-
-# /proc/cpuinfo flags of the INT8 dot-product instructions oneDNN's INT8 GEMMs
-# use; without one of them INT8 runs slower than FP32 (measured on an AVX2
-# Zen 3: 19-27k samples/s against 35-41k FP32).
-INT8_CPU_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
-# The quality goal: the AUC of INT8 scores on labels drawn from the FP32
-# model's own probabilities within this of the FP32 scores' AUC.
-INT8_AUC_GOAL = 1e-3
-# A package further than this from FP32 on the golden requests is a broken
-# quantization, not a quality trade: the export fails.
-INT8_GOLDEN_BOUND = 5e-2
-INT8_CALIBRATION_SAMPLES = 4_000
-INT8_SAMPLED = 10_000
-
-
-def cpu_flags() -> List[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
-
+# --- INT8 dense arithmetic (--int8; the package: models/int8_package.py) ------
 
 class Int8DenseNetwork(nn.Module):
     """The split model's DenseNetwork as the INT8 package computes it: the
@@ -256,167 +235,37 @@ def pooled_inputs(quantized: nn.Module, keys: List[str], requests: List[dict]) -
     return inputs
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney, tied scores share their
-    average rank)."""
-    scores, labels = scores.double(), labels.double()
-    values, inverse, counts = torch.unique(scores, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    average_rank = ends - (counts.double() - 1) / 2  # 1-based
-    ranks = average_rank[inverse]
-    positives = labels.sum().item()
-    negatives = len(labels) - positives
-    if positives == 0 or negatives == 0:
-        return float("nan")
-    return ((ranks * labels).sum().item() - positives * (positives + 1) / 2) / (positives * negatives)
-
-
-def log_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    p = probabilities.double().clamp(1e-7, 1 - 1e-7)
-    y = labels.double()
-    return -(y * p.log() + (1 - y) * (1 - p).log()).mean().item()
-
-
 def write_int8_package(split_dir: Path, dlrm: DLRM, quantized: nn.Module, keys: List[str],
                        args: argparse.Namespace) -> dict:
-    """Writes `split_dir/dense_int8.pt2`: the split model's dense network with
-    INT8 GEMMs (PT2E static quantization with torchao's X86InductorQuantizer,
-    default config: per-channel symmetric INT8 weights, per-tensor
-    asymmetric uint8 activations), calibrated on sampled traffic pooled from
-    the model's own tables, compiled by AOTInductor with freezing (which
-    turns the quantize/dequantize pattern into oneDNN INT8 linear layers on
-    prepacked weights), and `split_dir/int8_quality.json`, the quality
-    contract measured with the package itself against the FP32 network.
-    Returns the schema fields to add."""
-    from torch._inductor import aoti_compile_and_package
-    import torch._inductor.config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-    # Importing the quantizer registers its Inductor passes (INT8 weight prepacking, post-op fusion).
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import (
-        X86InductorQuantizer, get_default_x86_inductor_quantization_config)
-
-    started = time.time()
-    flags = cpu_flags()
-    int8_flags = [f for f in INT8_CPU_FLAGS if f in flags]
+    """Writes `split_dir/dense_int8.pt2` and `int8_quality.json`
+    (int8_package.py) for the DLRM: its GEMMs in INT8, the interaction's dot
+    products in bf16 where the CPU has bf16 instructions, calibrated on
+    sampled requests pooled from the model's own INT8 tables. Returns the
+    schema fields to add."""
     bf16_interaction = cpu_has_bf16()
     interaction_dtype = torch.bfloat16 if bf16_interaction else torch.float32
     fp32_network = DenseNetwork(dlrm, len(keys)).eval()
     network = Int8DenseNetwork(fp32_network, interaction_dtype).eval()
-    num_dense, pooled_width = args.num_dense, len(keys) * args.embedding_dim
-
-    calibration = pooled_inputs(quantized, keys, sampled_requests(args, args.seed + 1_000, INT8_CALIBRATION_SAMPLES))
-    rows = torch.export.Dim("rows", min=1, max=1 << 20)
-    dynamic = ({0: rows}, {0: rows})
-    example = (torch.randn(8, num_dense), torch.rand(8, pooled_width))
-    quantizer = X86InductorQuantizer()
-    quantizer.set_global(get_default_x86_inductor_quantization_config())
-    with torch.no_grad():
-        graph = torch.export.export(network, example, dynamic_shapes=dynamic).module()
-        prepared = prepare_pt2e(graph, quantizer)
-        for dense, pooled in calibration:
-            prepared(dense, pooled)
-        converted = convert_pt2e(prepared)
-        program = torch.export.export(converted, example, dynamic_shapes=dynamic)
-    vec_isa = pick_vec_isa()
-    needs = isa_cpu_flags(vec_isa.build_arch_flags())
-    for flag in int8_flags[:1] + (["avx512_bf16"] if bf16_interaction and "avx512_bf16" in flags else []):
-        if flag not in needs:
-            needs.append(flag)
-    path = split_dir / "dense_int8.pt2"
-    # Freezing must be on in Inductor's global config when AOTInductor lowers
-    # the graph: passed in inductor_configs, the INT8 patterns were not
-    # matched (the package ran FP32 addmm on dequantized weights).
-    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
-        aoti_compile_and_package(program, package_path=str(path), inductor_configs={
-            "cpp.march": "",
-            "aot_inductor.link_libtorch": False,
-            "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(needs), "narsil_vec_isa": str(vec_isa),
-                                      "narsil_settings": "int8 pt2e x86 inductor, freezing",
-                                      "narsil_interaction": str(interaction_dtype).replace("torch.", ""),
-                                      "narsil_links_libtorch": "false"},
-        })
-    compiled_s = time.time() - started
-    package = load_unlinked_package(str(path))
-    with open(path, "rb") as f:
-        if b"qlinear_pointwise" not in zipfile_text(f):
-            raise SystemExit(f"{path}: no INT8 linear layers in the compiled package (Inductor did not lower "
-                             "the quantized pattern); not writing an INT8 package that computes in FP32")
-
-    def scores(inputs: List[tuple]) -> tuple:
-        with torch.inference_mode():
-            fp32 = torch.cat([fp32_network(d, p) for d, p in inputs])
-            int8 = torch.cat([package(d, p) for d, p in inputs])
-        return fp32, int8
-
-    golden = pooled_inputs(quantized, keys, golden_requests(args))
-    golden_fp32, golden_int8 = scores(golden)
-    sampled = sampled_requests(args, args.seed + 2_000, INT8_SAMPLED)
-    sampled_fp32, sampled_int8 = scores(pooled_inputs(quantized, keys, sampled))
-    labels = torch.bernoulli(sampled_fp32.double(), generator=torch.Generator().manual_seed(args.seed + 3_000))
-    def diff(a: torch.Tensor, b: torch.Tensor) -> dict:
-        return {"max_abs_diff": (a - b).abs().max().item(), "mean_abs_diff": (a - b).abs().mean().item(),
-                "samples": len(a)}
-
-    auc_fp32, auc_int8 = auc(sampled_fp32, labels), auc(sampled_int8, labels)
-    loss_fp32, loss_int8 = log_loss(sampled_fp32, labels), log_loss(sampled_int8, labels)
-    quality = {
-        "package": path.name,
-        "reference": "the FP32 dense network on the same pooled embeddings (dense.pt's arithmetic)",
-        "golden": {**diff(golden_int8, golden_fp32), "requests": len(golden)},
-        "sampled": {**diff(sampled_int8, sampled_fp32), "requests": len(sampled),
-                    "distribution": "requests of 100 samples, dense N(0, 2^2), one-hot or 0-4 ids per bag "
-                                    f"(alternately), uniform ids, seed {args.seed + 2_000}"},
-        "labelled": {
-            "samples": len(labels), "positives": int(labels.sum().item()),
-            # Where the FP32 probabilities barely spread (random weights: all near 0.5), labels drawn
-            # from them are nearly coin flips and both AUCs are near 0.5: judge the AUC change with this.
-            "fp32_probability_mean": sampled_fp32.mean().item(), "fp32_probability_std": sampled_fp32.std().item(),
-            "labels": "Bernoulli(FP32 probability) on the sampled requests",
-            "fp32": {"log_loss": loss_fp32, "auc": auc_fp32},
-            "int8": {"log_loss": loss_int8, "auc": auc_int8},
-            "log_loss_change": loss_int8 - loss_fp32, "auc_change": auc_int8 - auc_fp32,
-            "auc_change_goal": INT8_AUC_GOAL, "auc_goal_met": abs(auc_int8 - auc_fp32) <= INT8_AUC_GOAL,
+    example = (torch.randn(8, args.num_dense), torch.rand(8, len(keys) * args.embedding_dim))
+    interaction = str(interaction_dtype).replace("torch.", "")
+    return int8_package.write_int8_package(
+        split_dir, fp32_network, network, example,
+        calibration=pooled_inputs(quantized, keys, sampled_requests(args, args.seed + 1_000,
+                                                                    int8_package.INT8_CALIBRATION_SAMPLES)),
+        golden=pooled_inputs(quantized, keys, golden_requests(args)),
+        sampled=pooled_inputs(quantized, keys, sampled_requests(args, args.seed + 2_000, int8_package.INT8_SAMPLED)),
+        seed=args.seed + 3_000, log=log,
+        described={
+            "distribution": "requests of 100 samples, dense N(0, 2^2), one-hot or 0-4 ids per bag "
+                            f"(alternately), uniform ids, seed {args.seed + 2_000}",
+            "calibration": f"sampled requests pooled from the model's INT8 tables (not the golden requests), "
+                           f"seed {args.seed + 1_000}",
+            "quantization": "torchao PT2E, X86InductorQuantizer default static config: INT8 weights per channel, "
+                            "uint8 activations per tensor; the interaction's dot products unquantized",
+            "interaction": interaction,
         },
-        "calibration": {"samples": INT8_CALIBRATION_SAMPLES, "seed": args.seed + 1_000,
-                        "source": "sampled requests pooled from the model's INT8 tables (not the golden requests)"},
-        "quantization": "torchao PT2E, X86InductorQuantizer default static config: INT8 weights per channel, "
-                        "uint8 activations per tensor; the interaction's dot products unquantized",
-        "interaction": str(interaction_dtype).replace("torch.", ""),
-        "int8_instructions": int8_flags,
-        "torchao": __import__("torchao").__version__, "torch": torch.__version__,
-    }
-    (split_dir / "int8_quality.json").write_text(json.dumps(quality, indent=2) + "\n")
-    g, s, lab = quality["golden"], quality["sampled"], quality["labelled"]
-    log(f"compiled dense_int8.pt2 ({', '.join(int8_flags)}; interaction in {quality['interaction']}) "
-        f"in {compiled_s:.0f} s; quality against FP32 (int8_quality.json): golden max {g['max_abs_diff']:.2e} "
-        f"mean {g['mean_abs_diff']:.2e}; {s['samples']:,} sampled max {s['max_abs_diff']:.2e} "
-        f"mean {s['mean_abs_diff']:.2e}; labelled: log-loss change {lab['log_loss_change']:+.2e}, "
-        f"AUC change {lab['auc_change']:+.2e} (goal |change| <= {INT8_AUC_GOAL:g}: "
-        f"{'met' if lab['auc_goal_met'] else 'MISSED'})")
-    print(json.dumps(quality, indent=2))
-    if g["max_abs_diff"] > INT8_GOLDEN_BOUND:
-        raise SystemExit(f"{path}: INT8 scores differ from FP32 by {g['max_abs_diff']} on the golden requests "
-                         f"(bound {INT8_GOLDEN_BOUND}): the quantization is broken")
-    return {"dense_package_int8": path.name}
-
-
-def zipfile_text(f) -> bytes:
-    """The generated C++ wrapper sources of an AOTInductor package."""
-    import zipfile
-    with zipfile.ZipFile(f) as z:
-        return b"".join(z.read(n) for n in z.namelist() if n.endswith("wrapper.cpp"))
-
-
-def add_to_schema(split_dir: Path, fields: dict) -> None:
-    """Adds `fields` to `split_dir/schema.json` (written new and renamed into
-    place: a published version may hard-link the old one)."""
-    schema_path = split_dir / "schema.json"
-    schema = json.loads(schema_path.read_text())
-    schema.update(fields)
-    staging = split_dir / ".schema.json.new"
-    staging.write_text(json.dumps(schema, indent=2) + "\n")
-    os.replace(staging, schema_path)
+        extra_cpu_flags=["avx512_bf16"] if bf16_interaction and "avx512_bf16" in int8_package.cpu_flags() else [],
+        metadata={"narsil_interaction": interaction})
 
 
 def main() -> int:

@@ -43,7 +43,9 @@ apart from its dense network, models/README.md), checked against model.pt's
 golden scores, and OUT/extracted, the split form models/extract_split.py
 makes from model.pt alone; with --pt2 too, both forms' dense networks are
 also compiled by AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU with
-bf16 instructions).
+bf16 instructions); with --int8 (dlrm_dcn) also OUT/split/dense_int8.pt2, the
+dense network with INT8 GEMMs, and its quality against FP32 in
+OUT/split/int8_quality.json (models/int8_package.py).
 """
 
 import argparse
@@ -66,14 +68,15 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.modules.mlp import MLP
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+import int8_package
 import mlperf_traffic
 from export_common import (begin_export, embedding_flags, int_list, logger, parser, uniform_table, write_json_files,
                            write_manifest)
 from extract_split import extract
-from split_model import DcnDenseNetwork, DenseNetwork, write_torchrec_split
+from split_model import DcnDenseNetwork, DenseNetwork, Int8DcnDenseNetwork, write_torchrec_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 7
+EXPORT_FORMAT = 8
 
 
 log = logger("export_torchrec")
@@ -299,6 +302,63 @@ def write_split(out: Path, quantized: nn.Module, args: argparse.Namespace, unwei
                          args.num_dense, outputs, list(zip(requests, golden)), pooled_of, log, pt2=args.pt2)
 
 
+def sampled_requests(args: argparse.Namespace, seed: int, pairs: int) -> List[dict]:
+    """Requests of about `pairs` pairs from their own seed, never the golden
+    ones: MLPerf-shaped queries (models/mlperf_traffic.py) for --shape
+    mlperf-dlrm-v2, else requests of 100 samples with 0-4 uniform ids a bag."""
+    if args.shape == "mlperf-dlrm-v2":
+        sizes = torch.tensor(mlperf_traffic.MULTI_HOT_SIZES, dtype=torch.int32)
+        drawn = mlperf_traffic.queries(max(1, pairs // 270), args.rows, args.zipf, seed)
+        return [{"batch_size": len(dense), "dense": torch.from_numpy(dense), "lengths": sizes.repeat(len(dense), 1),
+                 "ids": torch.from_numpy(ids.reshape(-1)).to(torch.int32), "weights": torch.zeros(0)}
+                for dense, ids in drawn]
+    g = torch.Generator().manual_seed(seed)
+    requests = []
+    for _ in range(max(1, pairs // 100)):
+        lengths = torch.randint(0, 5, (100, args.num_sparse), generator=g, dtype=torch.int32)
+        requests.append({"batch_size": 100, "dense": torch.randn(100, args.num_dense, generator=g),
+                         "lengths": lengths, "weights": torch.zeros(0),
+                         "ids": torch.randint(0, args.num_rows, (int(lengths.sum()),), generator=g,
+                                              dtype=torch.int32)})
+    return requests
+
+
+def write_int8(split_dir: Path, quantized: nn.Module, args: argparse.Namespace, keys: List[str],
+               golden: List[dict]) -> None:
+    """`split_dir/dense_int8.pt2` and `int8_quality.json` for a DLRM_DCN
+    (models/int8_package.py): every GEMM in INT8, the cross layers as linear
+    layers (Int8DcnDenseNetwork), calibrated on sampled requests pooled from
+    the model's own INT8 tables."""
+    model = quantized.predict_module
+    collection = model.sparse_arch.embedding_bag_collection
+
+    def pooled(requests: List[dict]) -> List[tuple]:
+        inputs = []
+        with torch.inference_mode():
+            for request in requests:
+                batch = batch_of(request, len(keys))
+                features = KeyedJaggedTensor(keys=keys, lengths=batch["id_list_features.lengths"],
+                                             values=batch["id_list_features.values"])
+                inputs.append((batch["float_features"].clone(), collection(features).values().clone()))
+        return inputs
+
+    traffic = (f"MLPerf-shaped queries (models/mlperf_traffic.py, Zipf {args.zipf} first ids)"
+               if args.shape == "mlperf-dlrm-v2" else "requests of 100 samples, dense N(0, 1), 0-4 uniform ids a bag")
+    log("compiling the INT8 dense package (dense_int8.pt2)")
+    fields = int8_package.write_int8_package(
+        split_dir, DcnDenseNetwork(model).eval(), Int8DcnDenseNetwork(model).eval(),
+        (torch.randn(8, args.num_dense), torch.rand(8, len(keys) * args.embedding_dim)),
+        calibration=pooled(sampled_requests(args, args.seed + 1_000, int8_package.INT8_CALIBRATION_SAMPLES)),
+        golden=pooled(golden), sampled=pooled(sampled_requests(args, args.seed + 2_000, int8_package.INT8_SAMPLED)),
+        seed=args.seed + 3_000, log=log,
+        described={"distribution": f"{traffic}, seed {args.seed + 2_000}",
+                   "calibration": f"{traffic}, seed {args.seed + 1_000}, pooled from the model's INT8 tables",
+                   "quantization": "torchao PT2E, X86InductorQuantizer default static config: INT8 weights per "
+                                   "channel, uint8 activations per tensor; every linear layer of the dense arch, "
+                                   "the cross layers and the over arch; the cross layers' products and sums FP32"})
+    int8_package.add_to_schema(split_dir, fields)
+
+
 def main() -> int:
     p = parser(__doc__, None)
     p.add_argument("--kind", choices=["dlrm", "dlrm_dcn", "multitask"], default="dlrm")
@@ -314,6 +374,11 @@ def main() -> int:
                    help="with --split, also compile OUT/split's and OUT/extracted's dense networks with "
                         "AOTInductor (dense.pt2, and dense_bf16.pt2 on a CPU with bf16 instructions; needs a "
                         "C++ compiler)")
+    p.add_argument("--int8", action="store_true",
+                   help="dlrm_dcn, with --split --pt2: also compile split/dense_int8.pt2, the dense network with "
+                        "INT8 GEMMs (PT2E static quantization calibrated on sampled traffic), for narsil serve "
+                        "--dense-precision int8, and write its quality against FP32 into split/int8_quality.json; "
+                        "needs torchao and a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8")
     p.add_argument("--dense-arch", type=int_list, default=None,
                    help="dlrm, dlrm_dcn: the dense arch's layer sizes, comma-separated, the last the embedding "
                         "dimension (default 64,DIM)")
@@ -345,9 +410,16 @@ def main() -> int:
     if args.over_arch[-1] != 1:
         p.error("--over-arch must end with 1 (one logit)")
     out: Path = args.out
+    if args.int8 and not (args.kind == "dlrm_dcn" and args.split and args.pt2):
+        p.error("--int8 compiles a package of a DLRM_DCN's split dense network: it needs --kind dlrm_dcn (or "
+                "--shape mlperf-dlrm-v2), --split and --pt2 (the DLRM's: models/export_dlrm.py --split --int8)")
+    if args.int8 and not int8_package.int8_cpu_flags():
+        p.error("--int8 needs a CPU with INT8 dot-product instructions (/proc/cpuinfo flags avx512_vnni, avx_vnni "
+                "or amx_int8), and this one has none: INT8 GEMMs would run slower than FP32 here")
     if args.kind == "multitask" and args.num_sparse < 3:
         p.error("--kind multitask needs --num-sparse of at least 3 (a shared table and a mean-pooled feature)")
-    started = begin_export(args, log, args.split and "split/schema.json", args.split and "extracted/schema.json")
+    started = begin_export(args, log, args.split and "split/schema.json", args.split and "extracted/schema.json",
+                           args.int8 and "split/dense_int8.pt2")
     if started is None:
         return 0
 
@@ -412,13 +484,15 @@ def main() -> int:
     if args.split:
         write_split(out / "split", quantized, args, unweighted, weighted, outputs, requests, golden)
         write_json_files(out / "split", goldens)
+        if args.int8:
+            write_int8(out / "split", quantized, args, unweighted, requests)
         if args.shape == "mlperf-dlrm-v2":
             shutil.copyfile(out / "loadgen_golden.npz", out / "split" / "loadgen_golden.npz")
         log("extracting a split model from model.pt alone (models/extract_split.py)")
         extract(out, out / "extracted", pt2=args.pt2)
     mlperf = args.shape == "mlperf-dlrm-v2"
     write_manifest(out, EXPORT_FORMAT, {"kind": args.kind, "seed": args.seed, "shape": args.shape,
-                                        **({"max_rows": args.max_rows} if mlperf else {})},
+                                        "int8": args.int8, **({"max_rows": args.max_rows} if mlperf else {})},
                    ["model.pt", "model.json", "golden.json"] + (["loadgen_golden.npz"] if mlperf else []) + (["split/", "extracted/"] if args.split else []),
                    started, log)
     return 0

@@ -168,6 +168,44 @@ class DcnDenseNetwork(nn.Module):
         return torch.sigmoid(logits.float()).reshape(-1)
 
 
+class LinearCrossNet(nn.Module):
+    """TorchRec's LowRankCrossNet with each kernel an `nn.Linear` and each
+    layer's bias folded into its W linear: x_{l+1} = x_0 * (W_l(V_l x_l) + b_l)
+    + x_l as two linear layers and one fused multiply-add. The form INT8
+    quantization takes: the quantizer annotates linear layers, and TorchRec's
+    `functional.linear` on ParameterList kernels was left in FP32 (6 of the
+    14 GEMMs of MLPerf's DLRM-v2, two thirds of its FLOPs)."""
+
+    def __init__(self, crossnet: nn.Module) -> None:
+        super().__init__()
+        self.v = nn.ModuleList()
+        self.w = nn.ModuleList()
+        for v_kernel, w_kernel, bias in zip(crossnet.V_kernels, crossnet.W_kernels, crossnet.bias):
+            v = nn.Linear(v_kernel.shape[1], v_kernel.shape[0], bias=False)
+            w = nn.Linear(w_kernel.shape[1], w_kernel.shape[0])
+            with torch.no_grad():
+                v.weight.copy_(v_kernel)
+                w.weight.copy_(w_kernel)
+                w.bias.copy_(bias)
+            self.v.append(v)
+            self.w.append(w)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for v, w in zip(self.v, self.w):
+            x = x0 * w(v(x)) + x
+        return x
+
+
+class Int8DcnDenseNetwork(DcnDenseNetwork):
+    """DcnDenseNetwork in the form INT8 quantization takes (its cross layers
+    a LinearCrossNet): the same scores, every GEMM a linear layer."""
+
+    def __init__(self, dcn: nn.Module) -> None:
+        super().__init__(dcn)
+        self.crossnet = LinearCrossNet(dcn.inter_arch.crossnet)
+
+
 class DlrmPredictor(nn.Module):
     """Narsil's model interface around TorchRec's DLRM: builds the
     KeyedJaggedTensor from flat key-major tensors and returns probabilities.

@@ -13,15 +13,15 @@ require_rust
 # serially: no test installs anything.
 bash scripts/setup_system.sh
 use_project_torch
-# --int8 (dense_int8.pt2 for crates/narsil-torch/tests/int8_dense.rs, ~20 s
-# more) only on CPUs with INT8 dot-product instructions: elsewhere the export
+# --int8 (dense_int8.pt2 for crates/narsil-torch/tests/int8_dense.rs and the
+# DLRM_DCN's INT8 test in tests/torchrec_models_e2e.rs, ~30 s more) only on CPUs with INT8 dot-product instructions: elsewhere the export
 # refuses it and the test says skipped.
 INT8_EXPORT=()
 if grep -qwE 'avx512_vnni|avx_vnni|amx_int8' /proc/cpuinfo 2>/dev/null; then INT8_EXPORT=(--int8); fi
 export_model test-small --num-rows 1000 --split --split-fp32 "${INT8_EXPORT[@]}"
 export_model test-small-b --num-rows 1000 --seed 1 --golden-seed 0
 export_torchrec_model test-torchrec-dlrm --kind dlrm --split
-export_torchrec_model test-torchrec-dcn --kind dlrm_dcn --split --pt2
+export_torchrec_model test-torchrec-dcn --kind dlrm_dcn --split --pt2 "${INT8_EXPORT[@]}"
 export_torchrec_model test-torchrec-multitask --kind multitask --split --pt2
 export_with models/export_torchrec_mc.py test-torchrec-mc --split
 export_with models/export_din.py test-din --split --pt2

@@ -7,7 +7,8 @@
 #
 # MODEL_DIR: an export of `models/export_torchrec.py --shape mlperf-dlrm-v2
 # --split` (its split/ form is served; loadgen_golden.npz checks accuracy).
-# PRECISION: fp32, bf16 (default: both). For each: the accuracy pass, an
+# PRECISION: fp32, bf16, int8 (default: fp32 and bf16; int8 needs the export's
+# --int8 package, dense_int8.pt2). For each: the accuracy pass, an
 # Offline run and the Server bisection; first the client's own ceiling
 # against the mock backend answering at once. Every run's LoadGen logs and
 # results.json land under OUT/<step>/. Run lengths: LOADGEN_DURATION_S
@@ -71,14 +72,16 @@ for precision in "${PRECISIONS[@]}"; do
   serve "$precision" --backend torch --model "$MODEL_DIR/split" --dense-precision "$precision"
   harness "$precision-accuracy" --mode accuracy --golden "$MODEL_DIR/loadgen_golden.npz" --score-bound "$bound" \
     --note "split, $precision dense"
-  offline_qps=4; [ "$precision" = fp32 ] || offline_qps=8  # a first guess: a run that ends early is rerun at its rate
+  # A first guess: a run that ends early is rerun at its rate.
+  case $precision in fp32) offline_qps=4 ;; bf16) offline_qps=8 ;; *) offline_qps=30 ;; esac
   harness "$precision-offline" --scenario Offline --target-qps "$offline_qps" --duration-s "$DURATION" \
     --note "split, $precision dense"
-  # At a few queries/s 500 queries take minutes: LOADGEN_MIN_QUERIES (default 100) for these; a VALID
-  # result still needs LoadGen's early stopping to accept its p99.
+  # LoadGen's early stopping accepts a Server p99 only from 459 queries with none over the bound:
+  # LOADGEN_MIN_QUERIES (default 480) a step; at a few queries/s that takes minutes, and fewer make
+  # every run INVALID whatever its latency.
   harness "$precision-server" --scenario Server --find-peak --qps-low "${LOADGEN_QPS_LOW:-2}" \
     --qps-high "${LOADGEN_QPS_HIGH:-8}" --duration-s "$STEP" --confirm-s "$DURATION" \
-    --min-queries "${LOADGEN_MIN_QUERIES:-100}" --note "split, $precision dense"
+    --min-queries "${LOADGEN_MIN_QUERIES:-480}" --note "split, $precision dense"
   stop_server
 done
 echo "results under $OUT"

@@ -53,7 +53,8 @@ pub struct BackendArgs {
     pub fbgemm_dir: Option<PathBuf>,
     /// torch: precision of the dense arithmetic. int8: a split model's
     /// INT8 dense network (dense_int8.pt2, written by `models/export_dlrm.py
-    /// --split --int8` with its quality against FP32 in int8_quality.json),
+    /// --split --int8` or, for a DLRM_DCN, `models/export_torchrec.py --split
+    /// --pt2 --int8`, with its quality against FP32 in int8_quality.json),
     /// on CPUs with AVX512-VNNI, AVX-VNNI or AMX-INT8; refused elsewhere and
     /// for models without that package.
     #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]

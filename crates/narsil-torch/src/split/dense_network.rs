@@ -152,8 +152,8 @@ impl DenseNetwork {
             return Err(BackendError::load(
                 dir.join("schema.json"),
                 "--dense-precision int8, but the schema names no dense_package_int8: make it with \
-                 models/export_dlrm.py --split --int8 (on a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8), \
-                 or serve with --dense-precision fp32",
+                 models/export_dlrm.py --split --int8 (a DLRM_DCN: models/export_torchrec.py --split --pt2 \
+                 --int8) on a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8, or serve with --dense-precision fp32",
             ));
         };
         let path = dir.join(package);
