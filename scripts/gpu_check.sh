@@ -48,9 +48,17 @@
 # mode (16 lanes), on 26 x NARSIL_GPU_CHECK_ROWS (100,000) x 64 INT8 tables
 # generated here with the test model's dense network; then the zero-cost
 # mock at c256.
+# Phase V (<= NARSIL_GPU_PHASE_V_SECS, 120): MLPerf DLRM-v2's shape (13
+# dense, 26 bags, dimension 128, 3 DCNv2 cross layers of rank 512, dense
+# arch 512-256-128, over arch 1024-1024-512-256-1; synthetic weights made
+# here with PyTorch alone) on 26 x NARSIL_GPU_CHECK_V2_ROWS (200,000) x 128
+# INT8 tables in GPU memory: `narsil load` with requests of 270 pairs (MLPerf's
+# mean query), 8 Zipf 1.05 ids a bag, c1/c16/c64, FP32 and bf16; the
+# queries/s per GPU beside MLPerf's ~74-80k (an H200, TensorRT, all INT8,
+# inputs already on the device).
 #
 # The exact device call is in docs/guide/gpu.md. Environment: NARSIL_BIN,
-# NARSIL_GPU_CHECK_PHASES ("A S G R B"; some of them for a rerun),
+# NARSIL_GPU_CHECK_PHASES ("A S G R B V"; some of them for a rerun),
 # NARSIL_GPU_DEVICE (cuda:0), NARSIL_GPU_LOAD_SECS (5 per load point),
 # NARSIL_GPU_CHECK_DIR (work files; default a new /tmp folder),
 # NARSIL_GPU_CHECK_DRY_RUN=1 (the same steps on the CPU, through the device
@@ -74,20 +82,26 @@ LIMIT_B="${NARSIL_GPU_PHASE_B_SECS:-180}"
 LIMIT_S="${NARSIL_GPU_PHASE_S_SECS:-120}"
 LIMIT_G="${NARSIL_GPU_PHASE_G_SECS:-120}"
 LIMIT_R="${NARSIL_GPU_PHASE_R_SECS:-90}"
+LIMIT_V="${NARSIL_GPU_PHASE_V_SECS:-120}"
+export V2_ROWS="${NARSIL_GPU_CHECK_V2_ROWS:-200000}"
 # The sequence model (phase S) and its golden file.
 export SEQUENCE_MODEL="${NARSIL_GPU_CHECK_SEQUENCE_MODEL:-$HERE/split-din}"
 # The generative ranker (phase G) and its golden file.
 export HSTU_MODEL="${NARSIL_GPU_CHECK_HSTU_MODEL:-$HERE/split-hstu}"
 # The GR checkpoint's import (phase R) and its golden file.
 export GR_MODEL="${NARSIL_GPU_CHECK_GR_MODEL:-$HERE/split-gr}"
-# NARSIL_GPU_CHECK_PHASES=A (or B, S, G, R): some phases only, for a rerun.
-PHASES="${NARSIL_GPU_CHECK_PHASES:-A S G R B}"
+# NARSIL_GPU_CHECK_PHASES=A (or B, S, G, R, V): some phases only, for a rerun.
+PHASES="${NARSIL_GPU_CHECK_PHASES:-A S G R B V}"
 export ADDR="127.0.0.1:${NARSIL_GPU_CHECK_PORT:-50151}"
 if [ -n "$DRY" ]; then
   DEVICE=cpu
   SECS="${NARSIL_GPU_LOAD_SECS:-1}"
   ROWS="${NARSIL_GPU_CHECK_ROWS:-5000}"
+  V2_ROWS="${NARSIL_GPU_CHECK_V2_ROWS:-2000}"
 fi
+# narsil load's request shape in load_point (phase V sets its own).
+LOAD_SAMPLES=100
+LOAD_FLAGS=()
 
 # ---- helpers shared by the phases ----------------------------------------
 
@@ -342,7 +356,7 @@ gpu_mib() {
 load_point() { # mode concurrency
   local mode=$1 c=$2 json="$WORK/load-$1-c$2.json" log="$WORK/load-$1-c$2.log" before after
   local flags=(--addr "http://$ADDR" --concurrency "$c" --connections "$((c < 16 ? c : 16))"
-    --samples-per-request 100 --timeout-ms 5000 --warmup 0 --allow-failures)
+    --samples-per-request "$LOAD_SAMPLES" --timeout-ms 5000 --warmup 0 --allow-failures "${LOAD_FLAGS[@]}")
   # Warm-up apart, so that the server's CPU is read around the measured
   # requests only.
   if ! narsil_run 60 load "${flags[@]}" --requests "$((c * 4 < 200 ? 200 : c * 4))" > /dev/null 2> "$log"; then
@@ -372,7 +386,7 @@ EOF
 }
 
 # make_default_size_model SOURCE DEST ROWS: the split model SOURCE with
-# every table ROWS rows of random INT8 values (dim 64), in DEST (kept if
+# every table ROWS rows of random INT8 values (its own dim), in DEST (kept if
 # there), every other file SOURCE's schema names copied but the CPU's .pt2
 # packages and the Burn weights (models/model_files.py, which
 # build_for_libtorch.sh carries beside this script).
@@ -385,7 +399,6 @@ src, dst, rows, here = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 sys.path[:0] = [here, os.path.join(here, "..", "models")]
 import torch  # not numpy: PyTorch's wheel does not bring it
 from model_files import copy_named_files, drop_packages, read_schema
-dim = 64
 os.makedirs(os.path.join(dst, "tables"), exist_ok=True)
 schema = read_schema(src)
 drop_packages(schema)
@@ -395,7 +408,8 @@ for table in schema["tables"]:
 copy_named_files(src, dst, schema, skip=[table["file"] for table in schema["tables"]])
 generator = torch.Generator().manual_seed(0)
 for table in schema["tables"]:
-    assert table["dim"] == dim and table["storage"] == "int8_rowwise", table
+    dim = table["dim"]
+    assert table["storage"] == "int8_rowwise" and table["row_bytes"] >= 4 + dim, table
     data = torch.zeros((rows, table["row_bytes"]), dtype=torch.uint8)
     data[:, 4:4 + dim] = torch.randint(0, 256, (rows, dim), dtype=torch.uint8, generator=generator)
     scale = torch.rand(rows, generator=generator) * 9e-3 + 1e-3
@@ -448,6 +462,106 @@ phase_b() {
   stop_server
 }
 
+# ---- phase V: DLRM-v2's shape --------------------------------------------
+
+# make_dlrm_v2_source DEST: a split model's schema.json and dense.pt at
+# MLPerf DLRM-v2's shape (TorchRec DLRM_DCN's layers, the cross layers as
+# linear layers), synthetic weights, written with PyTorch alone (the device
+# has no TorchRec); its tables are make_default_size_model's to write.
+make_dlrm_v2_source() {
+  local dest=$1
+  [ -f "$dest/schema.json" ] && return 0
+  mkdir -p "$dest"
+  # From a file, not stdin: torch.jit.script reads the module's source.
+  cat > "$dest/make_dense.py" <<'EOF'
+import json, os, sys
+import torch
+from torch import nn
+dest = sys.argv[1]
+torch.manual_seed(0)
+features, dim, rank = 26, 128, 512
+width = (features + 1) * dim
+
+
+def mlp(sizes):
+    layers = []
+    for i, o in zip(sizes, sizes[1:]):
+        layers += [nn.Linear(i, o), nn.ReLU()]
+    return layers
+
+
+class DlrmV2Dense(nn.Module):
+    """forward(dense f32[B, 13], pooled f32[B, 26 * 128]) -> f32[B], in
+    the dtype of its weights (Narsil casts them for bf16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense_arch = nn.Sequential(*mlp([13, 512, 256, dim]))
+        self.v0, self.v1, self.v2 = (nn.Linear(width, rank, bias=False) for _ in range(3))
+        self.w0, self.w1, self.w2 = (nn.Linear(rank, width) for _ in range(3))
+        for w in (self.w0, self.w1, self.w2):
+            w.weight.data.mul_(0.1)
+        self.over_arch = nn.Sequential(*mlp([width, 1024, 1024, 512, 256]), nn.Linear(256, 1))
+        self.last = self.over_arch[-1]
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        dtype = self.last.weight.dtype
+        x0 = torch.cat([self.dense_arch(dense.to(dtype)), pooled.to(dtype)], dim=1)
+        x = x0 * self.w0(self.v0(x0)) + x0
+        x = x0 * self.w1(self.v1(x)) + x
+        x = x0 * self.w2(self.v2(x)) + x
+        return torch.sigmoid(self.over_arch(x).float()).reshape(-1)
+
+
+network = DlrmV2Dense().eval()
+flops = sum(2 * m.in_features * m.out_features for m in network.modules() if isinstance(m, nn.Linear))
+torch.jit.script(network).save(os.path.join(dest, "dense.pt"))
+schema = {
+    "format": "narsil-split-1", "name": "dlrm-v2-shape", "version": "1", "num_dense": 13,
+    "tables": [{"name": f"t_cat_{i}", "rows": 1, "dim": dim, "storage": "int8_rowwise",
+                "row_bytes": (4 + dim + 15) // 16 * 16, "file": f"tables/t_cat_{i}.bin"} for i in range(features)],
+    "features": [{"name": f"cat_{i}", "table": f"t_cat_{i}", "pooling": "sum", "weighted": False}
+                 for i in range(features)],
+    "outputs": ["default"], "dense_network": "dense.pt", "dense_flops_per_sample": flops,
+}
+json.dump(schema, open(os.path.join(dest, "schema.json"), "w"), indent=1)
+print(f"DLRM-v2 shape: {flops / 1e6:.2f} MFLOP a pair, dense.pt in {dest}")
+EOF
+  timeout 120 python3 "$dest/make_dense.py" "$dest"
+}
+
+# Requests of 270 pairs (MLPerf's mean query), 8 ids a bag (214 a pair in
+# MLPerf), first ids Zipf 1.05; FP32 and bf16, tables in GPU memory.
+phase_v() {
+  local source="$WORK/dlrm-v2-source" model="$WORK/dlrm-v2" precision c
+  local head="| precision | clients | queries/s | p50 ms | p99 ms | mean fused pairs | server CPU µs/query | busy cores | GPU MiB | errors |"
+  if ! { make_dlrm_v2_source "$source" && make_default_size_model "$source" "$model" "$V2_ROWS"; } \
+      > "$WORK/generate-v2.log" 2>&1; then
+    failed "cannot make the DLRM-v2-shaped model: $(tail -3 "$WORK/generate-v2.log" | tr '\n' ' ')"
+    return 0
+  fi
+  LOAD_SAMPLES=270
+  LOAD_FLAGS=(--ids-per-feature 8 --id-distribution zipf:1.05)
+  # The dry run checks the steps, not the speed: a tenth of a query on the CPU.
+  [ -n "$DRY" ] && LOAD_SAMPLES=27
+  row ""
+  row "## V. DLRM-v2's shape on $DEVICE ($(grep -o '[0-9.]* MFLOP a pair' "$WORK/generate-v2.log")): 26 x $V2_ROWS x 128 INT8 tables in GPU memory, $LOAD_SAMPLES pairs a query (8 Zipf 1.05 ids a bag), $SECS s a point; MLPerf's anchor: ~74-80k queries/s per H200 (TensorRT, all INT8, inputs on the device)"
+  for precision in fp32 bf16; do
+    if [ "$precision" = bf16 ] && [ -n "$DRY" ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
+      row "bf16: skipped: this CPU has no bf16 instructions (dry run)"
+      continue
+    fi
+    start_server "v2-$precision" NARSIL_DEVICE_TABLE_BYTES=17179869184 -- --backend torch --model "$model" \
+      --device "$DEVICE" --dense-precision "$precision" --execution-mode batch --lanes 2 \
+      --max-batch-requests 64 --stage-ahead on || continue
+    row "$precision, batch mode, 2 lanes, stage ahead: $GRAPHS"
+    row "$head"
+    row "|---|---|---|---|---|---|---|---|---|---|"
+    for c in 1 16 64; do load_point "$precision" "$c"; done
+  done
+  stop_server
+}
+
 # ---- entry points ----------------------------------------------------------
 
 case "${1:-}" in
@@ -461,7 +575,7 @@ case "${1:-}" in
     exit ;;
   --phase) # internal: one phase, under the caller's time limit
     trap stop_server EXIT
-    case "$2" in A) phase_a ;; B) phase_b ;; S) phase_s ;; G) phase_g ;; R) phase_r ;; esac
+    case "$2" in A) phase_a ;; B) phase_b ;; S) phase_s ;; G) phase_g ;; R) phase_r ;; V) phase_v ;; esac
     exit 0 ;;
 esac
 
@@ -527,7 +641,8 @@ if preflight; then
   row "# Narsil GPU check: $(date -u +%FT%TZ), $GPU, $(nproc) host cores, torch $(timeout 60 python3 -c 'import torch;print(torch.__version__)'), $(cat "$HERE/BUILD" 2>/dev/null || echo 'build unknown'), carried $([ -n "$DRY" ] && echo n/a || echo "$(( ($(du -sb "$HERE" | cut -f1) + 1048575) / 1048576 )) MiB")"
   row "CUDA shim: ${NARSIL_CUDA_SHIM:-none}"
   for phase in $PHASES; do
-    case "$phase" in A) limit=$LIMIT_A ;; S) limit=$LIMIT_S ;; G) limit=$LIMIT_G ;; R) limit=$LIMIT_R ;; *) limit=$LIMIT_B ;; esac
+    case "$phase" in A) limit=$LIMIT_A ;; S) limit=$LIMIT_S ;; G) limit=$LIMIT_G ;; R) limit=$LIMIT_R ;; V) limit=$LIMIT_V ;;
+      *) limit=$LIMIT_B ;; esac
     phase_started=$SECONDS
     timeout -k 10 "$limit" bash "$SELF" --phase "$phase"
     rc=$?
