@@ -47,7 +47,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import int8_package
 from dense_packages import cpu_has_bf16
-from int8_package import INT8_CPU_FLAGS, add_to_schema, cpu_flags
+from int8_package import add_to_schema
 from export_common import (WithSchema, begin_export, embedding_flags, int_list, key_major, logger, parser,
                            uniform_table, write_manifest)
 from model_files import link_or_copy
@@ -310,7 +310,7 @@ def main() -> int:
         p.error("--over-arch must end with 1 (one logit per sample)")
     if args.int8 and not (args.split and args.pt2):
         p.error("--int8 compiles a package of the split model's dense network: it needs --split (and not --no-pt2)")
-    if args.int8 and not any(f in cpu_flags() for f in INT8_CPU_FLAGS):
+    if args.int8 and not int8_package.int8_cpu_flags():
         p.error("--int8 needs a CPU with INT8 dot-product instructions (/proc/cpuinfo flags avx512_vnni, avx_vnni "
                 "or amx_int8), and this one has none: INT8 GEMMs would run slower than FP32 here (measured on an "
                 "AVX2 CPU). Export on a CPU with VNNI or AMX-INT8, or serve --dense-precision fp32 or bf16")

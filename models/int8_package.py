@@ -15,7 +15,7 @@ import os
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 from torch import nn
@@ -81,7 +81,7 @@ def wrapper_sources(f) -> bytes:
 def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Module, example: tuple,
                        calibration: List[tuple], golden: List[tuple], sampled: List[tuple], seed: int,
                        described: dict, log: Callable[[str], None], extra_cpu_flags: List[str] = (),
-                       metadata: dict = None) -> dict:
+                       metadata: Optional[dict] = None) -> dict:
     """Quantizes `network` (the FP32 network's layers in the form to
     quantize: every GEMM an `nn.Linear`, which is what the quantizer
     annotates) calibrated on `calibration`, compiles `split_dir/dense_int8.pt2`
@@ -102,6 +102,7 @@ def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Mod
         X86InductorQuantizer, get_default_x86_inductor_quantization_config)
 
     started = time.time()
+    described = dict(described)
     int8_flags = int8_cpu_flags()
     rows = torch.export.Dim("rows", min=1, max=1 << 20)
     dynamic = tuple({0: rows} for _ in example)
