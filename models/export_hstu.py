@@ -50,7 +50,7 @@ from working_sets import hstu_working_set
 from sequence_split import Layout, write_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 2
+EXPORT_FORMAT = 3
 # The split form's scores against the reference (FP32): the reference runs
 # the whole padded sequence's attention, the split form each history once
 # and each candidate alone (sums in another order).

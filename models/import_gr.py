@@ -60,7 +60,7 @@ from split_model import SPLIT_FORMAT
 log = logger("import_gr")
 
 # Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
-IMPORT_FORMAT = 6
+IMPORT_FORMAT = 7
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16
@@ -315,13 +315,16 @@ def schema_json(name: str, version: str, plan: Plan, tables: List[dict], config:
     }
 
 
-def example_inputs(plan: Plan, units: int = 3, seed: int = 0) -> tuple:
+def example_inputs(plan: Plan, units: int = 3, seed: int = 0, history: int = 0, candidates: int = 0) -> tuple:
     """A small fused batch of the network's inputs (random rows, increasing
-    times): for scripting checks and torch.export."""
+    times): for scripting checks and torch.export; with `history` and
+    `candidates`, `units` units of that many positions and rows each."""
     g = torch.Generator().manual_seed(seed)
     e = plan.layout.table_dim
     lengths = torch.tensor([5, 0, 40][:units] + [7] * max(units - 3, 0))
     per_unit = torch.tensor([3, 1, 2][:units] + [2] * max(units - 3, 0)) * (1 + seed * 20)
+    if history:
+        lengths, per_unit = torch.full((units,), history), torch.full((units,), candidates)
     rows, positions = int(per_unit.sum()), int(lengths.sum())
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     # Rows of a unit not contiguous: the last unit's first row comes first.
@@ -396,6 +399,17 @@ def write_package(out: Path, network: torch.nn.Module, plan: Plan) -> Optional[s
     return "dense.pt2"
 
 
+def form_timings(out: Path, plan: Plan) -> dict:
+    """`dense_form_timings` (dense_packages.sequence_form_timings) on two
+    ranking batches: one user of 512 positions and 64 candidates, four of
+    256 positions and 32 candidates fused."""
+    from dense_packages import load_unlinked_package, sequence_form_timings
+
+    batches = [(example_inputs(plan, 1, 1, history=512, candidates=64), 64),
+               (example_inputs(plan, 4, 2, history=256, candidates=32), 128)]
+    return sequence_form_timings(out, load_unlinked_package(str(out / "dense.pt2")), batches, log)
+
+
 def verify_golden(schema: dict, cases: List[dict]) -> dict:
     """`narsil verify`'s golden file (`{"requests": [...]}`) from GR's golden
     `cases` of one clamp: each user a ranking request (its contexts and
@@ -462,6 +476,7 @@ def main() -> int:
         package = write_package(out, build_network(config, plan, dense, args.clamp, args.block), plan)
         if package is not None:
             schema["dense_package"] = package
+            schema["dense_form_timings"] = form_timings(out, plan)
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     if args.golden is not None:
         golden = verify_golden(schema, cases_for(json.loads(args.golden.read_text()), args.clamp))

@@ -23,7 +23,7 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddi
 
 import din_model
 from din_requests import cut_history, features, sample_major
-from dense_packages import isa_cpu_flags, load_unlinked_package
+from dense_packages import isa_cpu_flags, load_unlinked_package, sequence_form_timings
 from split_model import SPLIT_FORMAT, named_int8_tables, write_int8_table
 
 class Layout(NamedTuple):
@@ -210,6 +210,10 @@ def write_split(out: Path, quantized: torch.nn.Module, network: torch.nn.Module,
     if args.pt2:
         package_file, worst["pt2 from dense.pt"] = write_dense_package(out, network, checked, args, log)
         schema["dense_package"] = package_file
+        # The two largest batches checked (the fused one first): what --dense-form auto weighs.
+        largest = sorted(checked, key=lambda inputs: -inputs[0].shape[0])[:2]
+        schema["dense_form_timings"] = sequence_form_timings(
+            out, load_unlinked_package(str(out / package_file)), [(b, b[0].shape[0]) for b in largest], log)
         (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     return worst
 

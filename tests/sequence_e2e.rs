@@ -259,6 +259,34 @@ async fn a_generative_ranker_scores_as_its_eager_forward_with_each_history_encod
     }
 }
 
+/// The sequence exporters time both forms of their dense network
+/// (`dense_form_timings`), and `--dense-form auto` serves the one timed
+/// faster on this kind of CPU: both exports written with `--pt2` on this
+/// machine (scripts/test.sh) record their timings, and auto's form is the
+/// faster one per row by them.
+#[test]
+fn auto_serves_the_sequence_network_form_its_export_timed_faster_here() {
+    for dir in [hstu_dir(), din_dir()] {
+        let split = narsil_embedding::SplitSchema::read(&dir.join("split")).unwrap();
+        let timings = split.dense_form_timings.as_ref().unwrap_or_else(|| {
+            panic!("{}: no dense_form_timings (exported with --pt2 before they were written?)", dir.display())
+        });
+        let times = timings.fp32.as_ref().expect("FP32 forms timed");
+        let mut config = split_config(&dir);
+        config.dense_form = narsil_torch::DenseForm::Auto;
+        let served = SplitFactory::load(config).unwrap().dense_form();
+        let want = if timings.cpu != narsil_torch::cpu_identity() {
+            narsil_torch::DenseForm::Pt2 // timed on another kind of CPU: the package
+        } else if times.torchscript_faster(&timings.rows) {
+            narsil_torch::DenseForm::TorchScript
+        } else {
+            narsil_torch::DenseForm::Pt2
+        };
+        assert_eq!(served, want, "{}: timings {timings:?}", dir.display());
+        eprintln!("{}: auto serves {served} ({timings:?})", dir.display());
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_generative_ranker_scores_as_its_eager_forward_through_the_device_lane_on_the_cpu_device() {
     let dir = hstu_dir();

@@ -25,6 +25,7 @@ use crate::split::dense_network::DenseNetwork;
 use crate::split::lane::SplitLane;
 use crate::split::model::SplitModel;
 use crate::tensor_stage::{device_bytes, TablesNotOnDevice, TensorTables};
+use crate::DenseForm;
 
 /// Loads a split model once and creates lanes that share it.
 pub struct SplitFactory {
@@ -150,6 +151,12 @@ impl SplitFactory {
             .caused_by(e)
         })?;
         Ok(factory)
+    }
+
+    /// The dense network's form it serves (what `--dense-form auto`
+    /// chose).
+    pub fn dense_form(&self) -> DenseForm {
+        self.model.dense_network.form()
     }
 
     /// Whether its CPU lanes run ranking requests' dense arch once per
