@@ -52,13 +52,18 @@ PACKAGE_SETTINGS = {"Inductor defaults": {}, "freezing": {"freezing": True}}
 BF16_PACKAGE_BOUND = 5e-3
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has the bf16 instructions Narsil's bf16 needs."""
+def cpu_flags() -> List[str]:
+    """This CPU's /proc/cpuinfo flags (none where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
-        return False
+        return []
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has the bf16 instructions Narsil's bf16 needs."""
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -46,7 +46,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import int8_package
-from dense_packages import cpu_has_bf16
+from dense_packages import cpu_flags, cpu_has_bf16
 from int8_package import add_to_schema
 from export_common import (WithSchema, begin_export, embedding_flags, int_list, key_major, logger, parser,
                            uniform_table, write_manifest)
@@ -264,7 +264,7 @@ def write_int8_package(split_dir: Path, dlrm: DLRM, quantized: nn.Module, keys: 
                             "uint8 activations per tensor; the interaction's dot products unquantized",
             "interaction": interaction,
         },
-        extra_cpu_flags=["avx512_bf16"] if bf16_interaction and "avx512_bf16" in int8_package.cpu_flags() else [],
+        extra_cpu_flags=["avx512_bf16"] if bf16_interaction and "avx512_bf16" in cpu_flags() else [],
         metadata={"narsil_interaction": interaction})
 
 

@@ -20,7 +20,7 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from dense_packages import isa_cpu_flags, load_unlinked_package
+from dense_packages import cpu_flags, isa_cpu_flags, load_unlinked_package
 
 # /proc/cpuinfo flags of the INT8 dot-product instructions oneDNN's INT8 GEMMs
 # use; without one of them INT8 runs slower than FP32 (measured on an AVX2
@@ -34,14 +34,6 @@ INT8_AUC_GOAL = 1e-3
 INT8_GOLDEN_BOUND = 5e-2
 INT8_CALIBRATION_SAMPLES = 4_000
 INT8_SAMPLED = 10_000
-
-
-def cpu_flags() -> List[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return []
 
 
 def int8_cpu_flags() -> List[str]:
