@@ -17,6 +17,7 @@ allocated at once. Random weights: memory does not depend on them.
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,15 @@ def gr_plan(shape: dict) -> Plan:
               for n, f in (("item_id", ["item_id", "item_candidate_id"]), ("user_id", ["user_id"]),
                            ("item_category_id", ["item_category_id", "item_candidate_category_id"]))]
     return Plan(config, tables)
+
+
+# The memory policy `narsil serve` sets for itself on a 2-core machine (its
+# log's "glibc malloc" line; src/main/process_memory.rs): one arena, blocks
+# of 32 MiB and more mapped and unmapped, at most 64 MiB of free heap top
+# kept; libtorch's large allocations on huge pages. Each measured forward
+# runs under it, so its peak is the server's, not Python's default heap's.
+SERVER_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+                 "MALLOC_TRIM_THRESHOLD_": str(64 << 20), "THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def vm_hwm() -> int:
@@ -163,6 +173,15 @@ def formula(working_set: dict, rows: int, positions: int, ranking: bool) -> int:
                 + all_positions * working_set.get("position_width", 0) * value)
     b, heads, hd = working_set["block"], working_set["heads"], working_set["head_dim"]
     contexts, dim = working_set.get("contexts", 0), working_set["model_dim"]
+    if working_set["kind"] == "unit_attention":
+        per = (4 * dim + 22 * heads * hd) * value + 2 * index
+        group_tokens, most, group, held = working_set.get("group_tokens", 0), 0, 0, 0
+        for p, r in units:
+            if group_tokens and held and held + p + r > group_tokens:
+                most, group, held = max(most, group), 0, 0
+            held, group = held + p + r, group + p + contexts + r
+        longest, pairs = max(p + contexts for p, _ in units), max(r * (p + contexts) for p, r in units)
+        return max(most, group) * per + (b * longest + pairs) * 4 * heads * value
     tokens = blocks = pairs = 0
     most = 2
     for p, r in units:
@@ -203,7 +222,7 @@ def main() -> int:
     worst = 0.0
     for name, rows, positions, ranking in cases:
         out = subprocess.run([sys.executable, __file__, "--one", json.dumps([name, rows, positions, ranking])],
-                             check=True, capture_output=True, text=True).stdout
+                             check=True, capture_output=True, text=True, env={**os.environ, **SERVER_MALLOC}).stdout
         measured = int(out.strip().splitlines()[-1])
         kind, shape = SHAPES[name]
         charged = formula(declared(kind, shape), rows, positions, ranking)

@@ -70,6 +70,9 @@ TRITON_TIME_BUCKETS = 2048
 # GR's positional encoder's tables (modules/dlrm_hstu.py).
 POSITION_BUCKETS = 8192
 TIME_BUCKET_SECONDS = 60.0
+# Under TorchScript, a batch's units run in groups of at most this many
+# positions and rows (`GrDenseNetwork.forward`).
+GROUP_TOKENS = 2048
 
 
 def layer_norm32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -253,7 +256,7 @@ class GrDenseNetwork(nn.Module):
     group_tokens: int
 
     def __init__(self, config: dict, layout: GrLayout, clamp: str = DEFAULT_CLAMP, block: int = 64,
-                 group_tokens: int = 2048, candidate_block: int = 16) -> None:
+                 group_tokens: int = GROUP_TOKENS, candidate_block: int = 16) -> None:
         super().__init__()
         if clamp not in CLAMPS:
             raise ValueError(f"clamp must be one of {CLAMPS}, not {clamp!r}")

@@ -54,13 +54,13 @@ import torch
 
 from check_gr_parity import cases_for
 from export_common import logger
-from gr_model import CLAMPS, DEFAULT_CLAMP, GrDenseNetwork, GrLayout
+from gr_model import CLAMPS, DEFAULT_CLAMP, GROUP_TOKENS, GrDenseNetwork, GrLayout
 from split_model import SPLIT_FORMAT
 
 log = logger("import_gr")
 
 # Raised when what is written changes: scripts/lib.sh's import_gr_model re-imports older ones.
-IMPORT_FORMAT = 7
+IMPORT_FORMAT = 8
 SEQUENCE = "uih"
 # FBGEMM's INT8 row: fp16 scale and bias, then the values, padded to this.
 ROW_ALIGNMENT = 16
@@ -236,15 +236,20 @@ class Plan:
             + [feature(f, "none") for f in self.channels]
 
 
-def working_set(config: dict, contexts: int, block: int) -> dict:
-    """GrDenseNetwork's working set, as `block_attention` (HstuDenseNetwork's
-    structure) with conservative sizes: the wider of the value and key
-    heads, the widest per-token state (the model dim or the preprocessor's
-    hidden layer)."""
-    return {"kind": "block_attention", "block": block, "heads": config["hstu_num_heads"],
-            "head_dim": max(config["hstu_attn_linear_dim"], config["hstu_attn_qk_dim"]), "contexts": contexts,
-            "model_dim": max(config["hstu_transducer_embedding_dim"], config["hstu_preprocessor_hidden_dim"]),
-            "bytes_per_value": 4}
+def working_set(config: dict, contexts: int, block: int, kind: str = "unit_attention") -> dict:
+    """GrDenseNetwork's working set with conservative sizes (the wider of
+    the value and key heads, the widest per-token state: the model dim or
+    the preprocessor's hidden layer): `unit_attention` for `dense.pt`
+    (`attend_units`: one unit's query block at a time, units in groups of
+    GROUP_TOKENS), `block_attention` for the `.pt2` (every block pair of
+    every unit at once, as HstuDenseNetwork attends)."""
+    declared = {"kind": kind, "block": block, "heads": config["hstu_num_heads"],
+                "head_dim": max(config["hstu_attn_linear_dim"], config["hstu_attn_qk_dim"]), "contexts": contexts,
+                "model_dim": max(config["hstu_transducer_embedding_dim"], config["hstu_preprocessor_hidden_dim"]),
+                "bytes_per_value": 4}
+    if kind == "unit_attention":
+        declared["group_tokens"] = GROUP_TOKENS
+    return declared
 
 
 def normalized_config(config: dict) -> dict:
@@ -477,6 +482,8 @@ def main() -> int:
         if package is not None:
             schema["dense_package"] = package
             schema["dense_form_timings"] = form_timings(out, plan)
+            schema["sequences"][0]["package_working_set"] = working_set(
+                config, len(plan.contexts), args.block, "block_attention")
     (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     if args.golden is not None:
         golden = verify_golden(schema, cases_for(json.loads(args.golden.read_text()), args.clamp))

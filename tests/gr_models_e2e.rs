@@ -22,7 +22,9 @@
 //!     the CPU device (TorchScript), and through kuairand's AOTInductor
 //!     package (`--pt2`, millisecond timestamps); both clamps; empty
 //!     histories, the contextual gate's edge, maximal histories, 1 and the
-//!     most candidates (the golden cases).
+//!     most candidates (the golden cases);
+//!   * the memory bound charges each form the working set of how it
+//!     attends (`dense.pt` unit after unit, the `.pt2` every block pair).
 #![cfg(feature = "torch")]
 
 mod common;
@@ -34,6 +36,7 @@ use std::time::Duration;
 
 use common::{batch_mode, config, start_with, TestServer};
 use narsil::proto::{self, PredictRequest, RequestFeatures};
+use narsil_core::working_set::{Unit, WorkingSet};
 use narsil_core::BackendFactory;
 use narsil_torch::{SplitFactory, TorchConfig};
 use serde::Deserialize;
@@ -272,6 +275,29 @@ async fn a_gr_kuairand_checkpoint_scores_every_task_as_gr_alone_through_its_aoti
     let mut config = split_config(&dir);
     config.dense_form = narsil_torch::DenseForm::Pt2;
     check(config, "kuairand", "pytorch", "kuairand, dense.pt2").await;
+}
+
+#[test]
+fn each_form_of_a_gr_import_is_charged_the_working_set_of_how_it_attends() {
+    // dense.pt attends unit after unit (`unit_attention`: linear in a
+    // unit's history); the .pt2 every block pair of every unit at once
+    // (`block_attention`, declared as `package_working_set`). The memory
+    // bound charges the form served.
+    let dir = imported("kuairand", "pytorch");
+    let charged = |form| {
+        let mut config = split_config(&dir);
+        config.dense_form = form;
+        let factory = SplitFactory::load(config).unwrap();
+        assert_eq!(factory.dense_form(), form);
+        factory.schema().sequences[0].working_set()
+    };
+    let script = charged(narsil_torch::DenseForm::TorchScript);
+    let package = charged(narsil_torch::DenseForm::Pt2);
+    assert!(matches!(script, WorkingSet::UnitAttention { .. }), "{script:?}");
+    assert!(matches!(package, WorkingSet::BlockAttention { .. }), "{package:?}");
+    // One user's maximal history (256 positions) and 64 candidates.
+    let units = [Unit { positions: 256, rows: 64 }];
+    assert!(script.bytes(&units) < package.bytes(&units), "{script:?} vs {package:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,10 +10,10 @@
 
 mod common;
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{memory_mib, request};
+use common::{memory_mib, request, KillOnDrop as Server};
 use futures_util::future::join_all;
 use narsil::proto::predictor_client::PredictorClient;
 use narsil::proto::PredictRequest;
@@ -33,15 +33,6 @@ fn huge_bag(ids: usize) -> PredictRequest {
     r.sparse_lengths[0] = ids as u32;
     r.sparse_ids = std::iter::repeat_n(0, ids).chain(rest).collect();
     r
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 async fn serve(extra: &[&str]) -> (Server, String) {

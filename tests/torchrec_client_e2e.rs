@@ -96,8 +96,7 @@ async fn torchrecs_shipped_client_gets_one_score_per_sample() {
         )
     })
     .await;
-    server.kill().unwrap();
-    server.wait().unwrap();
+    common::stop(&mut server);
     let _ = std::fs::remove_dir_all(&stubs);
     let output = output.unwrap();
     // The client prints `Response:  [p0, p1, p2, p3]`.

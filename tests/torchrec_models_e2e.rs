@@ -526,6 +526,5 @@ async fn narsil_serve_with_only_the_model_path_serves_it() {
     let schema = load("test-torchrec-multitask").schema().clone();
     let response = client.predict(wire(&golden.requests[2], "")).await.unwrap().into_inner();
     check_narsil(&response, &schema, &golden.requests[2], "narsil serve --model");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    common::stop(&mut child);
 }

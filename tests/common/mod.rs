@@ -509,14 +509,36 @@ pub async fn wait_serving(url: &str, timeout: Duration) -> Channel {
     .await
 }
 
-/// A spawned server process, killed if the test fails before stopping it.
+/// A spawned server process, stopped when dropped (also where the test
+/// fails first): SIGTERM, then SIGKILL if it has not exited within
+/// `STOP_PATIENCE`. A server stopped by SIGTERM drops its models, and
+/// with them what libtorch extracted for them (an AOTInductor package's
+/// `/tmp/aotinductor_*` directory, which SIGKILL leaves behind).
 pub struct KillOnDrop(pub std::process::Child);
+
+/// How long a stopped server may take to exit before it is killed.
+pub const STOP_PATIENCE: Duration = Duration::from_secs(10);
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        stop(&mut self.0);
     }
+}
+
+/// Stops `child` as [`KillOnDrop`] does and reaps it.
+pub fn stop(child: &mut std::process::Child) {
+    if matches!(child.try_wait(), Ok(None)) {
+        // SAFETY: `kill` takes a pid and a signal number and touches no
+        // memory; the pid is our own unreaped child's, so it names no
+        // other process.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + STOP_PATIENCE;
+        while matches!(child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// How far a served score may be from Python's golden one, or from the same

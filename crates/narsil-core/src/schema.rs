@@ -75,6 +75,17 @@ pub struct ModelSchema {
 }
 
 impl ModelSchema {
+    /// Charges each sequence what a split model's AOTInductor package
+    /// allocates for it: its `package_working_set` where it declares one
+    /// (a server running the package calls this; [`crate::working_set`]).
+    pub fn charge_package_working_sets(&mut self) {
+        for sequence in &mut self.sequences {
+            if let Some(package) = sequence.package_working_set {
+                sequence.working_set = Some(package);
+            }
+        }
+    }
+
     /// Number of sparse features.
     pub fn num_sparse(&self) -> usize {
         self.sparse.len()
@@ -267,6 +278,11 @@ pub struct SequenceFeature {
     /// ([`crate::working_set`]); `None`: not declared
     /// ([`SequenceFeature::working_set`] estimates it).
     pub working_set: Option<crate::working_set::WorkingSet>,
+    /// What a split model's AOTInductor packages allocate per request for
+    /// it, where they attend otherwise than its TorchScript network
+    /// (`"package_working_set"`); a server running a package charges it
+    /// ([`ModelSchema::charge_package_working_sets`]).
+    pub package_working_set: Option<crate::working_set::WorkingSet>,
     /// Its raw channels ([`SparseFeature::raw_input`]): the int64 values
     /// per position the stage hands the dense network as they were sent
     /// (`seq{i}_raw i64[P, K]`).

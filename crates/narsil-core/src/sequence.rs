@@ -26,8 +26,9 @@ use crate::working_set::WorkingSet;
 /// A sequence as `schema.json`, `model.json` and `narsil_schema()` declare
 /// it: `{"name": "history", "features": ["hist_item", "hist_cat"],
 /// "max_len": 256, "keep": "last", "working_set": {...}, "request_rows":
-/// false}` (`keep` optional, `last` by default; `working_set` optional:
-/// [`crate::working_set`]; `request_rows` optional, false by default).
+/// false}` (`keep` optional, `last` by default; `working_set` and
+/// `package_working_set` optional: [`crate::working_set`]; `request_rows`
+/// optional, false by default).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SequenceJson {
@@ -44,6 +45,11 @@ pub struct SequenceJson {
     /// ([`crate::working_set`]); optional.
     #[serde(default)]
     pub working_set: Option<WorkingSet>,
+    /// What a split model's AOTInductor packages allocate per request for
+    /// it where they attend otherwise than `dense.pt`
+    /// ([`crate::working_set`]); optional.
+    #[serde(default)]
+    pub package_working_set: Option<WorkingSet>,
     /// Whether its dense network takes each unit's request rows
     /// ([`SequenceFeature::request_rows`]); optional, false.
     #[serde(default)]
@@ -61,10 +67,11 @@ pub fn declare(declared: &[SequenceJson], schema: &ModelSchema) -> Result<Vec<Se
         let keep = json.keep.as_deref().map_or(Ok(KeepEnd::Last), KeepEnd::parse)?;
         let mut sequence =
             SequenceFeature::new(&json.name, &json.features, json.max_len, keep, schema, &sequences)?;
-        if let Some(working_set) = json.working_set {
-            working_set.check().map_err(|e| format!("sequence {:?}: {e}", json.name))?;
-            sequence.working_set = Some(working_set);
+        for declared in [json.working_set, json.package_working_set].into_iter().flatten() {
+            declared.check().map_err(|e| format!("sequence {:?}: {e}", json.name))?;
         }
+        sequence.working_set = json.working_set;
+        sequence.package_working_set = json.package_working_set;
         if json.request_rows && !sequence.is_request_level(schema) {
             return Err(format!(
                 "sequence {:?} declares \"request_rows\": true, but its features are not all request-level: \
@@ -121,6 +128,7 @@ impl SequenceFeature {
             keep,
             width: 0,
             working_set: None,
+            package_working_set: None,
             raw_channels,
             request_rows: false,
         })
@@ -430,6 +438,7 @@ mod tests {
             max_len: 4,
             keep: None,
             working_set: None,
+            package_working_set: None,
             request_rows: true,
         };
         // cat_1 is per row: each row is its own unit, with no whole request to count.
@@ -440,6 +449,40 @@ mod tests {
         );
         // cat_2 and cat_3 are request-level.
         assert!(declare(&[json("h", &["cat_2", "cat_3"])], &s).unwrap()[0].request_rows);
+    }
+
+    #[test]
+    fn a_package_working_set_is_charged_only_where_a_package_is_served() {
+        let mut s = schema();
+        let units: WorkingSet = serde_json::from_str(
+            r#"{"kind": "unit_attention", "block": 4, "heads": 1, "head_dim": 2, "model_dim": 2}"#,
+        )
+        .unwrap();
+        let blocks: WorkingSet = serde_json::from_str(
+            r#"{"kind": "block_attention", "block": 4, "heads": 1, "head_dim": 2, "model_dim": 2}"#,
+        )
+        .unwrap();
+        let json = |package: Option<WorkingSet>| SequenceJson {
+            name: "h".into(),
+            features: names(&["cat_2", "cat_3"]),
+            max_len: 4,
+            keep: None,
+            working_set: Some(units),
+            package_working_set: package,
+            request_rows: false,
+        };
+        s.sequences = declare(&[json(Some(blocks))], &s).unwrap();
+        assert_eq!(s.sequences[0].working_set(), units);
+        s.charge_package_working_sets();
+        assert_eq!(s.sequences[0].working_set(), blocks);
+        // Declared without one: every form is charged `working_set`.
+        s.sequences = declare(&[json(None)], &s).unwrap();
+        s.charge_package_working_sets();
+        assert_eq!(s.sequences[0].working_set(), units);
+        // A package's declaration is checked as the other is.
+        let zero: WorkingSet = serde_json::from_str(r#"{"kind": "gather", "width": 0}"#).unwrap();
+        let e = declare(&[json(Some(zero))], &s).unwrap_err();
+        assert!(e.contains("sequence \"h\"") && e.contains("width must be at least 1"), "{e}");
     }
 
     #[test]

@@ -10,7 +10,13 @@
 //! `model.json`, `narsil_schema()`), next to its channels:
 //! `"working_set": {"kind": "gather", "width": 208}` or
 //! `{"kind": "block_attention", "block": 32, "heads": 4, "head_dim": 32,
-//! "contexts": 2, "model_dim": 128}` (`bytes_per_value` optional, 4). A
+//! "contexts": 2, "model_dim": 128}` (`bytes_per_value` optional, 4), or
+//! `unit_attention` with the same fields (a network that attends unit
+//! after unit, one query block at a time: GR's TorchScript form, linear in
+//! a unit's history). Where a split model's AOTInductor packages attend
+//! otherwise than its TorchScript network, the sequence also declares
+//! `"package_working_set"`, which a server running a package charges
+//! instead ([`crate::ModelSchema::charge_package_working_sets`]). A
 //! sequence without one (exported before) is charged
 //! [`WorkingSet::undeclared`]: a gather of 16 values per position's value
 //! and a full attention of 64 bytes per pair of a unit's positions,
@@ -79,6 +85,34 @@ pub enum WorkingSet {
         #[serde(default = "four")]
         bytes_per_value: usize,
     },
+    /// Each unit's tokens (`contexts` plus its positions) attend unit after
+    /// unit, one query block of `block` tokens at a time against every key
+    /// of its unit up to its own end, then the unit's rows against all of
+    /// its keys (GR's TorchScript form, `models/gr_model.py`'s
+    /// `attend_units`); units run in groups of whole units of at most
+    /// `group_tokens` positions and rows (a larger unit alone), one group
+    /// after another. A group's tokens and rows hold their states at once;
+    /// scores are one unit's at a time: linear in a unit's history.
+    UnitAttention {
+        /// Query tokens per product.
+        block: usize,
+        /// Attention heads.
+        heads: usize,
+        /// Values per head.
+        head_dim: usize,
+        /// Tokens a unit has before its positions (contextual features).
+        #[serde(default)]
+        contexts: usize,
+        /// Values per token between layers.
+        model_dim: usize,
+        /// Positions and rows a group of units holds at most (0: every
+        /// unit in one group).
+        #[serde(default)]
+        group_tokens: usize,
+        /// Bytes per value (4: FP32).
+        #[serde(default = "four")]
+        bytes_per_value: usize,
+    },
     /// A sequence declared without one, of `width` values per position
     /// ([`WorkingSet::undeclared`]).
     #[serde(skip)]
@@ -113,7 +147,8 @@ impl WorkingSet {
             Self::Gather { width, bytes_per_value, .. } => {
                 [("width", width), ("bytes_per_value", bytes_per_value)].into_iter().find(|(_, v)| *v == 0)
             }
-            Self::BlockAttention { block, heads, head_dim, model_dim, bytes_per_value, .. } => [
+            Self::BlockAttention { block, heads, head_dim, model_dim, bytes_per_value, .. }
+            | Self::UnitAttention { block, heads, head_dim, model_dim, bytes_per_value, .. } => [
                 ("block", block),
                 ("heads", heads),
                 ("head_dim", head_dim),
@@ -155,7 +190,66 @@ impl WorkingSet {
                 let shape = Blocks::of(units, block, contexts);
                 shape.bytes(block, heads, head_dim, model_dim, bytes_per_value)
             }
+            Self::UnitAttention {
+                block,
+                heads,
+                head_dim,
+                contexts,
+                model_dim,
+                group_tokens,
+                bytes_per_value,
+            } => {
+                let attention = UnitAttention { block, heads, head_dim, contexts, model_dim, group_tokens };
+                attention.bytes(units, bytes_per_value)
+            }
         }
+    }
+}
+
+/// [`WorkingSet::UnitAttention`]'s sizes.
+struct UnitAttention {
+    block: usize,
+    heads: usize,
+    head_dim: usize,
+    contexts: usize,
+    model_dim: usize,
+    group_tokens: usize,
+}
+
+impl UnitAttention {
+    /// A layer at its peak holds, per token and row of the group it runs,
+    /// its state before and after, its sorted copy and its norm
+    /// (`4 x model_dim`) and its `u, v, q, k` with their activation, the
+    /// heads' copies of `q, k, v`, what is attended and its layout, its
+    /// norm, the concatenation of three and the gate (18 x `heads x
+    /// head_dim`), with what the group's preprocessing keeps alive beside
+    /// them (4 more: measured, a group of many short units holds ~24 KB a
+    /// token at dim 256); and the scores of one product at a time, four
+    /// alive (the product, its scaling, its activation, its mask), for the
+    /// unit with the most tokens (a query block against them) and the unit
+    /// with the most row-token pairs (its rows against its tokens). Groups
+    /// are cut as the network cuts them (`models/gr_model.py`'s
+    /// `forward`). Measured against one forward's peak under the server's
+    /// malloc settings (`benchmarks/working_set_peak.py --gr`) and against
+    /// the server's own peak RSS (`docs/guide/gr-models.md#memory`): 1.1-2.4x.
+    fn bytes(&self, units: &[Unit], value: usize) -> usize {
+        let per = (4 * self.model_dim + 22 * self.heads * self.head_dim) * value + 2 * INDEX;
+        let (mut most, mut group, mut held, mut longest, mut pairs) =
+            (0usize, 0usize, 0usize, 0usize, 0usize);
+        for unit in units.iter().filter(|u| u.positions > 0 || u.rows > 0) {
+            let counted = unit.positions.saturating_add(unit.rows);
+            if self.group_tokens > 0 && held > 0 && held.saturating_add(counted) > self.group_tokens {
+                (most, group, held) = (most.max(group), 0, 0);
+            }
+            let tokens = unit.positions.saturating_add(self.contexts);
+            held = held.saturating_add(counted);
+            group = group.saturating_add(tokens).saturating_add(unit.rows);
+            longest = longest.max(tokens);
+            pairs = pairs.max(unit.rows.saturating_mul(tokens));
+        }
+        let states = most.max(group);
+        let scores = self.block.saturating_mul(longest).saturating_add(pairs);
+        states.saturating_mul(per).saturating_add(scores.saturating_mul(4 * self.heads * value))
     }
 }
 
@@ -311,6 +405,71 @@ mod tests {
         let per_row_pairs = 153 * (3 * 4 * 32 * 4 + 2 * 8 + 4) * 32 + 153 * 3 * 32 * 128 * 4;
         assert!(bytes >= 400 * per_row_pairs, "{bytes}");
         assert!((4_000_000_000..8_000_000_000).contains(&bytes), "{bytes}");
+    }
+
+    /// The DLRMv3-scaled GR network (`models/gr/make_gr_golden.py --sets
+    /// dlrmv3-cpu`) as its TorchScript form attends.
+    const GR_UNITS: WorkingSet = WorkingSet::UnitAttention {
+        block: 64,
+        heads: 4,
+        head_dim: 64,
+        contexts: 1,
+        model_dim: 256,
+        group_tokens: 2048,
+        bytes_per_value: 4,
+    };
+
+    #[test]
+    fn unit_attention_grows_linearly_with_a_units_history_and_holds_one_groups_states() {
+        let ranking = |positions, rows| GR_UNITS.bytes(&[Unit { positions, rows }]);
+        // Twice the history, at most twice the memory (block attention:
+        // about four times).
+        let (short, long) = (ranking(1023, 128), ranking(2047, 128));
+        assert!(long > short && long <= 2 * short, "{short} -> {long}");
+        // 1,024 tokens and 128 rows: their states, a query block's scores
+        // against the tokens and the rows' against them.
+        let per = (4 * 256 + 22 * 256) * 4 + 16;
+        assert_eq!(ranking(1023, 128), (1024 + 128) * per + (64 * 1024 + 128 * 1024) * 64);
+        // Two units of 1,151 positions and rows: a group of 2,048 holds one
+        // at a time. Units of 1,151 and 575 share a group: their states add
+        // up, the scores are the larger unit's.
+        let apart =
+            GR_UNITS.bytes(&[Unit { positions: 1023, rows: 128 }, Unit { positions: 1023, rows: 128 }]);
+        assert_eq!(apart, ranking(1023, 128));
+        let together =
+            GR_UNITS.bytes(&[Unit { positions: 1023, rows: 128 }, Unit { positions: 511, rows: 64 }]);
+        assert_eq!(together, ranking(1023, 128) + (512 + 64) * per);
+        // Flat rows of 63 positions: 32 a group (2,048 positions and rows).
+        let rows = GR_UNITS.bytes(&flat(100, 63));
+        assert_eq!(rows, 32 * (64 + 1) * per + (64 * 64 + 64) * 64);
+        let everything = WorkingSet::UnitAttention {
+            block: 64,
+            heads: 4,
+            head_dim: 64,
+            contexts: 1,
+            model_dim: 256,
+            group_tokens: 0,
+            bytes_per_value: 4,
+        };
+        assert_eq!(everything.bytes(&flat(100, 63)), 100 * (64 + 1) * per + (64 * 64 + 64) * 64);
+        assert_eq!(GR_UNITS.bytes(&[]), 0);
+        // The same network's block attention (its .pt2) charges over twice as much.
+        let blocks = WorkingSet::BlockAttention {
+            block: 64,
+            heads: 4,
+            head_dim: 64,
+            contexts: 1,
+            model_dim: 256,
+            bytes_per_value: 4,
+        };
+        let units = [Unit { positions: 1023, rows: 128 }];
+        assert!(blocks.bytes(&units) > 2 * GR_UNITS.bytes(&units));
+        let declared: WorkingSet = serde_json::from_str(
+            r#"{"kind": "unit_attention", "block": 64, "heads": 4, "head_dim": 64, "contexts": 1, "model_dim": 256,
+                "group_tokens": 2048}"#,
+        )
+        .unwrap();
+        assert_eq!(declared, GR_UNITS);
     }
 
     #[test]

@@ -92,7 +92,7 @@ impl SplitFactory {
                 "the model's tables are on the device ({device:?}): they were copied there when it loaded, and rows pushed since would not reach them; to serve new ids, publish a new model version whose tables and id maps hold them (or serve this one with its tables on the host)"
             ));
         }
-        let schema = split.model_schema("torch", &config.device);
+        let mut schema = split.model_schema("torch", &config.device);
         tch::set_num_threads(config.intra_op_threads as i32);
         // A package's model instances: one per forward that can run at once
         // (lanes, and the load-time probe).
@@ -100,6 +100,9 @@ impl SplitFactory {
         let dense_network =
             DenseNetwork::load(&dir, &split, config.dense_form, config.dense_precision, runners, device)?;
         let network = dir.join(dense_network.file(&split, config.dense_precision));
+        if dense_network.form() == DenseForm::Pt2 {
+            schema.charge_package_working_sets();
+        }
         let dense_cut = match device_path {
             // Device lanes run the whole network (CUDA graphs per bucket).
             true => None,

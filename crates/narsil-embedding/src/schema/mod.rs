@@ -492,6 +492,7 @@ mod tests {
             max_len: 4,
             keep: None,
             working_set: None,
+            package_working_set: None,
             request_rows: true,
         }];
         split.request_level = vec!["h".into(), "h_time".into()];

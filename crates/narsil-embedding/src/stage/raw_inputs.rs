@@ -136,6 +136,7 @@ mod tests {
             max_len: 3,
             keep: None,
             working_set: None,
+            package_working_set: None,
             request_rows: true,
         }];
         split.request_level = ["ut", "h_time", "h_item", "h_act"].map(String::from).to_vec();

@@ -217,6 +217,7 @@ mod tests {
             max_len: 4,
             keep: None,
             working_set: None,
+            package_working_set: None,
             request_rows: false,
         }];
         split.request_level = vec!["h_shared".into(), "h_own".into()];
