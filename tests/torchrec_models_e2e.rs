@@ -278,16 +278,11 @@ fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
     }
 }
 
-/// Whatever the export recorded, a DLRM_DCN's INT8 scores further than this
-/// from FP32 on the golden requests fail (the test model records ~7e-4).
-const INT8_CAP: f32 = 2e-2;
-
 /// `--dense-precision int8` on a DLRM_DCN (`export_torchrec.py --split --pt2
-/// --int8`: every GEMM, the cross layers' included, in INT8): within twice
-/// what the export recorded in int8_quality.json (never over [`INT8_CAP`])
-/// of Python's FP32 scores alone, fused within 1e-6 of alone (static
-/// per-tensor activation scales: a row's arithmetic does not depend on its
-/// batch), and not the FP32 scores (the INT8 network ran). The package
+/// --int8`: every GEMM, the cross layers' included, in INT8, none left in
+/// FP32): within twice what the export recorded of Python's FP32 scores,
+/// alone and fused ([`conformance::int8_parity`]; the test model records
+/// ~7e-4). The package
 /// exists only where the exporting CPU had INT8 dot-product instructions;
 /// elsewhere the test says skipped (fails under NARSIL_REQUIRE_INT8=1).
 #[test]
@@ -301,24 +296,15 @@ fn dcn_split_serves_its_int8_package_within_the_recorded_bound_alone_and_fused()
         narsil_core::skip::skip_or_fail("NARSIL_REQUIRE_INT8", test, why);
         return;
     }
-    let quality: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model_dir(name).join("int8_quality.json")).unwrap())
-            .unwrap();
-    let recorded = quality["golden"]["max_abs_diff"].as_f64().expect("golden.max_abs_diff") as f32;
-    assert!(recorded > 0.0 && recorded <= INT8_CAP, "the export recorded {recorded:e} from FP32");
+    let quality = conformance::int8_quality(&model_dir(name));
     assert_eq!(quality["linear_layers"]["fp32"], 0, "a linear layer left in FP32: {quality}");
     let factory = load_with(name, |config| config.dense_precision = DensePrecision::Int8)
         .unwrap_or_else(|e| panic!("{name} int8: {}", error_chain(&e)));
     let golden = Golden::read(&model_dir(name)).unwrap();
     let schema = factory.schema().clone();
-    let tolerance = (2.0 * recorded).min(INT8_CAP);
-    let worst = golden_parity(&*factory, &golden, |g| golden_outputs(&schema, g), tolerance);
-    assert!(worst > 0.0, "int8: the FP32 scores exactly: was the INT8 network served?");
-    let requests = conformance::requests(&*factory, &golden, IdPolicy::Reject);
-    let fused = conformance::fused_equals_alone(&*factory, &requests, 4, 1e-6);
-    eprintln!(
-        "{name} int8: max |diff| vs FP32 golden {worst:e} (recorded {recorded:e}), fused vs alone {fused:e}"
-    );
+    let parity =
+        conformance::int8_parity(&*factory, &golden, &model_dir(name), |g| golden_outputs(&schema, g));
+    eprintln!("{name} int8: {parity:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,8 @@
 //!   requests repeated) stay within a tolerance of its scores alone.
 //! * [`concurrent_lanes`]: several lanes of one factory running at once, on
 //!   their own threads, each give every request its scores alone.
+//! * [`int8_parity`]: an INT8 dense network within the bound its export
+//!   recorded of the FP32 scores, alone and fused.
 //!
 //! Requests come from the golden file ([`crate::golden`]); a panic names the
 //! request and the largest difference. A request's scores are compared
@@ -102,6 +104,57 @@ pub fn fused_equals_alone(
         worst = worst.max(assert_close(part, &alone[i % requests.len()], tolerance, &what));
     }
     worst
+}
+
+/// Whatever an export recorded, INT8 scores further than this from FP32 on
+/// the golden requests fail (probabilities).
+pub const INT8_CAP: f32 = 2e-2;
+
+/// What [`int8_parity`] measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Int8Parity {
+    /// The largest |INT8 - FP32| the export recorded on the golden requests.
+    pub recorded: f32,
+    /// The bound held: twice `recorded`, at most [`INT8_CAP`].
+    pub bound: f32,
+    /// The largest |served - FP32| over the golden requests, alone and fused.
+    pub worst: f32,
+    /// The largest difference of a request fused with others from alone.
+    pub fused: f32,
+}
+
+/// An export's INT8 quality record, `int8_quality.json` in `split_dir`.
+pub fn int8_quality(split_dir: &std::path::Path) -> serde_json::Value {
+    let path = split_dir.join("int8_quality.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// `factory`'s INT8 dense network (a split model's `dense_int8.pt2`, in
+/// `split_dir`) serves the golden requests within twice the max |INT8 -
+/// FP32| its export recorded (`int8_quality.json`; never more than
+/// [`INT8_CAP`]) of `want`'s FP32 scores, alone and fused ([`golden_parity`]);
+/// its scores are not the FP32 ones (the INT8 network ran, not a fallback);
+/// and each request fused with others scores as alone within 1e-6
+/// (activations quantized with static per-tensor scales: a row's
+/// arithmetic does not depend on its batch).
+pub fn int8_parity(
+    factory: &dyn BackendFactory,
+    golden: &Golden,
+    split_dir: &std::path::Path,
+    want: impl Fn(&GoldenRequest) -> Vec<f32>,
+) -> Int8Parity {
+    let quality = int8_quality(split_dir);
+    let recorded = quality["golden"]["max_abs_diff"].as_f64().expect("golden.max_abs_diff") as f32;
+    assert!(
+        recorded > 0.0 && recorded <= INT8_CAP,
+        "the export recorded {recorded:e} from FP32: not an INT8 network's, or over the cap {INT8_CAP:e}"
+    );
+    let bound = (2.0 * recorded).min(INT8_CAP);
+    let worst = golden_parity(factory, golden, want, bound);
+    assert!(worst > 0.0, "the FP32 scores exactly: was the INT8 network served?");
+    let fused = fused_equals_alone(factory, &requests(factory, golden, IdPolicy::Reject), 4, 1e-6);
+    Int8Parity { recorded, bound, worst, fused }
 }
 
 /// `lanes` lanes, each created and run on its own thread at the same time,

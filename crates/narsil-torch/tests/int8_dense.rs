@@ -14,21 +14,11 @@
 /// Set to `1`, the INT8 tests fail instead of skipping.
 const REQUIRE_INT8: &str = "NARSIL_REQUIRE_INT8";
 
-use narsil_core::conformance::{self, fused_equals_alone, golden_parity};
+use narsil_core::conformance::{int8_parity, int8_quality, INT8_CAP};
 use narsil_core::error_chain;
 use narsil_core::golden::{test_model_dir, Golden};
-use narsil_core::request::IdPolicy;
 use narsil_embedding::SplitSchema;
 use narsil_torch::{cpu_flags, DenseForm, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
-
-/// Whatever the export recorded, INT8 scores further than this from FP32 on
-/// the golden requests fail (probabilities; the recorded difference on the
-/// test model is ~1e-4).
-const ABSOLUTE_CAP: f32 = 2e-2;
-/// A request's INT8 scores fused with others against alone: activations are
-/// quantized with static per-tensor scales, so a row's arithmetic does not
-/// depend on its batch.
-const FUSED_VS_ALONE: f32 = 1e-6;
 
 fn split_dir() -> std::path::PathBuf {
     test_model_dir().join("split")
@@ -60,18 +50,9 @@ fn int8_config(dir: std::path::PathBuf, form: DenseForm) -> TorchConfig {
     config
 }
 
-/// The max |INT8 - FP32| the export measured on the golden requests.
-fn recorded_golden_max_diff() -> f32 {
-    let path = split_dir().join("int8_quality.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let quality: serde_json::Value = serde_json::from_str(&text).unwrap();
-    quality["golden"]["max_abs_diff"].as_f64().expect("golden.max_abs_diff") as f32
-}
-
 /// The INT8 package serves the golden requests within twice what the export
-/// recorded (and never more than [`ABSOLUTE_CAP`]) of the FP32 scores,
-/// alone and fused (fused within [`FUSED_VS_ALONE`] of alone), and its
-/// scores are not the FP32 ones (the INT8 network, not a fallback, ran).
+/// recorded of the FP32 scores, alone and fused, in both forms that take it
+/// ([`int8_parity`]).
 #[test]
 fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
     let name = "int8_package_serves_golden_within_the_recorded_bound_alone_and_fused";
@@ -79,26 +60,14 @@ fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
         narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
         return;
     }
-    let recorded = recorded_golden_max_diff();
-    assert!(
-        recorded <= ABSOLUTE_CAP,
-        "the export recorded {recorded:e} from FP32, over the cap {ABSOLUTE_CAP:e}"
-    );
-    let tolerance = (2.0 * recorded).min(ABSOLUTE_CAP);
     for form in [DenseForm::Auto, DenseForm::Pt2] {
         let factory = SplitFactory::load(int8_config(split_dir(), form))
             .unwrap_or_else(|e| panic!("int8 {form}: {}", error_chain(&e)));
         let golden = Golden::read(&test_model_dir()).unwrap();
         // The top-level golden scores of the INT8-table model are the split
         // model's FP32 dense network's, bit for bit.
-        let worst = golden_parity(&factory, &golden, |g| g.scores_int8.clone(), tolerance);
-        assert!(worst > 0.0, "int8 {form}: the FP32 scores exactly: was the INT8 network served?");
-        let requests = conformance::requests(&factory, &golden, IdPolicy::Reject);
-        let fused = fused_equals_alone(&factory, &requests, 4, FUSED_VS_ALONE);
-        eprintln!(
-            "int8 {form}: max |diff| vs FP32 golden {worst:e} (export recorded {recorded:e}, bound {tolerance:e}), \
-             fused vs alone {fused:e}"
-        );
+        let parity = int8_parity(&factory, &golden, &split_dir(), |g| g.scores_int8.clone());
+        eprintln!("int8 {form}: {parity:?}");
     }
 }
 
@@ -113,14 +82,12 @@ fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
         narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
         return;
     }
-    let path = split_dir().join("int8_quality.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let quality: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let quality = int8_quality(&split_dir());
     let number = |pointer: &str| {
         quality
             .pointer(pointer)
             .and_then(serde_json::Value::as_f64)
-            .unwrap_or_else(|| panic!("{pointer} in {text}"))
+            .unwrap_or_else(|| panic!("{pointer} in {quality}"))
     };
     let (change, goal) = (number("/labelled/auc_change"), number("/labelled/auc_change_goal"));
     let met = quality.pointer("/labelled/auc_goal_met").and_then(serde_json::Value::as_bool);
@@ -133,7 +100,7 @@ fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
     for pointer in ["/golden/max_abs_diff", "/sampled/max_abs_diff"] {
         let diff = number(pointer);
         assert!(
-            diff > 0.0 && diff <= f64::from(ABSOLUTE_CAP),
+            diff > 0.0 && diff <= f64::from(INT8_CAP),
             "{pointer} = {diff:e}: not an INT8 network's, or over the cap"
         );
     }
