@@ -282,9 +282,9 @@ fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
 /// --int8`: every GEMM, the cross layers' included, in INT8, none left in
 /// FP32): within twice what the export recorded of Python's FP32 scores,
 /// alone and fused ([`conformance::int8_parity`]; the test model records
-/// ~7e-4). The package
-/// exists only where the exporting CPU had INT8 dot-product instructions;
-/// elsewhere the test says skipped (fails under NARSIL_REQUIRE_INT8=1).
+/// ~7e-4). The package exists only where the exporting CPU had INT8
+/// dot-product instructions; elsewhere the test says skipped (fails under
+/// NARSIL_REQUIRE_INT8=1).
 #[test]
 fn dcn_split_serves_its_int8_package_within_the_recorded_bound_alone_and_fused() {
     let test = "dcn_split_serves_its_int8_package_within_the_recorded_bound_alone_and_fused";

@@ -80,7 +80,9 @@ impl ScratchDir {
         }
         fs::DirBuilder::new().mode(0o700).create(&staging)?;
         let held = File::create(staging.join(HELD))?;
-        lock(&held, true)?.then_some(()).ok_or_else(|| io::Error::other("its new lock is held"))?;
+        if !try_lock(&held)? {
+            return Err(io::Error::other("its new lock file is locked by another process"));
+        }
         fs::rename(&staging, &dir)?;
         let swept = sweep(base, &dir);
         Ok(Self { dir, _held: held, swept })
@@ -106,13 +108,12 @@ impl Drop for ScratchDir {
     }
 }
 
-/// `flock`s `file` exclusively; `false` where another holds it (and
-/// `wait` is false).
-fn lock(file: &File, wait: bool) -> io::Result<bool> {
-    let operation = if wait { libc::LOCK_EX } else { libc::LOCK_EX | libc::LOCK_NB };
+/// `flock`s `file` exclusively without waiting; `false` where another
+/// holds it.
+fn try_lock(file: &File) -> io::Result<bool> {
     // SAFETY: `flock` takes a file descriptor and an operation and touches
     // no memory; the descriptor is `file`'s, open for this call.
-    match unsafe { libc::flock(file.as_raw_fd(), operation) } {
+    match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } {
         0 => Ok(true),
         _ => match io::Error::last_os_error() {
             e if e.raw_os_error() == Some(libc::EWOULDBLOCK) => Ok(false),
@@ -135,7 +136,7 @@ fn sweep(base: &Path, own: &Path) -> (usize, u64) {
             continue;
         }
         let Ok(held) = File::open(path.join(HELD)) else { continue };
-        if lock(&held, false).unwrap_or(false) {
+        if try_lock(&held).unwrap_or(false) {
             let bytes = size(&path);
             if fs::remove_dir_all(&path).is_ok() {
                 swept = (swept.0 + 1, swept.1 + bytes);
@@ -182,7 +183,7 @@ mod tests {
         let alive = base.path().join("narsil-4000002");
         fs::create_dir_all(&alive).unwrap();
         let holder = File::create(alive.join(HELD)).unwrap();
-        assert!(lock(&holder, false).unwrap());
+        assert!(try_lock(&holder).unwrap());
         // One being set up (no lock file yet), and what is not Narsil's.
         let starting = base.path().join("narsil-4000003");
         fs::create_dir_all(&starting).unwrap();
@@ -195,7 +196,7 @@ mod tests {
             assert!(kept.is_dir(), "{}", kept.display());
         }
         // Its own lock is held: a second start beside it leaves it.
-        assert!(!lock(&File::open(scratch.dir.join(HELD)).unwrap(), false).unwrap());
+        assert!(!try_lock(&File::open(scratch.dir.join(HELD)).unwrap()).unwrap());
         drop(holder);
         let dir = scratch.dir.clone();
         drop(scratch);

@@ -11,9 +11,9 @@
 //! `"working_set": {"kind": "gather", "width": 208}` or
 //! `{"kind": "block_attention", "block": 32, "heads": 4, "head_dim": 32,
 //! "contexts": 2, "model_dim": 128}` (`bytes_per_value` optional, 4), or
-//! `unit_attention` with the same fields (a network that attends unit
-//! after unit, one query block at a time: GR's TorchScript form, linear in
-//! a unit's history). Where a split model's AOTInductor packages attend
+//! `unit_attention` with the same fields and `group_tokens` (a network
+//! that attends unit after unit, one query block at a time, units in
+//! groups: GR's TorchScript form, linear in a unit's history). Where a split model's AOTInductor packages attend
 //! otherwise than its TorchScript network, the sequence also declares
 //! `"package_working_set"`, which a server running a package charges
 //! instead ([`crate::ModelSchema::charge_package_working_sets`]). A
@@ -198,25 +198,49 @@ impl WorkingSet {
                 model_dim,
                 group_tokens,
                 bytes_per_value,
-            } => {
-                let attention = UnitAttention { block, heads, head_dim, contexts, model_dim, group_tokens };
-                attention.bytes(units, bytes_per_value)
-            }
+            } => Groups::of(units, contexts, group_tokens).bytes(
+                block,
+                heads,
+                head_dim,
+                model_dim,
+                bytes_per_value,
+            ),
         }
     }
 }
 
-/// [`WorkingSet::UnitAttention`]'s sizes.
-struct UnitAttention {
-    block: usize,
-    heads: usize,
-    head_dim: usize,
-    contexts: usize,
-    model_dim: usize,
-    group_tokens: usize,
+/// A request's units as a unit-by-unit network runs them
+/// ([`WorkingSet::UnitAttention`]): in groups of whole units, cut as the
+/// network cuts them (`models/gr_model.py`'s `forward`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+struct Groups {
+    /// Tokens (contexts and positions) and rows of the largest group.
+    states: usize,
+    /// The most tokens one unit has.
+    longest: usize,
+    /// The most row-token pairs one unit has (its rows against its tokens).
+    pairs: usize,
 }
 
-impl UnitAttention {
+impl Groups {
+    fn of(units: &[Unit], contexts: usize, group_tokens: usize) -> Self {
+        let mut shape = Self::default();
+        let (mut group, mut held) = (0usize, 0usize);
+        for unit in units.iter().filter(|u| u.positions > 0 || u.rows > 0) {
+            let counted = unit.positions.saturating_add(unit.rows);
+            if group_tokens > 0 && held > 0 && held.saturating_add(counted) > group_tokens {
+                (shape.states, group, held) = (shape.states.max(group), 0, 0);
+            }
+            let tokens = unit.positions.saturating_add(contexts);
+            held = held.saturating_add(counted);
+            group = group.saturating_add(tokens).saturating_add(unit.rows);
+            shape.longest = shape.longest.max(tokens);
+            shape.pairs = shape.pairs.max(unit.rows.saturating_mul(tokens));
+        }
+        shape.states = shape.states.max(group);
+        shape
+    }
+
     /// A layer at its peak holds, per token and row of the group it runs,
     /// its state before and after, its sorted copy and its norm
     /// (`4 x model_dim`) and its `u, v, q, k` with their activation, the
@@ -227,29 +251,14 @@ impl UnitAttention {
     /// token at dim 256); and the scores of one product at a time, four
     /// alive (the product, its scaling, its activation, its mask), for the
     /// unit with the most tokens (a query block against them) and the unit
-    /// with the most row-token pairs (its rows against its tokens). Groups
-    /// are cut as the network cuts them (`models/gr_model.py`'s
-    /// `forward`). Measured against one forward's peak under the server's
-    /// malloc settings (`benchmarks/working_set_peak.py --gr`) and against
-    /// the server's own peak RSS (`docs/guide/gr-models.md#memory`): 1.1-2.4x.
-    fn bytes(&self, units: &[Unit], value: usize) -> usize {
-        let per = (4 * self.model_dim + 22 * self.heads * self.head_dim) * value + 2 * INDEX;
-        let (mut most, mut group, mut held, mut longest, mut pairs) =
-            (0usize, 0usize, 0usize, 0usize, 0usize);
-        for unit in units.iter().filter(|u| u.positions > 0 || u.rows > 0) {
-            let counted = unit.positions.saturating_add(unit.rows);
-            if self.group_tokens > 0 && held > 0 && held.saturating_add(counted) > self.group_tokens {
-                (most, group, held) = (most.max(group), 0, 0);
-            }
-            let tokens = unit.positions.saturating_add(self.contexts);
-            held = held.saturating_add(counted);
-            group = group.saturating_add(tokens).saturating_add(unit.rows);
-            longest = longest.max(tokens);
-            pairs = pairs.max(unit.rows.saturating_mul(tokens));
-        }
-        let states = most.max(group);
-        let scores = self.block.saturating_mul(longest).saturating_add(pairs);
-        states.saturating_mul(per).saturating_add(scores.saturating_mul(4 * self.heads * value))
+    /// with the most row-token pairs. Measured against one forward's peak
+    /// under the server's malloc settings (`benchmarks/working_set_peak.py
+    /// --gr`: 1.1-6.8x) and against the server's own peak RSS
+    /// (`docs/guide/gr-models.md#memory`: 1.5-2.6x).
+    fn bytes(&self, block: usize, heads: usize, head_dim: usize, model_dim: usize, value: usize) -> usize {
+        let per = (4 * model_dim + 22 * heads * head_dim) * value + 2 * INDEX;
+        let scores = block.saturating_mul(self.longest).saturating_add(self.pairs);
+        self.states.saturating_mul(per).saturating_add(scores.saturating_mul(4 * heads * value))
     }
 }
 
