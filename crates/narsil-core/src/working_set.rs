@@ -27,7 +27,11 @@
 //! ranking request's block one for all its rows) and the rows attending
 //! to each. It bounds the tensors alive at once during one forward of that
 //! request alone (checked against measured peaks: `docs/guide/sequences.md`);
-//! a fused batch holds the sum of its requests'.
+//! a fused batch holds the sum of its requests' (more where fusing pads).
+//! [`WorkingSet::batch_bound`] bounds what any one forward of some of a
+//! set of units can hold, however they are fused: the engine holds, for
+//! its requests in flight, the lesser of their sum and its lanes times
+//! that bound (a queued request allocates nothing).
 
 use serde::Deserialize;
 
@@ -206,6 +210,46 @@ impl WorkingSet {
                 bytes_per_value,
             ),
         }
+    }
+}
+
+impl WorkingSet {
+    /// The most one forward of any of `units` (any subset, fused in any
+    /// order) can hold: at least [`Self::bytes`] of each such batch, and
+    /// never less for more units. The kinds that add up or pad to their
+    /// longest: [`Self::bytes`] of them all. A network that runs units in
+    /// groups ([`Self::UnitAttention`]) holds one group's states at a
+    /// time: the largest unit alone, or at most `group_tokens` positions
+    /// and rows of several units with their contexts; scores of its
+    /// longest unit and its unit with the most row-token pairs.
+    pub fn batch_bound(&self, units: &[Unit]) -> usize {
+        let Self::UnitAttention {
+            block,
+            heads,
+            head_dim,
+            contexts,
+            model_dim,
+            group_tokens,
+            bytes_per_value,
+        } = *self
+        else {
+            return self.bytes(units);
+        };
+        let alone = Groups::of(units, contexts, 1);
+        let counted: Vec<_> = units.iter().filter(|u| u.positions > 0 || u.rows > 0).collect();
+        let all = counted.iter().fold(0usize, |a, u| {
+            a.saturating_add(u.positions).saturating_add(u.rows).saturating_add(contexts)
+        });
+        let states = if group_tokens == 0 {
+            all
+        } else {
+            // A group of several units counts at most `group_tokens`
+            // positions and rows, at least one a unit.
+            let several =
+                group_tokens.saturating_add(contexts.saturating_mul(counted.len().min(group_tokens)));
+            all.min(alone.states.max(several))
+        };
+        Groups { states, ..alone }.bytes(block, heads, head_dim, model_dim, bytes_per_value)
     }
 }
 
@@ -479,6 +523,42 @@ mod tests {
         )
         .unwrap();
         assert_eq!(declared, GR_UNITS);
+    }
+
+    #[test]
+    fn a_batch_bound_holds_every_batch_of_some_units_in_any_order_and_grows_with_them() {
+        let gather = WorkingSet::Gather { width: 10, position_width: 3, bytes_per_value: 4 };
+        let kinds = [GR_UNITS, BENCH_HSTU, gather, WorkingSet::undeclared(8)];
+        // Units of varied histories and rows, from a fixed LCG.
+        let mut seed = 7u64;
+        let mut next = |below: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 33) % below) as usize
+        };
+        let units: Vec<Unit> = (0..24)
+            .map(|_| Unit { positions: next(1500) + usize::from(next(4) == 0), rows: next(300) })
+            .collect();
+        for kind in kinds {
+            let all = kind.batch_bound(&units);
+            for trial in 0..200 {
+                // Some of them, in some order.
+                let mut batch: Vec<Unit> = units.iter().copied().filter(|_| next(3) > 0).collect();
+                for i in (1..batch.len()).rev() {
+                    batch.swap(i, next(i as u64 + 1));
+                }
+                assert!(kind.bytes(&batch) <= kind.batch_bound(&batch), "{kind:?} trial {trial}");
+                assert!(kind.batch_bound(&batch) <= all, "{kind:?} trial {trial}");
+            }
+        }
+        // 16 GR users of 1,023 positions and 128 candidates: one group of
+        // 2,048 positions and rows (and 16 contexts) at most, against 16
+        // units' sum; those that add up are their sum.
+        let users = vec![Unit { positions: 1023, rows: 128 }; 16];
+        let per = (4 * 256 + 22 * 256) * 4 + 16;
+        assert_eq!(GR_UNITS.batch_bound(&users), 2064 * per + (64 * 1024 + 128 * 1024) * 64);
+        assert!(16 * GR_UNITS.bytes(&users[..1]) > 8 * GR_UNITS.batch_bound(&users));
+        assert_eq!(BENCH_HSTU.batch_bound(&users), BENCH_HSTU.bytes(&users));
+        assert_eq!(GR_UNITS.batch_bound(&[]), 0);
     }
 
     #[test]

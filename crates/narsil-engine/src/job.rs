@@ -12,6 +12,7 @@ use tokio::sync::oneshot;
 use crate::admission::Permit;
 use crate::error::EngineError;
 use crate::memory::Lease;
+use crate::working_sets::WorkingShare;
 
 /// A request's scores and how they were computed.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,13 +112,15 @@ pub struct Entry {
     /// forward ends.
     pub lease: Lease,
     /// For a model with sequences: each sequence's units (histories and the
-    /// rows attending to each) and the working set its lease holds for
-    /// them, for fusing it only where the fused forward's working set is no
-    /// more than its requests' ([`crate::collector::FusedWorkingSet`]).
+    /// rows attending to each), for fusing it only where the fused
+    /// forward's working set is no more than its requests'
+    /// ([`crate::collector::FusedWorkingSet`]).
     pub units: Vec<Vec<narsil_core::working_set::Unit>>,
-    /// The working set its lease holds for `units`, with what fusing it
-    /// into its batch added (the padding it or its batch takes once fused).
-    pub working: usize,
+    /// For a model with sequences: its hold on the model's working-set
+    /// lease for `units`, with what fusing it into its batch added (the
+    /// padding it or its batch takes once fused); kept until its forward
+    /// ends.
+    pub working: Option<WorkingShare>,
     /// Its reply channel; closed when the caller went away.
     pub reply: ReplySender,
     /// When it was admitted.
@@ -152,6 +155,11 @@ impl Entry {
         crate::flush::Fill { requests: 1, rows: self.rows, tokens: self.tokens }
     }
 
+    /// The working set it holds for its units (0 without sequences).
+    pub fn working_bytes(&self) -> usize {
+        self.working.as_ref().map_or(0, WorkingShare::bytes)
+    }
+
     /// Decides the entry's fate at `now`. With `start`, a kept entry's
     /// request is marked started (it is about to be computed).
     pub fn fate(&self, now: Instant, start: bool) -> Fate {
@@ -183,6 +191,8 @@ pub struct Waiter {
     pub deadline: Option<Instant>,
     /// Its bytes on the memory budget, returned once the forward is over.
     pub lease: Lease,
+    /// Its hold on the model's working-set lease, likewise.
+    pub working: Option<WorkingShare>,
 }
 
 /// A fused batch and the requests waiting for its rows, in batch order.

@@ -19,6 +19,8 @@
 //!   other lanes are.
 //! * `health`: whether the backend is fit for traffic, from its forwards.
 //! * `stats`: counters the engine keeps about itself.
+//! * `working_sets`: what a model's forwards hold for their sequences,
+//!   one lease for all its requests in flight.
 
 #![forbid(unsafe_code)]
 
@@ -35,6 +37,7 @@ mod memory;
 mod parallelism;
 mod setting;
 mod stats;
+mod working_sets;
 
 pub use admission::{QueueFull, QueueLimit};
 pub use config::{ConfigError, EngineConfig, ExecutionMode};

@@ -12,6 +12,10 @@
 //! 3. the lease then stays with the request's rows, in the queue and in its
 //!    fused batch, and is returned when the forward that computed it ends.
 //!
+//! A model with sequences also holds one lease for the working sets its
+//! forwards allocate for them ([`crate::working_sets`]): sized for the
+//! batches its lanes can run at once, not for each queued request.
+//!
 //! So decodes in flight, queued requests and batches being computed never
 //! hold more than the budget between them; a reservation that does not fit
 //! is refused at once (RESOURCE_EXHAUSTED), never parked.

@@ -104,6 +104,9 @@ pub struct Stats {
     queued_requests: Gauge,
     queued_rows: Gauge,
     queued_bytes: Gauge,
+    /// What a sequence model's requests in flight hold for their working
+    /// sets ([`crate::working_sets`]).
+    pub(crate) working_set_bytes: Gauge,
     registry: Registry,
 }
 
@@ -186,6 +189,7 @@ impl Stats {
             queued_requests: Gauge::default(),
             queued_rows: Gauge::default(),
             queued_bytes: Gauge::default(),
+            working_set_bytes: Gauge::default(),
             registry: Registry::with_prefix_and_labels("narsil", labels.into_iter()),
         };
         stats.register()
@@ -256,6 +260,11 @@ impl Stats {
             "queue_bytes",
             "Decoded request bytes admitted and waiting for a forward",
             self.queued_bytes.clone(),
+        );
+        r.register(
+            "working_set_bytes",
+            "Bytes the memory bound holds for the working sets of a sequence model's requests in flight",
+            self.working_set_bytes.clone(),
         );
         r.register("busy_lanes", "Lanes running a forward", self.busy_lanes.clone());
         r.register(
@@ -409,6 +418,7 @@ mod tests {
         assert!(text.contains("narsil_queue_depth 3"), "{text}");
         assert!(text.contains("narsil_queue_rows 300"), "{text}");
         assert!(text.contains("narsil_queue_bytes 4000"), "{text}");
+        assert!(text.contains("narsil_working_set_bytes 0"), "{text}");
         assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

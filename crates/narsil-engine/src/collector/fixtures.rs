@@ -39,7 +39,7 @@ pub(super) fn entry(
         tokens: b,
         lease,
         units: Vec::new(),
-        working: 0,
+        working: None,
         reply,
         admitted: at,
         expires: None,

@@ -118,6 +118,7 @@ impl QueuedBatch {
                     admitted: e.admitted,
                     deadline: e.deadline,
                     lease: e.lease,
+                    working: e.working,
                 })
                 .collect(),
         }
@@ -128,10 +129,10 @@ impl QueuedBatch {
 /// fused batch's units (each sequence's, [`narsil_core::working_set`]). Not
 /// additive: a fused forward pads to its batch's longest unit, or lays
 /// candidates out to the most rows a unit has, so a request joins a batch
-/// only where its lease can also hold what fusing adds: the fused units'
-/// working set beyond what the batch's requests and it hold already, taken
-/// from the memory budget (if the budget cannot give it, the request starts
-/// a batch of its own).
+/// only where its working share can also hold what fusing adds: the fused
+/// units' working set beyond what the batch's requests and it hold already
+/// (if the model's working-set lease cannot grow for it,
+/// [`crate::working_sets`], the request starts a batch of its own).
 #[derive(Clone)]
 pub struct FusedWorkingSet(pub Arc<WorkingSetOf>);
 
@@ -146,14 +147,14 @@ impl std::fmt::Debug for FusedWorkingSet {
 
 impl FusedWorkingSet {
     /// Whether `adding` may join `batch`: the fused units' working set is
-    /// no more than what the batch's leases and its own hold for them,
-    /// once its lease has taken the difference (counted in its `working`).
+    /// no more than what the batch's shares and its own hold for them,
+    /// once its share has taken the difference.
     fn join(&self, batch: &QueuedBatch, adding: &mut Entry) -> bool {
-        if adding.units.is_empty() {
+        let Some(working) = adding.working.as_ref() else {
             return true;
-        }
+        };
         let batch_entries = || batch.queued.iter().map(|(e, _)| e);
-        let held = batch_entries().fold(adding.working, |a, e| a.saturating_add(e.working));
+        let held = batch_entries().fold(working.bytes(), |a, e| a.saturating_add(e.working_bytes()));
         let fused: Vec<Vec<Unit>> = (0..adding.units.len())
             .map(|s| {
                 batch_entries()
@@ -163,15 +164,7 @@ impl FusedWorkingSet {
             })
             .collect();
         let more = (self.0)(&fused).saturating_sub(held);
-        if more == 0 {
-            return true;
-        }
-        let bytes = adding.lease.bytes().saturating_add(more);
-        if adding.lease.resize(bytes).is_err() {
-            return false;
-        }
-        adding.working = adding.working.saturating_add(more);
-        true
+        more == 0 || adding.working.as_mut().is_some_and(|w| w.grow(more))
     }
 }
 
@@ -354,10 +347,12 @@ mod tests {
     use crate::admission::Admission;
     use crate::flush::PerRequest;
     use crate::memory::MemoryBudget;
+    use crate::working_sets::WorkingSets;
     use narsil_core::assemble;
+    use narsil_core::working_set::WorkingSet;
 
     #[test]
-    fn a_request_joins_a_batch_only_where_its_lease_can_hold_what_fusing_adds() {
+    fn a_request_joins_a_batch_only_where_its_share_can_hold_what_fusing_adds() {
         // A gather that pads: every row of the batch by its longest unit.
         let gather = || {
             FusedWorkingSet(Arc::new(|units: &[Vec<Unit>]| {
@@ -368,34 +363,42 @@ mod tests {
         let admission = Admission::new(100, 1000);
         let now = Instant::now();
         let mut rx = Vec::new();
-        // Requests of flat rows with histories of `positions`, charged
-        // their own working set from `budget`.
-        let mut add = |q: &mut BatchQueue, budget: &MemoryBudget, rows: usize, positions: usize| {
+        // Requests of flat rows with histories of `positions`, each holding
+        // its own working set on `sets` (a gather of 1 value a position:
+        // 13 bytes with its index and mask; every lane's bound past the
+        // sum, so the sum is held).
+        let mut add = |q: &mut BatchQueue, sets: &WorkingSets, rows: usize, positions: usize| {
             let (mut e, samples, r) = entry(&admission, rows, 1, now);
             e.units = vec![vec![Unit { positions, rows: 1 }; rows]];
-            e.working = rows * positions;
-            e.lease = budget.try_reserve(e.working).unwrap();
+            e.working = Some(sets.hold(e.units.clone(), rows * positions).unwrap());
             q.add(e, samples);
             rx.push(r);
         };
-        let tight = MemoryBudget::new(200);
+        let sets = |max: usize| {
+            let (budget, kind) = (
+                MemoryBudget::new(max),
+                WorkingSet::Gather { width: 1, position_width: 0, bytes_per_value: 4 },
+            );
+            (WorkingSets::new(vec![kind], 100, &budget, Default::default()), budget)
+        };
+        let (tight, budget) = sets(200);
         let mut q = queue(16, 100, 1000).with_working_set(gather());
         // Histories of one length: fused, nothing more taken.
         add(&mut q, &tight, 2, 10);
         add(&mut q, &tight, 3, 10);
-        assert_eq!((q.depth(), tight.used()), ((0, 2), 50));
+        assert_eq!((q.depth(), budget.used()), ((0, 2), 50));
         // A longer one would pad the batch's 5 rows to it: 6 x 50 = 300
         // against 100 held, and the budget lacks the 200 more: it starts a
         // batch of its own.
         add(&mut q, &tight, 1, 50);
-        assert_eq!((q.depth(), tight.used()), ((1, 1), 100));
-        // Where the budget has room, it joins, its lease taking the 200.
-        let roomy = MemoryBudget::new(1000);
+        assert_eq!((q.depth(), budget.used()), ((1, 1), 100));
+        // Where the budget has room, it joins, its share taking the 200.
+        let (roomy, budget) = sets(1000);
         let mut q = queue(16, 100, 1000).with_working_set(gather());
         add(&mut q, &roomy, 2, 10);
         add(&mut q, &roomy, 3, 10);
         add(&mut q, &roomy, 1, 50);
-        assert_eq!((q.depth(), roomy.used()), ((0, 3), 300));
+        assert_eq!((q.depth(), budget.used()), ((0, 3), 300));
         // Requests without units (no sequences) fuse by the limits alone.
         let mut plain = queue(16, 100, 1000).with_working_set(gather());
         for t in 0..3 {

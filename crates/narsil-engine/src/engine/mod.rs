@@ -25,6 +25,7 @@ use crate::health::BackendHealth;
 use crate::lanes::{self, LaneShared, Readiness};
 use crate::memory::MemoryBudget;
 use crate::stats::{Outcome, Stats, StatsSnapshot};
+use crate::working_sets::WorkingSets;
 
 /// The running engine: owns the collector and the lane threads.
 pub struct Engine {
@@ -42,6 +43,8 @@ struct Shared {
     collector: Arc<Collector>,
     admission: Arc<Admission>,
     memory: MemoryBudget,
+    /// For a model with sequences: what its forwards hold for them.
+    working_sets: Option<WorkingSets>,
     schema: ModelSchema,
     limits: RequestLimits,
     /// The lanes take only flat batches: a grouped request's block is
@@ -90,10 +93,13 @@ impl Engine {
             schema.num_dense,
             schema.num_sparse(),
         );
-        if !schema.sequences.is_empty() {
-            let working_sets: Vec<_> = schema.sequences.iter().map(|s| s.working_set()).collect();
+        let kinds: Vec<_> = schema.sequences.iter().map(|s| s.working_set()).collect();
+        let working_sets = (!kinds.is_empty()).then(|| {
+            WorkingSets::new(kinds.clone(), config.lanes, &config.memory, stats.working_set_bytes.clone())
+        });
+        if working_sets.is_some() {
             queue = queue.with_working_set(FusedWorkingSet(Arc::new(move |units: &[Vec<Unit>]| {
-                narsil_core::working_set::summed(working_sets.iter().copied(), units)
+                narsil_core::working_set::summed(kinds.iter().copied(), units)
             })));
         }
         let collector = Arc::new(Collector::new(queue, config.max_forward_threads, Arc::clone(&stats)));
@@ -121,6 +127,7 @@ impl Engine {
                     collector,
                     admission: Admission::new(config.max_queue_requests, config.max_queue_rows),
                     memory: config.memory.clone(),
+                    working_sets,
                     schema,
                     limits: config.limits,
                     flat_only: !model.takes_request_level(),

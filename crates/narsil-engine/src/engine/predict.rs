@@ -2,10 +2,11 @@
 //! it into parts when it has more rows or tokens than one forward may
 //! carry, charges its memory (its values, what its rows grow by once
 //! fused, and the working set its sequences make the dense network
-//! allocate: [`narsil_core::working_set`]), admits it, queues the parts
-//! and waits for their answers, its deadline or its queue timeout,
-//! whichever comes first. A request whose charge can never fit the
-//! memory bound is refused naming it.
+//! allocate: [`narsil_core::working_set`], held for all the model's
+//! requests in flight together by [`crate::working_sets`]), admits it,
+//! queues the parts and waits for their answers, its deadline or its queue
+//! timeout, whichever comes first. A request whose charge can never fit
+//! the memory bound alone is refused naming it.
 //!
 //! Timers live with the caller: when the queue timeout or the deadline
 //! fires, the caller abandons the request's [`Ticket`] and answers
@@ -170,8 +171,9 @@ impl EngineHandle {
         Ok(Prediction::merge(answered))
     }
 
-    /// Charges, admits and queues `parts` (each charged its `charges`),
-    /// then waits for their answers.
+    /// Charges, admits and queues `parts` (each charged its `charges`:
+    /// its working set on the model's working-set lease, the rest on a
+    /// lease of its own), then waits for their answers.
     async fn queue(
         &self,
         id: u64,
@@ -180,12 +182,33 @@ impl EngineHandle {
         deadline: Option<Instant>,
     ) -> Result<Prediction, EngineError> {
         let (shared, memory) = (&self.shared, &self.shared.memory);
-        let bytes = charges.iter().fold(0usize, |a, &c| a.saturating_add(c));
         let admitted = Instant::now();
         if deadline.is_some_and(|d| d <= admitted) {
             return Err(EngineError::DeadlineExceeded);
         }
+        let (schema, flat_only) = (&shared.schema, shared.flat_only);
+        let units: Vec<_> = parts.iter().map(|part| part.units(schema, flat_only)).collect();
+        let working: Vec<usize> = units
+            .iter()
+            .map(|units| {
+                narsil_core::working_set::summed(
+                    schema.sequences.iter().map(narsil_core::SequenceFeature::working_set),
+                    units,
+                )
+            })
+            .collect();
+        let charges: Vec<usize> = charges.iter().zip(&working).map(|(c, w)| c.saturating_sub(*w)).collect();
+        let bytes = charges.iter().fold(0usize, |a, &c| a.saturating_add(c));
         let mut lease = memory.try_reserve(bytes).map_err(EngineError::Overloaded)?;
+        let shares = match &shared.working_sets {
+            Some(sets) => units
+                .iter()
+                .zip(&working)
+                .map(|(units, &bytes)| sets.hold(units.clone(), bytes).map(Some))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(EngineError::Overloaded)?,
+            None => units.iter().map(|_| None).collect(),
+        };
         let rows = parts.iter().map(|p| p.num_samples).sum();
         let mut permit = match shared.admission.try_admit(rows, bytes) {
             Ok(permit) => permit,
@@ -204,27 +227,22 @@ impl EngineHandle {
         let last = parts.len() - 1;
         let mut permits: Vec<_> = parts[..last].iter().map(|p| permit.split_off(p.num_samples)).collect();
         permits.push(permit);
-        // Each part holds its rows, what they grow by once fused and its
-        // forward's working set (the block, shared by every part, is held
-        // by the caller until the last wave is answered).
+        // Each part holds its rows and what they grow by once fused, and
+        // its share of the working set (the block, shared by every part, is
+        // held by the caller until the last wave is answered).
         let mut leases: Vec<_> = charges[..last].iter().map(|&charge| lease.split_off(charge)).collect();
         leases.push(lease);
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()
             .zip(permits.into_iter().zip(leases))
-            .map(|(part, (permit, lease))| {
+            .zip(units.into_iter().zip(shares))
+            .map(|((part, (permit, lease)), (units, working))| {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
-                let schema = &shared.schema;
-                let units = part.units(schema, shared.flat_only);
-                let working = narsil_core::working_set::summed(
-                    schema.sequences.iter().map(narsil_core::SequenceFeature::working_set),
-                    &units,
-                );
                 let entry = Entry {
                     id,
                     rows: part.num_samples,
-                    tokens: part.tokens(schema, shared.flat_only),
+                    tokens: part.tokens(schema, flat_only),
                     lease,
                     units,
                     working,
@@ -371,26 +389,31 @@ async fn wait(
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use narsil_core::working_set::{Unit, WorkingSet};
     use narsil_core::{BackendError, BackendFactory, KeyedBatch, ModelBackend, ModelSchema};
 
     use super::*;
     use crate::lanes::fixtures::config;
     use crate::{Engine, EngineConfig, MemoryBudget};
 
-    /// Answers every forward at once.
-    struct Answers;
+    /// Answers every forward after its delay.
+    struct Answers(Duration);
 
     impl ModelBackend for Answers {
         fn forward(&mut self, batch: &KeyedBatch) -> Result<Vec<f32>, BackendError> {
+            std::thread::sleep(self.0);
             Ok(vec![0.5; batch.rows])
         }
     }
 
     /// Lanes that pool request-level blocks once (a split model's), or
-    /// that take only flat batches.
+    /// that take only flat batches; each forward takes `delay`.
     struct GroupedFactory {
         schema: ModelSchema,
         takes_request_level: bool,
+        delay: Duration,
     }
 
     impl BackendFactory for GroupedFactory {
@@ -399,7 +422,7 @@ mod tests {
         }
 
         fn create_lane(&self, _lane: usize) -> Result<Box<dyn ModelBackend>, BackendError> {
-            Ok(Box::new(Answers))
+            Ok(Box::new(Answers(self.delay)))
         }
 
         fn takes_request_level(&self) -> bool {
@@ -433,7 +456,8 @@ mod tests {
             memory: memory.clone(),
             ..config(false)
         };
-        let engine = Engine::start(Arc::new(GroupedFactory { schema, takes_request_level }), config).unwrap();
+        let factory = GroupedFactory { schema, takes_request_level, delay: Duration::ZERO };
+        let engine = Engine::start(Arc::new(factory), config).unwrap();
         engine.handle().wait_ready().await.unwrap();
         (engine, memory)
     }
@@ -466,6 +490,18 @@ mod tests {
     /// A model whose one sequence (cat_1, per row, at most 64 positions)
     /// makes its network gather 1,000 values per row and position.
     async fn sequence_engine(budget: usize, max_batch_tokens: usize) -> (Engine, MemoryBudget) {
+        let gather = WorkingSet::Gather { width: 1000, position_width: 0, bytes_per_value: 4 };
+        working_set_engine(gather, budget, max_batch_tokens, Duration::ZERO).await
+    }
+
+    /// A model whose one sequence (cat_1, per row, at most 64 positions)
+    /// makes its network hold `working_set`, its forwards taking `delay`.
+    async fn working_set_engine(
+        working_set: WorkingSet,
+        budget: usize,
+        max_batch_tokens: usize,
+        delay: Duration,
+    ) -> (Engine, MemoryBudget) {
         let mut schema = ModelSchema::dlrm("test", "cpu", 1000);
         schema.num_dense = 1;
         schema.sparse.truncate(2);
@@ -478,16 +514,12 @@ mod tests {
             &[],
         )
         .unwrap();
-        history.working_set = Some(narsil_core::working_set::WorkingSet::Gather {
-            width: 1000,
-            position_width: 0,
-            bytes_per_value: 4,
-        });
+        history.working_set = Some(working_set);
         schema.sequences = vec![history];
         let memory = MemoryBudget::new(budget);
         let config = EngineConfig { memory: memory.clone(), max_batch_tokens, ..config(false) };
-        let engine =
-            Engine::start(Arc::new(GroupedFactory { schema, takes_request_level: true }), config).unwrap();
+        let factory = GroupedFactory { schema, takes_request_level: true, delay };
+        let engine = Engine::start(Arc::new(factory), config).unwrap();
         engine.handle().wait_ready().await.unwrap();
         (engine, memory)
     }
@@ -534,5 +566,40 @@ mod tests {
             assert!(invalid.message.contains(words), "{words:?} in {invalid}");
         }
         assert_eq!(memory.used(), 0, "refused before any lease");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_requests_of_a_unit_by_unit_network_hold_one_batchs_working_set_not_each_their_own() {
+        // GR's TorchScript form at a small shape: units in groups of at
+        // most 130 positions and rows, so a batch holds two rows' states
+        // at a time however many requests it fuses.
+        let units = WorkingSet::UnitAttention {
+            block: 64,
+            heads: 4,
+            head_dim: 64,
+            contexts: 0,
+            model_dim: 256,
+            group_tokens: 130,
+            bytes_per_value: 4,
+        };
+        let own = units.bytes(&[Unit { positions: 64, rows: 1 }; 2]);
+        // Room for four requests' own working sets, not eight.
+        let (engine, memory) =
+            working_set_engine(units, 4 * own + own / 2, 1 << 20, Duration::from_millis(150)).await;
+        let calls: Vec<_> = (0..8)
+            .map(|_| {
+                let handle = engine.handle();
+                tokio::spawn(async move { handle.predict(histories(2), None, None).await })
+            })
+            .collect();
+        for call in calls {
+            let prediction = call.await.unwrap().unwrap();
+            assert_eq!(prediction.outputs[0].len(), 2);
+        }
+        // Eight in flight at once held one batch's bound, with their rows.
+        let bound = units.batch_bound(&[Unit { positions: 64, rows: 1 }; 16]);
+        assert!(memory.peak() >= bound, "peak {} under one batch's {bound}", memory.peak());
+        assert!(memory.peak() < 2 * own, "peak {} of {own} a request", memory.peak());
+        assert_eq!(memory.used(), 0, "every share returned");
     }
 }

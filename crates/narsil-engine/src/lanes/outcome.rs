@@ -134,7 +134,7 @@ mod tests {
                 let (reply, answer) = oneshot::channel();
                 let lease = budget.try_reserve(0).unwrap();
                 let admitted = Instant::now();
-                (Waiter { id: id as u64, reply, admitted, deadline, lease }, answer)
+                (Waiter { id: id as u64, reply, admitted, deadline, lease, working: None }, answer)
             })
             .unzip();
         (Job { threads: 1, batch, waiters }, answers)

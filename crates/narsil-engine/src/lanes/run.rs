@@ -30,7 +30,8 @@ impl LaneContext {
         staged: Option<Result<StagedBatch, BackendError>>,
     ) {
         self.stats.busy_lanes.inc();
-        let bytes = job.waiters.iter().map(|w| w.lease.bytes()).sum();
+        let bytes =
+            job.waiters.iter().map(|w| w.lease.bytes() + w.working.as_ref().map_or(0, |s| s.bytes())).sum();
         self.compute(backend, job, taken, handover, staged);
         crate::memory::freed_batch(bytes);
         self.stats.busy_lanes.dec();
@@ -109,7 +110,7 @@ impl LaneContext {
         for (waiter, outputs) in job.waiters.into_iter().zip(answers) {
             // Its bytes back on the budget before its caller hears: the
             // next wave of a request queued in waves finds them free.
-            drop(waiter.lease);
+            drop((waiter.lease, waiter.working));
             let _ = waiter.reply.send(Ok(Prediction {
                 outputs,
                 forwards: 1,
