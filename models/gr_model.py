@@ -402,7 +402,7 @@ class GrDenseNetwork(nn.Module):
         """The forward of one group of units (`forward`)."""
         dtype = self.content.first.weight.dtype
         pooled, values = pooled.to(dtype), seq0_values.to(dtype)
-        c, b, e = self.contexts, self.block, self.table_dim
+        c, e = self.contexts, self.table_dim
         rows, units, positions = pooled.size(0), seq0_offsets.numel() - 1, values.size(0)
         device = values.device
         starts = seq0_offsets[:-1]

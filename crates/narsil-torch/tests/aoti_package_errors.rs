@@ -54,5 +54,33 @@ fn a_package_whose_kernels_do_not_load_is_an_error_not_an_abort() {
     let flags: Vec<&str> = flags.split_whitespace().collect();
     let err = AotiPackage::load(&path, 1, &flags).err().map(|e| e.to_string());
     std::fs::remove_file(&path).unwrap();
+    remove_extractions_holding(b"\x7fXLF");
     assert_clear("load", &err.expect("a package with broken kernels loaded"));
+}
+
+/// libtorch extracts a package it loads into `$TMPDIR/aotinductor_*` and
+/// removes that only when the loaded package is dropped: a load that
+/// throws leaves it behind (`narsil serve` keeps such leftovers in its own
+/// scratch directory; a test binary has none). Removes the extractions
+/// holding a file that starts with `magic` (this test's broken kernels
+/// only, never another process's package).
+fn remove_extractions_holding(magic: &[u8]) {
+    fn holds(dir: &std::path::Path, magic: &[u8]) -> bool {
+        std::fs::read_dir(dir).into_iter().flatten().flatten().any(|entry| {
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                return holds(&path, magic);
+            }
+            let mut start = vec![0; magic.len()];
+            std::fs::File::open(&path)
+                .and_then(|mut file| std::io::Read::read_exact(&mut file, &mut start))
+                .is_ok_and(|()| start == magic)
+        })
+    }
+    for entry in std::fs::read_dir(std::env::temp_dir()).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if entry.file_name().to_string_lossy().starts_with("aotinductor_") && holds(&path, magic) {
+            let _ = std::fs::remove_dir_all(&path);
+        }
+    }
 }
