@@ -194,26 +194,20 @@ impl WorkingSet {
                 let shape = Blocks::of(units, block, contexts);
                 shape.bytes(block, heads, head_dim, model_dim, bytes_per_value)
             }
-            Self::UnitAttention {
-                block,
-                heads,
-                head_dim,
-                contexts,
-                model_dim,
-                group_tokens,
-                bytes_per_value,
-            } => Groups::of(units, contexts, group_tokens).bytes(
-                block,
-                heads,
-                head_dim,
-                model_dim,
-                bytes_per_value,
-            ),
+            Self::UnitAttention { contexts, group_tokens, .. } => {
+                self.grouped(Groups::of(units, contexts, group_tokens))
+            }
         }
     }
-}
 
-impl WorkingSet {
+    /// What a unit-by-unit network holds for `groups` (0 for other kinds).
+    fn grouped(&self, groups: Groups) -> usize {
+        let Self::UnitAttention { block, heads, head_dim, model_dim, bytes_per_value, .. } = *self else {
+            return 0;
+        };
+        groups.bytes(block, heads, head_dim, model_dim, bytes_per_value)
+    }
+
     /// The most one forward of any of `units` (any subset, fused in any
     /// order) can hold: at least [`Self::bytes`] of each such batch, and
     /// never less for more units. The kinds that add up or pad to their
@@ -223,16 +217,7 @@ impl WorkingSet {
     /// and rows of several units with their contexts; scores of its
     /// longest unit and its unit with the most row-token pairs.
     pub fn batch_bound(&self, units: &[Unit]) -> usize {
-        let Self::UnitAttention {
-            block,
-            heads,
-            head_dim,
-            contexts,
-            model_dim,
-            group_tokens,
-            bytes_per_value,
-        } = *self
-        else {
+        let Self::UnitAttention { contexts, group_tokens, .. } = *self else {
             return self.bytes(units);
         };
         let alone = Groups::of(units, contexts, 1);
@@ -249,7 +234,7 @@ impl WorkingSet {
                 group_tokens.saturating_add(contexts.saturating_mul(counted.len().min(group_tokens)));
             all.min(alone.states.max(several))
         };
-        Groups { states, ..alone }.bytes(block, heads, head_dim, model_dim, bytes_per_value)
+        self.grouped(Groups { states, ..alone })
     }
 }
 
