@@ -208,6 +208,16 @@ impl WorkingSet {
         groups.bytes(block, heads, head_dim, model_dim, bytes_per_value)
     }
 
+    /// Whether a forward of several requests' units can hold less than
+    /// their own working sets summed: a network that runs units in groups
+    /// ([`Self::UnitAttention`]) holds one group's states at a time. Every
+    /// other kind's forward of a batch holds at least its requests' sum
+    /// (their sizes add up, and it pads each to the batch's longest or
+    /// most rows).
+    pub fn fuses_below_sum(&self) -> bool {
+        matches!(self, Self::UnitAttention { .. })
+    }
+
     /// The most one forward of any of `units` (any subset, fused in any
     /// order) can hold: at least [`Self::bytes`] of each such batch, and
     /// never less for more units. The kinds that add up or pad to their
@@ -533,6 +543,11 @@ mod tests {
                 }
                 assert!(kind.bytes(&batch) <= kind.batch_bound(&batch), "{kind:?} trial {trial}");
                 assert!(kind.batch_bound(&batch) <= all, "{kind:?} trial {trial}");
+                // Cut into requests, the kinds that do not fuse below
+                // their sum hold at least it.
+                let cut = next(batch.len() as u64 + 1);
+                let apart = kind.bytes(&batch[..cut]) + kind.bytes(&batch[cut..]);
+                assert!(kind.fuses_below_sum() || kind.bytes(&batch) >= apart, "{kind:?} trial {trial}");
             }
         }
         // 16 GR users of 1,023 positions and 128 candidates: one group of

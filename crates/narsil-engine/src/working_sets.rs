@@ -35,6 +35,10 @@ pub struct WorkingSets(Arc<Pool>);
 struct Pool {
     /// Each sequence's declared working set, in schema order.
     kinds: Vec<WorkingSet>,
+    /// Whether a batch of some kind may hold less than its requests' sum
+    /// ([`WorkingSet::fuses_below_sum`]); where none does, the sum is held
+    /// and the shares' units are not kept.
+    bounded: bool,
     /// Forwards that may run at once (the lanes).
     lanes: usize,
     /// Shows what the lease holds.
@@ -45,24 +49,40 @@ struct Pool {
 #[derive(Debug)]
 struct State {
     lease: Lease,
-    /// The shares held, by key: their units and bytes.
-    held: HashMap<u64, (Vec<Vec<Unit>>, usize)>,
+    /// The shares held, by key.
+    held: HashMap<u64, Held>,
     next: u64,
 }
 
-impl State {
-    /// What the lease must hold for the shares in `held`.
-    fn charge(&self, kinds: &[WorkingSet], lanes: usize) -> usize {
-        let sum = self.held.values().fold(0usize, |a, (_, bytes)| a.saturating_add(*bytes));
-        let bound = kinds.iter().enumerate().fold(0usize, |a, (s, kind)| {
-            let units: Vec<Unit> = self
-                .held
-                .values()
-                .flat_map(|(units, _)| units.get(s).into_iter().flatten().copied())
-                .collect();
-            a.saturating_add(kind.batch_bound(&units))
-        });
-        sum.min(bound.saturating_mul(lanes))
+/// One share's part of the state.
+#[derive(Debug)]
+struct Held {
+    /// Each sequence's units (kept where the pool is `bounded`).
+    units: Vec<Vec<Unit>>,
+    bytes: usize,
+}
+
+impl Pool {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Resizes `state`'s lease to what its shares need (module docs).
+    fn resize(&self, state: &mut State) -> Result<(), QueueFull> {
+        let sum = state.held.values().fold(0usize, |a, h| a.saturating_add(h.bytes));
+        let charge = if self.bounded {
+            let bound = self.kinds.iter().enumerate().fold(0usize, |a, (s, kind)| {
+                let units: Vec<Unit> =
+                    state.held.values().flat_map(|h| h.units.get(s).into_iter().flatten().copied()).collect();
+                a.saturating_add(kind.batch_bound(&units))
+            });
+            sum.min(bound.saturating_mul(self.lanes))
+        } else {
+            sum
+        };
+        state.lease.resize(charge)?;
+        self.gauge.set(charge.try_into().unwrap_or(i64::MAX));
+        Ok(())
     }
 }
 
@@ -71,49 +91,32 @@ impl WorkingSets {
     /// `kinds`, run by `lanes` lanes; `gauge` shows what it holds.
     pub fn new(kinds: Vec<WorkingSet>, lanes: usize, budget: &MemoryBudget, gauge: Gauge) -> Self {
         let lease = budget.try_reserve(0).expect("an empty lease always fits");
-        let state = State { lease, held: HashMap::new(), next: 0 };
-        Self(Arc::new(Pool { kinds, lanes: lanes.max(1), gauge, state: Mutex::new(state) }))
+        let state = Mutex::new(State { lease, held: HashMap::new(), next: 0 });
+        let bounded = kinds.iter().any(WorkingSet::fuses_below_sum);
+        Self(Arc::new(Pool { kinds, bounded, lanes: lanes.max(1), gauge, state }))
     }
 
     /// A share for a request part of `units` (each sequence's) whose own
     /// forward holds `bytes`; refused where the budget cannot hold what the
     /// lease grows by.
-    pub fn hold(&self, units: Vec<Vec<Unit>>, bytes: usize) -> Result<WorkingShare, QueueFull> {
-        let key = self.update(|held, next| {
-            held.insert(next, (units, bytes));
-            Some(next)
-        })?;
+    pub fn hold(&self, units: &[Vec<Unit>], bytes: usize) -> Result<WorkingShare, QueueFull> {
+        let pool = &*self.0;
+        let mut state = pool.state();
+        let key = state.next;
+        state.next += 1;
+        let units = if pool.bounded { units.to_vec() } else { Vec::new() };
+        state.held.insert(key, Held { units, bytes });
+        if let Err(full) = pool.resize(&mut state) {
+            state.held.remove(&key);
+            return Err(full);
+        }
         Ok(WorkingShare { sets: self.clone(), key, bytes })
     }
 
     /// Bytes the lease holds now.
     #[cfg(test)]
     fn held(&self) -> usize {
-        self.0.state.lock().unwrap_or_else(PoisonError::into_inner).lease.bytes()
-    }
-
-    /// Changes the shares held (`change` gets them and the next free key,
-    /// and returns a key it took, if any) and resizes the lease for them;
-    /// undoes the change where the lease cannot grow.
-    fn update(
-        &self,
-        change: impl FnOnce(&mut HashMap<u64, (Vec<Vec<Unit>>, usize)>, u64) -> Option<u64>,
-    ) -> Result<u64, QueueFull> {
-        let pool = &*self.0;
-        let mut state = pool.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let before = state.held.clone();
-        let next = state.next;
-        let taken = change(&mut state.held, next);
-        if taken.is_some() {
-            state.next += 1;
-        }
-        let charge = state.charge(&pool.kinds, pool.lanes);
-        if let Err(full) = state.lease.resize(charge) {
-            state.held = before;
-            return Err(full);
-        }
-        pool.gauge.set(charge.try_into().unwrap_or(i64::MAX));
-        Ok(taken.unwrap_or(next))
+        self.0.state().lease.bytes()
     }
 }
 
@@ -134,28 +137,31 @@ impl WorkingShare {
     /// Adds `more` bytes (what fusing it into a batch adds); false, and
     /// nothing changed, where the budget cannot hold it.
     pub fn grow(&mut self, more: usize) -> bool {
-        let (key, bytes) = (self.key, self.bytes.saturating_add(more));
-        let grown = self.sets.update(|held, _| {
-            if let Some(share) = held.get_mut(&key) {
-                share.1 = bytes;
+        let pool = &*self.sets.0;
+        let mut state = pool.state();
+        let bytes = self.bytes.saturating_add(more);
+        let set = |state: &mut State, bytes| {
+            if let Some(held) = state.held.get_mut(&self.key) {
+                held.bytes = bytes;
             }
-            None
-        });
-        if grown.is_ok() {
-            self.bytes = bytes;
+        };
+        set(&mut state, bytes);
+        if pool.resize(&mut state).is_err() {
+            set(&mut state, self.bytes);
+            return false;
         }
-        grown.is_ok()
+        self.bytes = bytes;
+        true
     }
 }
 
 impl Drop for WorkingShare {
     fn drop(&mut self) {
-        let key = self.key;
+        let pool = &*self.sets.0;
+        let mut state = pool.state();
+        state.held.remove(&self.key);
         // Shrinking always fits.
-        let _ = self.sets.update(|held, _| {
-            held.remove(&key);
-            None
-        });
+        let _ = pool.resize(&mut state);
     }
 }
 
@@ -183,15 +189,15 @@ mod tests {
         let budget = MemoryBudget::new(usize::MAX);
         let one = GR.bytes(&user(1023, 128)[0]);
         let sets = WorkingSets::new(vec![GR], 1, &budget, Gauge::default());
-        let first = sets.hold(user(1023, 128), one).unwrap();
+        let first = sets.hold(&user(1023, 128), one).unwrap();
         assert_eq!(sets.held(), one, "one request: its own");
-        let shares: Vec<_> = (0..15).map(|_| sets.hold(user(1023, 128), one).unwrap()).collect();
+        let shares: Vec<_> = (0..15).map(|_| sets.hold(&user(1023, 128), one).unwrap()).collect();
         let bound = GR.batch_bound(&vec![Unit { positions: 1023, rows: 128 }; 16]);
         assert_eq!(sets.held(), bound, "16 requests: one group's");
         assert!(bound < 2 * one, "{bound} vs {one}");
         // Two lanes may each run a batch of them.
         let two = WorkingSets::new(vec![GR], 2, &budget, Gauge::default());
-        let held: Vec<_> = (0..16).map(|_| two.hold(user(1023, 128), one).unwrap()).collect();
+        let held: Vec<_> = (0..16).map(|_| two.hold(&user(1023, 128), one).unwrap()).collect();
         assert_eq!(two.held(), 2 * bound);
         drop(held);
         assert_eq!(two.held(), 0);
@@ -207,11 +213,10 @@ mod tests {
         let gather = WorkingSet::Gather { width: 10, position_width: 0, bytes_per_value: 4 };
         let one = gather.bytes(&user(50, 1)[0]);
         let budget = MemoryBudget::new(3 * one);
-        // Two lanes: two batches of them all would hold twice their sum.
-        let sets = WorkingSets::new(vec![gather], 2, &budget, Gauge::default());
-        let mut shares: Vec<_> = (0..3).map(|_| sets.hold(user(50, 1), one).unwrap()).collect();
+        let sets = WorkingSets::new(vec![gather], 1, &budget, Gauge::default());
+        let mut shares: Vec<_> = (0..3).map(|_| sets.hold(&user(50, 1), one).unwrap()).collect();
         assert_eq!(budget.used(), 3 * one);
-        let refused = sets.hold(user(50, 1), one).unwrap_err();
+        let refused = sets.hold(&user(50, 1), one).unwrap_err();
         assert_eq!((refused.needed, budget.used()), (one, 3 * one));
         // Growing past the budget fails and keeps the share as it was.
         assert!(!shares[0].grow(1));

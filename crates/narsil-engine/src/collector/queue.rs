@@ -370,7 +370,7 @@ mod tests {
         let mut add = |q: &mut BatchQueue, sets: &WorkingSets, rows: usize, positions: usize| {
             let (mut e, samples, r) = entry(&admission, rows, 1, now);
             e.units = vec![vec![Unit { positions, rows: 1 }; rows]];
-            e.working = Some(sets.hold(e.units.clone(), rows * positions).unwrap());
+            e.working = Some(sets.hold(&e.units, rows * positions).unwrap());
             q.add(e, samples);
             rx.push(r);
         };

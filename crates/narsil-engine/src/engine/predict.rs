@@ -204,7 +204,7 @@ impl EngineHandle {
             Some(sets) => units
                 .iter()
                 .zip(&working)
-                .map(|(units, &bytes)| sets.hold(units.clone(), bytes).map(Some))
+                .map(|(units, &bytes)| sets.hold(units, bytes).map(Some))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(EngineError::Overloaded)?,
             None => units.iter().map(|_| None).collect(),
