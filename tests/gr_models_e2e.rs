@@ -374,42 +374,46 @@ async fn many_gr_users_in_flight_fit_a_bound_far_below_their_own_working_sets_su
     // dense.pt runs a batch as groups of at most 2,048 positions and rows:
     // one lane holds one group's states however many users are queued, so
     // a bound of one group's working set and the requests' values serves
-    // every golden user of every case twice at once (each charged its own
-    // working set from admission, most were refused), each as GR scores
-    // it alone.
+    // every golden user of every case four times at once, each as GR
+    // scores it alone. One request a forward keeps them queued together.
+    // (Each charged its own working set from admission, refusals began
+    // past 15 in flight: one run of two failed here; the engine's test of
+    // queued requests holding one batch's working set, in
+    // `engine/predict.rs`, fails on that every time.)
     let dir = imported("kuairand", "pytorch");
     let factory = Arc::new(SplitFactory::load(split_config(&dir)).unwrap());
     let users: Vec<User> = golden("kuairand", "pytorch").into_iter().flat_map(|case| case.users).collect();
-    let calls = 2 * users.len();
+    let calls = 4 * users.len();
     let users = Arc::new(users);
     let sequence = &factory.schema().sequences[0];
     let largest = Unit { positions: sequence.max_len, rows: 16 };
     let own = sequence.working_set().bytes(&[largest]);
     let group = sequence.working_set().batch_bound(&vec![largest; calls]);
-    // Room for one group and about 100 kB of values a request.
-    let memory = narsil_engine::MemoryBudget::new(group + (16 << 20));
+    // Room for one group and about 200 kB of values a request.
+    let memory = narsil_engine::MemoryBudget::new(group + calls * (200 << 10));
     assert!(calls * own > 2 * memory.max(), "{calls} x {own} bytes of their own against {}", memory.max());
-    let server =
-        start_with(factory, config(|c| (c.lanes, c.memory) = (1, memory.clone()))).await.ready().await;
+    let one_at_a_time = config(|c| (c.lanes, c.max_batch_requests, c.memory) = (1, 1, memory.clone()));
+    let server = start_with(factory, one_at_a_time).await.ready().await;
     let mut client = server.client().await;
     let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
-    let channel = server.channel().await;
-    let sent = (0..calls).map(|call| {
+    // Each on a connection of its own, built before any is sent.
+    let mut prepared = Vec::with_capacity(calls);
+    for call in 0..calls {
         let u = call % users.len();
         let (grouped, _) = requests(&info, &users[u], &format!("in-flight-{call}"));
-        let mut client = proto::predictor_client::PredictorClient::new(channel.clone());
-        tokio::spawn(async move { (u, client.predict(grouped).await) })
-    });
-    let mut fused = 0;
+        prepared.push((u, server.client().await, grouped));
+    }
+    let sent = prepared
+        .into_iter()
+        .map(|(u, mut client, grouped)| tokio::spawn(async move { (u, client.predict(grouped).await) }));
     for call in futures_util::future::join_all(sent).await {
         let (u, response) = call.unwrap();
         let response = response.unwrap_or_else(|status| panic!("user {u}: {status:?}")).into_inner();
-        fused += usize::from(response.fused_requests > 1);
         let diff = worst(&by_task(&info, &response), &users[u].scores_alone, &format!("user {u} in flight"));
         assert!(diff <= GR_BOUND + FUSED_BOUND, "user {u} among many in flight: {diff} from GR alone");
     }
     eprintln!(
-        "{calls} requests at once ({fused} fused) under a bound of {} bytes: {own} bytes a user's own working \
+        "{calls} requests at once under a bound of {} bytes: {own} bytes a user's own working \
          set, {group} one group's; peak held {}",
         memory.max(),
         memory.peak()
