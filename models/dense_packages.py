@@ -154,28 +154,36 @@ def form_timings(out: Path, num_dense: int, pooled_width: int, precision: str, p
     return {"torchscript_us": [round(m * 1e3) for m in ts_ms], "pt2_us": [round(m * 1e3) for m in pt2_ms]}
 
 
-def sequence_form_timings(out: Path, package, batches: List[Tuple[tuple, int]], log) -> dict:
-    """The schema's `dense_form_timings` for a sequence model's FP32 forms:
-    `out/dense.pt` (frozen, as Narsil runs it) and `package` (its loaded
-    `.pt2`) timed on one thread on `batches` (each its inputs and its
-    rows), which `--dense-form auto` reads to serve the faster where it
-    runs on the same CPU (a sequence network's TorchScript form can beat
-    its package: GR's attends unit by unit only under TorchScript)."""
+def sequence_form_timings(out: Path, package, batches: List[Tuple[tuple, int]], log,
+                          precision: str = "fp32") -> dict:
+    """The schema's `dense_form_timings` for a sequence model's forms of
+    one precision: `out/dense.pt` (frozen, as Narsil runs it; bf16: its
+    floating-point parameters cast) and `package` (its loaded `.pt2` of
+    that precision) timed on one thread on `batches` (each its FP32 inputs,
+    cast to the precision, and its rows), which `--dense-form auto` reads to
+    serve the faster where it runs on the same CPU (a sequence network's
+    TorchScript form can beat its package: GR's attends unit by unit only
+    under TorchScript). Timings of several precisions merge into one dict
+    (`dict.update`)."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     module = torch.jit.load(str(out / "dense.pt")).eval()
+    if dtype != torch.float32:
+        module = module.to(dtype)
     try:
         module = torch.jit.freeze(module)
     except Exception:  # a network freezing refuses runs unfrozen, as Narsil then runs it
         pass
-    ts_ms = [forward_ms(module, inputs, warmups=3) for inputs, _ in batches]
-    pt2_ms = [forward_ms(package, inputs) for inputs, _ in batches]
+    cast = [tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs) for inputs, _ in batches]
+    ts_ms = [forward_ms(module, inputs, warmups=3) for inputs in cast]
+    pt2_ms = [forward_ms(package, inputs) for inputs in cast]
     rows = [rows for _, rows in batches]
     per_row = lambda ms: sum(m / r for m, r in zip(ms, rows))  # noqa: E731
     faster = "TorchScript" if per_row(ts_ms) < per_row(pt2_ms) else ".pt2"
-    log(f"fp32 forms on this CPU ({cpu_identity()}), one thread, batches of {' / '.join(map(str, rows))} rows: "
-        f"TorchScript {' / '.join(f'{m:.1f}' for m in ts_ms)} ms, .pt2 {' / '.join(f'{m:.1f}' for m in pt2_ms)} ms: "
-        f"--dense-form auto serves {faster} here")
+    log(f"{precision} forms on this CPU ({cpu_identity()}), one thread, batches of {' / '.join(map(str, rows))} "
+        f"rows: TorchScript {' / '.join(f'{m:.1f}' for m in ts_ms)} ms, .pt2 {' / '.join(f'{m:.1f}' for m in pt2_ms)} "
+        f"ms: --dense-form auto serves {faster} here")
     return {"cpu": cpu_identity(), "rows": rows,
-            "fp32": {"torchscript_us": [round(m * 1e3) for m in ts_ms], "pt2_us": [round(m * 1e3) for m in pt2_ms]}}
+            precision: {"torchscript_us": [round(m * 1e3) for m in ts_ms], "pt2_us": [round(m * 1e3) for m in pt2_ms]}}
 
 
 def write_dense_package(out: Path, dense_network: nn.Module, num_dense: int, pooled_width: int, log,

@@ -64,7 +64,7 @@ from sequence_split import din_layout, write_split
 from working_sets import din_working_set
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 4
+EXPORT_FORMAT = 5
 # model.pt's scores against the reference.
 BOUND = 1e-6
 
@@ -92,7 +92,8 @@ def main() -> int:
     p.add_argument("--split", action="store_true", help="also write the split form into OUT/split")
     p.add_argument("--pt2", action="store_true",
                    help="with --split, also compile the dense network with AOTInductor into OUT/split/dense.pt2 "
-                        "(FP32; needs a C++ compiler, about 20 s)")
+                        "(FP32) and, on a CPU with bf16 instructions, dense_bf16.pt2 (needs a C++ compiler, about "
+                        "20 s each)")
     p.add_argument("--dense-attention", choices=["factored", "exact"], default="factored",
                    help="the split dense network's attention: factored (the history's part of the first layer "
                         "once per position, not per candidate; scores within about 5e-7 of the reference's) or "

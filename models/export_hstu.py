@@ -26,7 +26,8 @@ Writes into --out:
                        reference in one forward per request
   split/               Narsil's split form (models/sequence_split.py):
                        schema.json, tables/*.bin, dense.pt (scripted
-                       hstu_model.HstuDenseNetwork), with --pt2 dense.pt2,
+                       hstu_model.HstuDenseNetwork), with --pt2 dense.pt2
+                       (and dense_bf16.pt2 on a CPU with bf16),
                        golden files; checked through an emulation of
                        Narsil's stage on flat, grouped and fused batches
   manifest.json        export format, shape, seed, checks, files
@@ -50,7 +51,7 @@ from working_sets import hstu_working_set
 from sequence_split import Layout, write_split
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 3
+EXPORT_FORMAT = 4
 # The split form's scores against the reference (FP32): the reference runs
 # the whole padded sequence's attention, the split form each history once
 # and each candidate alone (sums in another order).
@@ -115,7 +116,8 @@ def main() -> int:
                    help="the split dense network's attention block: a unit's tokens are cut into blocks of this many "
                         "(only its last block padded)")
     p.add_argument("--pt2", action="store_true",
-                   help="also compile the dense network with AOTInductor into OUT/split/dense.pt2 (FP32)")
+                   help="also compile the dense network with AOTInductor into OUT/split/dense.pt2 (FP32) "
+                        "and, on a CPU with bf16 instructions, dense_bf16.pt2")
     args = p.parse_args()
     args.num_dense = 0
     if args.num_user < 1 or args.max_len < 1 or args.attention_block < 1:

@@ -348,8 +348,10 @@ class HstuDenseNetwork(nn.Module):
                 + age_bias.index_select(0, pair_key)
             weights = F.silu(scores) * pair_mask / scale
             shares = torch.bmm(weights.view(pairs.size(0) * heads, b, b), by_head(vb.index_select(0, pair_key)))
-            attended = torch.zeros(blocks, heads, b, head_dim, dtype=dtype, device=device).index_add(
-                0, pair_query, shares.view(pairs.size(0), heads, b, head_dim))
+            # Block pairs' shares summed in FP32 (a no-op in FP32; in bf16, AOTInductor has no C shim for
+            # a bf16 index_add, and its fallback fails at run time).
+            attended = torch.zeros(blocks, heads, b, head_dim, device=device).index_add(
+                0, pair_query, shares.view(pairs.size(0), heads, b, head_dim).float()).to(dtype)
             attended = attended.transpose(1, 2).reshape(blocks * b, width).index_select(0, token_place)
             x = layer.finish(x, attended, u)
             # The candidates, against their unit's key blocks and themselves.
@@ -361,8 +363,8 @@ class HstuDenseNetwork(nn.Module):
                 + layer.relative(candidate_distance).transpose(0, 1).unsqueeze(2) + age_bias
             weights = F.silu(scores) * key_valid / scale
             shares = torch.bmm(weights.view(blocks * heads, most, b), by_head(vb))
-            attended = torch.zeros(units, heads, most, head_dim, dtype=dtype, device=device).index_add(
-                0, block_unit, shares.view(blocks, heads, most, head_dim))
+            attended = torch.zeros(units, heads, most, head_dim, device=device).index_add(
+                0, block_unit, shares.view(blocks, heads, most, head_dim).float()).to(dtype)
             attended = attended.transpose(1, 2).reshape(units * most, width).index_select(0, candidate_slot)
             own = F.silu((cq * ck).sum(-1) + layer.position_bias[:, 0]) / scale
             candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)

@@ -1,7 +1,8 @@
 """The split form of a ranker with one behaviour sequence (models/export_din.py
 and models/export_hstu.py --split): its INT8 tables, `schema.json` with the
 history as a sequence, `dense.pt` (the model's dense network, scripted) and,
-with --pt2, `dense.pt2`, checked against TorchRec's eager quantized forward
+with --pt2, `dense.pt2` (and `dense_bf16.pt2` where the CPU has bf16
+instructions), checked against TorchRec's eager quantized forward
 through an emulation of Narsil's embedding stage (`Stage`): rows
 dequantized from the table files' bytes as FBGEMM does, bags pooled, each
 unit's positions laid out once, units as Narsil numbers them (a batch's rows
@@ -10,6 +11,7 @@ A model's `Layout` names its history's
 channels and its candidate's features."""
 
 import argparse
+import copy
 import json
 import shutil
 import time
@@ -23,7 +25,7 @@ from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddi
 
 import din_model
 from din_requests import cut_history, features, sample_major
-from dense_packages import isa_cpu_flags, load_unlinked_package, sequence_form_timings
+from dense_packages import isa_cpu_flags, load_unlinked_package, package_precisions, sequence_form_timings
 from split_model import SPLIT_FORMAT, named_int8_tables, write_int8_table
 
 class Layout(NamedTuple):
@@ -208,31 +210,49 @@ def write_split(out: Path, quantized: torch.nn.Module, network: torch.nn.Module,
     check("fused", fused_rows, fused_blocks, torch.cat(fused_expected))
     check_stage_rows(stage, ec, ebc, flat, keys, user, layout, log)
     if args.pt2:
-        package_file, worst["pt2 from dense.pt"] = write_dense_package(out, network, checked, args, log)
-        schema["dense_package"] = package_file
         # The two largest batches checked (the fused one first): what --dense-form auto weighs.
         largest = sorted(checked, key=lambda inputs: -inputs[0].shape[0])[:2]
-        schema["dense_form_timings"] = sequence_form_timings(
-            out, load_unlinked_package(str(out / package_file)), [(b, b[0].shape[0]) for b in largest], log)
+        timings = {}
+        for precision in package_precisions():
+            package_file, worst[f"pt2 {precision} from dense.pt"] = write_dense_package(
+                out, network, checked, args, log, precision, layout.bf16_bound)
+            schema["dense_package" if precision == "fp32" else f"dense_package_{precision}"] = package_file
+            timings.update(sequence_form_timings(out, load_unlinked_package(str(out / package_file)),
+                                                 [(b, b[0].shape[0]) for b in largest], log, precision))
+        if "bf16" not in package_precisions():
+            log("dense_bf16.pt2 not compiled: this CPU has no bf16 instructions (AVX512-BF16 or AMX-BF16)")
+        schema["dense_form_timings"] = timings
         (out / "schema.json").write_text(json.dumps(schema, indent=2) + "\n")
     return worst
 
 
 def write_dense_package(out: Path, network: torch.nn.Module, batches: List[tuple],
-                        args: argparse.Namespace, log) -> Tuple[str, float]:
-    """`network` compiled ahead of time into `out/dense.pt2`: torch.export
-    with dynamic rows R, positions P (0 included), units U (1 included) and
-    the longest unit known at run time only, then AOTInductor, FP32, for
-    this CPU's vector ISA without -march=native, kernels not linking
-    libtorch (as models/split_model.py compiles the pooled models'
-    packages; Inductor's defaults). Checked within 1e-5 of `out/dense.pt`
-    on `batches` and on a row alone with an empty history (P == 0, U == 1).
-    Returns the file's name and the largest difference."""
+                        args: argparse.Namespace, log, precision: str = "fp32",
+                        bf16_bound: float = 1e-2) -> Tuple[str, float]:
+    """`network` compiled ahead of time into `out/dense.pt2` (FP32) or, for
+    `precision` "bf16", `out/dense_bf16.pt2` (its floating-point parameters
+    and inputs bf16, as Narsil's bf16 casts them): torch.export with dynamic
+    rows R, positions P (0 included), units U (1 included) and the longest
+    unit known at run time only, then AOTInductor, for this CPU's vector ISA
+    without -march=native, kernels not linking libtorch (as
+    models/split_model.py compiles the pooled models' packages; Inductor's
+    defaults). Checked against `out/dense.pt` in FP32 on `batches` and on a
+    row alone with an empty history (P == 0, U == 1): FP32 within 1e-5,
+    bf16 within `bf16_bound` (the bound dense.pt in bf16 keeps against the
+    reference). Returns the file's name and the largest difference."""
     import torch.fx.experimental._config as fx_config
     from torch._inductor import aoti_compile_and_package
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     started = time.time()
+    name = "dense.pt2" if precision == "fp32" else f"dense_{precision}.pt2"
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    bound = 1e-5 if precision == "fp32" else bf16_bound
+    module = network if precision == "fp32" else copy.deepcopy(network).to(dtype)
+
+    def cast(inputs: tuple) -> tuple:
+        return tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
+
     vec_isa = pick_vec_isa()
     flags = isa_cpu_flags(vec_isa.build_arch_flags())
     rows = torch.export.Dim("rows", min=1, max=1 << 20)
@@ -241,11 +261,11 @@ def write_dense_package(out: Path, network: torch.nn.Module, batches: List[tuple
     example = next(b for b in batches if b[2].shape[0] > 1 and b[3].shape[0] > 2)
     # Sizes 0 and 1 not specialised: a lone flat row is one unit, an empty history no position.
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        program = torch.export.export(network, example, dynamic_shapes=(
+        program = torch.export.export(module, cast(example), dynamic_shapes=(
             {0: rows}, {0: rows}, {0: positions}, {0: offsets}, {0: rows}))
     settings = "Inductor defaults"
     with torch.no_grad():
-        path = aoti_compile_and_package(program, package_path=str(out / "dense.pt2"), inductor_configs={
+        path = aoti_compile_and_package(program, package_path=str(out / name), inductor_configs={
             "cpp.march": "",
             "aot_inductor.link_libtorch": False,
             "aot_inductor.metadata": {"narsil_cpu_flags": " ".join(flags), "narsil_vec_isa": str(vec_isa),
@@ -258,12 +278,12 @@ def write_dense_package(out: Path, network: torch.nn.Module, batches: List[tuple
     worst = 0.0
     with torch.inference_mode():
         for inputs in batches + [lone]:
-            worst = max(worst, (package(*inputs) - scripted(*inputs)).abs().max().item())
-    if not worst <= 1e-5:
-        raise SystemExit(f"dense.pt2 check failed: {worst} from dense.pt")
-    log(f"compiled dense.pt2 with AOTInductor for {vec_isa} ({settings}) in {time.time() - started:.0f} s; "
-        f"within {worst:.1e} of dense.pt on {len(batches) + 1} batches")
-    return "dense.pt2", worst
+            worst = max(worst, (package(*cast(inputs)).float() - scripted(*inputs)).abs().max().item())
+    if not worst <= bound:
+        raise SystemExit(f"{name} check failed: {worst} from dense.pt (FP32), over {bound:g}")
+    log(f"compiled {name} with AOTInductor for {vec_isa} ({settings}) in {time.time() - started:.0f} s; "
+        f"within {worst:.1e} of dense.pt (FP32) on {len(batches) + 1} batches")
+    return name, worst
 
 
 def check_stage_rows(stage: Stage, ec: QuantEmbeddingCollection, ebc: QuantEmbeddingBagCollection,

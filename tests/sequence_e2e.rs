@@ -168,6 +168,18 @@ fn golden_scores(request: &narsil_core::golden::GoldenRequest) -> &[f32] {
     }
 }
 
+/// What a model's ranking requests send once, as its golden ranking file
+/// names them: its request-level sparse features, and `dense` where its
+/// dense features are request-level.
+fn request_level(info: &proto::ModelInfoResponse) -> Vec<String> {
+    info.sparse_features
+        .iter()
+        .filter(|f| f.request_level)
+        .map(|f| f.name.clone())
+        .chain(info.dense_request_level.then(|| "dense".to_string()))
+        .collect()
+}
+
 /// Serves `factory` and checks the golden requests (flat and grouped)
 /// against TorchRec's eager forward, and grouped == flat alone and fused.
 async fn scores_as_torchrec_and_grouped_as_flat(
@@ -204,14 +216,7 @@ async fn served_scores_as_torchrec_and_grouped_as_flat(
         let got = client.predict(common::wire(request, &format!("golden-{i}"))).await.unwrap().into_inner();
         assert_close(&got.scores, golden_scores(request), &format!("{what}: golden flat request {i}"));
     }
-    let declared: Vec<String> = info
-        .sparse_features
-        .iter()
-        .filter(|f| f.request_level)
-        .map(|f| f.name.clone())
-        .chain(info.dense_request_level.then(|| "dense".to_string()))
-        .collect();
-    for golden in golden_ranking_declaring(dir, &declared) {
+    for golden in golden_ranking_declaring(dir, &request_level(&info)) {
         let what = format!("{what}: {} against TorchRec's eager forward", golden.grouped.request_id);
         let got = client.predict(golden.grouped).await.unwrap().into_inner().scores;
         assert_close(&got, &golden.scores_int8, &what);
@@ -300,8 +305,11 @@ async fn a_generative_ranker_scores_as_its_eager_forward_through_the_device_lane
 /// The HSTU export's bound on bf16 scores against its FP32 eager forward
 /// (models/export_hstu.py's BF16_BOUND; 3.6e-2 measured there).
 const HSTU_BF16_BOUND: f32 = 1e-1;
-/// bf16: a candidate grouped against flat, and fused against alone.
-const HSTU_BF16_GROUPED_VS_FLAT: f32 = 2e-2;
+/// The DIN export's bound on bf16 scores against TorchRec's FP32 eager
+/// forward (models/sequence_split.py's `Layout.bf16_bound`).
+const DIN_BF16_BOUND: f32 = 1e-2;
+/// bf16: a candidate grouped against flat.
+const BF16_GROUPED_VS_FLAT: f32 = 2e-2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_generative_ranker_in_bf16_through_the_device_lane_scores_within_its_bound() {
@@ -309,27 +317,60 @@ async fn a_generative_ranker_in_bf16_through_the_device_lane_scores_within_its_b
     let mut config = split_config(&dir);
     config.device_path_on_cpu = true;
     config.dense_form = narsil_torch::DenseForm::TorchScript;
-    config.dense_precision = narsil_torch::DensePrecision::Bf16;
     let emulated = narsil_torch::cpu_bf16_instructions().is_empty();
     config.bf16_emulated = emulated;
+    let what = format!("HSTU bf16, device lane (emulated: {emulated})");
+    bf16_within_bound(config, &dir, HSTU_BF16_BOUND, &what).await;
+}
+
+/// A sequence network's bf16 package (`dense_bf16.pt2`, which
+/// `models/sequence_split.py` compiles where the exporting CPU has bf16
+/// instructions) is what `--dense-form pt2 --dense-precision bf16` serves,
+/// within the export's bf16 bound of the FP32 reference, grouped as flat:
+/// DIN and HSTU. Skipped (by name, and failed under NARSIL_REQUIRE_BF16=1)
+/// where the export compiled none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_networks_bf16_package_scores_within_its_bound_grouped_as_flat() {
+    let test = "a_sequence_networks_bf16_package_scores_within_its_bound_grouped_as_flat";
+    for (dir, bound) in [(din_dir(), DIN_BF16_BOUND), (hstu_dir(), HSTU_BF16_BOUND)] {
+        let split = narsil_embedding::SplitSchema::read(&dir.join("split")).unwrap();
+        if split.dense_package_bf16.is_none() {
+            let why = format!(
+                "{} has no dense_bf16.pt2 (exported on a CPU without AVX512-BF16 or AMX-BF16)",
+                dir.display()
+            );
+            narsil_core::skip::skip_or_fail("NARSIL_REQUIRE_BF16", test, &why);
+            continue;
+        }
+        let mut config = split_config(&dir);
+        config.dense_form = narsil_torch::DenseForm::Pt2;
+        config.dense_precision = narsil_torch::DensePrecision::Bf16;
+        let what = format!("{} dense_bf16.pt2", dir.display());
+        bf16_within_bound(config, &dir, bound, &what).await;
+    }
+}
+
+/// Serves `config` in bf16 and checks the golden requests (flat and
+/// grouped) within `bound` of the FP32 reference, and users' ranking
+/// requests grouped against flat within [`BF16_GROUPED_VS_FLAT`].
+async fn bf16_within_bound(mut config: TorchConfig, dir: &Path, bound: f32, what: &str) {
+    config.dense_precision = narsil_torch::DensePrecision::Bf16;
     let factory = Arc::new(SplitFactory::load(config).unwrap());
     let server = start_with(factory, batch_mode(1, 16)).await.ready().await;
     let mut client = server.client().await;
     let info = client.model_info(proto::ModelInfoRequest::default()).await.unwrap().into_inner();
-    let golden = Golden::read(&dir).unwrap();
+    let golden = Golden::read(dir).unwrap();
     let mut worst = 0f32;
     for (i, request) in golden.requests.iter().enumerate() {
         let got = client.predict(common::wire(request, &format!("golden-{i}"))).await.unwrap().into_inner();
         worst = worst.max(narsil_core::golden::max_abs_diff(&got.scores, golden_scores(request)).unwrap());
     }
-    let declared: Vec<String> =
-        info.sparse_features.iter().filter(|f| f.request_level).map(|f| f.name.clone()).collect();
-    for golden in golden_ranking_declaring(&dir, &declared) {
+    for golden in golden_ranking_declaring(dir, &request_level(&info)) {
         let got = client.predict(golden.grouped).await.unwrap().into_inner().scores;
         worst = worst.max(narsil_core::golden::max_abs_diff(&got, &golden.scores_int8).unwrap());
     }
-    eprintln!("HSTU bf16 (emulated: {emulated}): max |diff| vs the FP32 eager forward {worst:e}");
-    assert!(worst <= HSTU_BF16_BOUND, "bf16 scores {worst} from the FP32 reference, over {HSTU_BF16_BOUND}");
+    eprintln!("{what}: max |diff| vs the FP32 reference {worst:e}");
+    assert!(worst <= bound, "{what}: bf16 scores {worst} from the FP32 reference, over {bound}");
     let ranking = Ranking { info: &info };
     let mut spread = 0f32;
     for (user, len, candidates) in [(1, 0, 3), (3, ranking.max_len() / 2, 300), (4, ranking.max_len(), 40)] {
@@ -338,8 +379,8 @@ async fn a_generative_ranker_in_bf16_through_the_device_lane_scores_within_its_b
         let got = client.predict(grouped).await.unwrap().into_inner().scores;
         spread = spread.max(narsil_core::golden::max_abs_diff(&got, &want).unwrap());
     }
-    eprintln!("HSTU bf16: grouped vs flat max |diff| {spread:e}");
-    assert!(spread <= HSTU_BF16_GROUPED_VS_FLAT, "bf16 grouped vs flat {spread}");
+    eprintln!("{what}: grouped vs flat max |diff| {spread:e}");
+    assert!(spread <= BF16_GROUPED_VS_FLAT, "{what}: bf16 grouped vs flat {spread}");
     server.stop().await.unwrap();
 }
 
