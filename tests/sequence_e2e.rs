@@ -717,3 +717,67 @@ async fn an_override_naming_one_channel_of_a_history_fails_the_load_naming_the_s
     assert_eq!(version("din_as_declared").state, "READY", "{list:#?}");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_din_users_in_flight_fit_a_bound_far_below_their_own_working_sets_summed() {
+    // DIN's network gathers each candidate's history (a batch holds its
+    // requests' working sets summed), and with one request a forward one
+    // lane holds one request's: a bound of the largest golden request's
+    // working set and about 256 kB of values a request serves every golden
+    // ranking request four times at once, each as TorchRec scores it.
+    // (Each charged its own working set from admission, most were refused:
+    // the engine's test of requests that each fill a forward, in
+    // `engine/predict.rs`, fails on that every time.)
+    let dir = din_dir();
+    let factory = Arc::new(SplitFactory::load(split_config(&dir)).unwrap());
+    let text = std::fs::read_to_string(dir.join("golden_ranking.json")).unwrap();
+    let file: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let declared: Vec<String> = serde_json::from_value(file["request_level"].clone()).unwrap();
+    let goldens = golden_ranking_declaring(&dir, &declared);
+    // The history's length: its first channel's bag in the request block.
+    let schema = factory.schema();
+    let sequence = schema.sequences[0].clone();
+    let first = &schema.sparse[sequence.features[0]].name;
+    let channel = declared.iter().filter(|f| *f != "dense").position(|f| f == first).unwrap();
+    let own: Vec<usize> = goldens
+        .iter()
+        .map(|golden| {
+            let block = golden.grouped.request.as_ref().unwrap();
+            let positions = (block.sparse_lengths[channel] as usize).min(sequence.max_len);
+            let rows = golden.grouped.batch_size as usize;
+            sequence.working_set().bytes(&[narsil_core::working_set::Unit { positions, rows }])
+        })
+        .collect();
+    let copies = 4;
+    let calls = copies * goldens.len();
+    let largest = *own.iter().max().unwrap();
+    let memory = narsil_engine::MemoryBudget::new(largest + calls * (256 << 10));
+    let summed = copies * own.iter().sum::<usize>();
+    assert!(summed > 2 * memory.max(), "{summed} bytes of their own against {}", memory.max());
+    let mut config = batch_mode(1, 1);
+    config.memory = memory.clone();
+    let server = start_with(factory, config).await.ready().await;
+    // Each on a connection of its own, built before any is sent.
+    let mut prepared = Vec::with_capacity(calls);
+    for call in 0..calls {
+        let golden = &goldens[call % goldens.len()];
+        let mut request = golden.grouped.clone();
+        request.request_id = format!("in-flight-{call}");
+        prepared.push((call, server.client().await, request, golden.scores_int8.clone()));
+    }
+    let sent = prepared.into_iter().map(|(call, mut client, request, want)| {
+        tokio::spawn(async move { (call, client.predict(request).await, want) })
+    });
+    for sent in futures_util::future::join_all(sent).await {
+        let (call, response, want) = sent.unwrap();
+        let got = response.unwrap_or_else(|status| panic!("request {call}: {status:?}")).into_inner().scores;
+        assert_close(&got, &want, &format!("request {call} among {calls} in flight"));
+    }
+    eprintln!(
+        "{calls} requests at once under a bound of {} bytes: {summed} bytes of their own working sets, \
+         {largest} the largest; peak held {}",
+        memory.max(),
+        memory.peak()
+    );
+    server.stop().await.unwrap();
+}

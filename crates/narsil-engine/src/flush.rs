@@ -38,6 +38,11 @@ pub trait FlushPolicy: Send + Sync + std::fmt::Debug {
     /// When an open batch that is not full, whose oldest request was
     /// admitted at `oldest`, goes to a free lane.
     fn due_at(&self, oldest: Instant) -> Instant;
+
+    /// The most one batch holds: `requests`, and a batch of several
+    /// requests at most `rows` rows and `tokens` tokens (one request alone
+    /// may hold more).
+    fn limits(&self) -> Fill;
 }
 
 /// Continuous batching: requests that arrive while the lanes are busy are
@@ -72,6 +77,10 @@ impl FlushPolicy for ContinuousBatching {
     fn due_at(&self, oldest: Instant) -> Instant {
         oldest + self.timeout
     }
+
+    fn limits(&self) -> Fill {
+        Fill { requests: self.max_requests, rows: self.max_rows, tokens: self.max_tokens }
+    }
 }
 
 /// Worker mode: every request (or part of a split one) is a forward of its
@@ -90,6 +99,10 @@ impl FlushPolicy for PerRequest {
 
     fn due_at(&self, oldest: Instant) -> Instant {
         oldest
+    }
+
+    fn limits(&self) -> Fill {
+        Fill { requests: 1, rows: usize::MAX, tokens: usize::MAX }
     }
 }
 

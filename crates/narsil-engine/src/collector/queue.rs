@@ -365,12 +365,12 @@ mod tests {
         let mut rx = Vec::new();
         // Requests of flat rows with histories of `positions`, each holding
         // its own working set on `sets` (a gather of 1 value a position:
-        // 13 bytes with its index and mask; every lane's bound past the
-        // sum, so the sum is held).
+        // 13 bytes with its index and mask; one batch may take them all,
+        // so the sum is held).
         let mut add = |q: &mut BatchQueue, sets: &WorkingSets, rows: usize, positions: usize| {
             let (mut e, samples, r) = entry(&admission, rows, 1, now);
             e.units = vec![vec![Unit { positions, rows: 1 }; rows]];
-            e.working = Some(sets.hold(&e.units, rows * positions).unwrap());
+            e.working = Some(sets.hold(&e.units, e.fill(), rows * positions).unwrap());
             q.add(e, samples);
             rx.push(r);
         };
@@ -379,7 +379,8 @@ mod tests {
                 MemoryBudget::new(max),
                 WorkingSet::Gather { width: 1, position_width: 0, bytes_per_value: 4 },
             );
-            (WorkingSets::new(vec![kind], 100, &budget, Default::default()), budget)
+            let unlimited = Fill { requests: usize::MAX, rows: usize::MAX, tokens: usize::MAX };
+            (WorkingSets::new(vec![kind], 1, unlimited, &budget, Default::default()), budget)
         };
         let (tight, budget) = sets(200);
         let mut q = queue(16, 100, 1000).with_working_set(gather());

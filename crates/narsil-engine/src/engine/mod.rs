@@ -88,14 +88,13 @@ impl Engine {
         factory.register_metrics(stats.registry_mut());
         let stats = Arc::new(stats);
         let (readiness_tx, readiness) = watch::channel(Readiness::default());
-        let mut queue = BatchQueue::new(
-            config.mode.flush_policy(&config, !schema.sequences.is_empty()),
-            schema.num_dense,
-            schema.num_sparse(),
-        );
+        let policy = config.mode.flush_policy(&config, !schema.sequences.is_empty());
+        let limits = policy.limits();
+        let mut queue = BatchQueue::new(policy, schema.num_dense, schema.num_sparse());
         let kinds: Vec<_> = schema.sequences.iter().map(|s| s.working_set()).collect();
         let working_sets = (!kinds.is_empty()).then(|| {
-            WorkingSets::new(kinds.clone(), config.lanes, &config.memory, stats.working_set_bytes.clone())
+            let gauge = stats.working_set_bytes.clone();
+            WorkingSets::new(kinds.clone(), config.lanes, limits, &config.memory, gauge)
         });
         if working_sets.is_some() {
             queue = queue.with_working_set(FusedWorkingSet(Arc::new(move |units: &[Vec<Unit>]| {

@@ -30,6 +30,7 @@ use super::EngineHandle;
 use crate::admission::{QueueFull, QueueLimit};
 use crate::collector::Collector;
 use crate::error::EngineError;
+use crate::flush::Fill;
 use crate::job::{Entry, Prediction, Ticket};
 use crate::memory::Lease;
 use crate::stats::{Outcome, Stats};
@@ -188,6 +189,10 @@ impl EngineHandle {
         }
         let (schema, flat_only) = (&shared.schema, shared.flat_only);
         let units: Vec<_> = parts.iter().map(|part| part.units(schema, flat_only)).collect();
+        let fills: Vec<Fill> = parts
+            .iter()
+            .map(|part| Fill { requests: 1, rows: part.num_samples, tokens: part.tokens(schema, flat_only) })
+            .collect();
         let working: Vec<usize> = units
             .iter()
             .map(|units| {
@@ -203,8 +208,9 @@ impl EngineHandle {
         let shares = match &shared.working_sets {
             Some(sets) => units
                 .iter()
+                .zip(&fills)
                 .zip(&working)
-                .map(|(units, &bytes)| sets.hold(units, bytes).map(Some))
+                .map(|((units, &fill), &bytes)| sets.hold(units, fill, bytes).map(Some))
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(EngineError::Overloaded)?,
             None => units.iter().map(|_| None).collect(),
@@ -235,14 +241,14 @@ impl EngineHandle {
         let (entries, answers): (Vec<_>, Vec<_>) = parts
             .into_iter()
             .zip(permits.into_iter().zip(leases))
-            .zip(units.into_iter().zip(shares))
-            .map(|((part, (permit, lease)), (units, working))| {
+            .zip(units.into_iter().zip(shares).zip(fills))
+            .map(|((part, (permit, lease)), ((units, working), fill))| {
                 let (reply, answer) = oneshot::channel();
                 let ticket = Arc::clone(&ticket);
                 let entry = Entry {
                     id,
-                    rows: part.num_samples,
-                    tokens: part.tokens(schema, flat_only),
+                    rows: fill.rows,
+                    tokens: fill.tokens,
                     lease,
                     units,
                     working,
@@ -541,11 +547,14 @@ mod tests {
         let per_row = 64 * (1000 * 4 + 9);
         let (engine, memory) = sequence_engine(8 << 20, 130).await;
         // 16 rows: 4.1 MB of working set, cut into parts of 2 rows (130
-        // tokens), every row scored.
+        // tokens), every row scored. A part fills a forward's tokens, and
+        // one lane runs one forward at a time: the parts in flight hold
+        // one part's working set, not their sum.
         let prediction = engine.handle().predict(histories(16), None, None).await.unwrap();
         assert_eq!(prediction.outputs[0].len(), 16);
         assert!(prediction.forwards >= 8, "{} forwards for 8 parts", prediction.forwards);
-        assert!(memory.peak() >= 16 * per_row, "peak {} of {} charged", memory.peak(), 16 * per_row);
+        assert!(memory.peak() >= 2 * per_row, "peak {} of a part's {} charged", memory.peak(), 2 * per_row);
+        assert!(memory.peak() < 4 * per_row, "peak {}: not each part's own", memory.peak());
         assert_eq!(memory.used(), 0, "every part's charge returned");
         // 60 rows: 15.4 MB, more than the 8 MiB bound: queued in waves,
         // never holding more than the bound.
@@ -583,9 +592,31 @@ mod tests {
             bytes_per_value: 4,
         };
         let own = units.bytes(&[Unit { positions: 64, rows: 1 }; 2]);
-        // Room for four requests' own working sets, not eight.
+        let peak = eight_in_flight(units, own, 1 << 20).await;
+        // Eight in flight at once held one batch's bound, with their rows.
+        let bound = units.batch_bound(&[Unit { positions: 64, rows: 1 }; 16]);
+        assert!(peak >= bound, "peak {peak} under one batch's {bound}");
+        assert!(peak < 2 * own, "peak {peak} of {own} a request");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn queued_requests_that_each_fill_a_forward_hold_one_forwards_working_set_not_each_their_own() {
+        // A gather (DIN's kind: a batch holds its requests' sum) whose
+        // requests of 2 rows x 64 positions fill a forward's 130 tokens.
+        let gather = WorkingSet::Gather { width: 1000, position_width: 0, bytes_per_value: 4 };
+        let own = gather.bytes(&[Unit { positions: 64, rows: 1 }; 2]);
+        let peak = eight_in_flight(gather, own, 130).await;
+        assert!(peak >= own, "peak {peak} under a request's {own}");
+        assert!(peak < 2 * own, "peak {peak} of {own} a request");
+    }
+
+    /// Eight requests of 2 rows with 64-position histories in flight at
+    /// once (forwards of 150 ms) under a bound of four and a half of their
+    /// own working sets (`own`): every one served, the lease given back.
+    /// Returns the budget's peak.
+    async fn eight_in_flight(kind: WorkingSet, own: usize, max_batch_tokens: usize) -> usize {
         let (engine, memory) =
-            working_set_engine(units, 4 * own + own / 2, 1 << 20, Duration::from_millis(150)).await;
+            working_set_engine(kind, 4 * own + own / 2, max_batch_tokens, Duration::from_millis(150)).await;
         let calls: Vec<_> = (0..8)
             .map(|_| {
                 let handle = engine.handle();
@@ -596,10 +627,7 @@ mod tests {
             let prediction = call.await.unwrap().unwrap();
             assert_eq!(prediction.outputs[0].len(), 2);
         }
-        // Eight in flight at once held one batch's bound, with their rows.
-        let bound = units.batch_bound(&[Unit { positions: 64, rows: 1 }; 16]);
-        assert!(memory.peak() >= bound, "peak {} under one batch's {bound}", memory.peak());
-        assert!(memory.peak() < 2 * own, "peak {} of {own} a request", memory.peak());
         assert_eq!(memory.used(), 0, "every share returned");
+        memory.peak()
     }
 }
