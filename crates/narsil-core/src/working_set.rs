@@ -31,7 +31,9 @@
 //! [`WorkingSet::batch_bound`] bounds what any one forward of some of a
 //! set of units can hold, however they are fused: the engine holds, for
 //! its requests in flight, the lesser of their sum and its lanes times
-//! that bound (a queued request allocates nothing).
+//! the most one batch of them holds (that bound, and the largest working
+//! sets of as many requests as one batch takes: a queued request
+//! allocates nothing; `narsil-engine`'s `working_sets`).
 
 use serde::Deserialize;
 
