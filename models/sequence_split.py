@@ -196,9 +196,15 @@ def write_split(out: Path, quantized: torch.nn.Module, network: torch.nn.Module,
     for samples, expected in flat:
         check("flat", flat_rows(samples, keys, layout), [], expected)
     fused_rows, fused_blocks, fused_expected = [], [], []
+    users_rows, users_blocks, largest_user = [], [], ([], [])
     for request, expected in ranking:
         rows, block = grouped_rows(request, 0, keys, args.max_len, layout)
         check("grouped", rows, [block], expected)
+        if len(rows) > len(largest_user[0]):
+            largest_user = (rows, [block])
+        rows, block = grouped_rows(request, len(users_blocks), keys, args.max_len, layout)
+        users_rows += rows
+        users_blocks.append(block)
         rows, block = grouped_rows(request, len(fused_blocks), keys, args.max_len, layout)
         fused_rows += rows
         fused_blocks.append(block)
@@ -210,15 +216,17 @@ def write_split(out: Path, quantized: torch.nn.Module, network: torch.nn.Module,
     check("fused", fused_rows, fused_blocks, torch.cat(fused_expected))
     check_stage_rows(stage, ec, ebc, flat, keys, user, layout, log)
     if args.pt2:
-        # The two largest batches checked (the fused one first): what --dense-form auto weighs.
-        largest = sorted(checked, key=lambda inputs: -inputs[0].shape[0])[:2]
+        # What --dense-form auto weighs: ranking requests, as a sequence model is served (each history once per
+        # request; flat rows each look theirs up): every golden ranking request fused, and the largest alone.
+        with torch.inference_mode():
+            served = [stage.batch(users_rows, users_blocks), stage.batch(*largest_user)]
         timings = {}
         for precision in package_precisions():
             package_file, worst[f"pt2 {precision} from dense.pt"] = write_dense_package(
                 out, network, checked, args, log, precision, layout.bf16_bound)
             schema["dense_package" if precision == "fp32" else f"dense_package_{precision}"] = package_file
             timings.update(sequence_form_timings(out, load_unlinked_package(str(out / package_file)),
-                                                 [(b, b[0].shape[0]) for b in largest], log, precision))
+                                                 [(b, b[0].shape[0]) for b in served], log, precision))
         if "bf16" not in package_precisions():
             log("dense_bf16.pt2 not compiled: this CPU has no bf16 instructions (AVX512-BF16 or AMX-BF16)")
         schema["dense_form_timings"] = timings
