@@ -293,7 +293,8 @@ def main() -> int:
                    help="with --split, also compile dense_int8.pt2: the dense network with INT8 GEMMs (PT2E static "
                         "quantization calibrated on sampled traffic, AOTInductor's x86 path with freezing), for "
                         "narsil serve --dense-precision int8, and write its quality against FP32 into "
-                        "int8_quality.json; needs torchao and a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8")
+                        "int8_quality.json; needs torchao and an x86 CPU with AVX2 (activations in 7 bits there, 8 with "
+                        "AVX512-VNNI, AVX-VNNI or AMX-INT8)")
     p.add_argument("--split-fp32", action="store_true",
                    help="also write the split form with the FP32 tables (before quantization) into OUT/split_fp32")
     p.add_argument("--publish", type=Path, metavar="REPOSITORY",
@@ -311,9 +312,8 @@ def main() -> int:
     if args.int8 and not (args.split and args.pt2):
         p.error("--int8 compiles a package of the split model's dense network: it needs --split (and not --no-pt2)")
     if args.int8 and not int8_package.int8_cpu_flags():
-        p.error("--int8 needs a CPU with INT8 dot-product instructions (/proc/cpuinfo flags avx512_vnni, avx_vnni "
-                "or amx_int8), and this one has none: INT8 GEMMs would run slower than FP32 here (measured on an "
-                "AVX2 CPU). Export on a CPU with VNNI or AMX-INT8, or serve --dense-precision fp32 or bf16")
+        p.error("--int8 needs an x86 CPU with AVX2 or INT8 dot-product instructions (/proc/cpuinfo flags avx2, "
+                "avx512_vnni, avx_vnni or amx_int8), and this one has none: serve --dense-precision fp32")
     out: Path = args.out
     started = begin_export(args, log, args.split and "split/schema.json", args.split_fp32 and "split_fp32/schema.json",
                            args.int8 and "split/dense_int8.pt2")

@@ -298,7 +298,8 @@ def main() -> int:
                    help="dlrm_dcn, with --split --pt2: also compile split/dense_int8.pt2, the dense network with "
                         "INT8 GEMMs (PT2E static quantization calibrated on sampled traffic), for narsil serve "
                         "--dense-precision int8, and write its quality against FP32 into split/int8_quality.json; "
-                        "needs torchao and a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8")
+                        "needs torchao and an x86 CPU with AVX2 (activations in 7 bits there, 8 with AVX512-VNNI, AVX-VNNI "
+                        "or AMX-INT8)")
     p.add_argument("--dense-arch", type=int_list, default=None,
                    help="dlrm, dlrm_dcn: the dense arch's layer sizes, comma-separated, the last the embedding "
                         "dimension (default 64,DIM)")
@@ -334,8 +335,8 @@ def main() -> int:
         p.error("--int8 compiles a package of a DLRM_DCN's split dense network: it needs --kind dlrm_dcn (or "
                 "--shape mlperf-dlrm-v2), --split and --pt2 (the DLRM's: models/export_dlrm.py --split --int8)")
     if args.int8 and not int8_package.int8_cpu_flags():
-        p.error("--int8 needs a CPU with INT8 dot-product instructions (/proc/cpuinfo flags avx512_vnni, avx_vnni "
-                "or amx_int8), and this one has none: INT8 GEMMs would run slower than FP32 here")
+        p.error("--int8 needs an x86 CPU with AVX2 or INT8 dot-product instructions (/proc/cpuinfo flags avx2, "
+                "avx512_vnni, avx_vnni or amx_int8), and this one has none: serve --dense-precision fp32")
     if args.kind == "multitask" and args.num_sparse < 3:
         p.error("--kind multitask needs --num-sparse of at least 3 (a shared table and a mean-pooled feature)")
     started = begin_export(args, log, args.split and "split/schema.json", args.split and "extracted/schema.json",

@@ -20,12 +20,15 @@ from typing import Callable, List, Optional
 import torch
 from torch import nn
 
-from dense_packages import cpu_flags, isa_cpu_flags, load_unlinked_package
+from dense_packages import cpu_flags, cpu_identity, forward_ms, isa_cpu_flags, load_unlinked_package
 
 # /proc/cpuinfo flags of the INT8 dot-product instructions oneDNN's INT8 GEMMs
-# use; without one of them INT8 runs slower than FP32 (measured on an AVX2
-# Zen 3: 19-27k samples/s against 35-41k FP32).
+# use where the CPU has them. Without them (AVX2) oneDNN multiplies with
+# vpmaddubsw, which adds each pair of uint8 x int8 products in a saturating
+# 16-bit lane: activations are then quantized to 7 bits (torchao's
+# reduce_range, its advice for CPUs without VNNI), so no pair can saturate.
 INT8_CPU_FLAGS = ("amx_int8", "avx512_vnni", "avx_vnni")
+INT8_FALLBACK_FLAG = "avx2"
 # The quality goal: the AUC of INT8 scores on labels drawn from the FP32
 # model's own probabilities within this of the FP32 scores' AUC.
 INT8_AUC_GOAL = 1e-3
@@ -37,10 +40,18 @@ INT8_SAMPLED = 10_000
 
 
 def int8_cpu_flags() -> List[str]:
-    """This CPU's INT8 dot-product instruction flags (none: INT8 would run
-    slower than FP32 here)."""
+    """The flags of this CPU's instructions an INT8 package is compiled
+    for: its INT8 dot-product instructions, else `avx2` (activations in 7
+    bits, `activation_bits`); none where it has neither (no INT8 package)."""
     flags = cpu_flags()
-    return [f for f in INT8_CPU_FLAGS if f in flags]
+    dot = [f for f in INT8_CPU_FLAGS if f in flags]
+    return dot or [f for f in (INT8_FALLBACK_FLAG,) if f in flags]
+
+
+def activation_bits(int8_flags: List[str]) -> int:
+    """8 where the package's INT8 instructions are dot products (VNNI, AMX),
+    7 on AVX2 (INT8_CPU_FLAGS' comment)."""
+    return 8 if any(f in INT8_CPU_FLAGS for f in int8_flags) else 7
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
@@ -96,10 +107,11 @@ def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Mod
     started = time.time()
     described = dict(described)
     int8_flags = int8_cpu_flags()
+    bits = activation_bits(int8_flags)
     rows = torch.export.Dim("rows", min=1, max=1 << 20)
     dynamic = tuple({0: rows} for _ in example)
     quantizer = X86InductorQuantizer()
-    quantizer.set_global(get_default_x86_inductor_quantization_config())
+    quantizer.set_global(get_default_x86_inductor_quantization_config(reduce_range=bits < 8))
     with torch.no_grad():
         graph = torch.export.export(network, example, dynamic_shapes=dynamic).module()
         prepared = prepare_pt2e(graph, quantizer)
@@ -144,6 +156,7 @@ def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Mod
         return {"max_abs_diff": (a - b).abs().max().item(), "mean_abs_diff": (a - b).abs().mean().item(),
                 "samples": len(a)}
 
+    timed = int8_timings(split_dir, package, example)
     golden_fp32, golden_int8 = scores(golden)
     sampled_fp32, sampled_int8 = scores(sampled)
     labels = torch.bernoulli(sampled_fp32.double(), generator=torch.Generator().manual_seed(seed))
@@ -170,21 +183,48 @@ def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Mod
         "linear_layers": {"int8": int8_linears, "fp32": fp32_linears},
         **described,
         "int8_instructions": int8_flags,
+        "activation_bits": bits,
+        "timed": timed,
         "torchao": __import__("torchao").__version__, "torch": torch.__version__,
     }
     (split_dir / "int8_quality.json").write_text(json.dumps(quality, indent=2) + "\n")
     g, s, lab = quality["golden"], quality["sampled"], quality["labelled"]
-    log(f"compiled dense_int8.pt2 ({', '.join(int8_flags)}; {int8_linears} INT8 and {fp32_linears} FP32 linear "
+    log(f"compiled dense_int8.pt2 ({', '.join(int8_flags)}, activations in {bits} bits; {int8_linears} INT8 and "
+        f"{fp32_linears} FP32 linear "
         f"layers) in {compiled_s:.0f} s; quality against FP32 (int8_quality.json): golden max "
         f"{g['max_abs_diff']:.2e} mean {g['mean_abs_diff']:.2e}; {s['samples']:,} sampled max "
         f"{s['max_abs_diff']:.2e} mean {s['mean_abs_diff']:.2e}; labelled: log-loss change "
         f"{lab['log_loss_change']:+.2e}, AUC change {lab['auc_change']:+.2e} (goal |change| <= {INT8_AUC_GOAL:g}: "
         f"{'met' if lab['auc_goal_met'] else 'MISSED'})")
+    if timed:
+        log(f"INT8 against FP32 on this CPU ({timed['cpu']}), one thread, "
+            f"{' / '.join(f'{r:,}' for r in timed['rows'])} rows: INT8 "
+            f"{' / '.join(f'{us / 1e3:.2f}' for us in timed['int8_us'])} ms, FP32's faster form "
+            f"{' / '.join(f'{us / 1e3:.2f}' for us in timed['fp32_us'])} ms: INT8 serves "
+            f"{timed['int8_vs_fp32']:.2f}x FP32's samples/s here")
     print(json.dumps(quality, indent=2))
     if g["max_abs_diff"] > INT8_GOLDEN_BOUND:
         raise SystemExit(f"{path}: INT8 scores differ from FP32 by {g['max_abs_diff']} on the golden requests "
                          f"(bound {INT8_GOLDEN_BOUND}): the quantization is broken")
     return {"dense_package_int8": path.name}
+
+
+def int8_timings(split_dir: Path, package, example: tuple) -> dict:
+    """The package timed on one thread at the rows the export timed FP32's
+    forms at (the schema's dense_form_timings, this CPU's), against FP32's
+    faster form: whether INT8 pays on this CPU (a small network on AVX2 may
+    gain little). Empty where FP32 was not timed here."""
+    timings = json.loads((split_dir / "schema.json").read_text()).get("dense_form_timings") or {}
+    fp32 = timings.get("fp32")
+    if not fp32 or timings.get("cpu") != cpu_identity():
+        return {}
+    rows = timings["rows"]
+    widths = [x.shape[1:] for x in example]
+    int8_us = [round(forward_ms(package, tuple(torch.randn(r, *w) for w in widths)) * 1e3) for r in rows]
+    fp32_us = [min(t, p) for t, p in zip(fp32["torchscript_us"], fp32["pt2_us"])]
+    ratio = sum(f / r for f, r in zip(fp32_us, rows)) / sum(i / r for i, r in zip(int8_us, rows))
+    return {"cpu": timings["cpu"], "rows": rows, "int8_us": int8_us, "fp32_us": fp32_us,
+            "int8_vs_fp32": round(ratio, 3)}
 
 
 def add_to_schema(split_dir: Path, fields: dict) -> None:

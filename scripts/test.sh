@@ -14,11 +14,11 @@ require_rust
 bash scripts/setup_system.sh
 use_project_torch
 # --int8 (dense_int8.pt2 for crates/narsil-torch/tests/int8_dense.rs and the
-# DLRM_DCN's INT8 test in tests/torchrec_models_e2e.rs, ~30 s more) only on
-# CPUs with INT8 dot-product instructions: elsewhere the export refuses it
-# and the tests say skipped.
+# DLRM_DCN's INT8 test in tests/torchrec_models_e2e.rs, ~30 s more) on x86
+# CPUs with AVX2 or INT8 dot-product instructions (activations in 7 bits on
+# AVX2 alone): elsewhere the export refuses it and the tests say skipped.
 INT8_EXPORT=()
-if grep -qwE 'avx512_vnni|avx_vnni|amx_int8' /proc/cpuinfo 2>/dev/null; then INT8_EXPORT=(--int8); fi
+if grep -qwE 'avx2|avx512_vnni|avx_vnni|amx_int8' /proc/cpuinfo 2>/dev/null; then INT8_EXPORT=(--int8); fi
 export_model test-small --num-rows 1000 --split --split-fp32 "${INT8_EXPORT[@]}"
 export_model test-small-b --num-rows 1000 --seed 1 --golden-seed 0
 export_torchrec_model test-torchrec-dlrm --kind dlrm --split

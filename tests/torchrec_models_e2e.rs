@@ -282,17 +282,17 @@ fn split_forms_serve_the_same_scores_from_torchscript_and_from_the_package() {
 /// --int8`: every GEMM, the cross layers' included, in INT8, none left in
 /// FP32): within twice what the export recorded of Python's FP32 scores,
 /// alone and fused ([`conformance::int8_parity`]; the test model records
-/// ~7e-4). The package exists only where the exporting CPU had INT8
-/// dot-product instructions; elsewhere the test says skipped (fails under
-/// NARSIL_REQUIRE_INT8=1).
+/// ~7e-4). The package exists only where the exporting CPU had AVX2 (7-bit
+/// activations) or INT8 dot-product instructions; elsewhere the test says
+/// skipped (fails under NARSIL_REQUIRE_INT8=1).
 #[test]
 fn dcn_split_serves_its_int8_package_within_the_recorded_bound_alone_and_fused() {
     let test = "dcn_split_serves_its_int8_package_within_the_recorded_bound_alone_and_fused";
     let name = "test-torchrec-dcn/split";
     let split = narsil_embedding::SplitSchema::read(&model_dir(name)).unwrap();
     if split.dense_package_int8.is_none() {
-        let why = "test-torchrec-dcn/split has no dense_int8.pt2 (exported without --int8: this CPU has no \
-                   AVX512-VNNI, AVX-VNNI or AMX-INT8)";
+        let why = "test-torchrec-dcn/split has no dense_int8.pt2 (exported without --int8: this CPU has \
+                   neither AVX2 nor AVX512-VNNI, AVX-VNNI or AMX-INT8)";
         narsil_core::skip::skip_or_fail("NARSIL_REQUIRE_INT8", test, why);
         return;
     }

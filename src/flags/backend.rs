@@ -55,8 +55,9 @@ pub struct BackendArgs {
     /// INT8 dense network (dense_int8.pt2, written by `models/export_dlrm.py
     /// --split --int8` or, for a DLRM_DCN, `models/export_torchrec.py --split
     /// --pt2 --int8`, with its quality against FP32 in int8_quality.json),
-    /// on CPUs with AVX512-VNNI, AVX-VNNI or AMX-INT8; refused elsewhere and
-    /// for models without that package.
+    /// on CPUs with the instructions it was compiled for (AVX512-VNNI,
+    /// AVX-VNNI or AMX-INT8; AVX2 for a package quantized there, with 7-bit
+    /// activations); refused elsewhere and for models without that package.
     #[arg(long, env = "NARSIL_DENSE_PRECISION", value_enum, default_value_t = DensePrecision::Fp32)]
     pub dense_precision: DensePrecision,
     /// torch, split models: the dense network's form. `auto` runs the

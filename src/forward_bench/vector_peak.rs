@@ -101,7 +101,8 @@ fn dependent_adds(iterations: u64) {
 
 /// `precision`'s multiply-add peak on this core for `duration`: FP32
 /// `vfmadd231ps` (AVX-512, AVX's FMA), bf16 `vdpbf16ps` (AVX512-BF16),
-/// INT8 `vpdpbusd` (AVX512-VNNI, AVX-VNNI). Where a precision has both a
+/// INT8 `vpdpbusd` (AVX512-VNNI, AVX-VNNI), else AVX2's three-instruction
+/// INT8 multiply-add (what oneDNN's INT8 GEMMs run there). Where a precision has both a
 /// 512-bit and a 256-bit form on this CPU both are timed (the duration
 /// shared between them) and the faster kept: a core with one 512-bit FMA
 /// unit (some Xeons) issues more ymm than zmm work per cycle. `None` when
@@ -169,13 +170,21 @@ struct KernelSpec {
     /// The features the function enables (comma-separated, as
     /// `#[target_feature(enable)]` takes them).
     features: &'static str,
+    /// Timed only where no other kernel of its precision runs (AVX2's INT8
+    /// sequence: oneDNN uses it only without VNNI).
+    fallback: bool,
     run: Kernel,
 }
 
 /// The kernels of `precision` that this CPU can run, given which features
 /// `has` (each needs all of its features).
 fn usable_kernels(precision: DensePrecision, has: impl Fn(&str) -> bool) -> Vec<&'static KernelSpec> {
-    KERNELS.iter().filter(|k| k.precision == precision && k.features.split(',').all(&has)).collect()
+    let mut usable: Vec<_> =
+        KERNELS.iter().filter(|k| k.precision == precision && k.features.split(',').all(&has)).collect();
+    if usable.iter().any(|k| !k.fallback) {
+        usable.retain(|k| !k.fallback);
+    }
+    usable
 }
 
 /// Whether this CPU has `feature` (a name as `target_feature` spells it)
@@ -216,6 +225,7 @@ const KERNELS: &[KernelSpec] = &[
     x86::INT8_AVX512,
     x86::INT8_AVX512_YMM,
     x86::INT8_AVX_VNNI,
+    x86::INT8_AVX2,
 ];
 
 #[cfg(not(target_arch = "x86_64"))]
@@ -275,6 +285,7 @@ mod x86 {
                 zero: concat!($zero, " ", $width),
                 ops_per_instruction: $ops,
                 features: $features,
+                fallback: false,
                 run: $name,
             };
         };
@@ -389,6 +400,52 @@ mod x86 {
             "ymm12", "ymm13"
         ]
     );
+
+    /// AVX2's INT8 multiply-add without VNNI, as oneDNN's AVX2 INT8 GEMMs
+    /// run it: `vpmaddubsw` (32 uint8 x int8 products, summed in pairs in
+    /// 16 bits), `vpmaddwd` by ones (the pairs summed to 32 bits), `vpaddd`
+    /// into the accumulator: 32 multiply-adds per three instructions, on 12
+    /// independent accumulators (the temporary, ymm15, renamed per chain).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn int8_avx2(iterations: u64) {
+        // SAFETY: touches only the registers it declares clobbered and its
+        // counter; no memory, no stack.
+        unsafe {
+            asm!(
+                ".irp r,0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15",
+                "vpxor ymm\\r, ymm\\r, ymm\\r",
+                ".endr",
+                "2:",
+                ".irp r,0,1,2,3,4,5,6,7,8,9,10,11",
+                "vpmaddubsw ymm15, ymm12, ymm13",
+                "vpmaddwd ymm15, ymm15, ymm14",
+                "vpaddd ymm\\r, ymm\\r, ymm15",
+                ".endr",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iterations.max(1) => _,
+                out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _, out("ymm4") _, out("ymm5") _,
+                out("ymm6") _, out("ymm7") _, out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+                out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+                options(nomem, nostack),
+            );
+        }
+    }
+
+    pub(super) const INT8_AVX2: KernelSpec = KernelSpec {
+        precision: DensePrecision::Int8,
+        name: "vpmaddubsw+vpmaddwd+vpaddd ymm",
+        op: "vpmaddubsw+vpmaddwd+vpaddd ymm",
+        zero: "vpxor ymm",
+        ops_per_instruction: 64,
+        features: "avx2",
+        fallback: true,
+        run: int8_avx2,
+    };
 }
 
 #[cfg(test)]
@@ -471,6 +528,7 @@ mod tests {
         ("vpdpbusd zmm", &["avx512f", "avx512vnni"]),
         ("{{evex}} vpdpbusd ymm", &["avx", "avx512vnni", "avx512vl"]),
         ("{{vex}} vpdpbusd ymm", &["avx", "avxvnni"]),
+        ("vpmaddubsw+vpmaddwd+vpaddd ymm", &["avx2"]),
     ];
 
     #[cfg(target_arch = "x86_64")]
@@ -502,6 +560,11 @@ mod tests {
         let names = |p| usable_kernels(p, no_vl).iter().map(|k| k.op).collect::<Vec<_>>();
         assert_eq!(names(DensePrecision::Bf16), ["vdpbf16ps zmm"]);
         assert_eq!(names(DensePrecision::Int8), ["vpdpbusd zmm"]);
+        // AVX2 alone (Zen 2 and 3): INT8 is AVX2's three-instruction
+        // sequence, timed only there.
+        let avx2 = |f: &str| ["avx", "avx2", "fma"].contains(&f);
+        let int8 = usable_kernels(DensePrecision::Int8, avx2);
+        assert_eq!(int8.iter().map(|k| k.op).collect::<Vec<_>>(), ["vpmaddubsw+vpmaddwd+vpaddd ymm"]);
     }
 
     #[cfg(target_arch = "x86_64")]

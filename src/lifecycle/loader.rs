@@ -55,7 +55,7 @@ pub enum DensePrecision {
     /// bf16 inputs with FP32 accumulation (torch; needs AVX512-BF16 or AMX on CPU).
     Bf16,
     /// INT8 GEMMs (torch, split models with dense_int8.pt2 from `models/export_dlrm.py --split --int8`; needs
-    /// AVX512-VNNI, AVX-VNNI or AMX-INT8).
+    /// the instructions it was compiled for: AVX512-VNNI, AVX-VNNI, AMX-INT8, or AVX2).
     Int8,
 }
 

@@ -6,8 +6,10 @@
 //! the INT8 embedding lookups for bf16 output; oneDNN then runs the GEMMs
 //! with bf16 inputs and FP32 accumulation. INT8 is a split model's
 //! `dense_int8.pt2` package only (`models/export_dlrm.py --split --int8`):
-//! its GEMMs take uint8 activations and INT8 weights (VNNI or AMX-INT8),
-//! and its inputs stay FP32, quantized inside the graph. Scores are FP32
+//! its GEMMs take uint8 activations and INT8 weights (VNNI or AMX-INT8 dot
+//! products; on AVX2, activations in 7 bits so that `vpmaddubsw`'s 16-bit
+//! pair sums cannot saturate), and its inputs stay FP32, quantized inside
+//! the graph. Which instructions a package needs is in its own metadata. Scores are FP32
 //! in every precision.
 
 use std::fmt;
@@ -51,9 +53,9 @@ pub fn cpu_bf16_instructions() -> Vec<&'static str> {
     bf16_flags(&cpuinfo)
 }
 
-/// The CPU's INT8 dot-product instructions, as `/proc/cpuinfo` names them
-/// (`amx_int8`, `avx512_vnni`, `avx_vnni`); empty when it has none. Without
-/// them oneDNN's INT8 GEMMs run slower than FP32 (measured on an AVX2 CPU).
+/// The CPU's instructions for INT8 GEMMs, as `/proc/cpuinfo` names them:
+/// its dot products (`amx_int8`, `avx512_vnni`, `avx_vnni`), else `avx2`;
+/// empty when it has none of them.
 pub fn cpu_int8_instructions() -> Vec<&'static str> {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     int8_flags(&cpuinfo)
@@ -102,19 +104,24 @@ fn bf16_flags(cpuinfo: &str) -> Vec<&'static str> {
 
 fn int8_flags(cpuinfo: &str) -> Vec<&'static str> {
     let flags = flags_of(cpuinfo);
-    ["amx_int8", "avx512_vnni", "avx_vnni"].into_iter().filter(|want| flags.contains(want)).collect()
+    let dot: Vec<_> =
+        ["amx_int8", "avx512_vnni", "avx_vnni"].into_iter().filter(|want| flags.contains(want)).collect();
+    if dot.is_empty() && flags.contains(&"avx2") {
+        return vec!["avx2"];
+    }
+    dot
 }
 
-/// INT8 dense arithmetic needs the CPU's INT8 dot-product instructions
-/// (AVX512-VNNI, AVX-VNNI or AMX-INT8): without them oneDNN's INT8 GEMMs run
-/// slower than FP32 (measured on an AVX2 CPU), so it is refused, naming them.
+/// INT8 dense arithmetic needs AVX2 at least (x86's oneDNN INT8 GEMMs);
+/// without it, it is refused, naming the flags. Whether this CPU can run a
+/// given package (one quantized for VNNI's 8-bit activations cannot run on
+/// AVX2 alone) is the package's own metadata, checked at its load.
 pub(crate) fn require_cpu_int8() -> Result<(), BackendError> {
     let found = cpu_int8_instructions();
     if found.is_empty() {
         return Err(BackendError::setup(
-            "--dense-precision int8 needs a CPU with INT8 dot-product instructions (AVX512-VNNI, AVX-VNNI or \
-             AMX-INT8; /proc/cpuinfo flags avx512_vnni, avx_vnni, amx_int8), and this one has none (INT8 GEMMs \
-             would run slower than FP32 here); serve with --dense-precision fp32",
+            "--dense-precision int8 needs an x86 CPU with AVX2 or INT8 dot-product instructions (/proc/cpuinfo \
+             flags avx2, avx512_vnni, avx_vnni, amx_int8), and this one has none; serve with --dense-precision fp32",
         ));
     }
     tracing::info!(instructions = %found.join(", "), "CPU INT8 instructions");
@@ -137,7 +144,9 @@ mod tests {
         let spr = "flags\t\t: fpu avx512f avx512_vnni amx_int8 amx_tile\n";
         assert_eq!(int8_flags(spr), ["amx_int8", "avx512_vnni"]);
         assert_eq!(int8_flags("flags\t\t: fpu avx2 avx_vnni\n"), ["avx_vnni"]);
-        assert!(int8_flags("flags\t\t: fpu avx2 fma avx512f\n").is_empty());
+        // Without dot products, AVX2 (7-bit activations).
+        assert_eq!(int8_flags("flags\t\t: fpu avx2 fma avx512f\n"), ["avx2"]);
+        assert!(int8_flags("flags\t\t: fpu sse4_2 avx\n").is_empty());
         assert!(int8_flags("").is_empty());
     }
 

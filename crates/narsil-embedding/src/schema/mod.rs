@@ -130,7 +130,8 @@ pub struct SplitSchema {
     pub dense_package_bf16: Option<PathBuf>,
     /// The same network with INT8 GEMMs (PT2E static quantization, compiled
     /// with Inductor's x86 path; FP32 inputs and scores), for
-    /// `--dense-precision int8` on CPUs with VNNI or AMX-INT8; optional
+    /// `--dense-precision int8` on x86 CPUs with the instructions it was
+    /// compiled for (VNNI or AMX-INT8; AVX2 with 7-bit activations); optional
     /// (`models/export_dlrm.py --split --int8`).
     #[serde(default)]
     pub dense_package_int8: Option<PathBuf>,

@@ -19,7 +19,8 @@
 //! compiled with Inductor's x86 path, INT8 GEMMs on prepacked oneDNN
 //! weights). Its inputs stay FP32 (the graph quantizes them itself) and its
 //! scores are FP32. It is never replaced by another form: a model without
-//! the package, a CPU without VNNI or AMX-INT8, `--dense-form torchscript`
+//! the package, a CPU without the instructions it was compiled for (VNNI or
+//! AMX-INT8; AVX2 where it was quantized there), `--dense-form torchscript`
 //! or a device other than the CPU is refused, naming what is missing.
 //!
 //! On CUDA (`--device cuda[:N]`) the TorchScript network is loaded onto the
@@ -153,7 +154,8 @@ impl DenseNetwork {
                 dir.join("schema.json"),
                 "--dense-precision int8, but the schema names no dense_package_int8: make it with \
                  models/export_dlrm.py --split --int8 (a DLRM_DCN: models/export_torchrec.py --split --pt2 \
-                 --int8) on a CPU with AVX512-VNNI, AVX-VNNI or AMX-INT8, or serve with --dense-precision fp32",
+                 --int8) on an x86 CPU with AVX2, AVX512-VNNI, AVX-VNNI or AMX-INT8, or serve with --dense-precision \
+                 fp32",
             ));
         };
         let path = dir.join(package);
