@@ -56,7 +56,7 @@ from split_model import DenseNetwork, DlrmPredictor, dense_flops_per_sample, wri
 
 # Raised when the exported interface or forward changes: scripts/lib.sh
 # re-exports models written by an older format.
-EXPORT_FORMAT = 12
+EXPORT_FORMAT = 13
 
 
 log = logger("export_dlrm")

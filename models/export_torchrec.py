@@ -75,7 +75,7 @@ from split_model import DcnDenseNetwork, DenseNetwork, Int8DcnDenseNetwork, writ
 from torchrec_predict_modules import DcnPredictModule, MultiTaskPredictModule, TwoTaskDense, TwoTowerTasks
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 8
+EXPORT_FORMAT = 9
 
 
 log = logger("export_torchrec")

@@ -95,7 +95,8 @@ def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Mod
     `calibration` source and `quantization` text, and any other fields to
     record. Fails when the package holds no INT8 linear layers or is
     further than INT8_GOLDEN_BOUND from FP32 on `golden`. Returns the
-    schema fields to add."""
+    schema fields to add: the package, and where FP32's forms were timed on
+    this CPU, its own times beside them (`dense_form_timings.int8`)."""
     from torch._inductor import aoti_compile_and_package
     import torch._inductor.config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -206,7 +207,13 @@ def write_int8_package(split_dir: Path, fp32_network: nn.Module, network: nn.Mod
     if g["max_abs_diff"] > INT8_GOLDEN_BOUND:
         raise SystemExit(f"{path}: INT8 scores differ from FP32 by {g['max_abs_diff']} on the golden requests "
                          f"(bound {INT8_GOLDEN_BOUND}): the quantization is broken")
-    return {"dense_package_int8": path.name}
+    fields = {"dense_package_int8": path.name}
+    if timed:
+        # Beside FP32's forms in the schema, where the server reads it: it says at load how INT8 compared
+        # on this kind of CPU, and warns where INT8 was the slower.
+        timings = json.loads((split_dir / "schema.json").read_text())["dense_form_timings"]
+        fields["dense_form_timings"] = {**timings, "int8": {"pt2_us": timed["int8_us"]}}
+    return fields
 
 
 def int8_timings(split_dir: Path, package, example: tuple) -> dict:

@@ -54,8 +54,8 @@ pub use pool::{pool_rows, OutOfRange, Pooling};
 pub use pooled_value::{Bf16, PooledValue};
 pub use popularity_order::{SlotIndex, SlotIndexError};
 pub use schema::{
-    DenseFormTimings, FormTimes, IdMapSpec, Layout, PoolingMode, RedisTableSpec, SchemaError, SplitSchema,
-    Storage, TableIds, TableSpec, UserOnceSpec,
+    DenseFormTimings, FormTimes, IdMapSpec, Layout, PackageTimes, PoolingMode, RedisTableSpec, SchemaError,
+    SplitSchema, Storage, TableIds, TableSpec, UserOnceSpec,
 };
 pub use stage::{held, EmbeddingStage, Held, SequenceValues, StageError, StageScratch};
 pub use stores::local::table::{LocalRows, Table};

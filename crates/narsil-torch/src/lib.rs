@@ -50,7 +50,7 @@ pub mod tensor_stage;
 pub use factory::{TorchConfig, TorchFactory, DEVICE_PATH_ON_CPU_ENV};
 pub use model::TorchModel;
 pub use narsil_embedding::TableStore;
-pub use precision::{cpu_bf16_instructions, cpu_flags, cpu_identity, DensePrecision};
+pub use precision::{cpu_bf16_instructions, cpu_flags, cpu_identity, cpu_int8_instructions, DensePrecision};
 pub use split::dense_network::DenseForm;
 pub use split_factory::SplitFactory;
 

@@ -18,15 +18,12 @@ use narsil_core::conformance::{int8_parity, int8_quality, INT8_CAP};
 use narsil_core::error_chain;
 use narsil_core::golden::{test_model_dir, Golden};
 use narsil_embedding::SplitSchema;
-use narsil_torch::{cpu_flags, DenseForm, DensePrecision, SplitFactory, TorchConfig, TorchFactory};
+use narsil_torch::{
+    cpu_identity, cpu_int8_instructions, DenseForm, DensePrecision, SplitFactory, TorchConfig, TorchFactory,
+};
 
 fn split_dir() -> std::path::PathBuf {
     test_model_dir().join("split")
-}
-
-fn cpu_has_int8() -> bool {
-    let flags = cpu_flags();
-    ["amx_int8", "avx512_vnni", "avx_vnni", "avx2"].iter().any(|f| flags.iter().any(|have| have == f))
 }
 
 /// Why the INT8 package cannot be tested here, if it cannot.
@@ -37,7 +34,7 @@ fn skip_reason() -> Option<&'static str> {
             "the test model has no dense_int8.pt2 (exported without --int8, or on a CPU without AVX2)",
         );
     }
-    if !cpu_has_int8() {
+    if cpu_int8_instructions().is_empty() {
         return Some(
             "this CPU has neither AVX2 nor INT8 dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX-INT8)",
         );
@@ -108,6 +105,38 @@ fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
     }
 }
 
+/// Where the export timed INT8 against FP32 (`int8_quality.json`'s
+/// `timed`, on the CPU that exported it), the schema carries the package's
+/// times beside FP32's forms, and the server's reading of them (what it
+/// states, or warns, at load) is the ratio the export logged.
+#[test]
+fn the_schema_carries_the_int8_timing_the_export_logged_and_reads_the_same_ratio() {
+    let name = "the_schema_carries_the_int8_timing_the_export_logged_and_reads_the_same_ratio";
+    if let Some(why) = skip_reason() {
+        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
+        return;
+    }
+    let quality = int8_quality(&split_dir());
+    let timed = &quality["timed"];
+    let Some(logged) = timed["int8_vs_fp32"].as_f64() else {
+        // The export times INT8 only where it timed FP32's forms on the same CPU.
+        assert!(timed.as_object().is_none_or(|t| t.is_empty()), "timed without a ratio: {timed}");
+        let why = "the export timed no INT8 against FP32 (FP32's forms were not timed on its CPU)";
+        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
+        return;
+    };
+    let schema = SplitSchema::read(&split_dir()).unwrap();
+    let timings =
+        schema.dense_form_timings.expect("int8_quality.json has timed, the schema no dense_form_timings");
+    let int8_us: Vec<u64> = serde_json::from_value(timed["int8_us"].clone()).unwrap();
+    assert_eq!(timings.int8.as_ref().map(|t| &t.pt2_us), Some(&int8_us), "{timed}");
+    let read = timings.int8_vs_fp32(&timings.cpu).expect("the schema's INT8 and FP32 times give no ratio");
+    assert!((read - logged).abs() <= 1e-3, "the server reads {read}, the export logged {logged}");
+    if timings.cpu == cpu_identity() {
+        eprintln!("{name}: INT8 {read:.2}x FP32's samples/s as timed at export on this CPU");
+    }
+}
+
 /// INT8 is never served as another form: `--dense-form torchscript`, a
 /// split model without the package (naming the field and the command that
 /// makes it) and a single-file model are refused. On a CPU without INT8
@@ -128,7 +157,7 @@ fn int8_without_its_package_or_form_is_refused_naming_what_is_missing() {
         .map(|e| error_chain(&e))
         .expect("int8 loaded a single-file model");
     assert!(single.contains("single-file") && single.contains("--split --int8"), "{single}");
-    if cpu_has_int8() {
+    if !cpu_int8_instructions().is_empty() {
         assert!(
             no_package.contains("schema.json")
                 && no_package.contains("dense_package_int8")

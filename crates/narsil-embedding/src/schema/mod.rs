@@ -12,7 +12,7 @@ mod tables;
 
 use std::path::{Path, PathBuf};
 
-pub use dense_timings::{DenseFormTimings, FormTimes};
+pub use dense_timings::{DenseFormTimings, FormTimes, PackageTimes};
 pub use ids::{IdMapSpec, TableIds};
 pub use narsil_core::ids::Modulo;
 use serde::Deserialize;

@@ -22,6 +22,8 @@
 //! the package, a CPU without the instructions it was compiled for (VNNI or
 //! AMX-INT8; AVX2 where it was quantized there), `--dense-form torchscript`
 //! or a device other than the CPU is refused, naming what is missing.
+//! Where its export timed it against FP32 on this kind of CPU, the load
+//! says how they compared, and warns where INT8 was the slower.
 //!
 //! On CUDA (`--device cuda[:N]`) the TorchScript network is loaded onto the
 //! device (bf16: floating-point parameters only are cast, as on the CPU).
@@ -164,7 +166,22 @@ impl DenseNetwork {
         let package = AotiPackage::load(&path, runners, &flags).map_err(|e| {
             BackendError::load(&path, "not an INT8 AOTInductor package this CPU can run").caused_by(e)
         })?;
-        tracing::info!(file = %path.display(), "dense network: INT8 AOTInductor package");
+        let timings = split.dense_form_timings.as_ref();
+        match timings.and_then(|timings| timings.int8_vs_fp32(&cpu_identity())) {
+            Some(ratio) if ratio < 1.0 => tracing::warn!(
+                file = %path.display(),
+                cpu = timings.map_or("?", |timings| timings.cpu.as_str()),
+                "dense network: INT8 AOTInductor package, which its export timed at {ratio:.2}x FP32's \
+                 samples/s on this kind of CPU (the schema's dense_form_timings): --dense-precision fp32 \
+                 serves more here"
+            ),
+            Some(ratio) => tracing::info!(
+                file = %path.display(),
+                "dense network: INT8 AOTInductor package ({ratio:.2}x FP32's samples/s as its export timed it \
+                 on this kind of CPU)"
+            ),
+            None => tracing::info!(file = %path.display(), "dense network: INT8 AOTInductor package"),
+        }
         Ok(Self::Package(package))
     }
 
@@ -334,7 +351,7 @@ mod tests {
     use super::*;
 
     fn timings(cpu: &str, fp32: Option<FormTimes>) -> DenseFormTimings {
-        DenseFormTimings { cpu: cpu.into(), rows: vec![100, 1600], fp32, bf16: None }
+        DenseFormTimings { cpu: cpu.into(), rows: vec![100, 1600], fp32, bf16: None, int8: None }
     }
 
     #[test]
