@@ -53,15 +53,13 @@ forward. Arithmetic in the weights' dtype (norms in FP32, as GR's); scores
 FP32.
 """
 
-import math
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from din_model import longest_unit
-from hstu_model import by_head
+from gr_attention import GrAttention
+from gr_layers import Mlp, Stu, layer_norm32
 
 # The time-bucket clamp of each GR path (module docstring).
 CLAMPS = ("pytorch", "triton")
@@ -73,99 +71,6 @@ TIME_BUCKET_SECONDS = 60.0
 # Under TorchScript, a batch's units run in groups of at most this many
 # positions and rows (`GrDenseNetwork.forward`).
 GROUP_TOKENS = 2048
-
-
-def layer_norm32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm computed in FP32 and returned in `x`'s dtype (GR's)."""
-    return F.layer_norm(x.float(), [x.size(-1)], weight.float(), bias.float(), eps).to(x.dtype)
-
-
-class Mlp(nn.Module):
-    """GR's `Linear, SwishLayerNorm, Linear[, LayerNorm]` (its content,
-    action, item and prediction MLPs; eps 1e-5)."""
-
-    final_norm: bool
-
-    def __init__(self, inputs: int, hidden: int, outputs: int, final_norm: bool) -> None:
-        super().__init__()
-        self.first = nn.Linear(inputs, hidden)
-        self.swish_weight = nn.Parameter(torch.ones(hidden))
-        self.swish_bias = nn.Parameter(torch.zeros(hidden))
-        self.second = nn.Linear(hidden, outputs)
-        self.norm_weight = nn.Parameter(torch.ones(outputs))
-        self.norm_bias = nn.Parameter(torch.zeros(outputs))
-        self.final_norm = final_norm
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.first(x)
-        h32 = h.float()
-        h = (h32 * torch.sigmoid(F.layer_norm(h32, [h.size(-1)], self.swish_weight.float(),
-                                              self.swish_bias.float(), 1e-5))).to(h.dtype)
-        h = self.second(h)
-        if self.final_norm:
-            h = layer_norm32(h, self.norm_weight, self.norm_bias, 1e-5)
-        return h
-
-    def load(self, state: Dict[str, torch.Tensor], prefix: str) -> None:
-        """From GR's `nn.Sequential` weights under `prefix` (`0`, `1`, `2`
-        and, with a final norm, `3`)."""
-        with torch.no_grad():
-            self.first.weight.copy_(state[prefix + "0.weight"])
-            self.first.bias.copy_(state[prefix + "0.bias"])
-            self.swish_weight.copy_(state[prefix + "1.weight"])
-            self.swish_bias.copy_(state[prefix + "1.bias"])
-            self.second.weight.copy_(state[prefix + "2.weight"])
-            self.second.bias.copy_(state[prefix + "2.bias"])
-            if self.final_norm:
-                self.norm_weight.copy_(state[prefix + "3.weight"])
-                self.norm_bias.copy_(state[prefix + "3.bias"])
-
-
-class Stu(nn.Module):
-    """One STU layer's weights (GR's `STULayer`, no group norm)."""
-
-    heads: int
-    hidden: int
-    qk: int
-    alpha: float
-
-    def __init__(self, dim: int, heads: int, hidden: int, qk: int) -> None:
-        super().__init__()
-        self.heads, self.hidden, self.qk = heads, hidden, qk
-        self.alpha = 1.0 / math.sqrt(qk)
-        self.uvqk_weight = nn.Parameter(torch.zeros(dim, (2 * hidden + 2 * qk) * heads))
-        self.uvqk_beta = nn.Parameter(torch.zeros((2 * hidden + 2 * qk) * heads))
-        self.input_norm_weight = nn.Parameter(torch.ones(dim))
-        self.input_norm_bias = nn.Parameter(torch.zeros(dim))
-        self.output_weight = nn.Parameter(torch.zeros(3 * hidden * heads, dim))
-        self.output_norm_weight = nn.Parameter(torch.ones(hidden * heads))
-        self.output_norm_bias = nn.Parameter(torch.zeros(hidden * heads))
-
-    def project(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`u` `[T, H * hidden]` (silu), `v` `[T, H, hidden]`, `q`, `k`
-        `[T, H, qk]` of tokens `x` `[T, D]`."""
-        normed = layer_norm32(x, self.input_norm_weight, self.input_norm_bias, 1e-6)
-        uvqk = torch.addmm(self.uvqk_beta, normed, self.uvqk_weight)
-        h, hd, qk = self.heads, self.hidden, self.qk
-        u, v, q, k = uvqk.split([h * hd, h * hd, h * qk, h * qk], dim=1)
-        return F.silu(u), v.unflatten(1, (h, hd)), q.unflatten(1, (h, qk)), k.unflatten(1, (h, qk))
-
-    def finish(self, x: torch.Tensor, attended: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """`x + [u, attn, u * LN(attn)] @ W_o` (the concatenation in FP32,
-        as GR's)."""
-        a32, u32 = attended.float(), u.float()
-        y = u32 * F.layer_norm(a32, [a32.size(-1)], self.output_norm_weight.float(),
-                               self.output_norm_bias.float(), 1e-6)
-        return torch.addmm(x, torch.cat([u32, a32, y], dim=1).to(x.dtype), self.output_weight)
-
-    def load(self, state: Dict[str, torch.Tensor], prefix: str) -> None:
-        with torch.no_grad():
-            for mine, theirs in (("uvqk_weight", "_uvqk_weight"), ("uvqk_beta", "_uvqk_beta"),
-                                 ("input_norm_weight", "_input_norm_weight"),
-                                 ("input_norm_bias", "_input_norm_bias"), ("output_weight", "_output_weight"),
-                                 ("output_norm_weight", "_output_norm_weight"),
-                                 ("output_norm_bias", "_output_norm_bias")):
-                getattr(self, mine).copy_(state[prefix + theirs])
 
 
 class GrLayout:
@@ -225,7 +130,7 @@ def columns(starts: List[int], width: int) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + width) for s in starts])
 
 
-class GrDenseNetwork(nn.Module):
+class GrDenseNetwork(GrAttention):
     """GR's `DlrmHSTU` forward after its lookups, Narsil's split form
     (module docstring):
 
@@ -470,167 +375,6 @@ class GrDenseNetwork(nn.Module):
         item = self.item(pooled.index_select(1, self.item_columns))
         logits = self.prediction(user * item).float().transpose(0, 1)  # [tasks, R]
         return torch.where(self.binary.unsqueeze(1), torch.sigmoid(logits), logits)
-
-    def attend(self, x: torch.Tensor, candidates: torch.Tensor, sizes: torch.Tensor, starts: torch.Tensor,
-               position_unit: torch.Tensor, place: torch.Tensor, scale: torch.Tensor, row_unit: torch.Tensor,
-               per_unit: torch.Tensor, sorted_rows: torch.Tensor, sorted_units: torch.Tensor, first_row: torch.Tensor,
-               units: int, positions: int, rows: int) -> torch.Tensor:
-        """The STU layers: each unit's tokens `x` (its contexts, then its
-        history) once, in blocks; each candidate against its unit's key
-        blocks and itself. Returns the candidates' last states."""
-        c, b = self.contexts, self.block
-        dtype, device = x.dtype, x.device
-        # Blocks, unit after unit, `blocks_of[u]` each (at least one); slot
-        # `s` of block `k` is its unit's token `index[k] * b + s`.
-        blocks_of = ((sizes + b - 1) // b).clamp(min=1)
-        block_steps = torch.arange(longest_unit(blocks_of), device=device).unsqueeze(0)
-        found = (block_steps < blocks_of.unsqueeze(1)).nonzero()
-        block_unit, block_index = found[:, 0], found[:, 1]
-        blocks = block_unit.size(0)
-        step = torch.arange(b, device=device)
-        slot = block_index.unsqueeze(1) * b + step.unsqueeze(0)  # [K, b]
-        valid = slot < sizes.index_select(0, block_unit).unsqueeze(1)
-        real = units * c + positions  # the appended zero row
-        token = torch.where(slot < c, block_unit.unsqueeze(1) * c + slot,
-                            units * c + starts.index_select(0, block_unit).unsqueeze(1) + slot - c)
-        token = torch.where(valid, token, torch.full_like(token, real))
-        # Pairs: query block, and a key block of its unit at or before it.
-        pairs = (block_steps <= block_index.unsqueeze(1)).nonzero()
-        pair_query = pairs[:, 0]
-        pair_key = pair_query - block_index.index_select(0, pair_query) + pairs[:, 1]
-        before = (block_index.index_select(0, pair_query) - pairs[:, 1]).view(-1, 1, 1) * b \
-            + step.view(1, b, 1) - step.view(1, 1, b)
-        pair_mask = (valid.index_select(0, pair_query).unsqueeze(2) & valid.index_select(0, pair_key).unsqueeze(1)
-                     & (before >= 0)).unsqueeze(1).to(dtype)
-        pair_mask = pair_mask / scale.index_select(0, block_unit.index_select(0, pair_query)).view(-1, 1, 1, 1)
-        # Each real token's place among the blocks.
-        first_block = torch.cumsum(blocks_of, 0) - blocks_of
-        token_place_in_unit = torch.cat([torch.arange(c, device=device).repeat(units), c + place])
-        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
-        token_place = (first_block.index_select(0, token_unit) + token_place_in_unit // b) * b \
-            + token_place_in_unit % b
-        # Candidates in blocks of `cb` rows (fewer than a key block's: a unit's candidates pad only its last
-        # candidate block), unit after unit (rows ranked within their unit), each candidate block paired
-        # with every key block of its unit.
-        cb = self.candidate_block
-        rank = torch.zeros_like(row_unit).index_copy(
-            0, sorted_rows, torch.arange(rows, device=device) - first_row.index_select(0, sorted_units))
-        candidate_blocks_of = (per_unit + cb - 1) // cb
-        candidate_found = (torch.arange(longest_unit(candidate_blocks_of), device=device).unsqueeze(0)
-                           < candidate_blocks_of.unsqueeze(1)).nonzero()
-        candidate_block_unit = candidate_found[:, 0]
-        candidate_blocks = candidate_block_unit.size(0)
-        first_candidate_block = torch.cumsum(candidate_blocks_of, 0) - candidate_blocks_of
-        candidate_place = (first_candidate_block.index_select(0, row_unit) + rank // cb) * cb + rank % cb  # [R]
-        cross = (block_steps < blocks_of.index_select(0, candidate_block_unit).unsqueeze(1)).nonzero()
-        cross_query = cross[:, 0]
-        cross_key = first_block.index_select(0, candidate_block_unit.index_select(0, cross_query)) + cross[:, 1]
-        cross_mask = (valid.to(dtype) / scale.index_select(0, block_unit).unsqueeze(1)).index_select(
-            0, cross_key).view(-1, 1, 1, b)
-        row_scale = scale.index_select(0, row_unit).unsqueeze(1)  # [R, 1]
-        for layer in self.layers:
-            heads, hidden, qk, alpha = layer.heads, layer.hidden, layer.qk, layer.alpha
-            # The units' contexts and histories, block pair by block pair.
-            u, v, q, k = layer.project(x)
-            qb = torch.cat([q, torch.zeros(1, heads, qk, dtype=dtype, device=device)])[token]  # [K, b, H, qk]
-            kb = torch.cat([k, torch.zeros(1, heads, qk, dtype=dtype, device=device)])[token]
-            vb = torch.cat([v, torch.zeros(1, heads, hidden, dtype=dtype, device=device)])[token]
-            attended = self.pair_attention(qb, kb, vb, pair_query, pair_key, pair_mask, alpha, blocks)
-            attended = attended.transpose(1, 2).reshape(blocks * b, heads * hidden).index_select(0, token_place)
-            x = layer.finish(x, attended, u)
-            # The candidates, against their unit's key blocks and themselves.
-            cu, cv, cq, ck = layer.project(candidates)
-            padded = torch.zeros(candidate_blocks * cb, heads, qk, dtype=dtype, device=device).index_copy(
-                0, candidate_place, cq).view(candidate_blocks, cb, heads, qk)
-            attended = self.pair_attention(padded, kb, vb, cross_query, cross_key, cross_mask, alpha,
-                                           candidate_blocks)
-            attended = attended.transpose(1, 2).reshape(candidate_blocks * cb, heads * hidden).index_select(
-                0, candidate_place)
-            own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
-            candidates = layer.finish(candidates, attended + (own.unsqueeze(2) * cv).flatten(1), cu)
-        return candidates
-
-    def attend_units(self, x: torch.Tensor, candidates: torch.Tensor, sizes: torch.Tensor,
-                     position_unit: torch.Tensor, place: torch.Tensor, scale: torch.Tensor, per_unit: torch.Tensor,
-                     sorted_rows: torch.Tensor, sorted_units: torch.Tensor, first_row: torch.Tensor,
-                     units: int) -> torch.Tensor:
-        """`attend` as TorchScript runs it: unit by unit, on the unit's own
-        tokens where they lie, nothing gathered or padded. The tokens are
-        laid out unit after unit (its contexts, then its history) and by
-        head once a layer; each query block of `block` tokens is scored
-        against every key of its unit up to its own end in one product
-        (the causal mask applied inside its own block only), and a unit's
-        candidates, laid out unit after unit, against every key of their
-        unit in one. The same keys and `1/N` as `attend` (which the
-        exported `.pt2` runs: torch.export takes no loop over units), at
-        half the work of a unit's whole square."""
-        c, b = self.contexts, self.block
-        dtype, device = x.dtype, x.device
-        tokens, rows = x.size(0), candidates.size(0)
-        # x is every unit's contexts, then every unit's positions: its rows unit after unit.
-        unit_first = torch.cumsum(sizes, 0) - sizes
-        token_unit = torch.cat([torch.arange(units, device=device).repeat_interleave(c), position_unit])
-        token_place = torch.cat([torch.arange(c, device=device).repeat(units), c + place])
-        order = torch.zeros(tokens, dtype=torch.int64, device=device).index_copy(
-            0, unit_first.index_select(0, token_unit) + token_place, torch.arange(tokens, device=device))
-        x = x.index_select(0, order)
-        candidates = candidates.index_select(0, sorted_rows)  # unit after unit
-        firsts: List[int] = unit_first.tolist()
-        lengths: List[int] = sizes.tolist()
-        row_firsts: List[int] = first_row.tolist()
-        row_counts: List[int] = per_unit.tolist()
-        inverse = (1.0 / scale.float().clamp(min=1.0)).to(dtype)
-        inverses: List[float] = inverse.float().tolist()
-        row_scale = scale.index_select(0, sorted_units).unsqueeze(1)  # [R, 1]
-        causal = torch.ones(b, b, dtype=dtype, device=device).tril()
-        for layer in self.layers:
-            heads, hidden, alpha = layer.heads, layer.hidden, layer.alpha
-            u, v, q, k = layer.project(x)
-            qh, kh, vh = q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-            out = torch.empty(heads, tokens, hidden, dtype=dtype, device=device)
-            for unit in range(units):
-                first, end, inv = firsts[unit], firsts[unit] + lengths[unit], inverses[unit]
-                for start in range(first, end, b):
-                    stop = min(start + b, end)
-                    weights = F.silu(torch.bmm(qh[:, start:stop], kh[:, first:stop].transpose(1, 2)) * alpha) * inv
-                    weights[:, :, start - first:].mul_(causal[:stop - start, :stop - start])
-                    out[:, start:stop] = torch.bmm(weights, vh[:, first:stop])
-            x = layer.finish(x, out.transpose(0, 1).reshape(tokens, heads * hidden), u)
-            cu, cv, cq, ck = layer.project(candidates)
-            cqh = cq.transpose(0, 1).contiguous()
-            attended = torch.zeros(heads, rows, hidden, dtype=dtype, device=device)
-            for unit in range(units):
-                first, end, inv = firsts[unit], firsts[unit] + lengths[unit], inverses[unit]
-                start, stop = row_firsts[unit], row_firsts[unit] + row_counts[unit]
-                if stop > start and end > first:
-                    weights = F.silu(torch.bmm(cqh[:, start:stop], kh[:, first:end].transpose(1, 2)) * alpha) * inv
-                    attended[:, start:stop] = torch.bmm(weights, vh[:, first:end])
-            own = F.silu((cq * ck).sum(-1) * alpha) / row_scale  # [R, H]
-            candidates = layer.finish(candidates, attended.transpose(0, 1).reshape(rows, heads * hidden)
-                                      + (own.unsqueeze(2) * cv).flatten(1), cu)
-        return torch.zeros_like(candidates).index_copy(0, sorted_rows, candidates)
-
-    def pair_attention(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pair_query: torch.Tensor,
-                       pair_key: torch.Tensor, mask: torch.Tensor, alpha: float, blocks: int) -> torch.Tensor:
-        """`[blocks, H, rows, hidden]`: for each query block (of `queries`
-        `[blocks, rows, H, qk]`), the sum over its pairs of `silu(alpha q.k) *
-        mask @ v` against the key block (of `keys`, `values`) the pair
-        names; `mask` per pair (`1/N` where a key counts, 0 elsewhere).
-        Every pair at once (run by torch.export and eager PyTorch only:
-        TorchScript attends unit by unit, `attend_units`)."""
-        rows, heads, hidden = queries.size(1), values.size(2), values.size(3)
-        out = torch.zeros(blocks, heads, rows, hidden, dtype=values.dtype, device=values.device)
-        return out.index_add(0, pair_query, self.shares(queries, keys, values, pair_query, pair_key, mask, alpha))
-
-    def shares(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
-               key: torch.Tensor, mask: torch.Tensor, alpha: float) -> torch.Tensor:
-        """`[pairs, H, rows, hidden]`: each pair's `silu(alpha q.k) * mask @ v`
-        (`rows` of a query block, `b` of a key block)."""
-        b, rows, heads, hidden = self.block, queries.size(1), values.size(2), values.size(3)
-        scores = torch.bmm(by_head(queries.index_select(0, query)), by_head(keys.index_select(0, key)).transpose(1, 2))
-        weights = F.silu(scores.view(query.size(0), heads, rows, b) * alpha) * mask
-        return torch.bmm(weights.view(query.size(0) * heads, rows, b), by_head(values.index_select(0, key))).view(
-            query.size(0), heads, rows, hidden)
 
     def postprocess(self, states: torch.Tensor, query_times: torch.Tensor) -> torch.Tensor:
         """GR's output postprocessor on the candidates' last states."""
