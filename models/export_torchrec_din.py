@@ -64,7 +64,7 @@ from export_common import begin_export, int_list, logger, parser, write_json_fil
 from extract_split import extract
 
 # Raised when what is written changes: scripts/lib.sh re-exports older ones.
-EXPORT_FORMAT = 1
+EXPORT_FORMAT = 2
 
 HISTORY = ["hist_item", "hist_cat"]
 CANDIDATE = ["cand_item", "cand_cat"]
@@ -185,11 +185,12 @@ def build(args, user: List[str], keys: List[str]) -> nn.Module:
         if isinstance(layer, nn.Linear) and not isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear):
             nn.init.normal_(layer.weight, std=math.sqrt(2.0 / layer.in_features))
             nn.init.uniform_(layer.bias, -0.1, 0.1)
-    # An inference export: no parameter asks for gradients. (Left asking,
-    # the BST's frozen transformer layer fails in Narsil's lanes: "Inference
-    # tensors cannot be saved for backward", once a forward has run with
-    # gradients enabled before one in inference mode.)
-    return TeamPredictModule(model, keys).eval().requires_grad_(False)
+    # Exported as teams export a trained model: in eval mode, its parameters
+    # still asking for gradients. (Narsil runs every forward, its load-time
+    # probe included, without gradients: a BST's scripted transformer layer
+    # run once with them fails in inference mode afterwards, "Inference
+    # tensors cannot be saved for backward".)
+    return TeamPredictModule(model, keys).eval()
 
 
 def main() -> int:

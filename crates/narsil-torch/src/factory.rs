@@ -251,6 +251,11 @@ fn fbgemm_on_cuda(config: &TorchConfig) -> BackendError {
 /// start-up, rather than on a client's request.
 fn probe(model: &Arc<TorchModel>, config: &TorchConfig) -> Result<(), BackendError> {
     let batch = narsil_core::backend::warmup_batch(model.schema(), 2);
+    // Without gradients, as every lane runs (in inference mode): a graph
+    // TorchScript first profiled with them, for a model whose parameters
+    // still ask for gradients (as trained models are saved), would save
+    // tensors for backward in the lanes' forwards and fail there.
+    let _no_grad = tch::no_grad_guard();
     // The lane checks every output's score count itself (WrongScoreCount).
     TorchLane::new(Arc::clone(model), config.intra_op_threads).forward(&batch).map(drop).map_err(|e| {
         // A layer bf16 cannot reach (an op without a bf16 kernel, a dtype

@@ -139,12 +139,16 @@ impl SplitFactory {
         // A dense network that does not take this schema's shape fails now,
         // not on a client's request.
         let batch = narsil_core::backend::warmup_batch(factory.schema(), 2);
-        let probe = if factory.model.device_path {
-            // Eager: no graphs are captured for the probe.
-            DeviceLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads, false)
-                .and_then(|mut lane| lane.forward(&batch))
-        } else {
-            SplitLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads).forward(&batch)
+        let probe = {
+            // Without gradients, as the lanes run (factory.rs's `probe`).
+            let _no_grad = tch::no_grad_guard();
+            if factory.model.device_path {
+                // Eager: no graphs are captured for the probe.
+                DeviceLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads, false)
+                    .and_then(|mut lane| lane.forward(&batch))
+            } else {
+                SplitLane::new(Arc::clone(&factory.model), factory.config.intra_op_threads).forward(&batch)
+            }
         };
         probe.map_err(|e| {
             BackendError::load(
