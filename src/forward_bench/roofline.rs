@@ -166,7 +166,10 @@ pub fn forward_limit(
         ));
     }
     let Some(flops) = dense_flops_per_sample.filter(|f| *f > 0.0) else {
-        return Err("the model states no dense FLOPs per sample (exports since the roofline do)".into());
+        return Err("the model states no dense FLOPs per sample (the schema's dense_flops_per_sample: \
+             export_dlrm.py, export_torchrec.py and extract_split.py write it for models of pooled features; a \
+             sequence model's FLOPs grow with its histories, so none is stated for it)"
+            .into());
     };
     let Some(gops) = core_peak_gops.filter(|g| g.is_finite() && *g > 0.0) else {
         return Err(format!(
