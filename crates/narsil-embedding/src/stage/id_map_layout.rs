@@ -6,7 +6,9 @@
 //! once while it is laid out). The laid-out table replaces the table's
 //! store and its map in the stage, and
 //! is shared with any live version whose table, map and default row are
-//! the same (a reload that keeps them holds them once).
+//! the same (a reload that keeps them holds them once, once loaded: the
+//! new version's store has read the table's file by then, and drops it
+//! here).
 //!
 //! `NARSIL_ID_MAP_LAYOUT=off` keeps every map a hash table (to measure what
 //! the layout brings, or to hold a version's tables shared with another).
