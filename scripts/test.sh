@@ -48,5 +48,5 @@ cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" 
 step "flushing the build's writes to disk"
 sync
 step "cargo test (workspace, all targets, --features torch)"
-cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked
+cargo test --workspace --all-targets --features torch -j "${NARSIL_BUILD_JOBS}" --locked --no-fail-fast
 step "all tests passed"
