@@ -156,6 +156,39 @@ async fn a_model_that_is_not_served_is_not_found_as_triton_answers() {
     server.stop().await.unwrap();
 }
 
+/// A version of a served model that is not served (still loading, failed,
+/// retired or never published): ModelReady answers not ready, so a
+/// readiness poll waits on it instead of failing, and ModelInfer and
+/// ModelMetadata answer NOT_FOUND naming the version, as Triton answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_that_is_not_served_is_not_ready_and_not_found_as_triton_answers() {
+    let server = common::start(common::batch_mode(1, 4), 0).await.ready().await;
+    let mut kserve = GrpcInferenceServiceClient::new(server.channel().await);
+    for (version, want) in [("", true), ("99", false)] {
+        let ready = kserve
+            .model_ready(narsil::kserve_proto::ModelReadyRequest {
+                name: String::new(),
+                version: version.into(),
+            })
+            .await
+            .unwrap_or_else(|status| panic!("ModelReady of version {version:?}: {status:?}"))
+            .into_inner()
+            .ready;
+        assert_eq!(ready, want, "ModelReady of version {version:?}");
+    }
+    let mut request = encode(&common::request(1, 2), 13, 26);
+    request.model_version = "99".into();
+    let status = kserve.model_infer(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    assert!(status.message().contains("model_version") && status.message().contains("\"99\""), "{status:?}");
+    let status = kserve
+        .model_metadata(ModelMetadataRequest { name: String::new(), version: "99".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::NotFound, "{status:?}");
+    server.stop().await.unwrap();
+}
+
 /// The ranking workload's server: its request-level features declared.
 fn ranking_config() -> EngineConfig {
     EngineConfig { request_level: Some(request_level()), max_batch_rows: 128, ..batch_mode(1, 16) }

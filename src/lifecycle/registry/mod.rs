@@ -27,6 +27,10 @@ use metrics::{labels, RegistryMetrics};
 pub use versions::{LiveVersion, ModelStatus, OperatorMarks, VersionState, VersionStatus};
 use versions::{ModelSlot, VersionSlot};
 
+/// The field a request names a version in, as [`ModelRegistry::find`]
+/// refuses a version that is not served.
+pub const VERSION_FIELD: InputField = InputField::Wire("model_version");
+
 /// Every model the server serves.
 pub struct ModelRegistry {
     models: RwLock<BTreeMap<String, ModelSlot>>,
@@ -91,7 +95,7 @@ impl ModelRegistry {
             "" => ready.next().ok_or(EngineError::NoServingVersion(name.into()))?,
             wanted => ready.find(|live| live.engine.schema().version == wanted).ok_or_else(|| {
                 let message = format!("version {wanted:?} of model {name:?} is not served");
-                InvalidInput::new(InputField::Wire("model_version"), message)
+                InvalidInput::new(VERSION_FIELD, message)
             })?,
         };
         Ok(Arc::clone(found))

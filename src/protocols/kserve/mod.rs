@@ -44,7 +44,7 @@ use super::{deadline, status, ServedProtocol};
 use crate::kserve_proto as pb;
 use crate::kserve_proto::grpc_inference_service_server::GrpcInferenceService;
 use crate::kserve_proto::model_metadata_response::TensorMetadata;
-use crate::lifecycle::registry::VersionState;
+use crate::lifecycle::registry::{VersionState, VERSION_FIELD};
 use crate::lifecycle::ModelRegistry;
 use crate::wire::kserve::{
     DENSE, IDS, LENGTHS, REQUEST_DENSE, REQUEST_IDS, REQUEST_LENGTHS, REQUEST_WEIGHTS, WEIGHTS,
@@ -99,14 +99,21 @@ impl KServeService {
 }
 
 /// KServe's status for an engine error: fields by the protocol's names, and
-/// NOT_FOUND for a model that is not served (as Triton answers).
+/// NOT_FOUND for a model, or a version of it, that is not served (as Triton
+/// answers).
 fn to_status(error: narsil_engine::EngineError) -> Status {
     match &error {
-        narsil_engine::EngineError::Invalid(invalid) if invalid.field == InputField::Model => {
-            Status::not_found(format!("{}: {}", field_name(InputField::Model), invalid.message))
+        narsil_engine::EngineError::Invalid(invalid) if not_served(invalid) => {
+            Status::not_found(format!("{}: {}", field_name(invalid.field), invalid.message))
         }
         _ => status::to_status(error, field_name),
     }
+}
+
+/// Whether `invalid` names a model, or a version of one, that is not
+/// served ([`ModelRegistry::find`]).
+fn not_served(invalid: &InvalidInput) -> bool {
+    invalid.field == InputField::Model || invalid.field == VERSION_FIELD
 }
 
 #[tonic::async_trait]
@@ -130,9 +137,13 @@ impl GrpcInferenceService for KServeService {
         request: Request<pb::ModelReadyRequest>,
     ) -> Result<Response<pb::ModelReadyResponse>, Status> {
         let request = request.into_inner();
+        // A version not served (still loading, failed, retired or never
+        // published) is not ready, as a model with no serving version is:
+        // a readiness poll waits on it rather than failing.
         let ready = match self.models().find(&request.name, &request.version) {
             Ok(live) => live.engine.is_ready(),
             Err(narsil_engine::EngineError::NoServingVersion(_)) => false,
+            Err(narsil_engine::EngineError::Invalid(invalid)) if invalid.field == VERSION_FIELD => false,
             Err(error) => return Err(to_status(error)),
         };
         Ok(Response::new(pb::ModelReadyResponse { ready }))

@@ -63,13 +63,17 @@ impl EmbeddingStage {
                     }
                 }
                 Err((failed, error)) => {
-                    // The batch's fetch of every table of the group failed.
-                    for (p, &t) in tables.iter().enumerate() {
-                        if p != failed && !error.abandoned {
+                    // A part's failure is its table's store error; a call
+                    // that failed as a whole is every table's. The batch
+                    // fails either way, naming the failed table (or the
+                    // group's first).
+                    if failed.is_none() && !error.abandoned {
+                        for &t in &tables[1..] {
                             self.tables[t].counters.store_errors.inc();
                         }
                     }
-                    self.count_fetch(tables[failed.min(tables.len() - 1)], 0, Err(error))?;
+                    let t = tables[failed.unwrap_or(0).min(tables.len() - 1)];
+                    self.count_fetch(t, 0, Err(error))?;
                 }
             }
         }
@@ -128,12 +132,13 @@ mod tests {
     use crate::stores::row_store::{FetchError, FetchPart, Fetched, RowStore};
 
     /// Rows fetched by a store of its own that batches: every table of a
-    /// batch in one call, which it counts; or, once told to, a fetch given
-    /// up at the deadline.
+    /// batch in one call, which it counts; or, once told to, that call's
+    /// failure (a part's, or the whole call's) or a fetch given up at the
+    /// deadline.
     struct Batching {
         rows: Table,
         calls: Arc<std::sync::atomic::AtomicUsize>,
-        abandon: bool,
+        fail: Option<(Option<usize>, FetchError)>,
     }
 
     impl RowStore for Batching {
@@ -168,11 +173,11 @@ mod tests {
             &self,
             parts: &mut [FetchPart<'_>],
             deadline: Option<Instant>,
-        ) -> Result<Vec<Fetched>, (usize, FetchError)> {
+        ) -> Result<Vec<Fetched>, (Option<usize>, FetchError)> {
             self.calls.fetch_add(1, Ordering::Relaxed);
-            if self.abandon {
-                assert!(deadline.is_some());
-                return Err((1, FetchError::abandoned("every caller's deadline passed")));
+            if let Some(fail) = &self.fail {
+                assert!(deadline.is_some() || !fail.1.abandoned);
+                return Err(fail.clone());
             }
             let mut fetched = Vec::new();
             for part in parts.iter_mut() {
@@ -194,7 +199,7 @@ mod tests {
             .iter()
             .enumerate()
             .map(|(i, t)| {
-                Arc::new(Batching { rows: rows(t, 3 + i as u8), calls: calls.clone(), abandon: false }) as _
+                Arc::new(Batching { rows: rows(t, 3 + i as u8), calls: calls.clone(), fail: None }) as _
             })
             .collect();
         let batch = batch();
@@ -214,7 +219,10 @@ mod tests {
         let stores: Vec<Arc<dyn RowStore>> = schema
             .tables
             .iter()
-            .map(|t| Arc::new(Batching { rows: rows(t, 1), calls: calls.clone(), abandon: true }) as _)
+            .map(|t| {
+                let fail = Some((Some(1), FetchError::abandoned("every caller's deadline passed")));
+                Arc::new(Batching { rows: rows(t, 1), calls: calls.clone(), fail }) as _
+            })
             .collect();
         let stage = EmbeddingStage::new(&schema, stores);
         let mut batch = batch();
@@ -226,5 +234,34 @@ mod tests {
         }
         let backend = narsil_core::BackendError::from(error);
         assert!(matches!(backend, narsil_core::BackendError::Abandoned { .. }), "{backend}");
+    }
+
+    #[test]
+    fn a_failed_part_counts_a_store_error_on_its_own_table_and_a_failed_call_on_every_table() {
+        let schema = schema();
+        let names: Vec<&str> = schema.tables.iter().map(|t| t.name.as_str()).collect();
+        // Each case: the failure, the table the batch's error names, each table's store errors.
+        let cases = [
+            ((Some(1), FetchError::failed("reading tables/own.bin: EIO")), names[1], [0, 1]),
+            ((None, FetchError::failed("the cluster's connection was reset")), names[0], [1, 1]),
+        ];
+        for (fail, named, errors) in cases {
+            let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let stores: Vec<Arc<dyn RowStore>> = schema
+                .tables
+                .iter()
+                .map(|t| {
+                    Arc::new(Batching { rows: rows(t, 1), calls: calls.clone(), fail: Some(fail.clone()) })
+                        as _
+                })
+                .collect();
+            let stage = EmbeddingStage::new(&schema, stores);
+            let error = stage.pool(&batch(), &mut StageScratch::default(), &mut Vec::new()).unwrap_err();
+            let StageError::Fetch { table, .. } = &error else { panic!("{error}") };
+            assert_eq!(table, named, "{fail:?}");
+            for (name, want) in names.iter().zip(errors) {
+                assert_eq!(stage.metrics().table(name).store_errors.get(), want, "{name} after {fail:?}");
+            }
+        }
     }
 }

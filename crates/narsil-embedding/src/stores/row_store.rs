@@ -186,12 +186,14 @@ pub trait BatchFetch: Send + Sync {
 
     /// Copies each part's rows into its `out`, giving up at `deadline` (the
     /// latest of the batch's callers'). Returns what each part fetched, in
-    /// order, or the index of the part that failed and why.
+    /// order, or why it failed: with the index of the part that failed
+    /// (its table's failure: a file cut short, a read's EIO), or none where
+    /// the call failed for every part at once (one pipeline to a cluster).
     fn fetch_parts(
         &self,
         parts: &mut [FetchPart<'_>],
         deadline: Option<Instant>,
-    ) -> Result<Vec<Fetched>, (usize, FetchError)>;
+    ) -> Result<Vec<Fetched>, (Option<usize>, FetchError)>;
 }
 
 #[cfg(test)]

@@ -195,9 +195,8 @@ impl BatchFetch for RedisRows {
         &self,
         parts: &mut [FetchPart<'_>],
         deadline: Option<Instant>,
-    ) -> Result<Vec<Fetched>, (usize, FetchError)> {
-        // One call for every table: a failure is the batch's, reported on
-        // its first part.
-        fetch_tables(parts, deadline).map_err(|error| (0, error))
+    ) -> Result<Vec<Fetched>, (Option<usize>, FetchError)> {
+        // One call for every table: a failure is every table's.
+        fetch_tables(parts, deadline).map_err(|error| (None, error))
     }
 }

@@ -115,7 +115,8 @@ impl BatchFetch for DiskRows {
         &self,
         parts: &mut [FetchPart<'_>],
         deadline: Option<Instant>,
-    ) -> Result<Vec<Fetched>, (usize, FetchError)> {
-        fetch_tables(parts, deadline)
+    ) -> Result<Vec<Fetched>, (Option<usize>, FetchError)> {
+        // A read names the table it was of.
+        fetch_tables(parts, deadline).map_err(|(part, error)| (Some(part), error))
     }
 }
