@@ -136,6 +136,32 @@ async fn multitask_weighted_model_serves_every_output_in_batch_and_worker_modes(
     golden_over_both_protocols("test-torchrec-multitask", worker_mode(2)).await;
 }
 
+/// `narsil load --protocol torchrec --weighted-features 4` drives the
+/// two-task model, whose last four features are weighted: every request is
+/// answered. Without the flag every one is refused (its weighted features
+/// arrive without weights, as unweighted ones).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn narsil_load_drives_a_weighted_model_over_torchrecs_protocol() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        load: narsil::load::LoadArgs,
+    }
+    let server = serve("test-torchrec-multitask", batch_mode(1, 16)).await;
+    let run = |weighted: &str| {
+        let flags = ["--protocol", "torchrec", "--num-sparse", "30", "--weighted-features", weighted];
+        let rest =
+            ["--table-rows", "1000", "--requests", "40", "--warmup", "0", "--samples-per-request", "4"];
+        let argv = [&["load", "--addr", server.url.as_str()][..], &flags, &rest].concat();
+        <Cli as clap::Parser>::parse_from(argv).load
+    };
+    let report = narsil::load::drive(&run("4")).await.unwrap();
+    assert_eq!((report.requests, report.ok), (40, 40), "{:?}", report.by_code);
+    let unweighted = narsil::load::drive(&run("0")).await.unwrap();
+    assert_eq!((unweighted.requests, unweighted.ok), (40, 0), "{:?}", unweighted.by_code);
+    server.stop().await.unwrap();
+}
+
 /// The split forms, written before packaging and extracted after: shared,
 /// mean-pooled and weighted features and two outputs through the embedding
 /// stage, against the single-file model's golden scores.

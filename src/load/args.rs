@@ -149,6 +149,11 @@ pub struct LoadArgs {
     /// `--protocol torchrec`: sparse features per sample.
     #[arg(long, default_value_t = 26)]
     pub num_sparse: u32,
+    /// `--protocol torchrec`: how many of the sparse features, the last
+    /// ones, are weighted (sent in `id_score_list_features` with a weight
+    /// per id, as TorchRec's signature takes them).
+    #[arg(long, default_value_t = 0)]
+    pub weighted_features: u32,
     /// `--protocol torchrec` and `kserve`: rows of every table (ids are
     /// drawn below it).
     #[arg(long, default_value_t = 100_000)]

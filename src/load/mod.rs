@@ -105,7 +105,25 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
             shaped_info(&metadata.name, &metadata.platform, dense as u32, sparse as u32, args.table_rows)
         }
         Client::TorchRec(_) => {
-            shaped_info("torchrec", "torchrec-protocol", args.num_dense, args.num_sparse, args.table_rows)
+            anyhow::ensure!(
+                args.weighted_features <= args.num_sparse,
+                "--weighted-features {} is more than --num-sparse {}",
+                args.weighted_features,
+                args.num_sparse
+            );
+            let mut info = shaped_info(
+                "torchrec",
+                "torchrec-protocol",
+                args.num_dense,
+                args.num_sparse,
+                args.table_rows,
+            );
+            let unweighted = (args.num_sparse - args.weighted_features) as usize;
+            for (i, feature) in info.sparse_features.iter_mut().enumerate().skip(unweighted) {
+                feature.name = format!("wcat_{}", i - unweighted);
+                feature.weighted = true;
+            }
+            info
         }
     };
     let form = ranking::form(args, &info)?;
@@ -115,12 +133,17 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
     }
     let pool: Vec<Message> = match args.protocol {
         Protocol::Narsil => requests.into_iter().map(|r| Message::Narsil(Box::new(r))).collect(),
-        Protocol::Torchrec => requests
-            .iter()
-            .map(|r| {
-                Message::TorchRec(Box::new(crate::wire::torchrec::encode(r, info.sparse_features.len())))
-            })
-            .collect(),
+        Protocol::Torchrec => {
+            let num_sparse = info.sparse_features.len();
+            let unweighted = info.sparse_features.iter().filter(|f| !f.weighted).count();
+            requests
+                .iter()
+                .map(|r| {
+                    let encoded = crate::wire::torchrec::encode_weighted(r, unweighted, num_sparse);
+                    Message::TorchRec(Box::new(encoded))
+                })
+                .collect()
+        }
         Protocol::Kserve => requests
             .iter()
             .map(|r| {
@@ -183,7 +206,8 @@ async fn flat_twin_scores(
 }
 
 /// A model of `num_sparse` unweighted features `cat_i` of `table_rows` ids,
-/// for protocols whose metadata does not give table sizes.
+/// for protocols whose metadata does not give table sizes (TorchRec's
+/// marks its `--weighted-features` last ones weighted).
 fn shaped_info(
     name: &str,
     backend: &str,
