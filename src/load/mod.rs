@@ -102,7 +102,7 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
                     .unwrap_or(0)
             };
             let (dense, sparse) = (width(crate::wire::kserve::DENSE), width(crate::wire::kserve::LENGTHS));
-            shaped_info(&metadata.name, &metadata.platform, dense as u32, sparse as u32, args.table_rows)
+            shaped_info(&metadata.name, &metadata.platform, dense as u32, sparse as u32, 0, args.table_rows)
         }
         Client::TorchRec(_) => {
             anyhow::ensure!(
@@ -111,19 +111,14 @@ pub async fn drive(args: &LoadArgs) -> anyhow::Result<Report> {
                 args.weighted_features,
                 args.num_sparse
             );
-            let mut info = shaped_info(
+            shaped_info(
                 "torchrec",
                 "torchrec-protocol",
                 args.num_dense,
                 args.num_sparse,
+                args.weighted_features,
                 args.table_rows,
-            );
-            let unweighted = (args.num_sparse - args.weighted_features) as usize;
-            for (i, feature) in info.sparse_features.iter_mut().enumerate().skip(unweighted) {
-                feature.name = format!("wcat_{}", i - unweighted);
-                feature.weighted = true;
-            }
-            info
+            )
         }
     };
     let form = ranking::form(args, &info)?;
@@ -205,25 +200,27 @@ async fn flat_twin_scores(
     Ok(scores)
 }
 
-/// A model of `num_sparse` unweighted features `cat_i` of `table_rows` ids,
-/// for protocols whose metadata does not give table sizes (TorchRec's
-/// marks its `--weighted-features` last ones weighted).
+/// A model of `num_sparse` features of `table_rows` ids, the last
+/// `weighted` of them weighted (`wcat_i`, the others `cat_i`), for
+/// protocols whose metadata does not give table sizes.
 fn shaped_info(
     name: &str,
     backend: &str,
     num_dense: u32,
     num_sparse: u32,
+    weighted: u32,
     table_rows: u64,
 ) -> ModelInfoResponse {
+    let unweighted = num_sparse.saturating_sub(weighted);
     ModelInfoResponse {
         name: name.into(),
         backend: backend.into(),
         num_dense,
         sparse_features: (0..num_sparse)
             .map(|i| SparseFeature {
-                name: format!("cat_{i}"),
+                name: if i < unweighted { format!("cat_{i}") } else { format!("wcat_{}", i - unweighted) },
                 num_rows: table_rows,
-                weighted: false,
+                weighted: i >= unweighted,
                 request_level: false,
                 raw_ids: false,
                 sequence: String::new(),

@@ -42,6 +42,14 @@ fn skip_reason() -> Option<&'static str> {
     None
 }
 
+/// Whether test `name` cannot run here ([`skip_reason`]): it says so, or
+/// fails under `NARSIL_REQUIRE_INT8=1`.
+fn skipped(name: &str) -> bool {
+    let Some(why) = skip_reason() else { return false };
+    narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
+    true
+}
+
 fn int8_config(dir: std::path::PathBuf, form: DenseForm) -> TorchConfig {
     let mut config = TorchConfig::new(dir);
     config.dense_precision = DensePrecision::Int8;
@@ -55,8 +63,7 @@ fn int8_config(dir: std::path::PathBuf, form: DenseForm) -> TorchConfig {
 #[test]
 fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
     let name = "int8_package_serves_golden_within_the_recorded_bound_alone_and_fused";
-    if let Some(why) = skip_reason() {
-        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
+    if skipped(name) {
         return;
     }
     for form in [DenseForm::Auto, DenseForm::Pt2] {
@@ -77,8 +84,7 @@ fn int8_package_serves_golden_within_the_recorded_bound_alone_and_fused() {
 #[test]
 fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
     let name = "the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers";
-    if let Some(why) = skip_reason() {
-        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
+    if skipped(name) {
         return;
     }
     let quality = int8_quality(&split_dir());
@@ -112,8 +118,7 @@ fn the_exports_int8_quality_verdict_is_met_and_agrees_with_its_numbers() {
 #[test]
 fn the_schema_carries_the_int8_timing_the_export_logged_and_reads_the_same_ratio() {
     let name = "the_schema_carries_the_int8_timing_the_export_logged_and_reads_the_same_ratio";
-    if let Some(why) = skip_reason() {
-        narsil_core::skip::skip_or_fail(REQUIRE_INT8, name, why);
+    if skipped(name) {
         return;
     }
     let quality = int8_quality(&split_dir());
